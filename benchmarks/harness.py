@@ -1,0 +1,160 @@
+"""Shared benchmark plumbing: median GPU time, peak memory, device ceilings, JSON, tables and plots.
+
+Every bench_<op>.py builds a list of (provider name -> callable) per shape and hands it to ``run_case``.
+Results go to ``<out>/<name>.json`` and ``<out>/<name>.png``; a markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+MiB = 1 << 20
+
+
+@dataclass
+class Result:
+    case: str
+    provider: str
+    ms: float | None
+    peak_mib: float | None
+    extra: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for JSON and plots")
+    ap.add_argument("--quick", action="store_true", help="only the headline shapes")
+    ap.add_argument("--providers", default="", help="comma-separated subset of providers")
+    return ap.parse_args()
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median wall time of ``fn`` on the GPU, in ms (triton's do_bench: events, L2 flushed between reps)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def peak_extra_mib(fn: Callable[[], object]) -> float:
+    """Peak memory allocated while ``fn`` runs, above what was allocated before it, in MiB."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / MiB
+
+
+def run_case(case: str, providers: dict[str, Callable[[], object]], extra: dict | None = None) -> list[Result]:
+    """Time and measure every provider on one case; a provider that fails (OOM, missing package) is recorded."""
+    results = []
+    for name, fn in providers.items():
+        try:
+            peak = peak_extra_mib(fn)
+            ms = median_ms(fn)
+            results.append(Result(case, name, ms, peak, dict(extra or {})))
+        except Exception as e:  # noqa: BLE001 - a failing peer must not stop the run
+            results.append(Result(case, name, None, None, dict(extra or {}), error=f"{type(e).__name__}: {e}"[:300]))
+        gc.collect()
+        torch.cuda.empty_cache()
+    return results
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written per second), in GB/s."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """Measured bf16 n×n×n matmul rate on random data, in TFLOP/s."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def environment() -> dict:
+    env = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    for pkg in ("liger_kernel", "cut_cross_entropy", "transformers"):
+        try:
+            from importlib.metadata import version
+
+            env[pkg] = version(pkg.replace("_", "-"))
+        except Exception:  # noqa: BLE001
+            env[pkg] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def save(name: str, out: str, results: list[Result], meta: dict | None = None) -> None:
+    os.makedirs(out, exist_ok=True)
+    payload = {"env": environment(), "meta": meta or {}, "results": [asdict(r) for r in results]}
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    _plot(name, out, results)
+
+
+def _plot(name: str, out: str, results: list[Result]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    cases = list(dict.fromkeys(r.case for r in results))
+    providers = list(dict.fromkeys(r.provider for r in results))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(cases)) * 2, 5))
+    width = 0.8 / max(1, len(providers))
+    for metric, ax, label in (("ms", axes[0], "time (ms, lower is better)"), ("peak_mib", axes[1], "peak extra memory (MiB)")):
+        for i, p in enumerate(providers):
+            vals = [next((getattr(r, metric) or 0 for r in results if r.case == c and r.provider == p), 0) for c in cases]
+            ax.bar([x + i * width for x in range(len(cases))], vals, width, label=p)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))], cases, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(name)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"{name}.png"), dpi=110)
+    plt.close(fig)
+
+
+def table(results: list[Result], floor_ms: dict[str, float] | None = None) -> str:
+    """Markdown table: one row per case, one column per provider (ms / peak MiB), plus the floor if given."""
+    cases = list(dict.fromkeys(r.case for r in results))
+    providers = list(dict.fromkeys(r.provider for r in results))
+    head = "| case | " + " | ".join(providers) + (" | floor ms |" if floor_ms else " |")
+    lines = [head, "|" + "---|" * (len(providers) + 1 + bool(floor_ms))]
+    for c in cases:
+        cells = []
+        for p in providers:
+            r = next((r for r in results if r.case == c and r.provider == p), None)
+            if r is None or r.ms is None:
+                cells.append("fail" if r is not None else "—")
+            else:
+                cells.append(f"{r.ms:.3f} ms / {r.peak_mib:.0f} MiB")
+        tail = f" | {floor_ms[c]:.3f} |" if floor_ms and c in floor_ms else (" | — |" if floor_ms else " |")
+        lines.append(f"| {c} | " + " | ".join(cells) + tail)
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""Where a kernel runs: Triton on CUDA tensors, the PyTorch reference on CPU tensors.
+
+Under ``TRITON_INTERPRET=1`` Triton's interpreter executes the real kernels on CPU tensors; that is how CI
+tests every kernel without a GPU. A CUDA tensor never silently falls back to the reference path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors go through the Triton kernels rather than the PyTorch reference.
+
+    All tensors must live on one device; mixing is a caller bug that would otherwise surface as an
+    illegal memory access inside a kernel.
+    """
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"tensors on different devices: {sorted(str(d) for d in devices)}")
+    device = next(iter(devices))
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and interpreting()
+
+
+def row_view(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` as (rows, last_dim) with a unit last-dim stride, copying only when it must.
+
+    Kernels take a row stride, so any layout whose last dim is contiguous and whose leading dims collapse
+    into one stride is used in place (this covers slices of a fused projection output). A layout that does
+    not collapse (e.g. a transposed view) costs one copy; callers must not rely on writes through it.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])

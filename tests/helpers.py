@@ -1,0 +1,43 @@
+"""Shared checks for kernel tests: poisoned outputs and the per-dtype tolerance protocol of KERNELS.md §3."""
+
+from __future__ import annotations
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN (or the dtype's max for integers) so an element the kernel forgets to write fails."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖₂ / ‖ref‖₂ in float64 (NaN in ``out`` gives NaN, which fails every comparison)."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    denom = ref64.norm().item()
+    return (out64 - ref64).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tensor | None = None, name: str = "out"):
+    """Check ``out`` against a float64 reference with KERNELS.md §3 tolerances.
+
+    float32: max abs error ≤ 1e-5 × max(1, max|ref|).  bf16/fp16: relative L2 error ≤ 1e-2 and, when the eager
+    PyTorch result in the same low precision is given, no more than 2× its error (plus a rounding floor).
+    """
+    assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
+    assert not torch.isnan(out).any(), f"{name}: NaN in output (unwritten element or overflow)"
+    if out.dtype == torch.float32 or out.dtype == torch.float64:
+        scale = max(1.0, ref64.abs().max().item()) if ref64.numel() else 1.0
+        err = (out.double() - ref64.double()).abs().max().item() if out.numel() else 0.0
+        assert err <= 1e-5 * scale, f"{name}: fp32 max abs err {err:.3e} > {1e-5 * scale:.3e}"
+        return
+    err = rel_l2(out, ref64)
+    assert err <= 1e-2, f"{name}: {out.dtype} rel L2 err {err:.3e} > 1e-2"
+    if eager is not None:
+        eager_err = rel_l2(eager, ref64)
+        # 2x eager's error, with a floor of one bf16 rounding so exact-ish eager results do not demand the impossible.
+        bound = max(2 * eager_err, 4e-3 if out.dtype == torch.bfloat16 else 5e-4)
+        assert err <= bound, f"{name}: {out.dtype} rel L2 err {err:.3e} > 2x eager's {eager_err:.3e}"
