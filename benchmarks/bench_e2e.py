@@ -1,0 +1,164 @@
+"""End-to-end training step: tokens/s and peak memory for this project vs HF transformers (eager, torch.compile)
+and HF + liger-kernel, at the issue-6 shapes (HF config.json shapes, random init, bf16 weights, fused AdamW,
+SDPA attention, random tokens, no activation checkpointing; tokens/s over 8 steps after 4 warm-up steps).
+
+Each (config, provider) runs in its own subprocess so that an OOM, a compile cache or liger-kernel's monkey-patch
+never leaks into another measurement.
+
+    python benchmarks/bench_e2e.py --out DIR [--configs llama-1b,qwen-1.5b] [--providers ours,hf,hf_compile,hf_liger]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONFIGS: dict[str, tuple[dict, int, int]] = {
+    # name: (HF config.json fields, batch, seq)
+    "llama-3.2-1b": (dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                          tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                          rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192)), 8, 2048),
+    "qwen2.5-1.5b": (dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                          rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768), 8, 2048),
+    "gemma-2b": (dict(model_type="gemma", hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                      num_attention_heads=8, num_key_value_heads=1, head_dim=256, vocab_size=256000,
+                      hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      max_position_embeddings=8192), 8, 2048),
+    "llama-3-8b-w8l": (dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
+                            num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                            tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0,
+                            max_position_embeddings=8192), 4, 2048),
+    "mistral-7b-w4l": (dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
+                            num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
+                            tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+                            max_position_embeddings=32768), 4, 4096),
+    "phi3-mini-w8l": (dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=8,
+                           num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                           tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=None,
+                           max_position_embeddings=4096), 8, 2048),
+}
+PROVIDERS = ("ours", "hf", "hf_compile", "hf_liger")
+WARMUP, STEPS = 4, 8
+H200_BF16_PEAK_TFLOPS = 989.0
+
+
+def flops_per_token(cfg: dict, seq: int) -> float:
+    """6·(matmul params incl. lm_head) + causal attention (6·T·Hq·d per layer, fwd+bwd)."""
+    h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // hq
+    per_layer = h * hq * d + 2 * h * hkv * d + hq * d * h + 3 * h * i
+    dense = n * per_layer + cfg["vocab_size"] * h
+    return 6 * dense + n * 6 * seq * hq * d
+
+
+def _build(provider: str, cfg: dict):
+    import torch
+
+    if provider == "ours":
+        from liger_models.auto import AutoLigerForCausalLM
+
+        return AutoLigerForCausalLM.from_config(dict(cfg), dtype=torch.bfloat16, device="cuda")
+    import transformers
+
+    if provider == "hf_liger":
+        import liger_kernel.transformers as lk
+
+        getattr(lk, f"apply_liger_kernel_to_{cfg['model_type']}")()
+    hf_cfg = transformers.AutoConfig.for_model(**cfg)
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.bfloat16)
+    if provider == "hf_compile":
+        model = torch.compile(model)
+    return model
+
+
+def _worker(name: str, provider: str) -> dict:
+    import torch
+
+    cfg, batch, seq = CONFIGS[name]
+    torch.manual_seed(0)
+    model = _build(provider, cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, cfg["vocab_size"], (WARMUP + STEPS, batch, seq), device="cuda")
+
+    def step(i: int) -> float:
+        loss = model(input_ids=ids[i], labels=ids[i]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(WARMUP):
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(WARMUP, WARMUP + STEPS):
+        loss = step(i)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tok_s = STEPS * batch * seq / dt
+    return dict(config=name, provider=provider, tokens_per_s=tok_s, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                loss=float(loss), mfu=tok_s * flops_per_token(cfg, seq) / (H200_BF16_PEAK_TFLOPS * 1e12))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per (config, provider) subprocess")
+    ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "PROVIDER"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(_worker(*args.worker)), flush=True)
+        return
+    rows = []
+    for name in args.configs.split(","):
+        for provider in args.providers.split(","):
+            t0 = time.time()
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--worker", name, provider], capture_output=True,
+                                      text=True, timeout=args.timeout)
+                line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+                if line:
+                    row = json.loads(line[7:])
+                else:
+                    err = proc.stderr.strip().splitlines()
+                    oom = any("OutOfMemory" in l for l in err)
+                    row = dict(config=name, provider=provider, error="OOM" if oom else (err[-1] if err else "no output"))
+            except subprocess.TimeoutExpired:
+                row = dict(config=name, provider=provider, error="timeout")
+            row["wall_s"] = round(time.time() - t0, 1)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    os.makedirs(args.out, exist_ok=True)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import environment
+
+    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+        json.dump({"env": environment(), "results": rows}, f, indent=1)
+    providers = args.providers.split(",")
+    print("\n| config | batch×seq | " + " | ".join(providers) + " |")
+    print("|---|---|" + "---|" * len(providers))
+    for name in args.configs.split(","):
+        _, b, s = CONFIGS[name]
+        cells = []
+        for p in providers:
+            r = next(r for r in rows if r["config"] == name and r["provider"] == p)
+            cells.append(r.get("error") or f"{r['tokens_per_s'] / 1e3:.1f}k tok/s, {r['peak_gib']:.1f} GiB, MFU {r['mfu']:.0%}")
+        print(f"| {name} | {b}×{s} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
