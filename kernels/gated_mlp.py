@@ -1,14 +1,21 @@
 """Gated MLP activation: out = act(gate) * up (SwiGLU with act = SiLU, GeGLU with act = GELU).
 
 Math, with x = gate and u = up, all in fp32 and rounded once to the activation dtype:
-  silu       a(x) = x·σ(x)
-  gelu_tanh  a(x) = 0.5·x·(1 + tanh(z)) = x·σ(2z),  z = √(2/π)·(x + 0.044715·x³)
-  gelu       a(x) = 0.5·x·(1 + erf(x/√2))           (exact, erf)
+  silu       a(x) = x·σ(x),                               a'(x) = σ(x)·(1 + x·(1 − σ(x)))
+  gelu_tanh  a(x) = 0.5·x·(1 + tanh z) = x·σ(2z),         z = √(2/π)·(x + 0.044715·x³)
+             a'(x) = σ(2z) + 2x·σ(2z)·(1 − σ(2z))·√(2/π)·(1 + 3·0.044715·x²)
+  gelu       a(x) = x·Φ(x) = 0.5·x·(1 + erf(x/√2)),        a'(x) = Φ(x) + x·φ(x)     (exact, erf)
   out = a(x)·u;   d gate = dout·u·a'(x);   d up = dout·a(x)
 
 HF numerics: `down(act(gate) * up)` runs the activation in the activation dtype (rounded once) and the
 product in that dtype (rounded again). Here both happen in fp32 with a single rounding, so bf16 results sit
 closer to the float64 reference than HF's own.
+
+Memory: the backward recomputes a(x) from the two saved inputs (nothing else is saved). When the inputs'
+memory belongs to an autograd intermediate (the gate/up projection output), the backward writes d gate and
+d up over it, as Liger does, so fwd + bwd allocates only the output. Their version counter is bumped, so any
+other user that saved the same tensor for its own backward fails loudly instead of reading gradients. A leaf,
+a view of a leaf, or a gate/up pair that shares elements gets fresh gradient memory instead.
 """
 
 from __future__ import annotations
@@ -17,12 +24,17 @@ import math
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.autograd.graph import increment_version
 
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+from ._dispatch import row_view, use_triton
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
 
 def gated_mlp_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """act(gate) * up in fp32 (float64 for float64 inputs), rounded once to gate's dtype."""
+    """act(gate) * up in fp32 (float64 for float64 inputs), rounded once to gate's dtype; autograd-aware."""
     compute = torch.promote_types(gate.dtype, torch.float32)
     x, u = gate.to(compute), up.to(compute)
     if activation == "silu":
@@ -32,15 +44,177 @@ def gated_mlp_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = 
     elif activation == "gelu":
         a = 0.5 * x * (1.0 + torch.erf(x * math.sqrt(0.5)))
     else:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     return (a * u).to(gate.dtype)
+
+
+@triton.jit
+def _act_and_grad(x, ACT: tl.constexpr):
+    """a(x) and a'(x) in fp32 (ACT: 0 silu, 1 gelu_tanh, 2 gelu erf); a'(x) is dead code in the forward."""
+    if ACT == 0:
+        s = tl.sigmoid(x)
+        a = x * s
+        da = s * (1.0 + x * (1.0 - s))
+    elif ACT == 1:
+        x2 = x * x
+        # 0.5·(1 + tanh z) = σ(2z): one exp, no tanh.
+        s = tl.sigmoid(1.5957691216057308 * x * (1.0 + 0.044715 * x2))
+        a = x * s
+        da = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x2)
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
+        a = x * cdf
+        da = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    return a, da
+
+
+@triton.jit
+def _gated_fwd_kernel(
+    GATE, UP, OUT, n_rows, n_cols,
+    stride_gate_row, stride_up_row, stride_out_row,
+    ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(GATE + rows[:, None] * stride_gate_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + rows[:, None] * stride_up_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, _ = _act_and_grad(x, ACT)
+    tl.store(OUT + rows[:, None] * stride_out_row + cols[None, :], (a * u).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_bwd_kernel(
+    DOUT, GATE, UP, DGATE, DUP, n_rows, n_cols,
+    stride_dout_row, stride_gate_row, stride_up_row, stride_dgate_row, stride_dup_row,
+    ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # DGATE/DUP may be GATE/UP themselves: every element is read before the same program overwrites it.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    dy = tl.load(DOUT + rows[:, None] * stride_dout_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(GATE + rows[:, None] * stride_gate_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + rows[:, None] * stride_up_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_grad(x, ACT)
+    dtype = DGATE.dtype.element_ty
+    tl.store(DGATE + rows[:, None] * stride_dgate_row + cols[None, :], (dy * u * da).to(dtype), mask=mask)
+    tl.store(DUP + rows[:, None] * stride_dup_row + cols[None, :], (dy * a).to(dtype), mask=mask)
+
+
+def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int, int]:
+    """A streaming layout: 2048 elements per program (a row slice, or several short rows), 4 warps."""
+    block_c = min(triton.next_power_of_2(n_cols), 2048)
+    block_r = min(2048 // block_c, triton.next_power_of_2(n_rows))
+    return (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c)), block_r, block_c, 4
+
+
+def _forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor, activation: str) -> None:
+    n_rows, n_cols = gate2d.shape
+    if not use_triton(gate2d, up2d):
+        out2d.copy_(gated_mlp_reference(gate2d, up2d, activation))
+        return
+    grid, block_r, block_c, warps = _grid(n_rows, n_cols)
+    _gated_fwd_kernel[grid](
+        gate2d, up2d, out2d, n_rows, n_cols, gate2d.stride(0), up2d.stride(0), out2d.stride(0),
+        ACT=ACTIVATIONS[activation], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+    )
+
+
+def _backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str) -> None:
+    n_rows, n_cols = gate2d.shape
+    if not use_triton(dout2d, gate2d, up2d):
+        with torch.enable_grad():
+            compute = torch.promote_types(gate2d.dtype, torch.float32)
+            x, u = (t.detach().to(compute).requires_grad_() for t in (gate2d, up2d))
+            dx, du = torch.autograd.grad(gated_mlp_reference(x, u, activation), (x, u), dout2d.to(compute))
+        dgate2d.copy_(dx)
+        dup2d.copy_(du)
+        return
+    grid, block_r, block_c, warps = _grid(n_rows, n_cols)
+    _gated_bwd_kernel[grid](
+        dout2d, gate2d, up2d, dgate2d, dup2d, n_rows, n_cols,
+        dout2d.stride(0), gate2d.stride(0), up2d.stride(0), dgate2d.stride(0), dup2d.stride(0),
+        ACT=ACTIVATIONS[activation], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+    )
+
+
+def _owns_memory(x: torch.Tensor, x2d: torch.Tensor, width: int) -> bool:
+    """Whether the gradient may overwrite x2d: rows do not overlap, and the memory is a private copy or an
+    autograd intermediate's (never a leaf's, whose .data the caller still holds)."""
+    if x2d.shape[0] > 1 and x2d.stride(0) < width:
+        return False
+    if x2d.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        return True
+    base = x._base if x._base is not None else x
+    return base.grad_fn is not None
+
+
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two (rows, n) unit-stride views share no element (e.g. the two halves of a fused output)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+    n, item = a.shape[1], a.element_size()
+    lo_a, lo_b = a.data_ptr() // item, b.data_ptr() // item
+    span_a, span_b = (a.shape[0] - 1) * a.stride(0) + n, (b.shape[0] - 1) * b.stride(0) + n
+    if lo_a + span_a <= lo_b or lo_b + span_b <= lo_a:
+        return True
+    stride = a.stride(0)
+    return b.stride(0) == stride and stride > 0 and n <= (lo_b - lo_a) % stride <= stride - n
+
+
+class _GatedMLPFunction(torch.autograd.Function):
+    """act(gate) * up over (rows, I) views; packed=True takes one (..., 2I) input and returns one gradient."""
+
+    @staticmethod
+    def forward(ctx, activation: str, packed: bool, *inputs: torch.Tensor) -> torch.Tensor:
+        if packed:
+            (gate_up,) = inputs
+            gu2d = row_view(gate_up)
+            half = gu2d.shape[1] // 2
+            gate2d, up2d = gu2d[:, :half], gu2d[:, half:]
+            ctx.inplace = _owns_memory(gate_up, gu2d, 2 * half)
+            ctx.save_for_backward(gu2d)
+        else:
+            gate, up = inputs
+            gate2d, up2d = row_view(gate), row_view(up)
+            n = gate2d.shape[1]
+            ctx.inplace = _owns_memory(gate, gate2d, n) and _owns_memory(up, up2d, n) and _disjoint(gate2d, up2d)
+            ctx.save_for_backward(gate2d, up2d)
+        out2d = torch.empty(gate2d.shape, dtype=gate2d.dtype, device=gate2d.device)
+        if out2d.numel():
+            _forward(gate2d, up2d, out2d, activation)
+        ctx.activation, ctx.packed = activation, packed
+        ctx.shapes = [x.shape for x in inputs]
+        return out2d.view(inputs[0].shape[:-1] + (gate2d.shape[1],))
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        saved = ctx.saved_tensors
+        if ctx.inplace:
+            grads = saved
+        else:
+            grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in saved)
+        if ctx.packed:
+            n = saved[0].shape[1] // 2
+            (gu2d,), (dgu2d,) = saved, grads
+            gate2d, up2d, dgate2d, dup2d = gu2d[:, :n], gu2d[:, n:], dgu2d[:, :n], dgu2d[:, n:]
+        else:
+            (gate2d, up2d), (dgate2d, dup2d) = saved, grads
+        if gate2d.numel():
+            _backward(row_view(dout), gate2d, up2d, dgate2d, dup2d, ctx.activation)
+        if ctx.inplace:
+            increment_version(saved)
+        return (None, None) + tuple(g.view(shape) for g, shape in zip(grads, ctx.shapes))
 
 
 def _check(gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     if gate.shape != up.shape:
         raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dim() == 0:
+        raise ValueError("gate and up need at least one dimension (..., I)")
     if gate.dtype != up.dtype or not gate.dtype.is_floating_point:
         raise TypeError(f"gate and up must share one floating dtype, got {gate.dtype} and {up.dtype}")
     if gate.device != up.device:
@@ -48,14 +222,18 @@ def _check(gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
 
 
 def gated_mlp(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """act(gate) * up for gate, up of shape (..., I); strided views are read in place."""
+    """act(gate) * up for gate, up of shape (..., I); strided views are read in place. Autograd-aware."""
     _check(gate, up, activation)
-    return gated_mlp_reference(gate, up, activation)
+    return _GatedMLPFunction.apply(activation, False, gate, up)
 
 
 def gated_mlp_packed(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """act(gate) * up where gate_up is (..., 2I) = [gate | up] along the last dim (fused gate_up projection)."""
-    if gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up's last dim must be even ([gate | up]), got {gate_up.shape[-1]}")
+    """act(gate) * up where gate_up is (..., 2I) = [gate | up] along the last dim (a fused gate_up projection).
+
+    The backward returns d(gate_up) as one (..., 2I) tensor written by one kernel (no chunk/cat copies).
+    """
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must be (..., 2I) with an even last dim, got {tuple(gate_up.shape)}")
     half = gate_up.shape[-1] // 2
-    return gated_mlp(gate_up[..., :half], gate_up[..., half:], activation)
+    _check(gate_up[..., :half], gate_up[..., half:], activation)
+    return _GatedMLPFunction.apply(activation, True, gate_up)
