@@ -1,0 +1,150 @@
+"""Medusa heads on disk in the format FasterDecoding/Medusa and TGI read (MEDUSA.md §3, format B).
+
+A heads directory holds `config.json` (`MedusaConfig.to_json_dict`) and `medusa_lm_head.safetensors` with unprefixed
+keys `{h}.{l}.linear.weight|bias` and, unless the lm_head is shared, `{h}.{L}.weight`. A stage-2 directory is the
+base model's HF checkpoint (its own `config.json` with the `medusa_*` fields merged in, as in the Medusa-2 format C
+config) plus the same heads file. Reading also accepts upstream's variants: the v0.1 `medusa_lm_head.pt`, a
+`medusa_head.` key prefix (Liger's example), and a config whose head count disagrees with the file (the released
+Vicuna v1.3 heads say 2 and hold 5: the file wins). Every file is written to a temporary name and renamed into
+place, so a failed save leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+import warnings
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from liger_models.medusa.config import MedusaConfig
+from liger_models.medusa.heads import MedusaHeads
+
+CONFIG_NAME = "config.json"
+HEADS_NAME = "medusa_lm_head.safetensors"
+LEGACY_HEADS_NAME = "medusa_lm_head.pt"
+_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+
+
+def atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Call `write(tmp_path)` on a temporary file next to `path`, then rename it over `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_json(path: str, obj: dict[str, Any]) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    atomic_write(path, write)
+
+
+def save_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Atomically write a safetensors file (CPU copies, contiguous: safetensors rejects views sharing storage)."""
+    data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(data, tmp, metadata={"format": "pt"}))
+
+
+def read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def save_heads(heads: MedusaHeads, directory: str, *, merge_config: bool = False,
+               base_model_name_or_path: str | None = None) -> None:
+    """Write `heads` as format B into `directory`.
+
+    merge_config: add the `medusa_*` fields to the `config.json` already there (a stage-2 base checkpoint)
+    instead of writing the heads-only config. base_model_name_or_path overrides the config's value.
+    """
+    config = heads.config
+    save_tensors(os.path.join(directory, HEADS_NAME), heads.state_dict())
+    fields = config.to_json_dict()
+    if base_model_name_or_path is not None:
+        fields["base_model_name_or_path"] = base_model_name_or_path
+    path = os.path.join(directory, CONFIG_NAME)
+    if merge_config:
+        merged = read_json(path)
+        # The base's own hidden_size / vocab_size are already there and are the same numbers.
+        merged.update({k: v for k, v in fields.items() if k not in ("hidden_size", "vocab_size")})
+        save_json(path, merged)
+    else:
+        save_json(path, fields)
+
+
+def load_heads_state_dict(directory: str) -> dict[str, torch.Tensor]:
+    """The heads' tensors with Medusa keys (`.safetensors`, else the v0.1 `.pt`; `medusa_head.` prefix stripped)."""
+    path = os.path.join(directory, HEADS_NAME)
+    if os.path.exists(path):
+        sd = load_file(path)
+    elif os.path.exists(os.path.join(directory, LEGACY_HEADS_NAME)):
+        sd = torch.load(os.path.join(directory, LEGACY_HEADS_NAME), map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"no {HEADS_NAME} (or {LEGACY_HEADS_NAME}) in {directory}")
+    sd = {k.removeprefix("medusa_head."): v for k, v in sd.items()}
+    bad = [k for k in sd if not _KEY.match(k)]
+    if bad:
+        raise ValueError(f"unexpected keys in Medusa heads file: {bad[:5]}")
+    return sd
+
+
+def config_from_state_dict(config: MedusaConfig, sd: dict[str, torch.Tensor]) -> MedusaConfig:
+    """`config` with num_heads / num_layers / share_lm_head / sizes made consistent with the tensors on disk."""
+    heads = 1 + max(int(_KEY.match(k).group(1)) for k in sd)
+    layers = len({int(m.group(2)) for k in sd if (m := _KEY.match(k)) and m.group(3).startswith("linear")})
+    shared = not any(_KEY.match(k).group(3) == "weight" for k in sd)
+    if heads != config.num_heads:
+        warnings.warn(f"config.json says medusa_num_heads={config.num_heads} but the file holds {heads} heads; "
+                      "using the file's count")
+    if layers != config.num_layers or shared != config.share_lm_head:
+        raise ValueError(f"config.json (num_layers={config.num_layers}, shared lm_head={config.share_lm_head}) "
+                         f"disagrees with the heads file (num_layers={layers}, shared lm_head={shared})")
+    hidden = sd["0.0.linear.weight"].shape[1] if layers else sd["0.0.weight"].shape[1]
+    vocab = config.vocab_size if shared else sd[f"0.{layers}.weight"].shape[0]
+    for name, disk, cfg in (("hidden_size", hidden, config.hidden_size), ("vocab_size", vocab, config.vocab_size)):
+        if cfg and cfg != disk:
+            raise ValueError(f"config.json {name}={cfg} but the heads file has {disk}")
+    return dataclasses.replace(config, num_heads=heads, hidden_size=hidden, vocab_size=vocab)
+
+
+def build_heads(config: MedusaConfig, sd: dict[str, torch.Tensor], base_lm_head: torch.nn.Linear | None = None, *,
+                dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> MedusaHeads:
+    """MedusaHeads holding exactly `sd` (strict), built on the meta device so nothing is initialised twice."""
+    if config.share_lm_head:
+        if base_lm_head is None:
+            raise ValueError("these Medusa heads share the base lm_head (version 2): pass the base model")
+        dtype = dtype or base_lm_head.weight.dtype
+        device = device or base_lm_head.weight.device
+        if not config.vocab_size:
+            config = dataclasses.replace(config, vocab_size=base_lm_head.weight.shape[0])
+    heads = MedusaHeads(config, base_lm_head if config.share_lm_head else None, device="meta", dtype=dtype)
+    sd = {k: v.to(device=device or "cpu", dtype=dtype or v.dtype) for k, v in sd.items()}
+    heads.load_state_dict(sd, strict=True, assign=True)
+    return heads
+
+
+def load_heads(directory: str, base_lm_head: torch.nn.Linear | None = None, *, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> MedusaHeads:
+    """Load format-B (or v0.1) heads from `directory`; `base_lm_head` is required for shared-lm_head heads."""
+    raw = read_json(os.path.join(directory, CONFIG_NAME))
+    sd = load_heads_state_dict(directory)
+    config = config_from_state_dict(MedusaConfig.from_json_dict(raw), sd)
+    return build_heads(config, sd, base_lm_head, dtype=dtype, device=device)

@@ -1,0 +1,136 @@
+"""Medusa training loss: loss = w0·CE_0 + Σ_k λ0·decay^k·sched(step)·CE_k, no logits ever materialised.
+
+CE_0 is the base head (hidden at t → label t+1); CE_k is Medusa head k = 1..K on its ResBlock output z_k
+(position t → label t+k+1). Every term runs through `fused_linear_cross_entropy` on the *labels* shifted by
+`shift_labels` (which also masks targets across packed-document boundaries, where `position_ids` restart), with the
+term's weight as the kernel's `loss_scale` so gradients come out pre-scaled, and `return_target_rank=True` for the
+per-head top-1 / top-5 counts. Weights and schedules follow the axolotl Medusa-2 fork (MEDUSA.md §2.1):
+λ_k = heads_coefficient · decay_coefficient^k for k = 1..K; sched ∈ constant, linear, sine, sine_<r>.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_models.medusa.config import check_scheduler
+from liger_models.medusa.heads import MedusaHeads
+from liger_models.modules import shift_labels
+
+Normalizer = float | torch.Tensor | Sequence[float | torch.Tensor] | None
+
+
+@dataclass
+class MedusaOutput:
+    """What `MedusaModel.forward` returns. Every tensor except `loss` is detached; nothing syncs with the host.
+
+    loss: the scalar to backward. base_loss: the base head's CE (None when its weight is 0, e.g. stage 1).
+    head_losses: (K,) unweighted CE per head. head_top1 / head_top5 / head_count: (K,) int64 counts of targets whose
+    logit ranks first / in the top 5, and of non-ignored targets. logits / head_logits: only without labels
+    (inference): (B, T, V) and (K, B, T, V).
+    """
+
+    loss: torch.Tensor | None = None
+    base_loss: torch.Tensor | None = None
+    head_losses: torch.Tensor | None = None
+    head_top1: torch.Tensor | None = None
+    head_top5: torch.Tensor | None = None
+    head_count: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    head_logits: torch.Tensor | None = None
+
+
+def medusa_head_weights(num_heads: int, lambda0: float = 0.2, decay: float = 0.8) -> list[float]:
+    """λ_k = lambda0 · decay^k for heads k = 1..num_heads (the fork's `decay^i` for head index i ≥ 1)."""
+    return [lambda0 * decay**k for k in range(1, num_heads + 1)]
+
+
+def schedule_factor(name: str, step: int, max_steps: int) -> float:
+    """The heads' warm-up factor at `step` of `max_steps`.
+
+    constant: 1. linear: step/max_steps. sine: sin(π/2 · step/max_steps). sine_<r>: the sine ramp over the first
+    fraction r of training, then 1. Progress is clamped to [0, 1].
+    """
+    check_scheduler(name)
+    if name == "constant":
+        return 1.0
+    progress = min(max(step / max(max_steps, 1), 0.0), 1.0)
+    if name == "linear":
+        return progress
+    span = 1.0 if name == "sine" else float(name[len("sine_"):])
+    return math.sin(math.pi / 2 * min(progress / span, 1.0))
+
+
+def medusa_target_counts(labels: torch.Tensor, num_heads: int, position_ids: torch.Tensor | None = None,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """(K+1,) int64 counts of non-ignored targets of the base head and each Medusa head.
+
+    Summed over every micro-batch of a global batch (and all-reduced across ranks), these are the per-term
+    `normalizer`s that make gradient accumulation equal one big batch.
+    """
+    return torch.stack([(shift_labels(labels, s, position_ids, ignore_index) != ignore_index).sum()
+                        for s in range(1, num_heads + 2)])
+
+
+def _term_normalizer(normalizer: Normalizer, i: int, targets: torch.Tensor, ignore_index: int):
+    if normalizer is None:
+        # The local count, clamped so a term without targets (short sequences, late heads) gives 0, not 0/0.
+        return (targets != ignore_index).sum().clamp(min=1)
+    if isinstance(normalizer, torch.Tensor) and normalizer.dim() == 0 or isinstance(normalizer, (int, float)):
+        return normalizer
+    return normalizer[i]
+
+
+def _weighted_ce(hidden, weight, targets, scale: float, normalizer, ignore_index: int):
+    """(weighted loss for the total, unweighted CE detached, target rank).
+
+    A zero weight (a warm-up schedule at step 0) still runs the term with loss_scale 1 and multiplies by 0, so the
+    CE is reported and backward() has a graph (the gradients are zeros, as in the reference implementations).
+    """
+    loss, rank = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, normalizer=normalizer,
+                                            loss_scale=scale if scale != 0 else 1.0, return_target_rank=True)
+    if scale == 0:
+        return loss * 0.0, loss.detach(), rank
+    return loss, loss.detach() / scale, rank
+
+
+def medusa_loss(hidden: torch.Tensor, heads: MedusaHeads, labels: torch.Tensor, *,
+                position_ids: torch.Tensor | None = None, base_lm_head_weight: torch.Tensor | None = None,
+                base_loss_weight: float = 0.0, head_scales: Sequence[float], normalizer: Normalizer = None,
+                ignore_index: int = -100) -> MedusaOutput:
+    """The combined Medusa loss on the base's final hidden states `hidden` (B, T, H); labels (B, T) HF-aligned.
+
+    head_scales: λ_k·sched(step) per head. base_loss_weight: w0 (the base term is skipped when 0).
+    normalizer: None (mean over each term's local non-ignored targets), one number / 0-dim tensor for every term,
+    or a (K+1,) sequence / tensor of per-term counts (index 0 the base head), e.g. from `medusa_target_counts`.
+    """
+    K = heads.num_heads
+    if len(head_scales) != K:
+        raise ValueError(f"{len(head_scales)} head scales for {K} Medusa heads")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels {tuple(labels.shape)} do not match hidden states {tuple(hidden.shape[:-1])}")
+    total = None
+    base_loss = None
+    if base_loss_weight != 0:
+        if base_lm_head_weight is None:
+            raise ValueError("a base loss weight needs the base lm_head weight")
+        targets = shift_labels(labels, 1, position_ids, ignore_index)
+        total, base_loss, _ = _weighted_ce(hidden, base_lm_head_weight, targets, base_loss_weight,
+                                           _term_normalizer(normalizer, 0, targets, ignore_index), ignore_index)
+    losses, top1, top5, count = [], [], [], []
+    for k, z in enumerate(heads(hidden)):
+        targets = shift_labels(labels, k + 2, position_ids, ignore_index)  # head k+1 predicts t + k + 2
+        weighted, ce, rank = _weighted_ce(z, heads.weight(k), targets, head_scales[k],
+                                          _term_normalizer(normalizer, k + 1, targets, ignore_index), ignore_index)
+        total = weighted if total is None else total + weighted
+        losses.append(ce)
+        top1.append((rank == 0).sum())
+        top5.append(((rank >= 0) & (rank < 5)).sum())
+        count.append((targets != ignore_index).sum())
+    return MedusaOutput(loss=total, base_loss=base_loss, head_losses=torch.stack(losses),
+                        head_top1=torch.stack(top1).long(), head_top5=torch.stack(top5).long(),
+                        head_count=torch.stack(count).long())

@@ -1,0 +1,139 @@
+"""MedusaModel: a base causal LM from the zoo plus K Medusa heads, trained in stage 1 or stage 2.
+
+Stage 1 (Medusa-1): the base is frozen (requires_grad off) and runs under no_grad; only the heads train and the
+base CE is dropped (w0 = 0). Stage 2 (Medusa-2): base and heads train jointly with the base CE on (w0 = 1) and the
+heads at 4× the learning rate (`param_groups`). Either way the base's decoder runs once and every loss term is a
+fused linear-cross-entropy on that one hidden-state tensor (see loss.py).
+
+Works with any base exposing `.model(input_ids, position_ids=...) -> final hidden states`, `.lm_head` (bias-free
+nn.Linear) and `.config` (hidden_size, vocab_size) — every `Liger<Family>ForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from liger_models.medusa.checkpoint import CONFIG_NAME, load_heads, read_json, save_heads
+from liger_models.medusa.config import MedusaConfig
+from liger_models.medusa.heads import MedusaHeads
+from liger_models.medusa.loss import MedusaOutput, medusa_head_weights, medusa_loss, schedule_factor
+
+
+class MedusaModel(nn.Module):
+    """Base model + Medusa heads. `forward(input_ids, labels)` returns a `MedusaOutput` with the combined loss."""
+
+    def __init__(self, base: nn.Module, heads: MedusaHeads, *, stage: int = 1):
+        super().__init__()
+        if stage not in (1, 2):
+            raise ValueError(f"Medusa stage must be 1 (heads only) or 2 (joint), got {stage}")
+        cfg = heads.config
+        if (cfg.hidden_size, cfg.vocab_size) != (base.config.hidden_size, base.config.vocab_size):
+            raise ValueError(f"heads are for hidden/vocab {(cfg.hidden_size, cfg.vocab_size)}, the base model has "
+                             f"{(base.config.hidden_size, base.config.vocab_size)}")
+        if cfg.share_lm_head and heads._shared[0] is not base.lm_head:
+            raise ValueError("shared-lm_head Medusa heads must be built on this base model's lm_head")
+        self.base = base
+        self.heads = heads
+        self.config = cfg
+        self.stage = stage
+        # Stage 1 trains nothing of the base; stage 2 trains all of it.
+        base.requires_grad_(stage == 2)
+
+    @classmethod
+    def from_base(cls, base: nn.Module, *, stage: int = 1, **config_fields: Any) -> "MedusaModel":
+        """Fresh heads for `base` (lm_head copied, or shared with `share_lm_head=True`); fields go to MedusaConfig."""
+        config = MedusaConfig.for_base(base, **config_fields)
+        return cls(base, MedusaHeads(config, base.lm_head), stage=stage)
+
+    @property
+    def base_loss_weight(self) -> float:
+        """w0: the config's, else 0 in stage 1 and 1 in stage 2."""
+        if self.config.base_loss_weight is not None:
+            return float(self.config.base_loss_weight) if self.stage == 2 else 0.0
+        return 1.0 if self.stage == 2 else 0.0
+
+    def head_scales(self, step: int = 0, max_steps: int = 1) -> list[float]:
+        """λ0 · decay^k · sched(step) for k = 1..K."""
+        c = self.config
+        s = schedule_factor(c.scheduler, step, max_steps)
+        return [w * s for w in medusa_head_weights(c.num_heads, c.heads_coefficient, c.decay_coefficient)]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, *, step: int = 0, max_steps: int = 1,
+                normalizer: Any = None) -> MedusaOutput:
+        """With labels: the training loss and per-head metrics. Without: base (B, T, V) and heads (K, B, T, V) logits.
+
+        normalizer: see `medusa_loss` (one global count, or per-term counts from `medusa_target_counts`).
+        """
+        with torch.set_grad_enabled(self.stage == 2 and torch.is_grad_enabled()):
+            hidden = self.base.model(input_ids, position_ids=position_ids)  # (B, T, H)
+        if labels is None:
+            return MedusaOutput(logits=self.base.lm_head(hidden), head_logits=self.heads.logits(hidden))
+        return medusa_loss(hidden, self.heads, labels, position_ids=position_ids,
+                           base_lm_head_weight=self.base.lm_head.weight, base_loss_weight=self.base_loss_weight,
+                           head_scales=self.head_scales(step, max_steps), normalizer=normalizer)
+
+    def param_groups(self, lr: float, head_lr_multiplier: float = 4.0,
+                     weight_decay: float = 0.0) -> list[dict[str, Any]]:
+        """Optimizer groups: every head parameter (biases included) at lr × multiplier; base params in stage 2."""
+        groups = [{"name": "medusa_heads", "params": [p for p in self.heads.parameters() if p.requires_grad],
+                   "lr": lr * head_lr_multiplier, "weight_decay": weight_decay}]
+        if self.stage == 2:
+            groups.append({"name": "base", "params": [p for p in self.base.parameters() if p.requires_grad],
+                           "lr": lr, "weight_decay": weight_decay})
+        return groups
+
+    def save_pretrained(self, directory: str) -> None:
+        """Stage 1: heads only (config.json + medusa_lm_head.safetensors, Medusa/TGI format B).
+
+        Stage 2: the trained base in HF format (`base.save_pretrained`) plus the heads file, with the `medusa_*`
+        fields merged into the base's config.json and `base_model_name_or_path` pointing at this directory (the
+        base the heads belong to is the one saved here, not the original).
+        """
+        os.makedirs(directory, exist_ok=True)
+        if self.stage == 2:
+            self.base.save_pretrained(directory)
+            save_heads(self.heads, directory, merge_config=True, base_model_name_or_path=os.path.abspath(directory))
+        else:
+            save_heads(self.heads, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str, base: nn.Module | None = None, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None, *, stage: int | None = None) -> "MedusaModel":
+        """Load heads (format B, v0.1, vLLM layout) or a stage-2 directory (base + heads).
+
+        base: the base model; when None it is loaded from the directory (stage 2) or from the config's
+        `base_model_name_or_path` (a local directory or a Hub id). stage defaults to 2 for a directory that holds
+        a full base, else 1.
+        """
+        raw = read_json(os.path.join(directory, CONFIG_NAME))
+        vllm = raw.get("model_type") == "medusa"
+        full = "model_type" in raw and not vllm
+        if base is None:
+            if vllm:
+                raise ValueError("a vLLM-layout Medusa checkpoint holds no base model: pass base=")
+            base = _load_base(directory if full else raw.get("base_model_name_or_path", ""), dtype, device)
+        # The heads live beside the base: same dtype and device unless asked otherwise.
+        dtype = dtype or base.lm_head.weight.dtype
+        device = device or base.lm_head.weight.device
+        if vllm:
+            from liger_models.convert.medusa import load_vllm  # convert sits above medusa: imported on use
+
+            heads = load_vllm(directory, base.lm_head, dtype=dtype, device=device)
+        else:
+            heads = load_heads(directory, base.lm_head, dtype=dtype, device=device)
+        return cls(base, heads, stage=stage or (2 if full else 1))
+
+
+def _load_base(name_or_path: str, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Module:
+    if not name_or_path:
+        raise ValueError("the Medusa config has no base_model_name_or_path: pass base=")
+    from liger_models import AutoLigerForCausalLM  # the package root imports the families, which sit below medusa
+
+    if os.path.isdir(name_or_path):
+        return AutoLigerForCausalLM.from_pretrained(name_or_path, dtype=dtype, device=device)
+    return AutoLigerForCausalLM.from_hub(name_or_path, dtype=dtype, device=device)

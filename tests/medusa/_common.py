@@ -1,0 +1,113 @@
+"""Shared pieces of the Medusa tests: a tiny base model and a materialised-logits float64 reference of the loss."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE = -100
+
+
+class _Decoder(nn.Module):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.pos = nn.Embedding(64, hidden)
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x = x + self.pos(position_ids)
+        # A causal running mean so the hidden state depends on the prefix, as in a real decoder.
+        mix = x.cumsum(1) / torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype)[:, None]
+        return torch.tanh(self.proj(mix)) + x
+
+
+class StandInBase(nn.Module):
+    """`.model(input_ids, position_ids) -> hidden`, `.lm_head`, `.config`: the part of the zoo API Medusa uses."""
+
+    def __init__(self, vocab: int = 37, hidden: int = 16):
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=hidden, vocab_size=vocab, model_type="standin")
+        self.model = _Decoder(vocab, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+
+def make_base(vocab: int = 37, hidden: int = 16, dtype=torch.float32) -> nn.Module:
+    return StandInBase(vocab, hidden).to(dtype)
+
+
+def packed_batch(B: int, T: int, vocab: int, *, packed: bool, ignore_frac: float = 0.2):
+    """Random ids / HF-aligned labels (some ignored) and position_ids restarting at random document starts."""
+    ids = torch.randint(0, vocab, (B, T))
+    labels = ids.clone()
+    labels[torch.rand(B, T) < ignore_frac] = IGNORE
+    pos = torch.arange(T).repeat(B, 1)
+    if packed:
+        for b in range(B):
+            for start in sorted(torch.randperm(T - 2)[:2].add(1).tolist()):
+                pos[b, start:] = torch.arange(T - start)
+    return ids, labels, pos
+
+
+def reference_targets(labels: torch.Tensor, shift: int, pos: torch.Tensor | None) -> torch.Tensor:
+    """labels[t + shift] when it is in the same document (positions advance by exactly `shift`), else ignored."""
+    B, T = labels.shape
+    out = torch.full_like(labels, IGNORE)
+    for b in range(B):
+        for t in range(T - shift):
+            if pos is None or pos[b, t + shift] - pos[b, t] == shift:
+                out[b, t] = labels[b, t + shift]
+    return out
+
+
+def reference_heads_z(hidden: torch.Tensor, head_sd: dict, num_heads: int, num_layers: int) -> list[torch.Tensor]:
+    """ResBlock outputs from the raw state dict, one layer at a time (independent of the fused GEMM path)."""
+    zs = []
+    for h in range(num_heads):
+        z = hidden
+        for l in range(num_layers):
+            z = z + F.silu(z @ head_sd[f"{h}.{l}.linear.weight"].t() + head_sd[f"{h}.{l}.linear.bias"])
+        zs.append(z)
+    return zs
+
+
+def reference_loss(base64: nn.Module, head_sd64: dict, cfg, ids, labels, pos, *, w0: float, scales, stage: int):
+    """float64 Medusa loss with every logit materialised: (loss, base CE, head CEs, top1, top5, counts)."""
+    with torch.set_grad_enabled(stage == 2):
+        hidden = base64.model(ids, position_ids=pos)
+    W_base = base64.lm_head.weight
+    total = torch.zeros((), dtype=torch.float64)
+    base_ce = None
+    if w0:
+        t0 = reference_targets(labels, 1, pos)
+        base_ce = F.cross_entropy((hidden @ W_base.t()).flatten(0, 1), t0.flatten(), ignore_index=IGNORE)
+        total = total + w0 * base_ce
+    ces, top1, top5, count = [], [], [], []
+    for k, z in enumerate(reference_heads_z(hidden, head_sd64, cfg.num_heads, cfg.num_layers)):
+        W = W_base.detach() if cfg.share_lm_head else head_sd64[f"{k}.{cfg.num_layers}.weight"]
+        logits = (z @ W.t()).flatten(0, 1)
+        t = reference_targets(labels, k + 2, pos).flatten()
+        valid = t != IGNORE
+        ce = F.cross_entropy(logits, t, ignore_index=IGNORE, reduction="sum") / valid.sum().clamp(min=1)
+        total = total + scales[k] * ce
+        ces.append(ce.detach())
+        tl = logits.gather(1, t.clamp(min=0)[:, None])
+        rank = (logits > tl).sum(1)
+        top1.append(((rank == 0) & valid).sum())
+        top5.append(((rank < 5) & valid).sum())
+        count.append(valid.sum())
+    return total, base_ce, torch.stack(ces), torch.stack(top1), torch.stack(top5), torch.stack(count)
+
+
+def float64_copies(base: nn.Module, heads: nn.Module):
+    """A float64 deep copy of the base and float64 leaf copies of the heads' state dict (with grads enabled)."""
+    base64 = copy.deepcopy(base).double()
+    sd64 = {k: v.detach().double().requires_grad_() for k, v in heads.state_dict().items()}
+    return base64, sd64

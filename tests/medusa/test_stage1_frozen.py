@@ -1,0 +1,69 @@
+"""Stage 1 trains the heads only (base bit-identical after optimizer steps); stage 2 trains both, heads at lr × 4."""
+
+import pytest
+import torch
+
+from liger_models.medusa import MedusaModel
+from tests.medusa._common import make_base, packed_batch
+
+V, H = 37, 16
+
+
+def _train(model, steps=3, lr=1e-2):
+    opt = torch.optim.AdamW(model.param_groups(lr), lr=lr)
+    for step in range(steps):
+        ids, labels, pos = packed_batch(2, 10, V, packed=True)
+        out = model(ids, labels=labels, position_ids=pos, step=step, max_steps=steps)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_stage1_leaves_base_bit_identical(share):
+    base = make_base(V, H)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    model = MedusaModel.from_base(base, stage=1, num_heads=3, share_lm_head=share)
+    heads_before = {k: v.clone() for k, v in model.heads.state_dict().items()}
+    _train(model)
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, before[k]), f"stage 1 changed base weight {k}"
+    assert all(not p.requires_grad and p.grad is None for p in base.parameters())
+    changed = [k for k, v in model.heads.state_dict().items() if not torch.equal(v, heads_before[k])]
+    assert sorted(changed) == sorted(heads_before), "every head tensor (weights, biases, lm_heads) trains"
+
+
+def test_stage1_base_runs_without_autograd_graph():
+    model = MedusaModel.from_base(make_base(V, H), stage=1, num_heads=2)
+    seen = []
+    model.base.model.register_forward_hook(lambda m, i, o: seen.append((o.requires_grad, torch.is_grad_enabled())))
+    ids, labels, _ = packed_batch(1, 6, V, packed=False)
+    model(ids, labels=labels).loss.backward()
+    assert seen == [(False, False)]
+
+
+def test_param_groups_heads_at_4x_with_biases_and_base_in_stage2():
+    model = MedusaModel.from_base(make_base(V, H), stage=2, num_heads=2, num_layers=2)
+    groups = model.param_groups(1e-3, weight_decay=0.1)
+    heads, base = groups
+    assert heads["lr"] == pytest.approx(4e-3) and base["lr"] == pytest.approx(1e-3)
+    head_ids = {id(p) for p in heads["params"]}
+    assert head_ids == {id(p) for p in model.heads.parameters()}
+    assert all(id(b.linear.bias) in head_ids for k in range(2) for b in model.heads.resblocks(k))
+    assert {id(p) for p in base["params"]} == {id(p) for p in model.base.parameters()}
+    assert len(MedusaModel.from_base(make_base(V, H), stage=1, num_heads=2).param_groups(1e-3)) == 1
+
+
+def test_stage2_trains_base_and_shared_head_is_not_pushed_by_heads():
+    base = make_base(V, H)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    model = MedusaModel.from_base(base, stage=2, num_heads=2, share_lm_head=True)
+    _train(model, steps=2)
+    assert all(not torch.equal(v, before[k]) for k, v in base.state_dict().items())
+    # With the base CE off, only the heads' terms remain: the shared lm_head must then get no gradient.
+    model = MedusaModel.from_base(make_base(V, H), stage=2, num_heads=2, share_lm_head=True, base_loss_weight=0.0)
+    ids, labels, pos = packed_batch(2, 8, V, packed=False)
+    model(ids, labels=labels).loss.backward()
+    assert model.base.lm_head.weight.grad is None
+    assert model.base.model.proj.weight.grad is not None
