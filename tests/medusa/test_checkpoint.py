@@ -1,0 +1,127 @@
+"""Checkpoint round trips, bit-exact: Medusa/TGI format B, upstream v0.1 variants, vLLM layout, stage-2 full save."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import liger_models.medusa.checkpoint as ckpt
+from liger_models.convert.medusa import load_vllm, save_vllm
+from liger_models.medusa import MedusaModel
+from tests.medusa._common import make_base
+
+V, H = 37, 16
+
+
+def _model(share, L, K=3, dtype=torch.float32, stage=1):
+    model = MedusaModel.from_base(make_base(V, H, dtype), stage=stage, num_heads=K, num_layers=L, share_lm_head=share,
+                                  base_model_name_or_path="org/base-model", scheduler="sine_0.5")
+    for p in model.heads.parameters():
+        p.data.normal_()
+    return model
+
+
+def _assert_same_heads(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+    assert a.config == b.config
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("L", [1, 2])
+def test_format_b_round_trip(tmp_path, share, L):
+    model = _model(share, L, dtype=torch.bfloat16)
+    model.save_pretrained(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "medusa_lm_head.safetensors"]
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["base_model_name_or_path"] == "org/base-model"
+    assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (3, L, H, V)
+    assert cfg.get("version") == ("2" if share else None)
+    keys = set(load_file(tmp_path / "medusa_lm_head.safetensors"))
+    assert keys == set(model.heads.state_dict())
+    loaded = MedusaModel.from_pretrained(str(tmp_path), base=model.base)
+    _assert_same_heads(model.heads, loaded.heads)
+    assert loaded.stage == 1 and loaded.heads.weight(0).dtype == torch.bfloat16
+    if share:
+        assert loaded.heads.weight(0).data_ptr() == model.base.lm_head.weight.data_ptr()
+
+
+def test_upstream_v01_pt_with_prefix_and_wrong_head_count(tmp_path):
+    model = _model(False, 1, K=5)
+    torch.save({f"medusa_head.{k}": v for k, v in model.heads.state_dict().items()}, tmp_path / "medusa_lm_head.pt")
+    # The released Vicuna v1.3 configs say 2 heads for files holding 5, and carry no sizes.
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"base_model_name_or_path": "lmsys/vicuna-7b-v1.3", "medusa_num_heads": 2, "medusa_num_layers": 1}))
+    with pytest.warns(UserWarning, match="holds 5 heads"):
+        loaded = MedusaModel.from_pretrained(str(tmp_path), base=model.base)
+    assert loaded.config.num_heads == 5
+    assert all(torch.equal(a, b) for a, b in zip(model.heads.state_dict().values(), loaded.heads.state_dict().values()))
+
+
+def test_config_file_disagreement_raises(tmp_path):
+    model = _model(False, 2)
+    model.save_pretrained(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "medusa_num_layers": 1}))
+    with pytest.raises(ValueError, match="disagrees"):
+        MedusaModel.from_pretrained(str(tmp_path), base=model.base)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "version": "2"}))
+    with pytest.raises(ValueError, match="disagrees"):
+        MedusaModel.from_pretrained(str(tmp_path), base=model.base)
+
+
+def test_shared_heads_need_the_base(tmp_path):
+    model = _model(True, 1)
+    model.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="pass the base"):
+        ckpt.load_heads(str(tmp_path))
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    model = _model(False, 1)
+    model.save_pretrained(str(tmp_path))
+    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+
+    def crash(data, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "save_file", crash)
+    for p in model.heads.parameters():
+        p.data.add_(1)
+    with pytest.raises(OSError, match="disk full"):
+        model.save_pretrained(str(tmp_path))
+    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before  # no temp file left either
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("L", [1, 2])
+def test_vllm_round_trip(tmp_path, share, L):
+    model = _model(share, L, dtype=torch.bfloat16)
+    save_vllm(model.heads, str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["architectures"] == ["MedusaModel"]
+    assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (3, L, H, V)
+    assert cfg["medusa_fc_bias"] is True and cfg["original_lm_head"] is share
+    sd = load_file(tmp_path / "model.safetensors")
+    blocks = {f"blocks.{h}.layers.{l}.{p}" for h in range(3) for l in range(L) for p in ("weight", "bias")}
+    heads = {"lm_heads.0.weight"} if share else {f"lm_heads.{h}.weight" for h in range(3)}
+    assert set(sd) == blocks | heads
+    assert torch.equal(sd["blocks.2.layers.0.bias"], model.heads[2][0].linear.bias)
+    assert torch.equal(sd["lm_heads.0.weight"], model.heads.weight(0))
+    loaded = MedusaModel.from_pretrained(str(tmp_path), base=model.base)
+    _assert_same_heads(model.heads, loaded.heads)
+    standalone = load_vllm(str(tmp_path))  # shared: a stand-in lm_head is built from lm_heads.0.weight
+    assert torch.equal(standalone.weight(1), model.heads.weight(1))
+
+
+def test_vllm_shared_head_must_match_base(tmp_path):
+    model = _model(True, 1)
+    save_vllm(model.heads, str(tmp_path))
+    with pytest.raises(ValueError, match="differs"):
+        load_vllm(str(tmp_path), make_base(V, H).lm_head)
