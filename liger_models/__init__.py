@@ -1,6 +1,30 @@
 """liger-models: natively fused Llama-family modeling files.
 
-The public API (``AutoLigerForCausalLM``, ``Liger<Family>ForCausalLM``) is exported here as the families land.
+``AutoLigerForCausalLM.from_pretrained(path)`` loads any supported HF checkpoint by its config.json ``model_type``;
+``Liger<Family>ForCausalLM`` and ``<Family>Config`` are the per-family classes.
 """
 
+from .auto import AutoLigerForCausalLM
+from .gemma import GemmaConfig, LigerGemmaForCausalLM
+from .hub import load_tokenizer
+from .llama import LigerLlamaForCausalLM, LlamaConfig
+from .mistral import LigerMistralForCausalLM, MistralConfig
+from .phi3 import LigerPhi3ForCausalLM, Phi3Config
+from .qwen2 import LigerQwen2ForCausalLM, Qwen2Config
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "AutoLigerForCausalLM",
+    "GemmaConfig",
+    "LigerGemmaForCausalLM",
+    "LigerLlamaForCausalLM",
+    "LigerMistralForCausalLM",
+    "LigerPhi3ForCausalLM",
+    "LigerQwen2ForCausalLM",
+    "LlamaConfig",
+    "MistralConfig",
+    "Phi3Config",
+    "Qwen2Config",
+    "load_tokenizer",
+]

@@ -1,0 +1,13 @@
+"""Fused building blocks every family shares: config base, RoPE tables, attention, gated MLP, decoder, LM head."""
+
+from .attention import Attention, AttentionMask
+from .cache import KVCache
+from .causal_lm import CausalLMOutput, LigerForCausalLM
+from .config import LigerConfig
+from .decoder import DecoderLayer, DecoderModel
+from .loss import shift_labels
+from .mlp import GatedMLP
+from .rope import RotaryEmbedding
+
+__all__ = ["Attention", "AttentionMask", "CausalLMOutput", "DecoderLayer", "DecoderModel", "GatedMLP", "KVCache",
+           "LigerConfig", "LigerForCausalLM", "RotaryEmbedding", "shift_labels"]

@@ -1,0 +1,53 @@
+"""AutoLigerForCausalLM: pick the family from config.json's ``model_type`` (never from a repository name)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .gemma import LigerGemmaForCausalLM
+from .hub import read_config, snapshot
+from .llama import LigerLlamaForCausalLM
+from .mistral import LigerMistralForCausalLM
+from .modules.causal_lm import LigerForCausalLM
+from .modules.config import LigerConfig
+from .phi3 import LigerPhi3ForCausalLM
+from .qwen2 import LigerQwen2ForCausalLM
+
+MODEL_CLASSES: dict[str, type[LigerForCausalLM]] = {
+    cls.config_class.model_type: cls
+    for cls in (LigerLlamaForCausalLM, LigerMistralForCausalLM, LigerQwen2ForCausalLM, LigerGemmaForCausalLM,
+                LigerPhi3ForCausalLM)
+}
+
+
+def model_class(model_type: str | None) -> type[LigerForCausalLM]:
+    """The Liger class for a config.json ``model_type``, or a clear error listing the supported ones."""
+    if model_type not in MODEL_CLASSES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}")
+    return MODEL_CLASSES[model_type]
+
+
+class AutoLigerForCausalLM:
+    """Factory only: ``from_pretrained`` / ``from_hub`` / ``from_config`` return the family's model."""
+
+    def __init__(self) -> None:
+        raise TypeError("use AutoLigerForCausalLM.from_pretrained(path), .from_hub(repo_id) or .from_config(config)")
+
+    @staticmethod
+    def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> LigerForCausalLM:
+        return model_class(read_config(path).get("model_type")).from_pretrained(path, dtype=dtype, device=device)
+
+    @staticmethod
+    def from_hub(repo_id: str, revision: str | None = None, cache_dir: str | Path | None = None,
+                 local_files_only: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> LigerForCausalLM:
+        path = snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+        return AutoLigerForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+
+    @staticmethod
+    def from_config(config: LigerConfig, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> LigerForCausalLM:
+        return model_class(config.model_type).from_config(config, dtype=dtype, device=device)

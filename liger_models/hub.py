@@ -1,0 +1,229 @@
+"""Checkpoint I/O in Hugging Face format: load, save, download, tokenizer.
+
+Loading (``load_pretrained``) builds the model on the meta device, materialises it empty in the target dtype and
+device, checks every tensor name and shape in the safetensors headers against the model before reading any data
+(missing, mis-shaped and unexpected tensors are named), then streams the shards one tensor at a time into the
+parameters (``copy_`` converts dtype and device), so host memory never holds more than one tensor of the checkpoint.
+Allowed differences from the model's state_dict: ``*.rotary_emb.inv_freq`` (stale buffers of old conversions) are
+skipped, and with tied embeddings ``lm_head.weight`` is optional and ignored (it is the embedding).
+
+Saving writes ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` above
+``max_shard_size`` (tied head stored once), and config.json with the original keys; everything is written to a
+temporary sibling directory first, then renamed over the target, so a failed save leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
+IGNORE_PATTERNS = ["original/*", "*.pth", "*.bin", "*.gguf", "*.pt"]
+_SKIPPED = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+def resolve_dir(path: str | Path) -> Path:
+    """An existing checkpoint directory with a config.json, or a clear error."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist (for a Hub repo use from_hub)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {str(path)!r}")
+    return path
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json of a checkpoint directory as a dict."""
+    with open(resolve_dir(path) / "config.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the union of the index's shards, or the single file."""
+    if (path / SAFE_INDEX).is_file():
+        with open(path / SAFE_INDEX, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{SAFE_INDEX} in {str(path)!r} names missing shard files: {missing}")
+        return [path / s for s in shards]
+    if (path / SAFE_WEIGHTS).is_file():
+        return [path / SAFE_WEIGHTS]
+    other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+    hint = f" (found {other}: only safetensors checkpoints are supported)" if other else ""
+    raise FileNotFoundError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {str(path)!r}{hint}")
+
+
+def _expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = model.state_dict(keep_vars=True)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _check_headers(files: list[Path], expected: dict[str, torch.Tensor], tied: bool) -> None:
+    """Raise naming every missing, mis-shaped or unexpected tensor before any data is read."""
+    from safetensors import safe_open
+
+    seen, unexpected, misshaped = set(), [], []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if _SKIPPED.match(name) or (tied and name == "lm_head.weight"):
+                    continue
+                if name not in expected:
+                    unexpected.append(name)
+                    continue
+                seen.add(name)
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(expected[name].shape):
+                    misshaped.append(f"{name}: checkpoint {shape} vs model {tuple(expected[name].shape)} ({file.name})")
+    missing = [n for n in expected if n not in seen]
+    problems = []
+    if "lm_head.weight" in missing:
+        problems.append("lm_head.weight is missing but tie_word_embeddings is false (untied head; a random head "
+                        "would be silently wrong)")
+    if missing:
+        problems.append(f"missing tensors: {missing[:20]}{' …' if len(missing) > 20 else ''}")
+    if misshaped:
+        problems.append("mis-shaped tensors: " + "; ".join(misshaped[:20]))
+    if unexpected:
+        problems.append(f"unexpected tensors (not in this architecture): {unexpected[:20]}")
+    if problems:
+        raise ValueError("checkpoint does not match the model config: " + " | ".join(problems))
+
+
+def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None):
+    """Instantiate ``cls`` from an HF checkpoint directory (see the module docstring)."""
+    from safetensors import safe_open
+
+    path = resolve_dir(path)
+    raw = read_config(path)
+    expected_type = cls.config_class.model_type
+    if raw.get("model_type") != expected_type:
+        raise ValueError(f"{cls.__name__} loads model_type {expected_type!r}, but {str(path)!r} has "
+                         f"{raw.get('model_type')!r} (use AutoLigerForCausalLM)")
+    config = cls.config_class.from_hf(raw)
+    dtype = dtype or config.dtype or torch.float32
+    device = torch.device(device or "cpu")
+    files = checkpoint_files(path)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype).to_empty(device=device)  # no data yet; cast on meta is free
+    model.tie_weights()
+    expected = _expected_tensors(model)
+    _check_headers(files, expected, config.tie_word_embeddings)
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name in expected:
+                        expected[name].copy_(f.get_tensor(name))
+    return model.eval()
+
+
+def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path | None = None,
+             local_files_only: bool = False) -> Path:
+    """Local snapshot directory of a Hub repo (only *.json, *.safetensors and tokenizer files are fetched).
+
+    Honours ``HF_HUB_OFFLINE`` / ``local_files_only`` (cache only, refs resolved from ``refs/``) and ``cache_dir``.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, \
+        RevisionNotFoundError
+
+    try:
+        local = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                                  allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
+    except HFValidationError as e:
+        raise ValueError(f"invalid Hub repo id {repo_id!r}: {e}") from e
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise FileNotFoundError(f"Hub repo {repo_id!r} (revision {revision or 'main'}) not found: {e}") from e
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(f"{repo_id!r} (revision {revision or 'main'}) is not in the local Hub cache "
+                                f"{str(cache_dir) if cache_dir else '(default)'} and downloads are disabled") from e
+    return resolve_dir(local)
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from 5000000, "5GB" (10^9), "500MB", "2GiB" (2^30), "200KB" …"""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", size, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse size {size!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
+    unit = m.group(2).upper()
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    return int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** power))
+
+
+def _plan_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    shards, current, size = [], [], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    return shards + [current] if current else shards
+
+
+def save_pretrained(model, directory: str | Path, *, max_shard_size: int | str = "5GB") -> None:
+    """HF-format safetensors + config.json into ``directory``, atomically (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory).expanduser().absolute()
+    state = {k: v.detach() for k, v in _expected_tensors(model).items()}
+    shards = _plan_shards(state, parse_size(max_shard_size))
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            fname = SAFE_WEIGHTS if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            # A copy per shard: packed q|k|v views share storage, which safetensors refuses; memory ≤ one shard.
+            tensors = {n: state[n].to("cpu", copy=True).contiguous() for n in names}
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, fname))
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        config = model.config.to_hf()
+        dtype_key = "torch_dtype" if "torch_dtype" in config else "dtype"
+        config[dtype_key] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if directory.exists():  # keep the user's other files (tokenizer, README) but none of the old weights
+            for p in directory.iterdir():
+                if p.is_file() and p.suffix != ".safetensors" and p.name not in (SAFE_INDEX, "config.json"):
+                    shutil.copy2(p, tmp / p.name)
+            old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(directory, old)
+            os.rename(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_tokenizer(path: str | Path):
+    """``tokenizers.Tokenizer`` from a checkpoint directory's tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    file = Path(path).expanduser() / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {str(path)!r} (only fast-tokenizer files are supported)")
+    return Tokenizer.from_file(str(file))

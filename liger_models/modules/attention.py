@@ -1,0 +1,142 @@
+"""Causal self-attention: one QKV GEMM, fused RoPE in place on its output views, SDPA / flex attention, KV cache.
+
+Numerics follow HF ``eager_attention_forward`` (scores · head_dim^-0.5, fp32 softmax inside SDPA, GQA query head h
+reads kv head h // (Hq/Hkv)). Which keys a query at absolute index i may see:
+  causal       j ≤ i
+  window W     i − j < W                    (exactly W keys including itself; HF eager/SDPA convention)
+  documents    doc[j] == doc[i]             (packed sequences: position_ids that do not step by +1 start a new doc)
+Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast path; no mask tensor); on CUDA for
+long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
+tensor); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from liger_models.kernels.rope import rope
+
+from .cache import KVCache
+from .config import LigerConfig
+from .linear import packed_linear
+
+FLEX_MIN_LEN = 512  # below this a boolean mask is cheap and SDPA avoids flex's compile
+
+
+@functools.cache
+def _flex_attention(compiled: bool):
+    """flex_attention, compiled for CUDA (uncompiled it materialises the scores; fine only for CPU tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if compiled else flex_attention
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """(B, T) index of the packed document each token belongs to, or None when every row is one document."""
+    start = position_ids[:, :1] - 1
+    docs = (torch.diff(position_ids, prepend=start, dim=-1) != 1).cumsum(-1)
+    return docs if bool(docs[:, -1].any()) else None
+
+
+class AttentionMask:
+    """Which keys each query sees in one forward call; the masks each layer needs are built once and shared."""
+
+    def __init__(self, q_len: int, past: int, documents: torch.Tensor | None, device: torch.device) -> None:
+        self.q_len, self.past, self.kv_len = q_len, past, past + q_len
+        self.documents, self.device = documents, device
+        self._masks: dict = {}
+
+    def needs_mask(self, window: int | None) -> bool:
+        return self.documents is not None or (window is not None and window < self.kv_len)
+
+    def _allowed(self, q_idx, kv_idx, window: int | None, b=None):
+        ok = kv_idx <= q_idx + self.past
+        if window is not None:
+            ok = ok & (q_idx + self.past - kv_idx < window)
+        if self.documents is not None:
+            ok = ok & (self.documents[b, q_idx] == self.documents[b, kv_idx])
+        return ok
+
+    def boolean(self, window: int | None) -> torch.Tensor:
+        """(B or 1, 1, T, past + T) True where attention is allowed."""
+        if ("bool", window) not in self._masks:
+            q_idx = torch.arange(self.q_len, device=self.device)[None, :, None]  # (1, T, 1)
+            kv_idx = torch.arange(self.kv_len, device=self.device)[None, None, :]  # (1, 1, S)
+            b = None if self.documents is None else torch.arange(self.documents.shape[0], device=self.device)
+            allowed = self._allowed(q_idx, kv_idx, window, None if b is None else b[:, None, None])
+            self._masks[("bool", window)] = allowed[:, None]  # (B or 1, 1, T, S)
+        return self._masks[("bool", window)]
+
+    def block(self, window: int | None):
+        """flex_attention BlockMask for the same rule."""
+        if ("block", window) not in self._masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            batch = None if self.documents is None else self.documents.shape[0]
+            mask_mod = lambda b, h, q_idx, kv_idx: self._allowed(q_idx, kv_idx, window, b)  # noqa: E731
+            self._masks[("block", window)] = create_block_mask(
+                mask_mod, batch, None, self.q_len, self.kv_len, device=self.device)
+        return self._masks[("block", window)]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, window: int | None,
+           scale: float, flex: str = "auto") -> torch.Tensor:
+    """softmax(q kᵀ · scale + mask) v for q (B, Hq, T, D), k/v (B, Hkv, S, D) → (B, Hq, T, D).
+
+    flex: "auto" (CUDA and T ≥ FLEX_MIN_LEN when a mask is needed), "always" or "never" (tests pick the path).
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if not mask.needs_mask(window):
+        if mask.past == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        if mask.q_len == 1:  # one new token sees the whole cache
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    elif flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN):
+        return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask.block(window), scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.boolean(window), scale=scale, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """HF-named projections (q_proj/k_proj/v_proj/o_proj, or Phi3's qkv_proj) around fused RoPE and SDPA."""
+
+    def __init__(self, config: LigerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.window = config.layer_sliding_window(layer_idx)
+        hidden, q_out, kv_out = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if config.fused_qkv:
+            self.qkv_proj = nn.Linear(hidden, q_out + 2 * kv_out, bias=config.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(hidden, q_out, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_out, hidden, bias=config.o_bias)
+        self.flex = "auto"
+
+    def packed_groups(self) -> list[list[nn.Linear]]:
+        return [] if hasattr(self, "qkv_proj") else [[self.q_proj, self.k_proj, self.v_proj]]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask,
+                cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        if hasattr(self, "qkv_proj"):
+            qkv = self.qkv_proj(x)
+        else:
+            qkv = packed_linear(x, [self.q_proj, self.k_proj, self.v_proj])  # (B, T, (Hq + 2 Hkv) D)
+        q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim
+        q = qkv[..., :q_end].unflatten(-1, (self.num_heads, self.head_dim))  # (B, T, Hq, D) view
+        k = qkv[..., q_end:k_end].unflatten(-1, (self.num_kv_heads, self.head_dim))  # (B, T, Hkv, D) view
+        v = qkv[..., k_end:].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = rope(q, k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, D)
+        out = attend(q, k, v, mask, self.window, self.scale, self.flex)  # (B, Hq, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))

@@ -1,0 +1,31 @@
+"""KV cache for incremental decoding: per layer, keys and values after RoPE in preallocated (B, Hkv, capacity, D)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Grows by doubling when a call writes past its capacity; ``update`` returns views up to the filled length."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        self.capacity = capacity
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def seq_length(self) -> int:
+        """Tokens cached so far (layer 0's count, so it is the past length during a forward call)."""
+        return self._layers[0][2] if 0 in self._layers else 0
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, Hkv, T, D); return all cached keys and values (B, Hkv, past + T, D)."""
+        keys, values, length = self._layers.get(layer_idx, (None, None, 0))
+        end = length + k.shape[2]
+        if keys is None or end > keys.shape[2]:
+            size = max(end, self.capacity, 2 * (0 if keys is None else keys.shape[2]))
+            grown = [t.new_empty(t.shape[0], t.shape[1], size, t.shape[3]) for t in (k, v)]
+            if keys is not None:
+                grown[0][:, :, :length], grown[1][:, :, :length] = keys[:, :, :length], values[:, :, :length]
+            keys, values = grown
+        keys[:, :, length:end], values[:, :, length:end] = k, v
+        self._layers[layer_idx] = (keys, values, end)
+        return keys[:, :, :end], values[:, :, :end]

@@ -1,0 +1,209 @@
+"""The config every family shares: HF field names, family defaults, and config.json parsing.
+
+``LigerConfig.from_hf(d)`` reads a config.json dict as written by any transformers version (MODELS.md §1.1, §3, §6.14):
+``rope_parameters`` (v5) or ``rope_scaling`` + ``rope_theta`` (v4), ``type`` or ``rope_type``, ``torch_dtype`` or
+``dtype``. The rope spec is canonicalised into ``rope_theta`` plus ``rope_scaling`` (``None`` for default RoPE, else a
+dict with ``rope_type``). Fields this dataclass does not model are kept in ``extra`` so ``to_hf()`` writes them back.
+
+Families subclass it, re-declare the fields whose HF defaults differ and set the class-level switches below; the
+modeling code reads only fields and switches, never a family name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
+}
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "gelu": "gelu"}
+
+
+@dataclass
+class LigerConfig:
+    """Decoder-only transformer config with Hugging Face field names (defaults: HF ``LlamaConfig``)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    partial_rotary_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    extra: dict = field(default_factory=dict, repr=False)
+
+    # Family switches (class-level; set by each family's subclass).
+    model_type: ClassVar[str] = ""
+    architecture: ClassVar[str] = ""
+    norm_casting: ClassVar[str] = "llama"  # "gemma": (1 + w) in fp32 with one final cast
+    scale_embeddings: ClassVar[bool] = False  # h = E[ids] * sqrt(hidden) rounded to the activation dtype
+    fused_qkv: ClassVar[bool] = False  # one qkv_proj tensor (Phi3) instead of q_proj / k_proj / v_proj
+    fused_gate_up: ClassVar[bool] = False  # one gate_up_proj tensor (Phi3) instead of gate_proj / up_proj
+    rope_type_aliases: ClassVar[dict] = {}  # e.g. Phi3: {"su": "longrope", "yarn": "longrope"}
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.activation not in ("silu", "gelu", "gelu_tanh"):
+            raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: {sorted(_ACTIVATIONS)})")
+        self.rope_scaling = self._check_rope(self.rope_scaling)
+
+    # ---- derived properties the modeling code reads -------------------------------------------------------
+    @property
+    def activation(self) -> str:
+        """'silu', 'gelu' (exact erf) or 'gelu_tanh'."""
+        return _ACTIVATIONS.get(self.hidden_act, self.hidden_act)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The checkpoint's parameter dtype, if config.json names one."""
+        return getattr(torch, self.torch_dtype) if isinstance(self.torch_dtype, str) else None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """Keys visible to a query in this layer: exactly W tokens including itself, or None for full causal."""
+        return self.sliding_window
+
+    # ---- construction -----------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, d: dict) -> "LigerConfig":
+        """Build from a config.json dict (any transformers version); unknown keys are kept in ``extra``."""
+        d = dict(d)
+        if cls.model_type and d.get("model_type", cls.model_type) != cls.model_type:
+            raise ValueError(f"{cls.__name__} expects model_type {cls.model_type!r}, got {d.get('model_type')!r}")
+        d = cls._normalise_hf(d)
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k not in names}
+        return cls(**known, extra=extra)
+
+    @classmethod
+    def _normalise_hf(cls, d: dict) -> dict:
+        """Map HF spellings onto fields: dtype, rope dicts (v4 and v5), family defaults for absent keys."""
+        if "dtype" in d and "torch_dtype" not in d:
+            d["torch_dtype"] = d["dtype"]
+        d["_dtype_key"] = "dtype" if "dtype" in d else "torch_dtype"
+        d.pop("dtype", None)
+        if isinstance(d.get("torch_dtype"), str) and d["torch_dtype"] not in ("auto",):
+            if not isinstance(getattr(torch, d["torch_dtype"], None), torch.dtype):
+                raise ValueError(f"unknown dtype {d['torch_dtype']!r} in config")
+        elif d.get("torch_dtype") == "auto":
+            d["torch_dtype"] = None
+        # transformers v5 gives rope_scaling priority over rope_parameters when both are present.
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        d["_rope_key"] = "rope_parameters" if "rope_parameters" in d else "rope_scaling"
+        d.pop("rope_parameters", None)
+        if not isinstance(rope, dict):
+            raise ValueError(f"rope_scaling/rope_parameters must be a dict, got {rope!r}")
+        if any(isinstance(v, dict) for v in rope.values()):
+            raise ValueError(f"per-layer-type rope parameters are not supported: {sorted(rope)}")
+        rope = dict(rope)
+        d["rope_theta"] = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        prf = rope.pop("partial_rotary_factor", None)
+        d["partial_rotary_factor"] = float(prf if prf is not None else d.get("partial_rotary_factor", 1.0))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        rope_type = cls.rope_type_aliases.get(rope_type, rope_type)
+        if rope_type == "default":
+            d["rope_scaling"] = None
+        else:
+            rope["rope_type"] = rope_type
+            if rope_type in ("llama3", "longrope") and not rope.get("original_max_position_embeddings"):
+                rope["original_max_position_embeddings"] = d.get("max_position_embeddings", cls.max_position_embeddings)
+            d["rope_scaling"] = rope
+        return d
+
+    def _check_rope(self, rope: dict | None) -> dict | None:
+        if rope is None:
+            return None
+        rope = dict(rope)
+        rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope_type = rope["rope_type"] = self.rope_type_aliases.get(rope_type, rope_type)
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        if rope_type == "default":
+            return None
+        for key in _ROPE_REQUIRED[rope_type]:
+            if rope.get(key) is None:
+                raise ValueError(f"rope type {rope_type!r} needs rope_scaling[{key!r}]")
+        if rope_type in ("llama3", "longrope"):
+            rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        if rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(rope[key]) != self.rotary_dim // 2:
+                    raise ValueError(f"rope_scaling[{key!r}] has {len(rope[key])} entries, expected "
+                                     f"rotary_dim/2 = {self.rotary_dim // 2}")
+        return rope
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "LigerConfig":
+        """A small random-init config for tests and demos (hidden 64, 2 layers, vocab 128); ``overrides`` win."""
+        base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        base.update(overrides)
+        return cls(**base)
+
+    def to_hf(self) -> dict:
+        """config.json dict: the original keys kept, our fields written back in the key style they came in."""
+        d = {k: v for k, v in self.extra.items() if not k.startswith("_")}
+        for f in dataclasses.fields(self):
+            if f.name not in ("extra", "torch_dtype", "rope_theta", "rope_scaling", "partial_rotary_factor"):
+                d[f.name] = getattr(self, f.name)
+        d["model_type"], d["architectures"] = self.model_type, [self.architecture]
+        d[self.extra.get("_dtype_key", "dtype")] = self.torch_dtype
+        rope = dict(self.rope_scaling or {"rope_type": "default"})
+        if self.extra.get("_rope_key") == "rope_parameters":
+            d["rope_parameters"] = {"rope_theta": self.rope_theta, **rope}
+            if self.partial_rotary_factor != 1.0:
+                d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+        else:
+            d["rope_theta"], d["rope_scaling"] = self.rope_theta, self.rope_scaling
+            if self.partial_rotary_factor != 1.0:
+                d["partial_rotary_factor"] = self.partial_rotary_factor
+        return d
+
+    @property
+    def embed_scale(self) -> float:
+        """Multiplier of the embeddings when ``scale_embeddings`` (rounded to the activation dtype by the model)."""
+        return math.sqrt(self.hidden_size)

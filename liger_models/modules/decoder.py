@@ -1,0 +1,88 @@
+"""Decoder layer and decoder stack with the residual stream carried through fused add + RMSNorm.
+
+HF computes, per layer, ``h = h + attn(norm_in(h)); h = h + mlp(norm_post(h))`` and finally ``norm(h)``. Here each
+norm also does the preceding residual add: a layer receives (x, residual) where the true stream is x + residual,
+and ``add_rms_norm`` returns both the normalised input and the new stream in one pass. The first layer's input
+norm sees the embeddings alone; the final norm folds in the last MLP output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from liger_models.kernels.rms_norm import RMSNorm
+
+from .attention import Attention, AttentionMask, document_ids
+from .cache import KVCache
+from .config import LigerConfig
+from .mlp import GatedMLP
+from .rope import RotaryEmbedding
+
+
+def make_norm(config: LigerConfig) -> RMSNorm:
+    gemma = config.norm_casting == "gemma"
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0 if gemma else 0.0, casting=config.norm_casting)
+
+
+class DecoderLayer(nn.Module):
+    """HF names: input_layernorm, self_attn, post_attention_layernorm, mlp."""
+
+    def __init__(self, config: LigerConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(config)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                mask: AttentionMask, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream before it); their sum is HF's layer output."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        a = self.self_attn(h, cos, sin, mask, cache)
+        h, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    """HF ``<Family>Model``: embed_tokens, layers, norm. Returns hidden states after the final norm."""
+
+    def __init__(self, config: LigerConfig) -> None:
+        super().__init__()
+        self.config = config
+        pad = config.pad_token_id if config.pad_token_id is not None and 0 <= config.pad_token_id < config.vocab_size \
+            else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = make_norm(config)
+        self.rotary = RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids (B, T) → hidden (B, T, H). position_ids restarting at 0 mark packed documents (no cache)."""
+        B, T = input_ids.shape
+        past = cache.seq_length() if cache is not None else 0
+        documents = None
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=input_ids.device)[None]  # (1, T)
+        elif cache is None:
+            documents = document_ids(position_ids.expand(B, T))
+        x = self.embed_tokens(input_ids)  # (B, T, H)
+        if self.config.scale_embeddings:  # √H rounded to the activation dtype first, as HF does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        cos, sin = self.rotary(position_ids)  # (B or 1, T, R) fp32
+        mask = AttentionMask(T, past, documents, input_ids.device)
+        residual = None
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x, residual = checkpoint(layer, x, residual, cos, sin, mask, cache, use_reentrant=False)
+            else:
+                x, residual = layer(x, residual, cos, sin, mask, cache)
+        if residual is None:
+            return self.norm(x)
+        return self.norm(x, residual)[0]

@@ -1,0 +1,72 @@
+"""Plain autoregressive generation with a KV cache: greedy, or sampling with temperature / top-k / top-p.
+
+Prompts in a batch share one length (no padding, so positions are simply 0..T−1). A row that emitted an EOS token
+is filled with ``pad_token_id`` (else its first EOS id) until every row is done or ``max_new_tokens`` is reached.
+When the rotary table for cached positions would change (longrope crossing original_max_position_embeddings), the
+cache is dropped and the whole sequence is recomputed, as HF's Phi3 does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import KVCache
+
+
+def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (B,) from last-position logits (B, V)."""
+    logits = logits.float()
+    if not do_sample:
+        return logits.argmax(-1)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # the mass before this token already exceeds top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, T) prompt → (B, T + n) tokens, n ≤ max_new_tokens. eos/pad default to the config's ids."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+    eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
+    eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), device=input_ids.device)
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+    rotary = model.model.rotary
+    capacity = input_ids.shape[1] + max_new_tokens
+
+    def prefill(tokens: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+        cache = KVCache(capacity)
+        return model(tokens, num_logits_to_keep=1, past_key_values=cache, use_cache=True).logits[:, -1], cache
+
+    logits, cache = prefill(input_ids)
+    regime = rotary.regime(input_ids.shape[1])
+    tokens, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                          generator=generator)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        done = done | torch.isin(nxt, eos)
+        if step == max_new_tokens - 1 or bool(done.all()):
+            break
+        if rotary.regime(tokens.shape[1]) != regime:
+            regime = rotary.regime(tokens.shape[1])
+            logits, cache = prefill(tokens)
+        else:
+            out = model(nxt[:, None], num_logits_to_keep=1, past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+    return tokens

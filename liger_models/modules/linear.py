@@ -1,0 +1,83 @@
+"""One GEMM for several projections of the same input (q|k|v, gate|up) while parameters keep HF names.
+
+``pack_linears_`` re-points the weights (and biases) of sibling ``nn.Linear`` modules into one contiguous buffer,
+keeping each Parameter object (``param.data = view``), so ``state_dict`` keys, optimizers and ``named_parameters``
+are unchanged. ``packed_linear`` then runs a single GEMM against the aliasing (sum of rows, in) view; its backward
+computes dX and the stacked dW with one GEMM each and hands every parameter its slice. When the parameters are not
+back to back in memory (e.g. after ``load_state_dict(assign=True)`` or under FSDP) it concatenates them on the fly,
+in forward and again in backward, so nothing weight-sized is ever saved for backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors stacked along dim 0: an aliasing view when they lie back to back in one storage, else a copy."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    aliased = first.device.type != "meta"
+    for t in tensors:
+        if (not t.is_contiguous() or t.storage_offset() != offset
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            aliased = False
+            break
+        offset += t.numel()
+    if not aliased:
+        return torch.cat([t.detach() for t in tensors])
+    rows = sum(t.shape[0] for t in tensors)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+
+class _PackedLinear(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x: torch.Tensor, n: int, *params: torch.Tensor) -> torch.Tensor:
+        weights, biases = list(params[:n]), list(params[n:])
+        ctx.n, ctx.has_bias = n, bool(biases)
+        ctx.rows = [w.shape[0] for w in weights]
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, _stacked(weights), _stacked(biases) if biases else None)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_out: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1])  # (N, sum rows)
+        dx = (g @ _stacked(weights)).view(x.shape) if ctx.needs_input_grad[0] else None
+        dws = [None] * ctx.n
+        if any(ctx.needs_input_grad[2 : 2 + ctx.n]):
+            dws = list((g.t() @ x.reshape(-1, x.shape[-1])).split(ctx.rows))  # one GEMM, sliced per weight
+        dbs = list(g.sum(0).split(ctx.rows)) if ctx.has_bias else []
+        return (dx, None, *dws, *dbs)
+
+
+def packed_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
+    """``cat([l(x) for l in linears], -1)`` computed with one GEMM; output (..., sum of out_features)."""
+    params = [lin.weight for lin in linears]
+    if linears[0].bias is not None:
+        params += [lin.bias for lin in linears]
+    return _PackedLinear.apply(x, len(linears), *params)
+
+
+def pack_linears_(linears: list[nn.Linear]) -> None:
+    """Move the weights (and biases) of ``linears`` into one buffer each, in order, keeping Parameter identity.
+
+    Skipped on the meta device and for tensor subclasses (e.g. FSDP's DTensor), where packed_linear concatenates.
+    """
+    for attr in ("weight", "bias"):
+        params = [getattr(lin, attr) for lin in linears]
+        if params[0] is None or any(type(p.data) is not torch.Tensor or p.is_meta or p.dtype != params[0].dtype
+                                    or p.device != params[0].device for p in params):
+            continue
+        buffer = torch.empty((sum(p.shape[0] for p in params), *params[0].shape[1:]),
+                             dtype=params[0].dtype, device=params[0].device)
+        start = 0
+        for p in params:
+            view = buffer[start : start + p.shape[0]]
+            view.copy_(p.data)
+            p.data = view
+            start += p.shape[0]

@@ -1,0 +1,111 @@
+"""Rotary position embedding tables: the five HF RoPE variants, as cos/sin in fp32 for the fused rope kernel.
+
+inv_freq (fp32, length R/2 where R = int(head_dim * partial_rotary_factor), θ = rope_theta):
+  default   1 / θ^(2i/R)
+  linear    default / factor
+  dynamic   default with θ' = θ · (factor·L/max_pos − (factor − 1))^(R/(R−2)), L = max(seq_len, max_pos)
+  llama3    wavelen = 2π/inv; keep where wavelen < L0/high, divide by factor where wavelen > L0/low, blend between
+  longrope  1 / (ext_i · θ^(2i/R)), ext = long_factor if seq_len > L0 else short_factor; cos and sin are ALWAYS
+            multiplied by attention_factor (given, else sqrt(1 + ln(factor)/ln L0) with factor = max_pos/L0 when
+            absent, 1 when factor ≤ 1)
+seq_len = max(position_ids) + 1 of the current call; it is used on device (torch.where), so there is no host sync.
+The tables follow HF v5 ``*RotaryEmbedding.forward``: freqs = pos[..., None] · inv_freq, emb = cat(freqs, freqs).
+Unlike HF's dynamic variant this is stateless: the table depends only on the current call's positions, which is the
+same thing during left-to-right generation. inv_freq is a plain attribute, never a buffer, so ``model.to(bf16)``
+cannot round it (MODELS.md §6.10) and a meta-device skeleton still has it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import LigerConfig
+
+
+def _powers(theta: float | torch.Tensor, dim: int, device=None) -> torch.Tensor:
+    """θ^(2i/R) in fp32, i = 0 … R/2 − 1 (HF's exact op order, so tables match bit for bit)."""
+    return theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def longrope_attention_factor(config: LigerConfig) -> float:
+    """cos/sin multiplier of longrope (1.190238 for Phi-3-mini-128k)."""
+    rope = config.rope_scaling
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+class RotaryEmbedding(nn.Module):
+    """Builds (cos, sin) of shape (B or 1, T, R) in fp32 for given position_ids; holds no parameters or buffers."""
+
+    def __init__(self, config: LigerConfig) -> None:
+        super().__init__()
+        self.dim = config.rotary_dim
+        self.theta = config.rope_theta
+        self.max_positions = config.max_position_embeddings
+        self.rope = dict(config.rope_scaling or {"rope_type": "default"})
+        self.rope_type = self.rope["rope_type"]
+        self.attention_factor = longrope_attention_factor(config) if self.rope_type == "longrope" else 1.0
+        # Built on the CPU explicitly: a meta-device skeleton (torch.device("meta") context) must still get real tables.
+        inv_freq = 1.0 / _powers(self.theta, self.dim, "cpu")
+        if self.rope_type == "linear":
+            inv_freq = inv_freq / self.rope["factor"]
+        elif self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, self.rope)
+        elif self.rope_type == "longrope":
+            base = _powers(self.theta, self.dim, "cpu")
+            self._long = 1.0 / (torch.tensor(self.rope["long_factor"], dtype=torch.float32, device="cpu") * base)
+            inv_freq = 1.0 / (torch.tensor(self.rope["short_factor"], dtype=torch.float32, device="cpu") * base)
+        self._inv_freq = inv_freq
+        self._on_device: dict = {}
+
+    def _table(self, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, device)
+        if key not in self._on_device:
+            self._on_device[key] = getattr(self, name).to(device)
+        return self._on_device[key]
+
+    def regime(self, seq_len: int) -> object:
+        """A key that changes when the table for already-cached positions would change (longrope's switch)."""
+        if self.rope_type == "longrope":
+            return seq_len > self.rope["original_max_position_embeddings"]
+        return None
+
+    def inv_freq(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """inv_freq for this call (R/2,) fp32, on position_ids' device."""
+        device = position_ids.device
+        inv_freq = self._table("_inv_freq", device)
+        if self.rope_type == "longrope":
+            seq_len = position_ids.max() + 1
+            original = self.rope["original_max_position_embeddings"]
+            inv_freq = torch.where(seq_len > original, self._table("_long", device), inv_freq)
+        elif self.rope_type == "dynamic":
+            factor = self.rope["factor"]
+            seq_len = torch.clamp(position_ids.max() + 1, min=self.max_positions).float()
+            theta = self.theta * ((factor * seq_len / self.max_positions) - (factor - 1)) ** (self.dim / (self.dim - 2))
+            inv_freq = 1.0 / _powers(theta, self.dim, device)
+        return inv_freq
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq(position_ids)  # (B, T, R/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, R)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
