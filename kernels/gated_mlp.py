@@ -29,6 +29,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from ._dispatch import row_view, use_triton
+from ._rounding import cast_rtne
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
@@ -80,7 +81,7 @@ def _gated_fwd_kernel(
     x = tl.load(GATE + rows[:, None] * stride_gate_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_up_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_grad(x, ACT)
-    tl.store(OUT + rows[:, None] * stride_out_row + cols[None, :], (a * u).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + rows[:, None] * stride_out_row + cols[None, :], cast_rtne(a * u, OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -98,8 +99,8 @@ def _gated_bwd_kernel(
     u = tl.load(UP + rows[:, None] * stride_up_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     a, da = _act_and_grad(x, ACT)
     dtype = DGATE.dtype.element_ty
-    tl.store(DGATE + rows[:, None] * stride_dgate_row + cols[None, :], (dy * u * da).to(dtype), mask=mask)
-    tl.store(DUP + rows[:, None] * stride_dup_row + cols[None, :], (dy * a).to(dtype), mask=mask)
+    tl.store(DGATE + rows[:, None] * stride_dgate_row + cols[None, :], cast_rtne(dy * u * da, dtype), mask=mask)
+    tl.store(DUP + rows[:, None] * stride_dup_row + cols[None, :], cast_rtne(dy * a, dtype), mask=mask)
 
 
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int, int]:

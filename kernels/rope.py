@@ -29,6 +29,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from ._dispatch import use_triton
+from ._rounding import cast_rtne
 
 
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +64,8 @@ def _rotate_heads(
         dst = DST + dst_base + heads.to(tl.int64)[:, None] * stride_dst_h + cols[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst, (x1 * cos1 - x2 * sin1).to(DST.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, (x2 * cos2 + x1 * sin2).to(DST.dtype.element_ty), mask=mask)
+        tl.store(dst, cast_rtne(x1 * cos1 - x2 * sin1, DST.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, cast_rtne(x2 * cos2 + x1 * sin2, DST.dtype.element_ty), mask=mask)
         if TAIL > 0:
             tail = tl.arange(0, BLOCK_TAIL)
             tail_mask = (heads[:, None] < N_HEADS) & (tail[None, :] < TAIL)
