@@ -1,0 +1,179 @@
+"""The ``liger-models`` command line: ``demo``, ``train`` (causal-LM fine-tuning) and ``train-medusa``.
+
+Several GPUs: launch the same command with ``torchrun --nproc-per-node N -m liger_models.cli ...`` (FSDP2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {n}")
+    return n
+
+
+def _non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {n}")
+    return n
+
+
+def _schedule(value: str) -> str:
+    from liger_models.medusa.config import check_scheduler
+
+    try:
+        check_scheduler(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help: str, out_default: str) -> None:
+    p.add_argument("--model", required=True, help="model directory (HF format with tokenizer.json) or Hub repo id")
+    p.add_argument("--data", required=True, nargs="+", metavar="FILE",
+                   help='.txt (one document per file) or .jsonl ({"text": ...} or {"messages": [...]} per line)')
+    p.add_argument("--chat-template", default="auto", choices=("auto", "model", "simple"),
+                   help="chat JSONL rendering: the model's jinja template, or the documented role-tagged one "
+                        "(auto: the model's when it has one); loss on assistant turns only")
+    p.add_argument("--seq-len", type=_positive, default=1024, help="tokens per packed sequence (default 1024)")
+    p.add_argument("--batch-size", type=_positive, default=8, help="sequences per micro-batch per GPU (default 8)")
+    p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--max-steps", type=_positive, default=1000, help="optimizer steps (default 1000)")
+    p.add_argument("--lr", type=float, default=lr_default, help=lr_help)
+    p.add_argument("--warmup-steps", type=_non_negative, default=None,
+                   help="linear warmup steps, then cosine decay (default 5%% of --max-steps)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR / peak LR of the cosine (default 0.1)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on matrices (default 0)")
+    p.add_argument("--beta1", type=float, default=0.9)
+    p.add_argument("--beta2", type=float, default=0.95)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 disables (default 1.0)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="parameter dtype; bf16 is pure bf16 (weights, grads, AdamW moments); auto = bf16 on CUDA, "
+                        "fp32 on CPU")
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: CUDA when available")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder layer's activations in backward (less memory, ~30%% more compute)")
+    p.add_argument("--output-dir", default=out_default, help=f"metrics.jsonl and checkpoints/ (default {out_default})")
+    p.add_argument("--save-every", type=_non_negative, default=500,
+                   help="checkpoint every N steps (always at the end; 0: only at the end)")
+    p.add_argument("--keep-last", type=_positive, default=2, help="checkpoints to keep (default 2)")
+    p.add_argument("--resume", default=None, metavar="auto|DIR",
+                   help="continue from a checkpoint directory, or 'auto' = the newest one in --output-dir if any")
+    p.add_argument("--log-every", type=_positive, default=10, help="progress line every N steps (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``liger-models`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="liger-models",
+        description="Natively fused Llama-family models: training, Medusa heads and a demo. "
+                    "Multi-GPU: torchrun --nproc-per-node N -m liger_models.cli <command> ... (FSDP2).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,train,train-medusa}")
+
+    demo = sub.add_parser("demo", help="train a small Llama + Medusa heads on the bundled Shakespeare text",
+                          description="With no --model: train a byte-level BPE tokenizer (2K vocab) on the bundled "
+                                      "tiny-Shakespeare text, pre-train a small Llama-architecture model on it, then "
+                                      "train Medusa heads (stage 1) and print their accuracies, a sample and where the "
+                                      "checkpoints are. A few minutes on a CPU, less on a GPU.")
+    demo.add_argument("--output-dir", default="runs/demo", help="where everything is written (default runs/demo)")
+    demo.add_argument("--model", default=None, help="skip pre-training: train heads on this model directory")
+    demo.add_argument("--quick", action="store_true", help="a tiny model and a few steps (seconds; for tests)")
+    demo.add_argument("--pretrain-steps", type=_non_negative, default=None, help="override the pre-training steps")
+    demo.add_argument("--medusa-steps", type=_positive, default=None, help="override the Medusa training steps")
+    demo.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: CUDA when available")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_run_demo)
+
+    train = sub.add_parser("train", help="causal-LM fine-tuning (fused linear-cross-entropy loss)",
+                           description="Fine-tune a model on text or chat data with packed sequences.")
+    _add_common(train, lr_default=2e-5, lr_help="peak learning rate (default 2e-5)", out_default="runs/train")
+    train.set_defaults(func=_run_train)
+
+    medusa = sub.add_parser("train-medusa", help="train Medusa heads (stage 1) or heads + base (stage 2)",
+                            description="Medusa-1 (stage 1: frozen base, heads only) or Medusa-2 (stage 2: joint, "
+                                        "base loss on, heads at --head-lr-multiplier × LR). Head k (1..K) predicts "
+                                        "the token k+1 ahead with loss weight lambda0·decay^k·schedule(step).")
+    _add_common(medusa, lr_default=None, out_default="runs/medusa",
+                lr_help="base learning rate; heads train at lr × --head-lr-multiplier (default: 2.5e-4 in stage 1, "
+                        "i.e. heads at 1e-3; 2e-5 in stage 2)")
+    medusa.add_argument("--stage", type=int, choices=(1, 2), default=1, help="1: heads only; 2: joint (default 1)")
+    medusa.add_argument("--num-heads", type=_positive, default=5, help="Medusa heads (default 5)")
+    medusa.add_argument("--num-layers", type=_non_negative, default=1, help="ResBlocks per head (default 1)")
+    medusa.add_argument("--share-lm-head", action="store_true",
+                        help="project with the frozen base lm_head (Medusa 'version 2') instead of per-head copies")
+    medusa.add_argument("--init-heads", default=None, metavar="DIR",
+                        help="start from trained heads (e.g. stage 2 from a stage-1 checkpoint)")
+    medusa.add_argument("--head-lr-multiplier", type=float, default=4.0, help="heads' LR multiplier (default 4)")
+    medusa.add_argument("--schedule", type=_schedule, default="constant",
+                        help="heads' loss-weight warmup: constant | linear | sine | sine_<r> (default constant)")
+    medusa.add_argument("--lambda0", type=float, default=0.2, help="heads' loss coefficient (default 0.2)")
+    medusa.add_argument("--decay", type=float, default=0.8, help="per-head weight decay^k (default 0.8)")
+    medusa.add_argument("--base-loss-weight", type=float, default=None,
+                        help="stage-2 weight of the base CE (default 1; stage 1 has none)")
+    medusa.set_defaults(func=_run_medusa)
+    return parser
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    for path in args.data:
+        p = Path(path)
+        if not p.is_file():
+            raise SystemExit(f"liger-models: error: --data {path}: no such file")
+        if p.suffix not in (".txt", ".jsonl"):
+            raise SystemExit(f"liger-models: error: --data {path}: expected a .txt or .jsonl file")
+    init = getattr(args, "init_heads", None)
+    if init is not None and not Path(init).is_dir():
+        raise SystemExit(f"liger-models: error: --init-heads {init}: no such directory")
+    if args.resume not in (None, "auto") and not Path(args.resume).is_dir():
+        raise SystemExit(f"liger-models: error: --resume {args.resume}: no such directory (or use 'auto')")
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    from liger_models.train.run import train_causal_lm
+
+    _check_paths(args)
+    train_causal_lm(args)
+
+
+def _run_medusa(args: argparse.Namespace) -> None:
+    from liger_models.train.run import train_medusa
+
+    _check_paths(args)
+    train_medusa(args)
+
+
+def _run_demo(args: argparse.Namespace) -> None:
+    from liger_models.train.demo import run_demo
+
+    run_demo(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``liger-models`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (FileNotFoundError, ValueError) as exc:
+        # User errors (bad paths, data, arguments) get one clear line; LIGER_DEBUG=1 shows the traceback.
+        if os.environ.get("LIGER_DEBUG"):
+            raise
+        print(f"liger-models: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("liger-models: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Atomic training checkpoints and the state that makes a resumed run bit-identical.
+
+Layout under ``<output_dir>/checkpoints``::
+
+    step_000200/            one complete checkpoint
+        <model files>       written by the caller (HF / Medusa format: usable as they are)
+        trainer_state.pt    step, optimizer, LR scheduler, data position, every rank's RNG states, run arguments
+    latest                  the name of the newest complete checkpoint
+
+A checkpoint is written into a hidden temporary directory, flushed to disk, and only then renamed to its final
+name; ``latest`` is replaced the same way. A crash or exception mid-save therefore leaves the previous checkpoint and
+``latest`` untouched (the partial directory is removed, or ignored by :func:`find_latest` after a hard kill).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+STATE_FILE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def rng_state() -> dict:
+    """Every RNG a training step may draw from (Python, torch CPU, and the current CUDA device)."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` captured."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_tree(root: Path) -> None:
+    # Data must be on disk before the rename publishes it; otherwise a power loss can publish empty files.
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically (temporary file in the same directory, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    write_model: Callable[[Path], None],
+    trainer_state: dict,
+    keep_last: int | None = None,
+) -> Path:
+    """Write a complete checkpoint for ``step`` atomically and return its directory.
+
+    ``write_model(tmp_dir)`` writes the model files; ``trainer_state`` is saved with ``torch.save``. Keeps only the
+    newest ``keep_last`` checkpoints when given. Call on one process (rank 0) with already-gathered state.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f".{final.name}.{uuid.uuid4().hex}.tmp"
+    tmp.mkdir()
+    try:
+        write_model(tmp)
+        torch.save({**trainer_state, "step": step}, tmp / STATE_FILE)
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
+            old = root / f".{final.name}.{uuid.uuid4().hex}.old"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    write_text_atomic(root / "latest", final.name + "\n")
+    if keep_last:
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoint directories under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found) if (p / STATE_FILE).is_file()]
+
+
+def find_latest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` (``latest`` if valid, else the highest step), or None."""
+    root = Path(root)
+    pointer = root / "latest"
+    if pointer.is_file():
+        candidate = root / pointer.read_text(encoding="utf-8").strip()
+        if (candidate / STATE_FILE).is_file():
+            return candidate
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path:
+    """``--resume auto`` → newest checkpoint of this run; else a checkpoint directory (or a checkpoints root)."""
+    target = Path(output_dir) / "checkpoints" if resume == "auto" else Path(resume)
+    if (target / STATE_FILE).is_file():
+        return target
+    latest = find_latest(target)
+    if latest is None:
+        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint (with {STATE_FILE}) under {target}")
+    return latest
+
+
+def load_trainer_state(ckpt_dir: str | os.PathLike) -> dict:
+    """The ``trainer_state.pt`` of a checkpoint directory."""
+    path = Path(ckpt_dir) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"not a checkpoint: {path} is missing")
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,397 @@
+"""Training data: tokenizers, plain-text and chat JSONL documents, packing, and a resumable batch stream.
+
+Documents
+    ``.txt``    the whole file is one document; every token is trained on.
+    ``.jsonl``  one document per line: ``{"text": ...}`` (every token trained) or
+                ``{"messages": [{"role": ..., "content": ...}, ...]}`` (chat: loss on assistant turns only).
+
+Chat rendering
+    ``template="model"`` renders the model's own ``chat_template`` from ``tokenizer_config.json`` with jinja2 (the
+    sandboxed environment HF uses). Assistant spans are found by rendering growing prefixes of the conversation: the
+    text between ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i+1])`` is turn i, so
+    the loss covers the assistant's content plus the template's end-of-turn marker and nothing the user wrote. A
+    template that rewrites earlier turns (not prefix-stable) is rejected with a clear error.
+    ``template="simple"`` needs no jinja and is fully documented here::
+
+        <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}{eos}\\n
+
+    (role tags are plain text; ``{eos}`` is the tokenizer's end-of-sequence token when it has one). The loss covers
+    each assistant ``{content}{eos}``. ``template="auto"`` picks "model" when jinja2 and a template exist.
+
+Packing
+    Documents (BOS/EOS added the way the model's tokenizer does) are concatenated into one stream and cut into
+    windows of ``seq_len`` tokens; a document may continue into the next window. ``position_ids`` restart at 0 at
+    every document start and at every window start, which is how the models and the Medusa heads see boundaries
+    (attention and every shifted label stop there). Labels are HF-aligned (= input ids, -100 where no loss); the
+    last window is padded with ignored tokens.
+
+Batches
+    :class:`BatchStream` walks an endless sequence of epochs, each a seeded permutation of the windows. Its whole
+    state is ``(seed, consumed)``: a resumed run draws exactly the batches the interrupted one would have drawn.
+    With several ranks, global micro-batch j is windows ``[j·B·W, (j+1)·B·W)`` of that sequence and rank r takes
+    the r-th slice of B, so W ranks × B equals one rank × (B·W) sample for sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+IGNORE_INDEX = -100
+SIMPLE_ROLES = ("system", "user", "assistant")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+@dataclass
+class SpecialTokens:
+    """The ids and texts of BOS/EOS (None when the tokenizer has none) and whether encoding adds BOS itself."""
+
+    bos_id: int | None = None
+    eos_id: int | None = None
+    bos_text: str = ""
+    eos_text: str = ""
+    adds_bos: bool = False
+    chat_template: str | None = None
+
+    @property
+    def pad_id(self) -> int:
+        return self.eos_id if self.eos_id is not None else 0
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json stores special tokens as a string or as an AddedToken dict {"content": ...}.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_special_tokens(tokenizer: Tokenizer, model_dir: str | os.PathLike | None) -> SpecialTokens:
+    """BOS/EOS and the chat template from ``tokenizer_config.json`` (falling back to ``config.json``'s ids)."""
+    tok_cfg, model_cfg = {}, {}
+    if model_dir is not None:
+        for name, target in (("tokenizer_config.json", tok_cfg), ("config.json", model_cfg)):
+            path = Path(model_dir) / name
+            if path.is_file():
+                target.update(json.loads(path.read_text(encoding="utf-8")))
+    special = SpecialTokens()
+    for kind in ("bos", "eos"):
+        text = _token_text(tok_cfg.get(f"{kind}_token"))
+        tid = tokenizer.token_to_id(text) if text else None
+        if tid is None:
+            cfg_id = model_cfg.get(f"{kind}_token_id")
+            tid = cfg_id[0] if isinstance(cfg_id, list) and cfg_id else cfg_id
+            text = tokenizer.id_to_token(tid) if isinstance(tid, int) else None
+        if isinstance(tid, int):
+            setattr(special, f"{kind}_id", tid)
+            setattr(special, f"{kind}_text", text or "")
+    probe = tokenizer.encode("a", add_special_tokens=True).ids
+    special.adds_bos = special.bos_id is not None and bool(probe) and probe[0] == special.bos_id
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    special.chat_template = template if isinstance(template, str) else None
+    return special
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048, eos_token: str = "<|endoftext|>") -> Tokenizer:
+    """A byte-level BPE tokenizer (GPT-2 style, every byte representable) trained on ``texts``."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: str | os.PathLike, eos_token: str = "<|endoftext|>") -> None:
+    """Write ``tokenizer.json`` and a minimal ``tokenizer_config.json`` naming the EOS token."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "bos_token": None}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Documents and chat rendering
+
+
+@dataclass
+class Document:
+    """Text to train on; ``spans`` are the [start, end) character ranges with loss (None = all of it).
+
+    ``template_bos``: the text already carries the BOS (a model chat template writes it), so encoding adds none.
+    """
+
+    text: str
+    spans: list[tuple[int, int]] | None = None
+    template_bos: bool = False
+
+
+def _check_messages(messages, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: message {i} needs string 'role' and 'content' fields, got {m!r}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: no assistant turn, so nothing to train on")
+
+
+def render_simple(messages: Sequence[dict], special: SpecialTokens) -> Document:
+    """The documented role-tagged template (module docstring); loss spans = assistant content + EOS."""
+    parts, spans, pos = [], [], 0
+    for m in messages:
+        if m["role"] not in SIMPLE_ROLES:
+            raise ValueError(f"simple chat template: unknown role {m['role']!r} (expected one of {SIMPLE_ROLES})")
+        head = f"<|{m['role']}|>\n"
+        body = m["content"] + (special.eos_text if m["role"] == "assistant" else "")
+        if m["role"] == "assistant":
+            spans.append((pos + len(head), pos + len(head) + len(body)))
+        piece = head + body + "\n"
+        parts.append(piece)
+        pos += len(piece)
+    return Document("".join(parts), spans)
+
+
+def _jinja_renderer(template: str, special: SpecialTokens):
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:  # pragma: no cover - jinja2 ships with torch
+        raise RuntimeError("the model's chat template needs jinja2; use --chat-template simple") from exc
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def strftime_now(fmt):
+        import datetime
+
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    compiled = env.from_string(template)
+
+    def render(messages, add_generation_prompt: bool) -> str:
+        return compiled.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=special.bos_text,
+            eos_token=special.eos_text,
+        )
+
+    return render
+
+
+def render_model_template(messages: Sequence[dict], special: SpecialTokens, renderer=None) -> Document:
+    """Render with the model's jinja chat template; assistant spans from prefix renders (module docstring)."""
+    render = renderer or _jinja_renderer(special.chat_template, special)
+    full = render(messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(messages[:i], True)
+        upto = render(messages[: i + 1], False)
+        if not (full.startswith(upto) and upto.startswith(before)):
+            raise ValueError(
+                "the model's chat template is not prefix-stable (it rewrites earlier turns), so assistant turns "
+                "cannot be located; use --chat-template simple"
+            )
+        spans.append((len(before), len(upto)))
+    return Document(full, spans, template_bos=bool(special.bos_text) and full.startswith(special.bos_text))
+
+
+def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens, chat_template: str = "auto") -> list[Document]:
+    """Read ``.txt`` / ``.jsonl`` files into documents (see the module docstring for the formats)."""
+    if chat_template not in ("auto", "model", "simple"):
+        raise ValueError(f"chat_template must be auto|model|simple, got {chat_template!r}")
+    use_model = chat_template == "model" or (chat_template == "auto" and special.chat_template is not None)
+    if use_model and special.chat_template is None:
+        raise ValueError("--chat-template model: the tokenizer_config.json has no chat_template")
+    renderer = None
+    docs: list[Document] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_file():
+            raise FileNotFoundError(f"data file not found: {path}")
+        if path.suffix == ".txt":
+            docs.append(Document(path.read_text(encoding="utf-8")))
+            continue
+        if path.suffix != ".jsonl":
+            raise ValueError(f"unsupported data file {path}: expected .txt or .jsonl")
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+                if isinstance(row, dict) and "messages" in row:
+                    _check_messages(row["messages"], where)
+                    if use_model:
+                        renderer = renderer or _jinja_renderer(special.chat_template, special)
+                        docs.append(render_model_template(row["messages"], special, renderer))
+                    else:
+                        docs.append(render_simple(row["messages"], special))
+                elif isinstance(row, dict) and isinstance(row.get("text"), str):
+                    docs.append(Document(row["text"]))
+                else:
+                    raise ValueError(f'{where}: expected {{"text": ...}} or {{"messages": [...]}}')
+    if not docs:
+        raise ValueError(f"no documents in {[str(p) for p in paths]}")
+    return docs
+
+
+def tokenize_document(doc: Document, tokenizer: Tokenizer, special: SpecialTokens) -> tuple[list[int], list[bool]]:
+    """Token ids and a per-token "has loss" mask; EOS is appended to plain documents when the tokenizer has one."""
+    enc = tokenizer.encode(doc.text, add_special_tokens=not doc.template_bos)
+    ids = list(enc.ids)
+    if doc.spans is None:
+        mask = [True] * len(ids)
+        if special.eos_id is not None and (not ids or ids[-1] != special.eos_id):
+            ids.append(special.eos_id)
+            mask.append(True)
+        return ids, mask
+    # A token has loss when its first character lies in an assistant span; tokens the post-processor added
+    # (offsets (0, 0), special mask 1) never do.
+    mask = []
+    for (start, end), is_special in zip(enc.offsets, enc.special_tokens_mask):
+        inside = not is_special and end > start and any(a <= start < b for a, b in doc.spans)
+        mask.append(inside)
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packing
+
+
+class PackedDataset:
+    """Fixed-length windows: ``input_ids``, ``labels`` (HF-aligned, -100 = no loss) and ``position_ids``, (N, T)."""
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor):
+        assert input_ids.shape == labels.shape == position_ids.shape and input_ids.dim() == 2
+        self.input_ids, self.labels, self.position_ids = input_ids, labels, position_ids
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.input_ids[indices].long(),
+            "labels": self.labels[indices].long(),
+            "position_ids": self.position_ids[indices].long(),
+        }
+
+
+def pack_documents(tokenized: Sequence[tuple[list[int], list[bool]]], seq_len: int, pad_id: int = 0) -> PackedDataset:
+    """Concatenate tokenized documents and cut them into ``seq_len`` windows (module docstring)."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+    pieces = [(ids, mask) for ids, mask in tokenized if ids]
+    if not pieces:
+        raise ValueError("the data produced no tokens")
+    ids = torch.cat([torch.tensor(i, dtype=torch.int64) for i, _ in pieces])
+    has_loss = torch.cat([torch.tensor(m, dtype=torch.bool) for _, m in pieces])
+    lengths = torch.tensor([len(i) for i, _ in pieces])
+    doc_start = torch.zeros(len(ids), dtype=torch.bool)
+    doc_start[torch.cumsum(lengths, 0)[:-1]] = True
+    doc_start[0] = True
+    n_windows = -(-len(ids) // seq_len)
+    pad = n_windows * seq_len - len(ids)
+    if pad:
+        ids = torch.cat([ids, torch.full((pad,), pad_id, dtype=torch.int64)])
+        has_loss = torch.cat([has_loss, torch.zeros(pad, dtype=torch.bool)])
+        doc_start = torch.cat([doc_start, torch.tensor([True] + [False] * (pad - 1))])
+    doc_start = doc_start.view(n_windows, seq_len).clone()
+    doc_start[:, 0] = True
+    # position = distance to the latest document (or window) start in the same row.
+    idx = torch.arange(seq_len).expand(n_windows, seq_len)
+    last_start = torch.cummax(torch.where(doc_start, idx, torch.zeros_like(idx)), dim=1).values
+    position_ids = (idx - last_start).to(torch.int32)
+    ids = ids.view(n_windows, seq_len)
+    labels = torch.where(has_loss.view(n_windows, seq_len), ids, torch.full_like(ids, IGNORE_INDEX))
+    return PackedDataset(ids.to(torch.int32), labels.to(torch.int32), position_ids)
+
+
+def build_dataset(
+    paths: Sequence[str | os.PathLike],
+    tokenizer: Tokenizer,
+    special: SpecialTokens,
+    seq_len: int,
+    chat_template: str = "auto",
+) -> PackedDataset:
+    """Read, tokenize and pack ``paths`` into windows of ``seq_len`` tokens."""
+    docs = load_documents(paths, special, chat_template)
+    tokenized = [tokenize_document(d, tokenizer, special) for d in docs]
+    dataset = pack_documents(tokenized, seq_len, special.pad_id)
+    if not bool((dataset.labels != IGNORE_INDEX).any()):
+        raise ValueError("the data has no token to train on (every label is masked)")
+    return dataset
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Batches
+
+
+class BatchStream:
+    """Deterministic, resumable micro-batches over endless seeded epochs (module docstring)."""
+
+    def __init__(self, dataset: PackedDataset, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
+        self.dataset, self.batch_size = dataset, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.consumed = 0  # windows drawn so far by all ranks together
+        self._epoch, self._perm = -1, None
+
+    def _window(self, global_index: int) -> int:
+        epoch, offset = divmod(global_index, len(self.dataset))
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(len(self.dataset), generator=gen)
+        return int(self._perm[offset])
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's next (B, T) micro-batch; advances the global position by B × world_size."""
+        first = self.consumed + self.rank * self.batch_size
+        indices = torch.tensor([self._window(first + i) for i in range(self.batch_size)])
+        self.consumed += self.batch_size * self.world_size
+        return self.dataset.batch(indices)
+
+    @property
+    def epoch(self) -> float:
+        return self.consumed / len(self.dataset)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "consumed": self.consumed, "num_windows": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_windows"] != len(self.dataset):
+            raise ValueError(
+                f"resume: the checkpoint's data had {state['num_windows']} windows, this data has "
+                f"{len(self.dataset)} (different data, tokenizer or --seq-len?)"
+            )
+        self.seed, self.consumed = state["seed"], state["consumed"]

@@ -1,0 +1,179 @@
+"""Multi-process training from outside the model: torchrun setup, FSDP2 sharding, activation checkpointing, and
+full (gathered) state dicts for checkpoints.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) is applied per decoder layer and then to the root module, the layout
+torchtitan uses: each layer's parameters are all-gathered just before it runs and freed after, while the root group
+(embeddings, final norm, lm_head and, for Medusa, the heads) stays gathered for the whole forward. Gradients are
+summed across ranks (divide factor 1), because the loss is already normalised by the global token count.
+
+Checkpoints hold full tensors: :func:`full_model_state` and :func:`full_optimizer_state` gather them (on CPU, on
+rank 0 only) through ``torch.distributed.checkpoint.state_dict``; the optimizer state is keyed by parameter name, so a
+checkpoint written by N ranks resumes on M ranks or on one process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class DistInfo:
+    """Where this process stands: rank, world size and its device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: str | None = None) -> DistInfo:
+    """Join the torchrun process group when launched by torchrun (NCCL on CUDA, gloo on CPU), else run alone.
+
+    ``device``: "cuda" / "cpu" / None (CUDA when available). Each rank uses GPU ``LOCAL_RANK``.
+    """
+    device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but CUDA is not available")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", device_id=dev if device_type == "cuda" else None)
+    return DistInfo(rank, world, local_rank, dev)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (a no-op when running alone)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks in place (a no-op when running alone)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
+    """Recompute each layer's activations in backward instead of keeping them (non-reentrant checkpointing).
+
+    The layer's ``forward`` is wrapped on the instance, so parameter names and ``state_dict`` keys do not change
+    (a wrapper module would add a prefix). Returns how many layers were wrapped.
+    """
+    count = 0
+    for layer in layers:
+        if getattr(layer, "_liger_checkpointed", False):
+            continue
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+        layer._liger_checkpointed = True
+        count += 1
+    return count
+
+
+def apply_fsdp(root: nn.Module, layers: Iterable[nn.Module], *, reduce_fp32: bool = True) -> nn.Module:
+    """Shard ``layers`` one by one, then ``root`` (FSDP2 ``fully_shard``); ``root`` becomes an FSDPModule in place.
+
+    ``reduce_fp32``: reduce-scatter gradients in fp32 even when the parameters are bf16 (one rounding at the end
+    instead of one per rank); the sharded gradients keep the parameters' dtype.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if reduce_fp32 else None)
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed again right at the start of backward: keep them gathered.
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(root, mp_policy=policy)
+    for module in [root, *layers]:
+        # The loss is divided by the global token count already, so ranks' gradients must be summed, not averaged.
+        module.set_gradient_divide_factor(1.0)
+    return root
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The complete (unsharded) state dict on CPU; on rank 0 only when distributed (empty elsewhere)."""
+    if not dist.is_initialized():
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=_FULL)
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state keyed by parameter name, unsharded, on CPU (rank 0 only when distributed)."""
+    options = _FULL if dist.is_initialized() else StateDictOptions(full_state_dict=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a full state dict into a (possibly sharded) model; every rank passes the same full ``state``."""
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load what :func:`full_optimizer_state` returned; every rank passes the same full ``state``.
+
+    Implementation flags (fused / foreach) follow the current optimizer, so a CUDA checkpoint resumes on CPU.
+    """
+    current = optimizer.param_groups
+    groups = []
+    for saved, live in zip(state["param_groups"], current):
+        groups.append({**saved, **{k: live[k] for k in ("fused", "foreach", "capturable") if k in live}})
+    state = {"state": state["state"], "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,214 @@
+"""Training recipes behind the CLI: causal-LM fine-tuning and Medusa stage 1 / stage 2.
+
+Both build the same pieces in the same order: process group → model (from ``--model``, or from the checkpoint
+when resuming) → activation checkpointing → FSDP2 → optimizer and schedule → packed data → :class:`Trainer`.
+A recipe takes an ``argparse.Namespace`` (see cli.py for every field) and returns the run's result.
+
+Checkpoints are usable as they are: a causal-LM checkpoint is an HF model directory (with the tokenizer files
+copied in); a Medusa stage-1 checkpoint is a heads directory in the Medusa/TGI format whose
+``base_model_name_or_path`` is ``--model``; a stage-2 checkpoint holds the trained base plus the heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from liger_models.train import checkpointing as ckpt
+from liger_models.train import distributed as D
+from liger_models.train.data import BatchStream, build_dataset, read_special_tokens
+from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups
+from liger_models.train.trainer import CausalLMTask, MedusaTask, TrainConfig, Trainer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class RunResult:
+    """What a recipe leaves behind: the last checkpoint directory and the per-step metrics of this session."""
+
+    checkpoint: Path | None
+    history: list[dict] = field(default_factory=list)
+    output_dir: Path | None = None
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local model directory, or the local snapshot of a Hub repo id (downloaded if needed)."""
+    from liger_models.hub import resolve_dir, snapshot
+
+    path = Path(model).expanduser()
+    if path.exists():
+        return resolve_dir(path)
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"--model {model!r}: no such directory (and not a Hub repo id)")
+    return snapshot(model)
+
+
+def _dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    name = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    return DTYPES[name]
+
+
+def _check_vocab(dataset, vocab_size: int) -> None:
+    top = int(dataset.input_ids.max())
+    if top >= vocab_size:
+        raise ValueError(f"the tokenizer produced token id {top}, but the model's vocab_size is {vocab_size} "
+                         "(tokenizer and model do not belong together)")
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and not (dst / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def _shadow_base(base: nn.Module, state: dict[str, torch.Tensor], prefix: str = "") -> nn.Module:
+    """A CPU model holding ``state`` (gathered FSDP weights), built on meta so nothing is allocated twice."""
+    from liger_models import AutoLigerForCausalLM
+
+    shadow = AutoLigerForCausalLM.from_config(base.config, device="meta")
+    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    shadow.load_state_dict(sub, strict=False, assign=True)
+    shadow.tie_weights()
+    return shadow
+
+
+def _check_materialised(module: nn.Module) -> None:
+    meta = [k for k, v in module.state_dict().items() if v.is_meta]
+    if meta:
+        raise RuntimeError(f"gathered checkpoint state is missing tensors: {meta[:5]}")
+
+
+def _setup(args: argparse.Namespace):
+    info = D.init_distributed(args.device)
+    torch.manual_seed(args.seed)
+    resume = None
+    if args.resume:
+        if args.resume == "auto":
+            resume = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
+        else:
+            resume = ckpt.resolve_resume(args.resume, args.output_dir)
+    return info, resume
+
+
+def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> BatchStream:
+    from liger_models.hub import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    special = read_special_tokens(tokenizer, model_dir)
+    dataset = build_dataset(args.data, tokenizer, special, args.seq_len, args.chat_template)
+    _check_vocab(dataset, vocab_size)
+    return BatchStream(dataset, args.batch_size, seed=args.seed, rank=info.rank, world_size=info.world_size)
+
+
+def _finish(args, info, model, task, stream, groups, export, resume) -> RunResult:
+    optimizer = build_adamw(groups, betas=(args.beta1, args.beta2))
+    warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 20
+    scheduler = build_scheduler(optimizer, warmup, args.max_steps, args.min_lr_ratio)
+    config = TrainConfig(output_dir=args.output_dir, max_steps=args.max_steps, grad_accum=args.grad_accum,
+                         max_grad_norm=args.max_grad_norm, log_every=args.log_every, save_every=args.save_every,
+                         keep_last=args.keep_last, quiet=args.quiet)
+    run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    trainer = Trainer(model, task, stream, optimizer, scheduler, config, info, export, run_args)
+    if resume is not None:
+        trainer.resume(resume)
+        if info.is_main and not args.quiet:
+            print(f"resumed from {resume} at step {trainer.step}", flush=True)
+    start = time.perf_counter()
+    history = trainer.train()
+    last = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
+    if info.is_main and not args.quiet:
+        print(f"done: {trainer.step} steps in {time.perf_counter() - start:.1f}s; checkpoint: {last}", flush=True)
+    return RunResult(last, history, Path(args.output_dir))
+
+
+def _prepare(model: nn.Module, layers, args, info) -> None:
+    if args.activation_checkpointing:
+        D.apply_activation_checkpointing(layers)
+    if info.distributed:
+        D.apply_fsdp(model, layers)
+
+
+def train_causal_lm(args: argparse.Namespace) -> RunResult:
+    """Fine-tune (or pre-train) a causal LM on ``args.data``; see the module docstring."""
+    from liger_models import AutoLigerForCausalLM
+
+    info, resume = _setup(args)
+    try:
+        model_dir = resolve_model_dir(args.model)
+        dtype = _dtype(args, info.device)
+        model = AutoLigerForCausalLM.from_pretrained(resume or model_dir, dtype=dtype, device=info.device)
+        stream = _data(args, model_dir, model.config.vocab_size, info)
+        _prepare(model, model.model.layers, args, info)
+        groups = decay_param_groups(model, args.lr, args.weight_decay)
+
+        def export(directory: Path, full_state: dict | None) -> None:
+            target = model if full_state is None else _shadow_base(model, full_state)
+            if full_state is not None:
+                _check_materialised(target)
+            target.save_pretrained(directory)
+            _copy_tokenizer(model_dir, directory)
+
+        return _finish(args, info, model, CausalLMTask(), stream, groups, export, resume)
+    finally:
+        D.destroy_distributed()
+
+
+def _medusa_model(args, model_dir: Path, dtype, device, resume: Path | None):
+    from liger_models import AutoLigerForCausalLM
+    from liger_models.medusa import MedusaModel
+
+    if resume is not None and args.stage == 2:
+        return MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2)
+    base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
+    heads_dir = resume or args.init_heads
+    if heads_dir is not None:
+        medusa = MedusaModel.from_pretrained(str(heads_dir), base=base, dtype=dtype, device=device, stage=args.stage)
+        # The loss settings are this run's (stage 2 usually changes the schedule), not the saved heads'.
+        medusa.config.heads_coefficient, medusa.config.decay_coefficient = args.lambda0, args.decay
+        medusa.config.scheduler, medusa.config.base_loss_weight = args.schedule, args.base_loss_weight
+        return medusa
+    return MedusaModel.from_base(
+        base, stage=args.stage, num_heads=args.num_heads, num_layers=args.num_layers,
+        share_lm_head=args.share_lm_head, base_model_name_or_path=args.model, heads_coefficient=args.lambda0,
+        decay_coefficient=args.decay, scheduler=args.schedule, base_loss_weight=args.base_loss_weight,
+    )
+
+
+def train_medusa(args: argparse.Namespace) -> RunResult:
+    """Train Medusa heads (stage 1: frozen base) or heads + base (stage 2); see the module docstring."""
+    from liger_models.medusa import MedusaHeads, MedusaModel
+
+    info, resume = _setup(args)
+    try:
+        model_dir = resolve_model_dir(args.model)
+        dtype = _dtype(args, info.device)
+        medusa = _medusa_model(args, model_dir, dtype, info.device, resume)
+        stream = _data(args, model_dir, medusa.config.vocab_size, info)
+        _prepare(medusa, medusa.base.model.layers, args, info)
+        lr = args.lr if args.lr is not None else (2.5e-4 if args.stage == 1 else 2e-5)
+        groups = medusa.param_groups(lr, args.head_lr_multiplier, args.weight_decay)
+
+        def export(directory: Path, full_state: dict | None) -> None:
+            target = medusa
+            if full_state is not None:
+                base = _shadow_base(medusa.base, full_state, prefix="base.")
+                heads = MedusaHeads(medusa.config, base.lm_head, device="meta")
+                heads.load_state_dict({k[len("heads."):]: v for k, v in full_state.items()
+                                       if k.startswith("heads.")}, strict=True, assign=True)
+                target = MedusaModel(base, heads, stage=medusa.stage)
+                _check_materialised(target.heads if medusa.stage == 1 else target)
+            target.save_pretrained(str(directory))
+            _copy_tokenizer(model_dir, directory)
+
+        task = MedusaTask(medusa.config.num_heads)
+        return _finish(args, info, medusa, task, stream, groups, export, resume)
+    finally:
+        D.destroy_distributed()

@@ -1,0 +1,249 @@
+"""The training loop shared by causal-LM fine-tuning and Medusa stage 1 / stage 2.
+
+One optimizer step = ``grad_accum`` micro-batches per rank. Before any forward, the step's micro-batches are drawn
+and their non-ignored targets counted per loss term (one count for a causal LM; base + each Medusa head for Medusa,
+whose shifted targets differ), summed over micro-batches and all-reduced over ranks. That global count is passed as
+every micro-batch's ``normalizer``, so the summed micro-batch losses, and their gradients, equal the mean over the
+whole global batch, however it is split (FSDP sums ranks' gradients, see distributed.py).
+
+Each step logs loss, per-head top-1/top-5 accuracy, tokens/s, peak memory, LR and gradient norm to stderr and to
+``<output_dir>/metrics.jsonl``; every ``save_every`` steps (and at the end) an atomic checkpoint is written.
+:meth:`Trainer.resume` restores step, optimizer, scheduler, data position and RNG, so the run continues exactly as
+if it had not stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from liger_models.modules import shift_labels
+from liger_models.train import checkpointing as ckpt
+from liger_models.train import distributed as D
+from liger_models.train.data import IGNORE_INDEX, BatchStream
+
+
+@dataclass
+class TrainConfig:
+    """Loop settings (the optimizer and scheduler are built by the caller)."""
+
+    output_dir: str
+    max_steps: int
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    log_every: int = 1
+    save_every: int = 0  # 0: save only at the end
+    keep_last: int = 2
+    quiet: bool = False
+
+
+class CausalLMTask:
+    """Next-token loss of a ``Liger<Family>ForCausalLM``: one loss term."""
+
+    num_terms = 1
+    head_names: tuple[str, ...] = ()
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        targets = shift_labels(batch["labels"], 1, batch["position_ids"], IGNORE_INDEX)
+        return (targets != IGNORE_INDEX).sum().view(1)
+
+    def forward(self, model: nn.Module, batch: dict, normalizer: torch.Tensor, step: int, max_steps: int):
+        out = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"],
+                    normalizer=normalizer[0])
+        return out.loss, out.loss.detach().view(1)
+
+
+class MedusaTask:
+    """``MedusaModel`` loss: per-term normalizers (base + K heads) and per-head losses and accuracy counts.
+
+    Stats layout (all summed over micro-batches and ranks): [loss, base_loss, head_loss × K, top1 × K, top5 × K,
+    count × K].
+    """
+
+    def __init__(self, num_heads: int):
+        self.num_heads = num_heads
+        self.num_terms = num_heads + 1
+        self.head_names = tuple(f"head{k}" for k in range(1, num_heads + 1))
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        from liger_models.medusa import medusa_target_counts
+
+        return medusa_target_counts(batch["labels"], self.num_heads, batch["position_ids"], IGNORE_INDEX)
+
+    def forward(self, model: nn.Module, batch: dict, normalizer: torch.Tensor, step: int, max_steps: int):
+        out = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"], step=step,
+                    max_steps=max_steps, normalizer=normalizer)
+        base = out.base_loss.detach().float().view(1) if out.base_loss is not None else out.loss.new_zeros(1)
+        stats = torch.cat([out.loss.detach().float().view(1), base.to(out.loss.device),
+                           out.head_losses.float(), out.head_top1.float(), out.head_top5.float(),
+                           out.head_count.float()])
+        return out.loss, stats
+
+
+def _memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB → GiB (peak RSS)
+
+
+def _grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip gradients to ``max_norm`` (0: only measure) and return the total norm (DTensor-aware under FSDP)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+class Trainer:
+    """Runs the optimisation; ``export(dir, full_state)`` writes the model files of a checkpoint (rank 0).
+
+    ``full_state`` is the gathered state dict under FSDP and None otherwise (the live model is whole then).
+    """
+
+    def __init__(self, model: nn.Module, task, stream: BatchStream, optimizer: torch.optim.Optimizer,
+                 scheduler, config: TrainConfig, info: D.DistInfo,
+                 export: Callable[[Path, dict | None], None], run_args: dict | None = None):
+        self.model, self.task, self.stream = model, task, stream
+        self.optimizer, self.scheduler, self.config, self.info = optimizer, scheduler, config, info
+        self.export, self.run_args = export, run_args or {}
+        self.step = 0
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.output_dir = Path(config.output_dir)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.history: list[dict] = []
+
+    # --------------------------------------------------------------------------------------------- one step
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.info.device, non_blocking=True) for k, v in batch.items()}
+
+    def train_step(self) -> dict:
+        """One optimizer step over ``grad_accum`` micro-batches; returns the step's (global) metrics."""
+        cfg = self.config
+        micro = [self._to_device(self.stream.next_batch()) for _ in range(cfg.grad_accum)]
+        counts = torch.stack([self.task.counts(b) for b in micro]).sum(0)  # (terms,) this rank
+        D.all_reduce_sum(counts)
+        normalizer = counts.clamp(min=1)  # a term without any target contributes 0, not 0/0
+        self.model.train()
+        stats = None
+        for batch in micro:
+            loss, s = self.task.forward(self.model, batch, normalizer, self.step, cfg.max_steps)
+            loss.backward()
+            stats = s if stats is None else stats + s
+        grad_norm = _grad_norm(self.params, cfg.max_grad_norm)
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        D.all_reduce_sum(stats)
+        self.step += 1
+        return self._metrics(stats.tolist(), counts.tolist(), grad_norm, lrs)
+
+    def _metrics(self, stats: list[float], counts: list[float], grad_norm: float, lrs: list[float]) -> dict:
+        m = {"step": self.step, "loss": stats[0], "lr": lrs[-1], "lrs": lrs, "grad_norm": grad_norm,
+             "targets": int(counts[0]), "epoch": round(self.stream.epoch, 4)}
+        K = len(self.task.head_names)
+        if K:
+            base, losses = stats[1], stats[2:2 + K]
+            top1, top5, cnt = stats[2 + K:2 + 2 * K], stats[2 + 2 * K:2 + 3 * K], stats[2 + 3 * K:2 + 4 * K]
+            m["base_loss"] = base if base else None
+            m["head_loss"] = losses
+            m["head_top1"] = [t / max(c, 1) for t, c in zip(top1, cnt)]
+            m["head_top5"] = [t / max(c, 1) for t, c in zip(top5, cnt)]
+        return m
+
+    # --------------------------------------------------------------------------------------------- loop
+
+    def train(self) -> list[dict]:
+        """Train until ``max_steps``; returns this session's per-step metrics."""
+        cfg = self.config
+        if self.info.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        tokens_per_step = self.stream.batch_size * self.stream.dataset.seq_len * cfg.grad_accum * self.info.world_size
+        start = time.perf_counter()
+        start_step = self.step
+        while self.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            m = self.train_step()
+            dt = time.perf_counter() - t0
+            m["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
+            m["mem_gib"] = _memory_gib(self.info.device)
+            m["elapsed_s"] = time.perf_counter() - start
+            if not math.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {self.step}; stopping (lower --lr?)")
+            self.history.append(m)
+            if self.info.is_main:
+                self._log(m, start_step)
+            if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.max_steps:
+                self.save()
+        if self.info.is_main and not cfg.quiet and sys.stderr.isatty():
+            print(file=sys.stderr)
+        return self.history
+
+    def _log(self, m: dict, start_step: int) -> None:
+        with self.metrics_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(m) + "\n")
+        cfg = self.config
+        if cfg.quiet or not (self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.step == 1):
+            return
+        done = self.step - start_step
+        eta = m["elapsed_s"] / max(done, 1) * (cfg.max_steps - self.step)
+        parts = [f"step {self.step}/{cfg.max_steps}", f"loss {m['loss']:.4f}"]
+        if "head_top1" in m:
+            accs = " ".join(f"{a * 100:.0f}/{b * 100:.0f}" for a, b in zip(m["head_top1"], m["head_top5"]))
+            parts.append(f"heads top1/top5% {accs}")
+        parts += [f"{m['tokens_per_s'] / 1e3:.1f}k tok/s", f"mem {m['mem_gib']:.2f} GiB", f"lr {m['lr']:.2e}",
+                  f"eta {eta:.0f}s"]
+        line = " | ".join(parts)
+        if sys.stderr.isatty():
+            print("\r" + line.ljust(120), end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+
+    def save(self) -> Path | None:
+        """Write an atomic checkpoint of the current step (collective: every rank must call it)."""
+        full_state = D.full_model_state(self.model) if self.info.distributed else None
+        optim_state = D.full_optimizer_state(self.model, self.optimizer)
+        rngs = D.gather_objects(ckpt.rng_state())
+        path = None
+        if self.info.is_main:
+            state = {
+                "optimizer": optim_state,
+                "scheduler": self.scheduler.state_dict(),
+                "data": self.stream.state_dict(),
+                "rng": rngs,
+                "world_size": self.info.world_size,
+                "config": asdict(self.config),
+                "args": self.run_args,
+            }
+            path = ckpt.save_checkpoint(self.output_dir / "checkpoints", self.step,
+                                        lambda d: self.export(d, full_state), state, self.config.keep_last)
+        D.barrier()
+        return D.broadcast_object(path)
+
+    def resume(self, ckpt_dir: str | Path) -> None:
+        """Restore optimizer, scheduler, data position, RNG and step from ``ckpt_dir`` (the model's weights were
+        already loaded from its files by the caller). Every rank calls this."""
+        state = ckpt.load_trainer_state(ckpt_dir)
+        D.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stream.load_state_dict(state["data"])
+        rngs = state["rng"]
+        ckpt.set_rng_state(rngs[self.info.rank] if len(rngs) == self.info.world_size else rngs[0])
+        self.step = int(state["step"])
+        if self.info.is_main and self.metrics_path.is_file():
+            # Drop metrics logged after the checkpoint: they are about to be recomputed.
+            lines = self.metrics_path.read_text(encoding="utf-8").splitlines()
+            kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= self.step]
+            ckpt.write_text_atomic(self.metrics_path, "".join(ln + "\n" for ln in kept))

@@ -1,0 +1,180 @@
+"""Data pipeline: packing with per-document positions, chat masking (assistant turns only), resumable batches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from liger_models.modules import shift_labels
+from liger_models.train.data import (IGNORE_INDEX, BatchStream, Document, build_dataset, load_documents,
+                                     pack_documents, read_special_tokens, save_tokenizer, tokenize_document,
+                                     train_bpe_tokenizer)
+
+from .conftest import EOS, shakespeare
+
+LLAMA3_LIKE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CHAT = [
+    {"role": "system", "content": "Speak like a bard."},
+    {"role": "user", "content": "Who goes there?"},
+    {"role": "assistant", "content": "A friend, good sir."},
+    {"role": "user", "content": "What news?"},
+    {"role": "assistant", "content": "The king is dead; long live the king."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return train_bpe_tokenizer(shakespeare(30_000).splitlines(), vocab_size=300, eos_token=EOS)
+
+
+def test_pack_positions_restart_per_document_and_window():
+    docs = [([1, 2, 3, 4, 5], [True] * 5), ([6, 7], [False, True]), ([8, 9, 10, 11, 12, 13, 14], [True] * 7)]
+    ds = pack_documents(docs, seq_len=4, pad_id=99)
+    assert ds.input_ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 99, 99]]
+    assert ds.position_ids.tolist() == [[0, 1, 2, 3], [0, 0, 1, 0], [0, 1, 2, 3], [0, 1, 0, 1]]
+    assert ds.labels.tolist() == [[1, 2, 3, 4], [5, -100, 7, 8], [9, 10, 11, 12], [13, 14, -100, -100]]
+    # The causal shift never targets the next document's first token nor padding.
+    shifted = shift_labels(ds.labels.long(), 1, ds.position_ids.long())
+    assert shifted[1].tolist() == [-100, 7, -100, -100]
+    assert shifted[3].tolist() == [14, -100, -100, -100]
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="seq_len"):
+        pack_documents([([1, 2], [True, True])], seq_len=1)
+    with pytest.raises(ValueError, match="no tokens"):
+        pack_documents([([], [])], seq_len=8)
+
+
+def test_plain_text_documents_get_eos(tokenizer, tmp_path):
+    special = read_special_tokens(tokenizer, None)
+    assert special.eos_id is None  # no tokenizer_config.json: nothing known
+    save_tokenizer(tokenizer, tmp_path, eos_token=EOS)
+    special = read_special_tokens(tokenizer, tmp_path)
+    assert special.eos_id == tokenizer.token_to_id(EOS) and special.eos_text == EOS
+    ids, mask = tokenize_document(Document("To be, or not to be"), tokenizer, special)
+    assert ids[-1] == special.eos_id and all(mask)
+    assert tokenizer.decode(ids[:-1]) == "To be, or not to be"
+
+
+def _loss_text(tokenizer, ids, mask) -> str:
+    return tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+
+
+def test_chat_simple_template_masks_all_but_assistant(tokenizer, tmp_path):
+    save_tokenizer(tokenizer, tmp_path, eos_token=EOS)
+    special = read_special_tokens(tokenizer, tmp_path)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CHAT}) + "\n")
+    [doc] = load_documents([data], special, "auto")  # no chat_template → the simple one
+    assert doc.text.startswith("<|system|>\nSpeak like a bard.\n<|user|>\nWho goes there?\n<|assistant|>\n")
+    ids, mask = tokenize_document(doc, tokenizer, special)
+    assert _loss_text(tokenizer, ids, mask) == f"A friend, good sir.{EOS}The king is dead; long live the king.{EOS}"
+    # Every masked-in token lies inside an assistant turn; the user's and system's words never have loss.
+    assert "Who" not in _loss_text(tokenizer, ids, mask) and "bard" not in _loss_text(tokenizer, ids, mask)
+
+
+def test_chat_model_template_via_jinja(tokenizer, tmp_path):
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.add_special_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_LIKE}))
+    special = read_special_tokens(tok, tmp_path)
+    assert special.chat_template == LLAMA3_LIKE and special.bos_id == tok.token_to_id("<|begin_of_text|>")
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"text": "plain line"}) + "\n")
+    chat_doc, text_doc = load_documents([data], special, "auto")
+    assert chat_doc.text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n")
+    ids, mask = tokenize_document(chat_doc, tok, special)
+    assert ids.count(special.bos_id) == 1  # the template wrote BOS; encoding must not add a second
+    assert _loss_text(tok, ids, mask) == "A friend, good sir.<|eot_id|>The king is dead; long live the king.<|eot_id|>"
+    assert text_doc.spans is None
+    # The simple template can be forced even when the model has one.
+    [forced, _] = load_documents([data], special, "simple")
+    assert forced.text.startswith("<|system|>")
+
+
+def test_chat_template_not_prefix_stable_is_rejected(tokenizer, tmp_path):
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    # Renders only the last message: earlier turns change when a turn is added.
+    template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": template}))
+    special = read_special_tokens(tokenizer, tmp_path)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CHAT}) + "\n")
+    with pytest.raises(ValueError, match="prefix-stable"):
+        load_documents([data], special, "model")
+
+
+@pytest.mark.parametrize("line, match", [
+    ("{not json", "invalid JSON"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
+    ('{"messages": [{"role": "user"}]}', "string 'role' and 'content'"),
+    ('{"prompt": "x"}', "expected"),
+])
+def test_bad_jsonl_lines_name_the_problem(tokenizer, tmp_path, line, match):
+    special = read_special_tokens(tokenizer, None)
+    data = tmp_path / "bad.jsonl"
+    data.write_text(line + "\n")
+    with pytest.raises(ValueError, match=match) as info:
+        load_documents([data], special)
+    assert "bad.jsonl:1" in str(info.value) or match == "expected"
+
+
+def test_missing_and_unsupported_files(tokenizer, tmp_path):
+    special = read_special_tokens(tokenizer, None)
+    with pytest.raises(FileNotFoundError):
+        load_documents([tmp_path / "nope.txt"], special)
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(ValueError, match=".txt or .jsonl"):
+        load_documents([tmp_path / "x.csv"], special)
+
+
+def test_build_dataset_rejects_data_without_targets(tokenizer, tmp_path):
+    special = read_special_tokens(tokenizer, None)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}))
+    with pytest.raises(ValueError, match="no token to train on"):
+        build_dataset([data], tokenizer, special, seq_len=16, chat_template="simple")
+
+
+def _stream_dataset(n: int = 11, seq_len: int = 5):
+    ids = torch.arange(n * seq_len, dtype=torch.int32).view(n, seq_len)
+    return pack_documents([(ids.flatten().tolist(), [True] * ids.numel())], seq_len)
+
+
+def test_batch_stream_is_seeded_and_resumable():
+    ds = _stream_dataset()
+    a = BatchStream(ds, 3, seed=7)
+    first = [a.next_batch()["input_ids"] for _ in range(9)]  # crosses two epoch boundaries (11 windows)
+    # Each epoch is a permutation of all windows.
+    seen = torch.cat([b[:, 0] for b in first])[:11]
+    assert sorted(seen.tolist()) == [5 * i for i in range(11)]
+    b = BatchStream(ds, 3, seed=7)
+    for _ in range(4):
+        b.next_batch()
+    state = b.state_dict()
+    c = BatchStream(ds, 3, seed=7)
+    c.load_state_dict(state)
+    assert all(torch.equal(c.next_batch()["input_ids"], first[i]) for i in range(4, 9))
+    assert not torch.equal(BatchStream(ds, 3, seed=8).next_batch()["input_ids"], first[0])
+    with pytest.raises(ValueError, match="windows"):
+        BatchStream(_stream_dataset(n=12), 3).load_state_dict(state)
+
+
+def test_batch_stream_ranks_split_the_global_batch():
+    ds = _stream_dataset()
+    single = BatchStream(ds, 4, seed=3)
+    ranks = [BatchStream(ds, 2, seed=3, rank=r, world_size=2) for r in range(2)]
+    for _ in range(5):
+        whole = single.next_batch()["input_ids"]
+        parts = torch.cat([s.next_batch()["input_ids"] for s in ranks])
+        assert torch.equal(whole, parts)

@@ -1,0 +1,151 @@
+"""The training loop: global loss normaliser under gradient accumulation, exact resume, activation checkpointing."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from liger_models import AutoLigerForCausalLM
+from liger_models.cli import build_parser
+from liger_models.medusa import MedusaModel
+from liger_models.train import distributed as D
+from liger_models.train.data import BatchStream, build_dataset, read_special_tokens
+from liger_models.train.run import train_causal_lm, train_medusa
+from liger_models.train.trainer import CausalLMTask, MedusaTask, TrainConfig, Trainer
+from liger_models.hub import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("reference_path")
+
+
+def _chat_file(path: Path, n: int = 24) -> Path:
+    """Conversations of very different lengths: every micro-batch has a different number of targets per head."""
+    rng = random.Random(0)
+    words = "the king queen my lord good sir thou art a villain hence away to be or not".split()
+    with path.open("w") as f:
+        for i in range(n):
+            turns = [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 12)))},
+                     {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(1, 30)))}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    return path
+
+
+def _sgd_trainer(model, task, model_dir, data, batch_size, grad_accum, tmp_path):
+    tokenizer = load_tokenizer(model_dir)
+    special = read_special_tokens(tokenizer, model_dir)
+    stream = BatchStream(build_dataset([data], tokenizer, special, seq_len=24, chat_template="simple"), batch_size,
+                         seed=1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Plain SGD with lr 1: the parameter change IS the gradient (Adam would hide a wrong loss scale).
+    opt = torch.optim.SGD(params, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = TrainConfig(output_dir=str(tmp_path), max_steps=1, grad_accum=grad_accum, max_grad_norm=0.0, quiet=True)
+    return Trainer(model, task, stream, opt, sched, cfg, D.DistInfo(), export=lambda d, s: None)
+
+
+def _build(kind: str, model_dir: Path):
+    base = AutoLigerForCausalLM.from_pretrained(model_dir)
+    if kind == "lm":
+        return base, CausalLMTask()
+    torch.manual_seed(0)  # the heads' ResBlock biases are randomly initialised
+    medusa = MedusaModel.from_base(base, stage=2 if kind == "medusa2" else 1, num_heads=3)
+    return medusa, MedusaTask(3)
+
+
+@pytest.mark.parametrize("kind", ["lm", "medusa1", "medusa2"])
+def test_grad_accumulation_equals_one_big_batch(kind, tiny_model_dir, tmp_path):
+    data = _chat_file(tmp_path / "chat.jsonl")
+    results = []
+    for batch_size, accum in ((4, 1), (1, 4)):
+        model, task = _build(kind, tiny_model_dir)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        trainer = _sgd_trainer(model, task, tiny_model_dir, data, batch_size, accum, tmp_path / f"{accum}")
+        if accum > 1:  # the test only means something if micro-batches hold different numbers of targets
+            probe = BatchStream(trainer.stream.dataset, 1, seed=1)
+            counts = {tuple(task.counts(probe.next_batch()).tolist()) for _ in range(accum)}
+            assert len(counts) > 1
+        metrics = trainer.train_step()
+        grads = {n: before[n] - p.detach() for n, p in model.named_parameters() if n in before}
+        results.append((metrics, grads))
+    (m1, g1), (m4, g4) = results
+    torch.testing.assert_close(m4["loss"], m1["loss"], rtol=1e-6, atol=0)
+    if kind != "lm":
+        torch.testing.assert_close(torch.tensor(m4["head_loss"]), torch.tensor(m1["head_loss"]), rtol=1e-6, atol=0)
+        assert m4["head_top1"] == m1["head_top1"] and m4["head_top5"] == m1["head_top5"]
+    assert g1.keys() == g4.keys() and len(g1) > 0
+    for name in g1:
+        assert g1[name].abs().max() > 0 or "heads" not in name, f"{name}: no gradient"
+        torch.testing.assert_close(g4[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
+    if kind == "medusa1":  # stage 1: the base is frozen, so nothing of it is in the optimizer
+        assert all(name.startswith("heads.") for name in g1)
+
+
+def _args(command: str, model_dir: Path, data: Path, out: Path, *extra: str):
+    return build_parser().parse_args([
+        command, "--model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--seq-len", "32",
+        "--batch-size", "2", "--grad-accum", "2", "--max-steps", "6", "--save-every", "3", "--lr", "3e-3",
+        "--warmup-steps", "2", "--quiet", "--dtype", "fp32", *extra])
+
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("train", ()),
+    ("train-medusa", ("--stage", "2", "--num-heads", "2", "--schedule", "linear")),
+])
+def test_resume_is_bit_identical(command, extra, tiny_model_dir, text_file, tmp_path, monkeypatch):
+    recipe = train_causal_lm if command == "train" else train_medusa
+    full = recipe(_args(command, tiny_model_dir, text_file, tmp_path / "full", *extra))
+    assert [m["step"] for m in full.history] == [1, 2, 3, 4, 5, 6]
+
+    # Crash during step 5: the step-3 checkpoint exists, step 4 was done but never saved.
+    original = Trainer.train_step
+
+    def crashing(self):
+        if self.step == 4:
+            raise _Interrupt
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crashing)
+    with pytest.raises(_Interrupt):
+        recipe(_args(command, tiny_model_dir, text_file, tmp_path / "cut", *extra))
+    monkeypatch.setattr(Trainer, "train_step", original)
+    torch.manual_seed(1234)  # a resumed process starts from different RNG state: the checkpoint must restore it
+    resumed = recipe(_args(command, tiny_model_dir, text_file, tmp_path / "cut", *extra, "--resume", "auto"))
+
+    assert [m["step"] for m in resumed.history] == [4, 5, 6]
+    for a, b in zip(full.history[3:], resumed.history):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
+        assert a.get("head_loss") == b.get("head_loss")
+    logged = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6]  # the lost step 4 was dropped from the log and redone once
+    files = sorted(p.name for p in full.checkpoint.glob("*.safetensors"))
+    assert files
+    for name in files:
+        a, b = load_file(full.checkpoint / name), load_file(resumed.checkpoint / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tiny_model_dir):
+    ids = torch.randint(0, 300, (2, 16))
+    grads = []
+    for ac in (False, True):
+        model = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
+        if ac:
+            assert D.apply_activation_checkpointing(model.model.layers) == 2
+            assert D.apply_activation_checkpointing(model.model.layers) == 0  # idempotent
+        model.train()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        assert set(model.state_dict()) == set(AutoLigerForCausalLM.from_pretrained(tiny_model_dir).state_dict())
+    (l0, g0), (l1, g1) = grads
+    assert torch.equal(l0, l1)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=0, msg=name)
