@@ -63,9 +63,10 @@ def _build(provider: str, cfg: dict):
     import torch
 
     if provider == "ours":
-        from liger_models.auto import AutoLigerForCausalLM
+        from liger_models.auto import model_class
 
-        return AutoLigerForCausalLM.from_config(dict(cfg), dtype=torch.bfloat16, device="cuda")
+        cls = model_class(cfg["model_type"])
+        return cls.from_config(cls.config_class.from_hf(dict(cfg)), dtype=torch.bfloat16, device="cuda")
     import transformers
 
     if provider == "hf_liger":
