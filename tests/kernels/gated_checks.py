@@ -1,0 +1,167 @@
+"""Shared checks for the gated-activation kernels, used by test_swiglu.py and test_geglu.py.
+
+Each check takes the public function under test and the activation name it must match, runs it on fresh
+random data and compares forward and backward with the float64 reference (KERNELS.md §3 tolerances), with
+the eager bf16 HF expression as the bar for low-precision error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from liger_models.kernels import gated_mlp as gm
+from tests.helpers import DEVICE, assert_matches, poison_
+
+EAGER = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
+def activation_input(shape, dtype, *, leaf: bool) -> torch.Tensor:
+    """Gate-like data (N(0, 2²)) either as a leaf that requires grad or as an autograd intermediate
+    (what a projection produces, whose memory the backward may reuse)."""
+    src = (2 * torch.randn(shape, device=DEVICE)).to(dtype).requires_grad_()
+    return src if leaf else src.clone()
+
+
+def _references(gate, up, activation, dout):
+    """float64 reference (out, dgate, dup) and the eager same-dtype HF expression's (out, dgate, dup)."""
+    g64, u64 = (t.detach().double().requires_grad_() for t in (gate, up))
+    ref = gm.gated_mlp_reference(g64, u64, activation)
+    ref_grads = torch.autograd.grad(ref, (g64, u64), dout.double())
+    ge, ue = (t.detach().clone().requires_grad_() for t in (gate, up))
+    eager = EAGER[activation](ge) * ue
+    eager_grads = torch.autograd.grad(eager, (ge, ue), dout)
+    return (ref, *ref_grads), (eager.detach(), *eager_grads)
+
+
+def check_packed(fn, activation: str, lead: tuple, width: int, dtype: torch.dtype, leaf: bool) -> None:
+    gate_up = activation_input((*lead, 2 * width), dtype, leaf=leaf)
+    before = gate_up.detach().clone()
+    dout = torch.randn((*lead, width), device=DEVICE, dtype=dtype)
+    (ref, dg_ref, du_ref), (eag, dg_eag, du_eag) = _references(before[..., :width], before[..., width:], activation, dout)
+    out = fn(gate_up)
+    assert_matches(out, ref, eager=eag, name="out")
+    (dgu,) = torch.autograd.grad(out, gate_up, dout)
+    assert dgu.shape == gate_up.shape
+    assert_matches(dgu[..., :width], dg_ref, eager=dg_eag, name="d gate")
+    assert_matches(dgu[..., width:], du_ref, eager=du_eag, name="d up")
+    if leaf:
+        assert torch.equal(gate_up.detach(), before), "a leaf's data must never be overwritten"
+    else:
+        assert dgu.data_ptr() == gate_up.data_ptr(), "an intermediate's memory should hold its gradient"
+
+
+def check_unpacked(fn, activation: str, layout: str, dtype: torch.dtype) -> None:
+    """gate/up as halves of a fused output, separate tensors, transposed views, or row-strided views."""
+    rows, width = 6, 37
+    if layout == "halves":
+        gu = activation_input((2, 3, 2 * width), dtype, leaf=False)
+        gate, up, params = gu[..., :width], gu[..., width:], (gu,)
+    elif layout == "separate":
+        gate, up = (activation_input((rows, width), dtype, leaf=False) for _ in range(2))
+        params = (gate, up)
+    elif layout == "transposed":
+        gate, up = (activation_input((width, rows), dtype, leaf=True).t() for _ in range(2))
+        params = (gate._base, up._base)
+    else:  # row-strided: every other row of a wider buffer
+        big = activation_input((2 * rows, 3 * width), dtype, leaf=False)
+        gate, up, params = big[::2, 5:5 + width], big[::2, 2 * width:], (big,)
+    dout = torch.randn(gate.shape, device=DEVICE, dtype=dtype)
+    (ref, dg_ref, du_ref), (eag, dg_eag, du_eag) = _references(gate, up, activation, dout)
+    out = fn(gate, up)
+    assert_matches(out, ref, eager=eag, name="out")
+    grads = torch.autograd.grad(out, params, dout)
+    if layout == "halves":
+        dgate, dup = grads[0][..., :width], grads[0][..., width:]
+    elif layout == "separate":
+        dgate, dup = grads
+    elif layout == "transposed":
+        dgate, dup = grads[0].t(), grads[1].t()
+    else:
+        dgate, dup = grads[0][::2, 5:5 + width], grads[0][::2, 2 * width:]
+        untouched = torch.ones_like(grads[0], dtype=torch.bool)
+        untouched[::2, 5:5 + width] = False
+        untouched[::2, 2 * width:] = False
+        assert (grads[0][untouched] == 0).all(), "gradient leaked outside gate/up"
+    assert_matches(dgate, dg_ref, eager=dg_eag, name="d gate")
+    assert_matches(dup, du_ref, eager=du_eag, name="d up")
+
+
+def check_launchers_poisoned(activation: str, rows: int, width: int, dtype: torch.dtype) -> None:
+    """The launchers write every element of preallocated (NaN-poisoned) outputs, for odd shapes."""
+    gate, up = (2 * torch.randn(rows, width, device=DEVICE)).to(dtype), torch.randn(rows, width, device=DEVICE).to(dtype)
+    dout = torch.randn(rows, width, device=DEVICE).to(dtype)
+    (ref, dg_ref, du_ref), (eag, dg_eag, du_eag) = _references(gate, up, activation, dout)
+    out = poison_(torch.empty_like(gate))
+    gm._forward(gate, up, out, activation)
+    assert_matches(out, ref, eager=eag, name="out")
+    dgate, dup = poison_(torch.empty_like(gate)), poison_(torch.empty_like(up))
+    gm._backward(dout, gate, up, dgate, dup, activation)
+    assert_matches(dgate, dg_ref, eager=dg_eag, name="d gate")
+    assert_matches(dup, du_ref, eager=du_eag, name="d up")
+
+
+def check_aliasing_safety(fn, fn_packed, activation: str) -> None:
+    """In-place gradient reuse never corrupts silently: a producer that saved its output fails loudly, and
+    gate == up (one tensor for both) still gets correct, separate gradients."""
+    src = torch.randn(4, 10, device=DEVICE, requires_grad=True)
+    gate_up = src.exp()  # exp saves its output for its own backward
+    out = fn_packed(gate_up)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    x = activation_input((3, 9), torch.float32, leaf=False)
+    dout = torch.randn(3, 9, device=DEVICE)
+    (ref, dg_ref, du_ref), _ = _references(x, x, activation, dout)
+    (dx,) = torch.autograd.grad(fn(x, x), x, dout)
+    assert_matches(dx, dg_ref + du_ref, name="d x (gate is up)")
+
+
+def check_edges_and_errors(fn, fn_packed) -> None:
+    """No rows at all is fine; malformed input raises a clear Python error naming the problem."""
+    empty = activation_input((0, 8), torch.float32, leaf=False)
+    out = fn_packed(empty)
+    assert out.shape == (0, 4)
+    (d,) = torch.autograd.grad(out, empty, torch.ones(0, 4, device=DEVICE))
+    assert d.shape == (0, 8)
+    with pytest.raises(ValueError, match="even"):
+        fn_packed(torch.randn(2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="same shape"):
+        fn(torch.randn(2, 4, device=DEVICE), torch.randn(2, 5, device=DEVICE))
+    with pytest.raises(TypeError, match="dtype"):
+        fn(torch.randn(2, 4, device=DEVICE), torch.randn(2, 4, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="dtype"):
+        fn_packed(torch.ones(2, 4, device=DEVICE, dtype=torch.int32))
+
+
+def check_gpu_real_size(fn_packed, activation: str, rows: int, width: int) -> None:
+    """bf16 at a real training size, in place on an intermediate, against an fp32 reference (rel L2)."""
+    gate_up = activation_input((rows, 2 * width), torch.bfloat16, leaf=False)
+    x = gate_up.detach().float()
+    dout = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    out = fn_packed(gate_up)
+    ref = gm.gated_mlp_reference(x[:, :width], x[:, width:], activation)
+    assert_matches(out, ref)
+    (dgu,) = torch.autograd.grad(out, gate_up, dout)
+    xr = x.requires_grad_()
+    (dref,) = torch.autograd.grad(gm.gated_mlp_reference(xr[:, :width], xr[:, width:], activation), xr, dout.float())
+    assert_matches(dgu, dref)
+
+
+def check_gpu_above_int32(fn_packed, activation: str) -> None:
+    """A packed bf16 input of more than 2^31 elements (~4.3 GB): forward and backward checked in chunks."""
+    width = 4096
+    rows = 2**31 // (2 * width) + 3
+    gate_up = activation_input((rows, 2 * width), torch.bfloat16, leaf=False)
+    assert gate_up.numel() > 2**31
+    x = gate_up.detach().clone()
+    dout = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    out = fn_packed(gate_up)
+    (dgu,) = torch.autograd.grad(out, gate_up, dout)
+    chunk = 16384
+    for start in range(0, rows, chunk):
+        xs = x[start:start + chunk].float().requires_grad_()
+        ref = gm.gated_mlp_reference(xs[:, :width], xs[:, width:], activation)
+        assert_matches(out[start:start + chunk], ref, name=f"out rows {start}+")
+        (dref,) = torch.autograd.grad(ref, xs, dout[start:start + chunk].float())
+        assert_matches(dgu[start:start + chunk], dref, name=f"d(gate_up) rows {start}+")

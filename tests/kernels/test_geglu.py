@@ -1,0 +1,78 @@
+"""GeGLU (gelu(gate) * up, tanh approximation and exact erf): forward and backward against float64."""
+
+import pytest
+import torch
+
+from liger_models.kernels import gated_mlp as gm
+from liger_models.kernels.geglu import geglu, geglu_packed
+from tests.kernels import gated_checks as checks
+
+DTYPES = [torch.float32, torch.bfloat16]
+APPROX = {"tanh": "gelu_tanh", "none": "gelu"}
+
+
+def _fns(approximate):
+    return (lambda g, u: geglu(g, u, approximate=approximate)), (lambda gu: geglu_packed(gu, approximate=approximate))
+
+
+@pytest.mark.parametrize("approximate", list(APPROX))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("leaf", [False, True], ids=["intermediate", "leaf"])
+@pytest.mark.parametrize("lead, width", [((1,), 1), ((5,), 127), ((2, 3), 1023), ((2,), 4097)])
+def test_packed(lead, width, leaf, dtype, approximate):
+    checks.check_packed(_fns(approximate)[1], APPROX[approximate], lead, width, dtype, leaf)
+
+
+@pytest.mark.parametrize("approximate", list(APPROX))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["halves", "separate", "transposed", "row_strided"])
+def test_unpacked_strided(layout, dtype, approximate):
+    checks.check_unpacked(_fns(approximate)[0], APPROX[approximate], layout, dtype)
+
+
+@pytest.mark.parametrize("approximate", list(APPROX))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 1), (3, 127), (2, 4097), (300, 5)])
+def test_launchers_write_every_element(rows, width, dtype, approximate):
+    checks.check_launchers_poisoned(APPROX[approximate], rows, width, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's exp in the interpreter
+def test_large_magnitudes_stay_finite():
+    """|x| up to 1e4: σ saturates cleanly (no inf·0 NaN), matching the reference."""
+    gate_up = torch.cat((torch.linspace(-1e4, 1e4, 64), torch.randn(64))).reshape(1, 128).to(checks.DEVICE).requires_grad_()
+    for approximate, activation in APPROX.items():
+        x = gate_up.detach().double().requires_grad_()
+        ref = gm.gated_mlp_reference(x[:, :64], x[:, 64:], activation)
+        out = geglu_packed(gate_up, approximate=approximate)
+        (d,) = torch.autograd.grad(out, gate_up, torch.ones_like(out))
+        (dref,) = torch.autograd.grad(ref, x, torch.ones_like(ref))
+        checks.assert_matches(out, ref, name=f"out {approximate}")
+        checks.assert_matches(d, dref, name=f"d {approximate}")
+
+
+def test_reference_path_matches(monkeypatch):
+    monkeypatch.setattr(gm, "use_triton", lambda *tensors: False)
+    for approximate, activation in APPROX.items():
+        checks.check_packed(_fns(approximate)[1], activation, (3,), 33, torch.float32, leaf=False)
+
+
+def test_aliasing_safety():
+    checks.check_aliasing_safety(*_fns("tanh"), "gelu_tanh")
+
+
+def test_edges_and_errors():
+    checks.check_edges_and_errors(*_fns("tanh"))
+    with pytest.raises(ValueError, match="approximate"):
+        geglu_packed(torch.randn(2, 4, device=checks.DEVICE), approximate="sigmoid")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", list(APPROX))
+def test_gpu_gemma_size(approximate):
+    checks.check_gpu_real_size(_fns(approximate)[1], APPROX[approximate], 16384, 16384)
+
+
+@pytest.mark.gpu
+def test_gpu_above_int32_elements():
+    checks.check_gpu_above_int32(_fns("tanh")[1], "gelu_tanh")
