@@ -19,6 +19,7 @@ from torch import nn
 
 from liger_models.medusa.checkpoint import CONFIG_NAME, load_heads, read_json, save_heads
 from liger_models.medusa.config import MedusaConfig
+from liger_models.medusa.decoding import medusa_generate
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.loss import MedusaOutput, medusa_head_weights, medusa_loss, schedule_factor
 
@@ -76,6 +77,10 @@ class MedusaModel(nn.Module):
         return medusa_loss(hidden, self.heads, labels, position_ids=position_ids,
                            base_lm_head_weight=self.base.lm_head.weight, base_loss_weight=self.base_loss_weight,
                            head_scales=self.head_scales(step, max_steps), normalizer=normalizer)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs: Any):
+        """Medusa tree decoding with these heads (see `liger_models.medusa.decoding.medusa_generate`)."""
+        return medusa_generate(self.base, self.heads, input_ids, max_new_tokens, **kwargs)
 
     def param_groups(self, lr: float, head_lr_multiplier: float = 4.0,
                      weight_decay: float = 0.0) -> list[dict[str, Any]]:

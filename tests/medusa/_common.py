@@ -3,44 +3,22 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from liger_models.llama.config import LlamaConfig
+from liger_models.llama.modeling import LigerLlamaForCausalLM
+
 IGNORE = -100
 
 
-class _Decoder(nn.Module):
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.pos = nn.Embedding(64, hidden)
-
-    def forward(self, input_ids, position_ids=None):
-        x = self.embed_tokens(input_ids)
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        x = x + self.pos(position_ids)
-        # A causal running mean so the hidden state depends on the prefix, as in a real decoder.
-        mix = x.cumsum(1) / torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype)[:, None]
-        return torch.tanh(self.proj(mix)) + x
-
-
-class StandInBase(nn.Module):
-    """`.model(input_ids, position_ids) -> hidden`, `.lm_head`, `.config`: the part of the zoo API Medusa uses."""
-
-    def __init__(self, vocab: int = 37, hidden: int = 16):
-        super().__init__()
-        self.config = SimpleNamespace(hidden_size=hidden, vocab_size=vocab, model_type="standin")
-        self.model = _Decoder(vocab, hidden)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-
-
-def make_base(vocab: int = 37, hidden: int = 16, dtype=torch.float32) -> nn.Module:
-    return StandInBase(vocab, hidden).to(dtype)
+def make_base(vocab: int = 37, hidden: int = 16, dtype=torch.float32, *, layers: int = 1, tied: bool = False):
+    """A tiny random LigerLlamaForCausalLM (HF init scaled up so logits are not all near zero)."""
+    config = LlamaConfig.tiny(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                              num_hidden_layers=layers, tie_word_embeddings=tied, initializer_range=0.3)
+    return LigerLlamaForCausalLM.from_config(config, dtype=dtype)
 
 
 def packed_batch(B: int, T: int, vocab: int, *, packed: bool, ignore_frac: float = 0.2):

@@ -125,3 +125,37 @@ def test_vllm_shared_head_must_match_base(tmp_path):
     save_vllm(model.heads, str(tmp_path))
     with pytest.raises(ValueError, match="differs"):
         load_vllm(str(tmp_path), make_base(V, H).lm_head)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_stage2_saves_full_base_in_hf_format(tmp_path, share):
+    model = _model(share, 1, dtype=torch.bfloat16, stage=2)
+    model.save_pretrained(str(tmp_path))
+    files = set(os.listdir(tmp_path))
+    assert {"config.json", "medusa_lm_head.safetensors"} <= files and any(f.endswith(".safetensors") and
+                                                                         f != "medusa_lm_head.safetensors" for f in files)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 1
+    assert cfg["base_model_name_or_path"] == str(tmp_path) and cfg.get("version") == ("2" if share else None)
+    loaded = MedusaModel.from_pretrained(str(tmp_path))  # base and heads both from the directory
+    assert loaded.stage == 2 and loaded.config.base_model_name_or_path == str(tmp_path)
+    model.heads.config.base_model_name_or_path = str(tmp_path)  # the trained base is the one saved here
+    _assert_same_heads(model.heads, loaded.heads)
+    a, b = model.base.state_dict(), loaded.base.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # transformers reads the same directory (the medusa_* fields ride along as extra config attributes).
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert torch.equal(hf.lm_head.weight, model.base.lm_head.weight)
+    assert torch.equal(hf.model.layers[0].mlp.down_proj.weight, model.base.model.layers[0].mlp.down_proj.weight)
+
+
+def test_heads_only_dir_loads_base_from_base_model_name_or_path(tmp_path):
+    model = _model(True, 1)
+    model.base.save_pretrained(str(tmp_path / "base"))
+    model.heads.config.base_model_name_or_path = str(tmp_path / "base")
+    model.save_pretrained(str(tmp_path / "heads"))
+    loaded = MedusaModel.from_pretrained(str(tmp_path / "heads"))
+    _assert_same_heads(model.heads, loaded.heads)
+    assert torch.equal(loaded.heads.weight(0), model.base.lm_head.weight)

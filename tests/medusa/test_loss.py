@@ -72,6 +72,23 @@ def test_loss_and_grads_match_reference(share, L, stage):
     _check(model, ids, labels, pos)
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_tied_embeddings(share):
+    """Gemma-style tied lm_head: heads copy (or share) the embedding matrix; stage-2 grads reach it both ways."""
+    base = make_base(V, H, tied=True)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    model = MedusaModel.from_base(base, stage=2, num_heads=2, share_lm_head=share)
+    ids, labels, pos = packed_batch(2, 9, V, packed=True)
+    _check(model, ids, labels, pos)
+
+
+def test_with_triton_interpreter(interpreted_kernels):
+    """The same check with every kernel (fused linear-CE included) running as Triton code in the interpreter."""
+    model = MedusaModel.from_base(make_base(V, H), stage=2, num_heads=2, num_layers=1)
+    ids, labels, pos = packed_batch(2, 7, V, packed=True)
+    _check(model, ids, labels, pos)
+
+
 @pytest.mark.parametrize("scheduler,step", [("linear", 3), ("sine", 2), ("sine_0.25", 1), ("linear", 0)])
 def test_schedules_and_weights_scale_the_loss(scheduler, step):
     model = MedusaModel.from_base(make_base(V, H), stage=2, num_heads=2, scheduler=scheduler,

@@ -66,4 +66,4 @@ def test_stage2_trains_base_and_shared_head_is_not_pushed_by_heads():
     ids, labels, pos = packed_batch(2, 8, V, packed=False)
     model(ids, labels=labels).loss.backward()
     assert model.base.lm_head.weight.grad is None
-    assert model.base.model.proj.weight.grad is not None
+    assert model.base.model.layers[0].mlp.down_proj.weight.grad is not None

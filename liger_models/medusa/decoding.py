@@ -1,0 +1,216 @@
+"""Medusa tree decoding: candidates from the heads' top-k, verification by the base model, greedy/typical acceptance.
+
+One step (batch size 1, as in the reference implementation):
+  1. The root is the base model's own next token (argmax, or a sample when temperature > 0); head d (1-based)
+     proposes its top-k tokens for the position d steps after the root.
+  2. `medusa_choices` is a tree of rank paths: (0, 1) = head 1's rank 0, then head 2's rank 1. Every root-to-leaf
+     path of the tree is one candidate continuation.
+  3. The base verifies all candidates in one forward call and each path keeps its longest accepted prefix:
+     greedy (temperature 0): a token is accepted iff it is the base's argmax after the tokens before it — the output
+     is then token for token what plain greedy decoding of the base produces;
+     typical (temperature > 0): accepted iff p_base(x) > min(ε, δ·exp(−H(p_base))) (posterior_threshold ε,
+     posterior_alpha δ; not distribution-preserving), ties on length broken by the summed log-probability.
+  4. The step emits root + accepted tokens; the base's prediction after the last accepted token is the next root.
+
+Verification layout. The reference runs the (1 + N) tree nodes as one sequence with a tree attention mask
+(`MedusaBuffers.tree_mask`). Our base models' attention takes no custom mask (only causal / window / packed
+documents), so the base instead runs the P root-to-leaf paths as a batch of P rows of length depth + 1 on top of a
+shared prefix KV cache (`PathCache`): each row attends causally to the prefix and to its own path, which is exactly
+what the tree mask allows. It is correct and simple; it costs P·(depth+1) tokens of compute instead of 1 + N, plus
+an expanded copy of the prefix K/V per step, so it is a reference implementation, not a fast server.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from liger_models.medusa.heads import MedusaHeads
+
+TOPK = 10
+
+
+@dataclass
+class MedusaBuffers:
+    """The tree laid out for verification (`generate_medusa_buffers`).
+
+    tree_mask: (1+N, 1+N) bool, node i may attend to node j (root and ancestors, itself included).
+    tree_indices: (1+N,) index of each node's token in the flat candidate vector [root, head1 top-k, head2 top-k, …].
+    tree_position_ids: (1+N,) depth of each node (root 0).
+    retrieve_indices: (P, depth+1) tree-node indices of each root-to-leaf path, padded with -1.
+    """
+
+    tree_mask: torch.Tensor
+    tree_indices: torch.Tensor
+    tree_position_ids: torch.Tensor
+    retrieve_indices: torch.Tensor
+
+
+def dense_medusa_choices(widths: Sequence[int]) -> list[tuple[int, ...]]:
+    """The Cartesian tree of `widths` (e.g. [4, 2, 1]: head 1's top-4, each followed by head 2's top-2, …)."""
+    out: list[tuple[int, ...]] = []
+    for depth in range(1, len(widths) + 1):
+        out.extend(itertools.product(*(range(w) for w in widths[:depth])))
+    return out
+
+
+def default_medusa_choices(num_heads: int) -> list[tuple[int, ...]]:
+    """A 44-node (for ≥ 4 heads) tree: top-4 from head 1, top-2 from heads 2 and 3, top-1 from head 4."""
+    return dense_medusa_choices([4, 2, 2, 1][:num_heads])
+
+
+def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int = TOPK,
+                            device: torch.device | str | None = None) -> MedusaBuffers:
+    """Tree mask, node → candidate indices, node depths and root-to-leaf paths for `medusa_choices`."""
+    choices = sorted({tuple(c) for c in medusa_choices}, key=lambda c: (len(c), c))
+    if not choices or any(len(c) == 0 for c in choices):
+        raise ValueError("medusa_choices must be a non-empty list of non-empty rank paths")
+    depth = max(len(c) for c in choices)
+    if depth > num_heads:
+        raise ValueError(f"medusa_choices reach depth {depth} but the model has only {num_heads} Medusa heads")
+    if any(r < 0 or r >= topk for c in choices for r in c):
+        raise ValueError(f"every rank in medusa_choices must be in [0, {topk})")
+    node = {c: i + 1 for i, c in enumerate(choices)}  # node 0 is the root
+    missing = [c for c in choices if len(c) > 1 and c[:-1] not in node]
+    if missing:
+        raise ValueError(f"medusa_choices must contain every path's parent; missing parents of {missing[:3]}")
+    n = len(choices) + 1
+    mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True
+    indices = torch.zeros(n, dtype=torch.long)
+    positions = torch.zeros(n, dtype=torch.long)
+    for c, i in node.items():
+        for d in range(1, len(c)):
+            mask[i, node[c[:d]]] = True
+        indices[i] = 1 + topk * (len(c) - 1) + c[-1]
+        positions[i] = len(c)
+    leaves = [c for c in choices if not any(o[:len(c)] == c and len(o) > len(c) for o in choices)]
+    retrieve = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
+    for p, c in enumerate(leaves):
+        retrieve[p, : len(c) + 1] = torch.tensor([0] + [node[c[:d]] for d in range(1, len(c) + 1)])
+    return MedusaBuffers(*(t.to(device) for t in (mask, indices, positions, retrieve)))
+
+
+class PathCache:
+    """A prefix KV cache shared by a batch of candidate rows (the `update` / `seq_length` API of our KVCache).
+
+    Each forward call sees the committed prefix expanded to its batch, then its own new keys; `commit(row, n)`
+    appends row `row`'s first `n` new tokens to the prefix (and drops the rest).
+    """
+
+    def __init__(self) -> None:
+        self._prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._length = 0
+
+    def seq_length(self) -> int:
+        return self._length
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._pending[layer_idx] = (k, v)
+        if self._length == 0:
+            return k, v
+        pk, pv = (t[:, :, : self._length].expand(k.shape[0], -1, -1, -1) for t in self._prefix[layer_idx])
+        return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)  # (B, Hkv, prefix + T, D)
+
+    def commit(self, row: int, n: int) -> None:
+        for layer_idx, (k, v) in self._pending.items():
+            new = [t[row: row + 1, :, :n] for t in (k, v)]
+            if layer_idx not in self._prefix or self._prefix[layer_idx][0].shape[2] < self._length + n:
+                size = max(2 * self._length, self._length + n, 64)
+                grown = [t.new_empty(1, t.shape[1], size, t.shape[3]) for t in new]
+                if layer_idx in self._prefix:
+                    for g, old in zip(grown, self._prefix[layer_idx]):
+                        g[:, :, : self._length] = old[:, :, : self._length]
+                self._prefix[layer_idx] = (grown[0], grown[1])
+            for buf, t in zip(self._prefix[layer_idx], new):
+                buf[:, :, self._length: self._length + n] = t
+        self._length += n
+        self._pending.clear()
+
+
+def _accept(paths: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor, temperature: float,
+            posterior_threshold: float, posterior_alpha: float) -> tuple[int, int]:
+    """(best row, accepted length) for candidate rows `paths` (P, D+1) given base logits (P, D+1, V)."""
+    cand = paths[:, 1:]
+    if temperature == 0:
+        ok = cand == logits[:, :-1].argmax(-1)
+        score = None
+    else:
+        logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # (P, D, V)
+        entropy = -(logp.exp() * logp).sum(-1)
+        threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
+        cand_logp = logp.gather(-1, cand[..., None].clamp(min=0)).squeeze(-1)
+        ok = cand_logp.exp() > threshold
+        score = cand_logp
+    accepted = torch.cumprod((ok & valid[:, 1:]).long(), dim=1)  # (P, D)
+    lengths = accepted.sum(1)
+    n = int(lengths.max())
+    if score is None or n == 0:
+        return int(torch.argmax(lengths)), n  # first row of maximal length
+    total = (score * accepted).sum(1).masked_fill(lengths != n, float("-inf"))
+    return int(torch.argmax(total)), n
+
+
+def _next_root(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, max_new_tokens: int = 32, *,
+                    medusa_choices: Sequence[Sequence[int]] | None = None, temperature: float = 0.0,
+                    posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, topk: int = TOPK,
+                    eos_token_id: int | Sequence[int] | None = None, generator: torch.Generator | None = None,
+                    return_stats: bool = False):
+    """(1, T) prompt → (1, T + n) tokens, n ≤ max_new_tokens, stopping after an EOS token.
+
+    base: a zoo causal LM (`.model(ids, position_ids, cache=...)`, `.lm_head`); heads: its Medusa heads.
+    temperature 0 is greedy (identical output to plain greedy decoding); > 0 uses typical acceptance.
+    return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
+    in base forward calls).
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T), got {tuple(input_ids.shape)}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    device = input_ids.device
+    choices = default_medusa_choices(heads.num_heads) if medusa_choices is None else medusa_choices
+    buffers = generate_medusa_buffers(choices, heads.num_heads, topk, device)
+    path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root, masked by `valid`
+    valid = buffers.retrieve_indices >= 0
+    depth = buffers.retrieve_indices.shape[1] - 1
+    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+    cache = PathCache()
+    hidden = base.model(input_ids, cache=cache)[:, -1]  # (1, H)
+    cache.commit(0, input_ids.shape[1])
+    tokens = [input_ids[0]]
+    emitted, per_step = 0, []
+    while emitted < max_new_tokens:
+        root = _next_root(base.lm_head(hidden), temperature, generator)  # (1,)
+        proposals = heads.logits(hidden)[:, 0].topk(topk, dim=-1).indices[:depth]  # (≤D, topk)
+        flat = torch.cat([root, proposals.flatten()])
+        paths = flat[buffers.tree_indices][path_nodes]  # (P, D+1) token ids, root first
+        out = base.model(paths, cache=cache)  # (P, D+1, H)
+        row, n = _accept(paths, valid, base.lm_head(out), temperature, posterior_threshold, posterior_alpha)
+        step_tokens = paths[row, : n + 1]
+        cache.commit(row, n + 1)
+        hidden = out[row: row + 1, n]
+        step_tokens = step_tokens[: max_new_tokens - emitted]
+        stop = [i for i, t in enumerate(step_tokens.tolist()) if t in eos]
+        if stop:
+            step_tokens = step_tokens[: stop[0] + 1]
+        tokens.append(step_tokens)
+        emitted += len(step_tokens)
+        per_step.append(len(step_tokens))
+        if stop:
+            break
+    result = torch.cat(tokens)[None]
+    return (result, per_step) if return_stats else result

@@ -1,0 +1,164 @@
+"""Tree decoding: buffers, the shared-prefix path cache, acceptance rules, and greedy output == plain greedy output."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from liger_models.medusa import MedusaConfig, MedusaHeads, MedusaModel
+from liger_models.medusa.decoding import (PathCache, _accept, default_medusa_choices, dense_medusa_choices,
+                                          generate_medusa_buffers, medusa_generate)
+from tests.medusa._common import make_base
+
+V, H = 37, 16
+
+
+def test_buffers_small_tree():
+    b = generate_medusa_buffers([(1,), (0, 1), (0,), (0, 0), (1, 0)], num_heads=2, topk=10)
+    # Sorted nodes: root, (0,), (1,), (0,0), (0,1), (1,0)
+    assert b.tree_indices.tolist() == [0, 1, 2, 11, 12, 11]
+    assert b.tree_position_ids.tolist() == [0, 1, 1, 2, 2, 2]
+    assert b.tree_mask.int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 1],
+    ]
+    assert b.retrieve_indices.tolist() == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+    b = generate_medusa_buffers([(0,), (1,), (0, 0)], num_heads=3)
+    assert b.retrieve_indices.tolist() == [[0, 2, -1], [0, 1, 3]]
+
+
+def test_dense_and_default_choices():
+    assert dense_medusa_choices([2, 1]) == [(0,), (1,), (0, 0), (1, 0)]
+    assert len(default_medusa_choices(5)) == 4 + 8 + 16 + 16
+    assert max(len(c) for c in default_medusa_choices(2)) == 2
+
+
+@pytest.mark.parametrize("choices,match", [([(0, 0, 0)], "only 2 Medusa heads"), ([(0,), (10,)], r"\[0, 10\)"),
+                                           ([(0,), (1, 0)], "parent"), ([], "non-empty")])
+def test_bad_choices_raise(choices, match):
+    with pytest.raises(ValueError, match=match):
+        generate_medusa_buffers(choices, num_heads=2)
+
+
+def test_greedy_acceptance_picks_longest_prefix():
+    # Base argmax after each position: rows predict [5, 6, 7]; candidates are root + 3 tokens.
+    logits = torch.full((3, 4, 9), -5.0)
+    for p in range(3):
+        for j, t in enumerate([5, 6, 7, 8]):
+            logits[p, j, t] = 5.0
+    paths = torch.tensor([[1, 5, 0, 0], [1, 5, 6, 0], [1, 5, 6, 7]])
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    assert _accept(paths, valid, logits, 0.0, 0.09, 0.3) == (2, 3)
+    valid[2, 3] = False  # a padded position never counts
+    assert _accept(paths, valid, logits, 0.0, 0.09, 0.3) == (1, 2)
+
+
+def test_typical_acceptance_extremes_and_tie_break():
+    logits = torch.randn(3, 4, 9)
+    paths = torch.randint(0, 9, (3, 4))
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    assert _accept(paths, valid, logits, 0.7, 0.0, 0.3)[1] == 3  # threshold min(0, ·) = 0: everything accepted
+    assert _accept(paths, valid, logits, 0.7, 1.0, 1e9)[1] == 0  # p > 1 never holds
+    # Equal lengths: the row whose tokens the base finds most likely wins.
+    logp = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, paths[:, 1:, None]).squeeze(-1)
+    assert _accept(paths, valid, logits, 0.7, 0.0, 0.3)[0] == int(logp.sum(1).argmax())
+
+
+def test_path_cache_matches_full_forward():
+    base = make_base(V, H, torch.float64, layers=2)
+    prefix, rows = torch.randint(0, V, (1, 5)), torch.randint(0, V, (3, 4))
+    cache = PathCache()
+    base.model(prefix, cache=cache)
+    cache.commit(0, 5)
+    base.model(rows, cache=cache)
+    cache.commit(1, 3)
+    more = torch.randint(0, V, (1, 2))
+    out = base.model(more, cache=cache)
+    full = base.model(torch.cat([prefix, rows[1:2, :3], more], 1))
+    assert cache.seq_length() == 8  # the last call is not committed
+    torch.testing.assert_close(out, full[:, -2:], rtol=1e-12, atol=1e-12)
+
+
+class CounterBase(nn.Module):
+    """next token = perm[token]: one-hot hidden states and a permutation lm_head (a base whose future is known)."""
+
+    def __init__(self, perm: torch.Tensor):
+        super().__init__()
+        n = len(perm)
+        self.perm = perm
+        self.config = SimpleNamespace(hidden_size=n, vocab_size=n)
+        self.lm_head = nn.Linear(n, n, bias=False, dtype=torch.float64)
+        self.lm_head.weight.data = torch.eye(n, dtype=torch.float64)[perm].t().contiguous()  # W[perm[i], i] = 1
+        self.model = lambda ids, position_ids=None, cache=None: nn.functional.one_hot(ids, n).double()
+
+    def greedy(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        out = ids[0].tolist()
+        for _ in range(n):
+            out.append(int(self.perm[out[-1]]))
+        return torch.tensor(out)[None]
+
+
+def _counter_heads(base, good: int):
+    """Heads 1..good predict perfectly (the permutation applied k+1 more times); the others rank the truth last."""
+    heads = MedusaHeads(MedusaConfig.for_base(base, num_heads=4), base.lm_head)
+    P = base.lm_head.weight.data
+    for k in range(4):
+        heads[k][0].linear.bias.data.zero_()  # SiLU(0) = 0: the ResBlock is then exactly the identity
+        truth = torch.linalg.matrix_power(P, k + 2)
+        heads[k][1].weight.data = truth if k < good else torch.linalg.matrix_power(P, k + 3) - 10 * truth
+    return heads
+
+
+@pytest.mark.parametrize("good", [0, 2, 4])
+def test_acceptance_lengths_on_a_known_future(good):
+    perm = torch.randperm(V)
+    base = CounterBase(perm)
+    heads = _counter_heads(base, good)
+    prompt = torch.randint(0, V, (1, 3))
+    out, steps = medusa_generate(base, heads, prompt, 20, return_stats=True)
+    assert torch.equal(out, base.greedy(prompt, 20))
+    depth = 4  # default tree depth with 4 heads
+    per_step = 1 + min(good, depth)
+    assert steps[:-1] == [per_step] * (len(steps) - 1) and sum(steps) == 20
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_greedy_medusa_equals_plain_greedy_on_tiny_llama(share):
+    base = make_base(V, H, torch.float64, layers=2)
+    model = MedusaModel.from_base(base, num_heads=4, share_lm_head=share)
+    for k in range(4):  # heads that echo the base's next-token guess get accepted whenever the text repeats
+        model.heads[k][0].linear.bias.data.zero_()
+    prompt = torch.randint(3, V, (1, 6))
+    plain = base.generate(prompt, max_new_tokens=30, eos_token_id=[])
+    medusa, steps = model.generate(prompt, max_new_tokens=30, eos_token_id=None, return_stats=True)
+    assert torch.equal(medusa, plain)
+    assert sum(steps) == 30
+
+
+def test_eos_stops_like_plain_greedy():
+    base = make_base(V, H, torch.float64, layers=1)
+    heads = MedusaModel.from_base(base, num_heads=2).heads
+    prompt = torch.randint(3, V, (1, 4))
+    plain = base.generate(prompt, max_new_tokens=12, eos_token_id=[])
+    eos = int(plain[0, 4 + 3])  # the 4th generated token acts as EOS
+    first = (plain[0, 4:] == eos).nonzero()[0].item()
+    out = medusa_generate(base, heads, prompt, 12, eos_token_id=eos)
+    assert torch.equal(out, plain[:, : 4 + first + 1])
+
+
+def test_sampling_is_reproducible_and_bad_inputs_raise():
+    base = make_base(V, H, torch.float64)
+    heads = MedusaModel.from_base(base, num_heads=2).heads
+    prompt = torch.randint(0, V, (1, 4))
+    a = medusa_generate(base, heads, prompt, 10, temperature=0.8, generator=torch.Generator().manual_seed(1))
+    b = medusa_generate(base, heads, prompt, 10, temperature=0.8, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and a.shape == (1, 14) and a.max() < V
+    with pytest.raises(ValueError, match="one sequence"):
+        medusa_generate(base, heads, prompt.repeat(2, 1), 4)
+    with pytest.raises(ValueError, match="temperature"):
+        medusa_generate(base, heads, prompt, 4, temperature=-1.0)
