@@ -133,8 +133,8 @@ class Attention(nn.Module):
         q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim
         q = qkv[..., :q_end].unflatten(-1, (self.num_heads, self.head_dim))  # (B, T, Hq, D) view
         k = qkv[..., q_end:k_end].unflatten(-1, (self.num_kv_heads, self.head_dim))  # (B, T, Hkv, D) view
+        q, k = rope(q, k, cos, sin)  # in place on qkv: v must be sliced only after this (see kernels/rope.py)
         v = qkv[..., k_end:].unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = rope(q, k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, D)

@@ -11,7 +11,6 @@ in forward and again in backward, so nothing weight-sized is ever saved for back
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -40,7 +39,16 @@ class _PackedLinear(torch.autograd.Function):
         ctx.n, ctx.has_bias = n, bool(biases)
         ctx.rows = [w.shape[0] for w in weights]
         ctx.save_for_backward(x, *weights)
-        return F.linear(x, _stacked(weights), _stacked(biases) if biases else None)
+        # Written through ``out=`` so the result is a base tensor, not a view made inside a custom Function:
+        # the rope kernel later rotates q and k in place in it, which autograd forbids on such views.
+        w = _stacked(weights)
+        out = x.new_empty((*x.shape[:-1], w.shape[0]))
+        x2d, out2d = x.reshape(-1, x.shape[-1]), out.view(-1, w.shape[0])
+        if biases:
+            torch.addmm(_stacked(biases), x2d, w.t(), out=out2d)
+        else:
+            torch.mm(x2d, w.t(), out=out2d)
+        return out
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")

@@ -1,0 +1,47 @@
+"""Llama vs transformers: logits, loss, gradients; rope variants; v4 and v5 config styles; sharded checkpoints."""
+
+import pytest
+import torch
+import transformers
+
+from liger_models import LigerLlamaForCausalLM, LlamaConfig
+
+from .parity import build_hf, check_parity, check_roundtrip, save_hf
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+
+
+@pytest.mark.parametrize("v4_style", [False, True], ids=["v5-config", "v4-config"])
+def test_llama3_rope_gqa_head_dim_biases_sharded(tmp_path, v4_style):
+    hf = build_hf(transformers.LlamaConfig, head_dim=32, attention_bias=True, mlp_bias=True,
+                  rope_parameters=dict(LLAMA3_ROPE))
+    save_hf(hf, tmp_path / "hf", max_shard_size="40KB", v4_style=v4_style)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    ours = check_parity(hf, tmp_path / "hf", seq_len=20)
+    assert isinstance(ours, LigerLlamaForCausalLM) and ours.config.rope_scaling["rope_type"] == "llama3"
+    assert ours.config.rope_theta == 500000.0 and ours.config.head_dim == 32
+
+
+def test_tied_linear_rope_and_roundtrip(tmp_path):
+    hf = build_hf(transformers.LlamaConfig, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=16)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    check_roundtrip(ours, tmp_path / "ours")
+
+
+@pytest.mark.parametrize("seq_len", [12, 24], ids=["below-max-pos", "above-max-pos"])
+def test_dynamic_rope(tmp_path, seq_len):
+    hf = build_hf(transformers.LlamaConfig, max_position_embeddings=16,
+                  rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    check_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=seq_len, grads=False)
+
+
+def test_untied_roundtrip_sharded(tmp_path):
+    ours = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny())
+    check_roundtrip(ours, tmp_path / "ours", max_shard_size="40KB")
+    assert (tmp_path / "ours" / "model.safetensors.index.json").exists()
+    again = LigerLlamaForCausalLM.from_pretrained(tmp_path / "ours")
+    for (n, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n

@@ -1,0 +1,29 @@
+"""Qwen2 vs transformers: q/k/v biases, tied head (≤3B style), use_sliding_window / max_window_layers."""
+
+import transformers
+
+from liger_models import LigerQwen2ForCausalLM
+
+from .parity import build_hf, check_parity, check_roundtrip, save_hf
+
+
+def test_qkv_bias_tied_window_flag_off(tmp_path):
+    # sliding_window is set but use_sliding_window is false: full causal attention everywhere (Qwen2.5 ships this).
+    hf = build_hf(transformers.Qwen2Config, tie_word_embeddings=True, sliding_window=5, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    with __import__("torch").no_grad():
+        for layer in hf.model.layers:  # HF inits biases to zero; make them matter
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=16)
+    assert isinstance(ours, LigerQwen2ForCausalLM)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert ours.model.layers[0].self_attn.q_proj.bias is not None and ours.model.layers[0].self_attn.o_proj.bias is None
+    assert [layer.self_attn.window for layer in ours.model.layers] == [None, None]
+    check_roundtrip(ours, tmp_path / "ours")
+
+
+def test_sliding_window_upper_layers(tmp_path):
+    hf = build_hf(transformers.Qwen2Config, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf", v4_style=True), seq_len=18)
+    assert [layer.self_attn.window for layer in ours.model.layers] == [None, 6]
