@@ -1,19 +1,31 @@
-"""RMSNorm and fused residual-add + RMSNorm.
+"""RMSNorm, fused residual-add + RMSNorm, and the row-norm kernels that LayerNorm shares.
 
-Math, per row x of length N:  rstd = 1 / sqrt(mean(x²) + eps)
-  casting="llama" (HF LlamaRMSNorm; Mistral, Qwen2, Phi3):  y = w · (x_f32 · rstd).to(x.dtype)
-  casting="gemma" (HF GemmaRMSNorm):                        y = (x_f32 · rstd · (offset + w_f32)).to(x.dtype)
-The output is in x.dtype (HF promotes w.dtype with x.dtype in llama mode; with both in one dtype it is that dtype).
+Math, per row x of length N:  rstd = 1 / sqrt(mean(x²) + eps),  x̂ = x_f32 · rstd
+  casting="llama" (HF LlamaRMSNorm; Mistral, Qwen2, Phi3):  y = w · x̂.to(x.dtype)
+  casting="gemma" (HF GemmaRMSNorm, offset=1):               y = (x̂ · (offset + w_f32)).to(x.dtype)
+The output is in x.dtype (HF promotes w.dtype with x.dtype in llama mode; with both in one dtype it is that dtype,
+and bf16·bf16 is exact in fp32, so the fp32 product rounded once is HF's bf16 product bit for bit).
+add_rms_norm: r = x + residual (rounded to x.dtype, like HF's `h = h + a`), y = rms_norm(r); returns (y, r).
 
-add_rms_norm: r = x + residual (in x.dtype, like HF's `h = h + a`), y = rms_norm(r); returns (y, r).
+Backward, with w' = offset + w and g = dy · w':  dx = rstd · (g − x̂ · mean(g · x̂))   (+ dr, the grad of r)
+  dW = Σ_rows dy · x̂ (llama: x̂ rounded to x.dtype, as HF multiplies w by the rounded value).
+LayerNorm (layer_norm.py) is the CENTER variant of the same kernels: x̂ = (x − mean) · rstd, an extra −mean(g)
+term in dx, and dB = Σ_rows dy.
+
+Bytes (bf16, M×N): forward reads x (+ residual) and w, writes y (+ r) and 4 B/row of rstd; backward reads dy, x,
+rstd, w (+ dr), writes dx and G×N fp32 dW partials (G = resident programs, a few MB), then one tiny reduction.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import triton
+import triton.language as tl
 from torch import nn
 
-from ._dispatch import use_triton
+from ._dispatch import interpreting, row_view, use_triton
 
 _CASTINGS = ("llama", "gemma")
 
@@ -21,18 +33,381 @@ _CASTINGS = ("llama", "gemma")
 def rms_norm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama"
 ) -> torch.Tensor:
-    """PyTorch RMSNorm in HF's numeric order (see the module docstring); output in x.dtype."""
-    xf = x.float()
+    """PyTorch RMSNorm in HF's numeric order (see the module docstring); output in x.dtype.
+
+    Low-precision inputs are normalised in fp32 like HF; float64 inputs stay float64 (the test reference).
+    """
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
     xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if casting == "llama":
         w = weight + offset if offset else weight
         return (w * xn.to(x.dtype)).to(x.dtype)
-    return (xn * (offset + weight.float())).to(x.dtype)
+    return (xn * (offset + weight.to(acc))).to(x.dtype)
+
+
+@triton.jit
+def _load_input(X, RES, R_OUT, rows, cols, mask, stride_x_row, stride_res_row, n_cols,
+                HAS_RESIDUAL: tl.constexpr, STORE_R: tl.constexpr):
+    """A (BLOCK_M, BLOCK_N) fp32 tile of the norm's input: x, or r = x + residual rounded to x's dtype."""
+    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(RES + rows[:, None] * stride_res_row + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(R_OUT.dtype.element_ty)
+        if STORE_R:
+            tl.store(R_OUT + rows[:, None] * n_cols + cols[None, :], x, mask=mask)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _affine(xhat, W, B, cols, col_mask, offset, GEMMA: tl.constexpr, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """y = x̂ · (offset + w) (+ b) in the casting mode's order, returned in the output dtype."""
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if GEMMA:
+        y = xhat * w[None, :]
+    else:
+        y = xhat.to(dtype).to(tl.float32) * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return y.to(dtype)
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, RES, W, B, Y, R_OUT, MEAN, RSTD,
+    n_rows, n_cols, stride_x_row, stride_res_row, eps, offset,
+    CENTER: tl.constexpr, GEMMA: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    SPLIT_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # BLOCK_M rows per program: small rows are batched into one 2-D tile so every program moves ~16 KB.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)  # rows × stride can pass 2³¹
+    cols = tl.arange(0, BLOCK_N)
+    if not SPLIT_N:
+        # The whole row stays in registers: one read of x, one write of y.
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_input(X, RES, R_OUT, rows, cols, mask, stride_x_row, stride_res_row, n_cols, HAS_RESIDUAL, True)
+        if CENTER:
+            mean = tl.sum(x, axis=1) / n_cols
+            x = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        y = _affine(x * rstd[:, None], W, B, cols, col_mask, offset, GEMMA, HAS_BIAS, Y.dtype.element_ty)
+        tl.store(Y + rows[:, None] * n_cols + cols[None, :], y, mask=mask)
+    else:
+        # Rows too long for registers: loop over column blocks, re-reading the row (from L2) for each pass.
+        # r is recomputed from x + residual in later passes (same rounding), never read back from R_OUT.
+        mean = tl.zeros((BLOCK_M,), tl.float32)
+        if CENTER:  # a separate mean pass: Σx² − (Σx)²/N cancels badly when |mean| ≫ std
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            start = tl.full((), 0, tl.int32)
+            while start < n_cols:
+                mask = row_mask[:, None] & (start + cols < n_cols)[None, :]
+                acc += _load_input(X, RES, R_OUT, rows, start + cols, mask, stride_x_row, stride_res_row, n_cols,
+                                   HAS_RESIDUAL, True)
+                start += BLOCK_N
+            mean = tl.sum(acc, axis=1) / n_cols
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        start = tl.full((), 0, tl.int32)
+        while start < n_cols:
+            mask = row_mask[:, None] & (start + cols < n_cols)[None, :]
+            x = _load_input(X, RES, R_OUT, rows, start + cols, mask, stride_x_row, stride_res_row, n_cols,
+                            HAS_RESIDUAL, not CENTER)
+            x = tl.where(mask, x - mean[:, None], 0.0)
+            acc += x * x
+            start += BLOCK_N
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+        start = tl.full((), 0, tl.int32)
+        while start < n_cols:
+            col_mask = start + cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = _load_input(X, RES, R_OUT, rows, start + cols, mask, stride_x_row, stride_res_row, n_cols,
+                            HAS_RESIDUAL, False)
+            xhat = (x - mean[:, None]) * rstd[:, None]
+            y = _affine(xhat, W, B, start + cols, col_mask, offset, GEMMA, HAS_BIAS, Y.dtype.element_ty)
+            tl.store(Y + rows[:, None] * n_cols + (start + cols)[None, :], y, mask=mask)
+            start += BLOCK_N
+    if CENTER:
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _norm_bwd_row_dots_kernel(
+    DY, X, W, MEAN, RSTD, C0, C1, n_cols, stride_dy_row, stride_x_row, offset,
+    CENTER: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Split rows only: the per-row means of g and g·x̂ that dx needs, so the column blocks of the main backward
+    # kernel can run in separate programs (costs one extra read of dy and x).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    rstd = tl.load(RSTD + row)
+    mean = 0.0
+    if CENTER:
+        mean = tl.load(MEAN + row)
+    acc0 = tl.zeros((BLOCK_N,), tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), tl.float32)
+    start = tl.full((), 0, tl.int32)
+    while start < n_cols:
+        col_mask = start + cols < n_cols
+        dy = tl.load(DY + row * stride_dy_row + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_x_row + start + cols, mask=col_mask, other=0.0).to(tl.float32)
+        g = dy * (tl.load(W + start + cols, mask=col_mask, other=0.0).to(tl.float32) + offset)
+        acc0 += g
+        acc1 += g * tl.where(col_mask, (x - mean) * rstd, 0.0)
+        start += BLOCK_N
+    if CENTER:
+        tl.store(C0 + row, tl.sum(acc0, axis=0) / n_cols)
+    tl.store(C1 + row, tl.sum(acc1, axis=0) / n_cols)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    DY, X, W, MEAN, RSTD, DRES, C0, C1, DX, DW_PART, DB_PART,
+    n_rows, n_cols, stride_dy_row, stride_x_row, stride_dres_row, offset,
+    CENTER: tl.constexpr, GEMMA: tl.constexpr, HAS_DRES: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Persistent grid: axis 0 has about as many programs as fit on the GPU at once; each loops over row blocks
+    # and keeps its dW (dB) partial in fp32 registers, written once at the end. G×N partials (not M×N) are then
+    # summed in a fixed order by _sum_partials_kernel: deterministic, no atomics.
+    # Axis 1 splits long rows into column blocks (SPLIT_N); the row dots then come from _norm_bwd_row_dots_kernel.
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    # Accumulating the full tile (not its column sums) keeps the per-iteration update free of cross-warp traffic.
+    dw = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    db = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    block = pid
+    while block < (n_rows + BLOCK_M - 1) // BLOCK_M:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows = rows.to(tl.int64)
+        dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if CENTER:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        else:
+            xhat = x * rstd[:, None]
+        # Accumulate dW before the row reductions so that dy is dead across their barriers (fewer live registers).
+        if COMPUTE_DW:
+            if GEMMA:
+                dw += dy * xhat
+            else:
+                dw += dy * xhat.to(X.dtype.element_ty).to(tl.float32)
+        if COMPUTE_DB:
+            db += dy
+        g = dy * w[None, :]
+        if SPLIT_N:
+            c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
+        else:
+            c1 = tl.sum(g * xhat, axis=1) / n_cols
+        dx = g - xhat * c1[:, None]
+        if CENTER:
+            if SPLIT_N:
+                c0 = tl.load(C0 + rows, mask=row_mask, other=0.0)
+            else:
+                c0 = tl.sum(g, axis=1) / n_cols
+            dx -= c0[:, None]
+        dx *= rstd[:, None]
+        if HAS_DRES:
+            dx += tl.load(DRES + rows[:, None] * stride_dres_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        block += tl.num_programs(0)
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PART + pid * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(PART, OUT, n_part, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Second stage of the dW reduction: a fixed summation order, so the same inputs give the same bits.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
+    start = tl.full((), 0, tl.int32)
+    while start < n_part:
+        p = start + tl.arange(0, BLOCK_P)
+        mask = (p < n_part)[:, None] & (cols < n_cols)[None, :]
+        acc += tl.load(PART + p[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        start += BLOCK_P
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cols < n_cols)
+
+
+# Tiling. A row up to _MAX_FUSED_*_N elements is held in registers; longer rows are split into _SPLIT_BLOCK_N
+# column blocks. The forward keeps ~1 fp32 register per element (x), the backward ~4 (dy, x, w and the dW
+# accumulator), hence the lower backward limit; at 16 warps that is 32 resp. 16 elements per thread, below the
+# 255-register ceiling with room to spare. Tiles of _FWD_TILE / _BWD_TILE elements give each thread 2–4 16-byte
+# vector loads per tensor: enough bytes in flight per SM to cover HBM latency without spilling.
+_MAX_FUSED_FWD_N = 16384
+_MAX_FUSED_BWD_N = 8192
+_SPLIT_BLOCK_N = 4096
+_FWD_TILE, _FWD_ELEMS_PER_THREAD = 8192, 32
+_BWD_TILE, _BWD_ELEMS_PER_THREAD = 4096, 16
+_OCCUPANCY: dict = {}
+
+
+def _tiling(n_rows: int, n_cols: int, max_fused: int, tile: int, per_thread: int) -> tuple[bool, int, int, int]:
+    """(split, BLOCK_M, BLOCK_N, num_warps) for one row-norm launch."""
+    block_n = triton.next_power_of_2(n_cols)
+    split = block_n > max_fused
+    if split:
+        block_n = min(_SPLIT_BLOCK_N, max_fused)
+    block_m = 1 if split else min(max(1, tile // block_n), triton.next_power_of_2(n_rows))
+    num_warps = min(16, max(1, block_m * block_n // (32 * per_thread)))
+    return split, block_m, block_n, num_warps
+
+
+def _resident_programs(kernel, args: tuple, meta: dict, device: torch.device) -> int:
+    """How many programs of this kernel fit on the GPU at once (registers, threads, shared memory per SM).
+
+    Compiles without launching, so the persistent grid — and with it the dW summation order — is the same from
+    the first call on. Cached per specialisation; the interpreter gets 4 so that several partials are summed.
+    """
+    if interpreting():
+        return 4
+    # The same specialisation Triton would pick: dtypes, and ints divisible by 16 or equal to 1.
+    spec = tuple(a.dtype if isinstance(a, torch.Tensor) else (a % 16 == 0, a == 1) if isinstance(a, int) else None
+                 for a in args)
+    key = (kernel, device, spec, tuple(sorted(meta.items())))
+    if key not in _OCCUPANCY:
+        props = torch.cuda.get_device_properties(device)
+        threads = 32 * meta["num_warps"]
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), **meta)
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled
+            compiled._init_handles()
+            regs = max(8, -(-compiled.n_regs // 8) * 8)
+            per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // (regs * threads),
+                         getattr(props, "max_threads_per_multi_processor", 2048) // threads,
+                         getattr(props, "shared_memory_per_multiprocessor", 228 << 10)
+                         // (compiled.metadata.shared + 1024))  # + the 1 KB the driver reserves per block
+        except Exception as e:  # noqa: BLE001 - only the grid size depends on it; still correct, maybe slower
+            warnings.warn(f"occupancy query failed ({e!r}); assuming 1 program per SM")
+            per_sm = 1
+        _OCCUPANCY[key] = max(1, per_sm) * props.multi_processor_count
+    return _OCCUPANCY[key]
+
+
+def norm_forward(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+    eps: float, offset: float, *, center: bool, gemma: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Row-norm forward on 2-D views with unit column stride: (y, r or None, mean or None, rstd), fresh tensors."""
+    n_rows, n_cols = x.shape
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    r = torch.empty_like(y) if residual is not None else None
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device) if center else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, r, mean, rstd
+    split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_FWD_N, _FWD_TILE, _FWD_ELEMS_PER_THREAD)
+    _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        x, residual if residual is not None else x, weight, bias if bias is not None else weight, y,
+        r if r is not None else y, mean if center else rstd, rstd,
+        n_rows, n_cols, x.stride(0), residual.stride(0) if residual is not None else 0, eps, offset,
+        CENTER=center, GEMMA=gemma, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        SPLIT_N=split, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, r, mean, rstd
+
+
+def norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
+    dres: torch.Tensor | None, offset: float, *, center: bool, gemma: bool, need_dw: bool, need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Row-norm backward on 2-D unit-column-stride views: (dx [+ dres], dW or None, dB or None)."""
+    n_rows, n_cols = x.shape
+    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        zeros = torch.zeros_like(weight)
+        return dx, zeros if need_dw else None, zeros.clone() if need_db else None
+    split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_BWD_N, _BWD_TILE, _BWD_ELEMS_PER_THREAD)
+    n_col_blocks = triton.cdiv(n_cols, block_n) if split else 1
+    c0 = c1 = rstd
+    if split:
+        c1 = torch.empty_like(rstd)
+        c0 = torch.empty_like(rstd) if center else c1
+        _norm_bwd_row_dots_kernel[(n_rows,)](
+            dy, x, weight, mean if center else rstd, rstd, c0, c1, n_cols, dy.stride(0), x.stride(0), offset,
+            CENTER=center, BLOCK_N=block_n, num_warps=max(4, num_warps),
+        )
+    meta = dict(CENTER=center, GEMMA=gemma, HAS_DRES=dres is not None, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
+                SPLIT_N=split, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+    def args(dw_part: torch.Tensor, db_part: torch.Tensor) -> tuple:
+        return (dy, x, weight, mean if center else rstd, rstd, dres if dres is not None else dy, c0, c1, dx,
+                dw_part, db_part, n_rows, n_cols, dy.stride(0), x.stride(0),
+                dres.stride(0) if dres is not None else 0, offset)
+
+    # The grid (and so the partial buffers) is sized by how many programs fit at once: one wave, fewest partials.
+    unused = torch.empty(1, dtype=torch.float32, device=x.device)
+    resident = _resident_programs(_norm_bwd_kernel, args(unused, unused), meta, x.device)
+    n_prog = max(1, min(triton.cdiv(n_rows, block_m), resident // n_col_blocks))
+    dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device) if need_dw else unused
+    db_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device) if need_db else unused
+    _norm_bwd_kernel[(n_prog, n_col_blocks)](*args(dw_part, db_part), **meta)
+    dw = _sum_partials(dw_part, weight.dtype) if need_dw else None
+    return dx, dw, _sum_partials(db_part, weight.dtype) if need_db else None
+
+
+def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Column sums of the (programs, N) fp32 partials, cast to the weight's dtype."""
+    n_part, n_cols = part.shape
+    out = torch.empty(n_cols, dtype=dtype, device=part.device)
+    # About one column block per SM (≥ 32 columns: 128-byte row segments), 4096-element tiles.
+    n_sm = torch.cuda.get_device_properties(part.device).multi_processor_count if part.is_cuda else 4
+    block_n = min(4096, max(32, triton.next_power_of_2(triton.cdiv(n_cols, n_sm))))
+    _sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        part, out, n_part, n_cols, BLOCK_P=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4
+    )
+    return out
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, gemma):
+        x2 = row_view(x)
+        res2 = None if residual is None else row_view(residual)
+        y, r, _, rstd = norm_forward(x2, res2, weight, None, eps, offset, center=False, gemma=gemma)
+        ctx.save_for_backward(x2 if r is None else r, weight, rstd)  # the norm's input and rstd, nothing else
+        ctx.offset, ctx.gemma = offset, gemma
+        ctx.residual_dtype = None if residual is None else residual.dtype
+        ctx.set_materialize_grads(False)  # an unused r (the last layer's) costs no zero-filled gradient read
+        if residual is None:
+            return y.view(x.shape)
+        return y.view(x.shape), r.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy, dres=None):
+        xs, weight, rstd = ctx.saved_tensors
+        need_dw = ctx.needs_input_grad[2]
+        if dy is None:  # only r was used downstream: the norm contributes nothing
+            dr, dw = dres, torch.zeros_like(weight) if need_dw else None
+        else:
+            dx, dw, _ = norm_backward(
+                row_view(dy), xs, weight, None, rstd, None if dres is None else row_view(dres), ctx.offset,
+                center=False, gemma=ctx.gemma, need_dw=need_dw, need_db=False,
+            )
+            dr = dx.view(dy.shape)
+        if ctx.residual_dtype is None:
+            return dr, None, dw, None, None, None
+        # x and residual both receive dL/dr (norm backward + the grad of the returned r).
+        return dr, dr.to(ctx.residual_dtype) if ctx.needs_input_grad[1] else None, dw, None, None, None
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, casting: str) -> None:
     if casting not in _CASTINGS:
         raise ValueError(f"casting must be one of {_CASTINGS}, got {casting!r}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"rms_norm needs a floating-point input, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"rms_norm needs a non-empty last dimension, got shape {tuple(x.shape)}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
 
@@ -40,9 +415,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, casting: str) -> None:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"
 ) -> torch.Tensor:
-    """RMSNorm over the last dim of ``x`` (any leading shape and strides); autograd-aware."""
+    """RMSNorm over the last dim of ``x`` (any leading shape and strides); autograd-aware; output in x.dtype."""
     _check(x, weight, casting)
-    return rms_norm_reference(x, weight, eps, offset, casting)
+    if not use_triton(x, weight):
+        return rms_norm_reference(x, weight, eps, offset, casting)
+    return _RMSNormFunction.apply(x, None, weight, float(eps), float(offset), casting == "gemma")
 
 
 def add_rms_norm(
@@ -58,8 +435,10 @@ def add_rms_norm(
     _check(x, weight, casting)
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    r = x + residual.to(x.dtype)
-    return rms_norm_reference(r, weight, eps, offset, casting), r
+    if not use_triton(x, residual, weight):
+        r = x + residual.to(x.dtype)
+        return rms_norm_reference(r, weight, eps, offset, casting), r
+    return _RMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting == "gemma")
 
 
 class RMSNorm(nn.Module):
@@ -83,6 +462,7 @@ class RMSNorm(nn.Module):
         self.eps, self.offset, self.casting = eps, offset, casting
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``rms_norm(x)``, or ``add_rms_norm(x, residual)`` → (y, x + residual) when a residual is given."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps, offset=self.offset, casting=self.casting)
         return add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset, casting=self.casting)

@@ -1,0 +1,281 @@
+"""rms_norm / add_rms_norm / RMSNorm against a float64 reference (KERNELS.md §3).
+
+On CPU the Triton kernels run in the interpreter; every fresh tensor the kernels allocate is NaN-poisoned, so an
+element a kernel forgets to write fails the comparison. ``-m gpu`` repeats the checks at real sizes on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import liger_models.kernels.rms_norm as rn
+from liger_models.kernels.rms_norm import RMSNorm, add_rms_norm, rms_norm, rms_norm_reference
+from tests.helpers import DEVICE, assert_matches, poison_
+from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
+
+SHAPES = [(1, 1), (3, 127), (4, 1023), (2, 4097)]
+MODES = [("llama", 0.0), ("gemma", 1.0)]
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_allocations(monkeypatch):
+    """Outputs, rstd and dW partials come from torch.empty*: fill them with NaN so unwritten elements show."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
+
+
+@pytest.fixture
+def split_rows(monkeypatch):
+    """Force the long-row path (column blocks of 64) so the interpreter covers it on small shapes."""
+    monkeypatch.setattr(rn, "_MAX_FUSED_FWD_N", 64)
+    monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
+    monkeypatch.setattr(rn, "_SPLIT_BLOCK_N", 64)
+
+
+def _inputs(shape, dtype, casting, device=DEVICE):
+    x = torch.randn(shape, device=device, dtype=dtype)
+    # gemma weights live around 0 (used as 1 + w), llama weights around 1
+    w = torch.randn(shape[-1], device=device) * 0.5 + (0.0 if casting == "gemma" else 1.0)
+    return x, w.to(dtype)
+
+
+def _eps(shape):
+    # With hidden size 1, x̂ = ±1 up to eps and dx ∝ eps: at eps=1e-6 it is pure fp32 cancellation noise (eager
+    # bf16 is off by up to 100%), so a well-conditioned eps is used there.
+    return 0.1 if shape[-1] == 1 else 1e-6
+
+
+def _grads(out, leaves, grads):
+    return torch.autograd.grad(out, leaves, grads, allow_unused=True)
+
+
+def _check_rms_norm(x, w, casting, offset, eps=1e-6, dy=None):
+    """Forward and backward of rms_norm(x, w) vs the float64 reference (and eager in x's dtype)."""
+    leaves = [t.detach().requires_grad_() for t in (x, w)]
+    y = rms_norm(*leaves, eps, offset=offset, casting=casting)
+    dy = torch.randn_like(y) if dy is None else dy
+    dx, dw = _grads(y, leaves, dy)
+    ref = [t.detach().double().requires_grad_() for t in (x, w)]
+    y64 = rms_norm_reference(*ref, eps, offset, casting)
+    dx64, dw64 = _grads(y64, ref, dy.double())
+    eager = [t.detach().requires_grad_() for t in (x, w)]
+    ye = rms_norm_reference(*eager, eps, offset, casting)
+    dxe, dwe = _grads(ye, eager, dy)
+    assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert_matches(y, y64, eager=ye, name="y")
+    assert_matches(dx, dx64, eager=dxe, name="dx")
+    assert_matches(dw, dw64, eager=dwe, name="dw")
+
+
+def _check_add_rms_norm(x, res, w, casting, offset, eps=1e-6):
+    """add_rms_norm: y and r, and grads of x, residual and w with incoming grads on both outputs."""
+    leaves = [t.detach().requires_grad_() for t in (x, res, w)]
+    y, r = add_rms_norm(*leaves, eps, offset=offset, casting=casting)
+    dy, dr = torch.randn_like(y), torch.randn_like(r)
+    got = _grads((y, r), leaves, (dy, dr))
+
+    def reference(x_, res_, w_):
+        r_ = x_ + res_
+        return rms_norm_reference(r_, w_, eps, offset, casting), r_
+
+    ref = [t.detach().double().requires_grad_() for t in (x, res, w)]
+    y64, r64 = reference(*ref)
+    want = _grads((y64, r64), ref, (dy.double(), dr.double()))
+    eager = [t.detach().requires_grad_() for t in (x, res, w)]
+    ye, re_ = reference(*eager)
+    eager_grads = _grads((ye, re_), eager, (dy, dr))
+    assert_matches(y, y64, eager=ye, name="y")
+    assert_matches(r, r64, eager=re_, name="r")
+    for name, g, g64, ge in zip(("dx", "dresidual", "dw"), got, want, eager_grads):
+        assert_matches(g, g64, eager=ge, name=name)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("casting,offset", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm(shape, casting, offset, dtype):
+    _check_rms_norm(*_inputs(shape, dtype, casting), casting, offset, eps=_eps(shape))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("casting,offset", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm(shape, casting, offset, dtype):
+    x, w = _inputs(shape, dtype, casting)
+    _check_add_rms_norm(x, torch.randn_like(x), w, casting, offset, eps=_eps(shape))
+
+
+@pytest.mark.parametrize("shape", [(3, 127), (2, 300)])
+@pytest.mark.parametrize("casting,offset", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_split_path(split_rows, shape, casting, offset, dtype):
+    x, w = _inputs(shape, dtype, casting)
+    _check_rms_norm(x, w, casting, offset)
+    _check_add_rms_norm(x, torch.randn_like(x), w, casting, offset)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_inputs_and_grads(dtype):
+    # A column slice of a wider buffer (row stride ≠ N: used in place) and a transposed (T, B) → (B, T) view that
+    # cannot collapse into rows (copied); incoming gradients are non-contiguous too.
+    def column_slice(rows):
+        return torch.randn(rows, 200, device=DEVICE, dtype=dtype)[:, 3:130]
+
+    def transposed(b, t):
+        return torch.randn(t, b, 127, device=DEVICE, dtype=dtype).transpose(0, 1)
+
+    w = _inputs((1, 127), dtype, "llama")[1]
+    _check_rms_norm(column_slice(6), w, "llama", 0.0, dy=column_slice(6))
+    _check_rms_norm(transposed(3, 5), w, "gemma", 1.0, dy=transposed(3, 5))
+    _check_add_rms_norm(column_slice(15), transposed(3, 5).reshape(15, 127), w, "llama", 0.0)
+    _check_add_rms_norm(transposed(3, 5), column_slice(15).view(3, 5, 127), w, "gemma", 1.0)
+
+
+def test_residual_grad_when_one_output_is_unused():
+    x, w = _inputs((4, 129), torch.float32, "llama")
+    res = torch.randn_like(x)
+    leaves = [t.detach().requires_grad_() for t in (x, res, w)]
+    y, r = add_rms_norm(*leaves)
+    dx, dres, dw = torch.autograd.grad(r.sum(), leaves)  # only r used: the norm contributes nothing
+    torch.testing.assert_close(dx, torch.ones_like(x), rtol=0, atol=0)
+    torch.testing.assert_close(dres, torch.ones_like(x), rtol=0, atol=0)
+    assert (dw == 0).all()
+    y, r = add_rms_norm(*leaves)
+    dy = torch.randn_like(y)
+    dx, dres, dw = torch.autograd.grad(y, leaves, dy)  # only y used: dx = dres = norm backward
+    ref = [t.detach().double().requires_grad_() for t in (x, res, w)]
+    dx64, _, dw64 = torch.autograd.grad(rms_norm_reference(ref[0] + ref[1], ref[2]), ref, dy.double())
+    assert_matches(dx, dx64, name="dx")
+    assert_matches(dres, dx64, name="dresidual")
+    assert_matches(dw, dw64, name="dw")
+
+
+def test_dw_is_deterministic():
+    x, w = _inputs((37, 255), torch.bfloat16, "llama")
+    dy = torch.randn_like(x)
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_() for t in (x, w)]
+        runs.append(_grads(rms_norm(*leaves), leaves, dy))
+    for a, b in zip(*runs):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_eps_is_honoured():
+    x = torch.randn(3, 64, device=DEVICE) * 1e-3  # mean(x²) ~ 1e-6: eps dominates the result
+    w = torch.ones(64, device=DEVICE)
+    y_small, y_big = rms_norm(x, w, 1e-8), rms_norm(x, w, 1e-2)
+    assert_matches(y_small, rms_norm_reference(x.double(), w.double(), 1e-8), name="eps=1e-8")
+    assert_matches(y_big, rms_norm_reference(x.double(), w.double(), 1e-2), name="eps=1e-2")
+    assert y_big.abs().max() < 0.1 < y_small.abs().max()
+
+
+@pytest.mark.parametrize("casting,offset", MODES)
+def test_module(casting, offset):
+    m = RMSNorm(96, eps=1e-5, offset=offset, casting=casting, device=DEVICE, dtype=torch.bfloat16)
+    assert list(m.state_dict()) == ["weight"]
+    assert torch.equal(m.weight, torch.full_like(m.weight, 0.0 if casting == "gemma" else 1.0))
+    with torch.no_grad():
+        m.weight.normal_(mean=0.0 if casting == "gemma" else 1.0, std=0.3)
+    x = torch.randn(2, 5, 96, device=DEVICE, dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    torch.testing.assert_close(m(x), rms_norm(x, m.weight, 1e-5, offset=offset, casting=casting), rtol=0, atol=0)
+    y, r = m(x, res)
+    y_ref, r_ref = add_rms_norm(x, res, m.weight, 1e-5, offset=offset, casting=casting)
+    assert torch.equal(y, y_ref) and torch.equal(r, r_ref)
+    m(x, res)[0].float().sum().backward()
+    assert m.weight.grad is not None and m.weight.grad.dtype == torch.bfloat16
+
+
+def test_llama_forward_matches_hf_numerics_bitwise():
+    # bf16 x and w: HF rounds x̂ to bf16 and multiplies in bf16; the kernel's fp32 product rounded once is the same.
+    x, w = _inputs((8, 512), torch.bfloat16, "llama")
+    y, y_eager = rms_norm(x, w), rms_norm_reference(x, w)
+    assert (y.float() - y_eager.float()).abs().max() <= 2 ** -6 * y_eager.float().abs().max()
+
+
+def test_reference_path_when_not_interpreting(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w = _inputs((3, 33), torch.float32, "gemma")
+    xr = x.clone().requires_grad_()
+    y = rms_norm(xr, w, offset=1.0, casting="gemma")
+    assert torch.equal(y, rms_norm_reference(x, w, 1e-6, 1.0, "gemma"))
+    y.sum().backward()
+    assert xr.grad is not None
+
+
+def test_empty_rows():
+    x, w = torch.randn(0, 16, device=DEVICE), torch.ones(16, device=DEVICE, requires_grad=True)
+    y = rms_norm(x.requires_grad_(), w)
+    y.sum().backward()
+    assert y.shape == (0, 16) and (w.grad == 0).all()
+
+
+def test_bad_inputs():
+    x = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="weight shape"):
+        rms_norm(x, torch.ones(7, device=DEVICE))
+    with pytest.raises(ValueError, match="casting"):
+        rms_norm(x, torch.ones(8, device=DEVICE), casting="olmo")
+    with pytest.raises(ValueError, match="residual shape"):
+        add_rms_norm(x, torch.randn(2, 9, device=DEVICE), torch.ones(8, device=DEVICE))
+    with pytest.raises(TypeError, match="floating-point"):
+        rms_norm(torch.ones(2, 8, dtype=torch.int64, device=DEVICE), torch.ones(8, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(16384, 4096), (4096, 8192), (1024, 65536), (8192, 16384), (4095, 2047)])
+@pytest.mark.parametrize("casting,offset", MODES)
+def test_gpu_real_sizes(shape, casting, offset):
+    x, w = _inputs(shape, torch.bfloat16, casting)
+    _check_rms_norm(x, w, casting, offset)
+    _check_add_rms_norm(x, torch.randn_like(x), w, casting, offset)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_and_strided():
+    x, w = _inputs((8192, 4096), torch.float32, "llama")
+    _check_rms_norm(x, w, "llama", 0.0)
+    wide = torch.randn(4096, 5000, device=DEVICE, dtype=torch.bfloat16)
+    _check_rms_norm(wide[:, 17:4113], w.bfloat16(), "llama", 0.0, dy=torch.randn(5000, 4096, device=DEVICE,
+                                                                                    dtype=torch.bfloat16).t()[:4096].t())
+
+
+@pytest.mark.gpu
+def test_gpu_dw_is_deterministic():
+    x, w = _inputs((16384, 4096), torch.bfloat16, "llama")
+    dy = torch.randn_like(x)
+    runs = []
+    for _ in range(3):
+        leaves = [t.detach().requires_grad_() for t in (x, w)]
+        runs.append(_grads(rms_norm(*leaves), leaves, dy)[1])
+    assert all(torch.equal(runs[0].view(torch.int16), r.view(torch.int16)) for r in runs[1:])
+
+
+@pytest.mark.gpu
+def test_gpu_more_than_2_31_elements():
+    n_cols = 4096
+    n_rows = 2**31 // n_cols + 7  # ≈ 4.3 GB of bf16: offsets past 2³¹ elements need int64
+    x = torch.randn(n_rows, n_cols, device=DEVICE, dtype=torch.bfloat16)
+    w = (torch.randn(n_cols, device=DEVICE) * 0.5 + 1).bfloat16().requires_grad_()
+    xr = x.requires_grad_()
+    y = rms_norm(xr, w)
+    dy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (xr, w), dy)
+    dw64 = torch.zeros(n_cols, device=DEVICE, dtype=torch.float64)
+    chunk = 1 << 16
+    for s in range(0, n_rows, chunk):  # the last chunk holds the rows past element 2³¹
+        rows = slice(s, min(s + chunk, n_rows))
+        xc = x[rows].detach().double().requires_grad_()
+        wc = w.detach().double().requires_grad_()
+        yc = rms_norm_reference(xc, wc)
+        dxc, dwc = torch.autograd.grad(yc, (xc, wc), dy[rows].double())
+        assert_matches(y[rows], yc, name=f"y rows {rows}")
+        assert_matches(dx[rows], dxc, name=f"dx rows {rows}")
+        dw64 += dwc
+    assert_matches(dw, dw64, name="dw")
