@@ -4,26 +4,28 @@ Math per row x (length V, fp32 whatever the input dtype), target t, ε = label_s
   softcap c:  x ← c·tanh(x / c)                         (Gemma-2 final-logit soft-capping)
   lse = log Σ_j exp(x_j)
   loss = (1−ε)·(lse − x_t) + ε·(lse − mean_j x_j) + z·lse²     (PyTorch / HF label smoothing: ε spread as ε/V)
-  dloss/dx_j = p_j·(1 + 2z·lse) − ε/V − (1−ε)·[j = t]        (× (1 − (x_j/c)²) through the softcap)
+  dloss/dx_j = p_j·(1 + 2z·lse) − ε/V − (1−ε)·[j = t]        (× (1 − tanh²(x_j/c)) through the softcap)
 Rows whose label is ignore_index contribute 0 to the loss and get a zero gradient. reduction="mean" divides the
 sum by `normalizer` when given (the global count of non-ignored tokens, for gradient accumulation / data
 parallelism) or else by the local count; a zero denominator counts as 1 (every label ignored → loss 0, no NaN).
 
 HF numerics matched: HF upcasts the logits to fp32 and calls F.cross_entropy; the kernel reads bf16 and does all
-math in fp32. Confident predictions: p_t − 1 is never formed by subtraction (it would round to 0 in fp32 once
-p_t > 1 − 6e-8); the kernel keeps Σ_{j≠t} e^{x_j−m} separately, so 1 − p_t = Σ_{j≠t} p_j is exact to fp32
-relative precision and the loss uses log1p.
+math in fp32. Confident predictions keep their target gradient −(1 − p_t) to fp32 relative precision (see
+_ce_core.py for the kernel, its bytes and the in-place contract).
 
-Kernel and in-place contract: see _ce_core.py (shared with fused_linear_cross_entropy).
+Autograd: for mean / sum the forward already writes the gradient (times 1/denominator); backward multiplies it by
+grad_output on the device, a no-op kernel when grad_output == 1, so there is no host sync and no second pass for
+a plain loss.backward(). For reduction="none" the per-row grad_output is only known in backward, so the forward
+reads the logits once for the losses and backward does the gradient pass (same bytes as the fused path).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from ._ce_core import ce_rows, check_labels, check_options, grad_scale, mean_denominator, scale_
 from ._dispatch import use_triton
-
-_REDUCTIONS = ("mean", "sum", "none")
 
 
 def cross_entropy_reference(
@@ -40,11 +42,11 @@ def cross_entropy_reference(
     """PyTorch cross-entropy with every option of `cross_entropy`; math in fp32 (float64 stays float64)."""
     x = logits if logits.dtype == torch.float64 else logits.float()
     x = x.reshape(-1, x.shape[-1])
-    labels = labels.reshape(-1)
+    flat = labels.reshape(-1)
     if softcap is not None:
         x = softcap * torch.tanh(x / softcap)
-    valid = labels != ignore_index
-    target = torch.where(valid, labels, 0)
+    valid = flat != ignore_index
+    target = torch.where(valid, flat, 0)
     lse = torch.logsumexp(x, dim=-1)
     loss = (1.0 - label_smoothing) * (lse - x.gather(-1, target[:, None]).squeeze(-1))
     if label_smoothing:
@@ -52,7 +54,8 @@ def cross_entropy_reference(
     if z_loss:
         loss = loss + z_loss * lse.square()
     loss = torch.where(valid, loss, torch.zeros_like(loss))
-    return reduce_loss(loss, valid, reduction, normalizer)
+    out = reduce_loss(loss, valid, reduction, normalizer)
+    return out.reshape(labels.shape) if reduction == "none" else out
 
 
 def reduce_loss(
@@ -67,38 +70,42 @@ def reduce_loss(
     return total / mean_denominator(valid, normalizer, loss.dtype)
 
 
-def mean_denominator(valid: torch.Tensor, normalizer: float | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The divisor of reduction="mean" as a 0-dim device tensor; 0 counts as 1 so all-ignored gives loss 0."""
-    if normalizer is None:
-        denom = valid.sum().to(dtype)
-    else:
-        denom = torch.as_tensor(normalizer, dtype=dtype, device=valid.device)
-    return torch.where(denom == 0, torch.ones_like(denom), denom)
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, opts: dict, reduction: str, normalizer, need_grad: bool, inplace: bool):
+        x = logits.reshape(-1, logits.shape[-1])
+        if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+            x, inplace = x.contiguous(), need_grad  # a private copy: the gradient may always go into it
+        flat = labels.reshape(-1)
+        loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        lse, q = torch.empty_like(loss), torch.empty_like(loss)
+        fused = need_grad and reduction != "none"
+        grad = scale = None
+        if fused:
+            grad = x if inplace else torch.empty_like(x)
+            scale = grad_scale(flat, opts["ignore_index"], reduction, normalizer, 1.0)
+        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale, **opts)
+        if fused and inplace and x.data_ptr() == logits.data_ptr():
+            torch.autograd.graph.increment_version(logits)  # a node that saved the logits now fails loudly
+        ctx.opts, ctx.inplace, ctx.shape = opts, inplace, logits.shape
+        if fused:
+            ctx.save_for_backward(grad)
+        elif need_grad:
+            ctx.save_for_backward(x, flat, lse, q)
+        out = reduce_loss(loss, flat != opts["ignore_index"], reduction, normalizer)
+        return out.reshape(labels.shape) if reduction == "none" else out
 
-
-def check_options(reduction: str, label_smoothing: float, softcap: float | None) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
-
-
-def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Raise ValueError for a label outside [0, V) that is not ignore_index.
-
-    One fused reduction and one host sync (``.item()``) per call: the kernels index the logits with the label, so
-    a bad label must be caught before they run rather than read out of bounds.
-    """
-    if labels.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"labels must be int64 (or int32), got {labels.dtype}")
-    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
-    if bad.any().item():
-        first = labels[bad][0].item()
-        raise ValueError(
-            f"label {first} is outside the vocabulary [0, {vocab_size}) and is not ignore_index={ignore_index}"
-        )
+    @staticmethod
+    def backward(ctx, grad_out):
+        if len(ctx.saved_tensors) == 1:
+            (grad,) = ctx.saved_tensors
+            scale_(grad, grad_out)
+        else:  # reduction="none": one read + one write with the per-row grad_output
+            x, flat, lse, q = ctx.saved_tensors
+            grad = x if ctx.inplace else torch.empty_like(x)
+            scale = grad_out.reshape(-1).float().contiguous()
+            ce_rows(x, flat, grad=grad, loss=None, lse=lse, q=q, rank=None, scale=scale, **ctx.opts)
+        return grad.view(ctx.shape), None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -111,17 +118,48 @@ def cross_entropy(
     softcap: float | None = None,
     reduction: str = "mean",
     normalizer: float | torch.Tensor | None = None,
+    inplace_grad: bool | None = None,
 ) -> torch.Tensor:
-    """Cross-entropy of logits (N, V) against int64 labels (N,), with the options of the module docstring.
+    """Cross-entropy of logits (N, V) (or (..., V)) against int64 labels (N,) (or (...)), options as above.
 
-    Returns a 0-dim fp32 loss, or (N,) fp32 per-token losses for reduction="none".
+    Returns a 0-dim fp32 loss, or fp32 per-token losses of labels' shape for reduction="none".
+    A label outside [0, V) that is not ignore_index raises ValueError (one host sync, see check_labels).
+    inplace_grad: write the gradient over the logits (no second N×V buffer). None (default) does so only when
+    the logits are an autograd intermediate that is not a view (typically `lm_head(h)` consumed by this loss);
+    never for a leaf (the caller's own tensor) or a view (its base is usually kept, e.g. HF's returned logits).
+    After an in-place call the logits hold the gradient: do not read them afterwards. Their version counter is
+    bumped, so an autograd node that saved them (e.g. a torch.tanh before this loss) raises instead of silently
+    using the gradient.
     """
     check_options(reduction, label_smoothing, softcap)
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
     check_labels(labels, logits.shape[-1], ignore_index)
-    use_triton(logits, labels)  # validates devices; the Triton path follows
-    return cross_entropy_reference(
-        logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-        softcap=softcap, reduction=reduction, normalizer=normalizer,
-    )
+    if not use_triton(logits, labels):
+        return cross_entropy_reference(
+            logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+            softcap=softcap, reduction=reduction, normalizer=normalizer,
+        )
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    if inplace_grad is None:
+        inplace_grad = logits.grad_fn is not None and logits._base is None
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    return _CrossEntropy.apply(logits, labels, opts, reduction, normalizer, need_grad, inplace_grad and need_grad)
+
+
+class CrossEntropyLoss(nn.Module):
+    """Module form of `cross_entropy`; the normaliser (a per-batch count) is passed to forward."""
+
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 softcap: float | None = None, reduction: str = "mean"):
+        super().__init__()
+        check_options(reduction, label_smoothing, softcap)
+        self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
+        self.softcap, self.reduction = softcap, reduction
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor, normalizer=None) -> torch.Tensor:
+        return cross_entropy(logits, labels, ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
+                             z_loss=self.z_loss, softcap=self.softcap, reduction=self.reduction,
+                             normalizer=normalizer)

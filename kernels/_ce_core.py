@@ -1,0 +1,248 @@
+"""The cross-entropy row kernel shared by cross_entropy.py and fused_linear_cross_entropy.py.
+
+One program per row of logits (N, V). Pass 1 reads the row once with an online softmax and yields
+  m = running max,  S' = Σ_{j≠t} e^{x_j − m}  (the target's term kept apart),  e_t = e^{x_t − m},
+  lse = m + log1p(S' + e_t − 1),  nll = lse − x_t,  q = 1 − p_t = S' / (S' + e_t),
+so neither the loss of a confident token nor its target gradient p_t − 1 = −q is formed by a cancelling
+subtraction (in fp32, p_t − 1 is 0 once p_t > 1 − 6e-8; a logit 30 above the rest gives q ≈ V·e⁻³⁰ ≈ 1e-8).
+Pass 2 re-reads the row in REVERSE block order (the blocks pass 1 read last are the likeliest still in L2; pass-1
+loads are marked evict_last, pass-2 loads and the gradient stores evict_first) and writes
+  g_j = scale · (p_j·(1 + 2z·lse) − ε/V − (1−ε)·[j=t])   with the target entry as −q + p_t·2z·lse + ε − ε/V,
+times the softcap derivative 1 − tanh² = 4u/(1+u)², u = e^{−2|x|/c}. `scale` is read from device memory (the
+mean's 1/denominator, a loss scale, or a per-row grad_output) so nothing here needs a host sync.
+
+Bytes per element (bf16): pass 1 reads 2, pass 2 reads 2 (partly from L2) and writes 2. Floor (one read + one
+write) for 8192×128256 is 4.2 GB → 1.0 ms at 4.2 TB/s; an L2 miss on every pass-2 read costs 1.5 ms.
+A split-row design (several programs per row, one pass from registers) needs a grid-wide barrier, which the
+Triton interpreter (runs programs one after another) cannot execute, so it is not used.
+
+Pass 1 keeps per-lane partial sums (s, Σx, rank) and reduces them once after the loop; the only cross-thread
+reduction per block is the running max. V is a constexpr (one compile per vocabulary size; Triton's interpreter
+cannot loop to a runtime bound with numpy ≥ 2.4).
+Modes (constexpr): FORWARD (pass 1: loss, lse, q, rank), BACKWARD (pass 2: gradient); FORWARD off means lse and q
+come from an earlier forward (reduction="none": the per-row grad_output is only known in backward).
+The gradient may be written in place over the logits (GRAD == LOGITS): each element is read before it is
+overwritten and no other program touches the row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tunables for the H200 (benchmarks/bench_cross_entropy.py --tune sweeps them): elements per block and warps per
+# row program. 8192 over 16 warps = 16 fp32 per thread: 64 registers (ptxas, sm_90a), 2 programs per SM, 32 KB
+# of 16-byte loads in flight per SM, and only 2 rows per SM resident so pass-2 re-reads find the row in L2.
+CE_BLOCK_V = 8192
+CE_NUM_WARPS = 16
+SCALE_BLOCK = 4096
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_options(reduction: str, label_smoothing: float, softcap: float | None) -> None:
+    """Raise ValueError for an unknown reduction or an out-of-range smoothing / softcap."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+
+
+def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise ValueError for a label outside [0, V) that is not ignore_index.
+
+    One fused reduction and one host sync (``.item()``) per call: the kernels index the logits with the label, so
+    a bad label must be caught before they run rather than read out of bounds. The sync waits for the work queued
+    before the loss (the model's forward); the GPU then idles only for the launch latency of the loss kernels.
+    """
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be int64 (or int32), got {labels.dtype}")
+    bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
+    if bad.any().item():
+        first = labels[bad][0].item()
+        raise ValueError(
+            f"label {first} is outside the vocabulary [0, {vocab_size}) and is not ignore_index={ignore_index}"
+        )
+
+
+def mean_denominator(valid: torch.Tensor, normalizer: float | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The divisor of reduction="mean" as a 0-dim device tensor; 0 counts as 1 so all-ignored gives loss 0."""
+    if normalizer is None:
+        denom = valid.sum().to(dtype)
+    else:
+        denom = torch.as_tensor(normalizer, device=valid.device).to(dtype)
+    return torch.where(denom == 0, torch.ones_like(denom), denom)
+
+
+def grad_scale(labels: torch.Tensor, ignore_index: int, reduction: str, normalizer, loss_scale: float) -> torch.Tensor:
+    """0-dim fp32 device tensor: d(loss)/d(per-token loss) for mean / sum (loss_scale / denominator, loss_scale)."""
+    scale = torch.full((), loss_scale, dtype=torch.float32, device=labels.device)
+    if reduction == "mean":
+        scale = scale / mean_denominator(labels != ignore_index, normalizer, torch.float32)
+    return scale
+
+
+@triton.jit
+def _softcap(x, softcap):
+    """(softcap·tanh(x/softcap), 1 − tanh²) in fp32 from one exp of a non-positive argument (no overflow)."""
+    a = tl.abs(x) / softcap
+    u = tl.exp(-2.0 * a)
+    # (1−u)/(1+u) loses relative precision for small a: use tanh's Taylor series there (error < 1e-9 at a=0.1).
+    a2 = a * a
+    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
+    t = tl.where(a < 0.1, small, (1.0 - u) / (1.0 + u))
+    t = tl.where(x < 0, -t, t)
+    return softcap * t, 4.0 * u / ((1.0 + u) * (1.0 + u))
+
+
+@triton.jit
+def _log1p(v):
+    """log(1 + v) accurate for tiny v (Goldberg's trick; the interpreter has no libdevice)."""
+    w = 1.0 + v
+    d = w - 1.0
+    return tl.where(d == 0.0, v, tl.log(w) * (v / tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def _ce_kernel(
+    LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE,
+    stride_logits_row, stride_grad_row, stride_scale,
+    ignore_index, label_smoothing, z_loss, softcap,
+    N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X = LOGITS + row * stride_logits_row
+    G = GRAD + row * stride_grad_row
+    label = tl.load(LABELS + row).to(tl.int64)
+    offs = tl.arange(0, BLOCK_V)
+    last_start = ((N_COLS - 1) // BLOCK_V) * BLOCK_V
+    if label != ignore_index:
+        target = label.to(tl.int32)  # < V once range-checked; int32 keeps the per-element compares cheap
+        if FORWARD:
+            x_t = tl.load(X + target).to(tl.float32)  # labels were range-checked on the host
+            if HAS_SOFTCAP:
+                x_t = _softcap(x_t, softcap)[0]
+            # Per-lane partial sums, reduced once after the loop: the only cross-thread reduction per block is
+            # the max (the block-wide rescale e^{m−m_new} is one scalar exp).
+            m = x_t
+            s_vec = tl.zeros([BLOCK_V], tl.float32)
+            sum_x_vec = tl.zeros([BLOCK_V], tl.float32)
+            rank_vec = tl.zeros([BLOCK_V], tl.int32)
+            for start in range(0, N_COLS, BLOCK_V):
+                cols = start + offs
+                mask = cols < N_COLS
+                x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                if HAS_SOFTCAP:
+                    x = _softcap(x, softcap)[0]
+                x = tl.where(mask, x, float("-inf"))
+                m_new = tl.maximum(m, tl.max(x, 0))
+                s_vec = s_vec * tl.exp(m - m_new) + tl.where(cols == target, 0.0, tl.exp(x - m_new))
+                m = m_new
+                if HAS_SMOOTHING:
+                    sum_x_vec += tl.where(mask, x, 0.0)
+                if WITH_RANK:
+                    rank_vec += (x > x_t).to(tl.int32)
+            s_other = tl.sum(s_vec, 0)
+            e_t = tl.exp(x_t - m)
+            log_s = _log1p(s_other + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
+            lse = m + log_s
+            loss = (1.0 - label_smoothing) * (log_s + (m - x_t))
+            if HAS_SMOOTHING:
+                loss += label_smoothing * (lse - tl.sum(sum_x_vec, 0) / N_COLS)
+            loss += z_loss * lse * lse
+            q = s_other / (s_other + e_t)
+            tl.store(LOSS + row, loss)
+            tl.store(LSE + row, lse)
+            tl.store(Q + row, q)
+            if WITH_RANK:
+                tl.store(RANK + row, tl.sum(rank_vec, 0))
+        else:
+            lse = tl.load(LSE + row)
+            q = tl.load(Q + row)
+        if BACKWARD:
+            scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
+            zc = 2.0 * z_loss * lse
+            eps_v = label_smoothing / N_COLS
+            for b in range(0, N_COLS, BLOCK_V):
+                cols = (last_start - b) + offs
+                mask = cols < N_COLS
+                x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                if HAS_SOFTCAP:
+                    x, dcap = _softcap(x, softcap)
+                p = tl.exp(x - lse)
+                g = tl.where(cols == target, p * zc - q + label_smoothing, p + p * zc) - eps_v
+                if HAS_SOFTCAP:
+                    g = g * dcap
+                tl.store(G + cols, (g * scale).to(GRAD.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    else:
+        if FORWARD:
+            tl.store(LOSS + row, 0.0)
+            tl.store(LSE + row, 0.0)
+            tl.store(Q + row, 0.0)
+            if WITH_RANK:
+                tl.store(RANK + row, -1)
+        if BACKWARD:
+            zeros = tl.zeros([BLOCK_V], dtype=GRAD.dtype.element_ty)
+            for start in range(0, N_COLS, BLOCK_V):
+                cols = start + offs
+                tl.store(G + cols, zeros, mask=cols < N_COLS, eviction_policy="evict_first")
+
+
+@triton.jit
+def _scale_kernel(X, G, n, BLOCK: tl.constexpr):
+    # g is read on the device: grad_output == 1 (a plain loss.backward()) costs a launch and no traffic.
+    g = tl.load(G).to(tl.float32)
+    if g != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + offs, mask=mask).to(tl.float32)
+        tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
+
+
+def ce_rows(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    grad: torch.Tensor | None,
+    loss: torch.Tensor | None,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    rank: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+) -> None:
+    """Launch the row kernel on logits (rows, V) with unit column stride.
+
+    loss given → FORWARD (writes loss, lse, q, and rank if given); grad given → BACKWARD (writes grad, which may be
+    logits itself, scaled by `scale`: a 0-dim or (rows,) fp32 tensor). Without loss, lse and q are inputs.
+    """
+    rows, n_cols = logits.shape
+    if rows == 0:
+        return
+    assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
+    forward, backward = loss is not None, grad is not None
+    block = min(CE_BLOCK_V, triton.next_power_of_2(n_cols))
+    warps = max(1, min(CE_NUM_WARPS, block // 512))
+    dummy = lse  # stands in for pointers a mode does not touch
+    _ce_kernel[(rows,)](
+        logits, grad if backward else logits, labels, loss if forward else dummy, lse, q,
+        rank if rank is not None else dummy, scale if backward else dummy,
+        logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
+        ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
+        N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block, num_warps=warps,
+    )
+
+
+def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x *= g in place for a contiguous x and a 1-element device tensor g, skipping all traffic when g == 1."""
+    n = x.numel()
+    if n:
+        _scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](x, g.reshape(1).float(), n, BLOCK=SCALE_BLOCK, num_warps=8)
+    return x
