@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from liger_models.kernels._dispatch import use_triton
 from liger_models.medusa import MedusaModel, medusa_head_weights, medusa_target_counts, schedule_factor
 from tests.helpers import assert_matches
 from tests.medusa._common import float64_copies, make_base, packed_batch, reference_loss, reference_targets
@@ -84,6 +85,7 @@ def test_tied_embeddings(share):
 
 def test_with_triton_interpreter(interpreted_kernels):
     """The same check with every kernel (fused linear-CE included) running as Triton code in the interpreter."""
+    assert use_triton(torch.empty(1))
     model = MedusaModel.from_base(make_base(V, H), stage=2, num_heads=2, num_layers=1)
     ids, labels, pos = packed_batch(2, 7, V, packed=True)
     _check(model, ids, labels, pos)
