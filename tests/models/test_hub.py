@@ -1,0 +1,159 @@
+"""Checkpoint plumbing: Hub cache resolution offline, strict loading errors, atomic saves, configs, tokenizer."""
+
+import json
+
+import huggingface_hub
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from liger_models import AutoLigerForCausalLM, GemmaConfig, LigerLlamaForCausalLM, LlamaConfig, Phi3Config, \
+    Qwen2Config, load_tokenizer
+from liger_models import hub
+from liger_models.auto import model_class
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A tiny untied Llama saved by us, plus a tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny(num_hidden_layers=1))
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    return model, path
+
+
+def hub_cache(root, checkpoint_dir, repo="org/tiny"):
+    """Lay out an HF hub cache on disk: models--org--name/{refs/main, snapshots/<rev>/...}."""
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    snap = repo_dir / "snapshots" / REVISION
+    snap.mkdir(parents=True)
+    for f in checkpoint_dir.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(REVISION)
+    return root
+
+
+@pytest.mark.parametrize("how", ["local_files_only", "HF_HUB_OFFLINE", "revision"])
+def test_from_hub_resolves_offline_cache(tmp_path, checkpoint, monkeypatch, how):
+    model, path = checkpoint
+    cache = hub_cache(tmp_path / "hub", path)
+    kwargs = dict(cache_dir=cache, local_files_only=how != "HF_HUB_OFFLINE")
+    if how == "HF_HUB_OFFLINE":  # the variable is read at import, so set the constant it became
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    if how == "revision":
+        kwargs["revision"] = REVISION
+    loaded = AutoLigerForCausalLM.from_hub("org/tiny", **kwargs)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    snap = hub.snapshot("org/tiny", cache_dir=cache, local_files_only=True)
+    assert load_tokenizer(snap).encode("hello world").ids == [1, 2]
+
+
+def test_from_hub_errors(tmp_path, checkpoint):
+    cache = hub_cache(tmp_path / "hub", checkpoint[1])
+    with pytest.raises(FileNotFoundError, match="org/missing"):
+        LigerLlamaForCausalLM.from_hub("org/missing", cache_dir=cache, local_files_only=True)
+    with pytest.raises(ValueError, match="invalid Hub repo id"):
+        LigerLlamaForCausalLM.from_hub("bad//repo id", cache_dir=cache, local_files_only=True)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        AutoLigerForCausalLM.from_pretrained(tmp_path / "nowhere")
+
+
+def _rewrite(path, edit):
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_strict_loading_errors(checkpoint):
+    model, path = checkpoint
+    _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    AutoLigerForCausalLM.from_pretrained(path)  # stale rotary buffers are skipped
+    cases = [
+        (lambda t: t.pop("model.layers.0.mlp.up_proj.weight"), r"missing tensors: \['model.layers.0.mlp.up_proj"),
+        (lambda t: t.update({"model.norm.weight": torch.ones(3)}), r"model.norm.weight: checkpoint \(3,\)"),
+        (lambda t: t.update({"model.extra.weight": torch.ones(3)}), r"unexpected tensors.*model.extra.weight"),
+        (lambda t: t.pop("lm_head.weight"), "lm_head.weight is missing but tie_word_embeddings is false"),
+    ]
+    original = load_file(str(path / "model.safetensors"))
+    for edit, message in cases:
+        save_file(dict(original), str(path / "model.safetensors"), metadata={"format": "pt"})
+        _rewrite(path, edit)
+        with pytest.raises(ValueError, match=message):
+            AutoLigerForCausalLM.from_pretrained(path)
+
+
+def test_config_errors(checkpoint):
+    _, path = checkpoint
+    cfg = json.loads((path / "config.json").read_text())
+    for change, message in [({"model_type": "gpt2"}, "unsupported model_type 'gpt2'"),
+                            ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "unsupported rope type 'mrope'"),
+                            ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "needs rope_scaling\\['low_freq"),
+                            ({"hidden_act": "relu"}, "unsupported activation 'relu'")]:
+        (path / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=message):
+            AutoLigerForCausalLM.from_pretrained(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2"}))
+    with pytest.raises(ValueError, match="loads model_type 'llama'"):
+        LigerLlamaForCausalLM.from_pretrained(path)
+    (path / "model.safetensors").rename(path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileNotFoundError, match="only safetensors"):
+        AutoLigerForCausalLM.from_pretrained(path)
+
+
+def test_save_is_atomic_and_keeps_other_files(checkpoint, monkeypatch):
+    model, path = checkpoint
+    model.save_pretrained(path, max_shard_size="20KB")  # over an unsharded save: old single file must go
+    names = {p.name for p in path.iterdir()}
+    assert "tokenizer.json" in names and "model.safetensors" not in names and "model.safetensors.index.json" in names
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        model.save_pretrained(path)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_load_in_bf16_tied_head_stored_once(tmp_path):
+    model = AutoLigerForCausalLM.from_config(GemmaConfig.tiny())
+    model.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    loaded = AutoLigerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.model.norm.weight, model.model.norm.weight.bfloat16())
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["GemmaForCausalLM"]
+
+
+def test_config_parsing_styles():
+    v5 = {"model_type": "llama", "dtype": "bfloat16", "custom_key": 7,
+          "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}
+    v4 = {"model_type": "llama", "torch_dtype": "bfloat16", "rope_theta": 5e5, "rope_scaling": {"type": "linear",
+                                                                                                 "factor": 2.0}}
+    a, b = LlamaConfig.from_hf(v5), LlamaConfig.from_hf(v4)
+    assert (a.rope_theta, a.rope_scaling, a.dtype) == (b.rope_theta, b.rope_scaling, b.dtype) == (
+        5e5, {"factor": 2.0, "rope_type": "linear"}, torch.bfloat16)
+    out = a.to_hf()
+    assert out["custom_key"] == 7 and out["dtype"] == "bfloat16" and out["rope_parameters"]["rope_theta"] == 5e5
+    assert b.to_hf()["rope_scaling"]["rope_type"] == "linear" and "torch_dtype" in b.to_hf()
+    qwen = Qwen2Config.from_hf({"model_type": "qwen2", "num_hidden_layers": 4, "use_sliding_window": True,
+                                "sliding_window": 16, "max_window_layers": 2})
+    assert [qwen.layer_sliding_window(i) for i in range(4)] == [None, None, 16, 16]
+    assert Phi3Config().rms_norm_eps == 1e-5 and GemmaConfig().tie_word_embeddings
+    with pytest.raises(ValueError, match="expects model_type 'gemma'"):
+        GemmaConfig.from_hf({"model_type": "llama"})
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        model_class("mamba")

@@ -1,0 +1,130 @@
+"""Packed sequences, KV-cache decoding, generate, label shifting and RoPE tables (shared modules, all families)."""
+
+import pytest
+import torch
+import transformers
+
+from liger_models import LigerLlamaForCausalLM, LigerMistralForCausalLM, LigerPhi3ForCausalLM, LlamaConfig, \
+    MistralConfig, Phi3Config
+from liger_models.modules import KVCache, shift_labels
+from liger_models.modules.rope import RotaryEmbedding
+
+from .parity import build_hf, save_hf
+
+
+@pytest.mark.parametrize("flex", ["never", "always"], ids=["bool-mask", "flex-block-mask"])
+def test_packed_equals_separate_documents(flex):
+    """Three documents packed in one row (window 5 < doc lengths) give each document's own logits and loss."""
+    model = LigerMistralForCausalLM.from_config(MistralConfig.tiny(sliding_window=5))
+    for layer in model.model.layers:
+        layer.self_attn.flex = flex
+    lengths = [7, 4, 9]
+    docs = [torch.randint(3, 128, (1, n)) for n in lengths]
+    packed = torch.cat(docs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        out = model(packed, position_ids=position_ids).logits
+        ref = torch.cat([model(d).logits for d in docs], dim=1)
+        assert (out - ref).abs().max().item() <= 1e-5
+        loss = model(packed, labels=packed, position_ids=position_ids).loss
+        per_doc = [model(d, labels=d).loss * (n - 1) for d, n in zip(docs, lengths)]
+        assert abs(loss.item() - (sum(per_doc) / (sum(lengths) - 3)).item()) <= 1e-5
+
+
+def test_packed_matches_hf(tmp_path):
+    """transformers ≥ 5 also detects packing from position_ids; logits agree."""
+    hf = build_hf(transformers.LlamaConfig)
+    ours = LigerLlamaForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
+    ids = torch.randint(3, 128, (1, 14))
+    position_ids = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    with torch.no_grad():
+        err = (ours(ids, position_ids=position_ids).logits - hf(ids, position_ids=position_ids,
+                                                                  use_cache=False).logits).abs().max()
+    assert err.item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "phi3-longrope"])
+def test_kv_cache_decoding_equals_full_forward(family):
+    if family == "mistral-window":
+        model = LigerMistralForCausalLM.from_config(MistralConfig.tiny(sliding_window=4))
+    else:
+        half = 8  # rotary_dim / 2 for head_dim 16
+        rope = {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(half)],
+                "long_factor": [2.0 + i for i in range(half)]}
+        model = LigerPhi3ForCausalLM.from_config(Phi3Config.tiny(rope_scaling=rope, original_max_position_embeddings=32))
+    ids = torch.randint(3, 128, (2, 13))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = KVCache()
+        steps = [model(ids[:, :6], past_key_values=cache, use_cache=True).logits]  # prefill
+        steps.append(model(ids[:, 6:9], past_key_values=cache, use_cache=True).logits)  # chunked prefill
+        for t in range(9, 13):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    assert cache.seq_length() == 13
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-5
+
+
+def test_generate_greedy_equals_hf(tmp_path):
+    hf = build_hf(transformers.LlamaConfig, tie_word_embeddings=True)
+    ours = LigerLlamaForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
+    prompt = torch.randint(3, 128, (2, 5))
+    ref = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = ours.generate(prompt, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(out, ref)
+
+
+def test_generate_crossing_longrope_switch_equals_hf(tmp_path):
+    """Phi3 generation that crosses original_max_position_embeddings recomputes the cache, as HF does."""
+    half = 8
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(half)],
+            "long_factor": [3.0 + i for i in range(half)]}
+    hf = build_hf(transformers.Phi3Config, max_position_embeddings=64, original_max_position_embeddings=8,
+                  rope_parameters=rope)
+    ours = LigerPhi3ForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
+    prompt = torch.randint(3, 128, (1, 5))
+    ref = hf.generate(prompt, max_new_tokens=7, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=7, eos_token_id=[]), ref)
+
+
+def test_generate_sampling_and_eos():
+    model = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny())
+    prompt = torch.randint(3, 128, (3, 4))
+    gen = torch.Generator().manual_seed(0)
+    out = model.generate(prompt, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                         generator=gen)
+    assert out.shape[0] == 3 and 4 < out.shape[1] <= 10 and torch.equal(out[:, :4], prompt)
+    greedy = model.generate(prompt, max_new_tokens=3, eos_token_id=[])
+    first = int(greedy[0, 4])  # make the first row's first greedy token an EOS: it stops, others go on
+    stopped = model.generate(prompt, max_new_tokens=3, eos_token_id=first, pad_token_id=0)
+    assert stopped[0, 4] == first and (stopped[0, 5:] == 0).all()
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(prompt, max_new_tokens=2, do_sample=True, temperature=0.0)
+
+
+def test_shift_labels_documents():
+    labels = torch.arange(10, 18)[None]
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
+    assert shift_labels(labels, 1).tolist() == [[11, 12, 13, 14, 15, 16, 17, -100]]
+    assert shift_labels(labels, 1, pos).tolist() == [[11, 12, -100, 14, 15, 16, -100, -100]]
+    assert shift_labels(labels, 2, pos).tolist() == [[12, -100, -100, 15, 16, -100, -100, -100]]
+    assert shift_labels(labels, 9).tolist() == [[-100] * 8]
+
+
+@pytest.mark.parametrize("rope", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8},
+], ids=["default", "linear", "dynamic", "llama3"])
+def test_rope_tables_match_hf(rope):
+    """cos/sin at positions beyond max_position_embeddings (dynamic kicks in) equal HF's rotary embedding."""
+    hf_rope = {"rope_type": "default", "rope_theta": 50000.0, **(rope or {})}
+    hf_cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=16,
+                                      rope_parameters=hf_rope)
+    ours = RotaryEmbedding(LlamaConfig.from_hf(hf_cfg.to_dict()))
+    reference = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_cfg)
+    pos = torch.arange(40)[None]
+    ref_cos, ref_sin = reference(torch.zeros(1, dtype=torch.float32), pos)
+    cos, sin = ours(pos)
+    assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
