@@ -70,13 +70,23 @@ def _act_and_grad(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _tile(n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Row (int64) and column indices of this program's tile; tiles run along each row first, so consecutive
+    programs stream consecutive memory (and the 1-D grid has no 65535 limit on the row count)."""
+    pid = tl.program_id(0).to(tl.int64)
+    col_blocks = tl.cdiv(n_cols, BLOCK_C)
+    rows = (pid // col_blocks) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    cols = (pid % col_blocks).to(tl.int32) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return rows, cols
+
+
+@triton.jit
 def _gated_fwd_kernel(
     GATE, UP, OUT, n_rows, n_cols,
     stride_gate_row, stride_up_row, stride_out_row,
     ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows, cols = _tile(n_cols, BLOCK_R, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x = tl.load(GATE + rows[:, None] * stride_gate_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + rows[:, None] * stride_up_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -91,8 +101,7 @@ def _gated_bwd_kernel(
     ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # DGATE/DUP may be GATE/UP themselves: every element is read before the same program overwrites it.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows, cols = _tile(n_cols, BLOCK_R, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     dy = tl.load(DOUT + rows[:, None] * stride_dout_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x = tl.load(GATE + rows[:, None] * stride_gate_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -103,11 +112,11 @@ def _gated_bwd_kernel(
     tl.store(DUP + rows[:, None] * stride_dup_row + cols[None, :], cast_rtne(dy * a, dtype), mask=mask)
 
 
-def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int, int]:
+def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
     """A streaming layout: 2048 elements per program (a row slice, or several short rows), 4 warps."""
     block_c = min(triton.next_power_of_2(n_cols), 2048)
     block_r = min(2048 // block_c, triton.next_power_of_2(n_rows))
-    return (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c)), block_r, block_c, 4
+    return (triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, block_c),), block_r, block_c, 4
 
 
 def _forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor, activation: str) -> None:

@@ -16,8 +16,10 @@ but a unit one along D), one program per token: cos/sin are loaded once and appl
 that token. Only the first R dims are touched. `ctx.mark_dirty` cannot be used here: autograd refuses a
 Function that modifies a view in place and returns two tensors, and on a single view it would route the
 backward through CopySlices (three extra copies of the gradient). So the Function returns aliases of q and k
-and bumps their version counter: anyone who saved the projection output for its own backward gets autograd's
-"modified by an inplace operation" error instead of a wrong gradient (Linear does not save its output).
+and leaves the graph as it is. That is exact because rotation is linear (the backward needs only cos/sin) and
+the projection's own backward does not read its output (Linear/addmm save their inputs, norms theirs). The
+version counter is deliberately not bumped: doing so would re-derive the grad_fn of every sibling view (v of
+a fused qkv) as AsStrided, or break split() outputs. Contract: nothing else may save q/k's memory for backward.
 The backward writes fresh contiguous gradients and reads dq/dk with any strides (SDPA returns transposed ones).
 """
 
@@ -26,13 +28,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.graph import increment_version
 
 from ._dispatch import use_triton
 from ._rounding import cast_rtne
 
 
-def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Out-of-place rotation of q (B, T, Hq, D) and k (B, T, Hkv, D) with cos/sin (B or 1, T, R), fp32 math."""
     return _rotate_reference(q, cos, sin), _rotate_reference(k, cos, sin)
 
@@ -44,8 +47,6 @@ def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     c, s = cos.to(compute).unsqueeze(2), sin.to(compute).unsqueeze(2)  # (B or 1, T, 1, R)
     rotated = xr * c + torch.cat((-xr[..., h:], xr[..., :h]), dim=-1) * s
     return torch.cat((rotated.to(x.dtype), x[..., r:]), dim=-1)
-
-
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def _rope_kernel(
     stride_dq_b, stride_dq_t, stride_dq_h, stride_dk_b, stride_dk_t, stride_dk_h,
     stride_cos_b, stride_cos_t, stride_sin_b, stride_sin_t,
     N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BACKWARD: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TAIL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     b, t = token // seq_len, token % seq_len
@@ -97,9 +98,9 @@ def _rope_kernel(
         # The adjoint: dx1 = dy1·cos1 + dy2·sin2, dx2 = dy2·cos2 − dy1·sin1 (the inverse rotation for HF cos/sin).
         sin1, sin2 = -sin2, -sin1
     _rotate_heads(Q, DST_Q, b * stride_q_b + t * stride_q_t, b * stride_dq_b + t * stride_dq_t, stride_q_h, stride_dq_h,
-                  N_Q_HEADS, cos1, cos2, sin1, sin2, HALF, TAIL, BLOCK_H, BLOCK_R, BLOCK_TAIL)
+                  N_Q_HEADS, cos1, cos2, sin1, sin2, HALF, TAIL, BLOCK_HQ, BLOCK_R, BLOCK_TAIL)
     _rotate_heads(K, DST_K, b * stride_k_b + t * stride_k_t, b * stride_dk_b + t * stride_dk_t, stride_k_h, stride_dk_h,
-                  N_K_HEADS, cos1, cos2, sin1, sin2, HALF, TAIL, BLOCK_H, BLOCK_R, BLOCK_TAIL)
+                  N_K_HEADS, cos1, cos2, sin1, sin2, HALF, TAIL, BLOCK_HK, BLOCK_R, BLOCK_TAIL)
 
 
 def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
@@ -121,7 +122,8 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     block_r = triton.next_power_of_2(rot // 2)
-    block_h = min(triton.next_power_of_2(max(n_q_heads, k.shape[2])), max(1, 4096 // block_r))
+    # Up to 4096 elements per half-rotation tile: all heads of a token at once for usual head counts.
+    block_hq, block_hk = (min(triton.next_power_of_2(h), max(1, 4096 // block_r)) for h in (n_q_heads, k.shape[2]))
     _rope_kernel[(bsz * seq_len,)](
         q, k, dst_q, dst_k, cos, sin, seq_len,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -129,8 +131,8 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),  # a batch of one broadcasts
         sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1),
         N_Q_HEADS=n_q_heads, N_K_HEADS=k.shape[2], HALF=rot // 2, TAIL=tail, BACKWARD=backward,
-        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)),
-        num_warps=4 if block_h * block_r <= 2048 else 8,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_R=block_r, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)),
+        num_warps=4 if block_hq * block_r <= 2048 else 8,
     )
 
 
@@ -138,7 +140,6 @@ class _RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         _launch(q, k, cos, sin, q, k, backward=False)
-        increment_version((q, k))
         ctx.save_for_backward(cos, sin)
         return q.view_as(q), k.view_as(k)
 
@@ -186,12 +187,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                              "pass the projection output (or a clone)")
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate, in place, the first R dims of every head of q (B, T, Hq, D) and k (B, T, Hkv, D); returns (q, k).
 
     cos/sin: (B or 1, T, R) float32 in HF layout (cat(freqs, freqs), attention scaling already applied), so
-    explicit position ids (packed sequences) are expressed by the caller's cos/sin rows. Under autograd the
-    returned tensors alias q and k (the inputs must not be used afterwards: they hold the rotated values).
+    explicit position ids (packed sequences) are expressed by the caller's cos/sin rows. The returned tensors
+    alias q and k, which hold the rotated values afterwards; q and k may be slices, views or split() outputs
+    of one fused qkv projection, but no other op may have saved their memory for its backward.
     """
     _check(q, k, cos, sin)
     if q.numel() == 0 and k.numel() == 0:

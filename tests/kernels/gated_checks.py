@@ -39,7 +39,8 @@ def check_packed(fn, activation: str, lead: tuple, width: int, dtype: torch.dtyp
     gate_up = activation_input((*lead, 2 * width), dtype, leaf=leaf)
     before = gate_up.detach().clone()
     dout = torch.randn((*lead, width), device=DEVICE, dtype=dtype)
-    (ref, dg_ref, du_ref), (eag, dg_eag, du_eag) = _references(before[..., :width], before[..., width:], activation, dout)
+    gate, up = before[..., :width], before[..., width:]
+    (ref, dg_ref, du_ref), (eag, dg_eag, du_eag) = _references(gate, up, activation, dout)
     out = fn(gate_up)
     assert_matches(out, ref, eager=eag, name="out")
     (dgu,) = torch.autograd.grad(out, gate_up, dout)
@@ -90,7 +91,8 @@ def check_unpacked(fn, activation: str, layout: str, dtype: torch.dtype) -> None
 
 def check_launchers_poisoned(activation: str, rows: int, width: int, dtype: torch.dtype) -> None:
     """The launchers write every element of preallocated (NaN-poisoned) outputs, for odd shapes."""
-    gate, up = (2 * torch.randn(rows, width, device=DEVICE)).to(dtype), torch.randn(rows, width, device=DEVICE).to(dtype)
+    gate = (2 * torch.randn(rows, width, device=DEVICE)).to(dtype)
+    up = torch.randn(rows, width, device=DEVICE).to(dtype)
     dout = torch.randn(rows, width, device=DEVICE).to(dtype)
     (ref, dg_ref, du_ref), (eag, dg_eag, du_eag) = _references(gate, up, activation, dout)
     out = poison_(torch.empty_like(gate))

@@ -40,7 +40,8 @@ def test_launchers_write_every_element(rows, width, dtype, approximate):
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's exp in the interpreter
 def test_large_magnitudes_stay_finite():
     """|x| up to 1e4: σ saturates cleanly (no inf·0 NaN), matching the reference."""
-    gate_up = torch.cat((torch.linspace(-1e4, 1e4, 64), torch.randn(64))).reshape(1, 128).to(checks.DEVICE).requires_grad_()
+    gate_up = torch.cat((torch.linspace(-1e4, 1e4, 64), torch.randn(64))).reshape(1, 128).to(checks.DEVICE)
+    gate_up.requires_grad_()
     for approximate, activation in APPROX.items():
         x = gate_up.detach().double().requires_grad_()
         ref = gm.gated_mlp_reference(x[:, :64], x[:, 64:], activation)

@@ -1,0 +1,41 @@
+"""Bandwidth bookkeeping shared by the streaming-kernel benchmarks (rope, swiglu, geglu).
+
+Each case knows the fewest bytes its op must move; achieved GB/s and the fraction of the copy bandwidth
+measured in the same run go into ``Result.extra``, and the floor (bytes / copy bandwidth) into the table.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from harness import Result, run_case, save, table
+
+
+def time_case(label: str, providers: dict[str, Callable[[], object]], nbytes: int, copy_gbs: float,
+              extra: dict, wanted: set[str]) -> list[Result]:
+    """Warm up (JIT, torch.compile) outside the measured region, then time every wanted provider."""
+    providers = {k: v for k, v in providers.items() if not wanted or k in wanted}
+    for fn in providers.values():
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - run_case records the failure
+            pass
+    results = run_case(label, providers, {**extra, "bytes": nbytes})
+    for r in results:
+        if r.ms:
+            r.extra["gbs"] = nbytes / (r.ms * 1e-3) / 1e9
+            r.extra["frac_copy_bw"] = r.extra["gbs"] / copy_gbs
+    torch.cuda.empty_cache()
+    return results
+
+
+def report(name: str, out: str, results: list[Result], copy_gbs: float, note: str) -> None:
+    """Save JSON + plot, print the bandwidth fractions, then the markdown table (last)."""
+    floors = {r.case: r.extra["bytes"] / (copy_gbs * 1e9) * 1e3 for r in results}
+    save(name, out, results, {"copy_bandwidth_gbs": copy_gbs, "floor_ms": floors, "note": note})
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; achieved bandwidth, fraction of it:")
+    for r in results:
+        status = f"{r.extra['gbs']:7.0f} GB/s  {r.extra['frac_copy_bw']:.2f}" if r.ms else r.error
+        print(f"  {r.case:>30}  {r.provider:<20} {status}")
+    print(table(results, floors))
