@@ -249,6 +249,7 @@ _MAX_FUSED_BWD_N = 8192
 _SPLIT_BLOCK_N = 4096
 _FWD_TILE, _FWD_ELEMS_PER_THREAD = 8192, 32
 _BWD_TILE, _BWD_ELEMS_PER_THREAD = 4096, 16
+_PROGRAMS_PER_SM: int | None = None  # backward grid override (benchmarks/tune_norms.py); None = measured occupancy
 _OCCUPANCY: dict = {}
 
 
@@ -271,6 +272,8 @@ def _resident_programs(kernel, args: tuple, meta: dict, device: torch.device) ->
     """
     if interpreting():
         return 4
+    if _PROGRAMS_PER_SM is not None:
+        return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     # The same specialisation Triton would pick: dtypes, and ints divisible by 16 or equal to 1.
     spec = tuple(a.dtype if isinstance(a, torch.Tensor) else (a % 16 == 0, a == 1) if isinstance(a, int) else None
                  for a in args)
