@@ -242,8 +242,9 @@ def test_gpu_fp32_and_strided():
     x, w = _inputs((8192, 4096), torch.float32, "llama")
     _check_rms_norm(x, w, "llama", 0.0)
     wide = torch.randn(4096, 5000, device=DEVICE, dtype=torch.bfloat16)
-    _check_rms_norm(wide[:, 17:4113], w.bfloat16(), "llama", 0.0, dy=torch.randn(5000, 4096, device=DEVICE,
-                                                                                    dtype=torch.bfloat16).t()[:4096].t())
+    dy = torch.randn(4096, 4096, device=DEVICE, dtype=torch.bfloat16).t()  # a transposed incoming gradient
+    _check_rms_norm(wide[:, 17:4113], w.bfloat16(), "llama", 0.0, dy=dy)
+    _check_add_rms_norm(wide[:, 17:4113], wide[:, 900:4996], w.bfloat16(), "gemma", 1.0)
 
 
 @pytest.mark.gpu
