@@ -85,7 +85,7 @@ def reference_loss(base64: nn.Module, head_sd64: dict, cfg, ids, labels, pos, *,
 
 
 def float64_copies(base: nn.Module, heads: nn.Module):
-    """A float64 deep copy of the base and float64 leaf copies of the heads' state dict (with grads enabled)."""
-    base64 = copy.deepcopy(base).double()
-    sd64 = {k: v.detach().double().requires_grad_() for k, v in heads.state_dict().items()}
+    """float64 CPU copies of the base and of the heads' state dict (leaves with grads), for the reference."""
+    base64 = copy.deepcopy(base).cpu().double()
+    sd64 = {k: v.detach().cpu().double().requires_grad_() for k, v in heads.state_dict().items()}
     return base64, sd64

@@ -7,7 +7,7 @@ import torch
 
 from liger_models.kernels._dispatch import use_triton
 from liger_models.medusa import MedusaModel, medusa_head_weights, medusa_target_counts, schedule_factor
-from tests.helpers import assert_matches
+from tests.helpers import assert_matches, rel_l2
 from tests.medusa._common import float64_copies, make_base, packed_batch, reference_loss, reference_targets
 
 V, H = 37, 16
@@ -159,3 +159,27 @@ def test_reference_targets_sanity():
     labels = torch.arange(6)[None]
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
     assert reference_targets(labels, 2, pos).tolist() == [[2, -100, -100, 5, -100, -100]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("share", [False, True])
+def test_gpu_bf16_stage2_matches_float64_reference(share):
+    """bf16 on the GPU (Triton kernels) vs the float64 CPU reference: loss, head CEs and the heads' gradients (the
+    base's own bf16 gradients are the model tests' business; here they only have to exist)."""
+    base = make_base(512, 128, torch.bfloat16, layers=2).cuda()
+    model = MedusaModel.from_base(base, stage=2, num_heads=3, share_lm_head=share)
+    for p in model.heads.parameters():
+        p.data.add_(0.05 * torch.randn_like(p))
+    base64, sd64 = float64_copies(model.base, model.heads)
+    ids, labels, pos = packed_batch(2, 96, 512, packed=True)
+    out = model(ids.cuda(), labels=labels.cuda(), position_ids=pos.cuda())
+    out.loss.backward()
+    ref = reference_loss(base64, sd64, model.config, ids, labels, pos, w0=1.0, scales=model.head_scales(), stage=2)
+    ref[0].backward()
+    # fp32 results of a bf16 computation: held to the bf16 bound.
+    assert rel_l2(out.loss.detach().cpu(), ref[0].detach()) <= 1e-2
+    assert rel_l2(out.head_losses.cpu(), ref[2]) <= 1e-2
+    assert torch.equal(out.head_count.cpu(), ref[5])
+    for name, p in model.heads.named_parameters():
+        assert_matches(p.grad.cpu(), sd64[name].grad, name=f"grad heads.{name}")
+    assert all(torch.isfinite(p.grad).all() for p in model.base.parameters())
