@@ -1,9 +1,9 @@
 # Source this at the start of a command on the GPU machine (bare image, no network):
 #   . benchmarks/device_env.sh
-# Installs carried wheels (.whl/: pytest, liger-kernel, cut-cross-entropy) into /tmp/site and makes the
+# Installs carried wheels (.whl/: liger-kernel, cut-cross-entropy) into /tmp/site and makes the
 # repository importable as liger_models (kernels/ -> liger_models.kernels, convert/ -> liger_models.convert)
 # through a symlinked shim, since the image has no network for a build backend.
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 LIGER_BENCH_PLOTS=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || echo "wheel install failed" >&2

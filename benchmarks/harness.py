@@ -117,6 +117,10 @@ def save(name: str, out: str, results: list[Result], meta: dict | None = None) -
 
 
 def _plot(name: str, out: str, results: list[Result]) -> None:
+    # The GPU machine returns at most 8 files per call: plots are drawn from the JSON afterwards
+    # (`python benchmarks/harness.py plot <json>...`) when LIGER_BENCH_PLOTS=0 there.
+    if os.environ.get("LIGER_BENCH_PLOTS", "1") == "0":
+        return
     try:
         import matplotlib
 
@@ -158,3 +162,21 @@ def table(results: list[Result], floor_ms: dict[str, float] | None = None) -> st
         tail = f" | {floor_ms[c]:.3f} |" if floor_ms and c in floor_ms else (" | — |" if floor_ms else " |")
         lines.append(f"| {c} | " + " | ".join(cells) + tail)
     return "\n".join(lines)
+
+
+def plot_saved(paths: list[str]) -> None:
+    """Draw the plot for each saved benchmark JSON next to it."""
+    for path in paths:
+        with open(path) as f:
+            payload = json.load(f)
+        results = [Result(**r) for r in payload["results"]]
+        _plot(os.path.splitext(os.path.basename(path))[0], os.path.dirname(path) or ".", results)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 2 and sys.argv[1] == "plot":
+        plot_saved(sys.argv[2:])
+    else:
+        print("usage: python benchmarks/harness.py plot <bench.json>...")
