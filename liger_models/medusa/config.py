@@ -50,14 +50,8 @@ class MedusaConfig:
 
     @classmethod
     def for_base(cls, base: Any, **overrides: Any) -> "MedusaConfig":
-        """A config whose hidden/vocab sizes (and base name, when known) come from a base model's config."""
-        cfg = base.config
-        kwargs: dict[str, Any] = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
-        name = getattr(cfg, "name_or_path", None) or getattr(cfg, "_name_or_path", None)
-        if isinstance(name, str) and name:
-            kwargs["base_model_name_or_path"] = name
-        kwargs.update(overrides)
-        return cls(**kwargs)
+        """A config with the base model's hidden_size / vocab_size; other fields from `overrides`."""
+        return cls(**{"hidden_size": base.config.hidden_size, "vocab_size": base.config.vocab_size, **overrides})
 
     def to_json_dict(self) -> dict[str, Any]:
         """The heads' `config.json` (format B: what Medusa's loader and TGI read)."""

@@ -180,6 +180,8 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
         raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T), got {tuple(input_ids.shape)}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < topk <= heads.config.vocab_size:
+        raise ValueError(f"topk must be in [1, vocab_size={heads.config.vocab_size}], got {topk}")
     device = input_ids.device
     choices = default_medusa_choices(heads.num_heads) if medusa_choices is None else medusa_choices
     buffers = generate_medusa_buffers(choices, heads.num_heads, topk, device)
@@ -195,7 +197,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     emitted, per_step = 0, []
     while emitted < max_new_tokens:
         root = _next_root(base.lm_head(hidden), temperature, generator)  # (1,)
-        proposals = heads.logits(hidden)[:, 0].topk(topk, dim=-1).indices[:depth]  # (≤D, topk)
+        proposals = heads.logits(hidden)[:depth, 0].topk(topk, dim=-1).indices  # (D, topk)
         flat = torch.cat([root, proposals.flatten()])
         paths = flat[buffers.tree_indices][path_nodes]  # (P, D+1) token ids, root first
         out = base.model(paths, cache=cache)  # (P, D+1, H)

@@ -77,12 +77,15 @@ def medusa_target_counts(labels: torch.Tensor, num_heads: int, position_ids: tor
 
 
 def _term_normalizer(normalizer: Normalizer, i: int, targets: torch.Tensor, ignore_index: int):
+    """Term i's normalizer, clamped to ≥ 1: a term without targets (short sequences, late heads, an empty global
+    count) then gives 0 instead of 0/0."""
     if normalizer is None:
-        # The local count, clamped so a term without targets (short sequences, late heads) gives 0, not 0/0.
-        return (targets != ignore_index).sum().clamp(min=1)
-    if isinstance(normalizer, torch.Tensor) and normalizer.dim() == 0 or isinstance(normalizer, (int, float)):
-        return normalizer
-    return normalizer[i]
+        n = (targets != ignore_index).sum()
+    elif isinstance(normalizer, (int, float)) or isinstance(normalizer, torch.Tensor) and normalizer.dim() == 0:
+        n = normalizer
+    else:
+        n = normalizer[i]
+    return n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
 
 
 def _weighted_ce(hidden, weight, targets, scale: float, normalizer, ignore_index: int):

@@ -112,6 +112,9 @@ def test_packed_boundaries_are_masked_for_every_head():
     assert out.head_count.tolist() == [2 * 2, 2 * 1, 0]
     assert medusa_target_counts(labels, 3, pos).tolist() == [6, 4, 2, 0]
     assert torch.isfinite(out.loss) and out.head_losses[2] == 0
+    counted = model(ids, labels=labels, position_ids=pos, normalizer=medusa_target_counts(labels, 3, pos))
+    assert torch.isfinite(counted.loss) and counted.head_losses[2] == 0
+    assert_matches(counted.loss.detach(), out.loss.detach().double(), name="same normalizers")
 
 
 def test_global_normalizer_per_term_matches_one_big_batch():
