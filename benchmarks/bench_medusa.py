@@ -45,7 +45,7 @@ TIMEOUT_S = 420
 DEVICE = "cuda"
 
 
-# ---- worker side (one subprocess per provider × lm_head mode) ------------------------------------------------------
+# ---- worker side (one subprocess per provider × lm_head mode) ----------------------------------------------------
 
 def _ours(lm_head: str, stage: int):
     import torch
@@ -165,7 +165,7 @@ def worker(spec: dict) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- driver side ------------------------------------------------------------------------------------------------------
+# ---- driver side -----------------------------------------------------------------------------------------------------
 
 def _run_worker(spec: dict) -> list[dict]:
     """Run one worker subprocess. Its rows stream to stderr as JSON lines, so a crash or timeout keeps the rows

@@ -177,7 +177,8 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     in base forward calls).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T), got {tuple(input_ids.shape)}")
+        raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T), "
+                         f"got {tuple(input_ids.shape)}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < topk <= heads.config.vocab_size:

@@ -132,8 +132,8 @@ def test_stage2_saves_full_base_in_hf_format(tmp_path, share):
     model = _model(share, 1, dtype=torch.bfloat16, stage=2)
     model.save_pretrained(str(tmp_path))
     files = set(os.listdir(tmp_path))
-    assert {"config.json", "medusa_lm_head.safetensors"} <= files and any(f.endswith(".safetensors") and
-                                                                         f != "medusa_lm_head.safetensors" for f in files)
+    weights = [f for f in files if f.endswith(".safetensors") and f != "medusa_lm_head.safetensors"]
+    assert {"config.json", "medusa_lm_head.safetensors"} <= files and weights
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 1
     assert cfg["base_model_name_or_path"] == str(tmp_path) and cfg.get("version") == ("2" if share else None)

@@ -21,7 +21,8 @@ def test_head_weights():
 @pytest.mark.parametrize("name,step,max_steps,expected", [
     ("constant", 3, 10, 1.0), ("linear", 3, 10, 0.3), ("linear", 20, 10, 1.0),
     ("sine", 5, 10, math.sin(math.pi / 4)), ("sine", 0, 10, 0.0),
-    ("sine_0.5", 1, 10, math.sin(math.pi / 2 * 0.2)), ("sine_0.5", 6, 10, 1.0), ("sine_1", 5, 10, math.sin(math.pi / 4)),
+    ("sine_0.5", 1, 10, math.sin(math.pi / 2 * 0.2)), ("sine_0.5", 6, 10, 1.0),
+    ("sine_1", 5, 10, math.sin(math.pi / 4)),
 ])
 def test_schedule_factor(name, step, max_steps, expected):
     assert schedule_factor(name, step, max_steps) == pytest.approx(expected)
