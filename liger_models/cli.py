@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Natively fused Llama-family models: training, Medusa heads and a demo. "
                     "Multi-GPU: torchrun --nproc-per-node N -m liger_models.cli <command> ... (FSDP2).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,train,train-medusa}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,train,train-medusa,init-model}")
 
     demo = sub.add_parser("demo", help="train a small Llama + Medusa heads on the bundled Shakespeare text",
                           description="With no --model: train a byte-level BPE tokenizer (2K vocab) on the bundled "
@@ -93,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: CUDA when available")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_run_demo)
+
+    init = sub.add_parser("init-model", help="write a randomly initialised model + BPE tokenizer (no download)",
+                          description="A random-init Llama of a preset shape with a byte-level BPE tokenizer trained "
+                                      "on the bundled text, e.g. to try multi-GPU training offline.")
+    init.add_argument("--preset", default="demo", help="demo | llama-3.2-1b (default demo)")
+    init.add_argument("--output-dir", required=True)
+    init.add_argument("--tokenizer-vocab", type=_positive, default=2048, help="BPE vocabulary (default 2048)")
+    init.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    init.add_argument("--device", default=None, choices=("cuda", "cpu"), help="where to initialise (default CPU)")
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(func=_run_init)
 
     train = sub.add_parser("train", help="causal-LM fine-tuning (fused linear-cross-entropy loss)",
                            description="Fine-tune a model on text or chat data with packed sequences.")
@@ -152,6 +163,17 @@ def _run_medusa(args: argparse.Namespace) -> None:
     train_medusa(args)
 
 
+def _run_init(args: argparse.Namespace) -> None:
+    import torch
+
+    from liger_models.train.init_model import init_model_dir
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    out = init_model_dir(args.output_dir, args.preset, tokenizer_vocab=args.tokenizer_vocab, dtype=dtype,
+                         device=args.device, seed=args.seed)
+    print(f"wrote {out}")
+
+
 def _run_demo(args: argparse.Namespace) -> None:
     from liger_models.train.demo import run_demo
 
@@ -163,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
         # User errors (bad paths, data, arguments) get one clear line; LIGER_DEBUG=1 shows the traceback.
         if os.environ.get("LIGER_DEBUG"):
             raise

@@ -3,8 +3,10 @@ full (gathered) state dicts for checkpoints.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) is applied per decoder layer and then to the root module, the layout
 torchtitan uses: each layer's parameters are all-gathered just before it runs and freed after, while the root group
-(embeddings, final norm, lm_head and, for Medusa, the heads) stays gathered for the whole forward. Gradients are
-summed across ranks (divide factor 1), because the loss is already normalised by the global token count.
+(embeddings, final norm, lm_head and, for Medusa, the heads) stays gathered for the whole forward. FSDP2 averages
+gradients over ranks; the loss is already normalised by the global token count, so the trainer multiplies each
+rank's loss by the world size to turn that average into the needed sum (``set_gradient_divide_factor(1)`` would
+say the same, but it needs PREMUL_SUM, which gloo lacks).
 
 Checkpoints hold full tensors: :func:`full_model_state` and :func:`full_optimizer_state` gather them (on CPU, on
 rank 0 only) through ``torch.distributed.checkpoint.state_dict``; the optimizer state is keyed by parameter name, so a
@@ -134,14 +136,9 @@ def apply_fsdp(root: nn.Module, layers: Iterable[nn.Module], *, reduce_fp32: boo
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if reduce_fp32 else None)
-    layers = list(layers)
-    for i, layer in enumerate(layers):
-        # The last layer's parameters are needed again right at the start of backward: keep them gathered.
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
     fully_shard(root, mp_policy=policy)
-    for module in [root, *layers]:
-        # The loss is divided by the global token count already, so ranks' gradients must be summed, not averaged.
-        module.set_gradient_divide_factor(1.0)
     return root
 
 

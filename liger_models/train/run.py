@@ -89,12 +89,16 @@ def _check_materialised(module: nn.Module) -> None:
 def _setup(args: argparse.Namespace):
     info = D.init_distributed(args.device)
     torch.manual_seed(args.seed)
-    resume = None
-    if args.resume:
-        if args.resume == "auto":
-            resume = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
-        else:
-            resume = ckpt.resolve_resume(args.resume, args.output_dir)
+    existing = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
+    if args.resume == "auto":
+        resume = existing
+    elif args.resume:
+        resume = ckpt.resolve_resume(args.resume, args.output_dir)
+    elif existing is not None:
+        raise ValueError(f"{args.output_dir} already holds checkpoints ({existing.name}); continue with "
+                         "--resume auto, or choose another --output-dir")
+    else:
+        resume = None
     return info, resume
 
 
@@ -140,8 +144,8 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
     """Fine-tune (or pre-train) a causal LM on ``args.data``; see the module docstring."""
     from liger_models import AutoLigerForCausalLM
 
-    info, resume = _setup(args)
     try:
+        info, resume = _setup(args)
         model_dir = resolve_model_dir(args.model)
         dtype = _dtype(args, info.device)
         model = AutoLigerForCausalLM.from_pretrained(resume or model_dir, dtype=dtype, device=info.device)
@@ -186,8 +190,8 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
     """Train Medusa heads (stage 1: frozen base) or heads + base (stage 2); see the module docstring."""
     from liger_models.medusa import MedusaHeads, MedusaModel
 
-    info, resume = _setup(args)
     try:
+        info, resume = _setup(args)
         model_dir = resolve_model_dir(args.model)
         dtype = _dtype(args, info.device)
         medusa = _medusa_model(args, model_dir, dtype, info.device, resume)

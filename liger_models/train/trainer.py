@@ -137,7 +137,8 @@ class Trainer:
         stats = None
         for batch in micro:
             loss, s = self.task.forward(self.model, batch, normalizer, self.step, cfg.max_steps)
-            loss.backward()
+            # FSDP averages gradients over ranks; each loss is a share of the global mean, so they must add up.
+            (loss * self.info.world_size if self.info.distributed else loss).backward()
             stats = s if stats is None else stats + s
         grad_norm = _grad_norm(self.params, cfg.max_grad_norm)
         lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -168,6 +169,8 @@ class Trainer:
         cfg = self.config
         if self.info.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            if self.step == 0:  # a fresh run starts a fresh log (a resumed one was trimmed in resume())
+                self.metrics_path.write_text("", encoding="utf-8")
         tokens_per_step = self.stream.batch_size * self.stream.dataset.seq_len * cfg.grad_accum * self.info.world_size
         start = time.perf_counter()
         start_step = self.step

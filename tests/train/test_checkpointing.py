@@ -1,0 +1,87 @@
+"""Checkpoints are atomic: a failure at any point of a save leaves the previous checkpoint and `latest` intact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from liger_models.train import checkpointing as ckpt
+
+
+def _writer(value: float):
+    def write(directory):
+        torch.save({"w": torch.full((3,), value)}, directory / "model.pt")
+
+    return write
+
+
+def _model_value(path) -> float:
+    return float(torch.load(path / "model.pt", weights_only=True)["w"][0])
+
+
+@pytest.mark.parametrize("fail_in", ["model", "state"])
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_in):
+    root = tmp_path / "checkpoints"
+    first = ckpt.save_checkpoint(root, 10, _writer(1.0), {"x": 1})
+    assert ckpt.find_latest(root) == first and (root / "latest").read_text().strip() == "step_000010"
+
+    def broken_model(directory):
+        _writer(2.0)(directory)  # half of the files are written ...
+        raise OSError("disk full")  # ... then the save dies
+
+    write = broken_model if fail_in == "model" else _writer(2.0)
+    if fail_in == "state":
+        real_save = torch.save
+
+        def failing_save(obj, f, *a, **k):
+            if str(f).endswith(ckpt.STATE_FILE):
+                raise OSError("disk full")
+            return real_save(obj, f, *a, **k)
+
+        monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(root, 20, write, {"x": 2})
+    monkeypatch.undo()
+
+    assert ckpt.find_latest(root) == first
+    assert (root / "latest").read_text().strip() == "step_000010"
+    assert _model_value(first) == 1.0 and ckpt.load_trainer_state(first) == {"x": 1, "step": 10}
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000010"]  # no partial directory left
+
+
+def test_hard_kill_leftovers_are_ignored(tmp_path):
+    root = tmp_path / "checkpoints"
+    good = ckpt.save_checkpoint(root, 5, _writer(5.0), {})
+    # A process killed mid-save leaves a temporary directory; one killed between rename and `latest` leaves a
+    # complete directory that `latest` does not name yet; a stray step dir without state is incomplete.
+    (root / ".step_000006.abc.tmp").mkdir()
+    (root / "step_000007").mkdir()
+    assert ckpt.find_latest(root) == good
+    newer = ckpt.save_checkpoint(root, 8, _writer(8.0), {})
+    (root / "latest").write_text("step_000099\n")  # names nothing valid: fall back to the highest complete step
+    assert ckpt.find_latest(root) == newer
+
+
+def test_resave_same_step_and_keep_last(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(root, step, _writer(float(step)), {}, keep_last=2)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000002", "step_000003"]
+    again = ckpt.save_checkpoint(root, 3, _writer(33.0), {}, keep_last=2)
+    assert _model_value(again) == 33.0 and len(ckpt.list_checkpoints(root)) == 2
+
+
+def test_resolve_resume_errors_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        ckpt.resolve_resume(str(tmp_path), tmp_path)
+    path = ckpt.save_checkpoint(tmp_path / "out" / "checkpoints", 4, _writer(4.0), {})
+    assert ckpt.resolve_resume("auto", tmp_path / "out") == path
+    assert ckpt.resolve_resume(str(path), tmp_path) == path
+
+
+def test_rng_state_round_trip():
+    state = ckpt.rng_state()
+    a = (torch.rand(3), __import__("random").random())
+    ckpt.set_rng_state(state)
+    b = (torch.rand(3), __import__("random").random())
+    assert torch.equal(a[0], b[0]) and a[1] == b[1]

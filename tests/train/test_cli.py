@@ -1,0 +1,143 @@
+"""The `liger-models` CLI end to end on a tiny model directory, its help, and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from liger_models import AutoLigerForCausalLM
+from liger_models.cli import main
+from liger_models.medusa import MedusaModel
+
+pytestmark = pytest.mark.usefixtures("reference_path")
+
+SMALL = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "3", "--save-every", "2", "--quiet"]
+
+
+@pytest.fixture
+def chat_file(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Tell me line {i}."},
+                          {"role": "assistant", "content": "Now is the winter of our discontent " * (1 + i % 3)}]}
+            for i in range(12)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_commands_and_options(capsys):
+    out = _help(["train-medusa"], capsys)
+    for option in ("--stage", "--num-heads", "--share-lm-head", "--head-lr-multiplier", "--schedule", "--lambda0",
+                   "--decay", "--activation-checkpointing", "--resume", "--grad-accum", "--dtype"):
+        assert option in out
+    top = _help([], capsys)
+    assert "demo" in top and "train-medusa" in top and "torchrun" in top
+    assert "--quick" in _help(["demo"], capsys)
+
+
+def test_train_then_medusa_stage1_then_stage2(tiny_model_dir, text_file, chat_file, tmp_path):
+    assert main(["train", "--model", str(tiny_model_dir), "--data", str(text_file), "--output-dir",
+                 str(tmp_path / "lm"), *SMALL]) == 0
+    lm_ckpt = tmp_path / "lm" / "checkpoints" / "step_000003"
+    assert (lm_ckpt / "tokenizer.json").is_file()
+    AutoLigerForCausalLM.from_pretrained(lm_ckpt)  # a plain HF model directory
+
+    assert main(["train-medusa", "--model", str(lm_ckpt), "--data", str(chat_file), "--num-heads", "2",
+                 "--share-lm-head", "--output-dir", str(tmp_path / "s1"), *SMALL]) == 0
+    heads = tmp_path / "s1" / "checkpoints" / "step_000003"
+    config = json.loads((heads / "config.json").read_text())
+    assert config["medusa_num_heads"] == 2 and config["version"] == "2"
+    assert config["base_model_name_or_path"] == str(lm_ckpt)
+    assert MedusaModel.from_pretrained(str(heads)).heads.num_heads == 2  # the base is found from the config
+    metrics = [json.loads(line) for line in (tmp_path / "s1" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3 and len(metrics[-1]["head_top1"]) == 2 and metrics[-1]["base_loss"] is None
+
+    assert main(["train-medusa", "--model", str(lm_ckpt), "--data", str(chat_file), "--stage", "2",
+                 "--init-heads", str(heads), "--schedule", "sine_0.5", "--output-dir", str(tmp_path / "s2"),
+                 *SMALL]) == 0
+    joint = tmp_path / "s2" / "checkpoints" / "step_000003"
+    stage2 = MedusaModel.from_pretrained(str(joint))
+    assert stage2.stage == 2 and stage2.config.scheduler == "sine_0.5"
+    start = MedusaModel.from_pretrained(str(heads))
+    # Stage 2 started from the stage-1 heads and trained the base as well.
+    assert not torch.equal(stage2.base.model.layers[0].mlp.down_proj.weight,
+                           start.base.model.layers[0].mlp.down_proj.weight)
+    last = json.loads((tmp_path / "s2" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["base_loss"] is not None and len(last["lrs"]) == 2
+    assert last["lrs"][0] == pytest.approx(4 * last["lrs"][1])  # heads at 4× the base LR
+
+
+def test_console_script_runs(tiny_model_dir, text_file, tmp_path):
+    exe = shutil.which("liger-models")
+    cmd = [exe] if exe else [sys.executable, "-m", "liger_models.cli"]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([*cmd, "train-medusa", "--model", str(tiny_model_dir), "--data", str(text_file),
+                           "--num-heads", "2", "--output-dir", str(tmp_path / "run"), "--seq-len", "32",
+                           "--batch-size", "2", "--max-steps", "2", "--log-every", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 2/2" in proc.stderr and "heads top1/top5%" in proc.stderr
+    assert "checkpoint:" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "{missing}"], "no such file"),
+    (["--data", "{csv}"], "expected a .txt or .jsonl"),
+    (["--model", "{tmp}/nowhere/model"], "no such directory"),
+    (["--model", "{tmp}"], "no config.json"),
+    (["--resume", "{tmp}/nope"], "--resume"),
+    (["--init-heads", "{tmp}/nope"], "--init-heads"),
+])
+def test_bad_paths_fail_clearly(argv, message, tiny_model_dir, text_file, tmp_path, capsys):
+    (tmp_path / "x.csv").write_text("a")
+    fill = {"missing": tmp_path / "missing.txt", "csv": tmp_path / "x.csv", "tmp": tmp_path}
+    argv = [a.format(**fill) for a in argv]
+    base = {"--model": str(tiny_model_dir), "--data": str(text_file)}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    full = ["train-medusa", "--output-dir", str(tmp_path / "out"), *[x for kv in base.items() for x in kv]]
+    try:
+        code = main(full)
+    except SystemExit as exc:
+        code, err = exc.code, str(exc)
+    else:
+        err = capsys.readouterr().err
+    assert code not in (0, None) and message in err
+
+
+def test_bad_arguments_are_rejected(tiny_model_dir, text_file, capsys):
+    for bad in (["--schedule", "cosine"], ["--stage", "3"], ["--batch-size", "0"]):
+        with pytest.raises(SystemExit) as info:
+            main(["train-medusa", "--model", str(tiny_model_dir), "--data", str(text_file), *bad])
+        assert info.value.code == 2
+    assert "unknown Medusa scheduler" in capsys.readouterr().err
+
+
+def test_data_that_does_not_fit_the_model_fails_clearly(tiny_model_dir, tmp_path, capsys):
+    # A model whose vocabulary is smaller than its tokenizer's.
+    small = tmp_path / "small_vocab"
+    shutil.copytree(tiny_model_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = 64
+    (small / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(small / "model.safetensors")
+    sd = {k: (v[:64].clone() if v.shape[0] == 320 else v) for k, v in sd.items()}
+    save_file(sd, small / "model.safetensors")
+    (tmp_path / "t.txt").write_text("Now is the winter of our discontent")
+    code = main(["train", "--model", str(small), "--data", str(tmp_path / "t.txt"), "--output-dir",
+                 str(tmp_path / "o"), "--seq-len", "8", "--max-steps", "1"])
+    assert code == 2 and "vocab_size is 64" in capsys.readouterr().err

@@ -1,0 +1,42 @@
+"""`liger-models demo --quick`: the README's first command, at test size (the full demo is the same code path)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from liger_models.cli import build_parser, main
+from liger_models.medusa import MedusaModel
+from liger_models.train.demo import run_demo
+
+pytestmark = pytest.mark.usefixtures("reference_path")
+
+
+def test_quick_demo_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo"
+    result = run_demo(build_parser().parse_args(["demo", "--quick", "--output-dir", str(out), "--device", "cpu"]))
+    printed = capsys.readouterr().out
+    for text in ("top-1 after training", "tokens per base-model forward", "Medusa heads:", "sample"):
+        assert text in printed
+    assert len(result["after"]["top1"]) == 3 and all(0 <= a <= 1 for a in result["after"]["top5"])
+    assert result["after"]["tokens"] > 0 and result["tokens_per_step"] >= 1.0
+    assert result["lossless"]  # greedy Medusa decoding reproduces greedy decoding
+    heads = MedusaModel.from_pretrained(str(result["heads_dir"]))  # the base is found via base_model_name_or_path
+    assert heads.config.num_heads == 3
+    assert json.loads((result["heads_dir"] / "config.json").read_text())["medusa_num_heads"] == 3
+
+    # Running again into the same directory replaces the previous demo; a foreign directory is refused.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert main(["demo", "--quick", "--output-dir", str(tmp_path / "mine")]) == 2
+    assert "was not made by `liger-models demo`" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_init_model_cli(tmp_path):
+    assert main(["init-model", "--output-dir", str(tmp_path / "m"), "--tokenizer-vocab", "300"]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4 and config["vocab_size"] == 300 and config["dtype"] == "bfloat16"
+    assert (tmp_path / "m" / "tokenizer.json").is_file()
+    assert main(["init-model", "--preset", "nope", "--output-dir", str(tmp_path / "x")]) == 2

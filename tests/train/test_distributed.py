@@ -1,0 +1,61 @@
+"""FSDP2 (`fully_shard`) on 2 CPU processes (gloo, launched by torchrun) matches one process with the same global
+batch, and its checkpoints hold the full gathered weights, loadable on one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from liger_models.cli import build_parser
+from liger_models.medusa import MedusaModel
+from liger_models.train.run import train_medusa
+
+pytestmark = pytest.mark.usefixtures("reference_path")
+
+
+def _medusa_args(model_dir, data, out, batch_size):
+    return ["train-medusa", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
+            "--stage", "2", "--num-heads", "2", "--seq-len", "32", "--batch-size", str(batch_size),
+            "--grad-accum", "2", "--max-steps", "3", "--save-every", "2", "--lr", "3e-3", "--warmup-steps", "1",
+            "--dtype", "fp32", "--device", "cpu", "--quiet"]
+
+
+def test_fsdp2_two_processes_match_one(tiny_tied_model_dir, text_file, tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "LIGER_DEBUG": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "liger_models.cli", *_medusa_args(tiny_tied_model_dir, text_file, tmp_path / "fsdp", 2)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    single = train_medusa(build_parser().parse_args(_medusa_args(tiny_tied_model_dir, text_file, tmp_path / "one", 4)))
+    fsdp = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in fsdp] == [1, 2, 3]
+    for a, b in zip(single.history, fsdp):
+        assert a["targets"] == b["targets"]  # the same global batch, split over two ranks
+        torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(b["head_loss"], a["head_loss"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-4, atol=0)
+
+    # The FSDP checkpoint holds full tensors (not rank 0's shard), equal to the single-process run's.
+    ckpt_fsdp = tmp_path / "fsdp" / "checkpoints" / "step_000003"
+    for name in ("model.safetensors", "medusa_lm_head.safetensors"):
+        a, b = load_file(single.checkpoint / name), load_file(ckpt_fsdp / name)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].shape == b[key].shape, key
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4, msg=key)
+    assert "lm_head.weight" not in load_file(ckpt_fsdp / "model.safetensors")  # tied head stored once
+
+    # ... and loads on one process with the same logits.
+    ids = torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        out_f = MedusaModel.from_pretrained(str(ckpt_fsdp))(ids)
+        out_s = MedusaModel.from_pretrained(str(single.checkpoint))(ids)
+    torch.testing.assert_close(out_f.logits, out_s.logits, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out_f.head_logits, out_s.head_logits, rtol=1e-3, atol=1e-3)
