@@ -240,6 +240,20 @@ def ce_rows(
     )
 
 
+def take_grads(ctx) -> tuple:
+    """The gradients a forward pass computed, handed out once.
+
+    A second backward through the same graph (retain_graph=True) would scale them again, and autograd may already
+    hold them as some leaf's .grad, so it raises instead.
+    """
+    grads = ctx.grads
+    if grads is None:
+        raise RuntimeError("this loss computes its gradients in the forward pass: backward can run only once per "
+                           "forward (retain_graph=True is not supported)")
+    ctx.grads = None
+    return grads
+
+
 def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """x *= g in place for a contiguous x and a 1-element device tensor g, skipping all traffic when g == 1."""
     n = x.numel()

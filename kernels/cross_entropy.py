@@ -15,7 +15,8 @@ _ce_core.py for the kernel, its bytes and the in-place contract).
 
 Autograd: for mean / sum the forward already writes the gradient (times 1/denominator); backward multiplies it by
 grad_output on the device, a no-op kernel when grad_output == 1, so there is no host sync and no second pass for
-a plain loss.backward(). For reduction="none" the per-row grad_output is only known in backward, so the forward
+a plain loss.backward() (any other grad_output costs one read + write, and unless it is a power of two, a second
+bf16 rounding of the gradient). For reduction="none" the per-row grad_output is only known in backward, so the forward
 reads the logits once for the losses and backward does the gradient pass (same bytes as the fused path).
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._ce_core import ce_rows, check_labels, check_options, grad_scale, mean_denominator, scale_
+from ._ce_core import ce_rows, check_labels, check_options, grad_scale, mean_denominator, scale_, take_grads
 from ._dispatch import use_triton
 
 
@@ -87,24 +88,25 @@ class _CrossEntropy(torch.autograd.Function):
         ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale, **opts)
         if fused and inplace and x.data_ptr() == logits.data_ptr():
             torch.autograd.graph.increment_version(logits)  # a node that saved the logits now fails loudly
-        ctx.opts, ctx.inplace, ctx.shape = opts, inplace, logits.shape
-        if fused:
-            ctx.save_for_backward(grad)
-        elif need_grad:
+        ctx.opts, ctx.inplace, ctx.shape, ctx.fused = opts, inplace, logits.shape, fused
+        ctx.grads = (grad,)  # a plain attribute, not saved: it may be the logits' own (version-bumped) buffer
+        if need_grad and not fused:
             ctx.save_for_backward(x, flat, lse, q)
         out = reduce_loss(loss, flat != opts["ignore_index"], reduction, normalizer)
         return out.reshape(labels.shape) if reduction == "none" else out
 
     @staticmethod
     def backward(ctx, grad_out):
-        if len(ctx.saved_tensors) == 1:
-            (grad,) = ctx.saved_tensors
+        if ctx.fused:
+            (grad,) = take_grads(ctx)
             scale_(grad, grad_out)
         else:  # reduction="none": one read + one write with the per-row grad_output
             x, flat, lse, q = ctx.saved_tensors
             grad = x if ctx.inplace else torch.empty_like(x)
             scale = grad_out.reshape(-1).float().contiguous()
             ce_rows(x, flat, grad=grad, loss=None, lse=lse, q=q, rank=None, scale=scale, **ctx.opts)
+            if ctx.inplace:
+                torch.autograd.graph.increment_version(x)
         return grad.view(ctx.shape), None, None, None, None, None, None
 
 

@@ -1,0 +1,232 @@
+"""cross_entropy against a float64 reference (KERNELS.md §3), on CPU through Triton's interpreter.
+
+Every tensor the op allocates is NaN-poisoned, so an element the kernel forgets to write fails. Vocab sizes are
+not multiples of the block; labels include 0, V−1 and ignored rows. ``-m gpu`` adds the real sizes, including a
+logits tensor above 2³¹ elements.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from liger_models.kernels import _ce_core
+from liger_models.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
+from tests.helpers import DEVICE, assert_matches, poison_
+from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
+
+IGNORE = -100
+# (options, reduction); every option alone, then all together with an external normaliser.
+CASES = [
+    (dict(), "mean"),
+    (dict(), "sum"),
+    (dict(), "none"),
+    (dict(label_smoothing=0.1), "mean"),
+    (dict(z_loss=1e-3), "sum"),
+    (dict(softcap=4.0), "mean"),
+    (dict(label_smoothing=0.2, z_loss=1e-2, softcap=3.0, normalizer=37), "mean"),
+    (dict(label_smoothing=0.05, softcap=2.5, z_loss=1e-4), "none"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_allocations(monkeypatch):
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
+
+
+def _labels(n, vocab, device=DEVICE):
+    y = torch.randint(0, vocab, (n,), device=device)
+    y[0], y[-1] = 0, vocab - 1
+    y[n // 2] = IGNORE
+    return y
+
+
+def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
+    """Loss and dlogits of cross_entropy vs float64 and vs eager in the logits' dtype."""
+    x = logits.detach().clone().requires_grad_()
+    loss = cross_entropy(x, labels, reduction=reduction, **opts)
+    if grad_scale is None:  # per-row grads for "none"; a power of two for mean / sum (exact rescaling in bf16)
+        grad_scale = torch.randn_like(loss) if reduction == "none" else torch.tensor(-0.5)
+    g = torch.as_tensor(grad_scale, dtype=loss.dtype, device=loss.device).expand_as(loss)
+    (dx,) = torch.autograd.grad(loss, x, g)
+    x64 = logits.detach().double().requires_grad_()
+    loss64 = cross_entropy_reference(x64, labels, reduction=reduction, **opts)
+    (dx64,) = torch.autograd.grad(loss64, x64, g.double())
+    xe = logits.detach().clone().requires_grad_()
+    (dxe,) = torch.autograd.grad(cross_entropy_reference(xe, labels, reduction=reduction, **opts), xe, g)
+    assert loss.dtype == torch.float32 and loss.shape == loss64.shape
+    assert dx.dtype == logits.dtype and dx.shape == logits.shape
+    assert_matches(loss, loss64, name="loss")
+    assert_matches(dx, dx64, eager=dxe, name="dlogits")
+    return loss, dx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_reference(dtype, case):
+    opts, reduction = CASES[case]
+    vocab = (67, 300, 517)[case % 3]
+    logits = (torch.randn(7, vocab, device=DEVICE) * 3).to(dtype)
+    _check(logits, _labels(7, vocab), reduction, **opts)
+
+
+@pytest.mark.parametrize("grad_scale", [1.0, 0.25])
+def test_incoming_grad_scales_the_in_place_gradient(grad_scale):
+    """mean/sum keep the gradient from the forward; backward multiplies by grad_output (skipped when it is 1)."""
+    logits = torch.randn(5, 300, device=DEVICE)
+    _check(logits, _labels(5, 300), "mean", grad_scale=grad_scale)
+
+
+def test_normaliser_tensor_and_number():
+    logits, labels = torch.randn(6, 67, device=DEVICE), _labels(6, 67)
+    total = cross_entropy(logits, labels, reduction="sum")
+    for norm in (13, torch.tensor(13.0, device=DEVICE)):
+        torch.testing.assert_close(cross_entropy(logits, labels, normalizer=norm), total / 13)
+
+
+def test_confident_prediction_keeps_target_gradient():
+    """A logit 30 above the rest in bf16: p_t − 1 ≈ −V·e⁻³⁰ must come out relative-accurate, not 0."""
+    vocab = 300
+    logits = torch.randn(4, vocab, device=DEVICE)
+    labels = torch.randint(0, vocab, (4,), device=DEVICE)
+    rows = torch.arange(4, device=DEVICE)
+    logits[rows, labels] = logits.max() + 30
+    logits = logits.to(torch.bfloat16)
+    loss, dx = _check(logits, labels, "sum", grad_scale=1.0)
+    x64 = logits.double()
+    q64 = 1 - torch.softmax(x64, -1)[rows, labels]  # ≈ 1e-11, exact in float64
+    assert (q64 > 0).all()
+    torch.testing.assert_close(-dx[rows, labels].double(), q64, rtol=1e-2, atol=0)
+    torch.testing.assert_close(loss.double(), -torch.log1p(-q64).sum(), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored(reduction):
+    logits = torch.randn(4, 67, device=DEVICE, requires_grad=True)
+    labels = torch.full((4,), IGNORE, device=DEVICE)
+    loss = cross_entropy(logits, labels, reduction=reduction, z_loss=1e-2, label_smoothing=0.1)
+    loss.sum().backward()
+    assert torch.equal(loss, torch.zeros_like(loss))
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+@pytest.mark.parametrize("bad", [67, 1000, -1, -101])
+def test_bad_label_raises(bad):
+    labels = _labels(4, 67)
+    labels[1] = bad
+    with pytest.raises(ValueError, match=f"label {bad} is outside"):
+        cross_entropy(torch.randn(4, 67, device=DEVICE), labels)
+
+
+def test_custom_ignore_index_and_bad_options():
+    logits = torch.randn(5, 67, device=DEVICE)
+    labels = _labels(5, 67)
+    labels[2] = -1
+    _check(logits, labels, "mean", ignore_index=-1)
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy(logits, labels, reduction="avg")
+    with pytest.raises(ValueError, match="do not match"):
+        cross_entropy(logits, labels[:-1])
+
+
+def test_strided_logits():
+    """A transposed view (copied) and a row-strided slice (used in place through its row stride)."""
+    labels = _labels(6, 67)
+    _check(torch.randn(67, 6, device=DEVICE).t(), labels, "mean")
+    _check(torch.randn(6, 80, device=DEVICE)[:, 5:72], labels, "sum")
+    _check(torch.randn(2, 3, 67, device=DEVICE), labels.view(2, 3), "none")
+
+
+def test_in_place_contract():
+    """Default: in place for a non-view intermediate, never for a leaf or a view; versions are bumped."""
+    labels = _labels(6, 67)
+    leaf = torch.randn(6, 67, device=DEVICE, requires_grad=True)
+    kept = leaf.detach().clone()
+    cross_entropy(leaf, labels).backward()
+    assert torch.equal(leaf.detach(), kept), "a leaf's values must survive"
+    # intermediate: the gradient goes into its buffer and still reaches the leaf correctly
+    w = torch.randn(6, 67, device=DEVICE, requires_grad=True)
+    inter = w * 2.0
+    version = inter._version
+    cross_entropy(inter, labels).backward()
+    assert inter._version > version
+    ref = w.detach().double().requires_grad_()
+    cross_entropy_reference(ref * 2.0, labels).backward()
+    assert_matches(w.grad, ref.grad, name="upstream grad")
+    # a view: its base (what HF returns as outputs.logits) is left alone
+    base = w.detach().clone().requires_grad_() * 1.0
+    before = base.detach().clone()
+    cross_entropy(base.view(2, 3, 67), labels.view(2, 3)).backward()
+    assert torch.equal(base.detach(), before)
+    # a node that saved the logits (tanh saves its output) fails loudly instead of using the gradient
+    with pytest.raises(RuntimeError, match="inplace"):
+        cross_entropy(torch.tanh(w), labels).backward()
+    with pytest.raises(RuntimeError, match="inplace"):
+        cross_entropy(torch.tanh(w), labels, reduction="none").sum().backward()
+    cross_entropy(torch.tanh(w), labels, inplace_grad=False).backward()
+
+
+def test_second_backward_raises():
+    """The gradient is computed in forward and handed out once; retain_graph must not scale it twice."""
+    x = torch.randn(4, 67, device=DEVICE, requires_grad=True)
+    loss = cross_entropy(x * 1.0, _labels(4, 67))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        loss.backward()
+
+
+def test_no_grad_and_module():
+    logits, labels = torch.randn(5, 300, device=DEVICE), _labels(5, 300)
+    with torch.no_grad():
+        loss = CrossEntropyLoss(label_smoothing=0.1)(logits, labels)
+    assert_matches(loss, cross_entropy_reference(logits.double(), labels, label_smoothing=0.1), name="loss")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: real sizes (the lead runs `pytest -m gpu` on the H200)
+
+
+def _gpu_reference_rows(logits, labels, rows, **opts):
+    """fp32 reference loss terms and gradient for a subset of rows (the full fp32 copy would not fit twice)."""
+    x = logits[rows].float().requires_grad_()
+    loss = cross_entropy_reference(x, labels[rows], reduction="sum", **opts)
+    (g,) = torch.autograd.grad(loss, x)
+    return loss, g
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, vocab", [(8192, 128256), (4096, 256000)])
+@pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)])
+def test_gpu_headline_shapes(n, vocab, opts):
+    torch.manual_seed(0)
+    logits = (torch.randn(n, vocab, device="cuda") * 2).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::7] = IGNORE
+    ref = cross_entropy_reference(logits, labels, reduction="sum", **opts)
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x, labels, reduction="sum", inplace_grad=False, **opts)
+    loss.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    rows = torch.arange(0, n, 997, device="cuda")
+    _, g = _gpu_reference_rows(logits, labels, rows, **opts)
+    assert_matches(x.grad[rows], g.double(), name="dlogits")
+
+
+@pytest.mark.gpu
+def test_gpu_logits_above_2_31_elements():
+    """8500×256000 bf16 (2.18e9 elements, 4.4 GB): int64 row offsets; the last rows are checked."""
+    n, vocab = 8500, 256000
+    assert n * vocab > 2**31
+    torch.manual_seed(0)
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    logits.requires_grad_()
+    inter = logits * 1  # an intermediate: the gradient is written in place (no second 4.4 GB buffer)
+    loss = cross_entropy(inter, labels, reduction="none")
+    loss.sum().backward()
+    rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device="cuda")
+    ref_loss, g = _gpu_reference_rows(logits.detach(), labels, rows)
+    torch.testing.assert_close(loss[rows].sum(), ref_loss, rtol=1e-5, atol=0)
+    assert_matches(logits.grad[rows], g.double(), name="dlogits (last rows)")

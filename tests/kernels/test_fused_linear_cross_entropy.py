@@ -1,0 +1,271 @@
+"""fused_linear_cross_entropy against a float64 reference (KERNELS.md §3), on CPU through Triton's interpreter.
+
+A tiny logits budget forces several token chunks (with and without grad_W's storage as the scratch), so chunk
+boundaries, the fp32 dW accumulation and the final cast are all exercised. Every allocation is NaN-poisoned.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import liger_models.kernels.fused_linear_cross_entropy as flce_mod
+from liger_models.kernels.fused_linear_cross_entropy import (
+    FusedLinearCrossEntropyLoss,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+)
+from tests.helpers import DEVICE, assert_matches, poison_, rel_l2
+from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
+
+IGNORE = -100
+B, T, H = 2, 7, 8  # 14 tokens: 4 chunks of a 4-row budget, or 2 chunks of H = 8 rows in grad_W's storage
+SCRATCH_MODES = ("grad_w_scratch", "budget_scratch")
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_allocations(monkeypatch):
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
+
+
+def _chunk(monkeypatch, mode):
+    """A 4-row logits budget; mode picks whether grad_W's storage (H rows) may serve as the scratch instead."""
+    monkeypatch.setattr(flce_mod, "GRAD_WEIGHT_AS_SCRATCH", mode == "grad_w_scratch")
+    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 4 * 517 * 4)
+
+
+@pytest.fixture
+def chunked_once(monkeypatch):
+    """The interpreter is slow: tests that are not about chunking run one mode (grad_W's storage, the default)."""
+    _chunk(monkeypatch, SCRATCH_MODES[0])
+
+
+def _inputs(vocab, dtype, bias=False, b=B, t=T):
+    hidden = torch.randn(b, t, H, device=DEVICE).to(dtype)
+    weight = (torch.randn(vocab, H, device=DEVICE) / H**0.5 * 2).to(dtype)
+    labels = torch.randint(0, vocab, (b, t), device=DEVICE)
+    labels[0, 0], labels[-1, -1], labels[0, 3] = 0, vocab - 1, IGNORE
+    return hidden, weight, (torch.randn(vocab, device=DEVICE).to(dtype) if bias else None), labels
+
+
+def _grads(fn, tensors, labels, g, **opts):
+    leaves = [None if t is None else t.detach().clone().requires_grad_(rg) for t, rg in tensors]
+    out = fn(*leaves[:2], labels, leaves[2], **opts)
+    loss = out[0] if isinstance(out, tuple) else out
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    grads = iter(torch.autograd.grad(loss, wanted, g.to(loss.dtype)))
+    return out, [next(grads) if t is not None and t.requires_grad else None for t in leaves]
+
+
+def _check(hidden, weight, bias, labels, *, requires=(True, True, True), **opts):
+    """Loss, rank and the gradients of hidden / weight / bias vs float64 (and eager in the input dtype)."""
+    tensors = list(zip((hidden, weight, bias), requires))
+    out, grads = _grads(fused_linear_cross_entropy, tensors, labels, _incoming(opts, labels), **opts)
+    t64 = [(None if t is None else t.double(), rg) for t, rg in tensors]
+    out64, grads64 = _grads(fused_linear_cross_entropy_reference, t64, labels, _incoming(opts, labels), **opts)
+    eager, grads_eager = _grads(fused_linear_cross_entropy_reference, tensors, labels, _incoming(opts, labels),
+                                **opts)
+    first = lambda o: o[0] if isinstance(o, tuple) else o  # noqa: E731
+    loss, loss64 = first(out), first(out64)
+    assert loss.dtype == torch.float32 and loss.shape == loss64.shape
+    if hidden.dtype == torch.float32:
+        assert_matches(loss, loss64, name="loss")
+    else:  # fp32 loss of bf16 logits (HF's numerics): within 2× eager's error from the bf16 rounding of the logits
+        err, eager_err = rel_l2(loss, loss64), rel_l2(first(eager), loss64)
+        assert err <= 2 * eager_err + 1e-6, f"loss: rel err {err:.3e} > 2x eager's {eager_err:.3e}"
+    for name, got, ref, eager, t in zip(("dh", "dW", "db"), grads, grads64, grads_eager, (hidden, weight, bias)):
+        if ref is None:
+            assert got is None, name
+            continue
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert_matches(got, ref, eager=eager, name=name)
+    return out, out64
+
+
+_G = {}
+
+
+def _incoming(opts, labels):
+    """One random incoming gradient per test, shared by all three runs.
+
+    For mean / sum it is a power of two ≠ 1: backward's scaling of the forward-computed bf16 gradients then runs
+    and is exact (any other factor adds one bf16 rounding, documented in the module).
+    """
+    key = (opts.get("reduction", "mean"), tuple(labels.shape))
+    if key not in _G:
+        if key[0] == "none":
+            _G[key] = torch.randn(labels.shape, device=DEVICE, dtype=torch.float64)
+        else:
+            _G[key] = torch.tensor([0.5, -2.0, 0.25])[torch.randint(0, 3, ())].to(DEVICE, torch.float64)
+    return _G[key]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_incoming():
+    _G.clear()
+
+
+CASES = [
+    dict(),
+    dict(reduction="sum", loss_scale=0.3),
+    dict(reduction="none", loss_scale=2.0),
+    dict(label_smoothing=0.1, z_loss=1e-3, normalizer=40),
+    dict(softcap=2.0, loss_scale=0.5),
+    dict(label_smoothing=0.05, z_loss=1e-4, softcap=3.0, reduction="none"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_reference(monkeypatch, dtype, case):
+    _chunk(monkeypatch, SCRATCH_MODES[case % 2])  # both scratch modes, alternating over the cases
+    vocab = (67, 300, 517)[case % 3]
+    hidden, weight, bias, labels = _inputs(vocab, dtype, bias=case % 2 == 1)
+    _check(hidden, weight, bias, labels, **CASES[case])
+
+
+@pytest.mark.parametrize("requires", [(True, False, False), (False, True, True), (True, False, True)])
+def test_frozen_weight_or_hidden(chunked_once, monkeypatch, requires):
+    """Only the gradients asked for are computed; a frozen weight never reaches the dW GEMM."""
+    if not requires[1]:
+        monkeypatch.setattr(flce_mod, "_accumulate_dw", lambda *a, **k: pytest.fail("dW work for a frozen weight"))
+    hidden, weight, bias, labels = _inputs(300, torch.float32, bias=True)
+    _check(hidden, weight, bias, labels, requires=requires, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_target_rank(chunked_once, dtype):
+    hidden, weight, _, labels = _inputs(517, dtype)
+    (_, rank), (_, _) = _check(hidden, weight, None, labels, return_target_rank=True, reduction="none")
+    assert rank.dtype == torch.int32 and rank.shape == labels.shape
+    logits = (hidden @ weight.t()).float()  # what the kernel ranks: the logits in the input dtype
+    valid = labels != IGNORE
+    target = logits.gather(-1, labels.clamp(min=0)[..., None])
+    # A reordered (chunked) GEMM may round a logit within ~1 ulp of the target differently: only near-ties may
+    # move the rank, so it must lie between the counts with a small margin either side.
+    margin = 1e-5 if dtype == torch.float32 else 2e-2
+    lo = (logits > target + margin * target.abs().clamp(min=1)).sum(-1)
+    hi = (logits > target - margin * target.abs().clamp(min=1)).sum(-1)
+    assert torch.equal(rank[~valid], torch.full_like(rank[~valid], -1))
+    assert ((rank[valid] >= lo[valid]) & (rank[valid] <= hi[valid])).all()
+    # top-1 of confident rows: make row 0's target the argmax by a wide margin
+    weight2 = weight.clone()
+    weight2[labels[0, 1]] = hidden[0, 1] * 10
+    _, rank2 = fused_linear_cross_entropy(hidden, weight2, labels, return_target_rank=True)
+    assert rank2[0, 1] == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored(chunked_once, reduction):
+    hidden, weight, bias, labels = _inputs(67, torch.bfloat16, bias=True)
+    labels.fill_(IGNORE)
+    leaves = [t.detach().requires_grad_() for t in (hidden, weight, bias)]
+    loss = fused_linear_cross_entropy(leaves[0], leaves[1], labels, leaves[2], reduction=reduction, z_loss=1e-2)
+    loss.sum().backward()
+    assert torch.equal(loss, torch.zeros_like(loss))
+    for t in leaves:
+        assert torch.equal(t.grad, torch.zeros_like(t)), "grads must be exactly zero"
+
+
+@pytest.mark.parametrize("bad", [67, -5])
+def test_bad_label_raises(bad):
+    hidden, weight, _, labels = _inputs(67, torch.float32)
+    labels[1, 2] = bad
+    with pytest.raises(ValueError, match=f"label {bad} is outside"):
+        fused_linear_cross_entropy(hidden, weight, labels)
+
+
+def test_bad_arguments():
+    hidden, weight, _, labels = _inputs(67, torch.float32)
+    with pytest.raises(ValueError, match="share one floating dtype"):
+        fused_linear_cross_entropy(hidden, weight.double(), labels)
+    with pytest.raises(ValueError, match="weight must be"):
+        fused_linear_cross_entropy(hidden, weight[:, :-1], labels)
+    with pytest.raises(ValueError, match="do not match"):
+        fused_linear_cross_entropy(hidden, weight, labels[:, :-1])
+    with pytest.raises(ValueError, match="accum_dtype"):
+        fused_linear_cross_entropy(hidden, weight, labels, accum_dtype=torch.float16)
+
+
+def test_strided_hidden(chunked_once):
+    """A (T, B, H) tensor seen as (B, T, H) (copied) and a row-strided slice of a wider buffer (used in place)."""
+    hidden, weight, bias, labels = _inputs(300, torch.float32, bias=True)
+    _check(hidden.transpose(0, 1).contiguous().transpose(0, 1), weight, bias, labels)
+    wide = torch.randn(B, T, H + 5, device=DEVICE)[..., 2 : 2 + H]
+    _check(wide, weight, None, labels, reduction="sum")
+
+
+def test_bf16_accumulation_and_heads_sharing_hidden(chunked_once):
+    """accum_dtype=weight dtype, and two heads on one hidden tensor via shifted labels (grads add up)."""
+    hidden, weight, _, labels = _inputs(300, torch.bfloat16)
+    _check(hidden, weight, None, labels, accum_dtype=torch.bfloat16)
+    h = hidden.detach().float().requires_grad_()
+    w = weight.detach().float().requires_grad_()
+    shifted = torch.full_like(labels, IGNORE)
+    shifted[:, :-1] = labels[:, 1:]
+    loss = fused_linear_cross_entropy(h, w, labels) + fused_linear_cross_entropy(h, w, shifted, loss_scale=0.5)
+    loss.backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = fused_linear_cross_entropy_reference(h64, w64, labels)
+    ref = ref + fused_linear_cross_entropy_reference(h64, w64, shifted, loss_scale=0.5)
+    ref.backward()
+    assert_matches(loss, ref, name="loss")
+    assert_matches(h.grad, h64.grad, name="dh")
+    assert_matches(w.grad, w64.grad, name="dW")
+
+
+def test_no_grad_module_and_second_backward():
+    hidden, weight, _, labels = _inputs(67, torch.float32)
+    with torch.no_grad():
+        loss = FusedLinearCrossEntropyLoss(label_smoothing=0.1)(hidden, weight, labels)
+    ref = fused_linear_cross_entropy_reference(hidden.double(), weight.double(), labels, label_smoothing=0.1)
+    assert_matches(loss, ref, name="loss")
+    w = weight.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(hidden, w, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        loss.backward()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: real sizes (the lead runs `pytest -m gpu` on the H200)
+
+
+def _gpu_case(n, hdim, vocab, **opts):
+    torch.manual_seed(0)
+    hidden = (torch.randn(n, hdim, device="cuda") / 2).to(torch.bfloat16)
+    weight = (torch.randn(vocab, hdim, device="cuda") / hdim**0.5 * 4).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::11] = IGNORE
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, labels, **opts)
+    loss.backward()
+    hf, wf = hidden.float().requires_grad_(), weight.float().requires_grad_()  # fp32 math on the bf16 values
+    ref = fused_linear_cross_entropy_reference(hf, wf, labels, **opts)
+    ref.backward()
+    he, we = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused_linear_cross_entropy_reference(he, we, labels, **opts).backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=2e-3, atol=0)  # bf16 logits vs fp32 logits
+    assert_matches(h.grad, hf.grad.double(), eager=he.grad, name="dh")
+    assert_matches(w.grad, wf.grad.double(), eager=we.grad, name="dW")
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_output_gemm_available():
+    """The fast dW path (cuBLAS with an fp32 C, torch ≥ 2.8) must be the one in use on the H200."""
+    assert flce_mod._fp32_out_gemm(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, loss_scale=0.5)])
+def test_gpu_real_size(opts):
+    _gpu_case(4096, 2048, 128256, **opts)
+
+
+@pytest.mark.gpu
+def test_gpu_n_times_v_above_2_31():
+    """8500 tokens × 256000 vocab = 2.18e9 logits (never materialised by the op)."""
+    assert 8500 * 256000 > 2**31
+    _gpu_case(8500, 1024, 256000)
