@@ -50,7 +50,7 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
 
 
-def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 2, position_ids: torch.Tensor | None = None,
+def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_ids: torch.Tensor | None = None,
                  grads: bool = True, ours=None):
     """Logits (≤ 1e-4 abs), loss and every parameter's gradient (≤ 1e-4 relative) equal HF's. Returns ours."""
     ours = ours or AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)

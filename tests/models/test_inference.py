@@ -51,7 +51,8 @@ def test_kv_cache_decoding_equals_full_forward(family):
         half = 8  # rotary_dim / 2 for head_dim 16
         rope = {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(half)],
                 "long_factor": [2.0 + i for i in range(half)]}
-        model = LigerPhi3ForCausalLM.from_config(Phi3Config.tiny(rope_scaling=rope, original_max_position_embeddings=32))
+        config = Phi3Config.tiny(rope_scaling=rope, original_max_position_embeddings=32)
+        model = LigerPhi3ForCausalLM.from_config(config)
     ids = torch.randint(3, 128, (2, 13))
     with torch.no_grad():
         full = model(ids).logits
@@ -68,8 +69,8 @@ def test_generate_greedy_equals_hf(tmp_path):
     hf = build_hf(transformers.LlamaConfig, tie_word_embeddings=True)
     ours = LigerLlamaForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
     prompt = torch.randint(3, 128, (2, 5))
-    ref = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = ours.generate(prompt, max_new_tokens=8, eos_token_id=[])
+    ref = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=0)
+    out = ours.generate(prompt, max_new_tokens=8, eos_token_id=2, pad_token_id=0)
     assert torch.equal(out, ref)
 
 
@@ -82,8 +83,8 @@ def test_generate_crossing_longrope_switch_equals_hf(tmp_path):
                   rope_parameters=rope)
     ours = LigerPhi3ForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
     prompt = torch.randint(3, 128, (1, 5))
-    ref = hf.generate(prompt, max_new_tokens=7, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(ours.generate(prompt, max_new_tokens=7, eos_token_id=[]), ref)
+    ref = hf.generate(prompt, max_new_tokens=7, do_sample=False, eos_token_id=2, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=7, eos_token_id=2, pad_token_id=0), ref)
 
 
 def test_generate_sampling_and_eos():

@@ -18,7 +18,7 @@ def test_llama3_rope_gqa_head_dim_biases_sharded(tmp_path, v4_style):
                   rope_parameters=dict(LLAMA3_ROPE))
     save_hf(hf, tmp_path / "hf", max_shard_size="40KB", v4_style=v4_style)
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
-    ours = check_parity(hf, tmp_path / "hf", seq_len=20)
+    ours = check_parity(hf, tmp_path / "hf", seq_len=20, batch=2)
     assert isinstance(ours, LigerLlamaForCausalLM) and ours.config.rope_scaling["rope_type"] == "llama3"
     assert ours.config.rope_theta == 500000.0 and ours.config.head_dim == 32
 

@@ -15,8 +15,8 @@ ORIGINAL = 12
 
 def longrope_hf():
     half = 64 // 4 // 2
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
-            "short_factor": torch.linspace(1.0, 1.5, half).tolist(), "long_factor": torch.linspace(1.0, 6.0, half).tolist()}
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": torch.linspace(1.0, 1.5, half).tolist(),
+            "long_factor": torch.linspace(1.0, 6.0, half).tolist()}
     return build_hf(transformers.Phi3Config, max_position_embeddings=64, original_max_position_embeddings=ORIGINAL,
                     rope_parameters=rope, sliding_window=9, pad_token_id=0)
 
