@@ -136,7 +136,10 @@ def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path
     """Local snapshot directory of a Hub repo (only *.json, *.safetensors and tokenizer files are fetched).
 
     Honours ``HF_HUB_OFFLINE`` / ``local_files_only`` (cache only, refs resolved from ``refs/``) and ``cache_dir``.
+    An existing local directory (e.g. an already downloaded snapshot) is returned as it is.
     """
+    if Path(repo_id).expanduser().is_dir():
+        return resolve_dir(repo_id)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, \
         RevisionNotFoundError

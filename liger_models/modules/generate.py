@@ -43,7 +43,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sam
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
-    eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), device=input_ids.device)
+    eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long,
+                       device=input_ids.device)
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
     rotary = model.model.rotary
     capacity = input_ids.shape[1] + max_new_tokens

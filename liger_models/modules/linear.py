@@ -33,7 +33,6 @@ def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 class _PackedLinear(torch.autograd.Function):
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x: torch.Tensor, n: int, *params: torch.Tensor) -> torch.Tensor:
         weights, biases = list(params[:n]), list(params[n:])
         ctx.n, ctx.has_bias = n, bool(biases)
@@ -51,7 +50,6 @@ class _PackedLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_out: torch.Tensor):
         x, *weights = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])  # (N, sum rows)
@@ -65,6 +63,8 @@ class _PackedLinear(torch.autograd.Function):
 
 def packed_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
     """``cat([l(x) for l in linears], -1)`` computed with one GEMM; output (..., sum of out_features)."""
+    if torch.is_autocast_enabled(x.device.type):  # let autocast pick the GEMM dtype, as nn.Linear would
+        return torch.cat([lin(x) for lin in linears], dim=-1)
     params = [lin.weight for lin in linears]
     if linears[0].bias is not None:
         params += [lin.bias for lin in linears]

@@ -129,3 +129,32 @@ def test_rope_tables_match_hf(rope):
     ref_cos, ref_sin = reference(torch.zeros(1, dtype=torch.float32), pos)
     cos, sin = ours(pos)
     assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
+
+
+def test_packed_projections_keep_identity_and_fall_back():
+    """q|k|v and gate|up share one buffer (one GEMM) across .to(); unpacked parameters give the same result."""
+    from liger_models.modules.linear import packed_linear
+
+    model = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny(attention_bias=True))
+    attn = model.model.layers[0].self_attn
+    before = [id(p) for p in model.parameters()]
+    model.to(torch.bfloat16).to(torch.float32)
+    assert [id(p) for p in model.parameters()] == before
+    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+    assert v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj]
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    results = []
+    for packed in (True, False):
+        if not packed:  # break the shared layout: the op must concatenate instead
+            for lin in linears:
+                lin.weight = torch.nn.Parameter(lin.weight.detach().clone())
+        x.grad = None
+        out = packed_linear(x, linears)
+        out.backward(torch.ones_like(out))
+        results.append((out, x.grad.clone(), [lin.weight.grad.clone() for lin in linears]))
+    reference = torch.cat([lin(x) for lin in linears], dim=-1)
+    assert torch.allclose(results[0][0], reference, atol=1e-6) and torch.allclose(results[1][0], reference, atol=1e-6)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][2], results[1][2]))
