@@ -39,29 +39,40 @@ def hf_rope(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def providers_for(b: int, t: int, hq: int, hkv: int, d: int) -> dict:
+def _projections(b: int, t: int, hq: int, hkv: int, d: int):
+    """q_proj / k_proj outputs (B, T, H·D) as autograd intermediates."""
+    q_lin = torch.randn(b, t, hq * d, device="cuda", dtype=torch.bfloat16, requires_grad=True).clone()
+    k_lin = torch.randn(b, t, hkv * d, device="cuda", dtype=torch.bfloat16, requires_grad=True).clone()
+    return q_lin, k_lin
+
+
+def _grads(b: int, t: int, hq: int, hkv: int, d: int):
+    """Incoming gradients as SDPA produces them: contiguous (B, H, T, D)."""
+    return (torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16),
+            torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16))
+
+
+def ours_step(b: int, t: int, hq: int, hkv: int, d: int, grads=None):
+    """fwd+bwd of this project's rope on (B, T, H, D) views, gradients handed over as (B, T, H, D) transposes."""
     from liger_models.kernels.rope import rope
 
     cos, sin = _cos_sin(t, d)
-    dq_bhtd = torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16)
-    dk_bhtd = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    q_lin, k_lin = _projections(b, t, hq, hkv, d)
+    dq, dk = _grads(b, t, hq, hkv, d) if grads is None else grads
 
-    def projections():
-        q_lin = torch.randn(b, t, hq * d, device="cuda", dtype=torch.bfloat16, requires_grad=True).clone()
-        k_lin = torch.randn(b, t, hkv * d, device="cuda", dtype=torch.bfloat16, requires_grad=True).clone()
-        return q_lin, k_lin
+    def step():
+        q, k = rope(q_lin.view(b, t, hq, d), k_lin.view(b, t, hkv, d), cos, sin)
+        return torch.autograd.grad((q, k), (q_lin, k_lin), (dq.transpose(1, 2), dk.transpose(1, 2)))
 
-    def ours():
-        q_lin, k_lin = projections()
+    return step
 
-        def step():
-            q, k = rope(q_lin.view(b, t, hq, d), k_lin.view(b, t, hkv, d), cos, sin)
-            return torch.autograd.grad((q, k), (q_lin, k_lin), (dq_bhtd.transpose(1, 2), dk_bhtd.transpose(1, 2)))
 
-        return step
+def providers_for(b: int, t: int, hq: int, hkv: int, d: int) -> dict:
+    cos, sin = _cos_sin(t, d)
+    dq_bhtd, dk_bhtd = grads = _grads(b, t, hq, hkv, d)
 
     def bhtd(fn, cos_, sin_):
-        q_lin, k_lin = projections()
+        q_lin, k_lin = _projections(b, t, hq, hkv, d)
 
         def step():
             q = q_lin.view(b, t, hq, d).transpose(1, 2)
@@ -77,7 +88,7 @@ def providers_for(b: int, t: int, hq: int, hkv: int, d: int) -> dict:
 
     cos16, sin16 = cos.bfloat16(), sin.bfloat16()
     return {
-        "liger-models": ours(),
+        "liger-models": ours_step(b, t, hq, hkv, d, grads),
         "eager": bhtd(hf_rope, cos16, sin16),
         "torch.compile": bhtd(torch.compile(hf_rope, dynamic=False), cos16, sin16),
         "liger-kernel": bhtd(liger, cos16, sin16),

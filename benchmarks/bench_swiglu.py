@@ -34,6 +34,13 @@ def liger_fn(module: str, name: str):
     return fn
 
 
+def packed_step(rows: int, inter: int, fn_packed, dout: torch.Tensor | None = None):
+    """fwd+bwd of this project's packed op on a fresh (rows, 2I) intermediate."""
+    gate_up = _intermediate((rows, 2 * inter))
+    dout = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16) if dout is None else dout
+    return lambda: torch.autograd.grad(fn_packed(gate_up), gate_up, dout)
+
+
 def gated_providers(rows: int, inter: int, eager_act, ours, ours_packed, liger) -> dict:
     """fwd+bwd closures per provider, each on its own fresh inputs (some backwards overwrite their inputs)."""
     dout = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
@@ -47,9 +54,8 @@ def gated_providers(rows: int, inter: int, eager_act, ours, ours_packed, liger) 
         gate, up = _intermediate((rows, inter)), _intermediate((rows, inter))
         return lambda: torch.autograd.grad(fn(gate, up), (gate, up), dout)
 
-    gate_up = _intermediate((rows, 2 * inter))
     providers = {
-        "liger-models packed": lambda: torch.autograd.grad(ours_packed(gate_up), gate_up, dout),
+        "liger-models packed": packed_step(rows, inter, ours_packed, dout),
         "liger-models": separate(ours),
         "eager": separate(eager),
         "torch.compile": separate(compiled),

@@ -32,6 +32,9 @@ from ._dispatch import row_view, use_triton
 from ._rounding import cast_rtne
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+# Streaming tile: elements per program and per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
+_TILE = 2048
+_ELEMS_PER_THREAD = 16
 
 
 def gated_mlp_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -113,10 +116,11 @@ def _gated_bwd_kernel(
 
 
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
-    """A streaming layout: 2048 elements per program (a row slice, or several short rows), 4 warps."""
-    block_c = min(triton.next_power_of_2(n_cols), 2048)
-    block_r = min(2048 // block_c, triton.next_power_of_2(n_rows))
-    return (triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, block_c),), block_r, block_c, 4
+    """A streaming layout: _TILE elements per program (a row slice, or several short rows)."""
+    block_c = min(triton.next_power_of_2(n_cols), _TILE)
+    block_r = min(_TILE // block_c, triton.next_power_of_2(n_rows))
+    warps = max(1, min(16, block_r * block_c // (32 * _ELEMS_PER_THREAD)))
+    return (triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, block_c),), block_r, block_c, warps
 
 
 def _forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor, activation: str) -> None:

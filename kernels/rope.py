@@ -32,6 +32,11 @@ import triton.language as tl
 from ._dispatch import use_triton
 from ._rounding import cast_rtne
 
+# Per-token tile: at most _HEAD_TILE elements per half-rotation (all heads of a token for usual head counts)
+# and _ELEMS_PER_THREAD per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
+_HEAD_TILE = 4096
+_ELEMS_PER_THREAD = 16
+
 
 def rope_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -122,8 +127,8 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     block_r = triton.next_power_of_2(rot // 2)
-    # Up to 4096 elements per half-rotation tile: all heads of a token at once for usual head counts.
-    block_hq, block_hk = (min(triton.next_power_of_2(h), max(1, 4096 // block_r)) for h in (n_q_heads, k.shape[2]))
+    max_heads = max(1, _HEAD_TILE // block_r)
+    block_hq, block_hk = (min(triton.next_power_of_2(h), max_heads) for h in (n_q_heads, k.shape[2]))
     _rope_kernel[(bsz * seq_len,)](
         q, k, dst_q, dst_k, cos, sin, seq_len,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -132,7 +137,7 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
         sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1),
         N_Q_HEADS=n_q_heads, N_K_HEADS=k.shape[2], HALF=rot // 2, TAIL=tail, BACKWARD=backward,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_R=block_r, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)),
-        num_warps=4 if block_hq * block_r <= 2048 else 8,
+        num_warps=max(1, min(16, block_hq * block_r // (32 * _ELEMS_PER_THREAD))),
     )
 
 
