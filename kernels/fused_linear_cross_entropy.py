@@ -110,9 +110,10 @@ def _fp32_out_gemm(device: torch.device) -> bool:
     """Whether torch.addmm(C_fp32, A_bf16, B_bf16, out_dtype=float32, out=C) works here (torch ≥ 2.8 on CUDA)."""
     try:
         a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
-        c = torch.ones(16, 16, dtype=torch.float32, device=device)
-        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-        return bool((c == 17).all())
+        c = torch.full((16, 16), float("nan"), dtype=torch.float32, device=device)
+        torch.addmm(c, a.t(), a, out_dtype=torch.float32, beta=0.0, out=c)  # beta=0 must ignore the NaNs
+        torch.addmm(c, a.t(), a, out_dtype=torch.float32, beta=1.0, out=c)
+        return bool((c == 32).all())
     except (TypeError, RuntimeError, NotImplementedError):
         return False
 

@@ -1,0 +1,118 @@
+"""Cross-entropy on materialised bf16 logits, forward + backward: this project vs eager PyTorch (HF's numerics:
+upcast to fp32, F.cross_entropy), torch.compile of that, and liger-kernel 0.8.5 (LigerCrossEntropyLoss).
+
+Mean reduction, ignore_index=-100 on ~1/16 of the rows. The logits are a leaf tensor; this project runs with
+inplace_grad=True (liger-kernel also overwrites its input with the gradient), so both leave no second N×V
+buffer; each in-place provider works on its own copy (from its second call on, it sees its previous gradient:
+the kernels are memory-bound, values do not change their time). Bytes (the floor): read the logits once and write the gradient once, 4·N·V B; floor = bytes / measured
+copy bandwidth. Two logit distributions: "random" N(0, 2²) with uniform labels, and "peaked" (a Zipf-like
+per-token bias of up to +20, labels sampled from the softmax itself, so the loss is its entropy as for a trained
+LM); the kernel is memory-bound, so they should time alike. At the headline shapes, block/warp variants of the row kernel are timed too (`liger-models bBwW`): pick
+the fastest for kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS.
+
+    python benchmarks/bench_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,eager,...]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from _bandwidth import report, time_case
+from harness import copy_bandwidth_gbs, parse_args
+
+HEADLINE = [(8192, 128256), (4096, 256000)]
+SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
+VARIANTS = [(8192, 16), (16384, 32), (16384, 16), (8192, 8), (4096, 8)]  # (CE_BLOCK_V, CE_NUM_WARPS)
+EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits + fp32 and bf16 grads: ≈12 B per logit
+IGNORE = -100
+
+
+def zipf_bias(vocab: int, top: float) -> torch.Tensor:
+    """Per-token logit bias top·(1 − log(rank)/log V), ranks scattered over the ids (a word-frequency prior)."""
+    ranks = torch.arange(1, vocab + 1, device="cuda", dtype=torch.float32)
+    bias = torch.empty(vocab, device="cuda")
+    bias[torch.randperm(vocab, device="cuda")] = top * (1 - torch.log(ranks) / math.log(vocab))
+    return bias
+
+
+def sample_labels(logits_of_rows, n: int, rows_per_step: int = 1024) -> torch.Tensor:
+    """Labels drawn from softmax(logits) row by row (so the loss is the distribution's entropy, as for a trained
+    LM); logits_of_rows(start, end) gives the bf16 logits of rows [start, end)."""
+    out = [torch.multinomial(torch.softmax(logits_of_rows(s, min(n, s + rows_per_step)).float(), -1), 1)[:, 0]
+           for s in range(0, n, rows_per_step)]
+    return torch.cat(out)
+
+
+def make_inputs(n: int, vocab: int, kind: str):
+    """bf16 leaf logits (N, V) and int64 labels with every 16th row ignored."""
+    if kind == "random":
+        logits = 2 * torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16)
+        labels = torch.randint(0, vocab, (n,), device="cuda")
+    else:
+        logits = (torch.randn(n, vocab, device="cuda") + zipf_bias(vocab, 20.0)).to(torch.bfloat16)
+        labels = sample_labels(lambda s, e: logits[s:e], n)
+    labels[::16] = IGNORE
+    return logits.requires_grad_(), labels
+
+
+def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
+    from liger_models.kernels import _ce_core
+    from liger_models.kernels.cross_entropy import cross_entropy
+
+    logits, labels = make_inputs(n, vocab, kind)
+    default = (_ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS)
+
+    def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
+        return F.cross_entropy(x.float(), y, ignore_index=IGNORE)
+
+    def step(fn, in_place=False):
+        # An in-place provider gets its own copy (its gradient replaces the logits from the first call on).
+        x = logits.detach().clone().requires_grad_() if in_place else logits
+        return lambda: torch.autograd.grad(fn(x, labels), x)
+
+    def ours(block, warps):
+        def fn(x, y):
+            _ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS = block, warps
+            try:
+                return cross_entropy(x, y, inplace_grad=True)
+            finally:
+                _ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS = default
+
+        return step(fn, in_place=True)
+
+    def liger(x, y):
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        return LigerCrossEntropyLoss(ignore_index=IGNORE)(x, y)
+
+    out = {"liger-models": ours(*default)}
+    if variants:
+        out.update({f"liger-models b{b}w{w}": ours(b, w) for b, w in VARIANTS if (b, w) != default})
+    if n * vocab <= EAGER_MAX_ELEMENTS:
+        out["eager"] = step(reference)
+        out["torch.compile"] = step(torch.compile(reference, dynamic=False))
+    out["liger-kernel"] = step(liger, in_place=True)
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    wanted = set(filter(None, args.providers.split(",")))
+    copy_gbs = copy_bandwidth_gbs()
+    cases = [(n, v, kind, True) for n, v in HEADLINE for kind in ("random", "peaked")]
+    if not args.quick:
+        cases += [(n, v, "random", False) for n, v in SWEEP]
+    results = []
+    for n, vocab, kind, variants in cases:
+        results += time_case(f"CE {n}x{vocab} {kind}", providers(n, vocab, kind, variants), 4 * n * vocab,
+                             copy_gbs, {"rows": n, "vocab": vocab, "logits": kind}, wanted)
+        torch.cuda.empty_cache()
+    report("cross_entropy", args.out, results, copy_gbs,
+           "bf16 logits (leaf, overwritten in place by liger-models and liger-kernel), mean reduction, "
+           "1/16 ignored; floor = 4·N·V B (read logits + write grad) / copy bandwidth")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Linear + cross-entropy (the LM head's loss), forward + backward w.r.t. hidden and weight: this project vs eager
+PyTorch (HF: logits = h·Wᵀ in bf16, upcast, F.cross_entropy), torch.compile of that, liger-kernel 0.8.5
+(LigerFusedLinearCrossEntropyLoss) and Apple's cut-cross-entropy 25.1.1 (linear_cross_entropy, default CCE impl).
+
+bf16 hidden (N, H) and weight (V, H), both leaves requiring grad; mean reduction, 1/16 of the labels ignored.
+Time: median of triton's do_bench. Memory (the table's MiB): peak allocated during forward + backward above the
+inputs AND the gradient outputs (N·H + V·H bf16), as in KERNELS.md; the raw peak and this project's fp32 V×H dW
+accumulator (allowed on top of the 256 MiB budget) are in Result.extra. Floor: 6·N·H·V FLOP at the bf16 matmul
+rate measured in the same run (8192³); Result.extra has each provider's effective TFLOP/s and its fraction of
+that rate. Two distributions: "random" (N(0,1) hidden, weight scaled to logits of std ≈2, uniform labels) and
+"peaked" (a shared direction gives each token a Zipf-like logit bias of up to +20, labels sampled from the
+softmax itself; CCE's gradient filtering only pays here). At the headline shapes, this project also runs with grad_W's storage NOT used as the
+logits scratch (chunks from the 256 MiB budget, and from 1 GiB): `liger-models budget256` / `budget1024`.
+
+    python benchmarks/bench_fused_linear_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,...]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from bench_cross_entropy import sample_labels, zipf_bias
+from harness import Result, matmul_tflops, parse_args, run_case, save, table
+
+MiB = 1 << 20
+HEADLINE = [(8192, 4096, 128256), (8192, 2048, 256000), (16384, 2048, 128256)]
+SWEEP = [(2048, 4096, 128256), (32768, 2048, 128256), (8192, 8192, 128256), (8192, 4096, 32000),
+         (8192, 4096, 152064), (32768, 4096, 256000), (16384, 8192, 152064)]
+EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits and their grads: ≈12 B per logit
+IGNORE = -100
+
+
+def make_inputs(n: int, hdim: int, vocab: int, kind: str):
+    hidden = torch.randn(n, hdim, device="cuda")
+    weight = torch.randn(vocab, hdim, device="cuda") * (2 / math.sqrt(hdim))
+    if kind == "peaked":
+        # logit_ij = g_j·z_i + bias_j: a Zipf-like frequency bias (up to +20) carried by one shared direction u
+        u = torch.nn.functional.normalize(torch.randn(hdim, device="cuda"), dim=0)
+        hidden = hidden - (hidden @ u)[:, None] * u + 4.0 * u
+        weight = weight / 2 + zipf_bias(vocab, 20.0)[:, None] / 4.0 * u
+    hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+    if kind == "random":
+        labels = torch.randint(0, vocab, (n,), device="cuda")
+    else:
+        labels = sample_labels(lambda s, e: hidden[s:e] @ weight.t(), n)
+    labels[::16] = IGNORE
+    return hidden.requires_grad_(), weight.requires_grad_(), labels
+
+
+def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
+    import liger_models.kernels.fused_linear_cross_entropy as flce
+
+    hidden, weight, labels = make_inputs(n, hdim, vocab, kind)
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
+
+    def ours(scratch=flce.GRAD_WEIGHT_AS_SCRATCH, budget=flce.LOGITS_BUDGET_BYTES):
+        def fn(h, w, y):
+            saved = flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES
+            flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES = scratch, budget
+            try:
+                return flce.fused_linear_cross_entropy(h, w, y)
+            finally:
+                flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES = saved
+
+        return step(fn)
+
+    def reference(h, w, y):
+        return flce.fused_linear_cross_entropy_reference(h, w, y)
+
+    def liger(h, w, y):
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)(w, h, y)
+
+    def cce(h, w, y):
+        from cut_cross_entropy import linear_cross_entropy
+
+        return linear_cross_entropy(h, w, y, ignore_index=IGNORE, reduction="mean")
+
+    out = {"liger-models": ours()}
+    if variants:
+        out["liger-models budget256"] = ours(False, 256 * MiB)
+        out["liger-models budget1024"] = ours(False, 1024 * MiB)
+    if n * vocab <= EAGER_MAX_ELEMENTS:
+        out["eager"] = step(reference)
+        out["torch.compile"] = step(torch.compile(reference, dynamic=False))
+    out["liger-kernel"] = step(liger)
+    out["cut-cross-entropy"] = step(cce)
+    return out
+
+
+def time_case(label: str, fns: dict, flop: float, grad_mib: float, scratch_mib: float, rate: float,
+              extra: dict, wanted: set[str]) -> list[Result]:
+    fns = {k: v for k, v in fns.items() if not wanted or k in wanted}
+    for fn in fns.values():  # JIT / torch.compile warm-up outside the measured region
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - run_case records the failure
+            pass
+    results = run_case(label, fns, {**extra, "flop": flop})
+    for r in results:
+        if r.ms:
+            r.extra["peak_raw_mib"] = r.peak_mib
+            r.peak_mib -= grad_mib  # KERNELS.md: above the inputs and the gradient outputs
+            r.extra["tflops"] = flop / (r.ms * 1e-3) / 1e12
+            r.extra["frac_matmul"] = r.extra["tflops"] / rate
+            if r.provider.startswith("liger-models"):
+                r.extra["peak_beyond_fp32_dw_scratch_mib"] = r.peak_mib - scratch_mib
+    torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    wanted = set(filter(None, args.providers.split(",")))
+    rate = matmul_tflops()
+    cases = [(n, h, v, kind, True) for n, h, v in HEADLINE for kind in ("random", "peaked")]
+    if not args.quick:
+        cases += [(n, h, v, "random", False) for n, h, v in SWEEP]
+    results = []
+    for n, hdim, vocab, kind, variants in cases:
+        flop = 6.0 * n * hdim * vocab
+        results += time_case(f"linear-CE BT{n} H{hdim} V{vocab} {kind}", providers(n, hdim, vocab, kind, variants),
+                             flop, (n + vocab) * hdim * 2 / MiB, vocab * hdim * 4 / MiB, rate,
+                             {"bt": n, "hidden": hdim, "vocab": vocab, "logits": kind}, wanted)
+    floors = {r.case: r.extra["flop"] / (rate * 1e12) * 1e3 for r in results}
+    save("fused_linear_cross_entropy", args.out, results,
+         {"matmul_tflops": rate, "floor_ms": floors, "note": "bf16, mean, 1/16 ignored; MiB = peak above inputs "
+          "and gradient outputs; floor = 6·N·H·V / measured 8192³ bf16 matmul rate"})
+    print(f"bf16 matmul rate (8192³) {rate:.0f} TFLOP/s; effective TFLOP/s, fraction of it, MiB beyond gradients:")
+    for r in results:
+        status = (f"{r.extra['tflops']:6.0f} TFLOP/s  {r.extra['frac_matmul']:.2f}  {r.peak_mib:8.0f} MiB"
+                  if r.ms else r.error)
+        print(f"  {r.case:>40}  {r.provider:<26} {status}")
+    print(table(results, floors))
+
+
+if __name__ == "__main__":
+    main()
