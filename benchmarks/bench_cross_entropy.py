@@ -1,14 +1,15 @@
 """Cross-entropy on materialised bf16 logits, forward + backward: this project vs eager PyTorch (HF's numerics:
 upcast to fp32, F.cross_entropy), torch.compile of that, and liger-kernel 0.8.5 (LigerCrossEntropyLoss).
 
-Mean reduction, ignore_index=-100 on ~1/16 of the rows. The logits are a leaf tensor; this project runs with
-inplace_grad=True (liger-kernel also overwrites its input with the gradient), so both leave no second N×V
-buffer; each in-place provider works on its own copy (from its second call on, it sees its previous gradient:
-the kernels are memory-bound, values do not change their time). Bytes (the floor): read the logits once and write the gradient once, 4·N·V B; floor = bytes / measured
-copy bandwidth. Two logit distributions: "random" N(0, 2²) with uniform labels, and "peaked" (a Zipf-like
-per-token bias of up to +20, labels sampled from the softmax itself, so the loss is its entropy as for a trained
-LM); the kernel is memory-bound, so they should time alike. At the headline shapes, block/warp variants of the row kernel are timed too (`liger-models bBwW`): pick
-the fastest for kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS.
+Mean reduction, ignore_index=-100 on 1/16 of the rows. The logits are a leaf tensor; this project runs with
+inplace_grad=True (liger-kernel also overwrites its input with the gradient), so neither holds a second N×V
+buffer; each in-place provider works on its own copy (from its second call on it sees its previous gradient:
+the kernels are memory-bound, values do not change their time). Bytes (the floor): read the logits once and
+write the gradient once, 4·N·V B; floor = bytes / measured copy bandwidth. Two logit distributions: "random"
+N(0, 2²) with uniform labels, and "peaked" (a Zipf-like per-token bias of up to +20, labels sampled from the
+softmax itself, so the loss is its entropy as for a trained LM); memory-bound, so they should time alike.
+At the headline shapes, block/warp variants of the row kernel are timed too (`liger-models bBwW`): the fastest
+sets kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS (shared with fused_linear_cross_entropy).
 
     python benchmarks/bench_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """

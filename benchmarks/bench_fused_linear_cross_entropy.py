@@ -9,8 +9,9 @@ accumulator (allowed on top of the 256 MiB budget) are in Result.extra. Floor: 6
 rate measured in the same run (8192³); Result.extra has each provider's effective TFLOP/s and its fraction of
 that rate. Two distributions: "random" (N(0,1) hidden, weight scaled to logits of std ≈2, uniform labels) and
 "peaked" (a shared direction gives each token a Zipf-like logit bias of up to +20, labels sampled from the
-softmax itself; CCE's gradient filtering only pays here). At the headline shapes, this project also runs with grad_W's storage NOT used as the
-logits scratch (chunks from the 256 MiB budget, and from 1 GiB): `liger-models budget256` / `budget1024`.
+softmax itself; CCE's gradient filtering only pays here). At the headline shapes this project also runs
+without grad_W's storage as the logits scratch (token chunks from a 256 MiB or a 1 GiB budget instead):
+`liger-models budget256` / `liger-models budget1024`.
 
     python benchmarks/bench_fused_linear_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,...]
 """

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liger_models.kernels import _ce_core
 from liger_models.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
 from tests.helpers import DEVICE, assert_matches, poison_
 from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
