@@ -18,7 +18,8 @@ def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors stacked along dim 0: an aliasing view when they lie back to back in one storage, else a copy."""
     first = tensors[0]
     offset = first.storage_offset()
-    aliased = first.device.type != "meta"
+    # Storage pointers do not exist while torch.compile traces (fake tensors): concatenate there.
+    aliased = first.device.type != "meta" and not torch.compiler.is_compiling()
     for t in tensors:
         if (not t.is_contiguous() or t.storage_offset() != offset
                 or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
