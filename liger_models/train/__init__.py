@@ -1,0 +1,6 @@
+"""Training: causal-LM fine-tuning and Medusa stage 1 / stage 2, behind the `liger-models` CLI.
+
+data.py (tokenizers, text / chat JSONL, packing, resumable batches) · optim.py (AdamW, warmup + cosine) ·
+trainer.py (the loop: global normaliser, metrics, checkpoints) · checkpointing.py (atomic save, exact resume) ·
+distributed.py (torchrun, FSDP2, activation checkpointing) · run.py (the recipes) · demo.py · init_model.py.
+"""

@@ -127,18 +127,22 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
     return count
 
 
-def apply_fsdp(root: nn.Module, layers: Iterable[nn.Module], *, reduce_fp32: bool = True) -> nn.Module:
+def apply_fsdp(root: nn.Module, layers: Iterable[nn.Module], device: torch.device, *,
+               reduce_fp32: bool = True) -> nn.Module:
     """Shard ``layers`` one by one, then ``root`` (FSDP2 ``fully_shard``); ``root`` becomes an FSDPModule in place.
 
     ``reduce_fp32``: reduce-scatter gradients in fp32 even when the parameters are bf16 (one rounding at the end
     instead of one per rank); the sharded gradients keep the parameters' dtype.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # An explicit mesh: the default one follows CUDA availability, not the device the model is on.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if reduce_fp32 else None)
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(root, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
     return root
 
 

@@ -137,7 +137,7 @@ def _prepare(model: nn.Module, layers, args, info) -> None:
     if args.activation_checkpointing:
         D.apply_activation_checkpointing(layers)
     if info.distributed:
-        D.apply_fsdp(model, layers)
+        D.apply_fsdp(model, layers, info.device)
 
 
 def train_causal_lm(args: argparse.Namespace) -> RunResult:

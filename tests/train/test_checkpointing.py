@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -81,7 +83,7 @@ def test_resolve_resume_errors_clearly(tmp_path):
 
 def test_rng_state_round_trip():
     state = ckpt.rng_state()
-    a = (torch.rand(3), __import__("random").random())
+    a = (torch.rand(3), random.random())
     ckpt.set_rng_state(state)
-    b = (torch.rand(3), __import__("random").random())
+    b = (torch.rand(3), random.random())
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
