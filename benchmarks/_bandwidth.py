@@ -27,6 +27,9 @@ def time_case(label: str, providers: dict[str, Callable[[], object]], nbytes: in
             r.extra["gbs"] = nbytes / (r.ms * 1e-3) / 1e9
             r.extra["frac_copy_bw"] = r.extra["gbs"] / copy_gbs
     torch.cuda.empty_cache()
+    # Progress as it goes: a run cut short by a time limit still shows the cases it finished.
+    print(f"{label}: " + ", ".join(f"{r.provider} {r.ms:.3f} ms" if r.ms else f"{r.provider} failed" for r in results),
+          flush=True)
     return results
 
 

@@ -86,14 +86,15 @@ def main() -> None:
     args = parse_args(__doc__)
     wanted = set(filter(None, args.providers.split(",")))
     copy_gbs = copy_bandwidth_gbs()
-    shapes = [HEADLINE] + ([] if args.quick else [s for s in SWEEP if s != HEADLINE])
+    # Headline cases first (a run cut short still has them), then the sweep.
+    cases = [("rms_norm", HEADLINE), ("add_rms_norm", HEADLINE)]
+    if not args.quick:
+        cases += [("rms_norm", s) for s in SWEEP if s != HEADLINE] + [("add_rms_norm", (4096, 8192))]
     results = []
-    for rows, hidden in shapes:
-        results += time_case(f"rms_norm {rows}x{hidden}", norm_providers(rows, hidden), 10 * rows * hidden,
-                             copy_gbs, {"rows": rows, "hidden": hidden, "op": "rms_norm"}, wanted)
-    for rows, hidden in [HEADLINE] + ([] if args.quick else [(4096, 8192)]):
-        results += time_case(f"add_rms_norm {rows}x{hidden}", add_norm_providers(rows, hidden),
-                             16 * rows * hidden, copy_gbs, {"rows": rows, "hidden": hidden, "op": "add_rms_norm"},
+    for op, (rows, hidden) in cases:
+        add = op == "add_rms_norm"
+        results += time_case(f"{op} {rows}x{hidden}", (add_norm_providers if add else norm_providers)(rows, hidden),
+                             (16 if add else 10) * rows * hidden, copy_gbs, {"rows": rows, "hidden": hidden, "op": op},
                              wanted)
     report("rms_norm", args.out, results, copy_gbs,
            "bf16, llama casting, eps 1e-6; eager = HF LlamaRMSNorm expression; add_rms_norm eager = h + a then norm")

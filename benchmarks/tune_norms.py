@@ -1,74 +1,326 @@
-"""Sweep the row-norm kernels' tiling knobs (kernels/rms_norm.py) on the GPU and print the best per shape.
+"""Where the row-norm time goes (kernels/rms_norm.py) on the GPU, and which tiling knobs are best.
 
-Forward: tile elements per program × elements per thread (→ BLOCK_M, num_warps). Backward: the same plus the
-persistent grid size (programs per SM; "occ" = measured occupancy, the default). Times are medians of
-triton's do_bench for norm_forward / norm_backward alone (bf16, llama casting); GB/s counts 4 B/elem forward
-(x, y) and 6 B/elem backward (dy, x, dx). The defaults in kernels/rms_norm.py should be the best rows here.
+Sections (bf16, llama casting; GB/s counts 4 B/elem forward (x, y), 6 B/elem backward (dy, x, dx)):
+  ref    minimal kernels written here, GPU time: one row per program forward; persistent backward with dW in
+         registers and no prefetch (1 row per iteration) at 1–4 programs per SM: the yardstick.
+  sweep  GPU time of norm_forward / norm_backward per shape and tiling knob (tile elements × elements per thread
+         → BLOCK_M, num_warps; backward grid in programs per SM, "occ" = measured occupancy).
+  host   host µs per call, GPU idle (tiny tensors): allocation, Triton launch through its launcher vs the cached
+         compiled kernel (kernels/_launch.py FAST_LAUNCH), autograd.grad alone, a whole forward + backward.
+  e2e    forward + backward through autograd.grad, timed like benchmarks/bench_rms_norm.py (do_bench median,
+         host overhead included), launch path on/off, vs liger-kernel and torch.compile.
+"GPU time" keeps the stream busy (torch.cuda._sleep) while the host enqueues the call, so the events bracket
+kernels only; at small sizes the e2e numbers are host time, which is why both are reported.
 
-    python benchmarks/tune_norms.py [--quick] [--out DIR]
+    python benchmarks/tune_norms.py [--quick] [--out DIR] [--sections ref,sweep,host,e2e]
 """
 
 from __future__ import annotations
 
-import itertools
+import argparse
+import importlib
 import json
 import os
+import statistics
+import time
 
 import torch
-from harness import copy_bandwidth_gbs, median_ms, parse_args
+import triton
+import triton.language as tl
+from harness import copy_bandwidth_gbs, median_ms
 
+import liger_models.kernels._launch as fast
 import liger_models.kernels.rms_norm as rn
 
-SHAPES = [(16384, 4096), (16384, 1024), (4096, 8192), (4096, 16384)]
-FWD = [(4096, 16), (4096, 32), (8192, 16), (8192, 32), (16384, 32), (16384, 64)]
-BWD = [(2048, 8), (2048, 16), (4096, 8), (4096, 16), (4096, 32), (8192, 16), (8192, 32)]
-PROGRAMS_PER_SM = [None, 1, 2, 3, 4, 8]
+EPS = 1e-6
+KNOBS = ("_FWD_TILE", "_FWD_ELEMS_PER_THREAD", "_BWD_TILE", "_BWD_ELEMS_PER_THREAD", "_PROGRAMS_PER_SM",
+         "_SPLIT_BLOCK_N")
+HEADLINE = (16384, 4096)
+# shape -> (forward (tile, elems/thread) list, backward (tile, elems/thread) list, programs-per-SM list)
+SWEEP = {
+    HEADLINE: ([(4096, 16), (8192, 32)], [(4096, 16), (4096, 32)], [None, 3]),
+    (16384, 1024): ([(4096, 16), (2048, 16), (1024, 8)], [(4096, 16), (2048, 8), (1024, 8)], [None, 4]),
+    (4096, 16384): ([(4096, 16)], [(4096, 16)], [None]),
+}
+E2E_SHAPES = [(4096, 1024), HEADLINE]
+ADD_SHAPES = [HEADLINE]
+SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU time: longer than the host takes to enqueue one call
+
+
+@triton.jit
+def _ref_fwd_kernel(X, W, Y, RSTD, n_cols, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    m = cols < n_cols
+    x = tl.load(X + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(Y + row * n_cols + cols, (w * (x * rstd).to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty),
+             mask=m)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _ref_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, n_rows, n_cols, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    m = cols < n_cols
+    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), tl.float32)
+    row = pid.to(tl.int64)
+    while row < n_rows:
+        dy = tl.load(DY + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(X + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        xhat = x * rstd
+        dw += dy * xhat.to(X.dtype.element_ty).to(tl.float32)
+        g = dy * w
+        dx = (g - xhat * (tl.sum(g * xhat, axis=0) / n_cols)) * rstd
+        tl.store(DX + row * n_cols + cols, dx.to(DX.dtype.element_ty), mask=m)
+        row += tl.num_programs(0)
+    tl.store(DW_PART + pid * n_cols + cols, dw, mask=m)
+
+
+@triton.jit
+def _touch_kernel(A, B, C, D, E, F, G, H, I, J, K, n, N_PTRS: tl.constexpr):
+    # Writes one element: a launch with 2 or 11 pointer arguments and nothing else to time.
+    if N_PTRS > 2:
+        tl.store(A + n, tl.load(K + n))
+    else:
+        tl.store(A + n, tl.load(B + n))
+
+
+def _add(out: list, r: dict) -> None:
+    """Record a result and print it at once (a run cut short by the time limit still shows what it measured)."""
+    out.append(r)
+    print(f"  {r['sec']} {r['shape']} {r['what']}: {r['ms']:.4f} ms", flush=True)
+
+
+def _gpu_ms(fn, reps: int = 12) -> float:
+    """Median GPU time of ``fn`` alone (L2 flushed before each rep; host overhead hidden behind a sleep)."""
+    fn()
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    events = []
+    for _ in range(reps):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        cache.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def _host_ms(fn, n: int = 200, busy: bool = False) -> float:
+    """Host time per call of ``fn`` (enqueue only). busy: the GPU is kept busy meanwhile, else it idles."""
+    fn()
+    torch.cuda.synchronize()
+    if busy:
+        torch.cuda._sleep(SLEEP_CYCLES * 50)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return host / n * 1e3
+
+
+def _inputs(rows: int, hidden: int, grad: bool = False):
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16().requires_grad_(grad)
+    return x, w, torch.randn_like(x)
+
+
+def _fwd(x, w):
+    return rn.norm_forward(x, None, w, None, EPS, 0.0, center=False, gemma=False)
+
+
+def _bwd(dy, x, w, rstd):
+    return rn.norm_backward(dy, x, w, None, rstd, None, 0.0, center=False, gemma=False, need_dw=True,
+                            need_db=False)
 
 
 def _set(**knobs) -> None:
-    for name, value in knobs.items():
-        setattr(rn, name, value)
+    """Set rms_norm tiling knobs; no arguments: restore the defaults (and the fast launch path)."""
+    for k, v in (knobs or DEFAULTS).items():
+        setattr(rn, k, v)
+    fast.FAST_LAUNCH = True
+
+
+def ref_section(out: list) -> None:
+    rows, hidden = HEADLINE
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    x, w, dy = _inputs(rows, hidden)
+    y, rstd, dx = torch.empty_like(x), torch.empty(rows, device="cuda"), torch.empty_like(x)
+    for nw in (4, 8):
+        ms = _gpu_ms(lambda: _ref_fwd_kernel[(rows,)](x, w, y, rstd, hidden, EPS, BLOCK_N=hidden, num_warps=nw))
+        _add(out, dict(sec="ref", shape=f"{rows}x{hidden}", what=f"fwd 1 row/prog w{nw}", ms=ms, per=4))
+    for pps in (2, 3, 4):
+        part = torch.empty(pps * n_sm, hidden, device="cuda")
+        ms = _gpu_ms(lambda: _ref_bwd_kernel[(pps * n_sm,)](dy, x, w, rstd, dx, part, rows, hidden, BLOCK_N=hidden,
+                                                            num_warps=8))
+        _add(out, dict(sec="ref", shape=f"{rows}x{hidden}", what=f"bwd no prefetch w8 pps{pps}", ms=ms, per=6))
+
+
+def sweep_section(out: list, quick: bool) -> None:
+    for (rows, hidden), (fwd_cfgs, bwd_cfgs, pps_list) in list(SWEEP.items())[:1 if quick else None]:
+        x, w, dy = _inputs(rows, hidden)
+        rstd = _fwd(x, w)[3]
+        shape = f"{rows}x{hidden}"
+        for tile, ept in fwd_cfgs:
+            _set(_FWD_TILE=tile, _FWD_ELEMS_PER_THREAD=ept)
+            _, bm, _, nw = rn._tiling(rows, hidden, rn._MAX_FUSED_FWD_N, tile, ept)
+            _add(out, dict(sec="sweep", shape=shape, what=f"fwd bm{bm} w{nw}", ms=_gpu_ms(lambda: _fwd(x, w)),
+                           per=4))
+        for (tile, ept), pps in [(c, p) for c in bwd_cfgs for p in pps_list]:
+            _set(_BWD_TILE=tile, _BWD_ELEMS_PER_THREAD=ept, _PROGRAMS_PER_SM=pps)
+            split, bm, bn, nw = rn._tiling(rows, hidden, rn._MAX_FUSED_BWD_N, tile, ept)
+            _add(out, dict(sec="sweep", shape=shape, what=f"bwd bm{bm} bn{bn} w{nw} pps{pps or 'occ'}"
+                           + (" split" if split else ""), ms=_gpu_ms(lambda: _bwd(dy, x, w, rstd)), per=6))
+        _set()
+        print(f"swept {shape} ({time.time() - T0:.0f} s)", flush=True)
+
+
+def _liger(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+def _peers(add: bool) -> dict:
+    """name -> norm(x, w) (or add_norm(x, res, w)) for liger-kernel (when installed) and torch.compile."""
+    peers = {}
+    try:
+        if add:
+            fn = _liger("liger_kernel.ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
+            peers["liger"] = lambda x_, r_, w_: fn.apply(x_, r_, w_, EPS, 0.0, "llama", False)
+        else:
+            fn = _liger("liger_kernel.ops.rms_norm", "LigerRMSNormFunction")
+            peers["liger"] = lambda x_, w_: fn.apply(x_, w_, EPS, 0.0, "llama", False)
+    except ImportError:
+        print("liger_kernel missing: skipped")
+
+    def reference(*a):
+        if add:
+            r = a[0] + a[1]
+            return rn.rms_norm_reference(r, a[2], EPS), r
+        return rn.rms_norm_reference(a[0], a[1], EPS)
+
+    peers["compile"] = torch.compile(reference, dynamic=False)
+    return peers
+
+
+def host_section(out: list) -> None:
+    a = torch.zeros(4096, device="cuda")
+    small = torch.empty(64, 1024, device="cuda", dtype=torch.bfloat16)
+    ptrs = [torch.zeros(16, device="cuda") for _ in range(11)]
+    micro = {
+        "torch.empty": lambda: torch.empty(64, 1024, device="cuda", dtype=torch.bfloat16),
+        "current_device": torch.cuda.current_device,
+        "torch add_ (1 kernel)": lambda: a.add_(1),
+        "small.data_ptr x11": lambda: [small.data_ptr() for _ in range(11)],
+    }
+    for n_ptrs in (2, 11):
+        for cached in (False, True):
+            def touch(n_ptrs=n_ptrs, cached=cached):
+                fast.FAST_LAUNCH = cached
+                fast.launch(_touch_kernel, (1,), [*ptrs[:n_ptrs], *[None] * (11 - n_ptrs), 3],
+                            dict(N_PTRS=n_ptrs, num_warps=1))
+            micro[f"triton launch {n_ptrs} ptrs {'cached' if cached else 'jit'}"] = touch
+
+    class _Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    xg, w, dy = _inputs(64, 1024, grad=True)
+    micro["autograd.grad identity (0 kernels)"] = lambda: torch.autograd.grad(_Identity.apply(xg), xg, dy)
+    micro["autograd.grad x*2 (2 kernels)"] = lambda: torch.autograd.grad(xg * 2, xg, dy)
+    x, _, _ = _inputs(64, 1024)
+    rstd = _fwd(x, w.detach())[3]
+    for cached in (False, True):
+        def fwd(cached=cached):
+            fast.FAST_LAUNCH = cached
+            _fwd(x, w.detach())
+
+        def bwd(cached=cached):
+            fast.FAST_LAUNCH = cached
+            _bwd(dy, x, w.detach(), rstd)
+
+        def both(cached=cached):
+            fast.FAST_LAUNCH = cached
+            torch.autograd.grad(rn.rms_norm(xg, w, EPS), (xg, w), dy)
+        tag = "cached" if cached else "jit"
+        micro.update({f"norm_forward {tag}": fwd, f"norm_backward {tag}": bwd, f"rms_norm fwd+bwd {tag}": both})
+    for name, norm in _peers(add=False).items():
+        micro[f"{name} fwd+bwd"] = lambda norm=norm: torch.autograd.grad(norm(xg, w), (xg, w), dy)
+    for name, fn in micro.items():
+        _add(out, dict(sec="host", shape="64x1024", what=name, ms=_host_ms(fn)))
+    for name in ("triton launch 2 ptrs jit", "torch add_ (1 kernel)", "rms_norm fwd+bwd cached"):
+        _add(out, dict(sec="host", shape="64x1024", what=name + " (GPU busy)", ms=_host_ms(micro[name], busy=True)))
+    _set()
+
+
+def e2e_section(out: list) -> None:
+    for add in (False, True):
+        for rows, hidden in ADD_SHAPES if add else E2E_SHAPES:
+            x, w, dy = _inputs(rows, hidden, grad=True)
+            res, dr = torch.randn_like(x).requires_grad_(), torch.randn_like(dy)
+            impls = {"ours jit": rn.add_rms_norm if add else rn.rms_norm, "ours cached": None, **_peers(add)}
+            for name, fn in impls.items():
+                fast.FAST_LAUNCH = name != "ours jit"
+                fn = fn or impls["ours jit"]
+                if add:
+                    def step(fn=fn):
+                        return torch.autograd.grad(fn(x, res, w), (x, res, w), (dy, dr))
+                else:
+                    def step(fn=fn):
+                        return torch.autograd.grad(fn(x, w), (x, w), dy)
+                step()
+                shape = f"{'add ' if add else ''}{rows}x{hidden}"
+                _add(out, dict(sec="e2e", shape=shape, what=name, ms=median_ms(step), per=16 if add else 10))
+                if name == "ours cached":
+                    _add(out, dict(sec="e2e-gpu", shape=shape, what=name, ms=_gpu_ms(step), per=16 if add else 10))
+            _set()
+            print(f"e2e {rows}x{hidden} ({time.time() - T0:.0f} s)", flush=True)
 
 
 def main() -> None:
-    args = parse_args(__doc__)
-    defaults = {k: getattr(rn, k) for k in ("_FWD_TILE", "_FWD_ELEMS_PER_THREAD", "_BWD_TILE",
-                                            "_BWD_ELEMS_PER_THREAD", "_PROGRAMS_PER_SM")}
+    global DEFAULTS, T0
+    T0 = time.time()
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--quick", action="store_true", help="headline shape only in the sweep")
+    ap.add_argument("--sections", default="ref,sweep,host,e2e")
+    args = ap.parse_args()
+    DEFAULTS = {k: getattr(rn, k) for k in KNOBS}
     copy_gbs = copy_bandwidth_gbs()
-    rows_out = []
-    for rows, hidden in SHAPES[:1] if args.quick else SHAPES:
-        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-        w = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
-        dy = torch.randn_like(x)
-        _, _, _, rstd = rn.norm_forward(x, None, w, None, 1e-6, 0.0, center=False, gemma=False)
-        best = {}
-        for tile, ept in FWD:
-            _set(_FWD_TILE=tile, _FWD_ELEMS_PER_THREAD=ept)
-            ms = median_ms(lambda: rn.norm_forward(x, None, w, None, 1e-6, 0.0, center=False, gemma=False))
-            rows_out.append(dict(shape=f"{rows}x{hidden}", pass_="fwd", tile=tile, ept=ept, pps=None, ms=ms,
-                                 gbs=4 * x.numel() / ms / 1e6))
-        for (tile, ept), pps in itertools.product(BWD, PROGRAMS_PER_SM):
-            _set(_BWD_TILE=tile, _BWD_ELEMS_PER_THREAD=ept, _PROGRAMS_PER_SM=pps)
-            ms = median_ms(lambda: rn.norm_backward(dy, x, w, None, rstd, None, 0.0, center=False, gemma=False,
-                                                    need_dw=True, need_db=False))
-            rows_out.append(dict(shape=f"{rows}x{hidden}", pass_="bwd", tile=tile, ept=ept, pps=pps or "occ", ms=ms,
-                                 gbs=6 * x.numel() / ms / 1e6))
-        _set(**defaults)
-        for r in rows_out:
-            if r["shape"] == f"{rows}x{hidden}" and (r["pass_"] not in best or r["ms"] < best[r["pass_"]]["ms"]):
-                best[r["pass_"]] = r
-        print(f"{rows}x{hidden}: best " + "; ".join(f"{p} {b['ms']:.4f} ms ({b['gbs']:.0f} GB/s) tile={b['tile']} "
-                                                    f"ept={b['ept']} pps={b['pps']}" for p, b in best.items()))
+    results: list = []
+    sections = {"ref": ref_section, "sweep": lambda o: sweep_section(o, args.quick), "host": host_section,
+                "e2e": e2e_section}
+    for name in args.sections.split(","):
+        sections[name](results)
+        print(f"{name} done ({time.time() - T0:.0f} s)", flush=True)
+    for r in results:
+        rows, hidden = (int(v) for v in r["shape"].split()[-1].split("x"))
+        r["gbs"] = r.pop("per", 0) * rows * hidden / (r["ms"] * 1e-3) / 1e9
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_norms.json"), "w") as f:
-        json.dump({"copy_bandwidth_gbs": copy_gbs, "defaults": defaults, "results": rows_out}, f, indent=1)
-    print(f"copy bandwidth {copy_gbs:.0f} GB/s; defaults {defaults}")
-    print("| shape | pass | tile | elems/thread | programs/SM | ms | GB/s | frac copy |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows_out, key=lambda r: (r["shape"], r["pass_"], r["ms"])):
-        print(f"| {r['shape']} | {r['pass_']} | {r['tile']} | {r['ept']} | {r['pps'] or ''} | {r['ms']:.4f} | "
-              f"{r['gbs']:.0f} | {r['gbs'] / copy_gbs:.2f} |")
+        json.dump({"copy_bandwidth_gbs": copy_gbs, "defaults": DEFAULTS, "results": results}, f, indent=1)
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; defaults {DEFAULTS}; total {time.time() - T0:.0f} s")
+    print("| section | shape | what | ms | GB/s | frac copy |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        bw = f"{r['gbs']:.0f} | {r['gbs'] / copy_gbs:.2f}" if r["gbs"] else "— | —"
+        print(f"| {r['sec']} | {r['shape']} | {r['what']} | {r['ms']:.4f} | {bw} |")
 
+
+DEFAULTS: dict = {}
+T0 = 0.0
 
 if __name__ == "__main__":
     main()

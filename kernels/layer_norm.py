@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._dispatch import row_view, use_triton
-from .rms_norm import norm_backward, norm_forward
+from ._dispatch import use_triton
+from .rms_norm import _rows, norm_backward, norm_forward
 
 
 def layer_norm_reference(
@@ -32,20 +32,20 @@ def layer_norm_reference(
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        x2 = row_view(x)
+        x2 = _rows(x)
         y, _, mean, rstd = norm_forward(x2, None, weight, bias, eps, 0.0, center=True, gemma=True)
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.has_bias = bias is not None
-        return y.view(x.shape)
+        return y if x.dim() == 2 else y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = norm_backward(
-            row_view(dy), x2, weight, mean, rstd, None, 0.0, center=True, gemma=True,
+            _rows(dy), x2, weight, mean, rstd, None, 0.0, center=True, gemma=True,
             need_dw=ctx.needs_input_grad[1], need_db=ctx.has_bias and ctx.needs_input_grad[2],
         )
-        return dx.view(dy.shape), dw, db, None
+        return dx if dy.dim() == 2 else dx.view(dy.shape), dw, db, None
 
 
 def layer_norm(

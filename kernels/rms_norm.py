@@ -14,6 +14,8 @@ term in dx, and dB = Σ_rows dy.
 
 Bytes (bf16, M×N): forward reads x (+ residual) and w, writes y (+ r) and 4 B/row of rstd; backward reads dy, x,
 rstd, w (+ dr), writes dx and G×N fp32 dW partials (G = resident programs, a few MB), then one tiny reduction.
+Measured on an H200 at 16384×4096 (benchmarks/tune_norms.py): forward 0.069 ms (91% of copy bandwidth), backward
+with its reduction 0.111 ms (85%). Launches go through kernels/_launch.py: at small sizes host time dominates.
 
 Loops with runtime bounds are written as `while` loops: Triton 3.6's interpreter (CI) cannot use a runtime int as
 a `range` bound under NumPy ≥ 2.4 (it calls int() on a 1-element array); on the GPU both compile to the same loop.
@@ -21,15 +23,13 @@ a `range` bound under NumPy ≥ 2.4 (it calls int() on a 1-element array); on th
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
 from ._dispatch import interpreting, row_view, use_triton
+from ._launch import cdiv, compiled, launch, on_input_device, pow2, sm_count
 
 _CASTINGS = ("llama", "gemma")
 
@@ -167,6 +167,34 @@ def _norm_bwd_row_dots_kernel(
 
 
 @triton.jit
+def _bwd_tile_loads(DY, X, DRES, MEAN, RSTD, C0, C1, block, cols, col_mask, n_rows, stride_dy_row, stride_x_row,
+                    stride_dres_row, CENTER: tl.constexpr, HAS_DRES: tl.constexpr, SPLIT_N: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    """Issue the loads of row block ``block``: (dy, x, dres, rstd, mean, c0, c1), tiles in storage dtype.
+
+    Unused values are (BLOCK_M,) zeros so the caller's loop carries the same names in every variant.
+    """
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows = rows.to(tl.int64)  # rows × stride can pass 2³¹
+    dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    zero = tl.zeros((BLOCK_M,), tl.float32)
+    mean, c0, c1, dres = zero, zero, zero, zero
+    if CENTER:
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    if HAS_DRES:
+        dres = tl.load(DRES + rows[:, None] * stride_dres_row + cols[None, :], mask=mask, other=0.0)
+    if SPLIT_N:
+        c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
+        if CENTER:
+            c0 = tl.load(C0 + rows, mask=row_mask, other=0.0)
+    return dy, x, dres, rstd, mean, c0, c1
+
+
+@triton.jit
 def _norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DRES, C0, C1, DX, DW_PART, DB_PART,
     n_rows, n_cols, stride_dy_row, stride_x_row, stride_dres_row, offset,
@@ -184,17 +212,23 @@ def _norm_bwd_kernel(
     # Accumulating the full tile (not its column sums) keeps the per-iteration update free of cross-warp traffic.
     dw = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     db = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    n_blocks = tl.cdiv(n_rows, BLOCK_M)
     block = pid
-    while block < (n_rows + BLOCK_M - 1) // BLOCK_M:
+    dy_n, x_n, dres_n, rstd_n, mean_n, c0_n, c1_n = _bwd_tile_loads(
+        DY, X, DRES, MEAN, RSTD, C0, C1, block, cols, col_mask, n_rows, stride_dy_row, stride_x_row,
+        stride_dres_row, CENTER, HAS_DRES, SPLIT_N, BLOCK_M)
+    while block < n_blocks:
+        dy, x, dres, rstd, mean, c0, c1 = dy_n.to(tl.float32), x_n.to(tl.float32), dres_n, rstd_n, mean_n, c0_n, c1_n
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
         rows = rows.to(tl.int64)
-        dy = tl.load(DY + rows[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(X + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        # Software pipelining by hand: the next block's loads are issued before this block's reductions, so each
+        # program keeps two tiles in flight and HBM latency hides behind the math (fully masked past the end).
+        block += tl.num_programs(0)
+        dy_n, x_n, dres_n, rstd_n, mean_n, c0_n, c1_n = _bwd_tile_loads(
+            DY, X, DRES, MEAN, RSTD, C0, C1, block, cols, col_mask, n_rows, stride_dy_row, stride_x_row,
+            stride_dres_row, CENTER, HAS_DRES, SPLIT_N, BLOCK_M)
         if CENTER:
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         else:
             xhat = x * rstd[:, None]
@@ -207,22 +241,14 @@ def _norm_bwd_kernel(
         if COMPUTE_DB:
             db += dy
         g = dy * w[None, :]
-        if SPLIT_N:
-            c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
-        else:
+        if not SPLIT_N:
             c1 = tl.sum(g * xhat, axis=1) / n_cols
-        dx = g - xhat * c1[:, None]
-        if CENTER:
-            if SPLIT_N:
-                c0 = tl.load(C0 + rows, mask=row_mask, other=0.0)
-            else:
+            if CENTER:
                 c0 = tl.sum(g, axis=1) / n_cols
-            dx -= c0[:, None]
-        dx *= rstd[:, None]
+        dx = (g - xhat * c1[:, None] - c0[:, None]) * rstd[:, None]
         if HAS_DRES:
-            dx += tl.load(DRES + rows[:, None] * stride_dres_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dx += dres.to(tl.float32)
         tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        block += tl.num_programs(0)
     if COMPUTE_DW:
         tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
     if COMPUTE_DB:
@@ -244,78 +270,36 @@ def _sum_partials_kernel(PART, OUT, n_part, n_cols, BLOCK_P: tl.constexpr, BLOCK
 
 
 # Tiling. A row up to _MAX_FUSED_*_N elements is held in registers; longer rows are split into _SPLIT_BLOCK_N
-# column blocks. The forward keeps ~1 fp32 register per element (x), the backward ~4 (dy, x, w and the dW
-# accumulator), hence the lower backward limit. Compiled for sm_90 (ptxas, bf16): forward 48–72 registers,
-# backward 80–110, no spills at any size; a fused 16K-element backward row would need 128 registers + stack.
-# Tiles of _FWD_TILE / _BWD_TILE elements give each thread 2–4 16-byte vector loads per tensor: with 3–5
-# resident programs per SM that keeps ~48 KB in flight per SM, enough to cover HBM latency.
+# column blocks. Compiled for sm_90 (ptxas, bf16, no spills): the forward needs 32–61 registers; the backward,
+# which carries the next tile's raw loads, the fp32 dW tile and w through its loop, ~80 registers at 8 elements
+# per thread and 124–128 at 16, and spills at 32 (a fused 16K row), hence its lower fused limit.
+# Bytes in flight per SM are what hide HBM latency: the forward gets them from many resident programs, the
+# persistent backward from two tiles in flight per program (its hand-pipelined loop) × resident programs.
 _MAX_FUSED_FWD_N = 16384
 _MAX_FUSED_BWD_N = 8192
 _SPLIT_BLOCK_N = 4096
-_FWD_TILE, _FWD_ELEMS_PER_THREAD = 8192, 32
+_FWD_TILE, _FWD_ELEMS_PER_THREAD = 4096, 16
 _BWD_TILE, _BWD_ELEMS_PER_THREAD = 4096, 16
 _PROGRAMS_PER_SM: int | None = None  # backward grid override (benchmarks/tune_norms.py); None = measured occupancy
-_OCCUPANCY: dict = {}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """row_view(x), returning a 2-D unit-column-stride tensor itself (no dispatcher round trip)."""
+    return x if x.dim() == 2 and x.stride(1) == 1 else row_view(x)
 
 
 def _tiling(n_rows: int, n_cols: int, max_fused: int, tile: int, per_thread: int) -> tuple[bool, int, int, int]:
     """(split, BLOCK_M, BLOCK_N, num_warps) for one row-norm launch."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = pow2(n_cols)
     split = block_n > max_fused
     if split:
         block_n = min(_SPLIT_BLOCK_N, max_fused)
-    block_m = 1 if split else min(max(1, tile // block_n), triton.next_power_of_2(n_rows))
+    block_m = 1 if split else min(max(1, tile // block_n), pow2(n_rows))
     num_warps = min(16, max(1, block_m * block_n // (32 * per_thread)))
     return split, block_m, block_n, num_warps
 
 
-def _resident_programs(kernel, args: tuple, meta: dict, device: torch.device) -> int:
-    """How many programs of this kernel fit on the GPU at once (registers, threads, shared memory per SM).
-
-    Compiles without launching, so the persistent grid — and with it the dW summation order — is the same from
-    the first call on. Cached per specialisation; the interpreter gets 4 so that several partials are summed.
-    """
-    if interpreting():
-        return 4
-    if _PROGRAMS_PER_SM is not None:
-        return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    # The same specialisation Triton would pick: dtypes, and ints divisible by 16 or equal to 1.
-    spec = tuple(a.dtype if isinstance(a, torch.Tensor) else (a % 16 == 0, a == 1) if isinstance(a, int) else None
-                 for a in args)
-    key = (kernel, device, spec, tuple(sorted(meta.items())))
-    if key not in _OCCUPANCY:
-        props = torch.cuda.get_device_properties(device)
-        threads = 32 * meta["num_warps"]
-        try:
-            compiled = kernel.warmup(*args, grid=(1,), **meta)
-            compiled = compiled.result() if hasattr(compiled, "result") else compiled
-            compiled._init_handles()
-            regs = max(8, -(-compiled.n_regs // 8) * 8)
-            per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // (regs * threads),
-                         getattr(props, "max_threads_per_multi_processor", 2048) // threads,
-                         getattr(props, "shared_memory_per_multiprocessor", 228 << 10)
-                         // (compiled.metadata.shared + 1024))  # + the 1 KB the driver reserves per block
-        except Exception as e:  # noqa: BLE001 - only the grid size depends on it; still correct, maybe slower
-            warnings.warn(f"occupancy query failed ({e!r}); assuming 1 program per SM")
-            per_sm = 1
-        _OCCUPANCY[key] = max(1, per_sm) * props.multi_processor_count
-    return _OCCUPANCY[key]
-
-
-def _on_input_device(fn):
-    """Triton launches on the current CUDA device: switch to the input's (a cuda:1 tensor must not run on cuda:0)."""
-
-    @functools.wraps(fn)
-    def wrapper(x: torch.Tensor, *args, **kwargs):
-        if not x.is_cuda:
-            return fn(x, *args, **kwargs)
-        with torch.cuda.device(x.device):
-            return fn(x, *args, **kwargs)
-
-    return wrapper
-
-
-@_on_input_device
+@on_input_device
 def norm_forward(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
     eps: float, offset: float, *, center: bool, gemma: bool,
@@ -329,17 +313,16 @@ def norm_forward(
     if n_rows == 0:
         return y, r, mean, rstd
     split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_FWD_N, _FWD_TILE, _FWD_ELEMS_PER_THREAD)
-    _norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        x, residual if residual is not None else x, weight, bias if bias is not None else weight, y,
-        r if r is not None else y, mean if center else rstd, rstd,
-        n_rows, n_cols, x.stride(0), residual.stride(0) if residual is not None else 0, eps, offset,
-        CENTER=center, GEMMA=gemma, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        SPLIT_N=split, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
+    # Unused pointers are None (constexpr): no argument to check, no driver query.
+    args = [x, residual, weight, bias, y, r, mean, rstd, n_rows, n_cols, x.stride(0),
+            residual.stride(0) if residual is not None else 0, eps, offset]
+    meta = dict(CENTER=center, GEMMA=gemma, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                SPLIT_N=split, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    launch(_norm_fwd_kernel, (cdiv(n_rows, block_m),), args, meta)
     return y, r, mean, rstd
 
 
-@_on_input_device
+@on_input_device
 def norm_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
     dres: torch.Tensor | None, offset: float, *, center: bool, gemma: bool, need_dw: bool, need_db: bool,
@@ -351,32 +334,32 @@ def norm_backward(
         zeros = torch.zeros_like(weight)
         return dx, zeros if need_dw else None, zeros.clone() if need_db else None
     split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_BWD_N, _BWD_TILE, _BWD_ELEMS_PER_THREAD)
-    n_col_blocks = triton.cdiv(n_cols, block_n) if split else 1
-    c0 = c1 = rstd
+    n_col_blocks = cdiv(n_cols, block_n) if split else 1
+    c0 = c1 = None
     if split:
         c1 = torch.empty_like(rstd)
-        c0 = torch.empty_like(rstd) if center else c1
-        _norm_bwd_row_dots_kernel[(n_rows,)](
-            dy, x, weight, mean if center else rstd, rstd, c0, c1, n_cols, dy.stride(0), x.stride(0), offset,
-            CENTER=center, BLOCK_N=block_n, num_warps=max(4, num_warps),
-        )
+        c0 = torch.empty_like(rstd) if center else None
+        launch(_norm_bwd_row_dots_kernel, (n_rows,),
+               [dy, x, weight, mean, rstd, c0, c1, n_cols, dy.stride(0), x.stride(0), offset],
+               dict(CENTER=center, BLOCK_N=block_n, num_warps=max(4, num_warps)))
     meta = dict(CENTER=center, GEMMA=gemma, HAS_DRES=dres is not None, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
                 SPLIT_N=split, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-
-    def args(dw_part: torch.Tensor, db_part: torch.Tensor) -> tuple:
-        return (dy, x, weight, mean if center else rstd, rstd, dres if dres is not None else dy, c0, c1, dx,
-                dw_part, db_part, n_rows, n_cols, dy.stride(0), x.stride(0),
-                dres.stride(0) if dres is not None else 0, offset)
-
-    # The grid (and so the partial buffers) is sized by how many programs fit at once: one wave, fewest partials.
-    unused = torch.empty(1, dtype=torch.float32, device=x.device)
-    resident = _resident_programs(_norm_bwd_kernel, args(unused, unused), meta, x.device)
-    n_prog = max(1, min(triton.cdiv(n_rows, block_m), resident // n_col_blocks))
-    dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device) if need_dw else unused
-    db_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device) if need_db else unused
-    _norm_bwd_kernel[(n_prog, n_col_blocks)](*args(dw_part, db_part), **meta)
-    dw = _sum_partials(dw_part, weight.dtype) if need_dw else None
-    return dx, dw, _sum_partials(db_part, weight.dtype) if need_db else None
+    # rstd stands in for the dW/dB partials (same dtype and alignment) until the grid, and so their size, is known.
+    args = [dy, x, weight, mean, rstd, dres, c0, c1, dx, rstd if need_dw else None, rstd if need_db else None,
+            n_rows, n_cols, dy.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0, offset]
+    # One wave of persistent programs: as many as fit at once (fewest partials); the interpreter gets 4.
+    info = None if interpreting() else compiled(_norm_bwd_kernel, args, meta, x.device)
+    resident = 4 if info is None else info[2]
+    if _PROGRAMS_PER_SM is not None:
+        resident = _PROGRAMS_PER_SM * sm_count(x.device)
+    n_prog = max(1, min(cdiv(n_rows, block_m), resident // n_col_blocks))
+    if need_dw:
+        args[9] = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device)
+    if need_db:
+        args[10] = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device)
+    launch(_norm_bwd_kernel, (n_prog, n_col_blocks), args, meta, info)
+    dw = _sum_partials(args[9], weight.dtype) if need_dw else None
+    return dx, dw, _sum_partials(args[10], weight.dtype) if need_db else None
 
 
 def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -384,27 +367,25 @@ def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n_part, n_cols = part.shape
     out = torch.empty(n_cols, dtype=dtype, device=part.device)
     # About one column block per SM (≥ 32 columns: 128-byte row segments), 4096-element tiles.
-    n_sm = torch.cuda.get_device_properties(part.device).multi_processor_count if part.is_cuda else 4
-    block_n = min(4096, max(32, triton.next_power_of_2(triton.cdiv(n_cols, n_sm))))
-    _sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
-        part, out, n_part, n_cols, BLOCK_P=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4
-    )
+    block_n = min(4096, max(32, pow2(cdiv(n_cols, sm_count(part.device)))))
+    launch(_sum_partials_kernel, (cdiv(n_cols, block_n),), [part, out, n_part, n_cols],
+           dict(BLOCK_P=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4))
     return out
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, gemma):
-        x2 = row_view(x)
-        res2 = None if residual is None else row_view(residual)
+        x2 = _rows(x)
+        res2 = None if residual is None else _rows(residual)
         y, r, _, rstd = norm_forward(x2, res2, weight, None, eps, offset, center=False, gemma=gemma)
         ctx.save_for_backward(x2 if r is None else r, weight, rstd)  # the norm's input and rstd, nothing else
         ctx.offset, ctx.gemma = offset, gemma
         ctx.residual_dtype = None if residual is None else residual.dtype
         ctx.set_materialize_grads(False)  # an unused r (the last layer's) costs no zero-filled gradient read
-        if residual is None:
-            return y.view(x.shape)
-        return y.view(x.shape), r.view(x.shape)
+        if x.dim() != 2:
+            y, r = y.view(x.shape), None if r is None else r.view(x.shape)
+        return y if residual is None else (y, r)
 
     @staticmethod
     def backward(ctx, dy, dres=None):
@@ -414,10 +395,10 @@ class _RMSNormFunction(torch.autograd.Function):
             dr, dw = dres, torch.zeros_like(weight) if need_dw else None
         else:
             dx, dw, _ = norm_backward(
-                row_view(dy), xs, weight, None, rstd, None if dres is None else row_view(dres), ctx.offset,
+                _rows(dy), xs, weight, None, rstd, None if dres is None else _rows(dres), ctx.offset,
                 center=False, gemma=ctx.gemma, need_dw=need_dw, need_db=False,
             )
-            dr = dx.view(dy.shape)
+            dr = dx if dy.dim() == 2 else dx.view(dy.shape)
         if ctx.residual_dtype is None:
             return dr, None, dw, None, None, None
         # x and residual both receive dL/dr (norm backward + the grad of the returned r).

@@ -225,6 +225,26 @@ def test_bad_inputs():
         rms_norm(torch.ones(2, 8, dtype=torch.int64, device=DEVICE), torch.ones(8, device=DEVICE))
 
 
+def test_launch_helpers_match_triton():
+    # kernels/_launch.py: plain-Python integer helpers, and a compiled-kernel cache key at least as fine as the
+    # specialisation Triton itself computes (else a cached binary could run on arguments it was not built for).
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from liger_models.kernels._launch import _key, cdiv, pow2
+
+    for n in (1, 2, 3, 4, 5, 127, 1023, 1024, 1025, 2**31 + 1):
+        assert pow2(n) == triton.next_power_of_2(n) and cdiv(n, 7) == triton.cdiv(n, 7)
+    buf = torch.empty(64, dtype=torch.bfloat16)
+    samples = [buf, buf[1:], buf[8:], buf.float(), None, 0, 1, 2, 16, 17, 32, 2**31 - 16, 2**31, 2**31 + 16, -16, 0.5]
+    for a in samples:
+        for b in samples:
+            if _key(rn._norm_fwd_kernel, buf.device, [a], {}) == _key(rn._norm_fwd_kernel, buf.device, [b], {}):
+                assert (native_specialize_impl(CUDABackend, a, False, True, True)
+                        == native_specialize_impl(CUDABackend, b, False, True, True)), (a, b)
+
+
 # ----------------------------------------------------------------------------------------------- GPU, real sizes
 
 
