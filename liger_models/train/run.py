@@ -12,6 +12,7 @@ copied in); a Medusa stage-1 checkpoint is a heads directory in the Medusa/TGI f
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -165,6 +166,11 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
         D.destroy_distributed()
 
 
+def _base_name(model: str) -> str:
+    # Written into the heads' config.json: an absolute path finds the base from anywhere; a Hub id stays one.
+    return os.path.abspath(model) if Path(model).expanduser().exists() else model
+
+
 def _medusa_model(args, model_dir: Path, dtype, device, resume: Path | None):
     from liger_models import AutoLigerForCausalLM
     from liger_models.medusa import MedusaModel
@@ -181,8 +187,9 @@ def _medusa_model(args, model_dir: Path, dtype, device, resume: Path | None):
         return medusa
     return MedusaModel.from_base(
         base, stage=args.stage, num_heads=args.num_heads, num_layers=args.num_layers,
-        share_lm_head=args.share_lm_head, base_model_name_or_path=args.model, heads_coefficient=args.lambda0,
-        decay_coefficient=args.decay, scheduler=args.schedule, base_loss_weight=args.base_loss_weight,
+        share_lm_head=args.share_lm_head, base_model_name_or_path=_base_name(args.model),
+        heads_coefficient=args.lambda0, decay_coefficient=args.decay, scheduler=args.schedule,
+        base_loss_weight=args.base_loss_weight,
     )
 
 

@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer
 
 from liger_models.modules import shift_labels
-from liger_models.train.data import (IGNORE_INDEX, BatchStream, Document, build_dataset, load_documents,
+from liger_models.train.data import (BatchStream, Document, build_dataset, load_documents,
                                      pack_documents, read_special_tokens, save_tokenizer, tokenize_document,
                                      train_bpe_tokenizer)
 

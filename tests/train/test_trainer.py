@@ -12,12 +12,12 @@ from safetensors.torch import load_file
 
 from liger_models import AutoLigerForCausalLM
 from liger_models.cli import build_parser
+from liger_models.hub import load_tokenizer
 from liger_models.medusa import MedusaModel
 from liger_models.train import distributed as D
 from liger_models.train.data import BatchStream, build_dataset, read_special_tokens
 from liger_models.train.run import train_causal_lm, train_medusa
 from liger_models.train.trainer import CausalLMTask, MedusaTask, TrainConfig, Trainer
-from liger_models.hub import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
