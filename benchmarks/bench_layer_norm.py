@@ -22,6 +22,7 @@ EPS = 1e-5
 def providers(rows: int, hidden: int, bias: bool) -> dict:
     from liger_models.kernels.layer_norm import layer_norm
 
+    torch._dynamo.reset()  # a fresh compile per case: past 8 shapes Dynamo would silently run eager
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_().clone()
     w = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16().requires_grad_()
     b = (0.1 * torch.randn(hidden, device="cuda")).bfloat16().requires_grad_() if bias else None
