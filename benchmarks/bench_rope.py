@@ -8,10 +8,17 @@ runs liger_rotary_pos_emb on the same views. Bytes: q and k read and written in 
 read and written in the backward (4·B·T·(Hq + Hkv)·D·2 B) plus the cos/sin reads; floor = bytes / copy
 bandwidth measured in the same run.
 
+At these sizes the kernels take less time than the host needs to run one autograd step (Python, autograd
+engine, launches), so the step's wall time measures the host for every provider. Two more numbers separate
+the two: "liger-models kernels" times this project's forward + backward launches alone, and for every
+provider the GPU time (summed kernel durations, torch.profiler) and host time per step are printed too.
+
     python benchmarks/bench_rope.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from _bandwidth import report, time_case
@@ -67,6 +74,51 @@ def ours_step(b: int, t: int, hq: int, hkv: int, d: int, grads=None):
     return step
 
 
+def kernels_step(b: int, t: int, hq: int, hkv: int, d: int):
+    """This project's forward (in place) and backward kernel launches alone, without autograd."""
+    from liger_models.kernels import rope as rp
+
+    cos, sin = _cos_sin(t, d)
+    q_lin, k_lin = _projections(b, t, hq, hkv, d)
+    q, k = q_lin.detach().view(b, t, hq, d), k_lin.detach().view(b, t, hkv, d)
+    dq, dk = (g.transpose(1, 2) for g in _grads(b, t, hq, hkv, d))
+    dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
+
+    def step():
+        rp._launch(q, k, cos, sin, q, k, backward=False)
+        rp._launch(dq, dk, cos, sin, dq_out, dk_out, backward=True)
+
+    return step
+
+
+def gpu_ms(fn, reps: int = 10) -> float:
+    """GPU time per call: the summed durations of the kernels ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
+    return total_us / reps / 1e3
+
+
+def host_us(fn, reps: int = 20) -> float:
+    """Host time per call, with ~0.1 s of GPU work queued ahead so that no launch waits for the device."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / reps * 1e6
+
+
 def providers_for(b: int, t: int, hq: int, hkv: int, d: int) -> dict:
     cos, sin = _cos_sin(t, d)
     dq_bhtd, dk_bhtd = grads = _grads(b, t, hq, hkv, d)
@@ -89,6 +141,7 @@ def providers_for(b: int, t: int, hq: int, hkv: int, d: int) -> dict:
     cos16, sin16 = cos.bfloat16(), sin.bfloat16()
     return {
         "liger-models": ours_step(b, t, hq, hkv, d, grads),
+        "liger-models kernels": kernels_step(b, t, hq, hkv, d),
         "eager": bhtd(hf_rope, cos16, sin16),
         "torch.compile": bhtd(torch.compile(hf_rope, dynamic=False), cos16, sin16),
         "liger-kernel": bhtd(liger, cos16, sin16),
@@ -102,8 +155,21 @@ def main() -> None:
     results = []
     for b, t, hq, hkv, d in [HEADLINE] + ([] if args.quick else [s for s in SWEEP if s != HEADLINE]):
         nbytes = 4 * b * t * (hq + hkv) * d * 2 + 2 * 2 * t * d * 4
-        results += time_case(f"B{b} T{t} Hq{hq} Hkv{hkv} D{d}", providers_for(b, t, hq, hkv, d), nbytes, copy_gbs,
-                             {"B": b, "T": t, "Hq": hq, "Hkv": hkv, "D": d}, wanted)
+        providers = providers_for(b, t, hq, hkv, d)
+        case = time_case(f"B{b} T{t} Hq{hq} Hkv{hkv} D{d}", providers, nbytes, copy_gbs,
+                         {"B": b, "T": t, "Hq": hq, "Hkv": hkv, "D": d}, wanted)
+        for r in case:
+            if r.ms:
+                try:
+                    r.extra["gpu_ms"] = gpu_ms(providers[r.provider])
+                    r.extra["host_us"] = host_us(providers[r.provider])
+                except Exception as e:  # noqa: BLE001 - a diagnostic, never fatal
+                    r.extra["gpu_ms_error"] = f"{type(e).__name__}: {e}"[:200]
+        results += case
+    print("| case | provider | step ms | GPU ms (kernels) | host us / step |\n|---|---|---|---|---|")
+    for r in results:
+        if "gpu_ms" in r.extra:
+            print(f"| {r.case} | {r.provider} | {r.ms:.3f} | {r.extra['gpu_ms']:.3f} | {r.extra['host_us']:.0f} |")
     report("rope", args.out, results, copy_gbs, "eager/compile/liger-kernel get bf16 cos/sin as HF does; ours fp32")
 
 

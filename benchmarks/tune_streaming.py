@@ -1,9 +1,11 @@
 """Sweep the tiling knobs of the streaming kernels (kernels/gated_mlp.py, kernels/rope.py) on the GPU.
 
 Gated MLP (swiglu 16384×14336, geglu tanh 16384×16384, packed, fwd+bwd): elements per program (_TILE) ×
-elements per thread (_ELEMS_PER_THREAD → num_warps). RoPE (B4 T4096 Hq32 Hkv8, D 128 and 64, fwd+bwd): head
-tile (_HEAD_TILE) × elements per thread. Times are triton do_bench medians of the same closures as the
-benchmarks; GB/s counts the bytes the op must move. The defaults in the kernel files should be the best rows.
+elements per thread (_ELEMS_PER_THREAD → num_warps), timed on the same closures as the benchmarks. RoPE
+(B4 T4096 Hq32 Hkv8, D 128 and 64): tokens per program (_TOKENS_PER_PROGRAM) × elements per thread, timed on
+the forward + backward kernel launches alone (the autograd step is host-bound; see bench_rope.py). Times are
+triton do_bench medians; GB/s counts the bytes the op must move. The defaults in the kernel files should be the
+best rows.
 
     python benchmarks/tune_streaming.py [--quick] [--out DIR]
 """
@@ -15,7 +17,7 @@ import json
 import os
 
 import torch
-from bench_rope import ours_step
+from bench_rope import kernels_step
 from bench_swiglu import packed_step
 from harness import copy_bandwidth_gbs, median_ms, parse_args
 
@@ -27,7 +29,7 @@ from liger_models.kernels.swiglu import swiglu_packed
 GATED = [("swiglu 16384x14336", 16384, 14336, swiglu_packed), ("geglu 16384x16384", 16384, 16384, geglu_packed)]
 GATED_KNOBS = list(itertools.product((1024, 2048, 4096, 8192), (8, 16, 32)))
 ROPE = [(4, 4096, 32, 8, 128), (4, 4096, 32, 8, 64)]
-ROPE_KNOBS = list(itertools.product((1024, 2048, 4096, 8192), (4, 8, 16, 32)))
+ROPE_KNOBS = list(itertools.product((1, 2, 4), (20, 40, 80)))
 
 
 def _sweep(module, knobs, names, fn, nbytes, label, copy_gbs, rows) -> None:
@@ -56,7 +58,7 @@ def main() -> None:
                8 * r * i * 2, label, copy_gbs, rows)
         torch.cuda.empty_cache()
     for b, t, hq, hkv, d in ROPE[:1] if args.quick else ROPE:
-        _sweep(rp, ROPE_KNOBS, ("_HEAD_TILE", "_ELEMS_PER_THREAD"), ours_step(b, t, hq, hkv, d),
+        _sweep(rp, ROPE_KNOBS, ("_TOKENS_PER_PROGRAM", "_ELEMS_PER_THREAD"), kernels_step(b, t, hq, hkv, d),
                4 * b * t * (hq + hkv) * d * 2, f"rope B{b} T{t} Hq{hq} Hkv{hkv} D{d}", copy_gbs, rows)
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)

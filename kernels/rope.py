@@ -12,8 +12,9 @@ each product. Here cos/sin stay fp32 and the math is fp32 with one rounding, whi
 reference.
 
 Layout and autograd: one launch rotates q and k in place on the (B, T, H, D) projection views (any strides
-but a unit one along D), one program per token: cos/sin are loaded once and applied to all q and k heads of
-that token. Only the first R dims are touched. `ctx.mark_dirty` cannot be used here: autograd refuses a
+but a unit one along D). A program takes a few consecutive tokens of one sequence with all their q and k heads:
+cos/sin are loaded once for all heads, and every q/k load is issued before the first store, so a program
+waits for memory once. Only the first R dims are touched. `ctx.mark_dirty` cannot be used here: autograd refuses a
 Function that modifies a view in place and returns two tensors, and on a single view it would route the
 backward through CopySlices (three extra copies of the gradient). So the Function returns aliases of q and k
 and leaves the graph as it is. That is exact because rotation is linear (the backward needs only cos/sin) and
@@ -25,17 +26,21 @@ The backward writes fresh contiguous gradients and reads dq/dk with any strides 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ._dispatch import use_triton
-from ._rounding import cast_rtne
 
-# Per-token tile: at most _HEAD_TILE elements per half-rotation (all heads of a token for usual head counts)
-# and _ELEMS_PER_THREAD per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
+# Tiling: _TOKENS_PER_PROGRAM tokens × all heads per program (heads in tiles of at most _HEAD_TILE elements per
+# half-rotation), _ELEMS_PER_THREAD elements per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
+# H200, B4 T4096 Hq32 Hkv8 D128 bf16: 1 token × 4 warps runs the forward in 0.091 ms and the backward in 0.093
+# ms (0.87 of the copy bandwidth each); 2 or 4 tokens per program, or 2 or 8 warps, were 2-25% slower.
+_TOKENS_PER_PROGRAM = 1
 _HEAD_TILE = 4096
-_ELEMS_PER_THREAD = 16
+_ELEMS_PER_THREAD = 40
 
 
 def rope_reference(
@@ -55,67 +60,131 @@ def _rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 @triton.jit
-def _rotate_heads(
-    SRC, DST, src_base, dst_base, stride_src_h, stride_dst_h, N_HEADS: tl.constexpr,
-    cos1, cos2, sin1, sin2,
-    HALF: tl.constexpr, TAIL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-):
-    """Rotate the first 2·HALF dims of every head of one token; copy the TAIL dims after them when TAIL > 0."""
-    cols = tl.arange(0, BLOCK_R)
-    col_mask = cols < HALF
-    for h0 in tl.static_range(0, N_HEADS, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        mask = (heads[:, None] < N_HEADS) & col_mask[None, :]
-        src = SRC + src_base + heads.to(tl.int64)[:, None] * stride_src_h + cols[None, :]
-        dst = DST + dst_base + heads.to(tl.int64)[:, None] * stride_dst_h + cols[None, :]
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst, cast_rtne(x1 * cos1 - x2 * sin1, DST.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, cast_rtne(x2 * cos2 + x1 * sin2, DST.dtype.element_ty), mask=mask)
-        if TAIL > 0:
-            tail = tl.arange(0, BLOCK_TAIL)
-            tail_mask = (heads[:, None] < N_HEADS) & (tail[None, :] < TAIL)
-            src_tail = SRC + src_base + heads.to(tl.int64)[:, None] * stride_src_h + 2 * HALF + tail[None, :]
-            dst_tail = DST + dst_base + heads.to(tl.int64)[:, None] * stride_dst_h + 2 * HALF + tail[None, :]
-            tl.store(dst_tail, tl.load(src_tail, mask=tail_mask), mask=tail_mask)
+def _head_offsets(tok, h0, stride_h, N_HEADS: tl.constexpr, WIDTH: tl.constexpr, t_mask,
+                  BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Offsets (BLOCK_T, BLOCK_H, BLOCK_W) of the first WIDTH dims of heads h0.. of each token (tok: the tokens'
+    int64 offsets), and their mask."""
+    heads = h0 + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_W)
+    mask = t_mask[:, None, None] & (heads < N_HEADS)[None, :, None] & (cols < WIDTH)[None, None, :]
+    return tok[:, None, None] + heads.to(tl.int64)[None, :, None] * stride_h + cols[None, None, :], mask
+
+
+@triton.jit
+def _store_rotated(OUT, offs, x1, x2, mask, cos1, cos2, sin1, sin2, HALF: tl.constexpr):
+    dtype = OUT.dtype.element_ty
+    tl.store(OUT + offs, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
+    tl.store(OUT + offs + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+
+
+@triton.jit
+def _copy_tail(SRC, DST, src_tok, dst_row, h0, stride_h, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               ROT: tl.constexpr, TAIL: tl.constexpr, t_mask, BLOCK_H: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+    """Copy the TAIL pass-through dims after the ROT rotated ones into the contiguous gradient (dst_row: token index)."""
+    src, mask = _head_offsets(src_tok + ROT, h0, stride_h, N_HEADS, TAIL, t_mask, BLOCK_H, BLOCK_TAIL)
+    dst, _ = _head_offsets(dst_row * (N_HEADS * HEAD_DIM) + ROT, h0, HEAD_DIM, N_HEADS, TAIL, t_mask, BLOCK_H, BLOCK_TAIL)
+    tl.store(DST + dst, tl.load(SRC + src, mask=mask), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
     Q, K, DST_Q, DST_K, COS, SIN, seq_len,
-    stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h,
-    stride_dq_b, stride_dq_t, stride_dq_h, stride_dk_b, stride_dk_t, stride_dk_h,
-    stride_cos_b, stride_cos_t, stride_sin_b, stride_sin_t,
-    N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HALF: tl.constexpr, TAIL: tl.constexpr, BACKWARD: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h, stride_cos_b, stride_cos_t,
+    N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    TAIL: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr,
+    N_TILES: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    b, t = token // seq_len, token % seq_len
+    """BLOCK_T tokens of one sequence, all q and k heads. Forward: in place (DST_Q/DST_K unused). Backward: the
+    transpose, written to contiguous (B, T, H, D) DST_Q/DST_K, with the pass-through tail (TAIL dims). The loads
+    of a tile's q and k heads are all issued before its stores: one memory round trip, not two."""
+    pid = tl.program_id(0)
+    t_blocks = tl.cdiv(seq_len, BLOCK_T)
+    b = (pid // t_blocks).to(tl.int64)
+    t = (pid % t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < seq_len
+    t = t.to(tl.int64)
+    # cos/sin rows (sin shares cos's strides) as (BLOCK_T, 1, BLOCK_R), broadcast over heads.
     cols = tl.arange(0, BLOCK_R)
-    col_mask = cols < HALF
-    cos_row = COS + b * stride_cos_b + t * stride_cos_t
-    sin_row = SIN + b * stride_sin_b + t * stride_sin_t
-    cos1 = tl.load(cos_row + cols, mask=col_mask, other=0.0)[None, :]
-    cos2 = tl.load(cos_row + HALF + cols, mask=col_mask, other=0.0)[None, :]
-    sin1 = tl.load(sin_row + cols, mask=col_mask, other=0.0)[None, :]
-    sin2 = tl.load(sin_row + HALF + cols, mask=col_mask, other=0.0)[None, :]
+    cs_mask = t_mask[:, None] & (cols < HALF)[None, :]
+    cs = b * stride_cos_b + t[:, None] * stride_cos_t + cols[None, :]
+    cos1 = tl.load(COS + cs, mask=cs_mask, other=0.0)[:, None, :]
+    cos2 = tl.load(COS + cs + HALF, mask=cs_mask, other=0.0)[:, None, :]
+    sin1 = tl.load(SIN + cs, mask=cs_mask, other=0.0)[:, None, :]
+    sin2 = tl.load(SIN + cs + HALF, mask=cs_mask, other=0.0)[:, None, :]
     if BACKWARD:
         # The adjoint: dx1 = dy1·cos1 + dy2·sin2, dx2 = dy2·cos2 − dy1·sin1 (the inverse rotation for HF cos/sin).
         sin1, sin2 = -sin2, -sin1
-    _rotate_heads(Q, DST_Q, b * stride_q_b + t * stride_q_t, b * stride_dq_b + t * stride_dq_t, stride_q_h, stride_dq_h,
-                  N_Q_HEADS, cos1, cos2, sin1, sin2, HALF, TAIL, BLOCK_HQ, BLOCK_R, BLOCK_TAIL)
-    _rotate_heads(K, DST_K, b * stride_k_b + t * stride_k_t, b * stride_dk_b + t * stride_dk_t, stride_k_h, stride_dk_h,
-                  N_K_HEADS, cos1, cos2, sin1, sin2, HALF, TAIL, BLOCK_HK, BLOCK_R, BLOCK_TAIL)
+    q_tok = b * stride_q_b + t * stride_q_t
+    k_tok = b * stride_k_b + t * stride_k_t
+    dst_row = b * seq_len + t  # backward: the token's index in the contiguous gradients
+    for i in tl.static_range(N_TILES):
+        if i * BLOCK_HQ < N_Q_HEADS:
+            q_src, q_mask = _head_offsets(q_tok, i * BLOCK_HQ, stride_q_h, N_Q_HEADS, HALF, t_mask, BLOCK_HQ, BLOCK_R)
+            q1 = tl.load(Q + q_src, mask=q_mask, other=0.0).to(tl.float32)
+            q2 = tl.load(Q + q_src + HALF, mask=q_mask, other=0.0).to(tl.float32)
+        if i * BLOCK_HK < N_K_HEADS:
+            k_src, k_mask = _head_offsets(k_tok, i * BLOCK_HK, stride_k_h, N_K_HEADS, HALF, t_mask, BLOCK_HK, BLOCK_R)
+            k1 = tl.load(K + k_src, mask=k_mask, other=0.0).to(tl.float32)
+            k2 = tl.load(K + k_src + HALF, mask=k_mask, other=0.0).to(tl.float32)
+        if i * BLOCK_HQ < N_Q_HEADS:
+            if BACKWARD:
+                q_dst, _ = _head_offsets(dst_row * (N_Q_HEADS * HEAD_DIM), i * BLOCK_HQ, HEAD_DIM, N_Q_HEADS, HALF,
+                                         t_mask, BLOCK_HQ, BLOCK_R)
+                _store_rotated(DST_Q, q_dst, q1, q2, q_mask, cos1, cos2, sin1, sin2, HALF)
+            else:
+                _store_rotated(Q, q_src, q1, q2, q_mask, cos1, cos2, sin1, sin2, HALF)
+        if i * BLOCK_HK < N_K_HEADS:
+            if BACKWARD:
+                k_dst, _ = _head_offsets(dst_row * (N_K_HEADS * HEAD_DIM), i * BLOCK_HK, HEAD_DIM, N_K_HEADS, HALF,
+                                         t_mask, BLOCK_HK, BLOCK_R)
+                _store_rotated(DST_K, k_dst, k1, k2, k_mask, cos1, cos2, sin1, sin2, HALF)
+            else:
+                _store_rotated(K, k_src, k1, k2, k_mask, cos1, cos2, sin1, sin2, HALF)
+        if TAIL > 0:  # backward only: fresh gradients also need the dims the rotation passes through
+            if i * BLOCK_HQ < N_Q_HEADS:
+                _copy_tail(Q, DST_Q, q_tok, dst_row, i * BLOCK_HQ, stride_q_h, N_Q_HEADS, HEAD_DIM, 2 * HALF, TAIL,
+                           t_mask, BLOCK_HQ, BLOCK_TAIL)
+            if i * BLOCK_HK < N_K_HEADS:
+                _copy_tail(K, DST_K, k_tok, dst_row, i * BLOCK_HK, stride_k_h, N_K_HEADS, HEAD_DIM, 2 * HALF, TAIL,
+                           t_mask, BLOCK_HK, BLOCK_TAIL)
+
+
+def _pow2(n: int) -> int:
+    """Smallest power of two ≥ n (plain Python: triton.next_power_of_2 costs microseconds per call)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.lru_cache(maxsize=256)
+def _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward, tokens, head_tile, elems_per_thread):
+    """Programs per sequence and the kernel's constexprs + num_warps, cached per shape and tiling knobs: at
+    Llama sizes one autograd step of rope costs the host more time than the GPU, so the launch path stays lean."""
+    block_r = _pow2(rot // 2)
+    block_t = min(tokens, _pow2(seq_len))
+    max_heads = max(1, head_tile // block_r)
+    block_hq, block_hk = min(_pow2(n_q_heads), max_heads), min(_pow2(n_k_heads), max_heads)
+    tail = head_dim - rot
+    elems = block_t * (block_hq + block_hk) * block_r * 2
+    meta = dict(
+        N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads, HEAD_DIM=head_dim, HALF=rot // 2, TAIL=tail if backward else 0,
+        BACKWARD=backward, BLOCK_T=block_t, N_TILES=max(-(-n_q_heads // block_hq), -(-n_k_heads // block_hk)),
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_R=block_r, BLOCK_TAIL=_pow2(max(tail, 1)),
+        num_warps=min(16, _pow2(-(-elems // (32 * elems_per_thread)))),
+    )
+    return -(-seq_len // block_t), meta
 
 
 def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
-    """Rotate q, k (B, T, H, D) into dst_q, dst_k (the same tensors for the in-place forward)."""
+    """Rotate q, k (B, T, H, D). Forward: in place (dst_q is q, dst_k is k). Backward: the transpose into fresh
+    contiguous dst_q, dst_k (pass-through tail included); q/k are then the incoming gradients, any strides."""
     bsz, seq_len, n_q_heads, head_dim = q.shape
-    rot = cos.shape[-1]
-    # The backward writes fresh tensors, so it also copies the pass-through tail; in place it is left alone.
-    tail = head_dim - rot if backward else 0
+    n_k_heads, rot = k.shape[2], cos.shape[-1]
     if bsz * seq_len == 0:
         return
+    if backward:
+        assert dst_q.is_contiguous() and dst_k.is_contiguous(), "the backward writes contiguous gradients"
+    else:
+        assert dst_q is q and dst_k is k, "the forward rotates in place"
     if not use_triton(q, k, cos, sin):
         for src, dst in ((q, dst_q), (k, dst_k)):
             if backward:
@@ -124,20 +193,15 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
             else:
                 dst[..., :rot].copy_(_rotate_reference(src[..., :rot], cos, sin))
         return
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    block_r = triton.next_power_of_2(rot // 2)
-    max_heads = max(1, _HEAD_TILE // block_r)
-    block_hq, block_hk = (min(triton.next_power_of_2(h), max_heads) for h in (n_q_heads, k.shape[2]))
-    _rope_kernel[(bsz * seq_len,)](
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    blocks_per_seq, meta = _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward,
+                                   _TOKENS_PER_PROGRAM, _HEAD_TILE, _ELEMS_PER_THREAD)
+    _rope_kernel[(bsz * blocks_per_seq,)](
         q, k, dst_q, dst_k, cos, sin, seq_len,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        dst_q.stride(0), dst_q.stride(1), dst_q.stride(2), dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),  # a batch of one broadcasts
-        sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1),
-        N_Q_HEADS=n_q_heads, N_K_HEADS=k.shape[2], HALF=rot // 2, TAIL=tail, BACKWARD=backward,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_R=block_r, BLOCK_TAIL=triton.next_power_of_2(max(tail, 1)),
-        num_warps=max(1, min(16, block_hq * block_r // (32 * _ELEMS_PER_THREAD))),
+        **meta,
     )
 
 

@@ -1,11 +1,15 @@
 """GeGLU (gelu(gate) * up, tanh approximation and exact erf): forward and backward against float64."""
 
+import math
+
 import pytest
 import torch
 
 from liger_models.kernels import gated_mlp as gm
 from liger_models.kernels.geglu import geglu, geglu_packed
+from tests.helpers import poison_
 from tests.kernels import gated_checks as checks
+from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 DTYPES = [torch.float32, torch.bfloat16]
 APPROX = {"tanh": "gelu_tanh", "none": "gelu"}
@@ -52,6 +56,28 @@ def test_large_magnitudes_stay_finite():
         checks.assert_matches(d, dref, name=f"d {approximate}")
 
 
+def check_exact_gelu_grid(device: str, tol: float) -> None:
+    """The erf-free Φ of the exact path, fp32, over x in [−14, 14] and beyond: a(x) and a'(x) within ``tol`` ×
+    max(1, |ref|) of float64, and the lower tail (x in (−12, −3)) to a relative 2e-5, where 0.5·(1 + erf) fails."""
+    x = torch.cat((torch.linspace(-14, 14, 28001), torch.tensor([-1e4, -40.0, 40.0, 1e4, 0.0]))).reshape(1, -1)
+    x = x.to(device)
+    out, dgate, dup = (poison_(torch.empty_like(x)) for _ in range(3))
+    gm._forward(x, torch.ones_like(x), out, "gelu")
+    gm._backward(torch.ones_like(x), x, torch.ones_like(x), dgate, dup, "gelu")
+    x64 = x.double()
+    cdf = 0.5 * torch.special.erfc(-x64 / math.sqrt(2.0))
+    a, da = x64 * cdf, cdf + x64 * torch.exp(-0.5 * x64 * x64) / math.sqrt(2.0 * math.pi)
+    assert ((out.double() - a).abs() / a.abs().clamp(min=1)).max().item() <= tol
+    assert ((dgate.double() - da).abs() / da.abs().clamp(min=1)).max().item() <= tol
+    assert torch.equal(dup, out)
+    tail = (x64 > -12) & (x64 < -3)
+    assert ((out.double() - a).abs() / a.abs())[tail].max().item() <= 2e-5
+
+
+def test_exact_gelu_grid():
+    check_exact_gelu_grid(checks.DEVICE, 2e-7)
+
+
 def test_reference_path_matches(monkeypatch):
     monkeypatch.setattr(gm, "use_triton", lambda *tensors: False)
     for approximate, activation in APPROX.items():
@@ -72,6 +98,12 @@ def test_edges_and_errors():
 @pytest.mark.parametrize("approximate", list(APPROX))
 def test_gpu_gemma_size(approximate):
     checks.check_gpu_real_size(_fns(approximate)[1], APPROX[approximate], 16384, 16384)
+
+
+@pytest.mark.gpu
+def test_gpu_exact_gelu_grid():
+    """Compiled: MUFU exp2/rsqrt are a few ulp looser than the interpreter's numpy."""
+    check_exact_gelu_grid("cuda", 5e-7)
 
 
 @pytest.mark.gpu

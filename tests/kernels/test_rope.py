@@ -10,6 +10,7 @@ import torch
 from liger_models.kernels import rope as rope_mod
 from liger_models.kernels.rope import rope, rope_reference
 from tests.helpers import DEVICE, assert_matches, poison_
+from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (B, T, Hq, Hkv, D, R): Llama-like GQA, partial rotary with a non-power-of-two half (6), a 256-wide head with
@@ -130,6 +131,35 @@ def test_backward_launcher_writes_every_element(dtype):
     dq_ref, dk_ref = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
     assert_matches(dst_q, dq_ref, name="dq")
     assert_matches(dst_k, dk_ref, name="dk")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_strided_views(dtype):
+    """q, k as (B, T, H, D) views of (B, H, T, D) buffers (head stride T·D, not D), rotated in place; odd T
+    also leaves the last token block partly masked."""
+    b, t, hq, hkv, d = 2, 7, 3, 2, 16
+    bufs = [torch.randn(b, h, t, d, device=DEVICE, requires_grad=True).to(dtype).clone() for h in (hq, hkv)]
+    q, k = (x.transpose(1, 2) for x in bufs)
+    cos, sin = torch.randn(1, t, d, device=DEVICE), torch.randn(1, t, d, device=DEVICE)
+    q64, k64 = (x.detach().double().requires_grad_() for x in (q, k))
+    rq, rk = rope_reference(q64, k64, cos.double(), sin.double())
+    dq, dk = sdpa_like_grads(b, t, hq, hkv, d, dtype)
+    dq_ref, dk_ref = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
+    q_out, k_out = rope(q, k, cos, sin)
+    assert_matches(bufs[0].detach().transpose(1, 2), rq, name="q in place")
+    assert_matches(bufs[1].detach().transpose(1, 2), rk, name="k in place")
+    dq_buf, dk_buf = torch.autograd.grad((q_out, k_out), bufs, (dq, dk))
+    assert_matches(dq_buf.transpose(1, 2), dq_ref, name="dq")
+    assert_matches(dk_buf.transpose(1, 2), dk_ref, name="dk")
+
+
+def test_tiling_knobs(monkeypatch):
+    """Several head tiles per program (q three, k one), several tokens per program with the last block partly
+    masked, and the pass-through tail of partial rotary, all in one launch."""
+    monkeypatch.setattr(rope_mod, "_HEAD_TILE", 16)  # R = 12 → 8-wide half tiles → 2 heads per tile
+    monkeypatch.setattr(rope_mod, "_TOKENS_PER_PROGRAM", 4)
+    check_against_reference((2, 5, 5, 2, 16, 12), torch.float32, "per_batch")
+    check_against_reference((1, 3, 6, 1, 16, 16), torch.bfloat16, "shared")
 
 
 def test_expanded_gradient():
