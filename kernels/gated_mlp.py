@@ -37,6 +37,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from ._dispatch import row_view, use_triton
+from ._launch import cdiv, pow2
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 # Streaming tile: elements per program and per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
@@ -145,10 +146,10 @@ def _gated_bwd_kernel(
 
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
     """A streaming layout: _TILE elements per program (a row slice, or several short rows)."""
-    block_c = min(triton.next_power_of_2(n_cols), _TILE)
-    block_r = min(_TILE // block_c, triton.next_power_of_2(n_rows))
+    block_c = min(pow2(n_cols), _TILE)
+    block_r = min(_TILE // block_c, pow2(n_rows))
     warps = max(1, min(16, block_r * block_c // (32 * _ELEMS_PER_THREAD)))
-    return (triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, block_c),), block_r, block_c, warps
+    return (cdiv(n_rows, block_r) * cdiv(n_cols, block_c),), block_r, block_c, warps
 
 
 def _forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor, activation: str) -> None:

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import use_triton
+from ._launch import pow2
 
 # Tiling: _TOKENS_PER_PROGRAM tokens × all heads per program (heads in tiles of at most _HEAD_TILE elements per
 # half-rotation), _ELEMS_PER_THREAD elements per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
@@ -150,26 +151,21 @@ def _rope_kernel(
                            t_mask, BLOCK_HK, BLOCK_TAIL)
 
 
-def _pow2(n: int) -> int:
-    """Smallest power of two ≥ n (plain Python: triton.next_power_of_2 costs microseconds per call)."""
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
 @functools.lru_cache(maxsize=256)
 def _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward, tokens, head_tile, elems_per_thread):
     """Programs per sequence and the kernel's constexprs + num_warps, cached per shape and tiling knobs: at
     Llama sizes one autograd step of rope costs the host more time than the GPU, so the launch path stays lean."""
-    block_r = _pow2(rot // 2)
-    block_t = min(tokens, _pow2(seq_len))
+    block_r = pow2(rot // 2)
+    block_t = min(tokens, pow2(seq_len))
     max_heads = max(1, head_tile // block_r)
-    block_hq, block_hk = min(_pow2(n_q_heads), max_heads), min(_pow2(n_k_heads), max_heads)
+    block_hq, block_hk = min(pow2(n_q_heads), max_heads), min(pow2(n_k_heads), max_heads)
     tail = head_dim - rot
     elems = block_t * (block_hq + block_hk) * block_r * 2
     meta = dict(
         N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads, HEAD_DIM=head_dim, HALF=rot // 2, TAIL=tail if backward else 0,
         BACKWARD=backward, BLOCK_T=block_t, N_TILES=max(-(-n_q_heads // block_hq), -(-n_k_heads // block_hk)),
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_R=block_r, BLOCK_TAIL=_pow2(max(tail, 1)),
-        num_warps=min(16, _pow2(-(-elems // (32 * elems_per_thread)))),
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_R=block_r, BLOCK_TAIL=pow2(max(tail, 1)),
+        num_warps=min(16, pow2(-(-elems // (32 * elems_per_thread)))),
     )
     return -(-seq_len // block_t), meta
 

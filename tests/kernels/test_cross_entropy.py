@@ -12,7 +12,6 @@ import torch
 
 from liger_models.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
 from tests.helpers import DEVICE, assert_matches, poison_
-from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 IGNORE = -100
 # (options, reduction); every option alone, then all together with an external normaliser.

@@ -16,7 +16,6 @@ from liger_models.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy_reference,
 )
 from tests.helpers import DEVICE, assert_matches, poison_, rel_l2
-from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 IGNORE = -100
 B, T, H = 2, 7, 8  # 14 tokens: 4 chunks of a 4-row budget, or 2 chunks of H = 8 rows in grad_W's storage

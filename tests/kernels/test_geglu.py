@@ -9,7 +9,6 @@ from liger_models.kernels import gated_mlp as gm
 from liger_models.kernels.geglu import geglu, geglu_packed
 from tests.helpers import poison_
 from tests.kernels import gated_checks as checks
-from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 DTYPES = [torch.float32, torch.bfloat16]
 APPROX = {"tanh": "gelu_tanh", "none": "gelu"}

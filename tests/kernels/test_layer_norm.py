@@ -12,7 +12,6 @@ import torch.nn.functional as F
 import liger_models.kernels.rms_norm as rn
 from liger_models.kernels.layer_norm import LayerNorm, layer_norm, layer_norm_reference
 from tests.helpers import DEVICE, assert_matches, poison_
-from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture(autouse=True)

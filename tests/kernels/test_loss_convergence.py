@@ -23,7 +23,6 @@ from liger_models.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy_reference,
 )
 from tests.helpers import DEVICE, rel_l2
-from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 VOCAB, HIDDEN, TOKENS, STEPS = 67, 16, 8, 24
 

@@ -12,7 +12,6 @@ import torch
 import liger_models.kernels.rms_norm as rn
 from liger_models.kernels.rms_norm import RMSNorm, add_rms_norm, rms_norm, rms_norm_reference
 from tests.helpers import DEVICE, assert_matches, poison_
-from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 SHAPES = [(1, 1), (3, 127), (4, 1023), (2, 4097)]
 MODES = [("llama", 0.0), ("gemma", 1.0)]

@@ -10,7 +10,6 @@ import torch
 from liger_models.kernels import rope as rope_mod
 from liger_models.kernels.rope import rope, rope_reference
 from tests.helpers import DEVICE, assert_matches, poison_
-from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (B, T, Hq, Hkv, D, R): Llama-like GQA, partial rotary with a non-power-of-two half (6), a 256-wide head with

@@ -6,7 +6,6 @@ import torch
 from liger_models.kernels import gated_mlp as gm
 from liger_models.kernels.swiglu import swiglu, swiglu_packed
 from tests.kernels import gated_checks as checks
-from tests.kernels._interpreter_rounding import interpreter_rounds_bf16  # noqa: F401 (autouse fixture)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
