@@ -121,15 +121,20 @@ class Attention(nn.Module):
         self.flex = "auto"
 
     def packed_groups(self) -> list[list[nn.Linear]]:
-        return [] if hasattr(self, "qkv_proj") else [[self.q_proj, self.k_proj, self.v_proj]]
+        return [] if hasattr(self, "qkv_proj") else [self.projections()]
+
+    def projections(self) -> list[nn.Linear]:
+        """The linears whose outputs, concatenated, are q | k | v (one GEMM: ``packed_linear``)."""
+        return [self.qkv_proj] if hasattr(self, "qkv_proj") else [self.q_proj, self.k_proj, self.v_proj]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask,
                 cache: KVCache | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        if hasattr(self, "qkv_proj"):
-            qkv = self.qkv_proj(x)
-        else:
-            qkv = packed_linear(x, [self.q_proj, self.k_proj, self.v_proj])  # (B, T, (Hq + 2 Hkv) D)
+        return self.from_qkv(packed_linear(x, self.projections()), cos, sin, mask, cache)
+
+    def from_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask,
+                 cache: KVCache | None = None) -> torch.Tensor:
+        """Attention from the packed projection output qkv (B, T, (Hq + 2 Hkv) D), a base tensor rope may rotate."""
+        B, T, _ = qkv.shape
         q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim
         q = qkv[..., :q_end].unflatten(-1, (self.num_heads, self.head_dim))  # (B, T, Hq, D) view
         k = qkv[..., q_end:k_end].unflatten(-1, (self.num_kv_heads, self.head_dim))  # (B, T, Hkv, D) view

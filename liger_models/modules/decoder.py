@@ -17,6 +17,7 @@ from liger_models.kernels.rms_norm import RMSNorm
 from .attention import Attention, AttentionMask, document_ids
 from .cache import KVCache
 from .config import LigerConfig
+from .fused import norm_linear
 from .mlp import GatedMLP
 from .rope import RotaryEmbedding
 
@@ -39,13 +40,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream before it); their sum is HF's layer output."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        a = self.self_attn(h, cos, sin, mask, cache)
-        h, residual = self.post_attention_layernorm(a, residual)
-        return self.mlp(h), residual
+        qkv, residual = norm_linear(self.input_layernorm, x, residual, self.self_attn.projections())
+        a = self.self_attn.from_qkv(qkv, cos, sin, mask, cache)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, a, residual, self.mlp.projections())
+        return self.mlp.from_gate_up(gate_up), residual
 
 
 class DecoderModel(nn.Module):

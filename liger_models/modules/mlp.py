@@ -1,14 +1,12 @@
-"""Gated MLP: down(act(gate(x)) * up(x)) with one gate|up GEMM feeding the fused SwiGLU / GeGLU kernel."""
+"""Gated MLP: down(act(gate(x)) * up(x)) with one gate|up GEMM; the SwiGLU / GeGLU product is recomputed in backward."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from liger_models.kernels.geglu import geglu_packed
-from liger_models.kernels.swiglu import swiglu_packed
-
 from .config import LigerConfig
+from .fused import gated_down
 from .linear import packed_linear
 
 
@@ -27,15 +25,15 @@ class GatedMLP(nn.Module):
         self.activation = config.activation
 
     def packed_groups(self) -> list[list[nn.Linear]]:
-        return [] if hasattr(self, "gate_up_proj") else [[self.gate_proj, self.up_proj]]
+        return [] if hasattr(self, "gate_up_proj") else [self.projections()]
+
+    def projections(self) -> list[nn.Linear]:
+        """The linears whose outputs, concatenated, are [gate | up] (one GEMM: ``packed_linear``)."""
+        return [self.gate_up_proj] if hasattr(self, "gate_up_proj") else [self.gate_proj, self.up_proj]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up_proj"):
-            gate_up = self.gate_up_proj(x)
-        else:
-            gate_up = packed_linear(x, [self.gate_proj, self.up_proj])  # (..., 2I) = [gate | up]
-        if self.activation == "silu":
-            h = swiglu_packed(gate_up)
-        else:
-            h = geglu_packed(gate_up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.down_proj(h)
+        return self.from_gate_up(packed_linear(x, self.projections()))
+
+    def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(act(gate) * up) from the packed (..., 2I) projection output; the product is not saved."""
+        return gated_down(gate_up, self.activation, self.down_proj)
