@@ -1,14 +1,21 @@
-"""Medusa loss vs a float64 materialised-logits reference: loss, metrics and gradients for every option."""
+"""Medusa loss vs a float64 materialised-logits reference: loss, metrics and gradients for every option; bf16 stage 2
+vs float64 within 2x of eager bf16 (interpreted kernels on CPU, Triton on the GPU)."""
 
+import contextlib
+import importlib
 import math
+import pkgutil
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import liger_models.kernels
 from liger_models.kernels._dispatch import use_triton
-from liger_models.medusa import MedusaModel, medusa_head_weights, medusa_target_counts, schedule_factor
+from liger_models.medusa import MedusaModel, medusa_head_weights, medusa_loss, medusa_target_counts, schedule_factor
 from tests.helpers import assert_matches, rel_l2
-from tests.medusa._common import float64_copies, make_base, packed_batch, reference_loss, reference_targets
+from tests.medusa._common import IGNORE, float64_copies, make_base, packed_batch, reference_loss, reference_targets
 
 V, H = 37, 16
 
@@ -165,25 +172,137 @@ def test_reference_targets_sanity():
     assert reference_targets(labels, 2, pos).tolist() == [[2, -100, -100, 5, -100, -100]]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("share", [False, True])
-def test_gpu_bf16_stage2_matches_float64_reference(share):
-    """bf16 on the GPU (Triton kernels) vs the float64 CPU reference: loss, head CEs and the heads' gradients (the
-    base's own bf16 gradients are the model tests' business; here they only have to exist)."""
-    base = make_base(512, 128, torch.bfloat16, layers=2).cuda()
-    model = MedusaModel.from_base(base, stage=2, num_heads=3, share_lm_head=share)
-    for p in model.heads.parameters():
-        p.data.add_(0.05 * torch.randn_like(p))
+# bf16 against float64, under KERNELS.md §3's protocol: every error (rel L2) at most 2x the error of an eager bf16
+# PyTorch implementation of the same computation (floor: one bf16 rounding), and at most 1e-2 where eager meets 1e-2.
+#
+# Where 1e-2 holds for eager too: in stage 2 the heads read the base's bf16 hidden states, which after two random
+# layers (make_base's scaled-up init) are ~3% off the float64 ones, and every gradient downstream inherits that.
+# Measured at the GPU test's size (H=128, V=512, 2x96 tokens; CPU, interpreted kernels, 3 seeds): the heads'
+# gradients are 2-6% off for eager bf16 and ours alike (ours/eager 0.99-1.01; float64 heads fed those same bf16
+# hidden states are already 2.5-4.5% off), the base's own 1-30%; loss and head CEs stay below 1.5e-3. Fed the SAME
+# hidden states, the bf16 heads and loss add only 0.4-0.6% to any gradient. So the whole step is held to 2x eager
+# (1e-2 on the loss and head CEs only), and the Medusa part alone, on fixed hidden states, to 2x eager AND 1e-2.
+BF16_FLOOR = 4e-3  # one bf16 rounding: the bound for tensors that eager gets almost exactly
+
+
+@contextlib.contextmanager
+def _eager_ops():
+    """Every kernel module takes its PyTorch reference path (CPU and CUDA alike) inside the block."""
+    with pytest.MonkeyPatch.context() as m:
+        for info in pkgutil.iter_modules(liger_models.kernels.__path__):
+            module = importlib.import_module(f"liger_models.kernels.{info.name}")
+            if hasattr(module, "use_triton"):
+                m.setattr(module, "use_triton", lambda *tensors: False)
+        yield
+
+
+def _eager_loss(model, hidden, labels, pos, scales):
+    """Medusa stage-2 loss in plain PyTorch at the model's dtype: every ResBlock on its own (nn.Linear + SiLU), every
+    head's logits materialised in bf16, fp32 cross-entropy (HF's numerics). Returns (loss, head CEs)."""
+
+    def ce(x, weight, shift):
+        t = reference_targets(labels, shift, pos).flatten().to(x.device)
+        logits = F.linear(x, weight).float().flatten(0, 1)
+        return F.cross_entropy(logits, t, ignore_index=IGNORE, reduction="sum") / (t != IGNORE).sum().clamp(min=1)
+
+    loss = ce(hidden, model.base.lm_head.weight, 1)
+    head_ces = []
+    for k, scale in enumerate(scales):
+        z = hidden
+        for block in model.heads.resblocks(k):
+            z = block(z)
+        head_ces.append(ce(z, model.heads.weight(k), k + 2))
+        loss = loss + scale * head_ces[-1]
+    return loss, torch.stack(head_ces).detach()
+
+
+def _bf16_errors(model, ids, labels, pos, *, fixed_hidden: bool) -> dict[str, tuple[float, float]]:
+    """{name: (our rel-L2 error, eager bf16's)} against float64 for the loss, the head CEs and the gradients.
+
+    fixed_hidden=False: the whole stage-2 step (base forward included), every trainable parameter's gradient.
+    fixed_hidden=True: the Medusa part alone, on the base's bf16 hidden states (a leaf; float64 copy for the
+    reference): the heads' and the base lm_head's gradients and the gradient w.r.t. the hidden states, which is
+    what stage 2 backpropagates into the base.
+    """
+    device = model.base.lm_head.weight.device
+    ids_d, labels_d, pos_d = ids.to(device), labels.to(device), pos.to(device)
+    scales = model.head_scales()
     base64, sd64 = float64_copies(model.base, model.heads)
-    ids, labels, pos = packed_batch(2, 96, 512, packed=True)
-    out = model(ids.cuda(), labels=labels.cuda(), position_ids=pos.cuda())
+    named = {f"heads.{n}": (p, sd64[n]) for n, p in model.heads.named_parameters()}
+    if fixed_hidden:
+        with torch.no_grad(), _eager_ops():  # only an input here: which kernels made it does not matter
+            hidden = model.base.model(ids_d, position_ids=pos_d).requires_grad_()
+        hidden64 = hidden.detach().cpu().double().requires_grad_()
+        ref_base = SimpleNamespace(model=lambda *args, **kwargs: hidden64, lm_head=base64.lm_head)
+        named["hidden"] = (hidden, hidden64)
+        named["base.lm_head.weight"] = (model.base.lm_head.weight, base64.lm_head.weight)
+    else:
+        ref_base = base64
+        for (n, p), (_, p64) in zip(model.base.named_parameters(), base64.named_parameters()):
+            named[f"base.{n}"] = (p, p64)
+    with _eager_ops():  # float64 through the kernels' PyTorch references (on CPU they would be interpreted)
+        ref_loss, _, ref_ces, *_ = reference_loss(ref_base, sd64, model.config, ids, labels, pos, w0=1.0,
+                                                  scales=scales, stage=2)
+        ref_loss.backward()
+
+    if fixed_hidden:
+        out = medusa_loss(hidden, model.heads, labels_d, position_ids=pos_d, base_lm_head_weight=
+                          model.base.lm_head.weight, base_loss_weight=1.0, head_scales=scales)
+    else:
+        out = model(ids_d, labels=labels_d, position_ids=pos_d)
     out.loss.backward()
-    ref = reference_loss(base64, sd64, model.config, ids, labels, pos, w0=1.0, scales=model.head_scales(), stage=2)
-    ref[0].backward()
-    # fp32 results of a bf16 computation: held to the bf16 bound.
-    assert rel_l2(out.loss.detach().cpu(), ref[0].detach()) <= 1e-2
-    assert rel_l2(out.head_losses.cpu(), ref[2]) <= 1e-2
-    assert torch.equal(out.head_count.cpu(), ref[5])
-    for name, p in model.heads.named_parameters():
-        assert_matches(p.grad.cpu(), sd64[name].grad, name=f"grad heads.{name}")
-    assert all(torch.isfinite(p.grad).all() for p in model.base.parameters())
+    assert torch.equal(out.head_count.cpu(), torch.stack([(reference_targets(labels, k + 2, pos) != IGNORE).sum()
+                                                          for k in range(len(scales))]))
+    ours = {n: p.grad for n, (p, _) in named.items()}
+    for p, _ in named.values():
+        p.grad = None
+    with _eager_ops():
+        eager_hidden = hidden if fixed_hidden else model.base.model(ids_d, position_ids=pos_d)
+        eager_loss, eager_ces = _eager_loss(model, eager_hidden, labels, pos, scales)
+        eager_loss.backward()
+    errors = {"loss": (rel_l2(out.loss.cpu(), ref_loss), rel_l2(eager_loss.cpu(), ref_loss)),
+              "head_losses": (rel_l2(out.head_losses.cpu(), ref_ces), rel_l2(eager_ces.cpu(), ref_ces))}
+    for n, (p, p64) in named.items():
+        assert ours[n] is not None and ours[n].dtype == torch.bfloat16, n
+        errors[f"grad {n}"] = (rel_l2(ours[n].cpu(), p64.grad), rel_l2(p.grad.cpu(), p64.grad))
+    return errors
+
+
+def _assert_within_eager(errors: dict[str, tuple[float, float]], absolute: tuple[str, ...] | None) -> None:
+    """ours ≤ max(2·eager, one bf16 rounding) for every entry; ours ≤ 1e-2 too for the names in `absolute` (all
+    when None). The 1e-2 set is fixed from measurements, not decided per run from eager's error, so an eager error
+    that happens to land near 1e-2 cannot make the test flaky."""
+    report = "\n".join(f"  {n}: ours {o:.3e}, eager bf16 {e:.3e}" for n, (o, e) in errors.items())
+    for name, (ours, eager) in errors.items():
+        assert ours <= max(2 * eager, BF16_FLOOR), f"{name}: ours {ours:.3e} > 2x eager bf16's {eager:.3e}\n{report}"
+        if absolute is None or name in absolute:
+            assert ours <= 1e-2, f"{name}: ours {ours:.3e} > 1e-2 (eager bf16: {eager:.3e})\n{report}"
+
+
+def _bf16_stage2_model(vocab: int, hidden: int, layers: int, share: bool, device: str) -> MedusaModel:
+    base = make_base(vocab, hidden, torch.bfloat16, layers=layers).to(device)
+    model = MedusaModel.from_base(base, stage=2, num_heads=3, share_lm_head=share)
+    for p in model.heads.parameters():  # away from the zero init, so every gradient path carries signal
+        p.data.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("fixed_hidden,share", [(False, False), (True, False), (True, True)])
+def test_bf16_stage2_within_2x_eager(fixed_hidden, share, interpreted_kernels):
+    """bf16 stage 2 with every kernel interpreted (base, fused linear-CE) vs float64, and vs eager bf16. On CPU ours
+    and eager agree to a few bf16 ulps (same GEMMs), so a Medusa-side slip of ~2% in any gradient fails here."""
+    model = _bf16_stage2_model(128, 64, layers=1, share=share, device="cpu")  # 1 layer: the interpreter is slow
+    ids, labels, pos = packed_batch(2, 24, 128, packed=True)
+    errors = _bf16_errors(model, ids, labels, pos, fixed_hidden=fixed_hidden)
+    _assert_within_eager(errors, absolute=None if fixed_hidden else ("loss", "head_losses"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fixed_hidden", [False, True])
+@pytest.mark.parametrize("share", [False, True])
+def test_gpu_bf16_stage2_within_2x_eager(share, fixed_hidden):
+    """bf16 on the GPU (Triton kernels) vs the float64 CPU reference, against eager bf16 on the GPU."""
+    model = _bf16_stage2_model(512, 128, layers=2, share=share, device="cuda")
+    ids, labels, pos = packed_batch(2, 96, 512, packed=True)
+    errors = _bf16_errors(model, ids, labels, pos, fixed_hidden=fixed_hidden)
+    _assert_within_eager(errors, absolute=None if fixed_hidden else ("loss", "head_losses"))
