@@ -152,7 +152,8 @@ def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
     return (cdiv(n_rows, block_r) * cdiv(n_cols, block_c),), block_r, block_c, warps
 
 
-def _forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor, activation: str) -> None:
+def gated_forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor, activation: str) -> None:
+    """out2d = act(gate2d) · up2d for (rows, I) views with unit column stride (no autograd; used by fused layers)."""
     n_rows, n_cols = gate2d.shape
     if not use_triton(gate2d, up2d):
         out2d.copy_(gated_mlp_reference(gate2d, up2d, activation))
@@ -164,7 +165,8 @@ def _forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor, acti
     )
 
 
-def _backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str) -> None:
+def gated_backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str) -> None:
+    """dgate2d, dup2d from dout2d, recomputing the activation; dgate2d/dup2d may alias gate2d/up2d (in place)."""
     n_rows, n_cols = gate2d.shape
     if not use_triton(dout2d, gate2d, up2d):
         with torch.enable_grad():
@@ -182,7 +184,7 @@ def _backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str) -> None:
     )
 
 
-def _owns_memory(x: torch.Tensor, x2d: torch.Tensor, width: int) -> bool:
+def owns_memory(x: torch.Tensor, x2d: torch.Tensor, width: int) -> bool:
     """Whether the gradient may overwrite x2d: rows do not overlap, and the memory is a private copy or an
     autograd intermediate's (never a leaf's, whose .data the caller still holds)."""
     if x2d.shape[0] > 1 and x2d.stride(0) < width:
@@ -216,17 +218,17 @@ class _GatedMLPFunction(torch.autograd.Function):
             gu2d = row_view(gate_up)
             half = gu2d.shape[1] // 2
             gate2d, up2d = gu2d[:, :half], gu2d[:, half:]
-            ctx.inplace = _owns_memory(gate_up, gu2d, 2 * half)
+            ctx.inplace = owns_memory(gate_up, gu2d, 2 * half)
             ctx.save_for_backward(gu2d)
         else:
             gate, up = inputs
             gate2d, up2d = row_view(gate), row_view(up)
             n = gate2d.shape[1]
-            ctx.inplace = _owns_memory(gate, gate2d, n) and _owns_memory(up, up2d, n) and _disjoint(gate2d, up2d)
+            ctx.inplace = owns_memory(gate, gate2d, n) and owns_memory(up, up2d, n) and _disjoint(gate2d, up2d)
             ctx.save_for_backward(gate2d, up2d)
         out2d = torch.empty(gate2d.shape, dtype=gate2d.dtype, device=gate2d.device)
         if out2d.numel():
-            _forward(gate2d, up2d, out2d, activation)
+            gated_forward(gate2d, up2d, out2d, activation)
         ctx.activation, ctx.packed = activation, packed
         ctx.shapes = [x.shape for x in inputs]
         return out2d.view(inputs[0].shape[:-1] + (gate2d.shape[1],))
@@ -245,7 +247,7 @@ class _GatedMLPFunction(torch.autograd.Function):
         else:
             (gate2d, up2d), (dgate2d, dup2d) = saved, grads
         if gate2d.numel():
-            _backward(row_view(dout), gate2d, up2d, dgate2d, dup2d, ctx.activation)
+            gated_backward(row_view(dout), gate2d, up2d, dgate2d, dup2d, ctx.activation)
         if ctx.inplace:
             increment_version(saved)
         return (None, None) + tuple(g.view(shape) for g, shape in zip(grads, ctx.shapes))

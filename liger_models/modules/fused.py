@@ -24,9 +24,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 from liger_models.kernels._dispatch import row_view, use_triton
-from liger_models.kernels.gated_mlp import _backward as gated_backward
-from liger_models.kernels.gated_mlp import _forward as gated_forward
-from liger_models.kernels.gated_mlp import _owns_memory
+from liger_models.kernels.gated_mlp import gated_backward, gated_forward, owns_memory
 from liger_models.kernels.gated_mlp import gated_mlp_packed
 from liger_models.kernels.rms_norm import RMSNorm, norm_backward, norm_forward
 
@@ -85,7 +83,7 @@ class _GatedDown(torch.autograd.Function):
         if act.numel():
             gated_forward(gu2d[:, :half], gu2d[:, half:], act, activation)
         out = torch.mm(act, weight.t()) if bias is None else torch.addmm(bias, act, weight.t())
-        ctx.inplace = _owns_memory(gate_up, gu2d, 2 * half)
+        ctx.inplace = owns_memory(gate_up, gu2d, 2 * half)
         ctx.save_for_backward(gu2d, weight)
         ctx.activation, ctx.has_bias, ctx.shape = activation, bias is not None, gate_up.shape
         return out.view(*gate_up.shape[:-1], weight.shape[0])
