@@ -14,14 +14,8 @@ from harness import Result, run_case, save, table
 
 def time_case(label: str, providers: dict[str, Callable[[], object]], nbytes: int, copy_gbs: float,
               extra: dict, wanted: set[str]) -> list[Result]:
-    """Warm up (JIT, torch.compile) outside the measured region, then time every wanted provider."""
-    providers = {k: v for k, v in providers.items() if not wanted or k in wanted}
-    for fn in providers.values():
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - run_case records the failure
-            pass
-    results = run_case(label, providers, {**extra, "bytes": nbytes})
+    """Time every wanted provider (run_case warms each up first) and add achieved bandwidth to the results."""
+    results = run_case(label, providers, {**extra, "bytes": nbytes}, wanted)
     for r in results:
         if r.ms:
             r.extra["gbs"] = nbytes / (r.ms * 1e-3) / 1e9

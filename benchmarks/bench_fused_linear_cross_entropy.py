@@ -95,13 +95,7 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
 
 def time_case(label: str, fns: dict, flop: float, grad_mib: float, scratch_mib: float, rate: float,
               extra: dict, wanted: set[str]) -> list[Result]:
-    fns = {k: v for k, v in fns.items() if not wanted or k in wanted}
-    for fn in fns.values():  # JIT / torch.compile warm-up outside the measured region
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - run_case records the failure
-            pass
-    results = run_case(label, fns, {**extra, "flop": flop})
+    results = run_case(label, fns, {**extra, "flop": flop}, wanted)
     for r in results:
         if r.ms:
             r.extra["peak_raw_mib"] = r.peak_mib
