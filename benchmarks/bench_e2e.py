@@ -44,7 +44,9 @@ CONFIGS: dict[str, tuple[dict, int, int]] = {
                            tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=None,
                            max_position_embeddings=4096), 8, 2048),
 }
-PROVIDERS = ("ours", "hf", "hf_compile", "hf_liger")
+# ours_inbwd: ours with the optimizer step inside backward (liger_models/train/step_in_backward.py): the same
+# AdamW updates bit for bit, each gradient freed once its parameter is stepped.
+PROVIDERS = ("ours", "ours_inbwd", "hf", "hf_compile", "hf_liger")
 WARMUP, STEPS = 4, 8
 H200_BF16_PEAK_TFLOPS = 989.0
 
@@ -62,7 +64,7 @@ def flops_per_token(cfg: dict, seq: int) -> float:
 def _build(provider: str, cfg: dict):
     import torch
 
-    if provider == "ours":
+    if provider in ("ours", "ours_inbwd"):
         from liger_models.auto import model_class
 
         cls = model_class(cfg["model_type"])
@@ -90,13 +92,19 @@ def _worker(name: str, provider: str) -> dict:
     model = _build(provider, cfg)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    in_backward = provider == "ours_inbwd"
+    if in_backward:
+        from liger_models.train.step_in_backward import OptimizerInBackward
+
+        OptimizerInBackward(opt)
     ids = torch.randint(0, cfg["vocab_size"], (WARMUP + STEPS, batch, seq), device="cuda")
 
     def step(i: int) -> float:
         loss = model(input_ids=ids[i], labels=ids[i]).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if not in_backward:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss
 
     for i in range(WARMUP):

@@ -9,6 +9,8 @@ warm-up; peak = torch.cuda.max_memory_allocated over those steps (weights, grads
 
 Providers:
   liger-models  MedusaModel: our fused model; every head is fused linear-CE (loss_scale, frozen shared weight).
+  liger-models-inbwd  the same with the optimizer step inside backward (liger_models/train/step_in_backward.py):
+                identical updates, each gradient freed as soon as its parameter is stepped.
   hf-style      transformers LlamaForCausalLM + per-head ResBlock → logits materialised, upcast to fp32, CE.
   liger-style   the same model patched by liger-kernel's apply_liger_kernel_to_llama, and
                 LigerFusedLinearCrossEntropyLoss per head on the ResBlock output (hidden[:, :-(k+2)] slices).
@@ -38,8 +40,11 @@ MODEL = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_
 NUM_HEADS, LAMBDA0, DECAY, LR, HEAD_LR_MULT = 5, 0.2, 0.8, 1e-5, 4.0
 SHAPES = [(8, 1024), (4, 2048), (2, 4096), (1, 8192), (1, 16384), (1, 32768), (1, 65536)]
 QUICK_SHAPES = [(8, 1024), (1, 16384)]
-PROVIDERS = ("liger-models", "hf-style", "liger-style")
+PROVIDERS = ("liger-models", "liger-models-inbwd", "hf-style", "liger-style")
 QUICK_RUNS = [("liger-models", "copy"), ("liger-models", "shared"), ("hf-style", "copy"), ("liger-style", "copy")]
+# The baselines are measured with copied lm_heads only (the table); ours both ways.
+FULL_RUNS = [("liger-models", "copy"), ("liger-models", "shared"), ("liger-models-inbwd", "copy"),
+             ("liger-models-inbwd", "shared"), ("hf-style", "copy"), ("liger-style", "copy")]
 WARMUP, STEPS, LONG_STEPS = 1, 3, 2  # LONG_STEPS for ≥ 32K-token steps (seconds each)
 TIMEOUT_S = 420
 DEVICE = "cuda"
@@ -112,7 +117,7 @@ def _baseline(provider: str, lm_head: str, stage: int):
     return (base, heads), opt, loss_fn
 
 
-def _measure(loss_fn, opt, B: int, T: int) -> dict:
+def _measure(loss_fn, opt, B: int, T: int, in_backward: bool) -> dict:
     import torch
 
     steps = STEPS if B * T < 32768 else LONG_STEPS
@@ -120,8 +125,9 @@ def _measure(loss_fn, opt, B: int, T: int) -> dict:
 
     def step(i):
         loss_fn(ids[i]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if not in_backward:  # else backward already stepped every parameter and freed its gradient
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -142,8 +148,13 @@ def worker(spec: dict) -> None:
 
     for stage in spec["stages"]:
         torch.manual_seed(0)
-        if spec["provider"] == "liger-models":
+        in_backward = spec["provider"] == "liger-models-inbwd"
+        if spec["provider"].startswith("liger-models"):
             holder, opt, loss_fn = _ours(spec["lm_head"], stage)
+            if in_backward:
+                from liger_models.train.step_in_backward import OptimizerInBackward
+
+                hooks = OptimizerInBackward(opt)
         else:
             holder, opt, loss_fn = _baseline(spec["provider"], spec["lm_head"], stage)
         oom_at = None
@@ -153,13 +164,15 @@ def worker(spec: dict) -> None:
                 row["error"] = f"OOM (as at {oom_at[0]}x{oom_at[1]})"
             else:
                 try:
-                    row.update(_measure(loss_fn, opt, B, T))
+                    row.update(_measure(loss_fn, opt, B, T, in_backward))
                 except torch.cuda.OutOfMemoryError:
                     row["error"], oom_at = "OOM", (B, T)
                 opt.zero_grad(set_to_none=True)
                 gc.collect()
                 torch.cuda.empty_cache()
             print(json.dumps(row), file=sys.stderr, flush=True)
+        if in_backward:
+            hooks.remove()
         del holder, opt, loss_fn
         gc.collect()
         torch.cuda.empty_cache()
@@ -221,7 +234,7 @@ def main() -> None:
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {PROVIDERS}")
-    runs = QUICK_RUNS if args.quick else [(p, m) for p in PROVIDERS for m in ("copy", "shared")]
+    runs = QUICK_RUNS if args.quick else FULL_RUNS
     shapes = QUICK_SHAPES if args.quick else SHAPES
     rows = []
     t0 = time.time()

@@ -128,11 +128,12 @@ def _gated_fwd_kernel(
 
 @triton.jit
 def _gated_bwd_kernel(
-    DOUT, GATE, UP, DGATE, DUP, n_rows, n_cols,
-    stride_dout_row, stride_gate_row, stride_up_row, stride_dgate_row, stride_dup_row,
-    ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    DOUT, GATE, UP, DGATE, DUP, PROD, n_rows, n_cols,
+    stride_dout_row, stride_gate_row, stride_up_row, stride_dgate_row, stride_dup_row, stride_prod_row,
+    ACT: tl.constexpr, STORE_PRODUCT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    # DGATE/DUP may be GATE/UP themselves: every element is read before the same program overwrites it.
+    # DGATE/DUP may be GATE/UP themselves and PROD may be DOUT: every element is read before the same program
+    # overwrites it.
     rows, cols = _tile(n_cols, BLOCK_R, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     dy = tl.load(DOUT + rows[:, None] * stride_dout_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -142,6 +143,8 @@ def _gated_bwd_kernel(
     dtype = DGATE.dtype.element_ty
     tl.store(DGATE + rows[:, None] * stride_dgate_row + cols[None, :], (dy * u * da).to(dtype), mask=mask)
     tl.store(DUP + rows[:, None] * stride_dup_row + cols[None, :], (dy * a).to(dtype), mask=mask)
+    if STORE_PRODUCT:  # the forward's output, for a following GEMM's weight gradient (same rounding as forward)
+        tl.store(PROD + rows[:, None] * stride_prod_row + cols[None, :], (a * u).to(PROD.dtype.element_ty), mask=mask)
 
 
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
@@ -165,22 +168,30 @@ def gated_forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor,
     )
 
 
-def gated_backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str) -> None:
-    """dgate2d, dup2d from dout2d, recomputing the activation; dgate2d/dup2d may alias gate2d/up2d (in place)."""
+def gated_backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str, product2d=None) -> None:
+    """dgate2d, dup2d from dout2d, recomputing the activation; dgate2d/dup2d may alias gate2d/up2d (in place).
+    With product2d, the same pass also writes the forward's act(gate2d)·up2d there (bit-identical to
+    gated_forward); product2d may alias dout2d. A fused layer uses it for the next GEMM's weight gradient
+    instead of re-reading gate/up in a separate forward pass."""
     n_rows, n_cols = gate2d.shape
     if not use_triton(dout2d, gate2d, up2d):
+        product = None if product2d is None else gated_mlp_reference(gate2d, up2d, activation)
         with torch.enable_grad():
             compute = torch.promote_types(gate2d.dtype, torch.float32)
             x, u = (t.detach().to(compute).requires_grad_() for t in (gate2d, up2d))
             dx, du = torch.autograd.grad(gated_mlp_reference(x, u, activation), (x, u), dout2d.to(compute))
         dgate2d.copy_(dx)
         dup2d.copy_(du)
+        if product2d is not None:
+            product2d.copy_(product)
         return
     grid, block_r, block_c, warps = _grid(n_rows, n_cols)
+    prod = dout2d if product2d is None else product2d  # unused pointer when STORE_PRODUCT is off
     _gated_bwd_kernel[grid](
-        dout2d, gate2d, up2d, dgate2d, dup2d, n_rows, n_cols,
-        dout2d.stride(0), gate2d.stride(0), up2d.stride(0), dgate2d.stride(0), dup2d.stride(0),
-        ACT=ACTIVATIONS[activation], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        dout2d, gate2d, up2d, dgate2d, dup2d, prod, n_rows, n_cols,
+        dout2d.stride(0), gate2d.stride(0), up2d.stride(0), dgate2d.stride(0), dup2d.stride(0), prod.stride(0),
+        ACT=ACTIVATIONS[activation], STORE_PRODUCT=product2d is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=warps,
     )
 
 

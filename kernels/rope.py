@@ -79,11 +79,12 @@ def _store_rotated(OUT, offs, x1, x2, mask, cos1, cos2, sin1, sin2, HALF: tl.con
 
 
 @triton.jit
-def _copy_tail(SRC, DST, src_tok, dst_row, h0, stride_h, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _copy_tail(SRC, DST, src_tok, dst_tok, h0, stride_h, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                ROT: tl.constexpr, TAIL: tl.constexpr, t_mask, BLOCK_H: tl.constexpr, BLOCK_TAIL: tl.constexpr):
-    """Copy the TAIL pass-through dims after the ROT rotated ones into the contiguous gradient (dst_row: token index)."""
+    """Copy the TAIL pass-through dims after the ROT rotated ones into the gradient (dst_tok: the tokens' offsets
+    in DST, whose heads are packed back to back)."""
     src, mask = _head_offsets(src_tok + ROT, h0, stride_h, N_HEADS, TAIL, t_mask, BLOCK_H, BLOCK_TAIL)
-    dst, _ = _head_offsets(dst_row * (N_HEADS * HEAD_DIM) + ROT, h0, HEAD_DIM, N_HEADS, TAIL, t_mask, BLOCK_H, BLOCK_TAIL)
+    dst, _ = _head_offsets(dst_tok + ROT, h0, HEAD_DIM, N_HEADS, TAIL, t_mask, BLOCK_H, BLOCK_TAIL)
     tl.store(DST + dst, tl.load(SRC + src, mask=mask), mask=mask)
 
 
@@ -91,13 +92,15 @@ def _copy_tail(SRC, DST, src_tok, dst_row, h0, stride_h, N_HEADS: tl.constexpr, 
 def _rope_kernel(
     Q, K, DST_Q, DST_K, COS, SIN, seq_len,
     stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h, stride_cos_b, stride_cos_t,
+    stride_dq_t, stride_dk_t,
     N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     TAIL: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr,
     N_TILES: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
 ):
     """BLOCK_T tokens of one sequence, all q and k heads. Forward: in place (DST_Q/DST_K unused). Backward: the
-    transpose, written to contiguous (B, T, H, D) DST_Q/DST_K, with the pass-through tail (TAIL dims). The loads
+    transpose, written to DST_Q/DST_K with the pass-through tail (TAIL dims); their tokens lie stride_d*_t apart
+    (b·T + t order) and their heads back to back: contiguous (B, T, H, D), or the q/k slices of a packed qkv grad. The loads
     of a tile's q and k heads are all issued before its stores: one memory round trip, not two."""
     pid = tl.program_id(0)
     t_blocks = tl.cdiv(seq_len, BLOCK_T)
@@ -118,7 +121,9 @@ def _rope_kernel(
         sin1, sin2 = -sin2, -sin1
     q_tok = b * stride_q_b + t * stride_q_t
     k_tok = b * stride_k_b + t * stride_k_t
-    dst_row = b * seq_len + t  # backward: the token's index in the contiguous gradients
+    dst_row = b * seq_len + t  # backward: the token's index in the gradients
+    dq_tok = dst_row * stride_dq_t
+    dk_tok = dst_row * stride_dk_t
     for i in tl.static_range(N_TILES):
         if i * BLOCK_HQ < N_Q_HEADS:
             q_src, q_mask = _head_offsets(q_tok, i * BLOCK_HQ, stride_q_h, N_Q_HEADS, HALF, t_mask, BLOCK_HQ, BLOCK_R)
@@ -130,24 +135,24 @@ def _rope_kernel(
             k2 = tl.load(K + k_src + HALF, mask=k_mask, other=0.0).to(tl.float32)
         if i * BLOCK_HQ < N_Q_HEADS:
             if BACKWARD:
-                q_dst, _ = _head_offsets(dst_row * (N_Q_HEADS * HEAD_DIM), i * BLOCK_HQ, HEAD_DIM, N_Q_HEADS, HALF,
+                q_dst, _ = _head_offsets(dq_tok, i * BLOCK_HQ, HEAD_DIM, N_Q_HEADS, HALF,
                                          t_mask, BLOCK_HQ, BLOCK_R)
                 _store_rotated(DST_Q, q_dst, q1, q2, q_mask, cos1, cos2, sin1, sin2, HALF)
             else:
                 _store_rotated(Q, q_src, q1, q2, q_mask, cos1, cos2, sin1, sin2, HALF)
         if i * BLOCK_HK < N_K_HEADS:
             if BACKWARD:
-                k_dst, _ = _head_offsets(dst_row * (N_K_HEADS * HEAD_DIM), i * BLOCK_HK, HEAD_DIM, N_K_HEADS, HALF,
+                k_dst, _ = _head_offsets(dk_tok, i * BLOCK_HK, HEAD_DIM, N_K_HEADS, HALF,
                                          t_mask, BLOCK_HK, BLOCK_R)
                 _store_rotated(DST_K, k_dst, k1, k2, k_mask, cos1, cos2, sin1, sin2, HALF)
             else:
                 _store_rotated(K, k_src, k1, k2, k_mask, cos1, cos2, sin1, sin2, HALF)
         if TAIL > 0:  # backward only: fresh gradients also need the dims the rotation passes through
             if i * BLOCK_HQ < N_Q_HEADS:
-                _copy_tail(Q, DST_Q, q_tok, dst_row, i * BLOCK_HQ, stride_q_h, N_Q_HEADS, HEAD_DIM, 2 * HALF, TAIL,
+                _copy_tail(Q, DST_Q, q_tok, dq_tok, i * BLOCK_HQ, stride_q_h, N_Q_HEADS, HEAD_DIM, 2 * HALF, TAIL,
                            t_mask, BLOCK_HQ, BLOCK_TAIL)
             if i * BLOCK_HK < N_K_HEADS:
-                _copy_tail(K, DST_K, k_tok, dst_row, i * BLOCK_HK, stride_k_h, N_K_HEADS, HEAD_DIM, 2 * HALF, TAIL,
+                _copy_tail(K, DST_K, k_tok, dk_tok, i * BLOCK_HK, stride_k_h, N_K_HEADS, HEAD_DIM, 2 * HALF, TAIL,
                            t_mask, BLOCK_HK, BLOCK_TAIL)
 
 
@@ -170,17 +175,31 @@ def _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward, tokens, head
     return -(-seq_len // block_t), meta
 
 
+def _token_stride(x: torch.Tensor) -> int | None:
+    """The spacing of tokens when x (B, T, H, D) has its heads back to back and its tokens evenly spaced in
+    b·T + t order (contiguous, or a head slice of a packed (B, T, W) tensor): the layout the backward writes.
+    None for any other layout. (Strides of size-1 dims are arbitrary, hence the cases.)"""
+    b, t, h, d = x.shape
+    if (h > 1 and x.stride(2) != d) or (d > 1 and x.stride(3) != 1):
+        return None
+    if t == 1:
+        return x.stride(0)
+    return x.stride(1) if b == 1 or x.stride(0) == t * x.stride(1) else None
+
+
 def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
     """Rotate q, k (B, T, H, D). Forward: in place (dst_q is q, dst_k is k). Backward: the transpose into fresh
-    contiguous dst_q, dst_k (pass-through tail included); q/k are then the incoming gradients, any strides."""
+    token-major dst_q, dst_k (pass-through tail included); q/k are then the incoming gradients, any strides."""
     bsz, seq_len, n_q_heads, head_dim = q.shape
     n_k_heads, rot = k.shape[2], cos.shape[-1]
     if bsz * seq_len == 0:
         return
     if backward:
-        assert dst_q.is_contiguous() and dst_k.is_contiguous(), "the backward writes contiguous gradients"
+        dq_stride, dk_stride = _token_stride(dst_q), _token_stride(dst_k)
+        assert dq_stride is not None and dk_stride is not None, "the backward writes token-major gradients"
     else:
         assert dst_q is q and dst_k is k, "the forward rotates in place"
+        dq_stride = dk_stride = 0
     if not use_triton(q, k, cos, sin):
         for src, dst in ((q, dst_q), (k, dst_k)):
             if backward:
@@ -197,6 +216,7 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
         q, k, dst_q, dst_k, cos, sin, seq_len,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),  # a batch of one broadcasts
+        dq_stride, dk_stride,
         **meta,
     )
 
@@ -218,6 +238,46 @@ class _RoPEFunction(torch.autograd.Function):
         dk = dk if dk.stride(-1) == 1 else dk.contiguous()
         _launch(dq, dk, cos, sin, dq_out, dk_out, backward=True)
         return dq_out, dk_out, None, None
+
+
+class _RoPEPackedFunction(torch.autograd.Function):
+    """Rotate q and k in place inside a packed projection output qkv (B, T, (Hq + 2·Hkv)·D) and return the
+    q, k, v head views. Its backward assembles d qkv in one fresh tensor: the rotation's transpose writes dq, dk
+    straight into their slices and dv is copied into its own. Slicing qkv under autograd instead would
+    materialise a zero-filled qkv-sized gradient per slice and add the three (3 fills, 3 copies, 2 adds)."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, n_q_heads, n_kv_heads, head_dim):
+        q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads, head_dim)
+        _launch(q, k, cos, sin, q, k, backward=False)
+        ctx.save_for_backward(cos, sin)
+        ctx.heads = (n_q_heads, n_kv_heads, head_dim)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        n_q_heads, n_kv_heads, head_dim = ctx.heads
+        like = next(g for g in (dq, dk, dv) if g is not None)
+        dqkv = torch.empty((like.shape[0], like.shape[1], (n_q_heads + 2 * n_kv_heads) * head_dim), dtype=like.dtype,
+                           device=like.device)
+        dst_q, dst_k, dst_v = _split_heads(dqkv, n_q_heads, n_kv_heads, head_dim)
+        # A missing gradient (an output unused by the loss) is zero; the kernel needs a unit stride along D.
+        dq = torch.zeros_like(dst_q) if dq is None else (dq if dq.stride(-1) == 1 else dq.contiguous())
+        dk = torch.zeros_like(dst_k) if dk is None else (dk if dk.stride(-1) == 1 else dk.contiguous())
+        _launch(dq, dk, cos, sin, dst_q, dst_k, backward=True)
+        if dv is None:
+            dst_v.zero_()
+        else:
+            dst_v.copy_(dv)
+        return dqkv, None, None, None, None, None
+
+
+def _split_heads(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int):
+    q_end, k_end = n_q_heads * head_dim, (n_q_heads + n_kv_heads) * head_dim
+    q = qkv[..., :q_end].unflatten(-1, (n_q_heads, head_dim))
+    k = qkv[..., q_end:k_end].unflatten(-1, (n_kv_heads, head_dim))
+    return q, k, qkv[..., k_end:].unflatten(-1, (n_kv_heads, head_dim))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -269,3 +329,21 @@ def rope(
         return _RoPEFunction.apply(q, k, cos, sin)
     _launch(q, k, cos, sin, q, k, backward=False)
     return q, k
+
+
+def rope_packed(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split a packed projection output qkv (B, T, (Hq + 2·Hkv)·D) = [q | k | v] into (B, T, H, D) head views,
+    rotating q and k in place (as :func:`rope`); returns (q, k, v). Under autograd the gradient of qkv is built
+    in one tensor (no per-slice zero-filled gradients). qkv must be a projection output nothing else saved."""
+    width = (n_q_heads + 2 * n_kv_heads) * head_dim
+    if qkv.dim() != 3 or qkv.shape[-1] != width:
+        raise ValueError(f"qkv must be (B, T, {width}) for {n_q_heads} q and {n_kv_heads} kv heads of {head_dim}, "
+                         f"got {tuple(qkv.shape)}")
+    q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads, head_dim)
+    _check(q, k, cos, sin)
+    if qkv.numel() and torch.is_grad_enabled() and qkv.requires_grad:
+        return _RoPEPackedFunction.apply(qkv, cos, sin, n_q_heads, n_kv_heads, head_dim)
+    _launch(q, k, cos, sin, q, k, backward=False)
+    return q, k, v

@@ -54,6 +54,9 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--beta1", type=float, default=0.9)
     p.add_argument("--beta2", type=float, default=0.95)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 disables (default 1.0)")
+    p.add_argument("--optimizer-in-backward", action="store_true",
+                   help="update each parameter inside backward and free its gradient at once (less memory, same "
+                        "weights; needs --max-grad-norm 0, --grad-accum 1, one process)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="parameter dtype; bf16 is pure bf16 (weights, grads, AdamW moments); auto = bf16 on CUDA, "
                         "fp32 on CPU")

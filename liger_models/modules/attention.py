@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_models.kernels.rope import rope
+from liger_models.kernels.rope import rope_packed
 
 from .cache import KVCache
 from .config import LigerConfig
@@ -135,11 +135,8 @@ class Attention(nn.Module):
                  cache: KVCache | None = None) -> torch.Tensor:
         """Attention from the packed projection output qkv (B, T, (Hq + 2 Hkv) D), a base tensor rope may rotate."""
         B, T, _ = qkv.shape
-        q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim
-        q = qkv[..., :q_end].unflatten(-1, (self.num_heads, self.head_dim))  # (B, T, Hq, D) view
-        k = qkv[..., q_end:k_end].unflatten(-1, (self.num_kv_heads, self.head_dim))  # (B, T, Hkv, D) view
-        q, k = rope(q, k, cos, sin)  # in place on qkv: v must be sliced only after this (see kernels/rope.py)
-        v = qkv[..., k_end:].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        # (B, T, H, D) views with q and k rotated in place; d qkv comes back as one tensor (see kernels/rope.py).
+        q, k, v = rope_packed(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, D)

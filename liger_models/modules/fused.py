@@ -8,9 +8,10 @@ rounded r), uses it for dW and drops it. One extra memory-bound pass over (N, H)
 GEMM.
 
 gated activation → down projection (``gated_down``): act(gate) * up feeding down_proj. Composed, the activation
-saves gate_up (N, 2I) and down_proj saves the product (N, I). Here only gate_up is saved; the backward recomputes
-the product for dW_down, then d gate_up is written over gate_up's memory as the activation kernel does alone
-(kernels/gated_mlp.py), so the product costs one extra elementwise pass and no memory.
+saves gate_up (N, 2I) and down_proj saves the product (N, I). Here only gate_up is saved; the backward computes
+d act = dout @ W_down first, then one kernel pass reads gate_up and d act and writes d gate_up over gate_up's
+memory and the recomputed product over d act's, which then feeds dW_down. The product costs no memory and no
+extra read of gate_up (the activation's own backward reads the same bytes).
 
 Llama-3.2-1B (H 2048, I 8192): 75.9 → 51.3 KB saved per token per layer (benchmarks/saved_activations.py).
 Both paths apply only where the Triton kernels run with autograd recording (CUDA, or CPU under TRITON_INTERPRET);
@@ -94,23 +95,27 @@ class _GatedDown(torch.autograd.Function):
         half = gu2d.shape[1] // 2
         gate, up = gu2d[:, :half], gu2d[:, half:]
         g = dout.reshape(-1, dout.shape[-1])  # (N, H)
-        dw = None
-        if ctx.needs_input_grad[2]:
+        need_dgu, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        db = g.sum(0) if ctx.has_bias else None
+        dw = dgu = None
+        if need_dgu:
+            dact = g @ weight  # (N, I)
+            dgu = gu2d if ctx.inplace else torch.empty_like(gu2d)
+            # One pass: d gate_up (over gate_up's memory when owned) and, for dW, the product over dact.
+            if dact.numel():
+                gated_backward(dact, gate, up, dgu[:, :half], dgu[:, half:], ctx.activation,
+                               product2d=dact if need_dw else None)
+            if ctx.inplace:
+                increment_version(gu2d)
+            dgu = dgu.view(ctx.shape)
+            if need_dw:
+                dw = g.t() @ dact
+            del dact
+        elif need_dw:
             act = torch.empty((gu2d.shape[0], half), dtype=gu2d.dtype, device=gu2d.device)
             if act.numel():
                 gated_forward(gate, up, act, ctx.activation)
             dw = g.t() @ act
-            del act  # freed before d act exists: the backward's peak stays at one (N, I) temporary
-        db = g.sum(0) if ctx.has_bias else None
-        dgu = None
-        if ctx.needs_input_grad[0]:
-            dact = g @ weight  # (N, I)
-            dgu = gu2d if ctx.inplace else torch.empty_like(gu2d)
-            if dact.numel():
-                gated_backward(dact, gate, up, dgu[:, :half], dgu[:, half:], ctx.activation)
-            if ctx.inplace:
-                increment_version(gu2d)
-            dgu = dgu.view(ctx.shape)
         return dgu, None, dw, db
 
 

@@ -119,7 +119,8 @@ def _finish(args, info, model, task, stream, groups, export, resume) -> RunResul
     scheduler = build_scheduler(optimizer, warmup, args.max_steps, args.min_lr_ratio)
     config = TrainConfig(output_dir=args.output_dir, max_steps=args.max_steps, grad_accum=args.grad_accum,
                          max_grad_norm=args.max_grad_norm, log_every=args.log_every, save_every=args.save_every,
-                         keep_last=args.keep_last, quiet=args.quiet)
+                         keep_last=args.keep_last, quiet=args.quiet,
+                         optimizer_in_backward=args.optimizer_in_backward)
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     trainer = Trainer(model, task, stream, optimizer, scheduler, config, info, export, run_args)
     if resume is not None:

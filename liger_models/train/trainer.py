@@ -30,6 +30,7 @@ from liger_models.modules import shift_labels
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
 from liger_models.train.data import IGNORE_INDEX, BatchStream
+from liger_models.train.step_in_backward import OptimizerInBackward
 
 
 @dataclass
@@ -44,6 +45,7 @@ class TrainConfig:
     save_every: int = 0  # 0: save only at the end
     keep_last: int = 2
     quiet: bool = False
+    optimizer_in_backward: bool = False  # update each parameter inside backward (step_in_backward.py)
 
 
 class CausalLMTask:
@@ -117,6 +119,15 @@ class Trainer:
         self.export, self.run_args = export, run_args or {}
         self.step = 0
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.in_backward = None
+        if config.optimizer_in_backward:
+            problems = [why for bad, why in ((config.grad_accum > 1, "gradient accumulation (--grad-accum > 1)"),
+                                             (config.max_grad_norm > 0, "clipping (--max-grad-norm > 0)"),
+                                             (info.distributed, "FSDP (several processes)")) if bad]
+            if problems:
+                raise ValueError("--optimizer-in-backward frees each gradient as soon as it is used, so it cannot "
+                                 "be combined with " + ", ".join(problems))
+            self.in_backward = OptimizerInBackward(optimizer)
         self.output_dir = Path(config.output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.history: list[dict] = []
@@ -140,11 +151,14 @@ class Trainer:
             # FSDP averages gradients over ranks; each loss is a share of the global mean, so they must add up.
             (loss * self.info.world_size if self.info.distributed else loss).backward()
             stats = s if stats is None else stats + s
-        grad_norm = _grad_norm(self.params, cfg.max_grad_norm)
         lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.optimizer.step()
+        if self.in_backward is not None:  # backward already updated every parameter and freed its gradient
+            grad_norm = None  # no moment holds every gradient
+        else:
+            grad_norm = _grad_norm(self.params, cfg.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         D.all_reduce_sum(stats)
         self.step += 1
         return self._metrics(stats.tolist(), counts.tolist(), grad_norm, lrs)

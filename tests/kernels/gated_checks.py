@@ -102,6 +102,15 @@ def check_launchers_poisoned(activation: str, rows: int, width: int, dtype: torc
     gm.gated_backward(dout, gate, up, dgate, dup, activation)
     assert_matches(dgate, dg_ref, eager=dg_eag, name="d gate")
     assert_matches(dup, du_ref, eager=du_eag, name="d up")
+    # The fused-layer form: gradients in place over gate/up and the product over dout, in one pass; the product
+    # is bit-identical to the forward's.
+    gate_up = torch.cat([gate, up], dim=1)
+    dprod = dout.clone()
+    gm.gated_backward(dprod, gate_up[:, :width], gate_up[:, width:], gate_up[:, :width], gate_up[:, width:],
+                      activation, product2d=dprod)
+    assert torch.equal(dprod, out), "the product written by the backward differs from the forward's"
+    assert_matches(gate_up[:, :width], dg_ref, eager=dg_eag, name="d gate (in place)")
+    assert_matches(gate_up[:, width:], du_ref, eager=du_eag, name="d up (in place)")
 
 
 def check_aliasing_safety(fn, fn_packed, activation: str) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from liger_models.kernels import rope as rope_mod
-from liger_models.kernels.rope import rope, rope_reference
+from liger_models.kernels.rope import rope, rope_packed, rope_reference
 from tests.helpers import DEVICE, assert_matches, poison_
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -130,6 +130,68 @@ def test_backward_launcher_writes_every_element(dtype):
     dq_ref, dk_ref = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
     assert_matches(dst_q, dq_ref, name="dq")
     assert_matches(dst_k, dk_ref, name="dk")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_launcher_writes_packed_slices(dtype):
+    """The backward writes dq/dk into the q and k slices of a poisoned packed (B, T, W) buffer and nothing else."""
+    b, t, hq, hkv, d, rot = 2, 5, 3, 1, 20, 12
+    dq, dk = sdpa_like_grads(b, t, hq, hkv, d, dtype)
+    cos, sin = torch.randn(b, t, rot, device=DEVICE), torch.randn(b, t, rot, device=DEVICE)
+    packed = poison_(torch.empty(b, t, (hq + 2 * hkv) * d, device=DEVICE, dtype=dtype))
+    dst_q = packed[..., : hq * d].unflatten(-1, (hq, d))
+    dst_k = packed[..., hq * d : (hq + hkv) * d].unflatten(-1, (hkv, d))
+    rope_mod._launch(dq, dk, cos, sin, dst_q, dst_k, backward=True)
+    q64 = torch.zeros(b, t, hq, d, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    k64 = torch.zeros(b, t, hkv, d, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    rq, rk = rope_reference(q64, k64, cos.double(), sin.double())
+    dq_ref, dk_ref = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
+    assert_matches(dst_q, dq_ref, name="dq")
+    assert_matches(dst_k, dk_ref, name="dk")
+    assert packed[..., (hq + hkv) * d :].isnan().all(), "the v slice is not the rotation's to write"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "B{}T{}Hq{}Hkv{}D{}R{}".format(*c))
+def test_packed_matches_reference(config, dtype):
+    """rope_packed on a fused projection output: rotated q/k views, untouched v, and d qkv = [dq' | dk' | dv]."""
+    b, t, hq, hkv, d, rot = config
+    qkv, q, k = fused_qkv(b, t, hq, hkv, d, dtype)
+    before = qkv.detach().clone()
+    cos, sin = torch.randn(b, t, rot, device=DEVICE), torch.randn(b, t, rot, device=DEVICE)
+    q64, k64 = (x.detach().double().requires_grad_() for x in (q, k))
+    rq, rk = rope_reference(q64, k64, cos.double(), sin.double())
+    dq, dk = sdpa_like_grads(b, t, hq, hkv, d, dtype)
+    dv = torch.randn(b, hkv, t, d, device=DEVICE).to(dtype).transpose(1, 2)
+    dq_ref, dk_ref = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
+
+    q_out, k_out, v_out = rope_packed(qkv, cos, sin, hq, hkv, d)
+    assert q_out.shape == (b, t, hq, d) and k_out.shape == (b, t, hkv, d) and v_out.shape == (b, t, hkv, d)
+    assert q_out.data_ptr() == qkv.data_ptr(), "q is rotated in place inside qkv"
+    assert_matches(q_out, rq, name="q")
+    assert_matches(k_out, rk, name="k")
+    assert torch.equal(v_out, before[..., (hq + hkv) * d :].unflatten(-1, (hkv, d))), "v must be untouched"
+    (dqkv,) = torch.autograd.grad((q_out, k_out, v_out), qkv, (dq, dk, dv))
+    assert dqkv.shape == qkv.shape
+    assert_matches(dqkv[..., : hq * d].unflatten(-1, (hq, d)), dq_ref, name="dq")
+    assert_matches(dqkv[..., hq * d : (hq + hkv) * d].unflatten(-1, (hkv, d)), dk_ref, name="dk")
+    assert torch.equal(dqkv[..., (hq + hkv) * d :].unflatten(-1, (hkv, d)), dv)
+
+
+def test_packed_unused_outputs_get_zero_gradient():
+    """Outputs the loss does not use (autograd passes None) contribute zeros, not garbage."""
+    b, t, hq, hkv, d = 2, 3, 4, 2, 8
+    qkv, _, _ = fused_qkv(b, t, hq, hkv, d, torch.float32)
+    cos, sin = torch.randn(1, t, d, device=DEVICE), torch.randn(1, t, d, device=DEVICE)
+    q, k, v = rope_packed(qkv, cos, sin, hq, hkv, d)
+    (dqkv,) = torch.autograd.grad(v.sum() * 2, qkv)
+    assert (dqkv[..., : (hq + hkv) * d] == 0).all() and (dqkv[..., (hq + hkv) * d :] == 2).all()
+    qkv, _, _ = fused_qkv(b, t, hq, hkv, d, torch.float32)
+    q, k, v = rope_packed(qkv, cos, sin, hq, hkv, d)
+    (dqkv,) = torch.autograd.grad(q.sum(), qkv)
+    assert (dqkv[..., hq * d :] == 0).all() and dqkv[..., : hq * d].abs().sum() > 0
+    with pytest.raises(ValueError, match="qkv must be"):
+        rope_packed(qkv.detach()[..., :-1], cos, sin, hq, hkv, d)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,141 @@
+"""Where one training step's time and memory go, per family (torch.profiler on the GPU).
+
+Builds the bench_e2e model for each config (this project's provider), runs warm-up steps, then profiles one step
+and groups GPU kernel time by what the kernel does (GEMMs, attention, our Triton kernels by op, optimizer,
+elementwise, copies). "host gap" is step wall time minus GPU busy time: where the GPU waited on Python.
+Memory: peak allocated split into weights, gradients, optimizer state and the rest (activations + transients).
+
+    python benchmarks/profile_e2e.py --out DIR [--configs llama-3.2-1b,...] [--provider ours]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import CONFIGS, _build  # noqa: E402
+
+# First match wins: a kernel name containing any of the needles belongs to the category.
+CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("attention", ("flash", "fmha", "attention", "attn", "cudnn")),
+    ("loss (CE kernel)", ("_ce_kernel", "_scale_kernel", "cross_entropy", "log_softmax", "nll_loss")),
+    ("norm", ("_norm_", "_sum_partials", "rms", "layer_norm")),
+    ("rope", ("_rope",)),
+    ("gated act", ("_gated", "silu", "gelu", "swiglu", "geglu")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "wgmma")),
+    ("embedding", ("embedding", "index_select", "indexselect", "scatter", "gather", "index_put")),
+    ("copy / fill", ("copy", "memcpy", "memset", "fill", "cat", "zero")),
+    ("reduction", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, needles in CATEGORIES:
+        if any(n in low for n in needles):
+            return cat
+    return "other"
+
+
+def _worker(name: str, provider: str, warmup: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg, batch, seq = CONFIGS[name]
+    torch.manual_seed(0)
+    model = _build(provider, cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, cfg["vocab_size"], (warmup + 2, batch, seq), device="cuda")
+
+    def step(i: int) -> None:
+        model(input_ids=ids[i], labels=ids[i]).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step(warmup)
+    torch.cuda.synchronize()
+    plain_ms = (time.perf_counter() - t0) * 1e3
+    peak = torch.cuda.max_memory_allocated()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(warmup + 1)
+        torch.cuda.synchronize()
+
+    kernels = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[ev.name]
+            k[0] += ev.device_time_total / 1e3
+            k[1] += 1
+    busy = sum(v[0] for v in kernels.values())
+    cats = defaultdict(float)
+    for kname, (ms, _) in kernels.items():
+        cats[category(kname)] += ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    states = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    gib = 2**30
+    return dict(config=name, provider=provider, step_ms=plain_ms, gpu_busy_ms=busy,
+                host_gap_ms=max(plain_ms - busy, 0.0),
+                categories=dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+                top_kernels=[dict(name=n[:120], ms=v[0], calls=v[1], category=category(n)) for n, v in top],
+                memory_gib=dict(peak=peak / gib, weights=weights / gib, grads=weights / gib,
+                                optimizer=states / gib, rest=(peak - 2 * weights - states) / gib))
+
+
+def report(r: dict) -> str:
+    lines = [f"### {r['config']} ({r['provider']}): step {r['step_ms']:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f} ms, "
+             f"host gap {r['host_gap_ms']:.1f} ms"]
+    lines.append("| category | ms | % of step |")
+    lines.append("|---|---|---|")
+    for cat, ms in r["categories"].items():
+        lines.append(f"| {cat} | {ms:.1f} | {100 * ms / r['step_ms']:.1f}% |")
+    m = r["memory_gib"]
+    lines.append(f"memory GiB: peak {m['peak']:.1f} = weights {m['weights']:.1f} + grads {m['grads']:.1f} + "
+                 f"optimizer {m['optimizer']:.1f} + activations/transients {m['rest']:.1f}")
+    lines.append("top kernels: " + "; ".join(f"{k['name'][:60]} {k['ms']:.1f}ms×{k['calls']}" for k in r["top_kernels"][:12]))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--provider", default="ours")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "PROVIDER"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(_worker(*args.worker, args.warmup)), flush=True)
+        return
+    rows = []
+    for name in args.configs.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--worker", name, args.provider, "--warmup", str(args.warmup)],
+                              capture_output=True, text=True, timeout=300)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if not line:
+            print(f"{name}: failed\n{proc.stderr[-2000:]}", flush=True)
+            continue
+        rows.append(json.loads(line[7:]))
+        print(report(rows[-1]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile_e2e_{args.provider}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

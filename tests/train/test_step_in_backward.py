@@ -1,0 +1,142 @@
+"""The optimizer step inside backward: same weights as a normal step, bit for bit, with gradients freed early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from liger_models import AutoLigerForCausalLM
+from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups
+from liger_models.train.step_in_backward import OptimizerInBackward
+
+
+def _pair(model_dir):
+    a, b = AutoLigerForCausalLM.from_pretrained(model_dir), AutoLigerForCausalLM.from_pretrained(model_dir)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    return a, b
+
+
+def _optimizer(model):
+    opt = build_adamw(decay_param_groups(model, lr=3e-3, weight_decay=0.1))
+    return opt, build_scheduler(opt, warmup_steps=2, max_steps=6)
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bit_identical_to_a_normal_step(path, tied, tiny_model_dir, tiny_tied_model_dir, monkeypatch):
+    """AdamW with weight-decay groups and a warmup/cosine LR: every weight equal after every step (the tied
+    embedding gets two accumulations per backward; on the Triton path the lm_head gradient is made in forward)."""
+    if path == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    normal, fused = _pair(tiny_tied_model_dir if tied else tiny_model_dir)
+    opt_n, sched_n = _optimizer(normal)
+    opt_f, sched_f = _optimizer(fused)
+    hooks = OptimizerInBackward(opt_f)
+    n_params = sum(1 for _ in fused.parameters())
+    live = []
+
+    def count_live(_):
+        live.append(sum(p.grad is not None for p in fused.parameters()))
+
+    for p in fused.parameters():
+        p.register_post_accumulate_grad_hook(count_live)
+    vocab = normal.config.vocab_size
+    for step in range(4):
+        ids = torch.randint(0, vocab, (2, 12))
+        normal(ids, labels=ids).loss.backward()
+        opt_n.step()
+        sched_n.step()
+        opt_n.zero_grad(set_to_none=True)
+        live.clear()
+        fused(ids, labels=ids).loss.backward()
+        sched_f.step()
+        assert all(p.grad is None for p in fused.parameters()), "every gradient is consumed by the step"
+        assert max(live) <= 2, f"gradients were not freed as they were used: {max(live)} alive at once"
+        for (name, pn), pf in zip(normal.named_parameters(), fused.parameters()):
+            assert torch.equal(pn, pf), f"step {step}: {name} differs"
+    assert opt_f.state_dict()["state"].keys() == opt_n.state_dict()["state"].keys()
+    hooks.remove()
+
+
+def test_multiple_uses_are_one_update():
+    """Two uses of one weight reach the hook as one summed gradient: SGD moves it by lr × the whole gradient."""
+    lin = torch.nn.Linear(4, 4)
+    ref = torch.nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+    OptimizerInBackward(torch.optim.SGD(lin.parameters(), lr=0.1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    lin(lin(x)).square().sum().backward()
+    ref(ref(x)).square().sum().backward()
+    opt.step()
+    assert torch.equal(lin.weight, ref.weight) and torch.equal(lin.bias, ref.bias)
+
+
+def test_reentrant_checkpoint_raises():
+    """A nested backward (reentrant checkpointing) delivers a second gradient after the update: refuse it."""
+    from torch.utils.checkpoint import checkpoint
+
+    lin = torch.nn.Linear(4, 4)
+    OptimizerInBackward(torch.optim.SGD(lin.parameters(), lr=0.1))
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="second gradient"):
+        (checkpoint(lin, x, use_reentrant=True) + lin(x)).sum().backward()
+
+
+def test_parameter_without_gradient_is_left_alone():
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    OptimizerInBackward(opt)
+    before = b.weight.detach().clone()
+    for _ in range(2):
+        a(torch.randn(2, 4)).sum().backward()
+    assert torch.equal(b.weight, before) and a.weight.grad is None
+
+
+def test_medusa_stage2_cli_same_run_and_resume(tiny_model_dir, text_file, tmp_path, monkeypatch):
+    """`train-medusa --stage 2` (heads at 4× LR in their own groups) with --optimizer-in-backward: the same losses
+    and checkpoint as the normal step; a run cut after its step-3 checkpoint resumes to the same end."""
+    from safetensors.torch import load_file
+
+    from liger_models.train.run import train_medusa
+    from liger_models.train.trainer import Trainer
+    from tests.train.test_trainer import _args, _Interrupt
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    extra = ("--stage", "2", "--num-heads", "2", "--grad-accum", "1", "--max-grad-norm", "0")
+    normal = train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "normal", *extra))
+    fused = train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "fused", *extra,
+                               "--optimizer-in-backward"))
+    assert [m["loss"] for m in normal.history] == [m["loss"] for m in fused.history]
+    assert all(m["grad_norm"] is None for m in fused.history)
+
+    original = Trainer.train_step
+
+    def crashing(self):
+        if self.step == 4:
+            raise _Interrupt
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crashing)
+    with pytest.raises(_Interrupt):
+        train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "cut", *extra, "--optimizer-in-backward"))
+    monkeypatch.setattr(Trainer, "train_step", original)
+    resumed = train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "cut", *extra,
+                                 "--optimizer-in-backward", "--resume", "auto"))
+    assert [m["loss"] for m in resumed.history] == [m["loss"] for m in normal.history[3:]]
+    for name in sorted(p.name for p in normal.checkpoint.glob("*.safetensors")):
+        for other in (fused, resumed):
+            a, b = load_file(normal.checkpoint / name), load_file(other.checkpoint / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+@pytest.mark.parametrize("flags, problem", [(("--grad-accum", "2", "--max-grad-norm", "0"), "gradient accumulation"),
+                                            (("--grad-accum", "1"), "clipping")])
+def test_incompatible_settings_are_refused(flags, problem, tiny_model_dir, text_file, tmp_path, monkeypatch):
+    from liger_models.train.run import train_causal_lm
+    from tests.train.test_trainer import _args
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=problem):
+        train_causal_lm(_args("train", tiny_model_dir, text_file, tmp_path / "x", *flags, "--optimizer-in-backward"))
