@@ -62,3 +62,32 @@ def test_quick_demo_on_cuda(tmp_path):
                                                  "cuda"]))
     # (Not asserting greedy equality: in bf16 the batched tree verification may flip near-tied argmaxes.)
     assert result["tokens_per_step"] >= 1.0 and len(result["after"]["top1"]) == 3
+
+
+def test_optimizer_in_backward_matches_fused_adamw_on_cuda(tiny_tied_model_dir):
+    """bf16 on CUDA with fused AdamW (multi-tensor for the normal step, one tensor per call in backward) and the
+    Triton kernels: the same weights bit for bit after every step, with at most two gradients alive at once."""
+    from liger_models import AutoLigerForCausalLM
+    from liger_models.train.step_in_backward import OptimizerInBackward
+
+    models = [AutoLigerForCausalLM.from_pretrained(tiny_tied_model_dir, dtype=torch.bfloat16, device="cuda")
+              for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True) for m in models]
+    OptimizerInBackward(opts[1])
+    live = []
+    for p in models[1].parameters():
+        p.register_post_accumulate_grad_hook(lambda _: live.append(sum(q.grad is not None
+                                                                      for q in models[1].parameters())))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    vocab = models[0].config.vocab_size
+    for _ in range(3):
+        ids = torch.randint(0, vocab, (4, 64), device="cuda")
+        with sdpa_kernel(SDPBackend.MATH):  # the flash/cuDNN backwards accumulate dq with atomics (run to run noise)
+            models[0](ids, labels=ids).loss.backward()
+            opts[0].step()
+            opts[0].zero_grad(set_to_none=True)
+            models[1](ids, labels=ids).loss.backward()
+        for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(a, b), name
+    assert max(live) <= 2
