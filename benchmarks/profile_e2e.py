@@ -70,6 +70,22 @@ def _worker(name: str, provider: str, warmup: int) -> dict:
     torch.cuda.synchronize()
     plain_ms = (time.perf_counter() - t0) * 1e3
     peak = torch.cuda.max_memory_allocated()
+    # Which phase sets the peak: forward (activations + the loss's in-forward gradients), backward, optimizer.
+    phases = {}
+    torch.cuda.reset_peak_memory_stats()
+    loss = model(input_ids=ids[warmup], labels=ids[warmup]).loss
+    torch.cuda.synchronize()
+    phases["forward_peak"], phases["forward_end"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    del loss
+    torch.cuda.synchronize()
+    phases["backward_peak"], phases["backward_end"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    phases["optimizer_peak"] = torch.cuda.max_memory_allocated()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step(warmup + 1)
         torch.cuda.synchronize()
@@ -94,7 +110,8 @@ def _worker(name: str, provider: str, warmup: int) -> dict:
                 categories=dict(sorted(cats.items(), key=lambda kv: -kv[1])),
                 top_kernels=[dict(name=n[:120], ms=v[0], calls=v[1], category=category(n)) for n, v in top],
                 memory_gib=dict(peak=peak / gib, weights=weights / gib, grads=weights / gib,
-                                optimizer=states / gib, rest=(peak - 2 * weights - states) / gib))
+                                optimizer=states / gib, rest=(peak - 2 * weights - states) / gib,
+                                **{k: v / gib for k, v in phases.items()}))
 
 
 def report(r: dict) -> str:
@@ -106,7 +123,9 @@ def report(r: dict) -> str:
         lines.append(f"| {cat} | {ms:.1f} | {100 * ms / r['step_ms']:.1f}% |")
     m = r["memory_gib"]
     lines.append(f"memory GiB: peak {m['peak']:.1f} = weights {m['weights']:.1f} + grads {m['grads']:.1f} + "
-                 f"optimizer {m['optimizer']:.1f} + activations/transients {m['rest']:.1f}")
+                 f"optimizer {m['optimizer']:.1f} + activations/transients {m['rest']:.1f}; by phase: forward peak "
+                 f"{m['forward_peak']:.1f} (end {m['forward_end']:.1f}), backward peak {m['backward_peak']:.1f}, "
+                 f"optimizer peak {m['optimizer_peak']:.1f}")
     lines.append("top kernels: " + "; ".join(f"{k['name'][:60]} {k['ms']:.1f}ms×{k['calls']}" for k in r["top_kernels"][:12]))
     return "\n".join(lines)
 
