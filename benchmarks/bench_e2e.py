@@ -6,6 +6,7 @@ Each (config, provider) runs in its own subprocess so that an OOM, a compile cac
 never leaks into another measurement.
 
     python benchmarks/bench_e2e.py --out DIR [--configs llama-1b,qwen-1.5b] [--providers ours,hf,hf_compile,hf_liger]
+    python benchmarks/bench_e2e.py --plot OUT.png RESULTS.json|RESULTS.jsonl ...   # bar chart of saved rows
 """
 
 from __future__ import annotations
@@ -121,7 +122,48 @@ def _worker(name: str, provider: str) -> dict:
                 loss=float(loss), mfu=tok_s * flops_per_token(cfg, seq) / (H200_BF16_PEAK_TFLOPS * 1e12))
 
 
+def _load_rows(path: str) -> list[dict]:
+    """Rows from a bench_e2e JSON ({"results": [...]}) or from a JSONL of the rows it prints."""
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".jsonl"):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)["results"]
+
+
+def plot(out_png: str, paths: list[str]) -> None:
+    """Grouped bars per config: tokens/s (top) and peak memory (bottom), one bar per provider; later files win."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {}
+    for path in paths:
+        for r in _load_rows(path):
+            if not r.get("error"):
+                rows[(r["config"], r["provider"])] = r
+    configs = [c for c in CONFIGS if any(k[0] == c for k in rows)]
+    providers = [p for p in PROVIDERS if any(k[1] == p for k in rows)]
+    fig, axes = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
+    width = 0.8 / len(providers)
+    for j, p in enumerate(providers):
+        xs = [i + (j - (len(providers) - 1) / 2) * width for i in range(len(configs))]
+        for ax, key, scale in ((axes[0], "tokens_per_s", 1e3), (axes[1], "peak_gib", 1)):
+            ax.bar(xs, [rows[(c, p)][key] / scale if (c, p) in rows else 0 for c in configs], width, label=p)
+    axes[0].set_ylabel("k tokens/s (higher is better)")
+    axes[1].set_ylabel("peak GiB (lower is better)")
+    axes[1].set_xticks(range(len(configs)), configs, rotation=15)
+    axes[0].legend(ncol=len(providers))
+    fig.suptitle("training step, H200, bf16, fused AdamW")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--plot":
+        plot(sys.argv[2], sys.argv[3:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--configs", default=",".join(CONFIGS))
