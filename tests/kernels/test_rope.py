@@ -52,6 +52,14 @@ def sdpa_like_grads(b, t, hq, hkv, d, dtype):
     return dq, dk
 
 
+def reference_backward(dq, dk, cos, sin):
+    """float64 gradients of the reference rotation for incoming gradients dq (B, T, Hq, D), dk (B, T, Hkv, D)."""
+    q64 = torch.zeros(dq.shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    k64 = torch.zeros(dk.shape, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    rq, rk = rope_reference(q64, k64, cos.double(), sin.double())
+    return torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
+
+
 def check_against_reference(config, dtype, cos_batch):
     b, t, hq, hkv, d, rot = config
     qkv, q, k = fused_qkv(b, t, hq, hkv, d, dtype)
@@ -124,10 +132,7 @@ def test_backward_launcher_writes_every_element(dtype):
     dst_q = poison_(torch.empty(b, t, hq, d, device=DEVICE, dtype=dtype))
     dst_k = poison_(torch.empty(b, t, hkv, d, device=DEVICE, dtype=dtype))
     rope_mod._launch(dq, dk, cos, sin, dst_q, dst_k, backward=True)
-    q64 = torch.zeros(b, t, hq, d, device=DEVICE, dtype=torch.float64, requires_grad=True)
-    k64 = torch.zeros(b, t, hkv, d, device=DEVICE, dtype=torch.float64, requires_grad=True)
-    rq, rk = rope_reference(q64, k64, cos.double(), sin.double())
-    dq_ref, dk_ref = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
+    dq_ref, dk_ref = reference_backward(dq, dk, cos, sin)
     assert_matches(dst_q, dq_ref, name="dq")
     assert_matches(dst_k, dk_ref, name="dk")
 
@@ -142,10 +147,7 @@ def test_backward_launcher_writes_packed_slices(dtype):
     dst_q = packed[..., : hq * d].unflatten(-1, (hq, d))
     dst_k = packed[..., hq * d : (hq + hkv) * d].unflatten(-1, (hkv, d))
     rope_mod._launch(dq, dk, cos, sin, dst_q, dst_k, backward=True)
-    q64 = torch.zeros(b, t, hq, d, device=DEVICE, dtype=torch.float64, requires_grad=True)
-    k64 = torch.zeros(b, t, hkv, d, device=DEVICE, dtype=torch.float64, requires_grad=True)
-    rq, rk = rope_reference(q64, k64, cos.double(), sin.double())
-    dq_ref, dk_ref = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
+    dq_ref, dk_ref = reference_backward(dq, dk, cos, sin)
     assert_matches(dst_q, dq_ref, name="dq")
     assert_matches(dst_k, dk_ref, name="dk")
     assert packed[..., (hq + hkv) * d :].isnan().all(), "the v slice is not the rotation's to write"

@@ -100,8 +100,7 @@ def test_medusa_stage2_cli_same_run_and_resume(tiny_model_dir, text_file, tmp_pa
     from safetensors.torch import load_file
 
     from liger_models.train.run import train_medusa
-    from liger_models.train.trainer import Trainer
-    from tests.train.test_trainer import _args, _Interrupt
+    from tests.train.test_trainer import _args, run_until_crash
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     extra = ("--stage", "2", "--num-heads", "2", "--grad-accum", "1", "--max-grad-norm", "0")
@@ -111,17 +110,8 @@ def test_medusa_stage2_cli_same_run_and_resume(tiny_model_dir, text_file, tmp_pa
     assert [m["loss"] for m in normal.history] == [m["loss"] for m in fused.history]
     assert all(m["grad_norm"] is None for m in fused.history)
 
-    original = Trainer.train_step
-
-    def crashing(self):
-        if self.step == 4:
-            raise _Interrupt
-        return original(self)
-
-    monkeypatch.setattr(Trainer, "train_step", crashing)
-    with pytest.raises(_Interrupt):
-        train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "cut", *extra, "--optimizer-in-backward"))
-    monkeypatch.setattr(Trainer, "train_step", original)
+    run_until_crash(monkeypatch, lambda: train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "cut",
+                                                            *extra, "--optimizer-in-backward")))
     resumed = train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "cut", *extra,
                                  "--optimizer-in-backward", "--resume", "auto"))
     assert [m["loss"] for m in resumed.history] == [m["loss"] for m in normal.history[3:]]

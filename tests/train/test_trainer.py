@@ -95,6 +95,21 @@ class _Interrupt(Exception):
     pass
 
 
+def run_until_crash(monkeypatch, run, after_step: int = 4) -> None:
+    """Run ``run()`` with a Trainer that raises at the start of the step after ``after_step``, as a killed job."""
+    original = Trainer.train_step
+
+    def crashing(self):
+        if self.step == after_step:
+            raise _Interrupt
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", crashing)
+    with pytest.raises(_Interrupt):
+        run()
+    monkeypatch.setattr(Trainer, "train_step", original)
+
+
 @pytest.mark.parametrize("command, extra", [
     ("train", ()),
     ("train-medusa", ("--stage", "2", "--num-heads", "2", "--schedule", "linear")),
@@ -105,17 +120,7 @@ def test_resume_is_bit_identical(command, extra, tiny_model_dir, text_file, tmp_
     assert [m["step"] for m in full.history] == [1, 2, 3, 4, 5, 6]
 
     # Crash during step 5: the step-3 checkpoint exists, step 4 was done but never saved.
-    original = Trainer.train_step
-
-    def crashing(self):
-        if self.step == 4:
-            raise _Interrupt
-        return original(self)
-
-    monkeypatch.setattr(Trainer, "train_step", crashing)
-    with pytest.raises(_Interrupt):
-        recipe(_args(command, tiny_model_dir, text_file, tmp_path / "cut", *extra))
-    monkeypatch.setattr(Trainer, "train_step", original)
+    run_until_crash(monkeypatch, lambda: recipe(_args(command, tiny_model_dir, text_file, tmp_path / "cut", *extra)))
     torch.manual_seed(1234)  # a resumed process starts from different RNG state: the checkpoint must restore it
     resumed = recipe(_args(command, tiny_model_dir, text_file, tmp_path / "cut", *extra, "--resume", "auto"))
 
