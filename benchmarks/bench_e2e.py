@@ -85,7 +85,9 @@ def _build(provider: str, cfg: dict):
     return model
 
 
-def _worker(name: str, provider: str) -> dict:
+def training_step(name: str, provider: str, n_batches: int):
+    """(model, optimizer, random token batches, step) for one config and provider; ``step(i)`` trains on batch i
+    (forward, backward, fused AdamW step) and returns the loss tensor. Shared with profile_e2e.py."""
     import torch
 
     cfg, batch, seq = CONFIGS[name]
@@ -98,9 +100,9 @@ def _worker(name: str, provider: str) -> dict:
         from liger_models.train.step_in_backward import OptimizerInBackward
 
         OptimizerInBackward(opt)
-    ids = torch.randint(0, cfg["vocab_size"], (WARMUP + STEPS, batch, seq), device="cuda")
+    ids = torch.randint(0, cfg["vocab_size"], (n_batches, batch, seq), device="cuda")
 
-    def step(i: int) -> float:
+    def step(i: int):
         loss = model(input_ids=ids[i], labels=ids[i]).loss
         loss.backward()
         if not in_backward:
@@ -108,6 +110,14 @@ def _worker(name: str, provider: str) -> dict:
             opt.zero_grad(set_to_none=True)
         return loss
 
+    return model, opt, ids, step
+
+
+def _worker(name: str, provider: str) -> dict:
+    import torch
+
+    cfg, batch, seq = CONFIGS[name]
+    _, _, _, step = training_step(name, provider, WARMUP + STEPS)
     for i in range(WARMUP):
         step(i)
     torch.cuda.synchronize()

@@ -18,11 +18,10 @@ provider the GPU time (summed kernel durations, torch.profiler) and host time pe
 
 from __future__ import annotations
 
-import time
 
 import torch
 from _bandwidth import report, time_case
-from harness import copy_bandwidth_gbs, parse_args
+from harness import copy_bandwidth_gbs, host_ms_per_call, parse_args
 
 HEADLINE = (4, 4096, 32, 8, 128)
 SWEEP = [(4, t, 32, 8, d) for t in (1024, 4096, 8192) for d in (64, 128)]
@@ -108,15 +107,7 @@ def gpu_ms(fn, reps: int = 10) -> float:
 
 def host_us(fn, reps: int = 20) -> float:
     """Host time per call, with ~0.1 s of GPU work queued ahead so that no launch waits for the device."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / reps * 1e6
+    return host_ms_per_call(fn, reps, busy_cycles=200_000_000) * 1e3
 
 
 def providers_for(b: int, t: int, hq: int, hkv: int, d: int) -> dict:

@@ -45,6 +45,21 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 1
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def host_ms_per_call(fn: Callable[[], object], reps: int, busy_cycles: int = 0) -> float:
+    """Host (enqueue) time per call of ``fn``, in ms. busy_cycles > 0 first queues that much GPU sleep, so no launch
+    waits for the device; with 0 the GPU idles and catches up as it goes."""
+    fn()
+    torch.cuda.synchronize()
+    if busy_cycles:
+        torch.cuda._sleep(busy_cycles)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / reps * 1e3
+
+
 def peak_extra_mib(fn: Callable[[], object]) -> float:
     """Peak memory allocated while ``fn`` runs, above what was allocated before it, in MiB."""
     gc.collect()

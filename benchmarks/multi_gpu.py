@@ -72,9 +72,9 @@ def _checkpoint_check(ckpt: Path, base_dir: Path, ids, device: str) -> dict:
         loss = float(model(ids, labels=ids).loss)
     saved = _tensors(ckpt, "*.safetensors")
     changed = 0
-    if has_model:
-        init, now = _tensors(base_dir, "model*.safetensors"), _tensors(ckpt, "model*.safetensors")
-        changed = sum(not torch.equal(now[k], init[k]) for k in init if k in now)
+    if has_model:  # saved holds the model's tensors too (head keys never collide with HF names)
+        init = _tensors(base_dir, "model*.safetensors")
+        changed = sum(not torch.equal(saved[k], init[k]) for k in init if k in saved)
     return dict(loss=loss, tensors=len(saved), empty=[k for k, t in saved.items() if t.numel() == 0],
                 model_tensors_changed=changed)
 
@@ -91,7 +91,9 @@ def _heads_difference(a: Path, b: Path) -> float | None:
 def _summary(one: list[dict], two: list[dict], first: int) -> dict:
     n = min(len(one), len(two))
     rel = [abs(two[i]["loss"] - one[i]["loss"]) / abs(one[i]["loss"]) for i in range(n)]
-    steady = lambda h: statistics.median(m["tokens_per_s"] for m in h[min(5, len(h) - 1):])  # noqa: E731
+    def steady(history: list[dict]) -> float:  # median after 5 warm-up steps
+        return statistics.median(m["tokens_per_s"] for m in history[min(5, len(history) - 1):])
+
     tok1, tok2 = steady(one), steady(two)
     return dict(steps=n, max_rel_loss_diff_first=max(rel[:first]), max_rel_loss_diff_all=max(rel),
                 final_loss_1gpu=one[n - 1]["loss"], final_loss_2gpu=two[n - 1]["loss"],

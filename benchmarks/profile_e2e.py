@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import CONFIGS, _build  # noqa: E402
+from bench_e2e import CONFIGS, training_step  # noqa: E402
 
 # First match wins: a kernel name containing any of the needles belongs to the category.
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
@@ -49,18 +49,7 @@ def _worker(name: str, provider: str, warmup: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    cfg, batch, seq = CONFIGS[name]
-    torch.manual_seed(0)
-    model = _build(provider, cfg)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    ids = torch.randint(0, cfg["vocab_size"], (warmup + 2, batch, seq), device="cuda")
-
-    def step(i: int) -> None:
-        model(input_ids=ids[i], labels=ids[i]).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    model, opt, ids, step = training_step(name, provider, warmup + 2)
     for i in range(warmup):
         step(i)
     torch.cuda.synchronize()

@@ -27,7 +27,7 @@ import time
 import torch
 import triton
 import triton.language as tl
-from harness import copy_bandwidth_gbs, median_ms
+from harness import copy_bandwidth_gbs, host_ms_per_call, median_ms
 
 import liger_models.kernels._launch as fast
 import liger_models.kernels.rms_norm as rn
@@ -115,16 +115,7 @@ def _gpu_ms(fn, reps: int = 12) -> float:
 
 def _host_ms(fn, n: int = 200, busy: bool = False) -> float:
     """Host time per call of ``fn`` (enqueue only). busy: the GPU is kept busy meanwhile, else it idles."""
-    fn()
-    torch.cuda.synchronize()
-    if busy:
-        torch.cuda._sleep(SLEEP_CYCLES * 50)
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return host / n * 1e3
+    return host_ms_per_call(fn, n, busy_cycles=SLEEP_CYCLES * 50 if busy else 0)
 
 
 def _inputs(rows: int, hidden: int, grad: bool = False):

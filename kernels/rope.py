@@ -221,6 +221,11 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
     )
 
 
+def _unit_last_stride(grad: torch.Tensor) -> torch.Tensor:
+    """Incoming dq/dk may be expanded (stride 0) or transposed; the kernel needs only a unit stride along D."""
+    return grad if grad.stride(-1) == 1 else grad.contiguous()
+
+
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
@@ -233,9 +238,7 @@ class _RoPEFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         dq_out = torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
         dk_out = torch.empty(dk.shape, dtype=dk.dtype, device=dk.device)
-        # dq/dk may be expanded (stride 0) or transposed; the kernel needs only a unit stride along D.
-        dq = dq if dq.stride(-1) == 1 else dq.contiguous()
-        dk = dk if dk.stride(-1) == 1 else dk.contiguous()
+        dq, dk = _unit_last_stride(dq), _unit_last_stride(dk)
         _launch(dq, dk, cos, sin, dq_out, dk_out, backward=True)
         return dq_out, dk_out, None, None
 
@@ -262,9 +265,9 @@ class _RoPEPackedFunction(torch.autograd.Function):
         dqkv = torch.empty((like.shape[0], like.shape[1], (n_q_heads + 2 * n_kv_heads) * head_dim), dtype=like.dtype,
                            device=like.device)
         dst_q, dst_k, dst_v = _split_heads(dqkv, n_q_heads, n_kv_heads, head_dim)
-        # A missing gradient (an output unused by the loss) is zero; the kernel needs a unit stride along D.
-        dq = torch.zeros_like(dst_q) if dq is None else (dq if dq.stride(-1) == 1 else dq.contiguous())
-        dk = torch.zeros_like(dst_k) if dk is None else (dk if dk.stride(-1) == 1 else dk.contiguous())
+        # A missing gradient (an output unused by the loss) is zero.
+        dq = torch.zeros_like(dst_q) if dq is None else _unit_last_stride(dq)
+        dk = torch.zeros_like(dst_k) if dk is None else _unit_last_stride(dk)
         _launch(dq, dk, cos, sin, dst_q, dst_k, backward=True)
         if dv is None:
             dst_v.zero_()

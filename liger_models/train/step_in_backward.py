@@ -32,14 +32,11 @@ class OptimizerInBackward:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._group_of: dict[torch.Tensor, int] = {}
-        self._stepped: set[torch.Tensor] = set()  # this backward's updated parameters
-        self._in_backward = False
+        self._group_of: dict[torch.Tensor, int] = {}  # torch.optim already refuses a parameter in two groups
+        self._stepped: set[torch.Tensor] = set()  # this backward's updated parameters; empty between backwards
         self._handles = []
         for i, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
-                if p in self._group_of:
-                    raise ValueError("a parameter appears in two optimizer groups")
                 self._group_of[p] = i
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -50,10 +47,9 @@ class OptimizerInBackward:
         self._handles.clear()
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._in_backward:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)  # runs when backward ends
-            self._in_backward = True
-        if p in self._stepped:
+        if not self._stepped:  # the first gradient of this backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._stepped.clear)  # runs when backward ends
+        elif p in self._stepped:
             raise RuntimeError(
                 f"a parameter of shape {tuple(p.shape)} received a second gradient in one backward after its "
                 "update; the optimizer step in backward needs one backward per step (no reentrant checkpointing)")
@@ -72,7 +68,3 @@ class OptimizerInBackward:
             for g, params in zip(groups, kept):
                 g["params"] = params
         p.grad = None
-
-    def _finish(self) -> None:
-        self._in_backward = False
-        self._stepped.clear()
