@@ -1,6 +1,6 @@
 """The cross-entropy row kernel shared by cross_entropy.py and fused_linear_cross_entropy.py.
 
-One program per row of logits (N, V). Pass 1 reads the row once with an online softmax and yields
+One program per row of logits (N, V) (or CE_ROWS_PER_PROGRAM rows in turn). Pass 1 reads the row once with an online softmax and yields
   m = running max,  S' = Σ_{j≠t} e^{x_j − m}  (the target's term kept apart),  e_t = e^{x_t − m},
   lse = m + log1p(S' + e_t − 1),  nll = lse − x_t,  q = 1 − p_t = S' / (S' + e_t),
 so neither the loss of a confident token nor its target gradient p_t − 1 = −q is formed by a cancelling
@@ -40,6 +40,9 @@ from ._launch import cdiv, pow2
 # Pass-2 re-reads hit L2 only for the tail of each row (≈ L2 / (2 · rows in flight) bytes).
 CE_BLOCK_V = 4096
 CE_NUM_WARPS = 8
+# Rows per program (1 = one program per row, the measured default). Not yet timed on the GPU above 1: >1 shrinks
+# the grid toward one resident program per SM, trading memory-level parallelism for pass-2 L2 hits.
+CE_ROWS_PER_PROGRAM = 1
 SCALE_BLOCK = 4096
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -111,13 +114,35 @@ def _log1p(v):
 
 @triton.jit
 def _ce_kernel(
-    LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE,
+    LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, n_rows,
+    stride_logits_row, stride_grad_row, stride_scale,
+    ignore_index, label_smoothing, z_loss, softcap,
+    N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
+):
+    # ROWS consecutive rows per program, one after another: a smaller grid keeps fewer rows in flight per SM, so
+    # more of pass 2's re-reads can come from L2 (a tuning knob, see CE_ROWS_PER_PROGRAM).
+    if ROWS == 1:  # the grid is exactly one program per row: no bounds check
+        _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, tl.program_id(0).to(tl.int64), stride_logits_row,
+                stride_grad_row, stride_scale, ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD,
+                BACKWARD, WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
+    else:
+        for r in tl.static_range(ROWS):
+            row = tl.program_id(0).to(tl.int64) * ROWS + r
+            if row < n_rows:
+                _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, row, stride_logits_row, stride_grad_row,
+                        stride_scale, ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD, BACKWARD,
+                        WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
+
+
+@triton.jit
+def _ce_row(
+    LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, row,
     stride_logits_row, stride_grad_row, stride_scale,
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
     X = LOGITS + row * stride_logits_row
     G = GRAD + row * stride_grad_row
     label = tl.load(LABELS + row).to(tl.int64)
@@ -234,13 +259,15 @@ def ce_rows(
     block = min(CE_BLOCK_V, pow2(n_cols))
     warps = max(1, min(CE_NUM_WARPS, block // 512))
     dummy = lse  # stands in for pointers a mode does not touch
-    _ce_kernel[(rows,)](
+    per_program = max(1, CE_ROWS_PER_PROGRAM)
+    _ce_kernel[(cdiv(rows, per_program),)](
         logits, grad if backward else logits, labels, loss if forward else dummy, lse, q,
-        rank if rank is not None else dummy, scale if backward else dummy,
+        rank if rank is not None else dummy, scale if backward else dummy, rows,
         logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
         ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
         N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
-        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block, num_warps=warps,
+        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block, ROWS=per_program,
+        num_warps=warps,
     )
 
 

@@ -70,6 +70,21 @@ def test_matches_reference(dtype, case):
     _check(logits, _labels(7, vocab), reduction, **opts)
 
 
+@pytest.mark.parametrize("rows_per_program", [2, 3])
+def test_several_rows_per_program_change_nothing(rows_per_program, monkeypatch):
+    """The CE_ROWS_PER_PROGRAM tuning knob (rows taken in turn by one program, a last program with fewer rows) gives
+    the same bits as one program per row, forward and backward, on the poisoned outputs."""
+    from liger_models.kernels import _ce_core
+
+    opts, reduction = CASES[-1]
+    logits = (torch.randn(7, 300, device=DEVICE) * 3).to(torch.bfloat16)
+    labels = _labels(7, 300)
+    loss, dx = _check(logits, labels, reduction, grad_scale=torch.linspace(-1, 1, 7), **opts)
+    monkeypatch.setattr(_ce_core, "CE_ROWS_PER_PROGRAM", rows_per_program)
+    loss_r, dx_r = _check(logits, labels, reduction, grad_scale=torch.linspace(-1, 1, 7), **opts)
+    assert torch.equal(loss, loss_r) and torch.equal(dx, dx_r)
+
+
 @pytest.mark.parametrize("grad_scale", [1.0, 0.25])
 def test_incoming_grad_scales_the_in_place_gradient(grad_scale):
     """mean/sum keep the gradient from the forward; backward multiplies by grad_output (skipped when it is 1)."""
