@@ -22,8 +22,13 @@ def time_case(label: str, providers: dict[str, Callable[[], object]], nbytes: in
             r.extra["frac_copy_bw"] = r.extra["gbs"] / copy_gbs
     torch.cuda.empty_cache()
     # Progress as it goes: a run cut short by a time limit still shows the cases it finished.
-    print(f"{label}: " + ", ".join(f"{r.provider} {r.ms:.3f} ms" if r.ms else f"{r.provider} failed" for r in results),
-          flush=True)
+    def cell(r: Result) -> str:
+        if not r.ms:
+            return f"{r.provider} failed"
+        graph = r.extra.get("graph_ms")
+        return f"{r.provider} {r.ms:.3f} ms" + (f" (graph {graph:.3f})" if graph else "")
+
+    print(f"{label}: " + ", ".join(cell(r) for r in results), flush=True)
     return results
 
 

@@ -18,6 +18,10 @@ from typing import Callable
 import torch
 
 MiB = 1 << 20
+# LIGER_BENCH_GRAPH=1: run_case also times each provider replayed as a CUDA graph (Result.extra["graph_ms"]), i.e.
+# its GPU time without the host's launch cost. Opt-in: a provider that cannot be captured is retried as None, but a
+# failed capture is the one place a benchmark run could be left in a bad CUDA state.
+GRAPH_TIMING = os.environ.get("LIGER_BENCH_GRAPH") == "1"
 
 
 @dataclass
@@ -43,6 +47,25 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 1
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], object]) -> float | None:
+    """Median time of ``fn`` replayed as one CUDA graph: what a graph-captured step pays for it, with no host launch
+    cost. None when ``fn`` cannot be captured (a host sync such as a label check, a CPU-side op)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # capture needs warm-up on a side stream (allocator, lazy init)
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001 - not capturable: report no graph time
+        torch.cuda.synchronize()
+        return None
+    return median_ms(graph.replay)
 
 
 def host_ms_per_call(fn: Callable[[], object], reps: int, busy_cycles: int = 0) -> float:
@@ -91,6 +114,8 @@ def run_case(case: str, providers: dict[str, Callable[[], object]], extra: dict 
             peak = peak_extra_mib(fn)
             ms = median_ms(fn)
             results.append(Result(case, name, ms, peak, dict(extra or {})))
+            if GRAPH_TIMING:
+                results[-1].extra["graph_ms"] = graph_ms(fn)
         except Exception as e:  # noqa: BLE001 - a failing peer must not stop the run
             results.append(Result(case, name, None, None, dict(extra or {}), error=f"{type(e).__name__}: {e}"[:300]))
         gc.collect()
