@@ -5,6 +5,7 @@ Everything is float32 on the CPU; HF runs its eager attention (the reference num
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -52,33 +53,50 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_ids: torch.Tensor | None = None,
                  grads: bool = True, ours=None):
-    """Logits (≤ 1e-4 abs), loss and every parameter's gradient (≤ 1e-4 relative) equal HF's. Returns ours."""
+    """Logits, loss and every parameter's gradient equal HF's. Returns ours.
+
+    The truth is HF run in float64. Ours (float32) must be within 1e-4 of it (absolute for logits, relative to the
+    tensor's max for gradients, 1e-5 relative for the loss) — or, where the case is so ill-conditioned that HF's own
+    float32 run is further off than that (random q/k biases can saturate a softmax), within 2× HF float32's error.
+    Comparing float32 to float32 instead made the test fail on seeds where ours was the more accurate of the two.
+    """
     ours = ours or AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    truth = copy.deepcopy(hf).double()
     vocab = hf.config.vocab_size
     ids = torch.randint(3, vocab, (batch, seq_len))
     labels = ids.clone()
     labels[0, : seq_len // 3] = -100  # some ignored targets
     kwargs = {} if position_ids is None else {"position_ids": position_ids}
+
+    def bound(hf_error: float, floor: float) -> float:
+        return max(floor, 2 * hf_error)
+
     with torch.no_grad():
-        ref = hf(ids, use_cache=False, **kwargs).logits
-        out = ours(ids, **kwargs).logits
-    err = (out - ref).abs().max().item()
-    assert err <= 1e-4, f"logits differ from HF by {err:.3e}"
+        exact = truth(ids, use_cache=False, **kwargs).logits
+        hf_err = (hf(ids, use_cache=False, **kwargs).logits.double() - exact).abs().max().item()
+        err = (ours(ids, **kwargs).logits.double() - exact).abs().max().item()
+    assert err <= bound(hf_err, 1e-4), f"logits differ from float64 HF by {err:.3e} (HF float32: {hf_err:.3e})"
     if not grads:
         return ours
-    hf.zero_grad(set_to_none=True)
-    ref_loss = hf(ids, labels=labels, use_cache=False, **kwargs).loss
-    ref_loss.backward()
-    loss = ours(ids, labels=labels, **kwargs).loss
-    loss.backward()
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1.0, abs(ref_loss.item())), (loss.item(), ref_loss.item())
-    ref_params = dict(hf.named_parameters())
+    losses = {}
+    for tag, model, extra in (("truth", truth, {"use_cache": False}), ("hf", hf, {"use_cache": False}),
+                              ("ours", ours, {})):
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=labels, **extra, **kwargs).loss
+        loss.backward()
+        losses[tag] = loss.item()
+    scale = max(1.0, abs(losses["truth"]))
+    loss_err, hf_loss_err = abs(losses["ours"] - losses["truth"]), abs(losses["hf"] - losses["truth"])
+    assert loss_err <= bound(hf_loss_err, 1e-5 * scale), losses
+    exact_params, hf_params = dict(truth.named_parameters()), dict(hf.named_parameters())
     names = [n for n, _ in ours.named_parameters()]
-    assert set(names) <= set(ref_params), f"names HF does not have: {set(names) - set(ref_params)}"
+    assert set(names) <= set(exact_params), f"names HF does not have: {set(names) - set(exact_params)}"
     for name, p in ours.named_parameters():
         assert p.grad is not None, f"{name}: no gradient"
-        rel = max_rel(p.grad, ref_params[name].grad)
-        assert rel <= 1e-4, f"{name}: gradient differs from HF by {rel:.3e} (relative to its max)"
+        exact_grad = exact_params[name].grad
+        rel, hf_rel = max_rel(p.grad.double(), exact_grad), max_rel(hf_params[name].grad.double(), exact_grad)
+        assert rel <= bound(hf_rel, 1e-4), \
+            f"{name}: gradient differs from float64 HF by {rel:.3e} relative to its max (HF float32: {hf_rel:.3e})"
     return ours
 
 
