@@ -63,9 +63,13 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> No
     One fused reduction and one host sync (``.item()``) per call: the kernels index the logits with the label, so
     a bad label must be caught before they run rather than read out of bounds. The sync waits for the work queued
     before the loss (the model's forward); the GPU then idles only for the launch latency of the loss kernels.
+    While a CUDA graph is being captured no host read is possible: the check is skipped, and the capturer runs it
+    on every batch it copies into the graph's inputs (liger_models/train/cuda_graph.py).
     """
     if labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"labels must be int64 (or int32), got {labels.dtype}")
+    if labels.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     bad = ((labels < 0) | (labels >= vocab_size)) & (labels != ignore_index)
     if bad.any().item():
         first = labels[bad][0].item()
