@@ -124,7 +124,9 @@ def training_step(name: str, provider: str, n_batches: int):
 
 def _worker(name: str, provider: str) -> dict:
     import torch
+    from harness import apply_tunables
 
+    tuned = apply_tunables() if provider.startswith("ours") else {}
     cfg, batch, seq = CONFIGS[name]
     _, _, _, step = training_step(name, provider, WARMUP + STEPS)
     for i in range(WARMUP):
@@ -140,7 +142,7 @@ def _worker(name: str, provider: str) -> dict:
     tok_s = STEPS * batch * seq / dt
     return dict(config=name, provider=provider, tokens_per_s=tok_s, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                 reserved_gib=torch.cuda.memory_reserved() / 2**30,
-                loss=float(loss), mfu=tok_s * flops_per_token(cfg, seq) / (H200_BF16_PEAK_TFLOPS * 1e12))
+                loss=float(loss), tuned=tuned, mfu=tok_s * flops_per_token(cfg, seq) / (H200_BF16_PEAK_TFLOPS * 1e12))
 
 
 def _load_rows(path: str) -> list[dict]:

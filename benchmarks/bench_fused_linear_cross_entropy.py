@@ -11,7 +11,8 @@ that rate. Two distributions: "random" (N(0,1) hidden, weight scaled to logits o
 "peaked" (a shared direction gives each token a Zipf-like logit bias of up to +20, labels sampled from the
 softmax itself; CCE's gradient filtering only pays here). At the headline shapes this project also runs
 without grad_W's storage as the logits scratch (token chunks from a 256 MiB or a 1 GiB budget instead):
-`liger-models budget256` / `liger-models budget1024`.
+`liger-models budget256` / `liger-models budget1024`, and with OVERLAP_CE flipped (`liger-models overlap`: the
+CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs).
 
     python benchmarks/bench_fused_linear_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,...]
 """
@@ -57,14 +58,14 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
     def step(fn):
         return lambda: torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
 
-    def ours(scratch=flce.GRAD_WEIGHT_AS_SCRATCH, budget=flce.LOGITS_BUDGET_BYTES):
+    def ours(scratch=flce.GRAD_WEIGHT_AS_SCRATCH, budget=flce.LOGITS_BUDGET_BYTES, overlap=flce.OVERLAP_CE):
         def fn(h, w, y):
-            saved = flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES
-            flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES = scratch, budget
+            saved = flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES, flce.OVERLAP_CE
+            flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES, flce.OVERLAP_CE = scratch, budget, overlap
             try:
                 return flce.fused_linear_cross_entropy(h, w, y)
             finally:
-                flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES = saved
+                flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES, flce.OVERLAP_CE = saved
 
         return step(fn)
 
@@ -85,6 +86,8 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
     if variants:
         out["liger-models budget256"] = ours(False, 256 * MiB)
         out["liger-models budget1024"] = ours(False, 1024 * MiB)
+        # the CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs
+        out["liger-models overlap"] = ours(overlap=not flce.OVERLAP_CE)
     if n * vocab <= EAGER_MAX_ELEMENTS:
         out["eager"] = step(reference)
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))

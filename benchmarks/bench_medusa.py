@@ -146,6 +146,7 @@ def worker(spec: dict) -> None:
     """Measure every (stage, shape) of one (provider, lm_head) pair; each row goes to stderr as one JSON line."""
     import torch
 
+    tuned = harness.apply_tunables() if spec["provider"].startswith("liger-models") else {}
     for stage in spec["stages"]:
         torch.manual_seed(0)
         in_backward = spec["provider"] == "liger-models-inbwd"
@@ -159,7 +160,7 @@ def worker(spec: dict) -> None:
             holder, opt, loss_fn = _baseline(spec["provider"], spec["lm_head"], stage)
         oom_at = None
         for B, T in spec["shapes"]:
-            row = dict(provider=spec["provider"], lm_head=spec["lm_head"], stage=stage, B=B, T=T)
+            row = dict(provider=spec["provider"], lm_head=spec["lm_head"], stage=stage, B=B, T=T, tuned=tuned)
             if oom_at is not None and B * T >= oom_at[0] * oom_at[1]:
                 row["error"] = f"OOM (as at {oom_at[0]}x{oom_at[1]})"
             else:

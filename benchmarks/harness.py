@@ -139,6 +139,26 @@ def matmul_tflops(n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def apply_tunables() -> dict:
+    """Set kernel-module constants from LIGER_TUNE="module.NAME=value,..." (modules under liger_models.kernels,
+    values Python literals), so one benchmark run can compare schedules without editing code, e.g.
+    LIGER_TUNE=fused_linear_cross_entropy.OVERLAP_CE=True,_ce_core.CE_ROWS_PER_PROGRAM=64. Returns what it set
+    (recorded with the results)."""
+    import ast
+    import importlib
+
+    applied = {}
+    for item in filter(None, os.environ.get("LIGER_TUNE", "").split(",")):
+        target, _, literal = item.partition("=")
+        module, _, name = target.strip().rpartition(".")
+        mod = importlib.import_module(f"liger_models.kernels.{module}")
+        if not hasattr(mod, name):
+            raise SystemExit(f"LIGER_TUNE: liger_models.kernels.{module} has no {name}")
+        setattr(mod, name, ast.literal_eval(literal.strip()))
+        applied[target.strip()] = getattr(mod, name)
+    return applied
+
+
 def environment() -> dict:
     env = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "torch": torch.__version__}
     try:

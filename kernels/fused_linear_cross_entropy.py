@@ -44,6 +44,7 @@ Several heads over one hidden tensor: call once per head with shifted LABELS; hi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -59,6 +60,10 @@ from .cross_entropy import cross_entropy_reference
 # and whether grad_W's storage serves as the scratch when it is larger.
 LOGITS_BUDGET_BYTES = 256 << 20
 GRAD_WEIGHT_AS_SCRATCH = True
+# Whether the scratch is split in two so that one chunk's CE pass (memory-bound Triton, a side CUDA stream) runs
+# while the previous chunk's gradient GEMMs (compute-bound cuBLAS) run: the pass costs 1-5 ms of the 40-45 ms op
+# at the headline shapes, serialised. Halving the chunks keeps every GEMM compute-bound (M ≥ 1024 rows).
+OVERLAP_CE = False
 
 
 def target_rank_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
@@ -133,10 +138,35 @@ def _accumulate_dw(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, fi
             torch.addmm(part, dlogits[:, v : v + slab].t().to(acc.dtype), hf, beta=beta, out=part)
 
 
+def _scratch(n: int, h: torch.Tensor, vocab: int, grad_w: torch.Tensor | None,
+             use_grad_w: bool) -> tuple[list[torch.Tensor], int]:
+    """The logits buffers of the chunk loop and the rows each holds: one buffer, or two halves when the CE pass
+    is overlapped (OVERLAP_CE) and there is more than one chunk. Storage: grad_W's (H rows of V) when allowed and
+    larger than the budget, else a new budget-sized tensor."""
+    budget_rows = max(1, LOGITS_BUDGET_BYTES // (vocab * h.element_size()))
+    storage = grad_w.view(-1) if use_grad_w and h.shape[1] > budget_rows else None
+    capacity = h.shape[1] if storage is not None else budget_rows
+    count = 2 if OVERLAP_CE and n > capacity and capacity >= 2 else 1
+    rows = min(n, capacity // count)
+    if storage is None:
+        storage = torch.empty(count * rows * vocab, dtype=h.dtype, device=h.device)
+    return [storage[i * rows * vocab : (i + 1) * rows * vocab].view(rows, vocab) for i in range(count)], rows
+
+
+@functools.lru_cache(maxsize=None)
+def _ce_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, scale=None,
                 need=(False, False, False), accum_dtype=torch.float32):
     """The chunk loop of the module docstring; loss given → forward (writes loss, lse, q, rank), scale given →
-    gradients (lse, q are inputs when loss is None). Returns (grad_h (N, H), grad_W, grad_b) or Nones."""
+    gradients (lse, q are inputs when loss is None). Returns (grad_h (N, H), grad_W, grad_b) or Nones.
+
+    With two logits buffers, chunk i's CE pass is issued before chunk i−1's gradient GEMMs, which then read the
+    other buffer; on CUDA the CE pass runs on a side stream, so it overlaps those GEMMs (events order each buffer's
+    GEMM → CE → gradient GEMMs → next GEMM into it). On the CPU the same schedule runs in program order.
+    """
     n, hdim = h.shape
     vocab = weight.shape[0]
     need_h, need_w, need_b = need
@@ -147,29 +177,48 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     if need_w:
         acc_w = grad_w if accum_dtype == weight.dtype else torch.empty_like(grad_w, dtype=accum_dtype)
     acc_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if need_b else None
-    budget_rows = max(1, LOGITS_BUDGET_BYTES // (vocab * h.element_size()))
-    if GRAD_WEIGHT_AS_SCRATCH and acc_w is not None and acc_w is not grad_w and hdim > budget_rows:
-        rows = min(n, hdim)
-        scratch = grad_w.view(-1)[: rows * vocab].view(rows, vocab)
-    else:
-        rows = min(n, budget_rows)
-        scratch = torch.empty(rows, vocab, dtype=h.dtype, device=h.device)
+    buffers, rows = _scratch(n, h, vocab, grad_w, GRAD_WEIGHT_AS_SCRATCH and acc_w is not None and acc_w is not grad_w)
+    side = _ce_stream(h.device) if len(buffers) == 2 and h.is_cuda else None
+    main = torch.cuda.current_stream(h.device) if side is not None else None
+
+    def gradients(i: int, s: int, e: int, logits: torch.Tensor) -> None:  # dlogits of rows s:e are in logits
+        if need_h:
+            torch.mm(logits, weight, out=grad_h[s:e])
+        if need_w:
+            _accumulate_dw(acc_w, logits, h[s:e], first=i == 0)
+        if need_b:
+            acc_b.add_(logits.sum(0, dtype=torch.float32))
+
+    pending = None  # (i, s, e, logits, event): a chunk whose CE pass is issued and whose gradients are not
     for i, s in enumerate(range(0, n, rows)):
         e = min(n, s + rows)
-        h_c, logits = h[s:e], scratch[: e - s]
+        h_c, logits = h[s:e], buffers[i % len(buffers)][: e - s]
         if bias is None:
             torch.mm(h_c, weight.t(), out=logits)
         else:
             torch.addmm(bias, h_c, weight.t(), out=logits)
-        ce_rows(logits, labels[s:e], grad=logits if backward else None, loss=None if loss is None else loss[s:e],
-                lse=lse[s:e], q=q[s:e], rank=None if rank is None else rank[s:e],
-                scale=None if scale is None else (scale if scale.dim() == 0 else scale[s:e]), **opts)
-        if need_h:
-            torch.mm(logits, weight, out=grad_h[s:e])
-        if need_w:
-            _accumulate_dw(acc_w, logits, h_c, first=i == 0)
-        if need_b:
-            acc_b += logits.sum(0, dtype=torch.float32)
+        if side is not None:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            ce_rows(logits, labels[s:e], grad=logits if backward else None,
+                    loss=None if loss is None else loss[s:e], lse=lse[s:e], q=q[s:e],
+                    rank=None if rank is None else rank[s:e],
+                    scale=None if scale is None else (scale if scale.dim() == 0 else scale[s:e]), **opts)
+        event = side.record_event() if side is not None else None
+        if len(buffers) == 1:
+            gradients(i, s, e, logits)
+            continue
+        if pending is not None:
+            if pending[4] is not None:
+                main.wait_event(pending[4])
+            gradients(*pending[:4])
+        pending = (i, s, e, logits, event)
+    if pending is not None:
+        if pending[4] is not None:
+            main.wait_event(pending[4])
+        gradients(*pending[:4])
+    if side is not None:
+        main.wait_stream(side)  # nothing the side stream touched may be freed or read before its work is done
     if acc_w is not None and acc_w is not grad_w:
         grad_w.copy_(acc_w)
     return grad_h, grad_w, None if acc_b is None else acc_b.to(bias.dtype)

@@ -19,7 +19,9 @@ from tests.helpers import DEVICE, assert_matches, poison_, rel_l2
 
 IGNORE = -100
 B, T, H = 2, 7, 8  # 14 tokens: 4 chunks of a 4-row budget, or 2 chunks of H = 8 rows in grad_W's storage
-SCRATCH_MODES = ("grad_w_scratch", "budget_scratch")
+# Where the logits scratch lives, and whether it is split in two so chunk i's CE pass precedes chunk i−1's gradient
+# GEMMs (OVERLAP_CE; on CUDA a side stream runs it concurrently, here the same schedule runs in order).
+SCRATCH_MODES = ("grad_w_scratch", "budget_scratch", "grad_w_scratch+overlap", "budget_scratch+overlap")
 
 
 @pytest.fixture(autouse=True)
@@ -30,8 +32,10 @@ def _poisoned_allocations(monkeypatch):
 
 
 def _chunk(monkeypatch, mode):
-    """A 4-row logits budget; mode picks whether grad_W's storage (H rows) may serve as the scratch instead."""
-    monkeypatch.setattr(flce_mod, "GRAD_WEIGHT_AS_SCRATCH", mode == "grad_w_scratch")
+    """A 4-row logits budget; mode picks whether grad_W's storage (H rows) may serve as the scratch instead, and
+    whether the scratch is split for the overlapped schedule (then 4 or 7 chunks of 14 tokens)."""
+    monkeypatch.setattr(flce_mod, "GRAD_WEIGHT_AS_SCRATCH", mode.startswith("grad_w_scratch"))
+    monkeypatch.setattr(flce_mod, "OVERLAP_CE", mode.endswith("+overlap"))
     monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 4 * 517 * 4)
 
 
@@ -119,7 +123,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_matches_reference(monkeypatch, dtype, case):
-    _chunk(monkeypatch, SCRATCH_MODES[case % 2])  # both scratch modes, alternating over the cases
+    _chunk(monkeypatch, SCRATCH_MODES[(case + (dtype == torch.bfloat16)) % 4])  # every mode, both dtypes
     vocab = (67, 300, 517)[case % 3]
     hidden, weight, bias, labels = _inputs(vocab, dtype, bias=case % 2 == 1)
     _check(hidden, weight, bias, labels, **CASES[case])
@@ -258,9 +262,43 @@ def test_gpu_fp32_output_gemm_available():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, loss_scale=0.5)])
-def test_gpu_real_size(opts):
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, loss_scale=0.5),
+                                  dict(reduction="sum")])
+def test_gpu_real_size(monkeypatch, opts, overlap):
+    """2 chunks of 2048 rows in grad_W's storage; overlapped: 4 chunks of 1024, CE on a side stream."""
+    monkeypatch.setattr(flce_mod, "OVERLAP_CE", overlap)
     _gpu_case(4096, 2048, 128256, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("frozen", [False, True])
+def test_gpu_overlapped_schedule_under_load(monkeypatch, frozen):
+    """Many chunks with the CE pass on the side stream (frozen W: 8 MiB budget halves; else 16 chunks of 256
+    rows in grad_W's storage), reduction="none" (its backward reruns the chunk loop)."""
+    monkeypatch.setattr(flce_mod, "OVERLAP_CE", True)
+    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 8 << 20)
+    torch.manual_seed(0)
+    n, hdim, vocab = 4096, 512, 32000
+    hidden = torch.randn(n, hdim, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(vocab, hdim, device="cuda") / hdim**0.5 * 4).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::7] = IGNORE
+    g = torch.randn(n, device="cuda")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(not frozen)
+    loss = fused_linear_cross_entropy(h, w, labels, reduction="none")
+    loss.backward(g)
+    hf, wf = hidden.float().requires_grad_(), weight.float().requires_grad_(not frozen)
+    ref = fused_linear_cross_entropy_reference(hf, wf, labels, reduction="none")
+    ref.backward(g)
+    torch.testing.assert_close(loss, ref.detach(), rtol=2e-3, atol=2e-3)
+    he, we = hidden.clone().requires_grad_(), weight.clone().requires_grad_(not frozen)
+    fused_linear_cross_entropy_reference(he, we, labels, reduction="none").backward(g)
+    assert_matches(h.grad, hf.grad.double(), eager=he.grad, name="dh")
+    if frozen:
+        assert w.grad is None
+    else:
+        assert_matches(w.grad, wf.grad.double(), eager=we.grad, name="dW")
 
 
 @pytest.mark.gpu
