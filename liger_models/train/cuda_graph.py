@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from liger_models.kernels._ce_core import check_labels
+from liger_models.kernels.cross_entropy import check_labels  # the loss kernels' own range check
 
 
 def _capturable(optimizer: torch.optim.Optimizer) -> bool:

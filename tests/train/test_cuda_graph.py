@@ -99,3 +99,39 @@ def test_graph_replays_a_changing_learning_rate(tiny_model_dir):
     graphed({"ids": ids})  # lr is 0 now and weight decay multiplies by 1 - lr·wd = 1: nothing may move
     assert graphed.captured
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [1, 2])
+def test_medusa_step_replays_bit_for_bit(tiny_tied_model_dir, stage):
+    """Medusa (3 heads over shifted views, heads' lr × 4; stage 1 frozen base under no_grad) captures too."""
+    from liger_models.medusa import MedusaModel
+
+    def build():
+        base = AutoLigerForCausalLM.from_pretrained(tiny_tied_model_dir, dtype=torch.bfloat16, device="cuda")
+        torch.manual_seed(0)  # the heads' bias init
+        model = MedusaModel.from_base(base, stage=stage, num_heads=3)
+        return model, torch.optim.AdamW(model.param_groups(1e-3, 4.0), lr=1e-3, fused=True, capturable=True)
+
+    (eager_model, eager_opt), (graph_model, graph_opt) = build(), build()
+
+    def step_of(model, opt):
+        def step(batch):
+            with sdpa_kernel(SDPBackend.MATH):
+                out = model(batch["ids"], labels=batch["ids"])
+                out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return out.loss.detach(), out.head_top1.detach()
+        return step
+
+    vocab = eager_model.config.vocab_size
+    eager = step_of(eager_model, eager_opt)
+    graphed = GraphedStep(step_of(graph_model, graph_opt), graph_opt, warmup=2, label_keys={"ids": (vocab, -100)})
+    for i in range(6):
+        ids = torch.randint(0, vocab, (2, 48), device="cuda")
+        (want, want_top1), (got, got_top1) = eager({"ids": ids}), graphed({"ids": ids})
+        assert got.item() == want.item() and torch.equal(got_top1, want_top1), i
+        for (name, a), b in zip(eager_model.named_parameters(), graph_model.parameters()):
+            assert torch.equal(a, b), (i, name)
+    assert graphed.captured
