@@ -57,6 +57,9 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="update each parameter inside backward and free its gradient at once (less memory, same "
                         "weights; needs --max-grad-norm 0, --grad-accum 1, one process)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="after 3 eager steps, replay each whole step (forward, backward, AdamW) from one CUDA graph: "
+                        "no host overhead; fixed shapes, one GPU, no activation checkpointing")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="parameter dtype; bf16 is pure bf16 (weights, grads, AdamW moments); auto = bf16 on CUDA, "
                         "fp32 on CPU")

@@ -1,6 +1,6 @@
 """Fused building blocks every family shares: config base, RoPE tables, attention, gated MLP, decoder, LM head."""
 
-from .attention import Attention, AttentionMask
+from .attention import Attention, AttentionMask, static_document_mask
 from .cache import KVCache
 from .causal_lm import CausalLMOutput, LigerForCausalLM
 from .config import LigerConfig
@@ -10,4 +10,4 @@ from .mlp import GatedMLP
 from .rope import RotaryEmbedding
 
 __all__ = ["Attention", "AttentionMask", "CausalLMOutput", "DecoderLayer", "DecoderModel", "GatedMLP", "KVCache",
-           "LigerConfig", "LigerForCausalLM", "RotaryEmbedding", "shift_labels"]
+           "LigerConfig", "LigerForCausalLM", "RotaryEmbedding", "shift_labels", "static_document_mask"]

@@ -12,6 +12,7 @@ tensor); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -35,10 +36,30 @@ def _flex_attention(compiled: bool):
     return torch.compile(flex_attention) if compiled else flex_attention
 
 
+_STATIC_DOCUMENT_MASK = [False]
+
+
+@contextlib.contextmanager
+def static_document_mask():
+    """Within this context, position_ids always get the document mask (``document_ids`` never returns None).
+
+    Why: whether a batch holds one document per row is a host read of device data. A CUDA graph can neither make
+    that read nor switch attention paths between replays, so its eager warm-up and its capture must take the
+    masked path every time (cuda_graph.py); the mask of a one-document row allows exactly the causal pairs.
+    """
+    _STATIC_DOCUMENT_MASK[0] = True
+    try:
+        yield
+    finally:
+        _STATIC_DOCUMENT_MASK[0] = False
+
+
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
     """(B, T) index of the packed document each token belongs to, or None when every row is one document."""
     start = position_ids[:, :1] - 1
     docs = (torch.diff(position_ids, prepend=start, dim=-1) != 1).cumsum(-1)
+    if _STATIC_DOCUMENT_MASK[0]:
+        return docs
     return docs if bool(docs[:, -1].any()) else None
 
 

@@ -18,8 +18,9 @@ What the step must be (checked where it can be):
   is one such read; it is skipped while capturing, so ``GraphedStep`` runs it on each batch as it is copied in
   (``label_keys``), where a bad label still raises the same ValueError before any kernel reads with it.
 - A capturable optimizer: ``torch.optim.AdamW(..., fused=True, capturable=True)`` (its step count lives on the GPU).
-  A learning rate that changes between steps must be a tensor (an LR scheduler fills it in place); a float is
-  baked into the graph at capture.
+  A float learning rate would be baked into the graph, so just before the capture each group's float ``lr``
+  becomes a 0-dim tensor on its parameters' device; an LR scheduler then fills it in place (torch's schedulers
+  do) and every replay reads the current value. ``float(group["lr"])`` reads it back.
 - The returned tensors are the graph's static outputs: the next replay overwrites them; clone what you keep.
 """
 
@@ -99,6 +100,9 @@ class GraphedStep:
         # Capture. Gradients must not exist yet: the captured backward then allocates and writes them, rather
         # than adding into tensors from an eager step, and every replay produces this step's gradients afresh.
         self.optimizer.zero_grad(set_to_none=True)
+        for group in self.optimizer.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=group["params"][0].device)
         current.wait_stream(self._side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -159,7 +159,11 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer state keyed by parameter name, unsharded, on CPU (rank 0 only when distributed)."""
     options = _FULL if dist.is_initialized() else StateDictOptions(full_state_dict=True)
-    return get_optimizer_state_dict(model, optimizer, options=options)
+    state = get_optimizer_state_dict(model, optimizer, options=options)
+    for group in state.get("param_groups", []):  # a CUDA graph's 0-dim lr tensor is saved as its value
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])
+    return state
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:

@@ -31,13 +31,16 @@ def build_adamw(
     *,
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
+    capturable: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW over ``param_groups`` (each carries its own lr / weight_decay); fused when every param is on CUDA."""
+    """AdamW over ``param_groups`` (each carries its own lr / weight_decay); fused when every param is on CUDA.
+    capturable: keep the step count on the GPU, so a CUDA graph can hold the step (cuda_graph.py)."""
     params = [p for g in param_groups for p in g["params"]]
     if not params:
         raise ValueError("nothing to train: no parameter requires a gradient")
     on_cuda = all(p.is_cuda for p in params)
-    return torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=on_cuda or None)
+    return torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=on_cuda or None,
+                             capturable=capturable and on_cuda)
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1) -> float:

@@ -114,13 +114,13 @@ def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> BatchStre
 
 
 def _finish(args, info, model, task, stream, groups, export, resume) -> RunResult:
-    optimizer = build_adamw(groups, betas=(args.beta1, args.beta2))
+    optimizer = build_adamw(groups, betas=(args.beta1, args.beta2), capturable=args.cuda_graph)
     warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 20
     scheduler = build_scheduler(optimizer, warmup, args.max_steps, args.min_lr_ratio)
     config = TrainConfig(output_dir=args.output_dir, max_steps=args.max_steps, grad_accum=args.grad_accum,
                          max_grad_norm=args.max_grad_norm, log_every=args.log_every, save_every=args.save_every,
                          keep_last=args.keep_last, quiet=args.quiet,
-                         optimizer_in_backward=args.optimizer_in_backward)
+                         optimizer_in_backward=args.optimizer_in_backward, cuda_graph=args.cuda_graph)
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     trainer = Trainer(model, task, stream, optimizer, scheduler, config, info, export, run_args)
     if resume is not None:
@@ -136,6 +136,9 @@ def _finish(args, info, model, task, stream, groups, export, resume) -> RunResul
 
 
 def _prepare(model: nn.Module, layers, args, info) -> None:
+    if args.cuda_graph and args.activation_checkpointing:
+        raise ValueError("--cuda-graph cannot be combined with --activation-checkpointing (the recomputation saves "
+                         "and restores the RNG state on the host inside the step)")
     if args.activation_checkpointing:
         D.apply_activation_checkpointing(layers)
     if info.distributed:
@@ -198,6 +201,9 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
     """Train Medusa heads (stage 1: frozen base) or heads + base (stage 2); see the module docstring."""
     from liger_models.medusa import MedusaHeads, MedusaModel
 
+    if args.cuda_graph and args.schedule != "constant":
+        raise ValueError(f"--cuda-graph needs --schedule constant: the heads' loss weights under {args.schedule!r} "
+                         "change every step, and a CUDA graph replays the weights it captured")
     try:
         info, resume = _setup(args)
         model_dir = resolve_model_dir(args.model)

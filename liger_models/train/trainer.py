@@ -26,11 +26,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from liger_models.modules import shift_labels
+from liger_models.modules import shift_labels, static_document_mask
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
 from liger_models.train.data import IGNORE_INDEX, BatchStream
+from liger_models.train.cuda_graph import GraphedStep
 from liger_models.train.step_in_backward import OptimizerInBackward
+
+GRAPH_WARMUP = 3  # eager steps before the capture: Triton compiles, cuBLAS/cuDNN settle, AdamW builds its state
 
 
 @dataclass
@@ -46,6 +49,7 @@ class TrainConfig:
     keep_last: int = 2
     quiet: bool = False
     optimizer_in_backward: bool = False  # update each parameter inside backward (step_in_backward.py)
+    cuda_graph: bool = False  # replay each step from a CUDA graph after GRAPH_WARMUP eager steps (cuda_graph.py)
 
 
 class CausalLMTask:
@@ -97,12 +101,14 @@ def _memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB → GiB (peak RSS)
 
 
-def _grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """Clip gradients to ``max_norm`` (0: only measure) and return the total norm (DTensor-aware under FSDP)."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip gradients to ``max_norm`` (0: only measure); the total norm as a device tensor (no host read, so a
+    CUDA graph can hold it; DTensor under FSDP)."""
+    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+
+
+def _to_float(norm: torch.Tensor) -> float:
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 class Trainer:
@@ -128,6 +134,18 @@ class Trainer:
                 raise ValueError("--optimizer-in-backward frees each gradient as soon as it is used, so it cannot "
                                  "be combined with " + ", ".join(problems))
             self.in_backward = OptimizerInBackward(optimizer)
+        self.graphed = None
+        if config.cuda_graph:
+            problems = [why for bad, why in ((info.device.type != "cuda", "a CPU device"),
+                                             (info.distributed, "FSDP (several processes)"),
+                                             (config.optimizer_in_backward, "--optimizer-in-backward")) if bad]
+            if problems:
+                raise ValueError("--cuda-graph replays one process's whole step on one GPU, so it cannot be combined "
+                                 "with " + ", ".join(problems))
+            vocab = model.config.vocab_size
+            self.graphed = GraphedStep(self._graph_body, optimizer, warmup=GRAPH_WARMUP,
+                                       label_keys={f"{j}.labels": (vocab, IGNORE_INDEX)
+                                                   for j in range(config.grad_accum)})
         self.output_dir = Path(config.output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.history: list[dict] = []
@@ -145,23 +163,47 @@ class Trainer:
         D.all_reduce_sum(counts)
         normalizer = counts.clamp(min=1)  # a term without any target contributes 0, not 0/0
         self.model.train()
-        stats = None
-        for batch in micro:
-            loss, s = self.task.forward(self.model, batch, normalizer, self.step, cfg.max_steps)
-            # FSDP averages gradients over ranks; each loss is a share of the global mean, so they must add up.
-            (loss * self.info.world_size if self.info.distributed else loss).backward()
-            stats = s if stats is None else stats + s
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        if self.in_backward is not None:  # backward already updated every parameter and freed its gradient
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]  # a tensor once a CUDA graph holds it
+        if self.graphed is not None:
+            inputs = {f"{j}.{k}": v for j, batch in enumerate(micro) for k, v in batch.items()}
+            stats, norm = self.graphed({**inputs, "normalizer": normalizer})
+            stats, grad_norm = stats.clone(), _to_float(norm)  # the graph's outputs are overwritten next replay
+        elif self.in_backward is not None:  # backward updates every parameter and frees its gradient
+            stats = self._accumulate(micro, normalizer)
             grad_norm = None  # no moment holds every gradient
         else:
-            grad_norm = _grad_norm(self.params, cfg.max_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            stats, norm = self._accumulate_and_step(micro, normalizer)
+            grad_norm = _to_float(norm)
         self.scheduler.step()
         D.all_reduce_sum(stats)
         self.step += 1
         return self._metrics(stats.tolist(), counts.tolist(), grad_norm, lrs)
+
+    def _accumulate(self, micro: list[dict], normalizer: torch.Tensor) -> torch.Tensor:
+        """Forward + backward over the micro-batches, gradients summed; returns the summed stats."""
+        stats = None
+        for batch in micro:
+            loss, s = self.task.forward(self.model, batch, normalizer, self.step, self.config.max_steps)
+            # FSDP averages gradients over ranks; each loss is a share of the global mean, so they must add up.
+            (loss * self.info.world_size if self.info.distributed else loss).backward()
+            stats = s if stats is None else stats + s
+        return stats
+
+    def _accumulate_and_step(self, micro: list[dict], normalizer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step with no host read, so a CUDA graph can capture it: (stats, gradient norm) as device
+        tensors."""
+        stats = self._accumulate(micro, normalizer)
+        norm = _clip(self.params, self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats, norm
+
+    def _graph_body(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured step: GraphedStep's flat static inputs {"<j>.<key>": tensor, "normalizer": tensor}."""
+        micro = [{k.split(".", 1)[1]: v for k, v in inputs.items() if k.startswith(f"{j}.")}
+                 for j in range(self.config.grad_accum)]
+        with static_document_mask():  # one attention path for warm-up, capture and every replay
+            return self._accumulate_and_step(micro, inputs["normalizer"])
 
     def _metrics(self, stats: list[float], counts: list[float], grad_norm: float, lrs: list[float]) -> dict:
         m = {"step": self.step, "loss": stats[0], "lr": lrs[-1], "lrs": lrs, "grad_norm": grad_norm,

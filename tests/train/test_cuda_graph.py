@@ -5,6 +5,8 @@ The contract checks run anywhere; capture and replay need a GPU (`pytest -m gpu`
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -135,3 +137,147 @@ def test_medusa_step_replays_bit_for_bit(tiny_tied_model_dir, stage):
         for (name, a), b in zip(eager_model.named_parameters(), graph_model.parameters()):
             assert torch.equal(a, b), (i, name)
     assert graphed.captured
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer's --cuda-graph mode
+
+
+@pytest.mark.parametrize("command, flags, problem", [
+    ("train", ("--device", "cpu"), "a CPU device"),
+    ("train", ("--device", "cpu", "--optimizer-in-backward", "--grad-accum", "1", "--max-grad-norm", "0"),
+     "--optimizer-in-backward"),
+    ("train", ("--activation-checkpointing",), "--activation-checkpointing"),
+    ("train-medusa", ("--schedule", "linear"), "--schedule constant"),
+])
+def test_trainer_refuses_what_a_graph_cannot_replay(command, flags, problem, tiny_model_dir, text_file, tmp_path,
+                                                   monkeypatch):
+    from liger_models.train.run import train_causal_lm, train_medusa
+    from tests.train.test_trainer import _args
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    run = train_causal_lm if command == "train" else train_medusa
+    with pytest.raises(ValueError, match=problem):
+        run(_args(command, tiny_model_dir, text_file, tmp_path / "x", *flags, "--cuda-graph"))
+    assert not (tmp_path / "x" / "checkpoints").exists()
+
+
+def test_static_document_mask_takes_the_masked_path_with_the_same_result(tiny_model_dir, monkeypatch):
+    """One document per row: normally no mask (plain causal attention); in the context the document mask, which
+    must allow exactly the causal pairs, so the loss and gradients agree."""
+    from liger_models.modules import static_document_mask
+    from liger_models.modules.attention import document_ids
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    positions = torch.arange(12)[None].repeat(2, 1)
+    assert document_ids(positions) is None
+    with static_document_mask():
+        assert torch.equal(document_ids(positions), torch.zeros(2, 12, dtype=torch.long))
+    assert document_ids(positions) is None  # the context restores the default
+    model = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    results = []
+    for static in (False, True):
+        model.zero_grad(set_to_none=True)
+        with static_document_mask() if static else contextlib.nullcontext():
+            loss = model(ids, labels=ids, position_ids=positions).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_checkpointed_optimizer_state_saves_a_tensor_lr_as_its_value(tiny_model_dir):
+    from liger_models.train import distributed as D
+
+    model = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.param_groups[0]["lr"] = torch.tensor(2.5e-4)  # what GraphedStep makes of a float lr at capture
+    state = D.full_optimizer_state(model, opt)
+    assert state["param_groups"][0]["lr"] == pytest.approx(2.5e-4) and isinstance(state["param_groups"][0]["lr"], float)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # the live optimizer keeps its tensor
+
+
+def _gpu_args(command, model_dir, data, out, *extra):
+    from liger_models.cli import build_parser
+
+    return build_parser().parse_args([
+        command, "--model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--seq-len", "64",
+        "--batch-size", "4", "--grad-accum", "2", "--max-steps", "10", "--save-every", "5", "--lr", "3e-3",
+        "--warmup-steps", "3", "--device", "cuda", "--dtype", "bf16", "--quiet", *extra])
+
+
+@pytest.mark.gpu
+def test_trainer_cuda_graph_follows_the_eager_run_and_resumes(tiny_model_dir, text_file, tmp_path):
+    """Packed text, 2 micro-batches, clipping, warmup + cosine LR: the graphed run's losses, LRs and gradient norms
+    follow the eager run's (bf16; the flash backward's atomics make both runs nondeterministic), and a graphed run
+    resumed at step 5 continues like the uninterrupted one."""
+    import shutil
+
+    from liger_models.train.run import train_causal_lm
+
+    eager = train_causal_lm(_gpu_args("train", tiny_model_dir, text_file, tmp_path / "eager"))
+    graphed = train_causal_lm(_gpu_args("train", tiny_model_dir, text_file, tmp_path / "graph", "--cuda-graph"))
+    for a, b in zip(eager.history, graphed.history):
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-6)
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
+    assert graphed.history[-1]["loss"] < graphed.history[0]["loss"] - 0.3
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "graph" / "checkpoints" / "step_000005",
+                    tmp_path / "resumed" / "checkpoints" / "step_000005")
+    resumed = train_causal_lm(_gpu_args("train", tiny_model_dir, text_file, tmp_path / "resumed", "--cuda-graph",
+                                        "--resume", "auto"))
+    assert [m["step"] for m in resumed.history] == list(range(6, 11))
+    for a, b in zip(graphed.history[5:], resumed.history):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [1, 2])
+def test_trainer_cuda_graph_medusa(stage, tiny_model_dir, text_file, tmp_path):
+    from liger_models.train.run import train_medusa
+
+    eager = train_medusa(_gpu_args("train-medusa", tiny_model_dir, text_file, tmp_path / "e", "--stage", str(stage),
+                                   "--num-heads", "3"))
+    graphed = train_medusa(_gpu_args("train-medusa", tiny_model_dir, text_file, tmp_path / "g", "--stage", str(stage),
+                                     "--num-heads", "3", "--cuda-graph"))
+    for a, b in zip(eager.history, graphed.history):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+        assert b["head_top1"] == pytest.approx(a["head_top1"], abs=0.05)
+
+
+@pytest.mark.gpu
+def test_packed_documents_at_flex_length_capture(tiny_model_dir):
+    """T ≥ FLEX_MIN_LEN with packed documents: the compiled flex_attention and its block mask (built inside the
+    step) run under capture, and replays follow the eager steps."""
+    from liger_models.modules import static_document_mask
+    from liger_models.modules.attention import FLEX_MIN_LEN
+
+    T = FLEX_MIN_LEN
+    models = [AutoLigerForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, device="cuda")
+              for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True) for m in models]
+
+    def step_of(model, opt):
+        def step(batch):
+            with static_document_mask():
+                loss = model(batch["ids"], labels=batch["ids"], position_ids=batch["pos"]).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        return step
+
+    eager, graphed = step_of(models[0], opts[0]), GraphedStep(step_of(models[1], opts[1]), opts[1], warmup=2)
+    vocab = models[0].config.vocab_size
+    for i in range(5):
+        cut = 100 + 50 * i  # a different document boundary every step
+        pos = torch.cat([torch.arange(cut), torch.arange(T - cut)])[None].repeat(2, 1).cuda()
+        batch = {"ids": torch.randint(0, vocab, (2, T), device="cuda"), "pos": pos}
+        want, got = eager(batch).item(), graphed(batch).item()
+        assert got == pytest.approx(want, rel=1e-4), i
+    assert graphed.captured
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
