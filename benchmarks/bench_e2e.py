@@ -101,8 +101,10 @@ def training_step(name: str, provider: str, n_batches: int):
     in_backward = provider == "ours_inbwd"
     if in_backward:
         from liger_models.train.step_in_backward import OptimizerInBackward
+        from liger_models.train.trainer import CausalLMTask
 
-        OptimizerInBackward(opt)
+        # an untied lm_head is stepped inside the forward, where linear-CE has its gradient
+        OptimizerInBackward(opt, in_forward=CausalLMTask.loss_weights_used_once(model))
     ids = torch.randint(0, cfg["vocab_size"], (n_batches, batch, seq), device="cuda")
 
     def train_on(tokens):

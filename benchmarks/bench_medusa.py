@@ -10,7 +10,8 @@ warm-up; peak = torch.cuda.max_memory_allocated over those steps (weights, grads
 Providers:
   liger-models  MedusaModel: our fused model; every head is fused linear-CE (loss_scale, frozen shared weight).
   liger-models-inbwd  the same with the optimizer step inside backward (liger_models/train/step_in_backward.py):
-                identical updates, each gradient freed as soon as its parameter is stepped.
+                identical updates, each gradient freed as soon as its parameter is stepped; the heads' own
+                lm_heads already in the forward, the moment linear-CE has their dW (one V×H dW at a time).
   hf-style      transformers LlamaForCausalLM + per-head ResBlock → logits materialised, upcast to fp32, CE.
   liger-style   the same model patched by liger-kernel's apply_liger_kernel_to_llama, and
                 LigerFusedLinearCrossEntropyLoss per head on the ResBlock output (hidden[:, :-(k+2)] slices).
@@ -154,8 +155,10 @@ def worker(spec: dict) -> None:
             holder, opt, loss_fn = _ours(spec["lm_head"], stage)
             if in_backward:
                 from liger_models.train.step_in_backward import OptimizerInBackward
+                from liger_models.train.trainer import MedusaTask
 
-                hooks = OptimizerInBackward(opt)
+                # the heads' own lm_heads (and stage 2's untied base lm_head) are stepped inside the forward
+                hooks = OptimizerInBackward(opt, in_forward=MedusaTask.loss_weights_used_once(holder))
         else:
             holder, opt, loss_fn = _baseline(spec["provider"], spec["lm_head"], stage)
         oom_at = None

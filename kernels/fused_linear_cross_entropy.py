@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +226,49 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     return grad_h, grad_w, None if acc_b is None else acc_b.to(bias.dtype)
 
 
+# id(weight) → (weak reference to it, consumer). Keyed by id: a WeakKeyDictionary would compare tensors with ==.
+_GRAD_CONSUMERS: dict[int, tuple[weakref.ref, Callable[[torch.Tensor | None], None]]] = {}
+
+
+def _consumer_of(weight: torch.Tensor):
+    entry = _GRAD_CONSUMERS.get(id(weight))
+    return entry[1] if entry is not None and entry[0]() is weight else None
+
+
+def consume_weight_grad(weight: torch.Tensor, fn: Callable[[torch.Tensor | None], None]) -> Callable[[], None]:
+    """Hand ``weight``'s gradient to ``fn`` inside the forward, the moment linear-CE has computed it, instead of
+    returning it to autograd in backward. Returns a function that undoes this.
+
+    Why: the gradients are computed in the forward (module docstring); returned through autograd, dW (V×H) stays
+    alive until backward reaches the loss, so at the end of the forward it coexists with every activation, and
+    with every other head's dW for Medusa (5 heads at Llama-3-8B width: 5 GiB). A consumer that applies it at once
+    (an optimizer step, liger_models/train/step_in_backward.py) frees it there.
+    Contract: (1) the weight gets its whole gradient from one such call per backward (not tied, not shared);
+    (2) the loss reaches backward with gradient exactly 1 (``loss.backward()`` of a sum of such losses), checked
+    in backward, which raises otherwise since the gradient was already spent; (3) reduction "mean" or "sum"
+    ("none" learns its per-token gradient only in backward and returns dW as usual). In backward, once the check
+    passed, ``fn(None)`` is called to say that this loss's backward ran.
+    """
+    key = id(weight)
+
+    def forget(_ref=None) -> None:
+        entry = _GRAD_CONSUMERS.get(key)
+        if entry is not None and entry[1] is fn:
+            del _GRAD_CONSUMERS[key]
+
+    _GRAD_CONSUMERS[key] = (weakref.ref(weight, forget), fn)
+    return forget
+
+
+def _check_unit_gradient(grad_out: torch.Tensor) -> None:
+    """The consumed dW assumed d(final)/d(loss) = 1: anything else would have needed a different dW (host read)."""
+    if not bool((grad_out == 1).all()):
+        raise RuntimeError(
+            f"linear-CE handed its weight gradient to a consumer in the forward, assuming the loss is backpropagated "
+            f"with gradient 1, but it got {grad_out.reshape(-1)[:1].item()}; scale the loss through loss_scale, "
+            f"not afterwards, or do not register a consumer (consume_weight_grad)")
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts, reduction, normalizer, loss_scale, accum_dtype, need,
@@ -242,6 +287,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             scale = grad_scale(flat, opts["ignore_index"], reduction, normalizer, loss_scale)
             grads = _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
                                 scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype)
+            ctx.consumer = _consumer_of(weight) if need[1] else None
+            if ctx.consumer is not None:  # hand dW over now, so it need not live until backward
+                ctx.consumer(grads[1])
+                grads = (grads[0], None, grads[2])
             ctx.grads = grads
             out = loss.sum() * scale
         if not with_rank:
@@ -258,6 +307,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_h, grad_w, grad_b = _run_chunks(row_view(hidden), weight, bias, flat, ctx.opts, lse=lse, q=q,
                                                  scale=scale, need=ctx.need, accum_dtype=ctx.accum_dtype)
         else:
+            if ctx.consumer is not None:
+                _check_unit_gradient(grad_out)
+                ctx.consumer(None)
             grad_h, grad_w, grad_b = take_grads(ctx)
             for g in (grad_h, grad_w, grad_b):
                 if g is not None:

@@ -16,6 +16,14 @@ weight) into one AccumulateGrad call per backward, so the hook fires once, with 
 in the same backward (a nested backward, e.g. reentrant activation checkpointing) would find the parameter already
 updated, and raises instead of stepping twice.
 
+Earlier still, in the forward: linear-CE computes its weight's gradient during the forward pass. For a weight no
+other op uses (Medusa's copied head lm_heads, an untied lm_head) ``in_forward`` has that gradient handed over and
+stepped right there (kernels' ``consume_weight_grad``), so no such V×H gradient lives until backward: at the end of a
+Medusa forward only one head's dW exists at a time instead of all of them. Same update, same bits; the loss must be
+backpropagated with gradient 1 (linear-CE checks), and any forward run with gradients enabled is a training step
+for these weights (evaluate under ``torch.no_grad()``). A weight that gets a second gradient in the same step (a tied
+embedding, a shared head) raises instead of being stepped twice.
+
 What it rules out (checked by the trainer): gradient accumulation over micro-batches (the gradient is gone after
 each backward), clipping by the global gradient norm (no moment has all gradients), and FSDP (it writes sharded
 gradients outside autograd's accumulation).
@@ -23,38 +31,72 @@ gradients outside autograd's accumulation).
 
 from __future__ import annotations
 
+import functools
+from typing import Iterable
+
 import torch
+
+from liger_models.kernels.fused_linear_cross_entropy import consume_weight_grad
 
 
 class OptimizerInBackward:
     """Hooks ``optimizer``'s parameters so that ``loss.backward()`` also performs ``optimizer.step()`` and
-    ``zero_grad(set_to_none=True)``. Call :meth:`remove` to go back to ordinary stepping."""
+    ``zero_grad(set_to_none=True)``; the ``in_forward`` ones (linear-CE weights no other op uses) are stepped in
+    the forward, as soon as linear-CE has their gradient. Call :meth:`remove` to go back to ordinary stepping."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, in_forward: Iterable[torch.Tensor] = ()) -> None:
         self.optimizer = optimizer
         self._group_of: dict[torch.Tensor, int] = {}  # torch.optim already refuses a parameter in two groups
-        self._stepped: set[torch.Tensor] = set()  # this backward's updated parameters; empty between backwards
+        self._stepped: set[torch.Tensor] = set()  # updated this step; cleared when the step's backward ends
+        self._end_queued = False
         self._handles = []
         for i, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 self._group_of[p] = i
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad).remove)
+        for p in in_forward:
+            if p not in self._group_of:
+                raise ValueError(f"an in_forward parameter of shape {tuple(p.shape)} is not in the optimizer")
+            self._handles.append(consume_weight_grad(p, functools.partial(self._on_forward_grad, p)))
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        for undo in self._handles:
+            undo()
         self._handles.clear()
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._stepped:  # the first gradient of this backward
-            torch.autograd.Variable._execution_engine.queue_callback(self._stepped.clear)  # runs when backward ends
-        elif p in self._stepped:
+    def _in_backward(self) -> None:
+        """Called from inside a backward: clear the step's record once that backward ends."""
+        if not self._end_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._end_queued = True
+
+    def _end_backward(self) -> None:
+        self._stepped.clear()
+        self._end_queued = False
+
+    def _update(self, p: torch.Tensor, when: str, grad: torch.Tensor | None = None) -> None:
+        if p in self._stepped:
             raise RuntimeError(
-                f"a parameter of shape {tuple(p.shape)} received a second gradient in one backward after its "
-                "update; the optimizer step in backward needs one backward per step (no reentrant checkpointing)")
+                f"a parameter of shape {tuple(p.shape)} received a second gradient {when} after its update this "
+                "step (a tied or shared weight stepped in the forward, or reentrant checkpointing); the optimizer "
+                "step in backward needs each parameter's whole gradient at once, one backward per step")
+        if grad is not None:
+            p.grad = grad
         self._step_only(p)
         self._stepped.add(p)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self._in_backward()
+        if p.grad is None:  # the hook also fires for an op that returned no gradient (linear-CE after handing dW over)
+            return
+        self._update(p, "in backward")
+
+    def _on_forward_grad(self, p: torch.Tensor, grad: torch.Tensor | None) -> None:
+        if grad is None:  # linear-CE's backward ran: p's step belongs to this backward
+            self._in_backward()
+            return
+        self._update(p, "in the forward", grad)
 
     def _step_only(self, p: torch.Tensor) -> None:
         groups = self.optimizer.param_groups

@@ -58,6 +58,12 @@ class CausalLMTask:
     num_terms = 1
     head_names: tuple[str, ...] = ()
 
+    @staticmethod
+    def loss_weights_used_once(model: nn.Module) -> list[torch.Tensor]:
+        """Trainable weights whose whole gradient comes from one linear-CE call: an untied lm_head."""
+        w = model.lm_head.weight
+        return [w] if w.requires_grad and w is not model.model.embed_tokens.weight else []
+
     def counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         targets = shift_labels(batch["labels"], 1, batch["position_ids"], IGNORE_INDEX)
         return (targets != IGNORE_INDEX).sum().view(1)
@@ -79,6 +85,16 @@ class MedusaTask:
         self.num_heads = num_heads
         self.num_terms = num_heads + 1
         self.head_names = tuple(f"head{k}" for k in range(1, num_heads + 1))
+
+    @staticmethod
+    def loss_weights_used_once(model: nn.Module) -> list[torch.Tensor]:
+        """Trainable weights whose whole gradient comes from one linear-CE call: each head's own lm_head copy, and in
+        stage 2 an untied base lm_head the heads do not share."""
+        heads, base = model.heads, model.base
+        used = [] if heads.config.share_lm_head else [heads.weight(k) for k in range(heads.num_heads)]
+        if not heads.config.share_lm_head and base.lm_head.weight is not base.model.embed_tokens.weight:
+            used.append(base.lm_head.weight)
+        return [w for w in used if w.requires_grad]
 
     def counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         from liger_models.medusa import medusa_target_counts
@@ -133,7 +149,8 @@ class Trainer:
             if problems:
                 raise ValueError("--optimizer-in-backward frees each gradient as soon as it is used, so it cannot "
                                  "be combined with " + ", ".join(problems))
-            self.in_backward = OptimizerInBackward(optimizer)
+            used_once = getattr(task, "loss_weights_used_once", lambda _: [])(model)
+            self.in_backward = OptimizerInBackward(optimizer, in_forward=used_once)
         self.graphed = None
         if config.cuda_graph:
             problems = [why for bad, why in ((info.device.type != "cuda", "a CPU device"),

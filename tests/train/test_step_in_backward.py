@@ -130,3 +130,92 @@ def test_incompatible_settings_are_refused(flags, problem, tiny_model_dir, text_
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=problem):
         train_causal_lm(_args("train", tiny_model_dir, text_file, tmp_path / "x", *flags, "--optimizer-in-backward"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weights stepped in the forward (linear-CE hands their gradient over as soon as it has it)
+
+
+def _medusa_pair(model_dir, stage):
+    from liger_models.medusa import MedusaModel
+
+    pair = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = MedusaModel.from_base(AutoLigerForCausalLM.from_pretrained(model_dir), stage=stage, num_heads=2)
+        opt = build_adamw(model.param_groups(3e-3, 4.0, 0.1))
+        pair.append((model, opt, build_scheduler(opt, warmup_steps=2, max_steps=6)))
+    return pair
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_medusa_weights_stepped_in_the_forward_bit_identical(stage, tiny_model_dir):
+    """Triton path (interpreter): each head's lm_head copy (and in stage 2 the untied base lm_head) is updated
+    inside the forward, its gradient never reaching backward; every weight equals a normal step's after every step."""
+    from liger_models.train.trainer import MedusaTask
+
+    (normal, opt_n, sched_n), (fused, opt_f, sched_f) = _medusa_pair(tiny_model_dir, stage)
+    early = MedusaTask.loss_weights_used_once(fused)
+    assert len(early) == (2 if stage == 1 else 3)
+    hooks = OptimizerInBackward(opt_f, in_forward=early)
+    vocab = normal.config.vocab_size
+    for step in range(3):
+        ids = torch.randint(0, vocab, (2, 12))
+        normal(ids, labels=ids).loss.backward()
+        opt_n.step()
+        sched_n.step()
+        opt_n.zero_grad(set_to_none=True)
+        before = [w.detach().clone() for w in early]
+        loss = fused(ids, labels=ids).loss
+        assert all(not torch.equal(w, b) and w.grad is None for w, b in zip(early, before)), "not stepped in forward"
+        loss.backward()
+        sched_f.step()
+        assert all(p.grad is None for p in fused.parameters())
+        for (name, pn), pf in zip(normal.named_parameters(), fused.parameters()):
+            assert torch.equal(pn, pf), f"step {step}: {name} differs"
+    hooks.remove()
+
+
+def test_a_tied_weight_stepped_in_the_forward_raises(tiny_tied_model_dir):
+    """The tied lm_head/embedding gets its second gradient (the embedding's) in backward, after its update."""
+    model = AutoLigerForCausalLM.from_pretrained(tiny_tied_model_dir)
+    opt, _ = _optimizer(model)
+    OptimizerInBackward(opt, in_forward=[model.lm_head.weight])
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with pytest.raises(RuntimeError, match="second gradient in backward"):
+        model(ids, labels=ids).loss.backward()
+
+
+def test_a_loss_not_backpropagated_with_unit_gradient_raises(tiny_model_dir):
+    model = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
+    opt, _ = _optimizer(model)
+    OptimizerInBackward(opt, in_forward=[model.lm_head.weight])
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with pytest.raises(RuntimeError, match="backpropagated with gradient 1"):
+        (2 * model(ids, labels=ids).loss).backward()
+
+
+def test_in_forward_weights_must_be_in_the_optimizer(tiny_model_dir):
+    model = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
+    opt = build_adamw([{"params": [model.model.norm.weight], "lr": 1e-3}])
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        OptimizerInBackward(opt, in_forward=[model.lm_head.weight])
+
+
+def test_trainer_steps_head_weights_in_the_forward_on_the_kernel_path(tiny_model_dir, text_file, tmp_path):
+    """`train-medusa --stage 2 --optimizer-in-backward` through the Triton kernels (interpreter): the trainer hands
+    the heads' lm_heads and the untied base lm_head to linear-CE's forward consumer; losses and weights match the
+    normal step's exactly."""
+    from safetensors.torch import load_file
+
+    from liger_models.train.run import train_medusa
+    from tests.train.test_trainer import _args
+
+    extra = ("--stage", "2", "--num-heads", "2", "--grad-accum", "1", "--max-grad-norm", "0", "--max-steps", "3")
+    normal = train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "normal", *extra))
+    fused = train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "fused", *extra,
+                               "--optimizer-in-backward"))
+    assert [m["loss"] for m in normal.history] == [m["loss"] for m in fused.history]
+    for name in sorted(p.name for p in normal.checkpoint.glob("*.safetensors")):
+        a, b = load_file(normal.checkpoint / name), load_file(fused.checkpoint / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
