@@ -8,10 +8,10 @@ the kernels are memory-bound, values do not change their time). Bytes (the floor
 write the gradient once, 4·N·V B; floor = bytes / measured copy bandwidth. Two logit distributions: "random"
 N(0, 2²) with uniform labels, and "peaked" (a Zipf-like per-token bias of up to +20, labels sampled from the
 softmax itself, so the loss is its entropy as for a trained LM); memory-bound, so they should time alike.
-At the headline shapes, block/warp/rows-per-program variants of the row kernel are timed too (`liger-models
-bBwWrR`): the fastest sets kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS / CE_ROWS_PER_PROGRAM (shared with
-fused_linear_cross_entropy). R rows per program shrink the grid (8192 rows / 64 = 128 programs, about one per SM),
-so fewer rows are in flight and more of the second pass over each row can hit L2.
+At the headline shapes, block/warp/grid variants of the row kernel are timed too (`liger-models bBwWpP`): the
+fastest sets kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS / CE_PROGRAMS_PER_SM (shared with
+fused_linear_cross_entropy). P > 0 programs per SM make a persistent grid striding over the rows (P = 1: 132 rows in
+flight, ~33 MB at V = 128K, inside L2), so the second pass over each row can re-read it from L2.
 
     python benchmarks/bench_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """
@@ -27,9 +27,9 @@ from harness import copy_bandwidth_gbs, parse_args
 
 HEADLINE = [(8192, 128256), (4096, 256000)]
 SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
-# (CE_BLOCK_V, CE_NUM_WARPS, CE_ROWS_PER_PROGRAM)
-VARIANTS = [(8192, 16, 1), (16384, 32, 1), (16384, 16, 1), (8192, 8, 1), (4096, 8, 1),
-            (4096, 8, 16), (4096, 8, 32), (8192, 16, 32), (8192, 16, 64), (16384, 32, 64)]
+# (CE_BLOCK_V, CE_NUM_WARPS, CE_PROGRAMS_PER_SM)
+VARIANTS = [(8192, 16, 0), (16384, 32, 0), (16384, 16, 0), (8192, 8, 0), (4096, 8, 0),
+            (4096, 8, 1), (8192, 16, 1), (16384, 32, 1), (4096, 8, 2), (8192, 16, 2), (4096, 4, 4)]
 EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits + fp32 and bf16 grads: ≈12 B per logit
 IGNORE = -100
 
@@ -67,7 +67,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
-    default = (_ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS, _ce_core.CE_ROWS_PER_PROGRAM)
+    default = (_ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS, _ce_core.CE_PROGRAMS_PER_SM)
 
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)
@@ -79,11 +79,11 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
 
     def ours(block, warps, rows):
         def fn(x, y):  # the whole kernel runs in the forward (gradients are computed there)
-            _ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS, _ce_core.CE_ROWS_PER_PROGRAM = block, warps, rows
+            _ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS, _ce_core.CE_PROGRAMS_PER_SM = block, warps, rows
             try:
                 return cross_entropy(x, y, inplace_grad=True)
             finally:
-                _ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS, _ce_core.CE_ROWS_PER_PROGRAM = default
+                _ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS, _ce_core.CE_PROGRAMS_PER_SM = default
 
         return step(fn, in_place=True)
 
@@ -94,7 +94,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
 
     out = {"liger-models": ours(*default)}
     if variants:
-        out.update({f"liger-models b{b}w{w}r{r}": ours(b, w, r) for b, w, r in VARIANTS if (b, w, r) != default})
+        out.update({f"liger-models b{b}w{w}p{p}": ours(b, w, p) for b, w, p in VARIANTS if (b, w, p) != default})
     if n * vocab <= EAGER_MAX_ELEMENTS:
         out["eager"] = step(reference)
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))

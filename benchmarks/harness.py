@@ -142,7 +142,7 @@ def matmul_tflops(n: int = 8192) -> float:
 def apply_tunables() -> dict:
     """Set kernel-module constants from LIGER_TUNE="module.NAME=value,..." (modules under liger_models.kernels,
     values Python literals), so one benchmark run can compare schedules without editing code, e.g.
-    LIGER_TUNE=fused_linear_cross_entropy.OVERLAP_CE=True,_ce_core.CE_ROWS_PER_PROGRAM=64. Returns what it set
+    LIGER_TUNE=fused_linear_cross_entropy.OVERLAP_CE=True,_ce_core.CE_PROGRAMS_PER_SM=1. Returns what it set
     (recorded with the results)."""
     import ast
     import importlib

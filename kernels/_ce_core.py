@@ -1,6 +1,7 @@
 """The cross-entropy row kernel shared by cross_entropy.py and fused_linear_cross_entropy.py.
 
-One program per row of logits (N, V) (or CE_ROWS_PER_PROGRAM rows in turn). Pass 1 reads the row once with an online softmax and yields
+One program per row of logits (N, V), or (CE_PROGRAMS_PER_SM > 0) a persistent grid of that many programs per SM
+striding over the rows. Pass 1 reads the row once with an online softmax and yields
   m = running max,  S' = Σ_{j≠t} e^{x_j − m}  (the target's term kept apart),  e_t = e^{x_t − m},
   lse = m + log1p(S' + e_t − 1),  nll = lse − x_t,  q = 1 − p_t = S' / (S' + e_t),
 so neither the loss of a confident token nor its target gradient p_t − 1 = −q is formed by a cancelling
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, pow2
+from ._launch import cdiv, pow2, sm_count
 
 # Tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes): elements per
 # block and warps per row program. Measured 2026-11-29 (fwd+bwd, bf16): 4096 over 8 warps was the fastest of
@@ -40,9 +41,11 @@ from ._launch import cdiv, pow2
 # Pass-2 re-reads hit L2 only for the tail of each row (≈ L2 / (2 · rows in flight) bytes).
 CE_BLOCK_V = 4096
 CE_NUM_WARPS = 8
-# Rows per program (1 = one program per row, the measured default). Not yet timed on the GPU above 1: >1 shrinks
-# the grid toward one resident program per SM, trading memory-level parallelism for pass-2 L2 hits.
-CE_ROWS_PER_PROGRAM = 1
+# 0 = one program per row (the measured default). k > 0: a grid of k programs per SM, each taking every
+# (grid)-th row in turn, so only grid rows (k · SMs · 256 KB at V = 128K, bf16) are in flight: with k = 1 that is
+# ~33 MB, inside the H200's 50 MB L2, so pass 2 can re-read each row from L2 instead of HBM (1.5 → 1.0 ms floor),
+# at the price of less memory-level parallelism per SM. Not yet timed on the GPU (bench_cross_entropy variants).
+CE_PROGRAMS_PER_SM = 0
 SCALE_BLOCK = 4096
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -124,15 +127,15 @@ def _ce_kernel(
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # ROWS consecutive rows per program, one after another: a smaller grid keeps fewer rows in flight per SM, so
-    # more of pass 2's re-reads can come from L2 (a tuning knob, see CE_ROWS_PER_PROGRAM).
-    if ROWS == 1:  # the grid is exactly one program per row: no bounds check
+    # ROWS == 0: the grid is exactly one program per row (no bounds check). Else a persistent grid: program p takes
+    # rows p, p + grid, p + 2·grid, ... (ROWS of them at most; a constexpr trip count, which the interpreter needs).
+    if ROWS == 0:
         _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, tl.program_id(0).to(tl.int64), stride_logits_row,
                 stride_grad_row, stride_scale, ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD,
                 BACKWARD, WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
     else:
-        for r in tl.static_range(ROWS):
-            row = tl.program_id(0).to(tl.int64) * ROWS + r
+        for r in range(ROWS):
+            row = tl.program_id(0).to(tl.int64) + r * tl.num_programs(0)
             if row < n_rows:
                 _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, row, stride_logits_row, stride_grad_row,
                         stride_scale, ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD, BACKWARD,
@@ -263,8 +266,12 @@ def ce_rows(
     block = min(CE_BLOCK_V, pow2(n_cols))
     warps = max(1, min(CE_NUM_WARPS, block // 512))
     dummy = lse  # stands in for pointers a mode does not touch
-    per_program = max(1, CE_ROWS_PER_PROGRAM)
-    _ce_kernel[(cdiv(rows, per_program),)](
+    per_program, grid = 0, rows
+    if CE_PROGRAMS_PER_SM > 0 and rows > CE_PROGRAMS_PER_SM * sm_count(logits.device):
+        # rows per program rounded up to a power of two: few distinct constexprs (compiles) across batch sizes
+        per_program = pow2(cdiv(rows, CE_PROGRAMS_PER_SM * sm_count(logits.device)))
+        grid = cdiv(rows, per_program)
+    _ce_kernel[(grid,)](
         logits, grad if backward else logits, labels, loss if forward else dummy, lse, q,
         rank if rank is not None else dummy, scale if backward else dummy, rows,
         logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,

@@ -70,19 +70,21 @@ def test_matches_reference(dtype, case):
     _check(logits, _labels(7, vocab), reduction, **opts)
 
 
-@pytest.mark.parametrize("rows_per_program", [2, 3])
-def test_several_rows_per_program_change_nothing(rows_per_program, monkeypatch):
-    """The CE_ROWS_PER_PROGRAM tuning knob (rows taken in turn by one program, a last program with fewer rows) gives
-    the same bits as one program per row, forward and backward, on the poisoned outputs."""
+@pytest.mark.parametrize("programs_per_sm", [1, 2])
+def test_persistent_grid_changes_nothing(programs_per_sm, monkeypatch):
+    """The CE_PROGRAMS_PER_SM knob (a grid of k programs per SM striding over the rows; the CPU counts 4 SMs, so 7
+    and 13 rows leave some programs a row short) gives the same bits as one program per row, on poisoned outputs."""
     from liger_models.kernels import _ce_core
 
     opts, reduction = CASES[-1]
-    logits = (torch.randn(7, 300, device=DEVICE) * 3).to(torch.bfloat16)
-    labels = _labels(7, 300)
-    loss, dx = _check(logits, labels, reduction, grad_scale=torch.linspace(-1, 1, 7), **opts)
-    monkeypatch.setattr(_ce_core, "CE_ROWS_PER_PROGRAM", rows_per_program)
-    loss_r, dx_r = _check(logits, labels, reduction, grad_scale=torch.linspace(-1, 1, 7), **opts)
-    assert torch.equal(loss, loss_r) and torch.equal(dx, dx_r)
+    for n in (7, 13):
+        logits = (torch.randn(n, 300, device=DEVICE) * 3).to(torch.bfloat16)
+        labels = _labels(n, 300)
+        monkeypatch.setattr(_ce_core, "CE_PROGRAMS_PER_SM", 0)
+        loss, dx = _check(logits, labels, reduction, grad_scale=torch.linspace(-1, 1, n), **opts)
+        monkeypatch.setattr(_ce_core, "CE_PROGRAMS_PER_SM", programs_per_sm)
+        loss_p, dx_p = _check(logits, labels, reduction, grad_scale=torch.linspace(-1, 1, n), **opts)
+        assert torch.equal(loss, loss_p) and torch.equal(dx, dx_p)
 
 
 @pytest.mark.parametrize("grad_scale", [1.0, 0.25])
@@ -213,9 +215,13 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs_per_sm", [0, 1])
 @pytest.mark.parametrize("n, vocab", [(8192, 128256), (4096, 256000)])
 @pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)])
-def test_gpu_headline_shapes(n, vocab, opts):
+def test_gpu_headline_shapes(n, vocab, opts, programs_per_sm, monkeypatch):
+    from liger_models.kernels import _ce_core
+
+    monkeypatch.setattr(_ce_core, "CE_PROGRAMS_PER_SM", programs_per_sm)  # 0: a program per row; 1: persistent
     torch.manual_seed(0)
     logits = (torch.randn(n, vocab, device="cuda") * 2).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (n,), device="cuda")
