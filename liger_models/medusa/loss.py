@@ -91,13 +91,17 @@ def _term_normalizer(normalizer: Normalizer, i: int, targets: torch.Tensor, igno
 def _weighted_ce(hidden, weight, targets, scale: float, normalizer, ignore_index: int):
     """(weighted loss for the total, unweighted CE detached, target rank).
 
-    A zero weight (a warm-up schedule at step 0) still runs the term with loss_scale 1 and multiplies by 0, so the
-    CE is reported and backward() has a graph (the gradients are zeros, as in the reference implementations).
+    A zero weight (a warm-up schedule at step 0) runs the term with loss_scale 0, so backward() has a graph and the
+    gradients are exactly zero (as in the reference implementations), and reports the CE from a second, no-grad
+    call. Not "scale 1, then × 0": linear-CE may hand dW to an optimizer step inside the forward (step_in_backward),
+    before any later factor could reach it.
     """
     loss, rank = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, normalizer=normalizer,
-                                            loss_scale=scale if scale != 0 else 1.0, return_target_rank=True)
+                                            loss_scale=scale, return_target_rank=True)
     if scale == 0:
-        return loss * 0.0, loss.detach(), rank
+        with torch.no_grad():
+            ce = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, normalizer=normalizer)
+        return loss, ce, rank
     return loss, loss.detach() / scale, rank
 
 

@@ -136,37 +136,39 @@ def test_incompatible_settings_are_refused(flags, problem, tiny_model_dir, text_
 # Weights stepped in the forward (linear-CE hands their gradient over as soon as it has it)
 
 
-def _medusa_pair(model_dir, stage):
+def _medusa_pair(model_dir, stage, scheduler="constant"):
     from liger_models.medusa import MedusaModel
 
     pair = []
     for _ in range(2):
         torch.manual_seed(0)
-        model = MedusaModel.from_base(AutoLigerForCausalLM.from_pretrained(model_dir), stage=stage, num_heads=2)
+        model = MedusaModel.from_base(AutoLigerForCausalLM.from_pretrained(model_dir), stage=stage, num_heads=2,
+                                      scheduler=scheduler)
         opt = build_adamw(model.param_groups(3e-3, 4.0, 0.1))
         pair.append((model, opt, build_scheduler(opt, warmup_steps=2, max_steps=6)))
     return pair
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_medusa_weights_stepped_in_the_forward_bit_identical(stage, tiny_model_dir):
+@pytest.mark.parametrize("stage, scheduler", [(1, "constant"), (2, "constant"), (2, "linear")])
+def test_medusa_weights_stepped_in_the_forward_bit_identical(stage, scheduler, tiny_model_dir):
     """Triton path (interpreter): each head's lm_head copy (and in stage 2 the untied base lm_head) is updated
-    inside the forward, its gradient never reaching backward; every weight equals a normal step's after every step."""
+    inside the forward, its gradient never reaching backward; every weight equals a normal step's after every step
+    (a linear schedule starts at weight 0: a zero gradient, still a step for AdamW's moments and weight decay)."""
     from liger_models.train.trainer import MedusaTask
 
-    (normal, opt_n, sched_n), (fused, opt_f, sched_f) = _medusa_pair(tiny_model_dir, stage)
+    (normal, opt_n, sched_n), (fused, opt_f, sched_f) = _medusa_pair(tiny_model_dir, stage, scheduler)
     early = MedusaTask.loss_weights_used_once(fused)
     assert len(early) == (2 if stage == 1 else 3)
     hooks = OptimizerInBackward(opt_f, in_forward=early)
     vocab = normal.config.vocab_size
     for step in range(3):
         ids = torch.randint(0, vocab, (2, 12))
-        normal(ids, labels=ids).loss.backward()
+        normal(ids, labels=ids, step=step, max_steps=3).loss.backward()
         opt_n.step()
         sched_n.step()
         opt_n.zero_grad(set_to_none=True)
         before = [w.detach().clone() for w in early]
-        loss = fused(ids, labels=ids).loss
+        loss = fused(ids, labels=ids, step=step, max_steps=3).loss
         assert all(not torch.equal(w, b) and w.grad is None for w, b in zip(early, before)), "not stepped in forward"
         loss.backward()
         sched_f.step()
