@@ -280,12 +280,14 @@ def _check(gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
         raise ValueError(f"gate and up are on different devices: {gate.device} and {up.device}")
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def gated_mlp(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """act(gate) * up for gate, up of shape (..., I); strided views are read in place. Autograd-aware."""
     _check(gate, up, activation)
     return _GatedMLPFunction.apply(activation, False, gate, up)
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def gated_mlp_packed(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """act(gate) * up where gate_up is (..., 2I) = [gate | up] along the last dim (a fused gate_up projection).
 

@@ -48,6 +48,7 @@ class _LayerNormFunction(torch.autograd.Function):
         return dx if dy.dim() == 2 else dx.view(dy.shape), dw, db, None
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5
 ) -> torch.Tensor:

@@ -416,6 +416,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, casting: str) -> None:
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"
 ) -> torch.Tensor:
@@ -426,6 +427,7 @@ def rms_norm(
     return _RMSNormFunction.apply(x, None, weight, float(eps), float(offset), casting == "gemma")
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,

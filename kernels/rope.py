@@ -315,6 +315,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                              "pass the projection output (or a clone)")
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,6 +335,7 @@ def rope(
     return q, k
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def rope_packed(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -123,6 +123,7 @@ def _fusable(x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and use_triton(x) and not torch.is_autocast_enabled(x.device.type)
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                 linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
     """``h, stream = norm(x [, residual]); return cat([l(h) for l in linears], -1), stream`` (stream = x without a
@@ -136,6 +137,7 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
     return (result, x) if residual is None else result
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def gated_down(gate_up: torch.Tensor, activation: str, down: nn.Linear) -> torch.Tensor:
     """``down(act(gate) * up)`` for gate_up (..., 2I) = [gate | up]; the product is never saved for backward."""
     if torch.is_autocast_enabled(gate_up.device.type):  # let autocast pick the GEMM dtype, as nn.Linear would

@@ -62,6 +62,7 @@ class _PackedLinear(torch.autograd.Function):
         return (dx, None, *dws, *dbs)
 
 
+@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def packed_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
     """``cat([l(x) for l in linears], -1)`` computed with one GEMM; output (..., sum of out_features)."""
     if torch.is_autocast_enabled(x.device.type):  # let autocast pick the GEMM dtype, as nn.Linear would
