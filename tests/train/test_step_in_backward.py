@@ -178,23 +178,18 @@ def test_medusa_weights_stepped_in_the_forward_bit_identical(stage, scheduler, t
     hooks.remove()
 
 
-def test_a_tied_weight_stepped_in_the_forward_raises(tiny_tied_model_dir):
-    """The tied lm_head/embedding gets its second gradient (the embedding's) in backward, after its update."""
-    model = AutoLigerForCausalLM.from_pretrained(tiny_tied_model_dir)
+@pytest.mark.parametrize("tied, loss_factor, problem", [
+    (True, 1, "second gradient in backward"),  # the embedding's gradient arrives after the tied weight's update
+    (False, 2, "backpropagated with gradient 1"),  # the dW handed over in the forward missed the factor 2
+])
+def test_misuse_of_a_weight_stepped_in_the_forward_raises(tied, loss_factor, problem, tiny_model_dir,
+                                                         tiny_tied_model_dir):
+    model = AutoLigerForCausalLM.from_pretrained(tiny_tied_model_dir if tied else tiny_model_dir)
     opt, _ = _optimizer(model)
     OptimizerInBackward(opt, in_forward=[model.lm_head.weight])
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
-    with pytest.raises(RuntimeError, match="second gradient in backward"):
-        model(ids, labels=ids).loss.backward()
-
-
-def test_a_loss_not_backpropagated_with_unit_gradient_raises(tiny_model_dir):
-    model = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
-    opt, _ = _optimizer(model)
-    OptimizerInBackward(opt, in_forward=[model.lm_head.weight])
-    ids = torch.randint(0, model.config.vocab_size, (2, 12))
-    with pytest.raises(RuntimeError, match="backpropagated with gradient 1"):
-        (2 * model(ids, labels=ids).loss).backward()
+    with pytest.raises(RuntimeError, match=problem):
+        (loss_factor * model(ids, labels=ids).loss).backward()
 
 
 def test_in_forward_weights_must_be_in_the_optimizer(tiny_model_dir):
