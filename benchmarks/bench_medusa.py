@@ -42,7 +42,8 @@ NUM_HEADS, LAMBDA0, DECAY, LR, HEAD_LR_MULT = 5, 0.2, 0.8, 1e-5, 4.0
 SHAPES = [(8, 1024), (4, 2048), (2, 4096), (1, 8192), (1, 16384), (1, 32768), (1, 65536)]
 QUICK_SHAPES = [(8, 1024), (1, 16384)]
 PROVIDERS = ("liger-models", "liger-models-inbwd", "hf-style", "liger-style")
-QUICK_RUNS = [("liger-models", "copy"), ("liger-models", "shared"), ("hf-style", "copy"), ("liger-style", "copy")]
+QUICK_RUNS = [("liger-models", "copy"), ("liger-models", "shared"), ("liger-models-inbwd", "copy"), ("hf-style", "copy"),
+              ("liger-style", "copy")]
 # The baselines are measured with copied lm_heads only (the table); ours both ways.
 FULL_RUNS = [("liger-models", "copy"), ("liger-models", "shared"), ("liger-models-inbwd", "copy"),
              ("hf-style", "copy"), ("liger-style", "copy")]
