@@ -39,6 +39,12 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--model", required=True, help="model directory (HF format with tokenizer.json) or Hub repo id")
     p.add_argument("--data", required=True, nargs="+", metavar="FILE",
                    help='.txt (one document per file) or .jsonl ({"text": ...} or {"messages": [...]} per line)')
+    p.add_argument("--eval-data", nargs="+", metavar="FILE", default=None,
+                   help="held-out .txt/.jsonl files: loss (and head accuracy) on them in eval.jsonl, every "
+                        "--eval-every steps and at the end")
+    p.add_argument("--eval-every", type=_non_negative, default=0, help="evaluate every N steps (0: only at the end)")
+    p.add_argument("--eval-batches", type=_positive, default=20,
+                   help="eval micro-batches per process and evaluation, the same ones each time (default 20)")
     p.add_argument("--chat-template", default="auto", choices=("auto", "model", "simple"),
                    help="chat JSONL rendering: the model's jinja template, or the documented role-tagged one "
                         "(auto: the model's when it has one); loss on assistant turns only")
@@ -142,12 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    for path in args.data:
-        p = Path(path)
-        if not p.is_file():
-            raise SystemExit(f"liger-models: error: --data {path}: no such file")
-        if p.suffix not in (".txt", ".jsonl"):
-            raise SystemExit(f"liger-models: error: --data {path}: expected a .txt or .jsonl file")
+    for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data or [])):
+        for path in paths:
+            p = Path(path)
+            if not p.is_file():
+                raise SystemExit(f"liger-models: error: {flag} {path}: no such file")
+            if p.suffix not in (".txt", ".jsonl"):
+                raise SystemExit(f"liger-models: error: {flag} {path}: expected a .txt or .jsonl file")
     init = getattr(args, "init_heads", None)
     if init is not None and not Path(init).is_dir():
         raise SystemExit(f"liger-models: error: --init-heads {init}: no such directory")

@@ -2,5 +2,7 @@
 
 data.py (tokenizers, text / chat JSONL, packing, resumable batches) · optim.py (AdamW, warmup + cosine) ·
 trainer.py (the loop: global normaliser, metrics, checkpoints) · checkpointing.py (atomic save, exact resume) ·
-distributed.py (torchrun, FSDP2, activation checkpointing) · run.py (the recipes) · demo.py · init_model.py.
+distributed.py (torchrun, FSDP2, activation checkpointing) · evaluate.py (held-out loss / head accuracy) ·
+step_in_backward.py (optimizer step in backward, or in the forward for linear-CE weights) · cuda_graph.py (a whole
+step replayed from a CUDA graph) · run.py (the recipes) · demo.py · init_model.py.
 """

@@ -23,7 +23,7 @@ from torch import nn
 
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
-from liger_models.train.data import BatchStream, build_dataset, read_special_tokens
+from liger_models.train.data import BatchStream, PackedDataset, build_dataset, read_special_tokens
 from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups
 from liger_models.train.trainer import CausalLMTask, MedusaTask, TrainConfig, Trainer
 
@@ -38,6 +38,7 @@ class RunResult:
     checkpoint: Path | None
     history: list[dict] = field(default_factory=list)
     output_dir: Path | None = None
+    evals: list[dict] = field(default_factory=list)  # eval-set results of this session (--eval-data)
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -103,26 +104,34 @@ def _setup(args: argparse.Namespace):
     return info, resume
 
 
-def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> BatchStream:
+def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> tuple[BatchStream, PackedDataset | None]:
+    """The training stream and the packed eval data (None without --eval-data), tokenized alike."""
     from liger_models.hub import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     special = read_special_tokens(tokenizer, model_dir)
-    dataset = build_dataset(args.data, tokenizer, special, args.seq_len, args.chat_template)
-    _check_vocab(dataset, vocab_size)
-    return BatchStream(dataset, args.batch_size, seed=args.seed, rank=info.rank, world_size=info.world_size)
+    datasets = []
+    for paths in (args.data, getattr(args, "eval_data", None)):
+        dataset = None if not paths else build_dataset(paths, tokenizer, special, args.seq_len, args.chat_template)
+        if dataset is not None:
+            _check_vocab(dataset, vocab_size)
+        datasets.append(dataset)
+    stream = BatchStream(datasets[0], args.batch_size, seed=args.seed, rank=info.rank, world_size=info.world_size)
+    return stream, datasets[1]
 
 
-def _finish(args, info, model, task, stream, groups, export, resume) -> RunResult:
+def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
+    stream, eval_data = data
     optimizer = build_adamw(groups, betas=(args.beta1, args.beta2), capturable=args.cuda_graph)
     warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 20
     scheduler = build_scheduler(optimizer, warmup, args.max_steps, args.min_lr_ratio)
     config = TrainConfig(output_dir=args.output_dir, max_steps=args.max_steps, grad_accum=args.grad_accum,
                          max_grad_norm=args.max_grad_norm, log_every=args.log_every, save_every=args.save_every,
                          keep_last=args.keep_last, quiet=args.quiet,
-                         optimizer_in_backward=args.optimizer_in_backward, cuda_graph=args.cuda_graph)
+                         optimizer_in_backward=args.optimizer_in_backward, cuda_graph=args.cuda_graph,
+                         eval_every=args.eval_every, eval_batches=args.eval_batches)
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    trainer = Trainer(model, task, stream, optimizer, scheduler, config, info, export, run_args)
+    trainer = Trainer(model, task, stream, optimizer, scheduler, config, info, export, run_args, eval_data)
     if resume is not None:
         trainer.resume(resume)
         if info.is_main and not args.quiet:
@@ -132,7 +141,7 @@ def _finish(args, info, model, task, stream, groups, export, resume) -> RunResul
     last = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
     if info.is_main and not args.quiet:
         print(f"done: {trainer.step} steps in {time.perf_counter() - start:.1f}s; checkpoint: {last}", flush=True)
-    return RunResult(last, history, Path(args.output_dir))
+    return RunResult(last, history, Path(args.output_dir), trainer.evals)
 
 
 def _prepare(model: nn.Module, layers, args, info) -> None:
@@ -154,7 +163,7 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
         model_dir = resolve_model_dir(args.model)
         dtype = _dtype(args, info.device)
         model = AutoLigerForCausalLM.from_pretrained(resume or model_dir, dtype=dtype, device=info.device)
-        stream = _data(args, model_dir, model.config.vocab_size, info)
+        stream, eval_data = _data(args, model_dir, model.config.vocab_size, info)
         _prepare(model, model.model.layers, args, info)
         groups = decay_param_groups(model, args.lr, args.weight_decay)
 
@@ -165,7 +174,7 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
             target.save_pretrained(directory)
             _copy_tokenizer(model_dir, directory)
 
-        return _finish(args, info, model, CausalLMTask(), stream, groups, export, resume)
+        return _finish(args, info, model, CausalLMTask(), (stream, eval_data), groups, export, resume)
     finally:
         D.destroy_distributed()
 
@@ -209,7 +218,7 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
         model_dir = resolve_model_dir(args.model)
         dtype = _dtype(args, info.device)
         medusa = _medusa_model(args, model_dir, dtype, info.device, resume)
-        stream = _data(args, model_dir, medusa.config.vocab_size, info)
+        stream, eval_data = _data(args, model_dir, medusa.config.vocab_size, info)
         _prepare(medusa, medusa.base.model.layers, args, info)
         lr = args.lr if args.lr is not None else (2.5e-4 if args.stage == 1 else 2e-5)
         groups = medusa.param_groups(lr, args.head_lr_multiplier, args.weight_decay)
@@ -227,6 +236,6 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
             _copy_tokenizer(model_dir, directory)
 
         task = MedusaTask(medusa.config.num_heads)
-        return _finish(args, info, medusa, task, stream, groups, export, resume)
+        return _finish(args, info, medusa, task, (stream, eval_data), groups, export, resume)
     finally:
         D.destroy_distributed()

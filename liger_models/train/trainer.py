@@ -29,7 +29,8 @@ from torch import nn
 from liger_models.modules import shift_labels, static_document_mask
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
-from liger_models.train.data import IGNORE_INDEX, BatchStream
+from liger_models.train.data import IGNORE_INDEX, BatchStream, PackedDataset
+from liger_models.train import evaluate as ev
 from liger_models.train.cuda_graph import GraphedStep
 from liger_models.train.step_in_backward import OptimizerInBackward
 
@@ -50,6 +51,8 @@ class TrainConfig:
     quiet: bool = False
     optimizer_in_backward: bool = False  # update each parameter inside backward (step_in_backward.py)
     cuda_graph: bool = False  # replay each step from a CUDA graph after GRAPH_WARMUP eager steps (cuda_graph.py)
+    eval_every: int = 0  # with eval data: evaluate every N steps (0: only at the end), evaluate.py
+    eval_batches: int = 20  # eval rounds (one micro-batch per rank each) per evaluation
 
 
 class CausalLMTask:
@@ -135,7 +138,8 @@ class Trainer:
 
     def __init__(self, model: nn.Module, task, stream: BatchStream, optimizer: torch.optim.Optimizer,
                  scheduler, config: TrainConfig, info: D.DistInfo,
-                 export: Callable[[Path, dict | None], None], run_args: dict | None = None):
+                 export: Callable[[Path, dict | None], None], run_args: dict | None = None,
+                 eval_data: PackedDataset | None = None):
         self.model, self.task, self.stream = model, task, stream
         self.optimizer, self.scheduler, self.config, self.info = optimizer, scheduler, config, info
         self.export, self.run_args = export, run_args or {}
@@ -165,7 +169,11 @@ class Trainer:
                                                    for j in range(config.grad_accum)})
         self.output_dir = Path(config.output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.eval_path = self.output_dir / "eval.jsonl"
         self.history: list[dict] = []
+        self.evals: list[dict] = []
+        self.eval_set = None if eval_data is None else ev.eval_batches(eval_data, stream.batch_size, info,
+                                                                      config.eval_batches)
 
     # --------------------------------------------------------------------------------------------- one step
 
@@ -223,8 +231,12 @@ class Trainer:
             return self._accumulate_and_step(micro, inputs["normalizer"])
 
     def _metrics(self, stats: list[float], counts: list[float], grad_norm: float, lrs: list[float]) -> dict:
-        m = {"step": self.step, "loss": stats[0], "lr": lrs[-1], "lrs": lrs, "grad_norm": grad_norm,
-             "targets": int(counts[0]), "epoch": round(self.stream.epoch, 4)}
+        return {**self._loss_fields(stats, counts), "lr": lrs[-1], "lrs": lrs, "grad_norm": grad_norm,
+                "epoch": round(self.stream.epoch, 4)}
+
+    def _loss_fields(self, stats: list[float], counts: list[float]) -> dict:
+        """step, loss, targets and (Medusa) base / per-head loss and top-1 / top-5 accuracy from summed stats."""
+        m = {"step": self.step, "loss": stats[0], "targets": int(counts[0])}
         K = len(self.task.head_names)
         if K:
             base, losses = stats[1], stats[2:2 + K]
@@ -242,8 +254,9 @@ class Trainer:
         cfg = self.config
         if self.info.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            if self.step == 0:  # a fresh run starts a fresh log (a resumed one was trimmed in resume())
+            if self.step == 0:  # a fresh run starts fresh logs (a resumed one's were trimmed in resume())
                 self.metrics_path.write_text("", encoding="utf-8")
+                self.eval_path.write_text("", encoding="utf-8")
         tokens_per_step = self.stream.batch_size * self.stream.dataset.seq_len * cfg.grad_accum * self.info.world_size
         start = time.perf_counter()
         start_step = self.step
@@ -259,11 +272,36 @@ class Trainer:
             self.history.append(m)
             if self.info.is_main:
                 self._log(m, start_step)
+            if self.eval_set is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0)
+                                              or self.step == cfg.max_steps):
+                self.evaluate()
             if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.max_steps:
                 self.save()
         if self.info.is_main and not cfg.quiet and sys.stderr.isatty():
             print(file=sys.stderr)
         return self.history
+
+    def evaluate(self) -> dict:
+        """Loss (and head accuracy) on the eval set now; appended to ``eval.jsonl`` and ``self.evals``."""
+        stats, counts = ev.evaluate(self.model, self.task, self.eval_set, self.info, self.step, self.config.max_steps)
+        m = self._loss_fields(stats, counts)
+        self.evals.append(m)
+        if self.info.is_main:
+            with self.eval_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(m) + "\n")
+            if not self.config.quiet:
+                end = "\n" if sys.stderr.isatty() else ""  # below the progress line, which ends without one
+                print(end + " | ".join([f"eval at step {self.step}", *self._loss_parts(m)]), file=sys.stderr,
+                      flush=True)
+        return m
+
+    @staticmethod
+    def _loss_parts(m: dict) -> list[str]:
+        parts = [f"loss {m['loss']:.4f}"]
+        if "head_top1" in m:
+            accs = " ".join(f"{a * 100:.0f}/{b * 100:.0f}" for a, b in zip(m["head_top1"], m["head_top5"]))
+            parts.append(f"heads top1/top5% {accs}")
+        return parts
 
     def _log(self, m: dict, start_step: int) -> None:
         with self.metrics_path.open("a", encoding="utf-8") as f:
@@ -273,10 +311,7 @@ class Trainer:
             return
         done = self.step - start_step
         eta = m["elapsed_s"] / max(done, 1) * (cfg.max_steps - self.step)
-        parts = [f"step {self.step}/{cfg.max_steps}", f"loss {m['loss']:.4f}"]
-        if "head_top1" in m:
-            accs = " ".join(f"{a * 100:.0f}/{b * 100:.0f}" for a, b in zip(m["head_top1"], m["head_top5"]))
-            parts.append(f"heads top1/top5% {accs}")
+        parts = [f"step {self.step}/{cfg.max_steps}", *self._loss_parts(m)]
         parts += [f"{m['tokens_per_s'] / 1e3:.1f}k tok/s", f"mem {m['mem_gib']:.2f} GiB", f"lr {m['lr']:.2e}",
                   f"eta {eta:.0f}s"]
         line = " | ".join(parts)
@@ -318,8 +353,9 @@ class Trainer:
         rngs = state["rng"]
         ckpt.set_rng_state(rngs[self.info.rank] if len(rngs) == self.info.world_size else rngs[0])
         self.step = int(state["step"])
-        if self.info.is_main and self.metrics_path.is_file():
-            # Drop metrics logged after the checkpoint: they are about to be recomputed.
-            lines = self.metrics_path.read_text(encoding="utf-8").splitlines()
-            kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= self.step]
-            ckpt.write_text_atomic(self.metrics_path, "".join(ln + "\n" for ln in kept))
+        for path in (self.metrics_path, self.eval_path):
+            if self.info.is_main and path.is_file():
+                # Drop what was logged after the checkpoint: it is about to be recomputed.
+                lines = path.read_text(encoding="utf-8").splitlines()
+                kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= self.step]
+                ckpt.write_text_atomic(path, "".join(ln + "\n" for ln in kept))

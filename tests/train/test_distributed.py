@@ -23,7 +23,8 @@ def _medusa_args(model_dir, data, out, batch_size):
     return ["train-medusa", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out),
             "--stage", "2", "--num-heads", "2", "--seq-len", "32", "--batch-size", str(batch_size),
             "--grad-accum", "2", "--max-steps", "3", "--save-every", "2", "--lr", "3e-3", "--warmup-steps", "1",
-            "--dtype", "fp32", "--device", "cpu", "--quiet"]
+            "--dtype", "fp32", "--device", "cpu", "--quiet", "--eval-data", str(data), "--eval-every", "2",
+            "--eval-batches", "2"]
 
 
 def test_fsdp2_two_processes_match_one(tiny_tied_model_dir, text_file, tmp_path):
@@ -41,6 +42,13 @@ def test_fsdp2_two_processes_match_one(tiny_tied_model_dir, text_file, tmp_path)
         torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-5, atol=0)
         torch.testing.assert_close(b["head_loss"], a["head_loss"], rtol=1e-5, atol=0)
         torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-4, atol=0)
+    # Evaluation: the same eval windows (a round = one micro-batch per rank) give the same numbers.
+    evals = [json.loads(line) for line in (tmp_path / "fsdp" / "eval.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in evals] == [m["step"] for m in single.evals] == [2, 3]
+    for a, b in zip(single.evals, evals):
+        assert a["targets"] == b["targets"]
+        torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-5, atol=0)
+        assert b["head_top1"] == a["head_top1"]
 
     # The FSDP checkpoint holds full tensors (not rank 0's shard), equal to the single-process run's.
     ckpt_fsdp = tmp_path / "fsdp" / "checkpoints" / "step_000003"

@@ -1,0 +1,51 @@
+"""Held-out evaluation during training: loss and, for Medusa, each head's top-1 / top-5 accuracy on eval data.
+
+The same windows every time (the first ``max_batches`` rounds of the eval data, in order; a round is one micro-batch
+per rank), so numbers compare across steps and runs; nothing random is drawn, so a resumed run stays exact.
+No gradients: a weight stepped inside the forward (step_in_backward.py) must never see an eval forward as a step.
+Every rank runs the same number of forwards, which FSDP needs. The normaliser is the count of targets over all eval
+batches and ranks, so the summed per-batch losses are the mean over the whole eval set (as the trainer does for
+gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liger_models.train import distributed as D
+from liger_models.train.data import PackedDataset
+
+
+def eval_batches(dataset: PackedDataset, batch_size: int, info: D.DistInfo, max_batches: int) -> list[dict]:
+    """This rank's eval micro-batches (CPU tensors): rank r takes rows [r·B, (r+1)·B) of each round of B × ranks
+    windows; a last incomplete round is left out so that every rank has the same count."""
+    per_round = batch_size * info.world_size
+    rounds = min(max_batches, len(dataset) // per_round)
+    if rounds == 0:
+        raise ValueError(f"the eval data packs into {len(dataset)} windows of {dataset.seq_len} tokens; it needs at "
+                         f"least --batch-size × processes = {per_round}")
+    first = info.rank * batch_size
+    return [dataset.batch(torch.arange(r * per_round + first, r * per_round + first + batch_size))
+            for r in range(rounds)]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, task, batches: list[dict], info: D.DistInfo, step: int,
+             max_steps: int) -> tuple[list[float], list[float]]:
+    """(summed stats, target counts) over ``batches`` and all ranks, in the task's stats layout (trainer.py)."""
+    on_device = [{k: v.to(info.device, non_blocking=True) for k, v in b.items()} for b in batches]
+    counts = torch.stack([task.counts(b) for b in on_device]).sum(0)
+    D.all_reduce_sum(counts)
+    normalizer = counts.clamp(min=1)
+    was_training = model.training
+    model.eval()
+    try:
+        stats = None
+        for batch in on_device:
+            s = task.forward(model, batch, normalizer, step, max_steps)[1]
+            stats = s if stats is None else stats + s
+    finally:
+        model.train(was_training)
+    D.all_reduce_sum(stats)
+    return stats.tolist(), counts.tolist()
