@@ -208,7 +208,7 @@ def test_trainer_steps_head_weights_in_the_forward_on_the_kernel_path(tiny_model
     from liger_models.train.run import train_medusa
     from tests.train.test_trainer import _args
 
-    extra = ("--stage", "2", "--num-heads", "2", "--grad-accum", "1", "--max-grad-norm", "0", "--max-steps", "3")
+    extra = ("--stage", "2", "--num-heads", "2", "--grad-accum", "1", "--max-grad-norm", "0", "--max-steps", "2")
     normal = train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "normal", *extra))
     fused = train_medusa(_args("train-medusa", tiny_model_dir, text_file, tmp_path / "fused", *extra,
                                "--optimizer-in-backward"))
