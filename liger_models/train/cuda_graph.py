@@ -10,7 +10,8 @@ How (the whole-network recipe of PyTorch's CUDA-graph notes):
 2. The next call captures the step into a graph with the parameters' gradients set to None, so the captured
    backward writes fresh gradients (not accumulates) and the captured optimizer step consumes them; then replays it.
 3. Every later call copies the batch into the static input buffers and replays.
-A replay reproduces the captured kernels on the same addresses, so its results are the eager step's bit for bit.
+A replay reruns the captured kernels on the same addresses: it computes what the eager step computes (bit for bit
+where the kernels are deterministic; tests/train/test_cuda_graph.py checks that on SDPA's math backend).
 
 What the step must be (checked where it can be):
 - Fixed shapes: every batch has the example's shapes and dtypes (pack to a fixed length).
