@@ -64,7 +64,8 @@ LOGITS_BUDGET_BYTES = 256 << 20
 GRAD_WEIGHT_AS_SCRATCH = True
 # Whether the scratch is split in two so that one chunk's CE pass (memory-bound Triton, a side CUDA stream) runs
 # while the previous chunk's gradient GEMMs (compute-bound cuBLAS) run: the pass costs 1-5 ms of the 40-45 ms op
-# at the headline shapes, serialised. Halving the chunks keeps every GEMM compute-bound (M ≥ 1024 rows).
+# at the headline shapes, serialised. Halved chunks keep M ≥ 1024 rows per GEMM but double the fp32 dW accumulator
+# passes; off until bench_fused_linear_cross_entropy's "overlap" variant says which wins.
 OVERLAP_CE = False
 
 
@@ -191,7 +192,12 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
         if need_b:
             acc_b.add_(logits.sum(0, dtype=torch.float32))
 
-    pending = None  # (i, s, e, logits, event): a chunk whose CE pass is issued and whose gradients are not
+    def finish(chunk: tuple) -> None:  # (i, s, e, logits, event of its CE pass on the side stream or None)
+        if chunk[4] is not None:
+            main.wait_event(chunk[4])
+        gradients(*chunk[:4])
+
+    pending = None  # a chunk whose CE pass is issued and whose gradients are not
     for i, s in enumerate(range(0, n, rows)):
         e = min(n, s + rows)
         h_c, logits = h[s:e], buffers[i % len(buffers)][: e - s]
@@ -206,19 +212,15 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
                     loss=None if loss is None else loss[s:e], lse=lse[s:e], q=q[s:e],
                     rank=None if rank is None else rank[s:e],
                     scale=None if scale is None else (scale if scale.dim() == 0 else scale[s:e]), **opts)
-        event = side.record_event() if side is not None else None
+        chunk = (i, s, e, logits, side.record_event() if side is not None else None)
         if len(buffers) == 1:
-            gradients(i, s, e, logits)
+            finish(chunk)
             continue
-        if pending is not None:
-            if pending[4] is not None:
-                main.wait_event(pending[4])
-            gradients(*pending[:4])
-        pending = (i, s, e, logits, event)
+        if pending is not None:  # the other buffer's chunk: its GEMMs now overlap this chunk's CE pass
+            finish(pending)
+        pending = chunk
     if pending is not None:
-        if pending[4] is not None:
-            main.wait_event(pending[4])
-        gradients(*pending[:4])
+        finish(pending)
     if side is not None:
         main.wait_stream(side)  # nothing the side stream touched may be freed or read before its work is done
     if acc_w is not None and acc_w is not grad_w:
