@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU verification of a session, in parts that each fit one device call (10 minutes), results under $OUT.
+#   bash benchmarks/device_session.sh tests kernels     # call 1: pytest -m gpu, then the loss-kernel variants
+#   bash benchmarks/device_session.sh e2e-small         # call 2: bench_e2e on the 1B-class configs
+#   bash benchmarks/device_session.sh e2e-wide medusa   # call 3: bench_e2e on the wide configs, bench_medusa --quick
+# Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
+set -o pipefail
+OUT=$(realpath -m "${OUT:-device_out}")
+mkdir -p "$OUT"
+. benchmarks/device_env.sh
+
+E2E_PROVIDERS=ours,ours_graph,ours_inbwd
+run_part() {
+  case $1 in
+    tests)  # the whole GPU suite, 4 workers
+      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider ;;
+    kernels)  # block/warp/grid variants of the CE row kernel, and linear-CE with the overlapped CE pass
+      (cd benchmarks && python3 bench_cross_entropy.py --quick --out "$OUT" &&
+        python3 bench_fused_linear_cross_entropy.py --quick --out "$OUT") ;;
+    e2e-small)
+      python3 benchmarks/bench_e2e.py --out "$OUT/e2e_small" --timeout 200 --providers $E2E_PROVIDERS \
+        --configs llama-3.2-1b,qwen2.5-1.5b,gemma-2b &&
+      LIGER_TUNE=fused_linear_cross_entropy.OVERLAP_CE=True python3 benchmarks/bench_e2e.py \
+        --out "$OUT/e2e_small_overlap" --timeout 200 --providers ours --configs llama-3.2-1b,qwen2.5-1.5b ;;
+    e2e-wide)
+      python3 benchmarks/bench_e2e.py --out "$OUT/e2e_wide" --timeout 200 --providers $E2E_PROVIDERS \
+        --configs llama-3-8b-w8l,mistral-7b-w4l,phi3-mini-w8l ;;
+    medusa)
+      python3 benchmarks/bench_medusa.py --quick --out "$OUT" --providers liger-models,liger-models-inbwd,liger-style ;;
+    multi-gpu)  # issue 7, on nvidia-h200-x2
+      python3 benchmarks/multi_gpu.py --out "$OUT" ;;
+    *) echo "unknown part $1" >&2; return 2 ;;
+  esac
+}
+
+for part in "$@"; do
+  start=$(date +%s)
+  run_part "$part" 2>&1 | tee "$OUT/$part.log" > /dev/null
+  status=$?
+  echo "=== $part: exit $status after $(( $(date +%s) - start )) s"
+  tail -n 25 "$OUT/$part.log"
+done
