@@ -212,7 +212,8 @@ def main() -> None:
                 else:
                     err = proc.stderr.strip().splitlines()
                     oom = any("OutOfMemory" in l for l in err)
-                    row = dict(config=name, provider=provider, error="OOM" if oom else (err[-1] if err else "no output"))
+                    row = dict(config=name, provider=provider, error="OOM" if oom else (err[-1] if err else "no output"),
+                               stderr_tail=err[-6:])  # enough of a traceback to see where it broke
             except subprocess.TimeoutExpired:
                 row = dict(config=name, provider=provider, error="timeout")
             row["wall_s"] = round(time.time() - t0, 1)
