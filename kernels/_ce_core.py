@@ -267,9 +267,10 @@ def ce_rows(
     warps = max(1, min(CE_NUM_WARPS, block // 512))
     dummy = lse  # stands in for pointers a mode does not touch
     per_program, grid = 0, rows
-    if CE_PROGRAMS_PER_SM > 0 and rows > CE_PROGRAMS_PER_SM * sm_count(logits.device):
+    programs = CE_PROGRAMS_PER_SM * sm_count(logits.device) if CE_PROGRAMS_PER_SM > 0 else rows
+    if rows > programs:
         # rows per program rounded up to a power of two: few distinct constexprs (compiles) across batch sizes
-        per_program = pow2(cdiv(rows, CE_PROGRAMS_PER_SM * sm_count(logits.device)))
+        per_program = pow2(cdiv(rows, programs))
         grid = cdiv(rows, per_program)
     _ce_kernel[(grid,)](
         logits, grad if backward else logits, labels, loss if forward else dummy, lse, q,

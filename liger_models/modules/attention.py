@@ -47,11 +47,11 @@ def static_document_mask():
     that read nor switch attention paths between replays, so its eager warm-up and its capture must take the
     masked path every time (cuda_graph.py); the mask of a one-document row allows exactly the causal pairs.
     """
-    _STATIC_DOCUMENT_MASK[0] = True
+    previous, _STATIC_DOCUMENT_MASK[0] = _STATIC_DOCUMENT_MASK[0], True
     try:
         yield
     finally:
-        _STATIC_DOCUMENT_MASK[0] = False
+        _STATIC_DOCUMENT_MASK[0] = previous
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:

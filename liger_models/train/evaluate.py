@@ -30,14 +30,21 @@ def eval_batches(dataset: PackedDataset, batch_size: int, info: D.DistInfo, max_
             for r in range(rounds)]
 
 
+def global_counts(task, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts, normaliser) of a global batch (the trainer's step and an evaluation): each loss term's non-ignored
+    targets summed over ``batches`` and all ranks, and those counts clamped to ≥ 1 (a term without any target
+    contributes 0, not 0/0)."""
+    counts = torch.stack([task.counts(b) for b in batches]).sum(0)  # (terms,)
+    D.all_reduce_sum(counts)
+    return counts, counts.clamp(min=1)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, task, batches: list[dict], info: D.DistInfo, step: int,
              max_steps: int) -> tuple[list[float], list[float]]:
     """(summed stats, target counts) over ``batches`` and all ranks, in the task's stats layout (trainer.py)."""
     on_device = [{k: v.to(info.device, non_blocking=True) for k, v in b.items()} for b in batches]
-    counts = torch.stack([task.counts(b) for b in on_device]).sum(0)
-    D.all_reduce_sum(counts)
-    normalizer = counts.clamp(min=1)
+    counts, normalizer = global_counts(task, on_device)
     was_training = model.training
     model.eval()
     try:

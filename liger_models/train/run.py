@@ -110,14 +110,14 @@ def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> tuple[Bat
 
     tokenizer = load_tokenizer(model_dir)
     special = read_special_tokens(tokenizer, model_dir)
-    datasets = []
-    for paths in (args.data, getattr(args, "eval_data", None)):
-        dataset = None if not paths else build_dataset(paths, tokenizer, special, args.seq_len, args.chat_template)
-        if dataset is not None:
-            _check_vocab(dataset, vocab_size)
-        datasets.append(dataset)
-    stream = BatchStream(datasets[0], args.batch_size, seed=args.seed, rank=info.rank, world_size=info.world_size)
-    return stream, datasets[1]
+
+    def packed(paths) -> PackedDataset:
+        dataset = build_dataset(paths, tokenizer, special, args.seq_len, args.chat_template)
+        _check_vocab(dataset, vocab_size)
+        return dataset
+
+    stream = BatchStream(packed(args.data), args.batch_size, seed=args.seed, rank=info.rank, world_size=info.world_size)
+    return stream, packed(args.eval_data) if args.eval_data else None
 
 
 def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:

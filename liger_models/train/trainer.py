@@ -55,6 +55,12 @@ class TrainConfig:
     eval_batches: int = 20  # eval rounds (one micro-batch per rank each) per evaluation
 
 
+def _untied_lm_head(causal_lm: nn.Module) -> list[torch.Tensor]:
+    """[lm_head.weight] unless it is the input embedding's (tied: it also gets the embedding's gradient)."""
+    w = causal_lm.lm_head.weight
+    return [] if w is causal_lm.model.embed_tokens.weight else [w]
+
+
 class CausalLMTask:
     """Next-token loss of a ``Liger<Family>ForCausalLM``: one loss term."""
 
@@ -64,8 +70,7 @@ class CausalLMTask:
     @staticmethod
     def loss_weights_used_once(model: nn.Module) -> list[torch.Tensor]:
         """Trainable weights whose whole gradient comes from one linear-CE call: an untied lm_head."""
-        w = model.lm_head.weight
-        return [w] if w.requires_grad and w is not model.model.embed_tokens.weight else []
+        return [w for w in _untied_lm_head(model) if w.requires_grad]
 
     def counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         targets = shift_labels(batch["labels"], 1, batch["position_ids"], IGNORE_INDEX)
@@ -93,10 +98,9 @@ class MedusaTask:
     def loss_weights_used_once(model: nn.Module) -> list[torch.Tensor]:
         """Trainable weights whose whole gradient comes from one linear-CE call: each head's own lm_head copy, and in
         stage 2 an untied base lm_head the heads do not share."""
-        heads, base = model.heads, model.base
-        used = [] if heads.config.share_lm_head else [heads.weight(k) for k in range(heads.num_heads)]
-        if not heads.config.share_lm_head and base.lm_head.weight is not base.model.embed_tokens.weight:
-            used.append(base.lm_head.weight)
+        heads = model.heads
+        used = [] if heads.config.share_lm_head else [*map(heads.weight, range(heads.num_heads)),
+                                                      *_untied_lm_head(model.base)]
         return [w for w in used if w.requires_grad]
 
     def counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -126,6 +130,13 @@ def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
 
 
+def _refuse(option: str, *conflicts: tuple[bool, str]) -> None:
+    """Raise ValueError naming every conflict that holds: "<option>, so it cannot be combined with <a>, <b>"."""
+    problems = [why for holds, why in conflicts if holds]
+    if problems:
+        raise ValueError(f"{option}, so it cannot be combined with " + ", ".join(problems))
+
+
 def _to_float(norm: torch.Tensor) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
@@ -147,22 +158,18 @@ class Trainer:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.in_backward = None
         if config.optimizer_in_backward:
-            problems = [why for bad, why in ((config.grad_accum > 1, "gradient accumulation (--grad-accum > 1)"),
-                                             (config.max_grad_norm > 0, "clipping (--max-grad-norm > 0)"),
-                                             (info.distributed, "FSDP (several processes)")) if bad]
-            if problems:
-                raise ValueError("--optimizer-in-backward frees each gradient as soon as it is used, so it cannot "
-                                 "be combined with " + ", ".join(problems))
+            _refuse("--optimizer-in-backward frees each gradient as soon as it is used",
+                    (config.grad_accum > 1, "gradient accumulation (--grad-accum > 1)"),
+                    (config.max_grad_norm > 0, "clipping (--max-grad-norm > 0)"),
+                    (info.distributed, "FSDP (several processes)"))
             used_once = getattr(task, "loss_weights_used_once", lambda _: [])(model)
             self.in_backward = OptimizerInBackward(optimizer, in_forward=used_once)
         self.graphed = None
         if config.cuda_graph:
-            problems = [why for bad, why in ((info.device.type != "cuda", "a CPU device"),
-                                             (info.distributed, "FSDP (several processes)"),
-                                             (config.optimizer_in_backward, "--optimizer-in-backward")) if bad]
-            if problems:
-                raise ValueError("--cuda-graph replays one process's whole step on one GPU, so it cannot be combined "
-                                 "with " + ", ".join(problems))
+            _refuse("--cuda-graph replays one process's whole step on one GPU",
+                    (info.device.type != "cuda", "a CPU device"),
+                    (info.distributed, "FSDP (several processes)"),
+                    (config.optimizer_in_backward, "--optimizer-in-backward"))
             vocab = model.config.vocab_size
             self.graphed = GraphedStep(self._graph_body, optimizer, warmup=GRAPH_WARMUP,
                                        label_keys={f"{j}.labels": (vocab, IGNORE_INDEX)
@@ -184,9 +191,7 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches; returns the step's (global) metrics."""
         cfg = self.config
         micro = [self._to_device(self.stream.next_batch()) for _ in range(cfg.grad_accum)]
-        counts = torch.stack([self.task.counts(b) for b in micro]).sum(0)  # (terms,) this rank
-        D.all_reduce_sum(counts)
-        normalizer = counts.clamp(min=1)  # a term without any target contributes 0, not 0/0
+        counts, normalizer = ev.global_counts(self.task, micro)
         self.model.train()
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]  # a tensor once a CUDA graph holds it
         if self.graphed is not None:

@@ -19,6 +19,23 @@ def _noop(batch):
     return None
 
 
+def _step_of(model, opt, context=contextlib.nullcontext, **model_args):
+    """step(batch): the model's loss on batch["ids"] (model_args: its keyword → the batch key holding it) under
+    ``context``, backward, optimizer step; returns the model output."""
+    def step(batch):
+        with context():
+            out = model(batch["ids"], **{arg: batch[key] for arg, key in model_args.items()})
+            out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out
+    return step
+
+
+def _math_sdpa():  # the flash/cuDNN backwards accumulate with atomics: run-to-run noise
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def test_refuses_an_optimizer_that_reads_its_step_count_on_the_host():
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(ValueError, match="capturable=True"):
@@ -50,25 +67,16 @@ def test_replayed_steps_equal_eager_steps_bit_for_bit(tiny_tied_model_dir):
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True, capturable=True)
             for m in models]
 
-    def step_of(model, opt):
-        def step(batch):
-            with sdpa_kernel(SDPBackend.MATH):
-                loss = model(batch["ids"], labels=batch["labels"]).loss
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return {"loss": loss.detach()}
-        return step
-
-    eager = step_of(models[0], opts[0])
+    eager = _step_of(models[0], opts[0], _math_sdpa, labels="labels")
     vocab = models[0].config.vocab_size
-    graphed = GraphedStep(step_of(models[1], opts[1]), opts[1], warmup=3, label_keys={"labels": (vocab, -100)})
+    graphed = GraphedStep(_step_of(models[1], opts[1], _math_sdpa, labels="labels"), opts[1], warmup=3,
+                          label_keys={"labels": (vocab, -100)})
     for i in range(8):
         ids = torch.randint(0, vocab, (4, 64), device="cuda")
         labels = ids.clone()
         labels[:, : i + 1] = -100  # a different count of ignored targets each step
-        want = eager({"ids": ids, "labels": labels})["loss"].item()
-        got = graphed({"ids": ids, "labels": labels})["loss"].item()
+        want = eager({"ids": ids, "labels": labels}).loss.item()
+        got = graphed({"ids": ids, "labels": labels}).loss.item()
         assert got == want, (i, got, want)
         assert graphed.captured == (i >= 3)
         for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
@@ -88,12 +96,7 @@ def test_graph_replays_a_changing_learning_rate(tiny_model_dir):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0 if s >= 5 else 1.0)
     ids = torch.randint(0, model.config.vocab_size, (2, 32), device="cuda")
 
-    def step(batch):
-        model(batch["ids"], labels=batch["ids"]).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    graphed = GraphedStep(step, opt, warmup=2)
+    graphed = GraphedStep(_step_of(model, opt, labels="ids"), opt, warmup=2)
     for _ in range(5):
         graphed({"ids": ids})
         sched.step()
@@ -117,23 +120,14 @@ def test_medusa_step_replays_bit_for_bit(tiny_tied_model_dir, stage):
 
     (eager_model, eager_opt), (graph_model, graph_opt) = build(), build()
 
-    def step_of(model, opt):
-        def step(batch):
-            with sdpa_kernel(SDPBackend.MATH):
-                out = model(batch["ids"], labels=batch["ids"])
-                out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return out.loss.detach(), out.head_top1.detach()
-        return step
-
     vocab = eager_model.config.vocab_size
-    eager = step_of(eager_model, eager_opt)
-    graphed = GraphedStep(step_of(graph_model, graph_opt), graph_opt, warmup=2, label_keys={"ids": (vocab, -100)})
+    eager = _step_of(eager_model, eager_opt, _math_sdpa, labels="ids")
+    graphed = GraphedStep(_step_of(graph_model, graph_opt, _math_sdpa, labels="ids"), graph_opt, warmup=2,
+                          label_keys={"ids": (vocab, -100)})
     for i in range(6):
         ids = torch.randint(0, vocab, (2, 48), device="cuda")
-        (want, want_top1), (got, got_top1) = eager({"ids": ids}), graphed({"ids": ids})
-        assert got.item() == want.item() and torch.equal(got_top1, want_top1), i
+        want, got = eager({"ids": ids}), graphed({"ids": ids})
+        assert got.loss.item() == want.loss.item() and torch.equal(got.head_top1, want.head_top1), i
         for (name, a), b in zip(eager_model.named_parameters(), graph_model.parameters()):
             assert torch.equal(a, b), (i, name)
     assert graphed.captured
@@ -200,12 +194,11 @@ def test_checkpointed_optimizer_state_saves_a_tensor_lr_as_its_value(tiny_model_
 
 
 def _gpu_args(command, model_dir, data, out, *extra):
-    from liger_models.cli import build_parser
+    """test_train_gpu's bf16 CUDA run, 10 steps with a checkpoint at 5 and 3 LR warm-up steps."""
+    from tests.train.test_train_gpu import _args
 
-    return build_parser().parse_args([
-        command, "--model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--seq-len", "64",
-        "--batch-size", "4", "--grad-accum", "2", "--max-steps", "10", "--save-every", "5", "--lr", "3e-3",
-        "--warmup-steps", "3", "--device", "cuda", "--dtype", "bf16", "--quiet", *extra])
+    return _args(command, model_dir, data, out, "--max-steps", "10", "--save-every", "5", "--warmup-steps", "3",
+                 *extra)
 
 
 @pytest.mark.gpu
@@ -260,23 +253,15 @@ def test_packed_documents_at_flex_length_capture(tiny_model_dir):
               for _ in range(2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True) for m in models]
 
-    def step_of(model, opt):
-        def step(batch):
-            with static_document_mask():
-                loss = model(batch["ids"], labels=batch["ids"], position_ids=batch["pos"]).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-        return step
-
-    eager, graphed = step_of(models[0], opts[0]), GraphedStep(step_of(models[1], opts[1]), opts[1], warmup=2)
+    eager, graphed = (_step_of(models[0], opts[0], static_document_mask, labels="ids", position_ids="pos"),
+                      GraphedStep(_step_of(models[1], opts[1], static_document_mask, labels="ids",
+                                           position_ids="pos"), opts[1], warmup=2))
     vocab = models[0].config.vocab_size
     for i in range(5):
         cut = 100 + 50 * i  # a different document boundary every step
         pos = torch.cat([torch.arange(cut), torch.arange(T - cut)])[None].repeat(2, 1).cuda()
         batch = {"ids": torch.randint(0, vocab, (2, T), device="cuda"), "pos": pos}
-        want, got = eager(batch).item(), graphed(batch).item()
+        want, got = eager(batch).loss.item(), graphed(batch).loss.item()
         assert got == pytest.approx(want, rel=1e-4), i
     assert graphed.captured
     for a, b in zip(models[0].parameters(), models[1].parameters()):
