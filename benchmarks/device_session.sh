@@ -12,8 +12,8 @@ mkdir -p "$OUT"
 E2E_PROVIDERS=${E2E_PROVIDERS:-ours,ours_graph,ours_inbwd}
 run_part() {
   case $1 in
-    tests)  # the whole GPU suite, 4 workers
-      python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider ;;
+    tests)  # the whole GPU suite, 4 workers; the tests that hold tens of GiB share one (tests/helpers.BIG_MEMORY)
+      python3 -m pytest -m gpu -q -n 4 --dist loadgroup -p no:cacheprovider ;;
     kernels)  # block/warp/grid variants of the CE row kernel, and linear-CE with the overlapped CE pass
       (cd benchmarks && python3 bench_cross_entropy.py --quick --out "$OUT" &&
         python3 bench_fused_linear_cross_entropy.py --quick --out "$OUT") ;;

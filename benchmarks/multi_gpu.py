@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--compare-first", type=int, default=10, help="steps whose losses must agree closely")
     ap.add_argument("--preset", default="llama-3.2-1b", help="init-model preset (demo for a CPU smoke run)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--jobs", default="finetune,medusa-stage1,medusa-stage2",
+                    help="comma-separated subset (medusa-stage2 needs medusa-stage1)")
     args = ap.parse_args()
     import torch
 
@@ -130,8 +132,13 @@ def main() -> None:
             ("medusa-stage2", ["train-medusa", "--model", str(base), "--stage", "2", "--num-heads", "5",
                                "--init-heads", "{stage1}"])]
     ids = torch.randint(0, 2000, (4, args.seq_len), generator=torch.Generator().manual_seed(0)).to(args.device)
+    wanted = args.jobs.split(",")
+    if unknown := set(wanted) - {name for name, _ in jobs}:
+        ap.error(f"unknown jobs {sorted(unknown)}")
+    if "medusa-stage2" in wanted and "medusa-stage1" not in wanted:
+        ap.error("medusa-stage2 starts from medusa-stage1's heads: run both")
     results = {}
-    for name, job in jobs:
+    for name, job in [(n, j) for n, j in jobs if n in wanted]:
         runs = {}
         for gpus in (1, 2):
             run_dir = work / f"{name}-{gpus}gpu"

@@ -37,6 +37,15 @@ def _fresh_seed():
 
 
 @pytest.fixture(autouse=True)
+def _release_gpu_cache(request):
+    """Hand a GPU test's cached blocks back to the driver, so parallel workers (pytest -n) do not each sit on the
+    largest pool they ever needed."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
 def interpreter_rounds_bf16(monkeypatch):
     """Make Triton's CPU interpreter round fp32 → bf16 casts to nearest-even, as the GPU does.
 

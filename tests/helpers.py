@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# GPU tests that hold tens of GiB. `pytest -m gpu -n 4 --dist loadgroup` gives them all to one worker, so they run one
+# at a time instead of four such tests together running the GPU out of memory.
+BIG_MEMORY = pytest.mark.xdist_group("gpu_big_memory")
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,12 @@ import torch
 from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_models.medusa.config import check_scheduler
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.modules import shift_labels
+from liger_models.modules import model_output, shift_labels
 
 Normalizer = float | torch.Tensor | Sequence[float | torch.Tensor] | None
 
 
+@model_output
 @dataclass
 class MedusaOutput:
     """What `MedusaModel.forward` returns. Every tensor except `loss` is detached; nothing syncs with the host.

@@ -7,7 +7,9 @@ from .config import LigerConfig
 from .decoder import DecoderLayer, DecoderModel
 from .loss import shift_labels
 from .mlp import GatedMLP
+from .output import model_output
 from .rope import RotaryEmbedding
 
 __all__ = ["Attention", "AttentionMask", "CausalLMOutput", "DecoderLayer", "DecoderModel", "GatedMLP", "KVCache",
-           "LigerConfig", "LigerForCausalLM", "RotaryEmbedding", "shift_labels", "static_document_mask"]
+           "LigerConfig", "LigerForCausalLM", "RotaryEmbedding", "model_output", "shift_labels",
+           "static_document_mask"]

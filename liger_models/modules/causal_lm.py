@@ -23,8 +23,10 @@ from .decoder import DecoderModel
 from .generate import generate
 from .linear import pack_linears_
 from .loss import shift_labels
+from .output import model_output
 
 
+@model_output
 @dataclass
 class CausalLMOutput:
     loss: torch.Tensor | None = None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from liger_models.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
-from tests.helpers import DEVICE, assert_matches, poison_
+from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
 
 IGNORE = -100
 # (options, reduction); every option alone, then all together with an external normaliser.
@@ -237,6 +237,7 @@ def test_gpu_headline_shapes(n, vocab, opts, programs_per_sm, monkeypatch):
 
 
 @pytest.mark.gpu
+@BIG_MEMORY
 def test_gpu_logits_above_2_31_elements():
     """8500×256000 bf16 (2.18e9 elements, 4.4 GB): int64 row offsets; the last rows are checked."""
     n, vocab = 8500, 256000

@@ -15,7 +15,7 @@ from liger_models.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
-from tests.helpers import DEVICE, assert_matches, poison_, rel_l2
+from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_, rel_l2
 
 IGNORE = -100
 B, T, H = 2, 7, 8  # 14 tokens: 4 chunks of a 4-row budget, or 2 chunks of H = 8 rows in grad_W's storage
@@ -62,6 +62,14 @@ def _grads(fn, tensors, labels, g, **opts):
     return out, [next(grads) if t is not None and t.requires_grad else None for t in leaves]
 
 
+def _assert_loss_of_bf16_logits(loss, ref, eager):
+    """An fp32 loss computed from bf16 logits (HF's numerics) is as far from the exact one as the bf16 rounding of
+    the logits makes it: within 2× eager PyTorch's error on the same bf16 inputs. (Per token, that rounding alone is
+    up to |z|·2⁻⁹, far above any fixed rtol once logits reach ±16.)"""
+    err, eager_err = rel_l2(loss, ref), rel_l2(eager, ref)
+    assert err <= 2 * eager_err + 1e-6, f"loss: rel err {err:.3e} > 2x eager's {eager_err:.3e}"
+
+
 def _check(hidden, weight, bias, labels, *, requires=(True, True, True), **opts):
     """Loss, rank and the gradients of hidden / weight / bias vs float64 (and eager in the input dtype)."""
     tensors = list(zip((hidden, weight, bias), requires))
@@ -75,9 +83,8 @@ def _check(hidden, weight, bias, labels, *, requires=(True, True, True), **opts)
     assert loss.dtype == torch.float32 and loss.shape == loss64.shape
     if hidden.dtype == torch.float32:
         assert_matches(loss, loss64, name="loss")
-    else:  # fp32 loss of bf16 logits (HF's numerics): within 2× eager's error from the bf16 rounding of the logits
-        err, eager_err = rel_l2(loss, loss64), rel_l2(first(eager), loss64)
-        assert err <= 2 * eager_err + 1e-6, f"loss: rel err {err:.3e} > 2x eager's {eager_err:.3e}"
+    else:
+        _assert_loss_of_bf16_logits(loss, loss64, first(eager))
     for name, got, ref, eager, t in zip(("dh", "dW", "db"), grads, grads64, grads_eager, (hidden, weight, bias)):
         if ref is None:
             assert got is None, name
@@ -291,9 +298,10 @@ def test_gpu_overlapped_schedule_under_load(monkeypatch, frozen):
     hf, wf = hidden.float().requires_grad_(), weight.float().requires_grad_(not frozen)
     ref = fused_linear_cross_entropy_reference(hf, wf, labels, reduction="none")
     ref.backward(g)
-    torch.testing.assert_close(loss, ref.detach(), rtol=2e-3, atol=2e-3)
     he, we = hidden.clone().requires_grad_(), weight.clone().requires_grad_(not frozen)
-    fused_linear_cross_entropy_reference(he, we, labels, reduction="none").backward(g)
+    eager = fused_linear_cross_entropy_reference(he, we, labels, reduction="none")
+    eager.backward(g)
+    _assert_loss_of_bf16_logits(loss, ref.detach().double(), eager.detach())
     assert_matches(h.grad, hf.grad.double(), eager=he.grad, name="dh")
     if frozen:
         assert w.grad is None
@@ -302,6 +310,7 @@ def test_gpu_overlapped_schedule_under_load(monkeypatch, frozen):
 
 
 @pytest.mark.gpu
+@BIG_MEMORY
 def test_gpu_n_times_v_above_2_31():
     """8500 tokens × 256000 vocab = 2.18e9 logits (never materialised by the op)."""
     assert 8500 * 256000 > 2**31

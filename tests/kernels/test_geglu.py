@@ -7,7 +7,7 @@ import torch
 
 from liger_models.kernels import gated_mlp as gm
 from liger_models.kernels.geglu import geglu, geglu_packed
-from tests.helpers import poison_
+from tests.helpers import BIG_MEMORY, poison_
 from tests.kernels import gated_checks as checks
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -122,5 +122,6 @@ def test_gpu_exact_gelu_grid():
 
 
 @pytest.mark.gpu
+@BIG_MEMORY
 def test_gpu_above_int32_elements():
     checks.check_gpu_above_int32(_fns("tanh")[1], "gelu_tanh")

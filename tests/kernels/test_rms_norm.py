@@ -11,7 +11,7 @@ import torch
 
 import liger_models.kernels.rms_norm as rn
 from liger_models.kernels.rms_norm import RMSNorm, add_rms_norm, rms_norm, rms_norm_reference
-from tests.helpers import DEVICE, assert_matches, poison_
+from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
 
 SHAPES = [(1, 1), (3, 127), (4, 1023), (2, 4097)]
 MODES = [("llama", 0.0), ("gemma", 1.0)]
@@ -278,6 +278,7 @@ def test_gpu_dw_is_deterministic():
 
 
 @pytest.mark.gpu
+@BIG_MEMORY
 def test_gpu_more_than_2_31_elements():
     n_cols = 4096
     n_rows = 2**31 // n_cols + 7  # ≈ 4.3 GB of bf16: offsets past 2³¹ elements need int64

@@ -9,7 +9,7 @@ import torch
 
 from liger_models.kernels import rope as rope_mod
 from liger_models.kernels.rope import rope, rope_packed, rope_reference
-from tests.helpers import DEVICE, assert_matches, poison_
+from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (B, T, Hq, Hkv, D, R): Llama-like GQA, partial rotary with a non-power-of-two half (6), a 256-wide head with
@@ -303,6 +303,7 @@ def test_errors():
 
 
 @pytest.mark.gpu
+@BIG_MEMORY
 def test_gpu_llama3_8b_size():
     b, t, hq, hkv, d = 4, 4096, 32, 8, 128
     qkv, q, k = fused_qkv(b, t, hq, hkv, d, torch.bfloat16)
@@ -321,6 +322,7 @@ def test_gpu_llama3_8b_size():
 
 
 @pytest.mark.gpu
+@BIG_MEMORY
 def test_gpu_above_int32_elements():
     """q of more than 2^31 elements (~4.3 GB bf16), partial rotary: forward and backward checked in chunks."""
     hq, hkv, d, rot = 32, 8, 128, 96

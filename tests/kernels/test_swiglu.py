@@ -5,6 +5,7 @@ import torch
 
 from liger_models.kernels import gated_mlp as gm
 from liger_models.kernels.swiglu import swiglu, swiglu_packed
+from tests.helpers import BIG_MEMORY
 from tests.kernels import gated_checks as checks
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -45,10 +46,12 @@ def test_edges_and_errors():
 
 
 @pytest.mark.gpu
+@BIG_MEMORY
 def test_gpu_llama3_8b_size():
     checks.check_gpu_real_size(swiglu_packed, "silu", 16384, 14336)
 
 
 @pytest.mark.gpu
+@BIG_MEMORY
 def test_gpu_above_int32_elements():
     checks.check_gpu_above_int32(swiglu_packed, "silu")

@@ -67,3 +67,46 @@ def test_fsdp2_two_processes_match_one(tiny_tied_model_dir, text_file, tmp_path)
         out_s = MedusaModel.from_pretrained(str(single.checkpoint))(ids)
     torch.testing.assert_close(out_f.logits, out_s.logits, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(out_f.head_logits, out_s.head_logits, rtol=1e-3, atol=1e-3)
+
+
+def test_outputs_are_pytree_nodes():
+    """FSDP2 (torch ≤ 2.11) hooks its pre-backward onto the grad-requiring tensors it finds by pytree-flattening the
+    root module's output; a dataclass it cannot see into hides the loss (Medusa stage 1 then never reduced the
+    heads' gradients on 2 GPUs). Both output classes must flatten to their tensors and back."""
+    import torch.utils._pytree as pytree
+
+    from liger_models.medusa.loss import MedusaOutput
+    from liger_models.modules import CausalLMOutput
+
+    loss = torch.randn((), requires_grad=True) * 2
+    for out in (MedusaOutput(loss=loss, head_losses=torch.rand(3)), CausalLMOutput(loss=loss, logits=torch.rand(2))):
+        leaves, spec = pytree.tree_flatten(out)
+        assert any(t is loss for t in leaves), type(out).__name__
+        assert pytree.tree_unflatten(leaves, spec) == out
+
+
+def test_fsdp2_stage1_trains_heads_like_one_process(tiny_tied_model_dir, text_file, tmp_path):
+    """Stage 1 under FSDP2: the base runs under no_grad, so only the heads (in the root group) have gradients; two
+    ranks must train them exactly as one process does."""
+    def args(out, batch_size):
+        return ["train-medusa", "--model", str(tiny_tied_model_dir), "--data", str(text_file), "--output-dir",
+                str(out), "--stage", "1", "--num-heads", "2", "--seq-len", "32", "--batch-size", str(batch_size),
+                "--max-steps", "3", "--save-every", "3", "--lr", "3e-3", "--warmup-steps", "1", "--dtype", "fp32",
+                "--device", "cpu", "--quiet"]
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "liger_models.cli", *args(tmp_path / "fsdp", 2)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    single = train_medusa(build_parser().parse_args(args(tmp_path / "one", 4)))
+    fsdp = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    assert len(fsdp) == len(single.history) == 3
+    assert single.history[-1]["loss"] < single.history[0]["loss"]  # the heads learn at all
+    for a, b in zip(single.history, fsdp):
+        torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-4, atol=0)
+    a = load_file(single.checkpoint / "medusa_lm_head.safetensors")
+    b = load_file(tmp_path / "fsdp" / "checkpoints" / "step_000003" / "medusa_lm_head.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=key)
