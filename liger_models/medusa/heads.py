@@ -8,10 +8,16 @@ V×H matrix, copied from the base `lm_head` at init, or — `share_lm_head` (Med
 itself, which the heads never train.
 
 The state_dict speaks the Medusa/TGI key format: `{h}.{l}.linear.weight|bias` and, when not shared, `{h}.{L}.weight`.
-With L == 1 the K first-layer GEMMs run as one H → K·H GEMM (TGI's MedusaHeadV2 layout), which reads h once.
+Training and logits run each head as one module call (`MedusaHeads.run`), everything that needs its weights inside
+it, so FSDP2 can shard every head as its own unit: gathered only while that head runs (forward, then backward), its
+gradients reduce-scattered as soon as its backward is done, instead of K heads' V×H projections held whole for the
+step in the root group. (So the K first-layer
+GEMMs are K GEMMs, not TGI's one H → K·H GEMM: the same FLOPs, at 8B width each GEMM still 8K×4096×4096.)
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +36,23 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.silu(self.linear(x))
+
+
+class MedusaHead(nn.Sequential):
+    """One head: ResBlock × L, then its own V×H projection unless the lm_head is shared. An nn.Sequential, so the
+    state_dict keys are Medusa's `{l}.linear.*` and `{L}.weight`."""
+
+    def forward(self, hidden: torch.Tensor, project: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+                shared_weight: torch.Tensor | None = None) -> Any:
+        """z = the ResBlocks on `hidden`; without `project`, z itself, else `project(z, W2)` with W2 this head's
+        projection weight (or `shared_weight`, the base lm_head's) — e.g. its linear-CE loss or its logits."""
+        z = hidden
+        for block in self:
+            if isinstance(block, ResBlock):
+                z = block(z)
+        if project is None:
+            return z
+        return project(z, shared_weight if shared_weight is not None else self[-1].weight)
 
 
 class MedusaHeads(nn.ModuleList):
@@ -67,7 +90,7 @@ class MedusaHeads(nn.ModuleList):
                         proj.weight.copy_(base_lm_head.weight)
                 layers.append(proj)
             # A ModuleList of Sequentials is what makes the keys `{h}.{l}.linear.*` and `{h}.{L}.weight`.
-            self.append(nn.Sequential(*layers))
+            self.append(MedusaHead(*layers))
 
     @property
     def num_heads(self) -> int:
@@ -83,28 +106,21 @@ class MedusaHeads(nn.ModuleList):
             return self._shared[0].weight.detach()
         return self[k][self.config.num_layers].weight
 
+    def run(self, k: int, hidden: torch.Tensor, project: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
+        """Head k (0-based) on `hidden` as one module call: `project(z_k, W2_k)` (see `MedusaHead.forward`)."""
+        self._check_width(hidden)
+        shared = self._shared[0].weight.detach() if self.config.share_lm_head else None
+        return self[k](hidden, project, shared)
+
     def forward(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """ResBlock outputs z_k (each shaped like `hidden`) for k = 0..K-1; no logits are formed."""
-        K, L, H = self.config.num_heads, self.config.num_layers, self.config.hidden_size
-        if hidden.shape[-1] != H:
-            raise ValueError(f"hidden states have size {hidden.shape[-1]}, Medusa heads expect {H}")
-        if L == 0:
-            return [hidden] * K
-        if L == 1 and K > 1:
-            # One H → K·H GEMM for every head's first layer. The cat copies K·H² weights per call, small next to
-            # the K separate passes over a B·T×H activation it replaces.
-            w = torch.cat([self.resblocks(k)[0].linear.weight for k in range(K)])  # (K·H, H)
-            b = torch.cat([self.resblocks(k)[0].linear.bias for k in range(K)])  # (K·H,)
-            y = F.linear(hidden, w, b)  # (..., K·H)
-            return [hidden + F.silu(y[..., k * H:(k + 1) * H]) for k in range(K)]
-        outs = []
-        for k in range(K):
-            z = hidden
-            for block in self.resblocks(k):
-                z = block(z)
-            outs.append(z)
-        return outs
+        self._check_width(hidden)
+        return [self[k](hidden) for k in range(self.num_heads)]
+
+    def _check_width(self, hidden: torch.Tensor) -> None:
+        if hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden states have size {hidden.shape[-1]}, Medusa heads expect {self.config.hidden_size}")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(K, ..., V) logits of every head — for decoding a few positions, never for training."""
-        return torch.stack([F.linear(z, self.weight(k)) for k, z in enumerate(self(hidden))])
+        return torch.stack([self.run(k, hidden, F.linear) for k in range(self.num_heads)])

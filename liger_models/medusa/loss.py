@@ -130,10 +130,11 @@ def medusa_loss(hidden: torch.Tensor, heads: MedusaHeads, labels: torch.Tensor, 
         total, base_loss, _ = _weighted_ce(hidden, base_lm_head_weight, targets, base_loss_weight,
                                            _term_normalizer(normalizer, 0, targets, ignore_index), ignore_index)
     losses, top1, top5, count = [], [], [], []
-    for k, z in enumerate(heads(hidden)):
+    for k in range(K):
         targets = shift_labels(labels, k + 2, position_ids, ignore_index)  # head k+1 predicts t + k + 2
-        weighted, ce, rank = _weighted_ce(z, heads.weight(k), targets, head_scales[k],
-                                          _term_normalizer(normalizer, k + 1, targets, ignore_index), ignore_index)
+        n = _term_normalizer(normalizer, k + 1, targets, ignore_index)
+        weighted, ce, rank = heads.run(k, hidden, lambda z, w: _weighted_ce(z, w, targets, head_scales[k], n,
+                                                                             ignore_index))
         total = weighted if total is None else total + weighted
         losses.append(ce)
         top1.append((rank == 0).sum())

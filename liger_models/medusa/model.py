@@ -24,6 +24,13 @@ from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.loss import MedusaOutput, medusa_head_weights, medusa_loss, schedule_factor
 
 
+def _sharded(heads: nn.Module) -> bool:
+    """Whether FSDP2 made each head its own unit (train/distributed.py)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return len(heads) > 0 and isinstance(heads[0], FSDPModule)
+
+
 class MedusaModel(nn.Module):
     """Base model + Medusa heads. `forward(input_ids, labels)` returns a `MedusaOutput` with the combined loss."""
 
@@ -72,6 +79,11 @@ class MedusaModel(nn.Module):
         """
         with torch.set_grad_enabled(self.stage == 2 and torch.is_grad_enabled()):
             hidden = self.base.model(input_ids, position_ids=position_ids)  # (B, T, H)
+        if self.stage == 1 and torch.is_grad_enabled() and _sharded(self.heads):
+            # FSDP2 reduce-scatters a unit's gradients once its inputs' gradients are computed. From a no_grad base
+            # that never happens, so every head would stay gathered, its gradients unreduced, until the step's end.
+            # A grad-requiring input (one extra H×H GEMM per head in backward) lets each head go as it finishes.
+            hidden = hidden.detach().requires_grad_()
         if labels is None:
             return MedusaOutput(logits=self.base.lm_head(hidden), head_logits=self.heads.logits(hidden))
         return medusa_loss(hidden, self.heads, labels, position_ids=position_ids,

@@ -1,9 +1,9 @@
 """Multi-process training from outside the model: torchrun setup, FSDP2 sharding, activation checkpointing, and
 full (gathered) state dicts for checkpoints.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) is applied per decoder layer and then to the root module, the layout
-torchtitan uses: each layer's parameters are all-gathered just before it runs and freed after, while the root group
-(embeddings, final norm, lm_head and, for Medusa, the heads) stays gathered for the whole forward. FSDP2 averages
+FSDP2 (``torch.distributed.fsdp.fully_shard``) is applied per decoder layer (and per Medusa head) and then to the
+root module, the layout torchtitan uses: each unit's parameters are all-gathered just before it runs and freed after,
+while the root group (embeddings, final norm, lm_head) stays gathered for the whole forward. FSDP2 averages
 gradients over ranks; the loss is already normalised by the global token count, so the trainer multiplies each
 rank's loss by the world size to turn that average into the needed sum (``set_gradient_divide_factor(1)`` would
 say the same, but it needs PREMUL_SUM, which gloo lacks).
@@ -127,9 +127,10 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
     return count
 
 
-def apply_fsdp(root: nn.Module, layers: Iterable[nn.Module], device: torch.device, *,
+def apply_fsdp(root: nn.Module, units: Iterable[nn.Module], device: torch.device, *,
                reduce_fp32: bool = True) -> nn.Module:
-    """Shard ``layers`` one by one, then ``root`` (FSDP2 ``fully_shard``); ``root`` becomes an FSDPModule in place.
+    """Shard ``units`` (decoder layers; Medusa heads) one by one, then ``root`` (FSDP2 ``fully_shard``); ``root``
+    becomes an FSDPModule in place. A unit's parameters are gathered only while its forward / backward runs.
 
     ``reduce_fp32``: reduce-scatter gradients in fp32 even when the parameters are bf16 (one rounding at the end
     instead of one per rank); the sharded gradients keep the parameters' dtype.
@@ -140,8 +141,8 @@ def apply_fsdp(root: nn.Module, layers: Iterable[nn.Module], device: torch.devic
     # An explicit mesh: the default one follows CUDA availability, not the device the model is on.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32 if reduce_fp32 else None)
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(root, mesh=mesh, mp_policy=policy)
     return root
 

@@ -144,14 +144,15 @@ def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
     return RunResult(last, history, Path(args.output_dir), trainer.evals)
 
 
-def _prepare(model: nn.Module, layers, args, info) -> None:
+def _prepare(model: nn.Module, layers, args, info, more_units=()) -> None:
+    """Activation checkpointing on ``layers``; under torchrun, FSDP2 units = ``layers`` + ``more_units``."""
     if args.cuda_graph and args.activation_checkpointing:
         raise ValueError("--cuda-graph cannot be combined with --activation-checkpointing (the recomputation saves "
                          "and restores the RNG state on the host inside the step)")
     if args.activation_checkpointing:
         D.apply_activation_checkpointing(layers)
     if info.distributed:
-        D.apply_fsdp(model, layers, info.device)
+        D.apply_fsdp(model, [*layers, *more_units], info.device)
 
 
 def train_causal_lm(args: argparse.Namespace) -> RunResult:
@@ -219,7 +220,7 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
         dtype = _dtype(args, info.device)
         medusa = _medusa_model(args, model_dir, dtype, info.device, resume)
         stream, eval_data = _data(args, model_dir, medusa.config.vocab_size, info)
-        _prepare(medusa, medusa.base.model.layers, args, info)
+        _prepare(medusa, medusa.base.model.layers, args, info, more_units=medusa.heads)
         lr = args.lr if args.lr is not None else (2.5e-4 if args.stage == 1 else 2e-5)
         groups = medusa.param_groups(lr, args.head_lr_multiplier, args.weight_decay)
 
