@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU verification of a session, in parts that each fit one device call (10 minutes), results under $OUT.
 #   bash benchmarks/device_session.sh tests kernels     # call 1: pytest -m gpu, then the loss-kernel variants
+#   bash benchmarks/device_session.sh norms             # issue 2's kernel benchmarks (JSON + sweeps + graph time)
 #   bash benchmarks/device_session.sh e2e-small         # call 2: bench_e2e on the 1B-class configs (e2e-overlap: OVERLAP_CE)
 #   bash benchmarks/device_session.sh e2e-wide medusa   # call 3: bench_e2e on the wide configs, bench_medusa --quick
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
@@ -17,6 +18,11 @@ run_part() {
     kernels)  # block/warp/grid variants of the CE row kernel, and linear-CE with the overlapped CE pass
       (cd benchmarks && python3 bench_cross_entropy.py --quick --out "$OUT" &&
         python3 bench_fused_linear_cross_entropy.py --quick --out "$OUT") ;;
+    norms)  # issue 2's kernels, full sweeps, each provider also timed replayed as a CUDA graph (host time hidden)
+      (cd benchmarks && for b in rms_norm layer_norm rope swiglu geglu; do
+         LIGER_BENCH_GRAPH=1 python3 bench_$b.py --out "$OUT" || echo "bench_$b failed"; done) ;;
+    profiles)  # issue 6: one profiled step per family (Qwen and Gemma again after the session-2 changes)
+      python3 benchmarks/profile_e2e.py --out "$OUT/profiles" --configs qwen2.5-1.5b,gemma-2b,mistral-7b-w4l,phi3-mini-w8l ;;
     e2e-small)  # tied lm_heads: no forward-time head step to measure, so graph capture only
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_small" --timeout 200 --providers "${E2E_SMALL_PROVIDERS:-ours,ours_graph}" \
         --configs llama-3.2-1b,qwen2.5-1.5b,gemma-2b ;;
