@@ -1,4 +1,4 @@
-"""Medusa heads: key format, initialisation, no layer sharing, fused first-layer GEMM vs a per-layer reference."""
+"""Medusa heads: key format, initialisation, no layer sharing, each head's module call vs a per-layer reference."""
 
 import pytest
 import torch
@@ -77,5 +77,16 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="scheduler"):
         MedusaConfig(scheduler="cosine")
     _, heads = _heads(False, 1)
-    with pytest.raises(ValueError, match="expect 16"):
-        heads(torch.randn(2, 3, 8))
+    for call in (heads, heads.logits, lambda h: heads.run(0, h, torch.nn.functional.linear)):
+        with pytest.raises(ValueError, match="expect 16"):
+            call(torch.randn(2, 3, 8))
+
+
+def test_shared_lm_head_logits_use_the_base_projection():
+    base, heads = _heads(True, 1, K=2)
+    for p in heads.parameters():
+        p.data.normal_()
+    hidden = torch.randn(3, 16)
+    logits = heads.logits(hidden)
+    for k, z in enumerate(heads(hidden)):
+        assert_matches(logits[k], z.double() @ base.lm_head.weight.double().t(), name="shared logits")
