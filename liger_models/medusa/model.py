@@ -26,6 +26,8 @@ from liger_models.medusa.loss import MedusaOutput, medusa_head_weights, medusa_l
 
 def _sharded(heads: nn.Module) -> bool:
     """Whether FSDP2 made each head its own unit (train/distributed.py)."""
+    if not torch.distributed.is_available():  # a torch build without distributed support has no FSDP
+        return False
     from torch.distributed.fsdp import FSDPModule
 
     return len(heads) > 0 and isinstance(heads[0], FSDPModule)
