@@ -12,7 +12,8 @@ that rate. Two distributions: "random" (N(0,1) hidden, weight scaled to logits o
 softmax itself; CCE's gradient filtering only pays here). At the headline shapes this project also runs
 without grad_W's storage as the logits scratch (token chunks from a 256 MiB or a 1 GiB budget instead):
 `liger-models budget256` / `liger-models budget1024`, and with OVERLAP_CE flipped (`liger-models overlap`: the
-CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs).
+CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs), and with
+SINGLE_CHUNK_IN_ACCUMULATOR flipped where N ≤ 2H (`liger-models single`).
 
     python benchmarks/bench_fused_linear_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,...]
 """
@@ -58,14 +59,19 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
     def step(fn):
         return lambda: torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
 
-    def ours(scratch=flce.GRAD_WEIGHT_AS_SCRATCH, budget=flce.LOGITS_BUDGET_BYTES, overlap=flce.OVERLAP_CE):
+    tunables = ("GRAD_WEIGHT_AS_SCRATCH", "LOGITS_BUDGET_BYTES", "OVERLAP_CE", "SINGLE_CHUNK_IN_ACCUMULATOR")
+
+    def ours(scratch=flce.GRAD_WEIGHT_AS_SCRATCH, budget=flce.LOGITS_BUDGET_BYTES, overlap=flce.OVERLAP_CE,
+             single=flce.SINGLE_CHUNK_IN_ACCUMULATOR):
         def fn(h, w, y):
-            saved = flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES, flce.OVERLAP_CE
-            flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES, flce.OVERLAP_CE = scratch, budget, overlap
+            saved = [getattr(flce, name) for name in tunables]
+            for name, value in zip(tunables, (scratch, budget, overlap, single)):
+                setattr(flce, name, value)
             try:
                 return flce.fused_linear_cross_entropy(h, w, y)
             finally:
-                flce.GRAD_WEIGHT_AS_SCRATCH, flce.LOGITS_BUDGET_BYTES, flce.OVERLAP_CE = saved
+                for name, value in zip(tunables, saved):
+                    setattr(flce, name, value)
 
         return step(fn)
 
@@ -88,6 +94,8 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
         out["liger-models budget1024"] = ours(False, 1024 * MiB)
         # the CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs
         out["liger-models overlap"] = ours(overlap=not flce.OVERLAP_CE)
+        if n <= 2 * hdim:  # N ≤ 2H: one chunk in the fp32 accumulator's bytes, dW straight into grad_W
+            out["liger-models single"] = ours(single=not flce.SINGLE_CHUNK_IN_ACCUMULATOR)
     if n * vocab <= EAGER_MAX_ELEMENTS:
         out["eager"] = step(reference)
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))

@@ -11,7 +11,8 @@ Algorithm, per chunk of M token rows (all gradients are computed in the forward 
   3. dh_c = D·W                             cuBLAS, straight into the grad_hidden slice
   4. dW_acc += Dᵀ·h_c                       cuBLAS with an fp32 C (addmm(out_dtype=float32), beta=1)
   5. db_acc += column sums of D (fp32)
-  then grad_W = dW_acc cast to the weight dtype. Backward only multiplies the gradients by grad_output, with a
+  then grad_W = dW_acc cast to the weight dtype (or, SINGLE_CHUNK_IN_ACCUMULATOR with N ≤ 2H, one chunk in a scratch
+  the accumulator's size and step 4 as one GEMM straight into grad_W). Backward only multiplies the gradients by grad_output, with a
   kernel that reads grad_output on the device and does nothing when it is 1 (no host sync). A grad_output that
   is not a power of two rounds the bf16 gradients a second time (unbiased, ≤ 2⁻⁹ relative per element, never
   compounding across chunks or steps); a factor known up front belongs in loss_scale, which is folded in before
@@ -67,6 +68,12 @@ GRAD_WEIGHT_AS_SCRATCH = True
 # at the headline shapes, serialised. Halved chunks keep M ≥ 1024 rows per GEMM but double the fp32 dW accumulator
 # passes; off until bench_fused_linear_cross_entropy's "overlap" variant says which wins.
 OVERLAP_CE = False
+# Whether N token rows whose logits fit in the bytes of the fp32 V×H accumulator (N ≤ 2H for bf16) run as one chunk
+# in a scratch of that size instead of the accumulator: dW is then one GEMM written straight into grad_W (cuBLAS
+# accumulates in fp32 and rounds once, as accumulator + final cast do), so the accumulator's read-modify-write
+# passes and the final cast (6·V·H bytes) disappear, at the same peak memory. Covers BT8192/H4096 and Medusa's
+# 8K-token heads at 8B width; off until bench_fused_linear_cross_entropy's "single" variant has measured it.
+SINGLE_CHUNK_IN_ACCUMULATOR = False
 
 
 def target_rank_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
@@ -126,11 +133,25 @@ def _fp32_out_gemm(device: torch.device) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _fp32_split_k():
+    """cuBLAS may otherwise sum split-K partials of a bf16 GEMM in bf16 (PyTorch's default allows it): a dW whose
+    GEMM is its only accumulator (one chunk) must be summed in fp32 end to end."""
+    matmul = torch.backends.cuda.matmul
+    allowed = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = allowed
+
+
 def _accumulate_dw(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, first: bool) -> None:
     """acc (V, H) = [acc +] dlogitsᵀ·h, reading and writing acc once (beta=0 on the first chunk: no zero-fill)."""
     beta = 0.0 if first else 1.0
     if acc.dtype == dlogits.dtype:
-        torch.addmm(acc, dlogits.t(), h, beta=beta, out=acc)
+        with _fp32_split_k():
+            torch.addmm(acc, dlogits.t(), h, beta=beta, out=acc)
     elif _fp32_out_gemm(acc.device):
         torch.addmm(acc, dlogits.t(), h, out_dtype=acc.dtype, beta=beta, out=acc)
     else:  # exact fallback (CPU, older torch): fp32 GEMMs over vocabulary slabs that fit the budget
@@ -177,10 +198,17 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     grad_h = torch.empty(n, hdim, dtype=h.dtype, device=h.device) if need_h else None
     grad_w = torch.empty(vocab, hdim, dtype=weight.dtype, device=h.device) if need_w else None
     acc_w = None
+    one_chunk = (need_w and accum_dtype != weight.dtype and SINGLE_CHUNK_IN_ACCUMULATOR
+                 and n * h.element_size() <= hdim * torch.finfo(accum_dtype).bits // 8)
     if need_w:
-        acc_w = grad_w if accum_dtype == weight.dtype else torch.empty_like(grad_w, dtype=accum_dtype)
+        exact = accum_dtype == weight.dtype or one_chunk  # one GEMM's own fp32 accumulation is the accumulator
+        acc_w = grad_w if exact else torch.empty_like(grad_w, dtype=accum_dtype)
     acc_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if need_b else None
-    buffers, rows = _scratch(n, h, vocab, grad_w, GRAD_WEIGHT_AS_SCRATCH and acc_w is not None and acc_w is not grad_w)
+    if one_chunk:
+        buffers, rows = [torch.empty(n, vocab, dtype=h.dtype, device=h.device)], n
+    else:
+        buffers, rows = _scratch(n, h, vocab, grad_w,
+                                 GRAD_WEIGHT_AS_SCRATCH and acc_w is not None and acc_w is not grad_w)
     side = _ce_stream(h.device) if len(buffers) == 2 and h.is_cuda else None
     main = torch.cuda.current_stream(h.device) if side is not None else None
 

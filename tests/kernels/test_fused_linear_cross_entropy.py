@@ -21,7 +21,8 @@ IGNORE = -100
 B, T, H = 2, 7, 8  # 14 tokens: 4 chunks of a 4-row budget, or 2 chunks of H = 8 rows in grad_W's storage
 # Where the logits scratch lives, and whether it is split in two so chunk i's CE pass precedes chunk i−1's gradient
 # GEMMs (OVERLAP_CE; on CUDA a side stream runs it concurrently, here the same schedule runs in order).
-SCRATCH_MODES = ("grad_w_scratch", "budget_scratch", "grad_w_scratch+overlap", "budget_scratch+overlap")
+SCRATCH_MODES = ("grad_w_scratch", "budget_scratch", "grad_w_scratch+overlap", "budget_scratch+overlap",
+                 "single_chunk")  # 14 ≤ 2H rows: one chunk in the fp32 accumulator's bytes, dW straight into grad_W
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +37,7 @@ def _chunk(monkeypatch, mode):
     whether the scratch is split for the overlapped schedule (then 4 or 7 chunks of 14 tokens)."""
     monkeypatch.setattr(flce_mod, "GRAD_WEIGHT_AS_SCRATCH", mode.startswith("grad_w_scratch"))
     monkeypatch.setattr(flce_mod, "OVERLAP_CE", mode.endswith("+overlap"))
+    monkeypatch.setattr(flce_mod, "SINGLE_CHUNK_IN_ACCUMULATOR", mode == "single_chunk")
     monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 4 * 517 * 4)
 
 
@@ -130,10 +132,25 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_matches_reference(monkeypatch, dtype, case):
-    _chunk(monkeypatch, SCRATCH_MODES[(case + (dtype == torch.bfloat16)) % 4])  # every mode, both dtypes
+    _chunk(monkeypatch, SCRATCH_MODES[(case + (dtype == torch.bfloat16)) % len(SCRATCH_MODES)])  # every mode
     vocab = (67, 300, 517)[case % 3]
     hidden, weight, bias, labels = _inputs(vocab, dtype, bias=case % 2 == 1)
     _check(hidden, weight, bias, labels, **CASES[case])
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(reduction="none", label_smoothing=0.1)])
+@pytest.mark.parametrize("rows", [16, 17])
+def test_single_chunk_in_accumulator(monkeypatch, opts, rows):
+    """bf16, N ≤ 2H: one chunk, dW by one GEMM straight into grad_W (no fp32 accumulator); N = 2H + 1: the
+    accumulator path as before. Either way the result matches the float64 reference."""
+    _chunk(monkeypatch, "single_chunk")
+    accumulators = []
+    accumulate = flce_mod._accumulate_dw
+    monkeypatch.setattr(flce_mod, "_accumulate_dw", lambda acc, *a, **k: (accumulators.append(acc.dtype),
+                                                                          accumulate(acc, *a, **k)))
+    hidden, weight, bias, labels = _inputs(300, torch.bfloat16, bias=True, b=1, t=rows)
+    _check(hidden, weight, bias, labels, **opts)
+    assert set(accumulators) == ({torch.bfloat16} if rows <= 2 * H else {torch.float32})
 
 
 @pytest.mark.parametrize("requires", [(True, False, False), (False, True, True), (True, False, True)])
@@ -269,12 +286,14 @@ def test_gpu_fp32_output_gemm_available():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["default", "overlap", "single"])
 @pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, loss_scale=0.5),
                                   dict(reduction="sum")])
-def test_gpu_real_size(monkeypatch, opts, overlap):
-    """2 chunks of 2048 rows in grad_W's storage; overlapped: 4 chunks of 1024, CE on a side stream."""
-    monkeypatch.setattr(flce_mod, "OVERLAP_CE", overlap)
+def test_gpu_real_size(monkeypatch, opts, mode):
+    """2 chunks of 2048 rows in grad_W's storage; overlap: 4 chunks of 1024, CE on a side stream; single: the
+    4096 rows (= 2H) as one chunk, dW one GEMM straight into grad_W."""
+    monkeypatch.setattr(flce_mod, "OVERLAP_CE", mode == "overlap")
+    monkeypatch.setattr(flce_mod, "SINGLE_CHUNK_IN_ACCUMULATOR", mode == "single")
     _gpu_case(4096, 2048, 128256, **opts)
 
 
