@@ -11,8 +11,8 @@ The state_dict speaks the Medusa/TGI key format: `{h}.{l}.linear.weight|bias` an
 Training and logits run each head as one module call (`MedusaHeads.run`), everything that needs its weights inside
 it, so FSDP2 can shard every head as its own unit: gathered only while that head runs (forward, then backward), its
 gradients reduce-scattered as soon as its backward is done, instead of K heads' V×H projections held whole for the
-step in the root group. (So the K first-layer
-GEMMs are K GEMMs, not TGI's one H → K·H GEMM: the same FLOPs, at 8B width each GEMM still 8K×4096×4096.)
+step in the root group. (So the K first-layer GEMMs are K GEMMs, not TGI's one H → K·H GEMM: the same FLOPs, and at
+8B width each is still 8K×4096×4096.)
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ class MedusaHeads(nn.ModuleList):
 
     def _check_width(self, hidden: torch.Tensor) -> None:
         if hidden.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"hidden states have size {hidden.shape[-1]}, Medusa heads expect {self.config.hidden_size}")
+            raise ValueError(f"hidden states have size {hidden.shape[-1]}, "
+                             f"Medusa heads expect {self.config.hidden_size}")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(K, ..., V) logits of every head — for decoding a few positions, never for training."""
