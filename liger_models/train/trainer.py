@@ -354,6 +354,12 @@ class Trainer:
         state = ckpt.load_trainer_state(ckpt_dir)
         D.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # The lr of the first resumed step is this run's schedule at the restored step: the very value the checkpoint
+        # saved when the schedule is unchanged, and the longer schedule's when a finished run is extended
+        # (--max-steps raised), instead of the saved value from the old schedule's end.
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                       getattr(self.scheduler, "lr_lambdas", ())):
+            group["lr"] = base * factor(self.scheduler.last_epoch)
         self.stream.load_state_dict(state["data"])
         rngs = state["rng"]
         ckpt.set_rng_state(rngs[self.info.rank] if len(rngs) == self.info.world_size else rngs[0])

@@ -17,6 +17,7 @@ from liger_models.medusa import MedusaModel
 from liger_models.train import distributed as D
 from liger_models.train.data import BatchStream, build_dataset, read_special_tokens
 from liger_models.train.run import train_causal_lm, train_medusa
+from liger_models.train.optim import warmup_cosine_factor
 from liger_models.train.trainer import CausalLMTask, MedusaTask, TrainConfig, Trainer
 
 pytestmark = pytest.mark.usefixtures("reference_path")
@@ -144,6 +145,18 @@ def test_resume_is_bit_identical(command, extra, tiny_model_dir, text_file, tmp_
     for name in files:
         a, b = load_file(full.checkpoint / name), load_file(resumed.checkpoint / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_extending_a_finished_run_follows_the_longer_schedule(tiny_model_dir, text_file, tmp_path):
+    """Resume a 3-step run with --max-steps 6: steps 4-6 use the 6-step schedule's learning rates (the first one
+    too, not the rate the 3-step schedule ended on), like an uninterrupted 6-step run."""
+    out = tmp_path / "run"
+    train_causal_lm(_args("train", tiny_model_dir, text_file, out, "--max-steps", "3"))
+    extended = train_causal_lm(_args("train", tiny_model_dir, text_file, out, "--resume", "auto"))
+    full = train_causal_lm(_args("train", tiny_model_dir, text_file, tmp_path / "full"))
+    assert [m["step"] for m in extended.history] == [4, 5, 6]
+    assert [m["lr"] for m in extended.history] == [m["lr"] for m in full.history[3:]]
+    assert extended.history[0]["lr"] == 3e-3 * warmup_cosine_factor(3, 2, 6)
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(tiny_model_dir):
