@@ -60,6 +60,15 @@ def test_fsdp2_two_processes_match_one(tiny_tied_model_dir, text_file, tmp_path)
             torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4, msg=key)
     assert "lm_head.weight" not in load_file(ckpt_fsdp / "model.safetensors")  # tied head stored once
 
+    # A 2-rank checkpoint resumes on one process and continues as the 2-rank run did.
+    import shutil
+
+    shutil.copytree(tmp_path / "fsdp", tmp_path / "resumed", ignore=shutil.ignore_patterns("step_000003"))
+    resumed = train_medusa(build_parser().parse_args(
+        _medusa_args(tiny_tied_model_dir, text_file, tmp_path / "resumed", 4) + ["--resume", "auto"]))
+    assert [m["step"] for m in resumed.history] == [3]
+    torch.testing.assert_close(resumed.history[0]["loss"], fsdp[2]["loss"], rtol=1e-5, atol=0)
+
     # ... and loads on one process with the same logits.
     ids = torch.randint(0, 300, (1, 12))
     with torch.no_grad():
