@@ -51,7 +51,7 @@ run_part() {
 
 for part in "$@"; do
   start=$(date +%s)
-  run_part "$part" 2>&1 | tee "$OUT/$part.log" > /dev/null
+  LIGER_BENCH_PARTIAL="$OUT/$part.partial.jsonl" run_part "$part" 2>&1 | tee "$OUT/$part.log" > /dev/null
   status=$?
   echo "=== $part: exit $status after $(( $(date +%s) - start )) s"
   tail -n 25 "$OUT/$part.log"

@@ -22,6 +22,9 @@ MiB = 1 << 20
 # its GPU time without the host's launch cost. Opt-in: a provider that cannot be captured is retried as None, but a
 # failed capture is the one place a benchmark run could be left in a bad CUDA state.
 GRAPH_TIMING = os.environ.get("LIGER_BENCH_GRAPH") == "1"
+# LIGER_BENCH_PARTIAL=FILE: run_case also appends each result to FILE as a JSON line the moment it is measured, so a
+# run cut short by a device call's time limit (the JSON and table come only at the end) still leaves its numbers.
+PARTIAL = os.environ.get("LIGER_BENCH_PARTIAL")
 
 
 @dataclass
@@ -118,6 +121,9 @@ def run_case(case: str, providers: dict[str, Callable[[], object]], extra: dict 
                 results[-1].extra["graph_ms"] = graph_ms(fn)
         except Exception as e:  # noqa: BLE001 - a failing peer must not stop the run
             results.append(Result(case, name, None, None, dict(extra or {}), error=f"{type(e).__name__}: {e}"[:300]))
+        if PARTIAL:
+            with open(PARTIAL, "a") as f:
+                f.write(json.dumps(asdict(results[-1])) + "\n")
         gc.collect()
         torch.cuda.empty_cache()
     return results
