@@ -18,9 +18,10 @@ run_part() {
     kernels)  # block/warp/grid variants of the CE row kernel, and linear-CE with the overlapped CE pass
       (cd benchmarks && python3 bench_cross_entropy.py --quick --out "$OUT" &&
         python3 bench_fused_linear_cross_entropy.py --quick --out "$OUT") ;;
-    losses)  # issue 3's full sweeps (BT 2K-32K, H 2048-8192, V 32K-256K) besides the headline shapes
-      (cd benchmarks && python3 bench_cross_entropy.py --out "$OUT" &&
-        python3 bench_fused_linear_cross_entropy.py --out "$OUT") ;;
+    ce-full)  # issue 3's full sweeps (BT 2K-32K, H 2048-8192, V 32K-256K) besides the headline shapes
+      (cd benchmarks && python3 bench_cross_entropy.py --out "$OUT") ;;
+    flce-full)
+      (cd benchmarks && python3 bench_fused_linear_cross_entropy.py --out "$OUT") ;;
     norms)  # issue 2's kernels, full sweeps, each provider also timed replayed as a CUDA graph (host time hidden)
       (cd benchmarks && for b in rms_norm layer_norm rope swiglu geglu; do
          LIGER_BENCH_GRAPH=1 python3 bench_$b.py --out "$OUT" || echo "bench_$b failed"; done) ;;
