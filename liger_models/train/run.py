@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,7 +178,7 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
 
         return _finish(args, info, model, CausalLMTask(), (stream, eval_data), groups, export, resume)
     finally:
-        D.destroy_distributed()
+        D.destroy_distributed(clean=sys.exc_info()[0] is None)
 
 
 def _base_name(model: str) -> str:
@@ -239,4 +240,4 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
         task = MedusaTask(medusa.config.num_heads)
         return _finish(args, info, medusa, task, (stream, eval_data), groups, export, resume)
     finally:
-        D.destroy_distributed()
+        D.destroy_distributed(clean=sys.exc_info()[0] is None)
