@@ -250,10 +250,43 @@ def plot_saved(paths: list[str]) -> None:
         _plot(os.path.splitext(os.path.basename(path))[0], os.path.dirname(path) or ".", results)
 
 
+def _load(path: str) -> tuple[dict, list[Result]]:
+    """A saved benchmark JSON, or a LIGER_BENCH_PARTIAL .jsonl (results only, of a run cut short)."""
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return {}, [Result(**json.loads(line)) for line in f if line.strip()]
+        payload = json.load(f)
+    return payload.get("meta", {}), [Result(**r) for r in payload["results"]]
+
+
+def summary_table(path: str) -> str:
+    """BENCHMARKS.md rows from a saved run: per case and provider the time, and where recorded the CUDA-graph
+    replay time (host hidden), the fraction of copy bandwidth (streaming kernels) or of the matmul rate (linear-CE)
+    and the peak extra memory."""
+    meta, results = _load(path)
+    floors = meta.get("floor_ms", {})
+    lines = ["| case | provider | ms | graph ms | of copy BW / matmul rate | peak MiB | floor ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.ms is None:
+            lines.append(f"| {r.case} | {r.provider} | failed: {(r.error or '')[:60]} | | | | |")
+            continue
+        graph = r.extra.get("graph_ms")
+        frac = r.extra.get("frac_copy_bw", r.extra.get("frac_matmul"))
+        floor = floors.get(r.case)
+        lines.append(f"| {r.case} | {r.provider} | {r.ms:.3f} | {'' if graph is None else f'{graph:.3f}'} | "
+                     f"{'' if frac is None else f'{frac:.0%}'} | {r.peak_mib:.0f} | "
+                     f"{'' if floor is None else f'{floor:.3f}'} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     import sys
 
     if len(sys.argv) > 2 and sys.argv[1] == "plot":
         plot_saved(sys.argv[2:])
+    elif len(sys.argv) > 2 and sys.argv[1] == "table":
+        for path in sys.argv[2:]:
+            print(f"{path}\n{summary_table(path)}\n")
     else:
-        print("usage: python benchmarks/harness.py plot <bench.json>...")
+        print("usage: python benchmarks/harness.py plot|table <bench.json | part.partial.jsonl>...")
