@@ -102,15 +102,16 @@ class MedusaHeads(nn.ModuleList):
 
     def weight(self, k: int) -> torch.Tensor:
         """Head k's V×H vocab projection; the shared base lm_head weight is returned detached (never trained here)."""
-        if self.config.share_lm_head:
-            return self._shared[0].weight.detach()
-        return self[k][self.config.num_layers].weight
+        return self._shared_weight() if self.config.share_lm_head else self[k][self.config.num_layers].weight
+
+    def _shared_weight(self) -> torch.Tensor | None:
+        """The base lm_head weight, detached (the heads never train it); None when each head owns its projection."""
+        return self._shared[0].weight.detach() if self.config.share_lm_head else None
 
     def run(self, k: int, hidden: torch.Tensor, project: Callable[[torch.Tensor, torch.Tensor], Any]) -> Any:
         """Head k (0-based) on `hidden` as one module call: `project(z_k, W2_k)` (see `MedusaHead.forward`)."""
         self._check_width(hidden)
-        shared = self._shared[0].weight.detach() if self.config.share_lm_head else None
-        return self[k](hidden, project, shared)
+        return self[k](hidden, project, self._shared_weight())
 
     def forward(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """ResBlock outputs z_k (each shaped like `hidden`) for k = 0..K-1; no logits are formed."""

@@ -306,6 +306,11 @@ class PackedDataset:
         }
 
 
+def batch_to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch's tensors on ``device`` (non-blocking; tensors already there are returned as they are)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def pack_documents(tokenized: Sequence[tuple[list[int], list[bool]]], seq_len: int, pad_id: int = 0) -> PackedDataset:
     """Concatenate tokenized documents and cut them into ``seq_len`` windows (module docstring)."""
     if seq_len < 2:

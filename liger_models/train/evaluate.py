@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from liger_models.train import distributed as D
-from liger_models.train.data import PackedDataset
+from liger_models.train.data import PackedDataset, batch_to
 
 
 def eval_batches(dataset: PackedDataset, batch_size: int, info: D.DistInfo, max_batches: int) -> list[dict]:
@@ -43,7 +43,7 @@ def global_counts(task, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor
 def evaluate(model: nn.Module, task, batches: list[dict], info: D.DistInfo, step: int,
              max_steps: int) -> tuple[list[float], list[float]]:
     """(summed stats, target counts) over ``batches`` and all ranks, in the task's stats layout (trainer.py)."""
-    on_device = [{k: v.to(info.device, non_blocking=True) for k, v in b.items()} for b in batches]
+    on_device = [batch_to(b, info.device) for b in batches]
     counts, normalizer = global_counts(task, on_device)
     was_training = model.training
     model.eval()

@@ -29,9 +29,9 @@ from torch import nn
 from liger_models.modules import shift_labels, static_document_mask
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
-from liger_models.train.data import IGNORE_INDEX, BatchStream, PackedDataset
 from liger_models.train import evaluate as ev
 from liger_models.train.cuda_graph import GraphedStep
+from liger_models.train.data import IGNORE_INDEX, BatchStream, PackedDataset, batch_to
 from liger_models.train.step_in_backward import OptimizerInBackward
 
 GRAPH_WARMUP = 3  # eager steps before the capture: Triton compiles, cuBLAS/cuDNN settle, AdamW builds its state
@@ -179,18 +179,17 @@ class Trainer:
         self.eval_path = self.output_dir / "eval.jsonl"
         self.history: list[dict] = []
         self.evals: list[dict] = []
-        self.eval_set = None if eval_data is None else ev.eval_batches(eval_data, stream.batch_size, info,
-                                                                      config.eval_batches)
+        self.eval_set = None  # the same batches every evaluation: moved to the device once
+        if eval_data is not None:
+            self.eval_set = [batch_to(b, info.device)
+                             for b in ev.eval_batches(eval_data, stream.batch_size, info, config.eval_batches)]
 
     # --------------------------------------------------------------------------------------------- one step
-
-    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.info.device, non_blocking=True) for k, v in batch.items()}
 
     def train_step(self) -> dict:
         """One optimizer step over ``grad_accum`` micro-batches; returns the step's (global) metrics."""
         cfg = self.config
-        micro = [self._to_device(self.stream.next_batch()) for _ in range(cfg.grad_accum)]
+        micro = [batch_to(self.stream.next_batch(), self.info.device) for _ in range(cfg.grad_accum)]
         counts, normalizer = ev.global_counts(self.task, micro)
         self.model.train()
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]  # a tensor once a CUDA graph holds it
