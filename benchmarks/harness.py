@@ -52,9 +52,9 @@ def median_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 1
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def graph_ms(fn: Callable[[], object]) -> float | None:
+def graph_ms(fn: Callable[[], object]) -> tuple[float | None, str | None]:
     """Median time of ``fn`` replayed as one CUDA graph: what a graph-captured step pays for it, with no host launch
-    cost. None when ``fn`` cannot be captured (a host sync such as a label check, a CPU-side op)."""
+    cost; or (None, why) when ``fn`` cannot be captured (a host sync such as a label check, a CPU-side op)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # capture needs warm-up on a side stream (allocator, lazy init)
@@ -65,10 +65,20 @@ def graph_ms(fn: Callable[[], object]) -> float | None:
     try:
         with torch.cuda.graph(graph):
             fn()
-    except Exception:  # noqa: BLE001 - not capturable: report no graph time
+    except Exception as e:  # noqa: BLE001 - not capturable: report why, no graph time
         torch.cuda.synchronize()
-        return None
-    return median_ms(graph.replay)
+        _release_rng_from_failed_capture()
+        return None, f"{type(e).__name__}: {e}"[:300]
+    return median_ms(graph.replay), None
+
+
+def _release_rng_from_failed_capture() -> None:
+    """A capture that dies inside cudaStreamEndCapture never runs the CUDA generator's capture epilogue, so the default
+    generator stays marked as capturing and the next torch.randn outside a graph raises "Offset increment outside
+    graph capture". Re-seat the generator on a copy of its seed/offset, which carries no capture mark."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    gen.graphsafe_set_state(gen.clone_state())
+    torch.cuda.empty_cache()
 
 
 def host_ms_per_call(fn: Callable[[], object], reps: int, busy_cycles: int = 0) -> float:
@@ -118,7 +128,9 @@ def run_case(case: str, providers: dict[str, Callable[[], object]], extra: dict 
             ms = median_ms(fn)
             results.append(Result(case, name, ms, peak, dict(extra or {})))
             if GRAPH_TIMING:
-                results[-1].extra["graph_ms"] = graph_ms(fn)
+                results[-1].extra["graph_ms"], why = graph_ms(fn)
+                if why:
+                    results[-1].extra["graph_error"] = why
         except Exception as e:  # noqa: BLE001 - a failing peer must not stop the run
             results.append(Result(case, name, None, None, dict(extra or {}), error=f"{type(e).__name__}: {e}"[:300]))
         if PARTIAL:
