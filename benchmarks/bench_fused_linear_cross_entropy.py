@@ -13,7 +13,7 @@ softmax itself; CCE's gradient filtering only pays here). At the headline shapes
 without grad_W's storage as the logits scratch (token chunks from a 256 MiB or a 1 GiB budget instead):
 `liger-models budget256` / `liger-models budget1024`, and with OVERLAP_CE flipped (`liger-models overlap`: the
 CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs), and with
-SINGLE_CHUNK_IN_ACCUMULATOR flipped where N ≤ 2H (`liger-models single`).
+SINGLE_CHUNK_IN_ACCUMULATOR flipped where N ≤ 2H (`liger-models chunked`: the default is one chunk there).
 
     python benchmarks/bench_fused_linear_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,...]
 """
@@ -95,7 +95,8 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
         # the CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs
         out["liger-models overlap"] = ours(overlap=not flce.OVERLAP_CE)
         if n <= 2 * hdim:  # N ≤ 2H: one chunk in the fp32 accumulator's bytes, dW straight into grad_W
-            out["liger-models single"] = ours(single=not flce.SINGLE_CHUNK_IN_ACCUMULATOR)
+            flipped = "chunked" if flce.SINGLE_CHUNK_IN_ACCUMULATOR else "single"
+            out[f"liger-models {flipped}"] = ours(single=not flce.SINGLE_CHUNK_IN_ACCUMULATOR)
     if n * vocab <= EAGER_MAX_ELEMENTS:
         out["eager"] = step(reference)
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))

@@ -36,13 +36,8 @@ run_part() {
     e2e-wide)
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_wide" --timeout 200 --providers $E2E_PROVIDERS \
         --configs llama-3-8b-w8l,mistral-7b-w4l,phi3-mini-w8l ;;
-    medusa)  # then linear-CE's one-chunk mode (8K tokens = 2H at 8B width: every head call takes it)
-      python3 benchmarks/bench_medusa.py --quick --out "$OUT" --providers liger-models,liger-models-inbwd,liger-style &&
-      LIGER_TUNE=fused_linear_cross_entropy.SINGLE_CHUNK_IN_ACCUMULATOR=True python3 benchmarks/bench_medusa.py \
-        --quick --out "$OUT/single" --providers liger-models ;;
-    e2e-single)  # the one config whose loss call has N ≤ 2H (8192 tokens, H 4096)
-      LIGER_TUNE=fused_linear_cross_entropy.SINGLE_CHUNK_IN_ACCUMULATOR=True python3 benchmarks/bench_e2e.py \
-        --out "$OUT/e2e_single" --timeout 200 --providers ours --configs llama-3-8b-w8l ;;
+    medusa)  # quick sweep: this project (linear-CE's one-chunk mode is the default since the fifth session) and peers
+      python3 benchmarks/bench_medusa.py --quick --out "$OUT" --providers liger-models,liger-models-inbwd,liger-style ;;
     multi-gpu)  # issue 7, on nvidia-h200-x2; all three jobs take ~12 min, so one call runs a subset (fine-tuning
                 # was measured on 2026-11-29; MULTI_GPU_JOBS=finetune for it alone)
       python3 benchmarks/multi_gpu.py --out "$OUT" --jobs "${MULTI_GPU_JOBS:-medusa-stage1,medusa-stage2}" ;;
