@@ -22,6 +22,11 @@ MiB = 1 << 20
 # its GPU time without the host's launch cost. Opt-in: a provider that cannot be captured is retried as None, but a
 # failed capture is the one place a benchmark run could be left in a bad CUDA state.
 GRAPH_TIMING = os.environ.get("LIGER_BENCH_GRAPH") == "1"
+# LIGER_BENCH_GPU_TIME=1: run_case also times each provider with the stream kept busy while the host enqueues it
+# (Result.extra["gpu_ms"]): kernel time without launch cost, for any provider (no capture needed); a provider that
+# syncs with the host (a label check) still pays for the sync.
+GPU_TIMING = os.environ.get("LIGER_BENCH_GPU_TIME") == "1"
+SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU time: longer than the host takes to enqueue one call
 # LIGER_BENCH_PARTIAL=FILE: run_case also appends each result to FILE as a JSON line the moment it is measured, so a
 # run cut short by a device call's time limit (the JSON and table come only at the end) still leaves its numbers.
 PARTIAL = os.environ.get("LIGER_BENCH_PARTIAL")
@@ -78,6 +83,26 @@ def graph_ms(fn: Callable[[], object]) -> tuple[float | None, str | None]:
             continue
         return median_ms(graph.replay), None
     return None, why
+
+
+def busy_gpu_ms(fn: Callable[[], object], reps: int = 12) -> float:
+    """Median GPU time of ``fn`` alone: L2 flushed before each rep, and a GPU sleep queued ahead of it so the events
+    bracket its kernels, not the host's enqueueing (which at small sizes is most of what do_bench sees)."""
+    import statistics
+
+    fn()
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    events = []
+    for _ in range(reps):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        cache.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def _release_rng_from_failed_capture() -> None:
@@ -157,6 +182,8 @@ def run_case(case: str, providers: dict[str, Callable[[], object]], extra: dict 
             peak = peak_extra_mib(fn)
             ms = median_ms(fn)
             results.append(Result(case, name, ms, peak, dict(extra or {})))
+            if GPU_TIMING:
+                results[-1].extra["gpu_ms"] = busy_gpu_ms(fn)
             if GRAPH_TIMING:
                 results[-1].extra["graph_ms"], why = graph_ms(fn)
                 if why:
@@ -302,21 +329,25 @@ def _load(path: str) -> tuple[dict, list[Result]]:
 
 
 def summary_table(path: str) -> str:
-    """BENCHMARKS.md rows from a saved run: per case and provider the time, and where recorded the CUDA-graph
-    replay time (host hidden), the fraction of copy bandwidth (streaming kernels) or of the matmul rate (linear-CE)
+    """BENCHMARKS.md rows from a saved run: per case and provider the time, and where recorded the GPU-only time
+    and the CUDA-graph replay time (host hidden), the fraction of copy bandwidth (streaming kernels) or of the matmul rate (linear-CE)
     and the peak extra memory."""
     meta, results = _load(path)
     floors = meta.get("floor_ms", {})
-    lines = ["| case | provider | ms | graph ms | of copy BW / matmul rate | peak MiB | floor ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | provider | ms | GPU ms | graph ms | of copy BW / matmul rate | peak MiB | floor ms |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def cell(value: float | None) -> str:
+        return "" if value is None else f"{value:.3f}"
+
     for r in results:
         if r.ms is None:
-            lines.append(f"| {r.case} | {r.provider} | failed: {(r.error or '')[:60]} | | | | |")
+            lines.append(f"| {r.case} | {r.provider} | failed: {(r.error or '')[:60]} | | | | | |")
             continue
-        graph = r.extra.get("graph_ms")
         frac = r.extra.get("frac_copy_bw", r.extra.get("frac_matmul"))
         floor = floors.get(r.case)
-        lines.append(f"| {r.case} | {r.provider} | {r.ms:.3f} | {'' if graph is None else f'{graph:.3f}'} | "
+        lines.append(f"| {r.case} | {r.provider} | {r.ms:.3f} | {cell(r.extra.get('gpu_ms'))} | "
+                     f"{cell(r.extra.get('graph_ms'))} | "
                      f"{'' if frac is None else f'{frac:.0%}'} | {r.peak_mib:.0f} | "
                      f"{'' if floor is None else f'{floor:.3f}'} |")
     return "\n".join(lines)

@@ -21,13 +21,12 @@ import argparse
 import importlib
 import json
 import os
-import statistics
 import time
 
 import torch
 import triton
 import triton.language as tl
-from harness import copy_bandwidth_gbs, host_ms_per_call, median_ms
+from harness import SLEEP_CYCLES, busy_gpu_ms, copy_bandwidth_gbs, host_ms_per_call, median_ms
 
 import liger_models.kernels._launch as fast
 import liger_models.kernels.rms_norm as rn
@@ -44,7 +43,6 @@ SWEEP = {
 }
 E2E_SHAPES = [(4096, 1024), HEADLINE]
 ADD_SHAPES = [HEADLINE]
-SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU time: longer than the host takes to enqueue one call
 
 
 @triton.jit
@@ -98,19 +96,7 @@ def _add(out: list, r: dict) -> None:
 
 def _gpu_ms(fn, reps: int = 12) -> float:
     """Median GPU time of ``fn`` alone (L2 flushed before each rep; host overhead hidden behind a sleep)."""
-    fn()
-    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    events = []
-    for _ in range(reps):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        cache.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return busy_gpu_ms(fn, reps)
 
 
 def _host_ms(fn, n: int = 200, busy: bool = False) -> float:
