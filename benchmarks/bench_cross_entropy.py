@@ -9,9 +9,8 @@ write the gradient once, 4·N·V B; floor = bytes / measured copy bandwidth. Two
 N(0, 2²) with uniform labels, and "peaked" (a Zipf-like per-token bias of up to +20, labels sampled from the
 softmax itself, so the loss is its entropy as for a trained LM); memory-bound, so they should time alike.
 At the headline shapes and three sweep shapes, block/warp/grid variants of the row kernel are timed too
-(`liger-models bBwWpP`): the fastest sets kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS / CE_PROGRAMS_PER_SM
-(shared with fused_linear_cross_entropy). P > 0 programs per SM make a persistent grid striding over the rows (P = 1: 132 rows in
-flight, ~33 MB at V = 128K, inside L2), so the second pass over each row can re-read it from L2.
+(`liger-models bBwWpP`): the fastest sets kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS (shared with
+fused_linear_cross_entropy); the persistent grids (P > 0, CE_PROGRAMS_PER_SM) are no longer in the list.
 
     python benchmarks/bench_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """

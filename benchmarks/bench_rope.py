@@ -11,7 +11,8 @@ bandwidth measured in the same run.
 At these sizes the kernels take less time than the host needs to run one autograd step (Python, autograd
 engine, launches), so the step's wall time mostly measures the host (eager aside). Two more numbers separate
 the two: "liger-models kernels" times this project's forward + backward launches alone, and for every
-provider the GPU time (summed kernel durations, torch.profiler) and host time per step are printed too.
+provider the GPU time (the host hidden behind a busy stream, harness.busy_gpu_ms) and host time per step are
+printed too.
 
     python benchmarks/bench_rope.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 from _bandwidth import report, time_case
-from harness import copy_bandwidth_gbs, host_ms_per_call, parse_args
+from harness import GPU_TIMING, busy_gpu_ms, copy_bandwidth_gbs, host_ms_per_call, parse_args
 
 HEADLINE = (4, 4096, 32, 8, 128)
 SWEEP = [(4, t, 32, 8, d) for t in (1024, 4096, 8192) for d in (64, 128)]
@@ -90,21 +91,6 @@ def kernels_step(b: int, t: int, hq: int, hkv: int, d: int):
     return step
 
 
-def gpu_ms(fn, reps: int = 10) -> float:
-    """GPU time per call: the summed durations of the kernels ``fn`` launches (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    total_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
-    return total_us / reps / 1e3
-
-
 def host_us(fn, reps: int = 20) -> float:
     """Host time per call, with ~0.1 s of GPU work queued ahead so that no launch waits for the device."""
     return host_ms_per_call(fn, reps, busy_cycles=200_000_000) * 1e3
@@ -153,19 +139,15 @@ def main() -> None:
     args = parse_args(__doc__)
     wanted = set(filter(None, args.providers.split(",")))
     copy_gbs = copy_bandwidth_gbs()
-    cases = []
+    results = []
     for b, t, hq, hkv, d in [HEADLINE] + ([] if args.quick else [s for s in SWEEP if s != HEADLINE]):
         nbytes = 4 * b * t * (hq + hkv) * d * 2 + 2 * 2 * t * d * 4
         providers = providers_for(b, t, hq, hkv, d)
         case = time_case(f"B{b} T{t} Hq{hq} Hkv{hkv} D{d}", providers, nbytes, copy_gbs,
                          {"B": b, "T": t, "Hq": hq, "Hkv": hkv, "D": d}, wanted)
         _measure(case, providers, host_us, "host_us")
-        cases.append((case, providers))
-    # GPU times last: host times taken after torch.profiler had run came out about twice the step's own wall
-    # time (its callbacks seem to stay on every aten op).
-    results = []
-    for case, providers in cases:
-        _measure(case, providers, gpu_ms, "gpu_ms")
+        if not GPU_TIMING:  # else run_case has measured it already
+            _measure(case, providers, busy_gpu_ms, "gpu_ms")
         results += case
     print("| case | provider | step ms | GPU ms (kernels) | host us / step |\n|---|---|---|---|---|")
     for r in results:

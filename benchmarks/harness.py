@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -88,8 +89,6 @@ def graph_ms(fn: Callable[[], object]) -> tuple[float | None, str | None]:
 def busy_gpu_ms(fn: Callable[[], object], reps: int = 12) -> float:
     """Median GPU time of ``fn`` alone: L2 flushed before each rep, and a GPU sleep queued ahead of it so the events
     bracket its kernels, not the host's enqueueing (which at small sizes is most of what do_bench sees)."""
-    import statistics
-
     fn()
     cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     events = []
@@ -333,8 +332,8 @@ def _load(path: str) -> tuple[dict, list[Result]]:
 
 def summary_table(path: str) -> str:
     """BENCHMARKS.md rows from a saved run: per case and provider the time, and where recorded the GPU-only time
-    and the CUDA-graph replay time (host hidden), the fraction of copy bandwidth (streaming kernels) or of the matmul rate (linear-CE)
-    and the peak extra memory."""
+    and the CUDA-graph replay time (host hidden), the fraction of copy bandwidth (streaming kernels) or of the
+    matmul rate (linear-CE) and the peak extra memory."""
     meta, results = _load(path)
     floors = meta.get("floor_ms", {})
     lines = ["| case | provider | ms | GPU ms | graph ms | of copy BW / matmul rate | peak MiB | floor ms |",
@@ -351,8 +350,7 @@ def summary_table(path: str) -> str:
         floor = floors.get(r.case)
         lines.append(f"| {r.case} | {r.provider} | {r.ms:.3f} | {cell(r.extra.get('gpu_ms'))} | "
                      f"{cell(r.extra.get('graph_ms'))} | "
-                     f"{'' if frac is None else f'{frac:.0%}'} | {r.peak_mib:.0f} | "
-                     f"{'' if floor is None else f'{floor:.3f}'} |")
+                     f"{'' if frac is None else f'{frac:.0%}'} | {r.peak_mib:.0f} | {cell(floor)} |")
     return "\n".join(lines)
 
 

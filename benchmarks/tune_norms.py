@@ -94,11 +94,6 @@ def _add(out: list, r: dict) -> None:
     print(f"  {r['sec']} {r['shape']} {r['what']}: {r['ms']:.4f} ms", flush=True)
 
 
-def _gpu_ms(fn, reps: int = 12) -> float:
-    """Median GPU time of ``fn`` alone (L2 flushed before each rep; host overhead hidden behind a sleep)."""
-    return busy_gpu_ms(fn, reps)
-
-
 def _host_ms(fn, n: int = 200, busy: bool = False) -> float:
     """Host time per call of ``fn`` (enqueue only). busy: the GPU is kept busy meanwhile, else it idles."""
     return host_ms_per_call(fn, n, busy_cycles=SLEEP_CYCLES * 50 if busy else 0)
@@ -132,11 +127,11 @@ def ref_section(out: list) -> None:
     x, w, dy = _inputs(rows, hidden)
     y, rstd, dx = torch.empty_like(x), torch.empty(rows, device="cuda"), torch.empty_like(x)
     for nw in (4, 8):
-        ms = _gpu_ms(lambda: _ref_fwd_kernel[(rows,)](x, w, y, rstd, hidden, EPS, BLOCK_N=hidden, num_warps=nw))
+        ms = busy_gpu_ms(lambda: _ref_fwd_kernel[(rows,)](x, w, y, rstd, hidden, EPS, BLOCK_N=hidden, num_warps=nw))
         _add(out, dict(sec="ref", shape=f"{rows}x{hidden}", what=f"fwd 1 row/prog w{nw}", ms=ms, per=4))
     for pps in (2, 3, 4):
         part = torch.empty(pps * n_sm, hidden, device="cuda")
-        ms = _gpu_ms(lambda: _ref_bwd_kernel[(pps * n_sm,)](dy, x, w, rstd, dx, part, rows, hidden, BLOCK_N=hidden,
+        ms = busy_gpu_ms(lambda: _ref_bwd_kernel[(pps * n_sm,)](dy, x, w, rstd, dx, part, rows, hidden, BLOCK_N=hidden,
                                                             num_warps=8))
         _add(out, dict(sec="ref", shape=f"{rows}x{hidden}", what=f"bwd no prefetch w8 pps{pps}", ms=ms, per=6))
 
@@ -149,13 +144,13 @@ def sweep_section(out: list, quick: bool) -> None:
         for tile, ept in fwd_cfgs:
             _set(_FWD_TILE=tile, _FWD_ELEMS_PER_THREAD=ept)
             _, bm, _, nw = rn._tiling(rows, hidden, rn._MAX_FUSED_FWD_N, tile, ept)
-            _add(out, dict(sec="sweep", shape=shape, what=f"fwd bm{bm} w{nw}", ms=_gpu_ms(lambda: _fwd(x, w)),
+            _add(out, dict(sec="sweep", shape=shape, what=f"fwd bm{bm} w{nw}", ms=busy_gpu_ms(lambda: _fwd(x, w)),
                            per=4))
         for (tile, ept), pps in [(c, p) for c in bwd_cfgs for p in pps_list]:
             _set(_BWD_TILE=tile, _BWD_ELEMS_PER_THREAD=ept, _PROGRAMS_PER_SM=pps)
             split, bm, bn, nw = rn._tiling(rows, hidden, rn._MAX_FUSED_BWD_N, tile, ept)
             _add(out, dict(sec="sweep", shape=shape, what=f"bwd bm{bm} bn{bn} w{nw} pps{pps or 'occ'}"
-                           + (" split" if split else ""), ms=_gpu_ms(lambda: _bwd(dy, x, w, rstd)), per=6))
+                           + (" split" if split else ""), ms=busy_gpu_ms(lambda: _bwd(dy, x, w, rstd)), per=6))
         _set()
         print(f"swept {shape} ({time.time() - T0:.0f} s)", flush=True)
 
@@ -261,7 +256,7 @@ def e2e_section(out: list) -> None:
                 shape = f"{'add ' if add else ''}{rows}x{hidden}"
                 _add(out, dict(sec="e2e", shape=shape, what=name, ms=median_ms(step), per=16 if add else 10))
                 if name == "ours cached":
-                    _add(out, dict(sec="e2e-gpu", shape=shape, what=name, ms=_gpu_ms(step), per=16 if add else 10))
+                    _add(out, dict(sec="e2e-gpu", shape=shape, what=name, ms=busy_gpu_ms(step), per=16 if add else 10))
             _set()
             print(f"e2e {rows}x{hidden} ({time.time() - T0:.0f} s)", flush=True)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from liger_models.train import distributed as D
-from liger_models.train.data import PackedDataset, batch_to
+from liger_models.train.data import PackedDataset
 
 
 def eval_batches(dataset: PackedDataset, batch_size: int, info: D.DistInfo, max_batches: int) -> list[dict]:
@@ -42,14 +42,14 @@ def global_counts(task, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor
 @torch.no_grad()
 def evaluate(model: nn.Module, task, batches: list[dict], info: D.DistInfo, step: int,
              max_steps: int) -> tuple[list[float], list[float]]:
-    """(summed stats, target counts) over ``batches`` and all ranks, in the task's stats layout (trainer.py)."""
-    on_device = [batch_to(b, info.device) for b in batches]
-    counts, normalizer = global_counts(task, on_device)
+    """(summed stats, target counts) over ``batches`` (on ``info.device`` already: the trainer moves its fixed eval
+    set there once) and all ranks, in the task's stats layout (trainer.py)."""
+    counts, normalizer = global_counts(task, batches)
     was_training = model.training
     model.eval()
     try:
         stats = None
-        for batch in on_device:
+        for batch in batches:
             s = task.forward(model, batch, normalizer, step, max_steps)[1]
             stats = s if stats is None else stats + s
     finally:

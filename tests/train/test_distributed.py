@@ -95,8 +95,8 @@ def test_outputs_are_pytree_nodes():
 
 
 def test_fsdp2_stage1_trains_heads_like_one_process(tiny_tied_model_dir, text_file, tmp_path):
-    """Stage 1 under FSDP2: the base runs under no_grad, so only the heads (in the root group) have gradients; two
-    ranks must train them exactly as one process does."""
+    """Stage 1 under FSDP2: the base runs under no_grad, so only the heads (each its own FSDP unit) have gradients;
+    two ranks must train them exactly as one process does."""
     def args(out, batch_size):
         return ["train-medusa", "--model", str(tiny_tied_model_dir), "--data", str(text_file), "--output-dir",
                 str(out), "--stage", "1", "--num-heads", "2", "--seq-len", "32", "--batch-size", str(batch_size),
