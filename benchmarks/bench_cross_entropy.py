@@ -8,9 +8,9 @@ the kernels are memory-bound, values do not change their time). Bytes (the floor
 write the gradient once, 4·N·V B; floor = bytes / measured copy bandwidth. Two logit distributions: "random"
 N(0, 2²) with uniform labels, and "peaked" (a Zipf-like per-token bias of up to +20, labels sampled from the
 softmax itself, so the loss is its entropy as for a trained LM); memory-bound, so they should time alike.
-At the headline shapes and three sweep shapes, block/warp/grid variants of the row kernel are timed too
-(`liger-models bBwWpP`): the fastest sets kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS (shared with
-fused_linear_cross_entropy); the persistent grids (P > 0, CE_PROGRAMS_PER_SM) are no longer in the list.
+At the headline shapes and three sweep shapes, variants of kernels/_ce_core.py's knobs are timed too
+(`liger-models bBLOCKwWARPSpPROGRAMS` for the two-pass row kernel, `liger-models sSLICEwWARPS` for the one-read
+split-row kernel; see VARIANTS); the fastest sets the defaults (shared with fused_linear_cross_entropy).
 
     python benchmarks/bench_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """
@@ -26,11 +26,21 @@ from harness import copy_bandwidth_gbs, parse_args
 
 HEADLINE = [(8192, 128256), (4096, 256000)]
 SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
-# (CE_BLOCK_V, CE_NUM_WARPS, CE_PROGRAMS_PER_SM). The persistent grids (P > 0) lost 10-90% at every headline case
-# (fourth and fifth sessions) and are no longer timed. 32768/32 is liger-kernel 0.8.5's Hopper setting, which was
-# 1-14% faster than our 4096/8 from 16K rows on (fifth session); 2048/4 and 4096/4 put more, smaller programs in
-# flight, for few rows (2048 rows: torch.compile 37% faster).
-VARIANTS = [(32768, 32, 0), (16384, 32, 0), (8192, 16, 0), (8192, 8, 0), (4096, 8, 0), (4096, 4, 0), (2048, 4, 0)]
+# Knob settings of kernels/_ce_core.py timed besides the default. Row kernel: bBLOCK wWARPS pPROGRAMS_PER_SM (p0: a
+# program per row; p1/p2: a persistent grid, so few rows are in flight and pass 2 can re-read them from L2 — with
+# 4096/8 blocks that lost everywhere, so only wide blocks, which keep 32-64 KB per SM in flight). 32768/32 is
+# liger-kernel 0.8.5's setting. Split-row kernel (one read; sSLICE wWARPS): 1.3-1.9x slower than the row kernel
+# in its first run (sixth session), two widths kept as the reference.
+VARIANTS = {
+    "b4096w8p0": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=4096, CE_NUM_WARPS=8, CE_PROGRAMS_PER_SM=0),
+    "b32768w32p0": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=32768, CE_NUM_WARPS=32, CE_PROGRAMS_PER_SM=0),
+    "b32768w32p1": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=32768, CE_NUM_WARPS=32, CE_PROGRAMS_PER_SM=1),
+    "b16384w32p1": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=16384, CE_NUM_WARPS=32, CE_PROGRAMS_PER_SM=1),
+    "b16384w16p2": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=16384, CE_NUM_WARPS=16, CE_PROGRAMS_PER_SM=2),
+    "b8192w16p2": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=8192, CE_NUM_WARPS=16, CE_PROGRAMS_PER_SM=2),
+    "s32768w32": dict(CE_SPLIT_SLICE=32768, CE_SPLIT_WARPS=32),
+    "s4096w4": dict(CE_SPLIT_SLICE=4096, CE_SPLIT_WARPS=4),
+}
 # Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
 EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits + fp32 and bf16 grads: ≈12 B per logit
@@ -70,8 +80,8 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
-    default = (_ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS, _ce_core.CE_PROGRAMS_PER_SM)
-
+    knobs = ("CE_SPLIT_SLICE", "CE_SPLIT_WARPS", "CE_BLOCK_V", "CE_NUM_WARPS", "CE_PROGRAMS_PER_SM")
+    default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)
 
@@ -80,13 +90,15 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
         x = logits.detach().clone().requires_grad_() if in_place else logits
         return lambda: torch.autograd.grad(fn(x, labels), x)
 
-    def ours(block, warps, rows):
+    def ours(settings):
         def fn(x, y):  # the whole kernel runs in the forward (gradients are computed there)
-            _ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS, _ce_core.CE_PROGRAMS_PER_SM = block, warps, rows
+            for k, v in settings.items():
+                setattr(_ce_core, k, v)
             try:
                 return cross_entropy(x, y, inplace_grad=True)
             finally:
-                _ce_core.CE_BLOCK_V, _ce_core.CE_NUM_WARPS, _ce_core.CE_PROGRAMS_PER_SM = default
+                for k, v in default.items():
+                    setattr(_ce_core, k, v)
 
         return step(fn, in_place=True)
 
@@ -95,9 +107,10 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
 
         return LigerCrossEntropyLoss(ignore_index=IGNORE)(x, y)
 
-    out = {"liger-models": ours(*default)}
+    out = {"liger-models": ours({})}
     if variants:
-        out.update({f"liger-models b{b}w{w}p{p}": ours(b, w, p) for b, w, p in VARIANTS if (b, w, p) != default})
+        out.update({f"liger-models {name}": ours(settings) for name, settings in VARIANTS.items()
+                    if any(default[k] != v for k, v in settings.items())})
     if n * vocab <= EAGER_MAX_ELEMENTS:
         out["eager"] = step(reference)
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))

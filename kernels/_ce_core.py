@@ -1,7 +1,10 @@
-"""The cross-entropy row kernel shared by cross_entropy.py and fused_linear_cross_entropy.py.
+"""The cross-entropy row kernel shared by cross_entropy.py and fused_linear_cross_entropy.py, and its dispatch.
 
-One program per row of logits (N, V), or (CE_PROGRAMS_PER_SM > 0) a persistent grid of that many programs per SM
-striding over the rows. Pass 1 reads the row once with an online softmax and yields
+Loss and gradient together (the fused modes of both ops) go to the split-row kernel (_ce_split.py: each row over
+several programs, one read of the logits) unless CE_SPLIT_SLICE is 0; the modes that need only one of the two
+(no grad; reduction="none"'s backward) and CE_SPLIT_SLICE = 0 use the row kernel below.
+
+Row kernel: one program per row of logits (N, V). Pass 1 reads the row once with an online softmax and yields
   m = running max,  S' = Σ_{j≠t} e^{x_j − m}  (the target's term kept apart),  e_t = e^{x_t − m},
   lse = m + log1p(S' + e_t − 1),  nll = lse − x_t,  q = 1 − p_t = S' / (S' + e_t),
 so neither the loss of a confident token nor its target gradient p_t − 1 = −q is formed by a cancelling
@@ -14,8 +17,8 @@ mean's 1/denominator, a loss scale, or a per-row grad_output) so nothing here ne
 
 Bytes per element (bf16): pass 1 reads 2, pass 2 reads 2 (partly from L2) and writes 2. Floor (one read + one
 write) for 8192×128256 is 4.2 GB → 1.0 ms at 4.2 TB/s; an L2 miss on every pass-2 read costs 1.5 ms.
-A split-row design (several programs per row, one pass from registers) needs a grid-wide barrier, which the
-Triton interpreter (runs programs one after another) cannot execute, so it is not used.
+The split-row kernel reaches that floor by holding each slice of a row in registers across a meeting of the
+row's programs (_ce_split.py).
 
 Pass 1 keeps per-lane partial sums (s, Σx, rank) and reduces them once after the loop; the only cross-thread
 reduction per block is the running max. V is a constexpr (one compile per vocabulary size; Triton's interpreter
@@ -32,20 +35,29 @@ import torch
 import triton
 import triton.language as tl
 
+from ._ce_math import log1p, softcap_tanh
+from ._ce_split import launch_split
+from ._dispatch import interpreting
 from ._launch import cdiv, pow2, sm_count
 
-# Tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes): elements per
-# block and warps per row program. Measured 2026-11-29 (fwd+bwd, bf16): 4096 over 8 warps was the fastest of
-# {16384/32, 16384/16, 8192/16, 8192/8, 4096/8} at all four headline cases (2.09–2.18 ms vs 2.14–2.34 ms for
-# 8192/16): smaller programs keep more rows in flight per SM, which hides latency better than wider blocks.
+# Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
+# elements per block and warps per row program. Measured 2026-11-29 (fwd+bwd, bf16): 4096 over 8 warps was the
+# fastest of {16384/32, 16384/16, 8192/16, 8192/8, 4096/8} at all four headline cases (2.09–2.18 ms vs 2.14–2.34 ms
+# for 8192/16): smaller programs keep more rows in flight per SM, which hides latency better than wider blocks.
 # Pass-2 re-reads hit L2 only for the tail of each row (≈ L2 / (2 · rows in flight) bytes).
 CE_BLOCK_V = 4096
 CE_NUM_WARPS = 8
-# 0 = one program per row (the measured default). k > 0: a grid of k programs per SM, each taking every
-# (grid)-th row in turn, so only grid rows (k · SMs · 256 KB at V = 128K, bf16) are in flight: with k = 1 that is
-# ~33 MB, inside the H200's 50 MB L2, so pass 2 can re-read each row from L2 instead of HBM (1.5 → 1.0 ms floor),
-# at the price of less memory-level parallelism per SM. Not yet timed on the GPU (bench_cross_entropy variants).
+# 0 = one program per row. k > 0: a grid of k programs per SM, each taking every (grid)-th row in turn, so only
+# k · SMs rows are in flight (k = 1: 132 × 256 KB = 33 MB at V = 128K, inside the H200's 50 MB L2) and pass 2 can
+# re-read each row from L2. With 4096/8 blocks that lost 10–90% (too few bytes in flight per SM); to be timed with
+# 16K-32K blocks (benchmarks/bench_cross_entropy.py variants).
 CE_PROGRAMS_PER_SM = 0
+# Split-row kernel (_ce_split.py): logits per program (a power of two; a row of V takes ⌈V / slice⌉ programs) and
+# warps per program (at most one per 256 entries); 0 = the row kernel for the fused modes too. Off: in its first
+# H200 run (sixth session) every width was 1.3-1.9x slower than the row kernel at the headline shapes (best:
+# 32768/32, 2.62 vs 2.07 ms), its programs idling at the meeting with too few bytes in flight per SM.
+CE_SPLIT_SLICE = 0
+CE_SPLIT_WARPS = 8
 SCALE_BLOCK = 4096
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -99,27 +111,6 @@ def grad_scale(labels: torch.Tensor, ignore_index: int, reduction: str, normaliz
 
 
 @triton.jit
-def _softcap(x, softcap):
-    """(softcap·tanh(x/softcap), 1 − tanh²) in fp32 from one exp of a non-positive argument (no overflow)."""
-    a = tl.abs(x) / softcap
-    u = tl.exp(-2.0 * a)
-    # (1−u)/(1+u) loses relative precision for small a: use tanh's Taylor series there (error < 1e-9 at a=0.1).
-    a2 = a * a
-    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0))))
-    t = tl.where(a < 0.1, small, (1.0 - u) / (1.0 + u))
-    t = tl.where(x < 0, -t, t)
-    return softcap * t, 4.0 * u / ((1.0 + u) * (1.0 + u))
-
-
-@triton.jit
-def _log1p(v):
-    """log(1 + v) accurate for tiny v (Goldberg's trick; the interpreter has no libdevice)."""
-    w = 1.0 + v
-    d = w - 1.0
-    return tl.where(d == 0.0, v, tl.log(w) * (v / tl.where(d == 0.0, 1.0, d)))
-
-
-@triton.jit
 def _ce_kernel(
     LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, n_rows,
     stride_logits_row, stride_grad_row, stride_scale,
@@ -160,7 +151,7 @@ def _ce_row(
         if FORWARD:
             x_t = tl.load(X + target).to(tl.float32)  # labels were range-checked on the host
             if HAS_SOFTCAP:
-                x_t = _softcap(x_t, softcap)[0]
+                x_t = softcap_tanh(x_t, softcap)[0]
             # Per-lane partial sums, reduced once after the loop: the only cross-thread reduction per block is
             # the max (the block-wide rescale e^{m−m_new} is one scalar exp).
             m = x_t
@@ -172,7 +163,7 @@ def _ce_row(
                 mask = cols < N_COLS
                 x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 if HAS_SOFTCAP:
-                    x = _softcap(x, softcap)[0]
+                    x = softcap_tanh(x, softcap)[0]
                 x = tl.where(mask, x, float("-inf"))
                 m_new = tl.maximum(m, tl.max(x, 0))
                 s_vec = s_vec * tl.exp(m - m_new) + tl.where(cols == target, 0.0, tl.exp(x - m_new))
@@ -183,7 +174,7 @@ def _ce_row(
                     rank_vec += (x > x_t).to(tl.int32)
             s_other = tl.sum(s_vec, 0)
             e_t = tl.exp(x_t - m)
-            log_s = _log1p(s_other + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
+            log_s = log1p(s_other + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
             lse = m + log_s
             loss = (1.0 - label_smoothing) * (log_s + (m - x_t))
             if HAS_SMOOTHING:
@@ -207,7 +198,7 @@ def _ce_row(
                 mask = cols < N_COLS
                 x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 if HAS_SOFTCAP:
-                    x, dcap = _softcap(x, softcap)
+                    x, dcap = softcap_tanh(x, softcap)
                 p = tl.exp(x - lse)
                 g = tl.where(cols == target, p * zc - q + label_smoothing, p + p * zc) - eps_v
                 if HAS_SOFTCAP:
@@ -253,7 +244,7 @@ def ce_rows(
     z_loss: float,
     softcap: float | None,
 ) -> None:
-    """Launch the row kernel on logits (rows, V) with unit column stride.
+    """Launch the cross-entropy kernels on logits (rows, V) with unit column stride (split-row or row kernel).
 
     loss given → FORWARD (writes loss, lse, q, and rank if given); grad given → BACKWARD (writes grad, which may be
     logits itself, scaled by `scale`: a 0-dim or (rows,) fp32 tensor). Without loss, lse and q are inputs.
@@ -263,8 +254,18 @@ def ce_rows(
         return
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
     forward, backward = loss is not None, grad is not None
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    if forward and backward and CE_SPLIT_SLICE:
+        slice_cols = min(CE_SPLIT_SLICE, pow2(n_cols))
+        parts = cdiv(n_cols, slice_cols)
+        # The interpreter runs programs one at a time: a part would wait forever for its partners (_ce_split.py).
+        one_launch = parts == 1 or not interpreting()
+        stats = torch.empty(rows * 5 * pow2(parts), dtype=torch.float32, device=logits.device)
+        sync = torch.zeros(rows + 1, dtype=torch.int32, device=logits.device) if one_launch else stats
+        launch_split(logits, labels, grad, loss, lse, q, rank, scale, stats, sync, slice_cols=slice_cols,
+                     warps=max(1, min(CE_SPLIT_WARPS, slice_cols // 256)), one_launch=one_launch, **opts)
+        return
     block = min(CE_BLOCK_V, pow2(n_cols))
-    warps = max(1, min(CE_NUM_WARPS, block // 512))
     dummy = lse  # stands in for pointers a mode does not touch
     per_program, grid = 0, rows
     programs = CE_PROGRAMS_PER_SM * sm_count(logits.device) if CE_PROGRAMS_PER_SM > 0 else rows
@@ -279,7 +280,7 @@ def ce_rows(
         ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
         N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
         HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block, ROWS=per_program,
-        num_warps=warps,
+        num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
     )
 
 
