@@ -8,9 +8,9 @@ the kernels are memory-bound, values do not change their time). Bytes (the floor
 write the gradient once, 4·N·V B; floor = bytes / measured copy bandwidth. Two logit distributions: "random"
 N(0, 2²) with uniform labels, and "peaked" (a Zipf-like per-token bias of up to +20, labels sampled from the
 softmax itself, so the loss is its entropy as for a trained LM); memory-bound, so they should time alike.
-At the headline shapes and three sweep shapes, variants of kernels/_ce_core.py's knobs are timed too
-(`liger-models bBLOCKwWARPSpPROGRAMS` for the two-pass row kernel, `liger-models sSLICEwWARPS` for the one-read
-split-row kernel; see VARIANTS); the fastest sets the defaults (shared with fused_linear_cross_entropy).
+At the headline shapes and three sweep shapes, block/warp variants of the row kernel are timed too
+(`liger-models bBLOCKwWARPS`, see VARIANTS): the fastest sets kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS
+(shared with fused_linear_cross_entropy).
 
     python benchmarks/bench_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """
@@ -26,21 +26,11 @@ from harness import copy_bandwidth_gbs, parse_args
 
 HEADLINE = [(8192, 128256), (4096, 256000)]
 SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
-# Knob settings of kernels/_ce_core.py timed besides the default. Row kernel: bBLOCK wWARPS pPROGRAMS_PER_SM (p0: a
-# program per row; p1/p2: a persistent grid, so few rows are in flight and pass 2 can re-read them from L2 — with
-# 4096/8 blocks that lost everywhere, so only wide blocks, which keep 32-64 KB per SM in flight). 32768/32 is
-# liger-kernel 0.8.5's setting. Split-row kernel (one read; sSLICE wWARPS): 1.3-1.9x slower than the row kernel
-# in its first run (sixth session), two widths kept as the reference.
-VARIANTS = {
-    "b4096w8p0": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=4096, CE_NUM_WARPS=8, CE_PROGRAMS_PER_SM=0),
-    "b32768w32p0": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=32768, CE_NUM_WARPS=32, CE_PROGRAMS_PER_SM=0),
-    "b32768w32p1": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=32768, CE_NUM_WARPS=32, CE_PROGRAMS_PER_SM=1),
-    "b16384w32p1": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=16384, CE_NUM_WARPS=32, CE_PROGRAMS_PER_SM=1),
-    "b16384w16p2": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=16384, CE_NUM_WARPS=16, CE_PROGRAMS_PER_SM=2),
-    "b8192w16p2": dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=8192, CE_NUM_WARPS=16, CE_PROGRAMS_PER_SM=2),
-    "s32768w32": dict(CE_SPLIT_SLICE=32768, CE_SPLIT_WARPS=32),
-    "s4096w4": dict(CE_SPLIT_SLICE=4096, CE_SPLIT_WARPS=4),
-}
+# Row-kernel settings of kernels/_ce_core.py timed besides the default (bBLOCKwWARPS). 32768/32 is liger-kernel
+# 0.8.5's setting; 2048/4 and 4096/4 put more, smaller programs in flight for few rows. (Sixth session: a one-read
+# split-row kernel and persistent grids with 8K-32K blocks were timed here too and lost everywhere; BENCHMARKS.md.)
+VARIANTS = {f"b{block}w{warps}": dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps)
+            for block, warps in [(32768, 32), (16384, 32), (8192, 16), (4096, 8), (4096, 4), (2048, 4)]}
 # Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
 EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits + fp32 and bf16 grads: ≈12 B per logit
@@ -80,7 +70,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
-    knobs = ("CE_SPLIT_SLICE", "CE_SPLIT_WARPS", "CE_BLOCK_V", "CE_NUM_WARPS", "CE_PROGRAMS_PER_SM")
+    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

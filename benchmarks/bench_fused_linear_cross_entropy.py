@@ -53,7 +53,6 @@ def make_inputs(n: int, hdim: int, vocab: int, kind: str):
 
 def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
     import liger_models.kernels.fused_linear_cross_entropy as flce
-    from liger_models.kernels import _ce_core
 
     hidden, weight, labels = make_inputs(n, hdim, vocab, kind)
 
@@ -63,18 +62,16 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
     tunables = ("GRAD_WEIGHT_AS_SCRATCH", "LOGITS_BUDGET_BYTES", "OVERLAP_CE", "SINGLE_CHUNK_IN_ACCUMULATOR")
 
     def ours(scratch=flce.GRAD_WEIGHT_AS_SCRATCH, budget=flce.LOGITS_BUDGET_BYTES, overlap=flce.OVERLAP_CE,
-             single=flce.SINGLE_CHUNK_IN_ACCUMULATOR, split=_ce_core.CE_SPLIT_SLICE):
+             single=flce.SINGLE_CHUNK_IN_ACCUMULATOR):
         def fn(h, w, y):
-            saved = [getattr(flce, name) for name in tunables], _ce_core.CE_SPLIT_SLICE
+            saved = [getattr(flce, name) for name in tunables]
             for name, value in zip(tunables, (scratch, budget, overlap, single)):
                 setattr(flce, name, value)
-            _ce_core.CE_SPLIT_SLICE = split
             try:
                 return flce.fused_linear_cross_entropy(h, w, y)
             finally:
-                for name, value in zip(tunables, saved[0]):
+                for name, value in zip(tunables, saved):
                     setattr(flce, name, value)
-                _ce_core.CE_SPLIT_SLICE = saved[1]
 
         return step(fn)
 

@@ -64,7 +64,11 @@ def graph_ms(fn: Callable[[], object]) -> tuple[float | None, str | None]:
 
     A failed capture is tried once more in thread-local mode: on the H200 the first capture of a process failed
     (cudaErrorStreamCaptureInvalidated) for every provider of the first case, eager PyTorch included, while the
-    same calls captured in every later case, so one failure says little about the provider."""
+    same calls captured in every later case, so one failure says little about the provider. Such a failed capture
+    also keeps memory: its pool is never given back and the allocator keeps routing into it (sixth session: the
+    swiglu / geglu scripts, whose first case is 16384×16384, then ran out of memory with ~130 GiB reserved; neither
+    a fresh capture stream, a shared pool with the routing ended by hand, nor a priming capture in the same case
+    helped). So the norms part times swiglu / geglu without graphs (their GPU time is the host-hidden number)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # capture needs warm-up on a side stream (allocator, lazy init)
@@ -74,12 +78,12 @@ def graph_ms(fn: Callable[[], object]) -> tuple[float | None, str | None]:
     why = None
     for mode in ("global", "thread_local"):
         graph = torch.cuda.CUDAGraph()
-        try:  # a fresh capture stream per attempt: a failed capture can leave torch's shared one unusable
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode=mode):
+        try:
+            with torch.cuda.graph(graph, capture_error_mode=mode):
                 fn()
         except Exception as e:  # noqa: BLE001 - not capturable: report why, no graph time
             torch.cuda.synchronize()
-            _release_failed_capture(graph)
+            _release_rng_from_failed_capture()
             why = f"{mode} capture: {type(e).__name__}: {e}"[:300]
             continue
         return median_ms(graph.replay), None
@@ -104,24 +108,12 @@ def busy_gpu_ms(fn: Callable[[], object], reps: int = 12) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def _release_failed_capture(graph: torch.cuda.CUDAGraph) -> None:
-    """Undo what a capture that died inside cudaStreamEndCapture left behind (torch skips its own epilogue then).
-
-    1. The CUDA generator stays marked as capturing, so the next torch.randn outside a graph raises "Offset increment
-       outside graph capture": re-seat it on a copy of its seed/offset, which carries no capture mark.
-    2. The caching allocator keeps routing the capture stream's allocations into the graph's private pool, which is
-       never released: on the H200 (sixth session) the swiglu/geglu scripts then ran out of memory with 134 GiB
-       "reserved but unallocated" after their first case's captures failed. End that routing and release the pool.
-    """
-    device = torch.cuda.current_device()
-    gen = torch.cuda.default_generators[device]
+def _release_rng_from_failed_capture() -> None:
+    """A capture that dies inside cudaStreamEndCapture never runs the CUDA generator's capture epilogue, so the default
+    generator stays marked as capturing and the next torch.randn outside a graph raises "Offset increment outside
+    graph capture". Re-seat the generator on a copy of its seed/offset, which carries no capture mark."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
     gen.graphsafe_set_state(gen.clone_state())
-    try:
-        pool = graph.pool()
-        torch._C._cuda_endAllocateToPool(device, pool)
-        torch._C._cuda_releasePool(device, pool)
-    except Exception:  # noqa: BLE001 - best effort: the pool may already be gone
-        pass
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -173,12 +165,6 @@ def _spin_up_once(fns: list[Callable[[], object]], seconds: float = 1.5) -> None
             torch.cuda.synchronize()
     except Exception:  # noqa: BLE001 - a provider failing here (OOM) is recorded by its measured call
         torch.cuda.synchronize()
-    if GRAPH_TIMING:  # every capture of the first case failed on the H200 (fifth, sixth sessions): absorb that here
-        for fn in fns:
-            try:
-                graph_ms(fn)
-            except Exception:  # noqa: BLE001 - as above
-                torch.cuda.synchronize()
 
 
 def run_case(case: str, providers: dict[str, Callable[[], object]], extra: dict | None = None,
@@ -238,7 +224,7 @@ def matmul_tflops(n: int = 8192) -> float:
 def apply_tunables() -> dict:
     """Set kernel-module constants from LIGER_TUNE="module.NAME=value,..." (modules under liger_models.kernels,
     values Python literals), so one benchmark run can compare schedules without editing code, e.g.
-    LIGER_TUNE=fused_linear_cross_entropy.OVERLAP_CE=True,_ce_core.CE_SPLIT_SLICE=16384. Returns what it set
+    LIGER_TUNE=fused_linear_cross_entropy.OVERLAP_CE=True,_ce_core.CE_BLOCK_V=8192. Returns what it set
     (recorded with the results)."""
     import ast
     import importlib

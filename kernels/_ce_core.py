@@ -1,10 +1,6 @@
-"""The cross-entropy row kernel shared by cross_entropy.py and fused_linear_cross_entropy.py, and its dispatch.
+"""The cross-entropy row kernel shared by cross_entropy.py and fused_linear_cross_entropy.py.
 
-Loss and gradient together (the fused modes of both ops) go to the split-row kernel (_ce_split.py: each row over
-several programs, one read of the logits) unless CE_SPLIT_SLICE is 0; the modes that need only one of the two
-(no grad; reduction="none"'s backward) and CE_SPLIT_SLICE = 0 use the row kernel below.
-
-Row kernel: one program per row of logits (N, V). Pass 1 reads the row once with an online softmax and yields
+One program per row of logits (N, V). Pass 1 reads the row once with an online softmax and yields
   m = running max,  S' = Σ_{j≠t} e^{x_j − m}  (the target's term kept apart),  e_t = e^{x_t − m},
   lse = m + log1p(S' + e_t − 1),  nll = lse − x_t,  q = 1 − p_t = S' / (S' + e_t),
 so neither the loss of a confident token nor its target gradient p_t − 1 = −q is formed by a cancelling
@@ -17,8 +13,10 @@ mean's 1/denominator, a loss scale, or a per-row grad_output) so nothing here ne
 
 Bytes per element (bf16): pass 1 reads 2, pass 2 reads 2 (partly from L2) and writes 2. Floor (one read + one
 write) for 8192×128256 is 4.2 GB → 1.0 ms at 4.2 TB/s; an L2 miss on every pass-2 read costs 1.5 ms.
-The split-row kernel reaches that floor by holding each slice of a row in registers across a meeting of the
-row's programs (_ce_split.py).
+Reaching that floor needs one read: a 128K-entry row does not fit one program's registers, and splitting it over
+several programs that hold their slices in registers and meet once (atomic counter; commit 032f589) measured
+1.2-1.9x slower on the H200 (sixth session, BENCHMARKS.md): each program idles at the meeting with too few bytes
+in flight. A persistent grid (few rows in flight, so pass 2 re-reads from L2) lost 10-90% with 4K-32K blocks.
 
 Pass 1 keeps per-lane partial sums (s, Σx, rank) and reduces them once after the loop; the only cross-thread
 reduction per block is the running max. V is a constexpr (one compile per vocabulary size; Triton's interpreter
@@ -36,28 +34,16 @@ import triton
 import triton.language as tl
 
 from ._ce_math import log1p, softcap_tanh
-from ._ce_split import launch_split
-from ._dispatch import interpreting
-from ._launch import cdiv, pow2, sm_count
+from ._launch import cdiv, launch, pow2
 
 # Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
 # elements per block and warps per row program. Measured 2026-11-29 (fwd+bwd, bf16): 4096 over 8 warps was the
 # fastest of {16384/32, 16384/16, 8192/16, 8192/8, 4096/8} at all four headline cases (2.09–2.18 ms vs 2.14–2.34 ms
 # for 8192/16): smaller programs keep more rows in flight per SM, which hides latency better than wider blocks.
-# Pass-2 re-reads hit L2 only for the tail of each row (≈ L2 / (2 · rows in flight) bytes).
+# Pass-2 re-reads hit L2 only for the tail of each row (≈ L2 / (2 · rows in flight) bytes). Re-timed in the sixth
+# session against 32768/32 (liger-kernel's setting), 8192/16, 16384/32 and persistent grids: still the fastest.
 CE_BLOCK_V = 4096
 CE_NUM_WARPS = 8
-# 0 = one program per row. k > 0: a grid of k programs per SM, each taking every (grid)-th row in turn, so only
-# k · SMs rows are in flight (k = 1: 132 × 256 KB = 33 MB at V = 128K, inside the H200's 50 MB L2) and pass 2 can
-# re-read each row from L2. With 4096/8 blocks that lost 10–90% (too few bytes in flight per SM); to be timed with
-# 16K-32K blocks (benchmarks/bench_cross_entropy.py variants).
-CE_PROGRAMS_PER_SM = 0
-# Split-row kernel (_ce_split.py): logits per program (a power of two; a row of V takes ⌈V / slice⌉ programs) and
-# warps per program (at most one per 256 entries); 0 = the row kernel for the fused modes too. Off: in its first
-# H200 run (sixth session) every width was 1.3-1.9x slower than the row kernel at the headline shapes (best:
-# 32768/32, 2.62 vs 2.07 ms), its programs idling at the meeting with too few bytes in flight per SM.
-CE_SPLIT_SLICE = 0
-CE_SPLIT_WARPS = 8
 SCALE_BLOCK = 4096
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -112,25 +98,15 @@ def grad_scale(labels: torch.Tensor, ignore_index: int, reduction: str, normaliz
 
 @triton.jit
 def _ce_kernel(
-    LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, n_rows,
+    LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE,
     stride_logits_row, stride_grad_row, stride_scale,
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    # ROWS == 0: the grid is exactly one program per row (no bounds check). Else a persistent grid: program p takes
-    # rows p, p + grid, p + 2·grid, ... (ROWS of them at most; a constexpr trip count, which the interpreter needs).
-    if ROWS == 0:
-        _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, tl.program_id(0).to(tl.int64), stride_logits_row,
-                stride_grad_row, stride_scale, ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD,
-                BACKWARD, WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
-    else:
-        for r in range(ROWS):
-            row = tl.program_id(0).to(tl.int64) + r * tl.num_programs(0)
-            if row < n_rows:
-                _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, row, stride_logits_row, stride_grad_row,
-                        stride_scale, ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD, BACKWARD,
-                        WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
+    _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, tl.program_id(0).to(tl.int64), stride_logits_row,
+            stride_grad_row, stride_scale, ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD,
+            BACKWARD, WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_V)
 
 
 @triton.jit
@@ -244,7 +220,7 @@ def ce_rows(
     z_loss: float,
     softcap: float | None,
 ) -> None:
-    """Launch the cross-entropy kernels on logits (rows, V) with unit column stride (split-row or row kernel).
+    """Launch the row kernel on logits (rows, V) with unit column stride.
 
     loss given → FORWARD (writes loss, lse, q, and rank if given); grad given → BACKWARD (writes grad, which may be
     logits itself, scaled by `scale`: a 0-dim or (rows,) fp32 tensor). Without loss, lse and q are inputs.
@@ -254,34 +230,16 @@ def ce_rows(
         return
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
     forward, backward = loss is not None, grad is not None
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
-    if forward and backward and CE_SPLIT_SLICE:
-        slice_cols = min(CE_SPLIT_SLICE, pow2(n_cols))
-        parts = cdiv(n_cols, slice_cols)
-        # The interpreter runs programs one at a time: a part would wait forever for its partners (_ce_split.py).
-        one_launch = parts == 1 or not interpreting()
-        stats = torch.empty(rows * 5 * pow2(parts), dtype=torch.float32, device=logits.device)
-        sync = torch.zeros(rows + 1, dtype=torch.int32, device=logits.device) if one_launch else stats
-        launch_split(logits, labels, grad, loss, lse, q, rank, scale, stats, sync, slice_cols=slice_cols,
-                     warps=max(1, min(CE_SPLIT_WARPS, slice_cols // 256)), one_launch=one_launch, **opts)
-        return
     block = min(CE_BLOCK_V, pow2(n_cols))
     dummy = lse  # stands in for pointers a mode does not touch
-    per_program, grid = 0, rows
-    programs = CE_PROGRAMS_PER_SM * sm_count(logits.device) if CE_PROGRAMS_PER_SM > 0 else rows
-    if rows > programs:
-        # rows per program rounded up to a power of two: few distinct constexprs (compiles) across batch sizes
-        per_program = pow2(cdiv(rows, programs))
-        grid = cdiv(rows, per_program)
-    _ce_kernel[(grid,)](
-        logits, grad if backward else logits, labels, loss if forward else dummy, lse, q,
-        rank if rank is not None else dummy, scale if backward else dummy, rows,
-        logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
-        ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0),
-        N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
-        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block, ROWS=per_program,
-        num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
-    )
+    launch(_ce_kernel, (rows,),
+           [logits, grad if backward else logits, labels, loss if forward else dummy, lse, q,
+            rank if rank is not None else dummy, scale if backward else dummy,
+            logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
+            ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)],
+           dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
+                HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block,
+                num_warps=max(1, min(CE_NUM_WARPS, block // 512))))
 
 
 def take_grads(ctx) -> tuple:
@@ -302,5 +260,6 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """x *= g in place for a contiguous x and a 1-element device tensor g, skipping all traffic when g == 1."""
     n = x.numel()
     if n:
-        _scale_kernel[(cdiv(n, SCALE_BLOCK),)](x, g.reshape(1).float(), n, BLOCK=SCALE_BLOCK, num_warps=8)
+        launch(_scale_kernel, (cdiv(n, SCALE_BLOCK),), [x, g.reshape(1).float(), n],
+               dict(BLOCK=SCALE_BLOCK, num_warps=8))
     return x

@@ -1,4 +1,4 @@
-"""fp32 helpers shared by the cross-entropy kernels (_ce_core.py's row kernel, _ce_split.py's split-row kernel)."""
+"""fp32 helpers of the cross-entropy row kernel (_ce_core.py): softcap with its derivative, an accurate log1p."""
 
 from __future__ import annotations
 

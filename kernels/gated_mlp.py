@@ -37,7 +37,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from ._dispatch import row_view, use_triton
-from ._launch import cdiv, pow2
+from ._launch import cdiv, launch, pow2
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 # Streaming tile: elements per program and per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
@@ -165,10 +165,9 @@ def gated_forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor,
         out2d.copy_(gated_mlp_reference(gate2d, up2d, activation))
         return
     grid, block_r, block_c, warps = _grid(n_rows, n_cols)
-    _gated_fwd_kernel[grid](
-        gate2d, up2d, out2d, n_rows, n_cols, gate2d.stride(0), up2d.stride(0), out2d.stride(0),
-        ACT=ACTIVATIONS[activation], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
-    )
+    launch(_gated_fwd_kernel, grid,
+           [gate2d, up2d, out2d, n_rows, n_cols, gate2d.stride(0), up2d.stride(0), out2d.stride(0)],
+           dict(ACT=ACTIVATIONS[activation], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps))
 
 
 def gated_backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str, product2d=None) -> None:
@@ -190,12 +189,11 @@ def gated_backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str, produc
         return
     grid, block_r, block_c, warps = _grid(n_rows, n_cols)
     prod = dout2d if product2d is None else product2d  # unused pointer when STORE_PRODUCT is off
-    _gated_bwd_kernel[grid](
-        dout2d, gate2d, up2d, dgate2d, dup2d, prod, n_rows, n_cols,
-        dout2d.stride(0), gate2d.stride(0), up2d.stride(0), dgate2d.stride(0), dup2d.stride(0), prod.stride(0),
-        ACT=ACTIVATIONS[activation], STORE_PRODUCT=product2d is not None, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=warps,
-    )
+    launch(_gated_bwd_kernel, grid,
+           [dout2d, gate2d, up2d, dgate2d, dup2d, prod, n_rows, n_cols, dout2d.stride(0), gate2d.stride(0),
+            up2d.stride(0), dgate2d.stride(0), dup2d.stride(0), prod.stride(0)],
+           dict(ACT=ACTIVATIONS[activation], STORE_PRODUCT=product2d is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=warps))
 
 
 def owns_memory(x: torch.Tensor, x2d: torch.Tensor, width: int) -> bool:

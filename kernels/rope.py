@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import use_triton
-from ._launch import pow2
+from ._launch import launch, pow2
 
 # Tiling: _TOKENS_PER_PROGRAM tokens × all heads per program (heads in tiles of at most _HEAD_TILE elements per
 # half-rotation), _ELEMS_PER_THREAD elements per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
@@ -212,13 +212,12 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
         cos, sin = cos.contiguous(), sin.contiguous()
     blocks_per_seq, meta = _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward,
                                    _TOKENS_PER_PROGRAM, _HEAD_TILE, _ELEMS_PER_THREAD)
-    _rope_kernel[(bsz * blocks_per_seq,)](
-        q, k, dst_q, dst_k, cos, sin, seq_len,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),  # a batch of one broadcasts
-        dq_stride, dk_stride,
-        **meta,
-    )
+    launch(_rope_kernel, (bsz * blocks_per_seq,),
+           [q, k, dst_q, dst_k, cos, sin, seq_len,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),  # a batch of one broadcasts
+            dq_stride, dk_stride],
+           meta)
 
 
 def _unit_last_stride(grad: torch.Tensor) -> torch.Tensor:

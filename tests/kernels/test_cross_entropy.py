@@ -70,51 +70,9 @@ def test_matches_reference(dtype, case):
     _check(logits, _labels(7, vocab), reduction, **opts)
 
 
-@pytest.mark.parametrize("programs_per_sm", [1, 2])
-def test_persistent_grid_changes_nothing(programs_per_sm, monkeypatch):
-    """The CE_PROGRAMS_PER_SM knob (a grid of k programs per SM striding over the rows; the CPU counts 4 SMs, so 7
-    and 13 rows leave some programs a row short) gives the same bits as one program per row, on poisoned outputs."""
-    from liger_models.kernels import _ce_core
-
-    opts, reduction = CASES[-2]
-    for n in (7, 13):
-        logits = (torch.randn(n, 300, device=DEVICE) * 3).to(torch.bfloat16)
-        labels = _labels(n, 300)
-        monkeypatch.setattr(_ce_core, "CE_PROGRAMS_PER_SM", 0)
-        loss, dx = _check(logits, labels, reduction, grad_scale=0.5, **opts)
-        monkeypatch.setattr(_ce_core, "CE_PROGRAMS_PER_SM", programs_per_sm)
-        loss_p, dx_p = _check(logits, labels, reduction, grad_scale=0.5, **opts)
-        assert torch.equal(loss, loss_p) and torch.equal(dx, dx_p)
-
-
-@pytest.mark.parametrize("split_slice", [0, 64, 128, 4096])
-@pytest.mark.parametrize("case", [0, len(CASES) - 1])
-def test_split_rows_match_row_kernel(split_slice, case, monkeypatch):
-    """CE_SPLIT_SLICE: 0 = the row kernel; 64 / 128 split a 300-wide row over 5 / 3 programs (two launches under the
-    interpreter, which cannot run the one-launch meeting); 4096 = one program per row in one launch (the meeting
-    with itself). Each matches the reference; the split forms give the row kernel's gradient to within one bf16 ulp."""
-    from liger_models.kernels import _ce_core
-
-    opts, reduction = CASES[case]
-    n = 11
-    logits = (torch.randn(n, 300, device=DEVICE) * 3).to(torch.bfloat16)
-    labels = _labels(n, 300)
-    grad_scale = torch.linspace(-1, 1, n) if reduction == "none" else 0.5
-    monkeypatch.setattr(_ce_core, "CE_SPLIT_SLICE", 0)
-    loss, dx = _check(logits, labels, reduction, grad_scale=grad_scale, **opts)
-    monkeypatch.setattr(_ce_core, "CE_SPLIT_SLICE", split_slice)
-    loss_s, dx_s = _check(logits, labels, reduction, grad_scale=grad_scale, **opts)
-    torch.testing.assert_close(loss_s, loss, rtol=2e-6, atol=1e-6)
-    torch.testing.assert_close(dx_s.float(), dx.float(), rtol=2**-8, atol=1e-7)
-
-
-@pytest.mark.parametrize("split_slice", [0, 64, 4096])
-def test_in_place_gradient(split_slice, monkeypatch):
-    """Logits that are an autograd intermediate receive their gradient in place; with a split row (64: a 300-wide
-    row over 5 programs, two launches) a part must not read the target's logit after its owner overwrote it."""
-    from liger_models.kernels import _ce_core
-
-    monkeypatch.setattr(_ce_core, "CE_SPLIT_SLICE", split_slice)
+def test_in_place_gradient():
+    """Logits that are an autograd intermediate receive their gradient in place (no second N×V buffer); the target's
+    logit dominates each row, so a kernel reading it after the gradient overwrote it would be far off."""
     opts, _ = CASES[-2]  # every option, reduction="mean": the fused (split-row) pass
     labels = _labels(9, 300)
     logits = torch.randn(9, 300, device=DEVICE) * 3
@@ -259,25 +217,9 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", ["default", "b32768w32p1", "b16384w16p2", "s4096w4", "s32768w32"])
 @pytest.mark.parametrize("n, vocab", [(8192, 128256), (4096, 256000), (3, 152064)])
 @pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)])
-def test_gpu_headline_shapes(n, vocab, opts, knobs, monkeypatch):
-    """The default and the benchmarked row-kernel (bBLOCKwWARPSpPROGRAMS_PER_SM) and split-row (sSLICEwWARPS)
-    settings at real sizes; 3 rows: fewer rows than a split row has programs, or than a persistent grid has."""
-    import re
-
-    from liger_models.kernels import _ce_core
-
-    if knobs.startswith("b"):
-        block, warps, per_sm = map(int, re.fullmatch(r"b(\d+)w(\d+)p(\d+)", knobs).groups())
-        for name, value in dict(CE_SPLIT_SLICE=0, CE_BLOCK_V=block, CE_NUM_WARPS=warps,
-                                CE_PROGRAMS_PER_SM=per_sm).items():
-            monkeypatch.setattr(_ce_core, name, value)
-    elif knobs.startswith("s"):
-        slice_cols, warps = map(int, re.fullmatch(r"s(\d+)w(\d+)", knobs).groups())
-        monkeypatch.setattr(_ce_core, "CE_SPLIT_SLICE", slice_cols)
-        monkeypatch.setattr(_ce_core, "CE_SPLIT_WARPS", warps)
+def test_gpu_headline_shapes(n, vocab, opts):
     torch.manual_seed(0)
     logits = (torch.randn(n, vocab, device="cuda") * 2).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (n,), device="cuda")

@@ -33,7 +33,6 @@ def test_bit_identical_to_a_normal_step(path, tied, tiny_model_dir, tiny_tied_mo
     opt_n, sched_n = _optimizer(normal)
     opt_f, sched_f = _optimizer(fused)
     hooks = OptimizerInBackward(opt_f)
-    n_params = sum(1 for _ in fused.parameters())
     live = []
 
     def count_live(_):

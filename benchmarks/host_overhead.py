@@ -1,0 +1,85 @@
+"""Host time per forward + backward of this project's autograd ops, with and without kernels/_launch.py's direct
+launch of cached compiled kernels (FAST_LAUNCH; off = Triton's own launcher, which re-binds and re-specialises
+every argument on each call). Small shapes, where the host, not the GPU, sets a step's pace.
+
+Host time = wall time of the Python calls with a GPU sleep queued ahead (no launch waits for the device), as in
+harness.host_ms_per_call; the GPU time of the same step is printed beside it for scale.
+
+    python benchmarks/host_overhead.py [--out DIR]    (--out defaults to $OUT, as for every bench)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from harness import SLEEP_CYCLES, busy_gpu_ms, host_ms_per_call, parse_args
+
+
+def steps() -> dict:
+    from liger_models.kernels.geglu import geglu
+    from liger_models.kernels.rms_norm import rms_norm
+    from liger_models.kernels.rope import rope
+    from liger_models.kernels.swiglu import swiglu_packed
+
+    def bf16(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    gate_up, gate, up = bf16(4096, 8192), bf16(4096, 4096), bf16(4096, 4096)
+    x, w = bf16(4096, 4096), torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    q_proj, k_proj = bf16(2, 1024, 32 * 64), bf16(2, 1024, 8 * 64)
+    pos = torch.arange(1024, device="cuda", dtype=torch.float32)
+    freqs = pos[:, None] / 10000 ** (torch.arange(0, 64, 2, device="cuda") / 64)
+    emb = torch.cat((freqs, freqs), -1)[None]
+    cos, sin = emb.cos(), emb.sin()
+    for t in (gate_up, gate, up, x, w, q_proj, k_proj):
+        t.requires_grad_()
+
+    def swiglu_step():
+        out = swiglu_packed(gate_up * 1)
+        out.backward(out)
+
+    def geglu_step():
+        out = geglu(gate, up)
+        out.backward(out)
+
+    def rms_step():
+        out = rms_norm(x, w, 1e-6)
+        out.backward(out)
+
+    def rope_step():
+        q, k = (q_proj * 1).view(2, 1024, 32, 64), (k_proj * 1).view(2, 1024, 8, 64)
+        q, k = rope(q, k, cos, sin)
+        (q.sum() + k.sum()).backward()
+
+    # (cross_entropy is not here: its label check syncs with the device, so its host time includes the GPU's.)
+    return {"swiglu packed 4096x4096": swiglu_step, "geglu 4096x4096": geglu_step, "rms_norm 4096x4096": rms_step,
+            "rope B2 T1024 Hq32 Hkv8 D64": rope_step}
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    from liger_models.kernels import _launch
+
+    rows = []
+    for name, fn in steps().items():
+        row = {"op": name, "gpu_ms": busy_gpu_ms(fn)}
+        for fast in (False, True):
+            _launch.FAST_LAUNCH = fast
+            host_ms_per_call(fn, 20, SLEEP_CYCLES)  # warm this path's caches
+            row["host_ms_fast" if fast else "host_ms_triton"] = host_ms_per_call(fn, 50, SLEEP_CYCLES * 4)
+        rows.append(row)
+    _launch.FAST_LAUNCH = True
+    print("| op (fwd+bwd) | GPU ms | host ms, Triton launcher | host ms, direct launch |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['op']} | {r['gpu_ms']:.3f} | {r['host_ms_triton']:.3f} | {r['host_ms_fast']:.3f} |")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
+            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
