@@ -62,32 +62,30 @@ def graph_ms(fn: Callable[[], object]) -> tuple[float | None, str | None]:
     """Median time of ``fn`` replayed as one CUDA graph: what a graph-captured step pays for it, with no host launch
     cost; or (None, why) when ``fn`` cannot be captured (a host sync such as a label check, a CPU-side op).
 
-    A failed capture is tried once more in thread-local mode: on the H200 the first capture of a process failed
-    (cudaErrorStreamCaptureInvalidated) for every provider of the first case, eager PyTorch included, while the
-    same calls captured in every later case, so one failure says little about the provider. Such a failed capture
-    also keeps memory: its pool is never given back and the allocator keeps routing into it (sixth session: the
-    swiglu / geglu scripts, whose first case is 16384×16384, then ran out of memory with ~130 GiB reserved; neither
-    a fresh capture stream, a shared pool with the routing ended by hand, nor a priming capture in the same case
-    helped). So the norms part times swiglu / geglu without graphs (their GPU time is the host-hidden number)."""
+    Captures run in thread-local mode only. On the H200 every capture of the first case in which a script tried any
+    failed in global mode (cudaErrorStreamCaptureInvalidated, eager PyTorch included) while later cases captured;
+    the likeliest cause is a background thread touching the CUDA context during the capture (torch.compile's
+    compile-worker start-up in that first case), which global mode counts as an error and thread-local mode does
+    not (the pattern vLLM reported in its PR #48053). A retry in thread-local mode after a global failure failed
+    too ("a previous error during capture"), so there is no global attempt any more. A failed capture also keeps
+    memory (its pool is never given back and the allocator keeps routing into it: the sixth session's swiglu /
+    geglu scripts ran out of memory with ~130 GiB reserved after one at 16384×16384), so the norms part still times
+    swiglu / geglu without graphs until a run confirms the thread-local fix."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # capture needs warm-up on a side stream (allocator, lazy init)
         fn()
         fn()
     torch.cuda.current_stream().wait_stream(side)
-    why = None
-    for mode in ("global", "thread_local"):
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode=mode):
-                fn()
-        except Exception as e:  # noqa: BLE001 - not capturable: report why, no graph time
-            torch.cuda.synchronize()
-            _release_rng_from_failed_capture()
-            why = f"{mode} capture: {type(e).__name__}: {e}"[:300]
-            continue
-        return median_ms(graph.replay), None
-    return None, why
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+    except Exception as e:  # noqa: BLE001 - not capturable: report why, no graph time
+        torch.cuda.synchronize()
+        _release_rng_from_failed_capture()
+        return None, f"{type(e).__name__}: {e}"[:300]
+    return median_ms(graph.replay), None
 
 
 def busy_gpu_ms(fn: Callable[[], object], reps: int = 12) -> float:
