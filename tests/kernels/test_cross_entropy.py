@@ -73,7 +73,7 @@ def test_matches_reference(dtype, case):
 def test_in_place_gradient():
     """Logits that are an autograd intermediate receive their gradient in place (no second N×V buffer); the target's
     logit dominates each row, so a kernel reading it after the gradient overwrote it would be far off."""
-    opts, _ = CASES[-2]  # every option, reduction="mean": the fused (split-row) pass
+    opts, _ = CASES[-2]  # every option, reduction="mean": the gradient is computed in the forward
     labels = _labels(9, 300)
     logits = torch.randn(9, 300, device=DEVICE) * 3
     logits[torch.arange(9), labels.clamp(min=0)] += 8  # the target's term dominates lse: a stale x_t would show
@@ -87,6 +87,7 @@ def test_in_place_gradient():
     cross_entropy_reference(xe, labels, **opts).backward()
     assert_matches(loss, cross_entropy_reference(leaf.detach().double(), labels, **opts), name="loss")
     assert_matches(leaf.grad, x64.grad, eager=xe.grad, name="dlogits")
+    assert torch.equal(inter.detach(), leaf.grad), "the gradient was not written over the logits"
 
 
 @pytest.mark.parametrize("grad_scale", [1.0, 0.25])
