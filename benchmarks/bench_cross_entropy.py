@@ -8,9 +8,9 @@ the kernels are memory-bound, values do not change their time). Bytes (the floor
 write the gradient once, 4·N·V B; floor = bytes / measured copy bandwidth. Two logit distributions: "random"
 N(0, 2²) with uniform labels, and "peaked" (a Zipf-like per-token bias of up to +20, labels sampled from the
 softmax itself, so the loss is its entropy as for a trained LM); memory-bound, so they should time alike.
-At the headline shapes and three sweep shapes, block/warp variants of the row kernel are timed too
-(`liger-models bBLOCKwWARPS`, see VARIANTS): the fastest sets kernels/_ce_core.py's CE_BLOCK_V / CE_NUM_WARPS
-(shared with fused_linear_cross_entropy).
+At the headline shapes and three sweep shapes, variants of the kernels are timed too (`liger-models sSLICEwWARPS`
+and the one-program-per-row kernel, see VARIANTS): the fastest sets kernels/_ce_core.py's tunables (shared with
+fused_linear_cross_entropy).
 
     python benchmarks/bench_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """
@@ -26,11 +26,15 @@ from harness import copy_bandwidth_gbs, parse_args
 
 HEADLINE = [(8192, 128256), (4096, 256000)]
 SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
-# Row-kernel settings of kernels/_ce_core.py timed besides the default (bBLOCKwWARPS). 32768/32 is liger-kernel
-# 0.8.5's setting; 2048/4 and 4096/4 put more, smaller programs in flight for few rows. (Sixth session: a one-read
-# split-row kernel and persistent grids with 8K-32K blocks were timed here too and lost everywhere; BENCHMARKS.md.)
-VARIANTS = {f"b{block}w{warps}": dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps)
-            for block, warps in [(32768, 32), (16384, 32), (8192, 16), (4096, 8), (4096, 4), (2048, 4)]}
+# Settings of kernels/_ce_core.py timed besides the default: the split kernels' slice width and warps (sSLICEwWARPS)
+# and the one-program-per-row kernel they replace (row bBLOCKwWARPS; 4096/8 was its default, 32768/32 is
+# liger-kernel 0.8.5's setting). (Sixth session: a one-read split-row kernel and persistent grids were timed here
+# too and lost everywhere; BENCHMARKS.md.)
+VARIANTS = {
+    **{f"s{v}w{w}": dict(CE_SPLIT=True, CE_SLICE_V=v, CE_SLICE_WARPS=w)
+       for v, w in [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)]},
+    **{f"row b{b}w{w}": dict(CE_SPLIT=False, CE_BLOCK_V=b, CE_NUM_WARPS=w) for b, w in [(4096, 8), (32768, 32)]},
+}
 # Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
 EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits + fp32 and bf16 grads: ≈12 B per logit
@@ -70,7 +74,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
-    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS")
+    knobs = ("CE_SPLIT", "CE_SLICE_V", "CE_SLICE_WARPS", "CE_BLOCK_V", "CE_NUM_WARPS")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

@@ -20,6 +20,8 @@ run_part() {
         python3 bench_fused_linear_cross_entropy.py --quick --out "$OUT") ;;
     ce-full)  # issue 3's full sweeps (BT 2K-32K, H 2048-8192, V 32K-256K) besides the headline shapes
       (cd benchmarks && python3 bench_cross_entropy.py --out "$OUT") ;;
+    flce-quick)
+      (cd benchmarks && python3 bench_fused_linear_cross_entropy.py --quick --out "$OUT") ;;
     flce-full)
       (cd benchmarks && python3 bench_fused_linear_cross_entropy.py --out "$OUT") ;;
     norms)  # issue 2's kernels, full sweeps; each provider also timed with the host hidden (busy stream; graph replay

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import liger_models.kernels.fused_linear_cross_entropy as flce_mod
+from liger_models.kernels import _ce_core
 from liger_models.kernels.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
     fused_linear_cross_entropy,
@@ -164,8 +165,10 @@ def test_frozen_weight_or_hidden(chunked_once, monkeypatch, requires):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_target_rank(chunked_once, dtype, reduction):
-    """"none" ranks in the row kernel's forward-only pass (backward redoes the chunks), "mean" in the fused pass."""
+def test_target_rank(chunked_once, monkeypatch, dtype, reduction):
+    """"none" ranks in the forward-only pass (backward redoes the chunks), "mean" in the fused pass; 128-column
+    slices make every row's rank a sum over 5 programs' counts."""
+    monkeypatch.setattr(_ce_core, "CE_SLICE_V", 128)
     hidden, weight, _, labels = _inputs(517, dtype)
     (_, rank), (_, _) = _check(hidden, weight, None, labels, return_target_rank=True, reduction=reduction)
     assert rank.dtype == torch.int32 and rank.shape == labels.shape

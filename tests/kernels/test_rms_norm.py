@@ -77,6 +77,8 @@ def _check_add_rms_norm(x, res, w, casting, offset, eps=1e-6):
 
     def reference(x_, res_, w_):
         r_ = x_ + res_
+        if r_.dtype != x.dtype:  # float64: r rounded to x's dtype as the op (and HF) define it; gradient passes through
+            r_ = r_ + (r_.to(x.dtype).to(r_.dtype) - r_).detach()
         return rms_norm_reference(r_, w_, eps, offset, casting), r_
 
     ref = [t.detach().double().requires_grad_() for t in (x, res, w)]
