@@ -8,9 +8,8 @@ the kernels are memory-bound, values do not change their time). Bytes (the floor
 write the gradient once, 4·N·V B; floor = bytes / measured copy bandwidth. Two logit distributions: "random"
 N(0, 2²) with uniform labels, and "peaked" (a Zipf-like per-token bias of up to +20, labels sampled from the
 softmax itself, so the loss is its entropy as for a trained LM); memory-bound, so they should time alike.
-At the headline shapes and three sweep shapes, variants of the kernels are timed too (`liger-models sSLICEwWARPS`
-and the one-program-per-row kernel, see VARIANTS): the fastest sets kernels/_ce_core.py's tunables (shared with
-fused_linear_cross_entropy).
+At the headline shapes and three sweep shapes, variants of the row kernel are timed too (`liger-models bBLOCKwWARPS
+...`, see VARIANTS): the fastest sets kernels/_ce_core.py's tunables (shared with fused_linear_cross_entropy).
 
     python benchmarks/bench_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """
@@ -26,15 +25,20 @@ from harness import copy_bandwidth_gbs, parse_args
 
 HEADLINE = [(8192, 128256), (4096, 256000)]
 SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
-# Settings of kernels/_ce_core.py timed besides the default: the split kernels' slice width and warps (sSLICEwWARPS)
-# and the one-program-per-row kernel they replace (row bBLOCKwWARPS; 4096/8 was its default, 32768/32 is
-# liger-kernel 0.8.5's setting). (Sixth session: a one-read split-row kernel and persistent grids were timed here
-# too and lost everywhere; BENCHMARKS.md.)
-VARIANTS = {
-    **{f"s{v}w{w}": dict(CE_SPLIT=True, CE_SLICE_V=v, CE_SLICE_WARPS=w)
-       for v, w in [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 16)]},
-    **{f"row b{b}w{w}": dict(CE_SPLIT=False, CE_BLOCK_V=b, CE_NUM_WARPS=w) for b, w in [(4096, 8), (32768, 32)]},
-}
+# Settings of kernels/_ce_core.py timed besides the default: bBLOCKwWARPS, then "blk" = per-block sums
+# (CE_LANE_SUMS=False, liger-kernel's loop body), "fwd" = pass 2 in forward order, "nohint" = no eviction hints.
+# 32768/32 blk-fwd-nohint is liger-kernel 0.8.5's kernel shape. (Sixth session: a one-read split-row kernel and
+# persistent grids; seventh: partial-statistics + finishing split kernels — all lost everywhere, BENCHMARKS.md.)
+def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
+    name = f"b{block}w{warps}" + "".join(f" {f}" for f in flags.split())
+    return name, dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps, CE_LANE_SUMS="blk" not in flags,
+                      CE_REVERSE_PASS2="fwd" not in flags, CE_EVICTION_HINTS="nohint" not in flags)
+
+
+VARIANTS = dict(_variant(*v) for v in [
+    (4096, 8, "nohint"), (4096, 8, "fwd"), (4096, 8, "blk"), (4096, 8, "blk fwd nohint"),
+    (8192, 16, "blk fwd nohint"), (16384, 16, "blk fwd nohint"), (32768, 32, "blk fwd nohint"), (32768, 32, "blk"),
+])
 # Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
 EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits + fp32 and bf16 grads: ≈12 B per logit
@@ -74,7 +78,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
-    knobs = ("CE_SPLIT", "CE_SLICE_V", "CE_SLICE_WARPS", "CE_BLOCK_V", "CE_NUM_WARPS")
+    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_LANE_SUMS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

@@ -43,12 +43,12 @@ from ._launch import cdiv, launch, pow2
 # session against 32768/32 (liger-kernel's setting), 8192/16, 16384/32 and persistent grids: still the fastest.
 CE_BLOCK_V = 4096
 CE_NUM_WARPS = 8
-# Split kernels (CE_SPLIT): a partial-statistics launch over (row, slice) programs, then a finishing launch over
-# the same programs that combines the row's partials and writes the slice's gradient. Every program streams one
-# CE_SLICE_V-wide slice, so few rows still fill the GPU.
-CE_SPLIT = True
-CE_SLICE_V = 8192
-CE_SLICE_WARPS = 8
+# Loop-body switches, timed as variants (benchmarks/bench_cross_entropy.py): per-lane partial sums reduced once
+# after the loop (True) or per-block reductions as liger-kernel does (False); pass 2 in reverse block order; L2
+# eviction hints (pass 1 evict_last, pass 2 and the gradient stores evict_first).
+CE_LANE_SUMS = True
+CE_REVERSE_PASS2 = True
+CE_EVICTION_HINTS = True
 SCALE_BLOCK = 4096
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -129,6 +129,7 @@ def _ce_kernel(
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+    LANE_SUMS: tl.constexpr, REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     X = LOGITS + row * stride_logits_row
@@ -145,37 +146,53 @@ def _ce_kernel(
             # Per-lane partial sums, reduced once after the loop: the only cross-thread reduction per block is
             # the max (the block-wide rescale e^{m−m_new} is one scalar exp).
             m = x_t
-            s_vec = tl.zeros([BLOCK_V], tl.float32)
-            sum_x_vec = tl.zeros([BLOCK_V], tl.float32)
-            rank_vec = tl.zeros([BLOCK_V], tl.int32)
+            if LANE_SUMS:
+                s_vec = tl.zeros([BLOCK_V], tl.float32)
+                sum_x_vec = tl.zeros([BLOCK_V], tl.float32)
+                rank_vec = tl.zeros([BLOCK_V], tl.int32)
+            else:
+                s_other = 0.0
+                sum_x = 0.0
+                rank = 0
             for start in range(0, N_COLS, BLOCK_V):
                 cols = start + offs
                 mask = cols < N_COLS
-                x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy=EVICT_PASS1).to(tl.float32)
                 if HAS_SOFTCAP:
                     x = _softcap(x, softcap)[0]
                 x = tl.where(mask, x, float("-inf"))
                 m_new = tl.maximum(m, tl.max(x, 0))
-                s_vec = s_vec * tl.exp(m - m_new) + tl.where(cols == target, 0.0, tl.exp(x - m_new))
+                e = tl.where(cols == target, 0.0, tl.exp(x - m_new))
+                if LANE_SUMS:
+                    s_vec = s_vec * tl.exp(m - m_new) + e
+                    if HAS_SMOOTHING:
+                        sum_x_vec += tl.where(mask, x, 0.0)
+                    if WITH_RANK:
+                        rank_vec += (x > x_t).to(tl.int32)
+                else:
+                    s_other = s_other * tl.exp(m - m_new) + tl.sum(e, 0)
+                    if HAS_SMOOTHING:
+                        sum_x += tl.sum(tl.where(mask, x, 0.0), 0)
+                    if WITH_RANK:
+                        rank += tl.sum((x > x_t).to(tl.int32), 0)
                 m = m_new
-                if HAS_SMOOTHING:
-                    sum_x_vec += tl.where(mask, x, 0.0)
-                if WITH_RANK:
-                    rank_vec += (x > x_t).to(tl.int32)
-            s_other = tl.sum(s_vec, 0)
+            if LANE_SUMS:
+                s_other = tl.sum(s_vec, 0)
+                sum_x = tl.sum(sum_x_vec, 0)
+                rank = tl.sum(rank_vec, 0)
             e_t = tl.exp(x_t - m)
             log_s = _log1p(s_other + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
             lse = m + log_s
             loss = (1.0 - label_smoothing) * (log_s + (m - x_t))
             if HAS_SMOOTHING:
-                loss += label_smoothing * (lse - tl.sum(sum_x_vec, 0) / N_COLS)
+                loss += label_smoothing * (lse - sum_x / N_COLS)
             loss += z_loss * lse * lse
             q = s_other / (s_other + e_t)
             tl.store(LOSS + row, loss)
             tl.store(LSE + row, lse)
             tl.store(Q + row, q)
             if WITH_RANK:
-                tl.store(RANK + row, tl.sum(rank_vec, 0))
+                tl.store(RANK + row, rank)
         else:
             lse = tl.load(LSE + row)
             q = tl.load(Q + row)
@@ -184,16 +201,16 @@ def _ce_kernel(
             zc = 2.0 * z_loss * lse
             eps_v = label_smoothing / N_COLS
             for b in range(0, N_COLS, BLOCK_V):
-                cols = (last_start - b) + offs
+                cols = ((last_start - b) if REVERSE else b) + offs
                 mask = cols < N_COLS
-                x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy=EVICT_PASS2).to(tl.float32)
                 if HAS_SOFTCAP:
                     x, dcap = _softcap(x, softcap)
                 p = tl.exp(x - lse)
                 g = tl.where(cols == target, p * zc - q + label_smoothing, p + p * zc) - eps_v
                 if HAS_SOFTCAP:
                     g = g * dcap
-                tl.store(G + cols, (g * scale).to(GRAD.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+                tl.store(G + cols, (g * scale).to(GRAD.dtype.element_ty), mask=mask, eviction_policy=EVICT_PASS2)
     else:
         if FORWARD:
             tl.store(LOSS + row, 0.0)
@@ -206,120 +223,6 @@ def _ce_kernel(
             for start in range(0, N_COLS, BLOCK_V):
                 cols = start + offs
                 tl.store(G + cols, zeros, mask=cols < N_COLS, eviction_policy="evict_first")
-
-
-@triton.jit
-def _ce_partial_kernel(
-    LOGITS, LABELS, PART, stride_logits_row, n_slices, part_stride, ignore_index, softcap,
-    N_COLS: tl.constexpr, WITH_RANK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    # Program = (row, slice of BLOCK_V columns); writes the slice's max m, Σ_{j≠t} e^{x_j − m}, Σx, #{x_j > x_t},
-    # and, from the slice holding the target, x_t (softcapped).
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // n_slices
-    label = tl.load(LABELS + row).to(tl.int64)
-    if label != ignore_index:  # ignored rows: the finishing kernel never reads their partials
-        X = LOGITS + row * stride_logits_row
-        target = label.to(tl.int32)
-        start = (pid - row * n_slices).to(tl.int32) * BLOCK_V
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < N_COLS
-        x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            x = _softcap(x, softcap)[0]
-        x = tl.where(mask, x, float("-inf"))
-        m = tl.max(x, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)  # a slice of −inf logits (a masked vocabulary tail) adds 0
-        tl.store(PART + pid, m)
-        tl.store(PART + part_stride + pid, tl.sum(tl.where(cols == target, 0.0, tl.exp(x - m_safe)), 0))
-        if (target >= start) & (target < start + BLOCK_V):
-            # x_t for the finishing kernel, which must not read it from the logits: they may be receiving the
-            # gradient in place by then.
-            tl.store(PART + 2 * part_stride + row * n_slices, tl.sum(tl.where(cols == target, x, 0.0), 0))
-        if HAS_SMOOTHING:
-            tl.store(PART + 3 * part_stride + pid, tl.sum(tl.where(mask, x, 0.0), 0))
-        if WITH_RANK:
-            x_t = tl.load(X + target).to(tl.float32)
-            if HAS_SOFTCAP:
-                x_t = _softcap(x_t, softcap)[0]
-            tl.store(PART + 4 * part_stride + pid, tl.sum((x > x_t).to(tl.float32), 0))
-
-
-@triton.jit
-def _ce_finish_kernel(
-    LOGITS, GRAD, LABELS, PART, LOSS, LSE, Q, RANK, SCALE,
-    stride_logits_row, stride_grad_row, stride_scale, n_slices, part_stride,
-    ignore_index, label_smoothing, z_loss, softcap,
-    N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, SLICES_POW2: tl.constexpr,
-):
-    # BACKWARD: program = (row, slice), in reverse launch order so the first programs re-read the slices the
-    # partial kernel read last (still in L2); each combines its row's partials itself (a few hundred bytes).
-    # FORWARD alone: program = row.
-    if BACKWARD:
-        pid = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
-        row = pid // n_slices
-        first = pid == row * n_slices
-    else:
-        pid = tl.program_id(0).to(tl.int64)
-        row = pid
-        first = True
-    X = LOGITS + row * stride_logits_row
-    label = tl.load(LABELS + row).to(tl.int64)
-    if label != ignore_index:
-        target = label.to(tl.int32)
-        if FORWARD:
-            k = tl.arange(0, SLICES_POW2)
-            part = PART + row * n_slices + k
-            live = k < n_slices
-            x_t = tl.load(PART + 2 * part_stride + row * n_slices)
-            m_p = tl.load(part, mask=live, other=float("-inf"))
-            m = tl.max(m_p, 0)  # ≥ x_t, which sits in one of the slices
-            s_other = tl.sum(tl.load(part + part_stride, mask=live, other=0.0) * tl.exp(m_p - m), 0)
-            e_t = tl.exp(x_t - m)
-            log_s = _log1p(s_other + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
-            lse = m + log_s
-            q = s_other / (s_other + e_t)
-            if first:
-                loss = (1.0 - label_smoothing) * (log_s + (m - x_t))
-                if HAS_SMOOTHING:
-                    sum_x = tl.sum(tl.load(part + 3 * part_stride, mask=live, other=0.0), 0)
-                    loss += label_smoothing * (lse - sum_x / N_COLS)
-                loss += z_loss * lse * lse
-                tl.store(LOSS + row, loss)
-                tl.store(LSE + row, lse)
-                tl.store(Q + row, q)
-                if WITH_RANK:
-                    rank = tl.sum(tl.load(part + 4 * part_stride, mask=live, other=0.0), 0)
-                    tl.store(RANK + row, rank.to(tl.int32))
-        else:
-            lse = tl.load(LSE + row)
-            q = tl.load(Q + row)
-        if BACKWARD:
-            cols = (pid - row * n_slices).to(tl.int32) * BLOCK_V + tl.arange(0, BLOCK_V)
-            mask = cols < N_COLS
-            x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                x, dcap = _softcap(x, softcap)
-            p = tl.exp(x - lse)
-            zc = 2.0 * z_loss * lse
-            g = tl.where(cols == target, p * zc - q + label_smoothing, p + p * zc) - label_smoothing / N_COLS
-            if HAS_SOFTCAP:
-                g = g * dcap
-            scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
-            tl.store(GRAD + row * stride_grad_row + cols, (g * scale).to(GRAD.dtype.element_ty), mask=mask)
-    else:
-        if FORWARD and first:
-            tl.store(LOSS + row, 0.0)
-            tl.store(LSE + row, 0.0)
-            tl.store(Q + row, 0.0)
-            if WITH_RANK:
-                tl.store(RANK + row, -1)
-        if BACKWARD:
-            cols = (pid - row * n_slices).to(tl.int32) * BLOCK_V + tl.arange(0, BLOCK_V)
-            tl.store(GRAD + row * stride_grad_row + cols, tl.zeros([BLOCK_V], dtype=GRAD.dtype.element_ty),
-                     mask=cols < N_COLS)
 
 
 @triton.jit
@@ -358,38 +261,20 @@ def ce_rows(
         return
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
     forward, backward = loss is not None, grad is not None
+    block = min(CE_BLOCK_V, pow2(n_cols))
     dummy = lse  # stands in for pointers a mode does not touch
-    flags = dict(N_COLS=n_cols, WITH_RANK=rank is not None, HAS_SOFTCAP=softcap is not None,
-                 HAS_SMOOTHING=label_smoothing > 0)
-    if not CE_SPLIT:
-        block = min(CE_BLOCK_V, pow2(n_cols))
-        launch(_ce_kernel, (rows,),
-               [logits, grad if backward else logits, labels, loss if forward else dummy, lse, q,
-                rank if rank is not None else dummy, scale if backward else dummy,
-                logits.stride(0), grad.stride(0) if backward else 0,
-                scale.stride(0) if backward and scale.dim() else 0,
-                ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)],
-               dict(FORWARD=forward, BACKWARD=backward, BLOCK_V=block, **flags,
-                    num_warps=max(1, min(CE_NUM_WARPS, block // 512))))
-        return
-    block = min(CE_SLICE_V, pow2(n_cols))
-    warps = max(1, min(CE_SLICE_WARPS, block // 256))
-    n_slices = cdiv(n_cols, block)
-    part = dummy
-    if forward:
-        part = torch.empty((5 if rank is not None else 4 if label_smoothing > 0 else 3, rows * n_slices),
-                           dtype=torch.float32, device=logits.device)
-        launch(_ce_partial_kernel, (rows * n_slices,),
-               [logits, labels, part, logits.stride(0), n_slices, part.stride(0), ignore_index, float(softcap or 1.0)],
-               dict(BLOCK_V=block, **flags, num_warps=warps))
-    launch(_ce_finish_kernel, (rows * n_slices if backward else rows,),
-           [logits, grad if backward else logits, labels, part, loss if forward else dummy, lse, q,
+    launch(_ce_kernel, (rows,),
+           [logits, grad if backward else logits, labels, loss if forward else dummy, lse, q,
             rank if rank is not None else dummy, scale if backward else dummy,
             logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
-            n_slices, part.stride(0) if forward else 0,
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)],
-           dict(FORWARD=forward, BACKWARD=backward, BLOCK_V=block, SLICES_POW2=pow2(n_slices), **flags,
-                num_warps=warps))
+           dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
+                HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block,
+                LANE_SUMS=CE_LANE_SUMS, REVERSE=CE_REVERSE_PASS2,
+                EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
+                EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
+                num_warps=max(1, min(CE_NUM_WARPS, block // 512))))
+
 
 def take_grads(ctx) -> tuple:
     """The gradients a forward pass computed, handed out once.

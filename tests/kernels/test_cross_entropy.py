@@ -62,13 +62,23 @@ def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
     return loss, dx
 
 
-@pytest.mark.parametrize("slice_v", [None, 128], ids=["default-slices", "128-col-slices"])
+# Kernel settings: the default; 128-column blocks (rows of 300 / 517 span 3 / 5 loop iterations per pass); and the
+# same with per-block sums, pass 2 in forward order and no eviction hints (the variants the benchmark times).
+SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128),
+            "128-col-blocks-per-block-sums": dict(CE_BLOCK_V=128, CE_LANE_SUMS=False, CE_REVERSE_PASS2=False,
+                                                  CE_EVICTION_HINTS=False)}
+
+
+def _use(monkeypatch, settings):
+    for name, value in settings.items():
+        monkeypatch.setattr(_ce_core, name, value)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference(monkeypatch, slice_v, dtype, case):
-    """128-column slices split each row (300 → 3, 517 → 5 slices) so the partials are combined across programs."""
-    if slice_v:
-        monkeypatch.setattr(_ce_core, "CE_SLICE_V", slice_v)
+def test_matches_reference(monkeypatch, settings, dtype, case):
+    _use(monkeypatch, SETTINGS[settings])
     opts, reduction = CASES[case]
     vocab = (67, 300, 517)[case % 3]
     logits = (torch.randn(7, vocab, device=DEVICE) * 3).to(dtype)
@@ -77,25 +87,23 @@ def test_matches_reference(monkeypatch, slice_v, dtype, case):
 
 @pytest.mark.parametrize("opts", [dict(), dict(z_loss=1e-3)])
 def test_masked_vocabulary_tail(monkeypatch, opts):
-    """Logits of −inf over whole slices (a padded vocabulary masked out) add nothing: finite loss, zero gradient
+    """Logits of −inf over whole blocks (a padded vocabulary masked out) add nothing: finite loss, zero gradient
     there, the rest as the reference. (Smoothing's mean over −inf logits is −inf by definition; a softcap maps −inf
     to a finite logit.)"""
-    monkeypatch.setattr(_ce_core, "CE_SLICE_V", 64)
+    monkeypatch.setattr(_ce_core, "CE_BLOCK_V", 64)
     vocab = 300
     logits = torch.randn(5, vocab, device=DEVICE) * 3
-    logits[:, 190:] = float("-inf")  # slices 3 and 4 entirely, slice 2 partly
+    logits[:, 190:] = float("-inf")  # blocks 3 and 4 entirely, block 2 partly
     labels = torch.randint(0, 190, (5,), device=DEVICE)
     loss, dx = _check(logits, labels, "sum", **opts)
     assert torch.isfinite(loss) and torch.equal(dx[:, 190:], torch.zeros_like(dx[:, 190:]))
 
 
-@pytest.mark.parametrize("slice_v", [None, 64], ids=["default-slices", "64-col-slices"])
-def test_in_place_gradient(monkeypatch, slice_v):
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_in_place_gradient(monkeypatch, settings):
     """Logits that are an autograd intermediate receive their gradient in place (no second N×V buffer); the target's
-    logit dominates each row, so a kernel reading it after the gradient overwrote it would be far off (with 64-column
-    slices, another program of the row may have written the target's gradient before this one reads x_t)."""
-    if slice_v:
-        monkeypatch.setattr(_ce_core, "CE_SLICE_V", slice_v)
+    logit dominates each row, so a kernel reading it after the gradient overwrote it would be far off."""
+    _use(monkeypatch, SETTINGS[settings])
     opts, _ = CASES[-2]  # every option, reduction="mean": the gradient is computed in the forward
     labels = _labels(9, 300)
     logits = torch.randn(9, 300, device=DEVICE) * 3
