@@ -25,19 +25,17 @@ from harness import copy_bandwidth_gbs, parse_args
 
 HEADLINE = [(8192, 128256), (4096, 256000)]
 SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
-# Settings of kernels/_ce_core.py timed besides the default: bBLOCKwWARPS, then "blk" = per-block sums
-# (CE_LANE_SUMS=False, liger-kernel's loop body), "fwd" = pass 2 in forward order, "nohint" = no eviction hints.
-# 32768/32 blk-fwd-nohint is liger-kernel 0.8.5's kernel shape. (Sixth session: a one-read split-row kernel and
-# persistent grids; seventh: partial-statistics + finishing split kernels — all lost everywhere, BENCHMARKS.md.)
+# Settings of kernels/_ce_core.py timed besides the default: bBLOCKwWARPS, "fwd" = pass 2 in forward order, "nohint"
+# = no eviction hints. (Sixth session: a one-read split-row kernel and persistent grids; seventh: partial-statistics
+# + finishing split kernels, and the previous loop body with per-lane sums — all lost, BENCHMARKS.md.)
 def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
     name = f"b{block}w{warps}" + "".join(f" {f}" for f in flags.split())
-    return name, dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps, CE_LANE_SUMS="blk" not in flags,
-                      CE_REVERSE_PASS2="fwd" not in flags, CE_EVICTION_HINTS="nohint" not in flags)
+    return name, dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps, CE_REVERSE_PASS2="fwd" not in flags,
+                      CE_EVICTION_HINTS="nohint" not in flags)
 
 
 VARIANTS = dict(_variant(*v) for v in [
-    (4096, 8, "nohint"), (4096, 8, "fwd"), (4096, 8, "blk"), (4096, 8, "blk fwd nohint"),
-    (8192, 16, "blk fwd nohint"), (16384, 16, "blk fwd nohint"), (32768, 32, "blk fwd nohint"), (32768, 32, "blk"),
+    (4096, 8), (4096, 8, "fwd nohint"), (2048, 4), (4096, 4), (8192, 8), (8192, 16), (16384, 16), (32768, 32),
 ])
 # Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
@@ -78,7 +76,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
-    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_LANE_SUMS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS")
+    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

@@ -43,10 +43,8 @@ from ._launch import cdiv, launch, pow2
 # session against 32768/32 (liger-kernel's setting), 8192/16, 16384/32 and persistent grids: still the fastest.
 CE_BLOCK_V = 4096
 CE_NUM_WARPS = 8
-# Loop-body switches, timed as variants (benchmarks/bench_cross_entropy.py): per-lane partial sums reduced once
-# after the loop (True) or per-block reductions as liger-kernel does (False); pass 2 in reverse block order; L2
-# eviction hints (pass 1 evict_last, pass 2 and the gradient stores evict_first).
-CE_LANE_SUMS = True
+# Loop switches, timed as variants (benchmarks/bench_cross_entropy.py): pass 2 in reverse block order; L2 eviction
+# hints (pass 1 evict_last, pass 2 and the gradient stores evict_first).
 CE_REVERSE_PASS2 = True
 CE_EVICTION_HINTS = True
 SCALE_BLOCK = 4096
@@ -123,71 +121,107 @@ def _log1p(v):
 
 
 @triton.jit
+def _exp(v):
+    # e^v as one MUFU.EX2 (flush-to-zero: a term below 1e-38 counts as 0). tl.exp lowers to the non-ftz ex2,
+    # which ptxas wraps in a denormal range check: three more instructions per element in a loop that issues ~10.
+    return tl.exp2(v * 1.4426950408889634)
+
+
+@triton.jit
+def _stats_block(x, m, s, sum_x, rank, x_t, t_off, offs, mask, softcap,
+                 MASKED: tl.constexpr, TARGET: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                 WITH_RANK: tl.constexpr):
+    """Pass 1 over one block: fold fp32 logits x into the running max m and the block-reduced sums
+    s = Σ_{j≠t} e^{x_j − m}, Σx and #{x_j > x_t}. Per-element work only where needed: the mask in the MASKED (last,
+    partial) block, the target's exclusion (column t_off of the block) in a TARGET block."""
+    if HAS_SOFTCAP:
+        x = _softcap(x, softcap)[0]
+    if MASKED:
+        x = tl.where(mask, x, float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, 0))
+    e = _exp(x - m_new)
+    if TARGET:
+        e = tl.where(offs == t_off, 0.0, e)
+    s = s * _exp(m - m_new) + tl.sum(e, 0)
+    if HAS_SMOOTHING:
+        sum_x += tl.sum(tl.where(mask, x, 0.0) if MASKED else x, 0)
+    if WITH_RANK:
+        rank += tl.sum((x > x_t).to(tl.int32), 0)
+    return m_new, s, sum_x, rank
+
+
+@triton.jit
+def _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, t_off, softcap, N_COLS: tl.constexpr,
+                MASKED: tl.constexpr, TARGET: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVICT: tl.constexpr):
+    """Pass 2 over one block: g_j = coef·p_j − shift, the target's entry t_coef·p_t + t_add (t_off as above)."""
+    cols = start + offs
+    if MASKED:
+        mask = cols < N_COLS
+        x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    else:
+        mask = None
+        x = tl.load(X + cols, eviction_policy=EVICT).to(tl.float32)
+    if HAS_SOFTCAP:
+        x, dcap = _softcap(x, softcap)
+    p = _exp(x - lse)
+    g = p * coef - shift
+    if TARGET:
+        g = tl.where(offs == t_off, p * t_coef + t_add, g)
+    if HAS_SOFTCAP:
+        g = g * dcap
+    tl.store(G + cols, g.to(G.dtype.element_ty), mask=mask, eviction_policy=EVICT)
+
+
+@triton.jit
 def _ce_kernel(
     LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE,
     stride_logits_row, stride_grad_row, stride_scale,
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
-    LANE_SUMS: tl.constexpr, REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr,
+    REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     X = LOGITS + row * stride_logits_row
     G = GRAD + row * stride_grad_row
     label = tl.load(LABELS + row).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
-    last_start = ((N_COLS - 1) // BLOCK_V) * BLOCK_V
+    FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V  # columns in whole blocks: no mask there
     if label != ignore_index:
-        target = label.to(tl.int32)  # < V once range-checked; int32 keeps the per-element compares cheap
+        target = label.to(tl.int32)  # < V once range-checked; int32 keeps the per-block offsets cheap
+        t_start = (target // BLOCK_V) * BLOCK_V  # the target's block
         if FORWARD:
             x_t = tl.load(X + target).to(tl.float32)  # labels were range-checked on the host
             if HAS_SOFTCAP:
                 x_t = _softcap(x_t, softcap)[0]
-            # Per-lane partial sums, reduced once after the loop: the only cross-thread reduction per block is
-            # the max (the block-wide rescale e^{m−m_new} is one scalar exp).
             m = x_t
-            if LANE_SUMS:
-                s_vec = tl.zeros([BLOCK_V], tl.float32)
-                sum_x_vec = tl.zeros([BLOCK_V], tl.float32)
-                rank_vec = tl.zeros([BLOCK_V], tl.int32)
-            else:
-                s_other = 0.0
-                sum_x = 0.0
-                rank = 0
-            for start in range(0, N_COLS, BLOCK_V):
-                cols = start + offs
-                mask = cols < N_COLS
-                x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy=EVICT_PASS1).to(tl.float32)
-                if HAS_SOFTCAP:
-                    x = _softcap(x, softcap)[0]
-                x = tl.where(mask, x, float("-inf"))
-                m_new = tl.maximum(m, tl.max(x, 0))
-                e = tl.where(cols == target, 0.0, tl.exp(x - m_new))
-                if LANE_SUMS:
-                    s_vec = s_vec * tl.exp(m - m_new) + e
-                    if HAS_SMOOTHING:
-                        sum_x_vec += tl.where(mask, x, 0.0)
-                    if WITH_RANK:
-                        rank_vec += (x > x_t).to(tl.int32)
-                else:
-                    s_other = s_other * tl.exp(m - m_new) + tl.sum(e, 0)
-                    if HAS_SMOOTHING:
-                        sum_x += tl.sum(tl.where(mask, x, 0.0), 0)
-                    if WITH_RANK:
-                        rank += tl.sum((x > x_t).to(tl.int32), 0)
-                m = m_new
-            if LANE_SUMS:
-                s_other = tl.sum(s_vec, 0)
-                sum_x = tl.sum(sum_x_vec, 0)
-                rank = tl.sum(rank_vec, 0)
-            e_t = tl.exp(x_t - m)
-            log_s = _log1p(s_other + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
+            s = 0.0
+            sum_x = 0.0
+            rank = 0
+            # Whole blocks but the target's, then the target's (if whole), then the partial last block. A branch
+            # around a whole block stays a branch; a per-element test would be if-converted into every block.
+            for start in range(0, FULL, BLOCK_V):
+                if start != t_start:
+                    x = tl.load(X + start + offs, eviction_policy=EVICT_PASS1).to(tl.float32)
+                    m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, offs, None, softcap,
+                                                     False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+            if t_start < FULL:
+                x = tl.load(X + t_start + offs, eviction_policy=EVICT_PASS1).to(tl.float32)
+                m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - t_start, offs, None, softcap,
+                                                 False, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+            if FULL < N_COLS:
+                mask = FULL + offs < N_COLS
+                x = tl.load(X + FULL + offs, mask=mask, other=0.0, eviction_policy=EVICT_PASS1).to(tl.float32)
+                m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - FULL, offs, mask, softcap,
+                                                 True, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+            e_t = _exp(x_t - m)
+            log_s = _log1p(s + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
             lse = m + log_s
             loss = (1.0 - label_smoothing) * (log_s + (m - x_t))
             if HAS_SMOOTHING:
                 loss += label_smoothing * (lse - sum_x / N_COLS)
             loss += z_loss * lse * lse
-            q = s_other / (s_other + e_t)
+            q = s / (s + e_t)
             tl.store(LOSS + row, loss)
             tl.store(LSE + row, lse)
             tl.store(Q + row, q)
@@ -197,20 +231,27 @@ def _ce_kernel(
             lse = tl.load(LSE + row)
             q = tl.load(Q + row)
         if BACKWARD:
+            # g_j = scale·(p_j·(1 + zc) − ε/V), the target's entry scale·(p_t·zc − q + ε − ε/V), zc = 2z·lse.
             scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
             zc = 2.0 * z_loss * lse
-            eps_v = label_smoothing / N_COLS
-            for b in range(0, N_COLS, BLOCK_V):
-                cols = ((last_start - b) if REVERSE else b) + offs
-                mask = cols < N_COLS
-                x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy=EVICT_PASS2).to(tl.float32)
-                if HAS_SOFTCAP:
-                    x, dcap = _softcap(x, softcap)
-                p = tl.exp(x - lse)
-                g = tl.where(cols == target, p * zc - q + label_smoothing, p + p * zc) - eps_v
-                if HAS_SOFTCAP:
-                    g = g * dcap
-                tl.store(G + cols, (g * scale).to(GRAD.dtype.element_ty), mask=mask, eviction_policy=EVICT_PASS2)
+            coef = scale * (1.0 + zc)
+            shift = scale * (label_smoothing / N_COLS)
+            t_coef = scale * zc
+            t_add = scale * (label_smoothing - q) - shift
+            if REVERSE and FULL < N_COLS:  # the blocks pass 1 read last first: they are the likeliest in L2
+                _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
+                            True, True, HAS_SOFTCAP, EVICT_PASS2)
+            for b in range(0, FULL, BLOCK_V):
+                start = (FULL - BLOCK_V - b) if REVERSE else b
+                if start != t_start:
+                    _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, 0, softcap, N_COLS,
+                                False, False, HAS_SOFTCAP, EVICT_PASS2)
+            if t_start < FULL:
+                _grad_block(X, G, t_start, offs, lse, coef, shift, t_coef, t_add, target - t_start, softcap, N_COLS,
+                            False, True, HAS_SOFTCAP, EVICT_PASS2)
+            if not REVERSE and FULL < N_COLS:
+                _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
+                            True, True, HAS_SOFTCAP, EVICT_PASS2)
     else:
         if FORWARD:
             tl.store(LOSS + row, 0.0)
@@ -270,7 +311,7 @@ def ce_rows(
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)],
            dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
                 HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block,
-                LANE_SUMS=CE_LANE_SUMS, REVERSE=CE_REVERSE_PASS2,
+                REVERSE=CE_REVERSE_PASS2,
                 EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
                 EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
                 num_warps=max(1, min(CE_NUM_WARPS, block // 512))))

@@ -167,9 +167,8 @@ def test_frozen_weight_or_hidden(chunked_once, monkeypatch, requires):
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_target_rank(chunked_once, monkeypatch, dtype, reduction):
     """"none" ranks in the forward-only pass (backward redoes the chunks), "mean" in the fused pass; 128-column
-    blocks make every row's rank a sum over 5 blocks' counts (per lane for "none", per block for "mean")."""
+    blocks make every row's rank a sum over 5 blocks' counts."""
     monkeypatch.setattr(_ce_core, "CE_BLOCK_V", 128)
-    monkeypatch.setattr(_ce_core, "CE_LANE_SUMS", reduction == "none")
     hidden, weight, _, labels = _inputs(517, dtype)
     (_, rank), (_, _) = _check(hidden, weight, None, labels, return_target_rank=True, reduction=reduction)
     assert rank.dtype == torch.int32 and rank.shape == labels.shape
