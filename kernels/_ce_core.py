@@ -36,13 +36,13 @@ import triton.language as tl
 from ._launch import cdiv, launch, pow2
 
 # Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
-# elements per block and warps per row program. Measured 2026-11-29 (fwd+bwd, bf16): 4096 over 8 warps was the
-# fastest of {16384/32, 16384/16, 8192/16, 8192/8, 4096/8} at all four headline cases (2.09–2.18 ms vs 2.14–2.34 ms
-# for 8192/16): smaller programs keep more rows in flight per SM, which hides latency better than wider blocks.
-# Pass-2 re-reads hit L2 only for the tail of each row (≈ L2 / (2 · rows in flight) bytes). Re-timed in the sixth
-# session against 32768/32 (liger-kernel's setting), 8192/16, 16384/32 and persistent grids: still the fastest.
-CE_BLOCK_V = 4096
-CE_NUM_WARPS = 8
+# elements per block and warps per row program. With the loop body at ~16-19 issued instructions per logit
+# (fwd+bwd, sm_90 SASS; ~38 before the seventh session) the kernel is no longer issue-bound, and wide blocks over 32
+# warps win: 16384/32 (16 logits per thread per block, 32 registers, two programs per SM) was the fastest of
+# {32768/32, 32768/16, 16384/32, 16384/16, 8192/16, 8192/8, 4096/8, 4096/4, 2048/4} at six of seven timed shapes,
+# e.g. 8192×128256 1.85 ms (32768/32 2.00, 4096/8 2.07) and 32768×128256 6.13 ms (6.57, 7.34).
+CE_BLOCK_V = 16384
+CE_NUM_WARPS = 32
 # Loop switches, timed as variants (benchmarks/bench_cross_entropy.py): pass 2 in reverse block order; L2 eviction
 # hints (pass 1 evict_last, pass 2 and the gradient stores evict_first).
 CE_REVERSE_PASS2 = True
