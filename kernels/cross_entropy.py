@@ -73,18 +73,18 @@ def reduce_loss(
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, opts: dict, reduction: str, normalizer, need_grad: bool, inplace: bool):
+    def forward(ctx, logits, labels, opts: dict, reduction: str, normalizer, need_grad: bool, inplace: bool,
+                scale: torch.Tensor | None):
+        # scale (the gradient's 1/denominator for mean / sum when need_grad) was queued by the caller before the
+        # label check's host sync, so that after the sync the GPU waits only for this launch.
         x = logits.reshape(-1, logits.shape[-1])
         if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
             x, inplace = x.contiguous(), need_grad  # a private copy: the gradient may always go into it
         flat = labels.reshape(-1)
         loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
-        fused = need_grad and reduction != "none"
-        grad = scale = None
-        if fused:
-            grad = x if inplace else torch.empty_like(x)
-            scale = grad_scale(flat, opts["ignore_index"], reduction, normalizer, 1.0)
+        fused = scale is not None
+        grad = (x if inplace else torch.empty_like(x)) if fused else None
         ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale, **opts)
         if fused and inplace and x.data_ptr() == logits.data_ptr():
             torch.autograd.graph.increment_version(logits)  # a node that saved the logits now fails loudly
@@ -107,7 +107,7 @@ class _CrossEntropy(torch.autograd.Function):
             ce_rows(x, flat, grad=grad, loss=None, lse=lse, q=q, rank=None, scale=scale, **ctx.opts)
             if ctx.inplace:
                 torch.autograd.graph.increment_version(x)
-        return grad.view(ctx.shape), None, None, None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # the label check syncs; under torch.compile the loss is one clean graph break
@@ -139,8 +139,8 @@ def cross_entropy(
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
-    check_labels(labels, logits.shape[-1], ignore_index)
     if not use_triton(logits, labels):
+        check_labels(labels, logits.shape[-1], ignore_index)
         return cross_entropy_reference(
             logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             softcap=softcap, reduction=reduction, normalizer=normalizer,
@@ -148,8 +148,13 @@ def cross_entropy(
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     if inplace_grad is None:
         inplace_grad = logits.grad_fn is not None and logits._base is None
+    # The gradient's scale only reads the labels (safe before they are checked): queue it ahead of the check's sync.
+    scale = (grad_scale(labels.reshape(-1), ignore_index, reduction, normalizer, 1.0)
+             if need_grad and reduction != "none" else None)
+    check_labels(labels, logits.shape[-1], ignore_index)
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
-    return _CrossEntropy.apply(logits, labels, opts, reduction, normalizer, need_grad, inplace_grad and need_grad)
+    return _CrossEntropy.apply(logits, labels, opts, reduction, normalizer, need_grad, inplace_grad and need_grad,
+                               scale)
 
 
 class CrossEntropyLoss(nn.Module):
