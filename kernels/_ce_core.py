@@ -16,11 +16,15 @@ write) for 8192×128256 is 4.2 GB → 1.0 ms at 4.2 TB/s; an L2 miss on every pa
 Reaching that floor needs one read: a 128K-entry row does not fit one program's registers, and splitting it over
 several programs that hold their slices in registers and meet once (atomic counter; commit 032f589) measured
 1.2-1.9x slower on the H200 (sixth session, BENCHMARKS.md): each program idles at the meeting with too few bytes
-in flight. A persistent grid (few rows in flight, so pass 2 re-reads from L2) lost 10-90% with 4K-32K blocks.
+in flight. A persistent grid (few rows in flight, so pass 2 re-reads from L2) lost 10-90% with 4K-32K blocks, and
+two launches over (row, slice) programs (partial statistics, then combine + gradient; commit fa2f2d2) lost too.
 
-Pass 1 keeps per-lane partial sums (s, Σx, rank) and reduces them once after the loop; the only cross-thread
-reduction per block is the running max. V is a constexpr (one compile per vocabulary size; Triton's interpreter
-cannot loop to a runtime bound with numpy ≥ 2.4).
+Instructions matter as much as bytes (seventh session, `benchmarks/sass_report.py ce`): the loops issue ~12 (pass 1)
++ ~8 (pass 2) instructions per logit, down from ~38, because exp is one ex2.ftz, only the partial last block is
+masked, only the target's block pays for the target (a branch around whole blocks, which ptxas cannot if-convert
+into every block), the sums are reduced per block, and the per-row constants of the gradient are folded once.
+V is a constexpr (one compile per vocabulary size; the whole-block count is then known at compile time, and
+Triton's interpreter cannot loop to a runtime bound with numpy ≥ 2.4).
 Modes (constexpr): FORWARD (pass 1: loss, lse, q, rank), BACKWARD (pass 2: gradient); FORWARD off means lse and q
 come from an earlier forward (reduction="none": the per-row grad_output is only known in backward).
 The gradient may be written in place over the logits (GRAD == LOGITS): each element is read before it is
@@ -36,8 +40,8 @@ import triton.language as tl
 from ._launch import cdiv, launch, pow2
 
 # Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
-# elements per block and warps per row program. With the loop body at ~16-19 issued instructions per logit
-# (fwd+bwd, sm_90 SASS; ~38 before the seventh session) the kernel is no longer issue-bound, and wide blocks over 32
+# elements per block and warps per row program. With the loop body at ~19 issued instructions per logit (fwd+bwd,
+# sm_90 SASS; ~38 before the seventh session) the kernel is no longer issue-bound, and wide blocks over 32
 # warps win: 16384/32 (16 logits per thread per block, 32 registers, two programs per SM) was the fastest of
 # {32768/32, 32768/16, 16384/32, 16384/16, 8192/16, 8192/8, 4096/8, 4096/4, 2048/4} at six of seven timed shapes,
 # e.g. 8192×128256 1.85 ms (32768/32 2.00, 4096/8 2.07) and 32768×128256 6.13 ms (6.57, 7.34).
