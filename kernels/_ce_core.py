@@ -204,6 +204,8 @@ def _ce_kernel(
             rank = 0
             # Whole blocks but the target's, then the target's (if whole), then the partial last block. A branch
             # around a whole block stays a branch; a per-element test would be if-converted into every block.
+            # (The loads stay here: moved into _stats_block, as _grad_block does, ptxas gave the kernel 64 registers
+            # instead of 32 at 16384/32, one program per SM instead of two; sass_report.py.)
             for start in range(0, FULL, BLOCK_V):
                 if start != t_start:
                     x = tl.load(X + start + offs, eviction_policy=EVICT_PASS1).to(tl.float32)

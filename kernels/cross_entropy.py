@@ -139,19 +139,19 @@ def cross_entropy(
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
-    if not use_triton(logits, labels):
-        check_labels(labels, logits.shape[-1], ignore_index)
+    triton_path = use_triton(logits, labels)
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    # The gradient's scale only reads the labels (safe before they are checked): queue it ahead of the check's sync.
+    scale = (grad_scale(labels.reshape(-1), ignore_index, reduction, normalizer, 1.0)
+             if triton_path and need_grad and reduction != "none" else None)
+    check_labels(labels, logits.shape[-1], ignore_index)
+    if not triton_path:
         return cross_entropy_reference(
             logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             softcap=softcap, reduction=reduction, normalizer=normalizer,
         )
-    need_grad = torch.is_grad_enabled() and logits.requires_grad
     if inplace_grad is None:
         inplace_grad = logits.grad_fn is not None and logits._base is None
-    # The gradient's scale only reads the labels (safe before they are checked): queue it ahead of the check's sync.
-    scale = (grad_scale(labels.reshape(-1), ignore_index, reduction, normalizer, 1.0)
-             if need_grad and reduction != "none" else None)
-    check_labels(labels, logits.shape[-1], ignore_index)
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     return _CrossEntropy.apply(logits, labels, opts, reduction, normalizer, need_grad, inplace_grad and need_grad,
                                scale)
