@@ -28,23 +28,20 @@ from harness import copy_bandwidth_gbs, parse_args
 HEADLINE = [(8192, 128256), (4096, 256000)]
 SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
 # Settings of kernels/_ce_core.py timed besides the default: bBLOCKwWARPS, "fwd" = pass 2 in forward order, "nohint"
-# = no eviction hints, "lanes" / "bsums" = pass 1 with per-thread / per-block partial sums, "hN" = the first N columns
-# held in registers between the passes. (Sixth session: a one-read split-row kernel and persistent grids; seventh:
-# partial-statistics + finishing split kernels — all lost, BENCHMARKS.md.)
+# = no eviction hints, "lanes" / "bsums" = pass 1 with per-thread / per-block partial sums. (Sixth session: a one-read
+# split-row kernel and persistent grids; seventh: partial-statistics + finishing split kernels; eighth: 32K-64K
+# leading columns held in registers between the passes — all lost, BENCHMARKS.md.)
 def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
     name = f"b{block}w{warps}" + "".join(f" {f}" for f in flags.split())
     settings = dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps, CE_REVERSE_PASS2="fwd" not in flags.split(),
                     CE_EVICTION_HINTS="nohint" not in flags.split())
     if "lanes" in flags.split() or "bsums" in flags.split():
         settings["CE_LANE_SUMS"] = "lanes" in flags.split()
-    settings["CE_HOLD"] = next((int(f[1:]) for f in flags.split() if f[0] == "h" and f[1:].isdigit()), 0)
     return name, settings
 
 
 VARIANTS = dict(_variant(*v) for v in [
-    (32768, 32), (16384, 32, "lanes"), (8192, 32, "lanes"), (8192, 16, "lanes"),
-    (8192, 32, "lanes h32768"), (8192, 32, "lanes h65536"), (16384, 32, "bsums h32768"),
-    (16384, 32, "bsums h65536"), (8192, 32, "bsums h65536"),
+    (32768, 32), (16384, 32, "lanes"), (8192, 32, "lanes"), (32768, 32, "lanes"),
 ])
 # Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
@@ -85,7 +82,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
-    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS", "CE_LANE_SUMS", "CE_HOLD")
+    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS", "CE_LANE_SUMS")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

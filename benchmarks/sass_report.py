@@ -6,7 +6,7 @@ and issued instructions per element can be read before spending device time. Thi
 that the cross-entropy row kernel issued ~38 instructions per logit (exp through the non-ftz ex2 with its denormal
 check, a mask and a target test on every element), where ~16 suffice.
 
-    python benchmarks/sass_report.py ce [--vocab 128256] [--block 16384] [--warps 32] [--hold 0] [--forward-only]
+    python benchmarks/sass_report.py ce [--vocab 128256] [--block 16384] [--warps 32] [--block-sums] [--forward-only]
     python benchmarks/sass_report.py norm-bwd [--cols 16384] [--block 16384] [--warps 32]
 
 Launch arguments are specialised as on the GPU for 16-byte-aligned tensors and strides divisible by 16 (without
@@ -76,13 +76,12 @@ def cross_entropy(args) -> None:
     constexprs = dict(N_COLS=args.vocab, FORWARD=True, BACKWARD=not args.forward_only, WITH_RANK=False,
                       HAS_SOFTCAP=False, HAS_SMOOTHING=False, BLOCK_V=block, REVERSE=True,
                       LANE=block if args.block_sums else 8,
-                      EVICT_PASS1="evict_last", EVICT_PASS2="evict_first",
-                      HOLD=0 if args.forward_only else args.hold)
+                      EVICT_PASS1="evict_last", EVICT_PASS2="evict_first")
     aligned = {n for n, t in signature.items() if t.startswith("*")} | {"stride_logits_row", "stride_grad_row"}
     compiled = compile_sm90(_ce_core._ce_kernel, signature, constexprs, aligned, args.warps)
     per_thread = block // (32 * args.warps)
     report(compiled, f"cross-entropy row kernel, V={args.vocab}, block {block} over {args.warps} warps "
-                     f"({per_thread} logits per thread per block), {args.hold} columns held")
+                     f"({per_thread} logits per thread per block), {'block' if args.block_sums else 'lane'} sums")
 
 
 def norm_backward(args) -> None:
@@ -110,7 +109,6 @@ def main() -> None:
     ce.add_argument("--warps", type=int, default=32)
     ce.add_argument("--forward-only", action="store_true")
     ce.add_argument("--block-sums", action="store_true", help="reduce every block across threads (CE_LANE_SUMS off)")
-    ce.add_argument("--hold", type=int, default=0, help="leading columns kept in registers (CE_HOLD)")
     nb = sub.add_parser("norm-bwd", help="the RMSNorm backward kernel (llama casting, dW, one row per tile)")
     nb.add_argument("--cols", type=int, default=16384)
     nb.add_argument("--block", type=int, default=16384)

@@ -53,9 +53,6 @@ CE_REVERSE_PASS2 = True
 CE_EVICTION_HINTS = True
 # Pass 1 keeps per-thread partial sums (reduced across threads once per row) instead of reducing every block.
 CE_LANE_SUMS = False
-# Leading columns of a bf16 row kept in registers from pass 1 to pass 2 (0 = none; a power of two, a multiple of
-# CE_BLOCK_V): pass 2 then re-reads only the rest. Held as packed pairs (one 32-bit register per two logits).
-CE_HOLD = 0
 SCALE_BLOCK = 4096
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -199,28 +196,13 @@ def _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, t_off, softc
 
 
 @triton.jit
-def _bf16_pairs(w):
-    """fp32 values of the two bf16 logits packed in each int32 w (little-endian: the even column in the low half).
-    bf16 is the top half of an fp32, so both are exact with one shift or mask."""
-    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_pack(lo, hi):
-    """int32 words holding fp32 lo (even column) and hi rounded to bf16, the inverse of _bf16_pairs."""
-    lo16 = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
-    hi16 = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
-    return lo16 | hi16
-
-
-@triton.jit
 def _ce_kernel(
     LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE,
     stride_logits_row, stride_grad_row, stride_scale,
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
-    REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, HOLD: tl.constexpr,
+    REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     X = LOGITS + row * stride_logits_row
@@ -232,7 +214,6 @@ def _ce_kernel(
     # barriers, per block).
     LANES: tl.constexpr = BLOCK_V // LANE
     lanes = tl.arange(0, LANES)[:, None] * LANE + tl.arange(0, LANE)[None, :]
-    pairs = tl.arange(0, HOLD // 2 if HOLD > 0 else 1)  # int32 words of the held columns
     FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V  # columns in whole blocks: no mask there
     if label != ignore_index:
         target = label.to(tl.int32)  # < V once range-checked; int32 keeps the per-block offsets cheap
@@ -241,8 +222,6 @@ def _ce_kernel(
             x_t = tl.load(X + target).to(tl.float32)  # labels were range-checked on the host
             if HAS_SOFTCAP:
                 x_t = _softcap(x_t, softcap)[0]
-            if HOLD > 0:  # issued first: all of it in flight at once
-                held = tl.load(X.to(tl.pointer_type(tl.int32), bitcast=True) + pairs, eviction_policy=EVICT_PASS1)
             # Per-lane partials (LANES = BLOCK_V // LANE of them), merged once after the loops.
             m = tl.zeros([LANES], tl.float32) + x_t
             s = tl.zeros([LANES], tl.float32)
@@ -252,12 +231,12 @@ def _ce_kernel(
             # around a whole block stays a branch; a per-element test would be if-converted into every block.
             # (The loads stay here: moved into _stats_block, as _grad_block does, ptxas gave the kernel 64 registers
             # instead of 32 at 16384/32, one program per SM instead of two; sass_report.py.)
-            for start in range(HOLD, FULL, BLOCK_V):
+            for start in range(0, FULL, BLOCK_V):
                 if start != t_start:
                     x = tl.load(X + start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
                     m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, lanes, None, softcap,
                                                      False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
-            if (t_start >= HOLD) & (t_start < FULL):
+            if t_start < FULL:
                 x = tl.load(X + t_start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
                 m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - t_start, lanes, None, softcap,
                                                  False, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
@@ -267,24 +246,6 @@ def _ce_kernel(
                 m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - FULL, lanes, mask, softcap,
                                                  True, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
             m, s, sum_x, rank = _merge_lanes(m, s, sum_x, rank)
-            if HOLD > 0:  # the held columns [0, HOLD) as bf16 pairs (one lane each); the target test on all of them
-                x_even, x_odd = _bf16_pairs(held)
-                m_h = tl.zeros([1], tl.float32) + x_t
-                s_h = tl.zeros([1], tl.float32)
-                sum_x_h = tl.zeros([1], tl.float32)
-                rank_h = tl.zeros([1], tl.int32)
-                m_h, s_h, sum_x_h, rank_h = _stats_block(x_even[None, :], m_h, s_h, sum_x_h, rank_h, x_t, target,
-                                                         2 * pairs[None, :], None, softcap, False, True, HAS_SOFTCAP,
-                                                         HAS_SMOOTHING, WITH_RANK)
-                m_h, s_h, sum_x_h, rank_h = _stats_block(x_odd[None, :], m_h, s_h, sum_x_h, rank_h, x_t, target,
-                                                         2 * pairs[None, :] + 1, None, softcap, False, True,
-                                                         HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
-                m_h, s_h, sum_x_h, rank_h = _merge_lanes(m_h, s_h, sum_x_h, rank_h)
-                m_new = tl.maximum(m, m_h)
-                s = s * _exp(m - m_new) + s_h * _exp(m_h - m_new)
-                m = m_new
-                sum_x += sum_x_h
-                rank += rank_h
             e_t = _exp(x_t - m)
             log_s = _log1p(s + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
             lse = m + log_s
@@ -312,27 +273,17 @@ def _ce_kernel(
             if REVERSE and FULL < N_COLS:  # the blocks pass 1 read last first: they are the likeliest in L2
                 _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
                             True, True, HAS_SOFTCAP, EVICT_PASS2)
-            for b in range(0, FULL - HOLD, BLOCK_V):
-                start = (FULL - BLOCK_V - b) if REVERSE else (HOLD + b)
+            for b in range(0, FULL, BLOCK_V):
+                start = (FULL - BLOCK_V - b) if REVERSE else b
                 if start != t_start:
                     _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, 0, softcap, N_COLS,
                                 False, False, HAS_SOFTCAP, EVICT_PASS2)
-            if (t_start >= HOLD) & (t_start < FULL):
+            if t_start < FULL:
                 _grad_block(X, G, t_start, offs, lse, coef, shift, t_coef, t_add, target - t_start, softcap, N_COLS,
                             False, True, HAS_SOFTCAP, EVICT_PASS2)
             if not REVERSE and FULL < N_COLS:
                 _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
                             True, True, HAS_SOFTCAP, EVICT_PASS2)
-            if HOLD > 0:  # the held columns, from registers: no second read
-                # `^ (label >> 32)` (0: labels are range-checked) hides from LLVM that these are pass 1's values,
-                # which it would otherwise keep live through both loops as fp32 (twice the registers, spills).
-                x_even, x_odd = _bf16_pairs(held ^ (label >> 32).to(tl.int32))
-                g_even = _grad_values(x_even, 2 * pairs, lse, coef, shift, t_coef, t_add, target, softcap, True,
-                                      HAS_SOFTCAP)
-                g_odd = _grad_values(x_odd, 2 * pairs + 1, lse, coef, shift, t_coef, t_add, target, softcap, True,
-                                     HAS_SOFTCAP)
-                tl.store(G.to(tl.pointer_type(tl.int32), bitcast=True) + pairs, _bf16_pack(g_even, g_odd),
-                         eviction_policy=EVICT_PASS2)
     else:
         if FORWARD:
             tl.store(LOSS + row, 0.0)
@@ -384,7 +335,6 @@ def ce_rows(
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
     forward, backward = loss is not None, grad is not None
     block = min(CE_BLOCK_V, pow2(n_cols))
-    hold = _held_columns(logits, grad if forward else None, block)
     dummy = lse  # stands in for pointers a mode does not touch
     launch(_ce_kernel, (rows,),
            [logits, grad if backward else logits, labels, loss if forward else dummy, lse, q,
@@ -396,21 +346,8 @@ def ce_rows(
                 LANE=min(block, 16 // logits.element_size()) if CE_LANE_SUMS else block,
                 REVERSE=CE_REVERSE_PASS2,
                 EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
-                EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "", HOLD=hold,
+                EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
                 num_warps=max(1, min(CE_NUM_WARPS, block // 512))))
-
-
-def _held_columns(logits: torch.Tensor, grad: torch.Tensor | None, block: int) -> int:
-    """How many leading columns the kernel keeps in registers between its passes (CE_HOLD or 0): only when both
-    passes run in one launch on bf16 rows that can be read and written as aligned int32 pairs, and at most the
-    row's whole blocks."""
-    hold = CE_HOLD
-    if not hold or grad is None or hold % block or hold > logits.shape[1] // block * block:
-        return 0
-    for t in (logits, grad):
-        if t.dtype != torch.bfloat16 or t.stride(0) % 2 or t.data_ptr() % 4:
-            return 0
-    return hold
 
 
 def take_grads(ctx) -> tuple:

@@ -63,14 +63,12 @@ def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
 
 
 # Kernel settings: the default; 128-column blocks (rows of 300 / 517: 2 / 4 whole blocks and a partial one, so the
-# target falls in a whole block or in the masked tail); the same with pass 2 in forward order, no eviction hints and
-# block-wide sums; 64-column blocks with the first 128 columns held in registers (bf16 rows of 300 / 517; the target
-# also falls among the held columns), the same with block-wide sums and pass 2 in forward order.
-SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128),
+# target falls in a whole block or in the masked tail); the same with per-thread partial sums in pass 1; the same with
+# pass 2 in forward order, no eviction hints and per-block sums.
+SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=False),
+            "128-col-blocks-lanes": dict(CE_BLOCK_V=128, CE_LANE_SUMS=True),
             "128-col-blocks-forward": dict(CE_BLOCK_V=128, CE_REVERSE_PASS2=False, CE_EVICTION_HINTS=False,
-                                           CE_LANE_SUMS=False),
-            "held-128": dict(CE_BLOCK_V=64, CE_HOLD=128),
-            "held-128-forward": dict(CE_BLOCK_V=64, CE_HOLD=128, CE_REVERSE_PASS2=False, CE_LANE_SUMS=False)}
+                                           CE_LANE_SUMS=False)}
 
 
 def _use(monkeypatch, settings):
@@ -256,9 +254,8 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
     return loss, g
 
 
-# Real-size settings: the default and the benchmarked variants that hold 32K / 64K leading columns in registers.
-GPU_SETTINGS = {"default": {}, "held-65536-lanes": dict(CE_BLOCK_V=8192, CE_HOLD=65536, CE_LANE_SUMS=True),
-                "held-32768": dict(CE_BLOCK_V=16384, CE_HOLD=32768, CE_LANE_SUMS=False)}
+# Real-size settings: the default and per-thread partial sums in pass 1 (a benchmarked variant).
+GPU_SETTINGS = {"default": {}, "lanes": dict(CE_LANE_SUMS=True)}
 
 
 @pytest.mark.gpu
