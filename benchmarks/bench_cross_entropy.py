@@ -9,7 +9,8 @@ write the gradient once, 4·N·V B; floor = bytes / measured copy bandwidth. Two
 N(0, 2²) with uniform labels, and "peaked" (a Zipf-like per-token bias of up to +20, labels sampled from the
 softmax itself, so the loss is its entropy as for a trained LM); memory-bound, so they should time alike.
 "liger-models kernel only" times the fused row kernel alone (no label check, no autograd): the difference to
-"liger-models" is the call's host part, which dominates at few rows.
+"liger-models" is what the call adds (the label check, the gradient's scale, autograd, and any host time the GPU
+waits for).
 At the headline shapes and three sweep shapes, variants of the row kernel are timed too (`liger-models bBLOCKwWARPS
 ...`, see VARIANTS): the fastest sets kernels/_ce_core.py's tunables (shared with fused_linear_cross_entropy).
 
@@ -109,10 +110,12 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
         # it separates kernel time from the call's host part (label check's sync, autograd), which dominates at
         # few rows.
         x, scale = logits.detach().clone(), _ce_core.grad_scale(labels, IGNORE, "mean", None, 1.0)
+        flag = torch.zeros(2, dtype=torch.int64, device=x.device)  # labels known good
         loss = torch.empty(n, dtype=torch.float32, device=x.device)
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
         return lambda: _ce_core.ce_rows(x, labels, grad=x, loss=loss, lse=lse, q=q, rank=None, scale=scale,
-                                        ignore_index=IGNORE, label_smoothing=0.0, z_loss=0.0, softcap=None)
+                                        ignore_index=IGNORE, label_smoothing=0.0, z_loss=0.0, softcap=None,
+                                        label_flag=flag)
 
     def liger(x, y):
         from liger_kernel.transformers import LigerCrossEntropyLoss

@@ -6,7 +6,7 @@ and issued instructions per element can be read before spending device time. Thi
 that the cross-entropy row kernel issued ~38 instructions per logit (exp through the non-ftz ex2 with its denormal
 check, a mask and a target test on every element), where ~16 suffice.
 
-    python benchmarks/sass_report.py ce [--vocab 128256] [--block 16384] [--warps 32] [--block-sums] [--forward-only]
+    python benchmarks/sass_report.py ce [--vocab 128256] [--block 16384] [--warps 32] [--lanes] [--forward-only]
     python benchmarks/sass_report.py norm-bwd [--cols 16384] [--block 16384] [--warps 32]
 
 Launch arguments are specialised as on the GPU for 16-byte-aligned tensors and strides divisible by 16 (without
@@ -70,18 +70,18 @@ def cross_entropy(args) -> None:
     from liger_models.kernels import _ce_core
 
     block = min(args.block, 1 << (args.vocab - 1).bit_length())
-    signature = dict(LOGITS="*bf16", GRAD="*bf16", LABELS="*i64", LOSS="*fp32", LSE="*fp32", Q="*fp32", RANK="*i32",
+    signature = dict(LOGITS="*bf16", GRAD="*bf16", LABELS="*i64", LABEL_FLAG="*i64", LOSS="*fp32", LSE="*fp32", Q="*fp32", RANK="*i32",
                      SCALE="*fp32", stride_logits_row="i64", stride_grad_row="i64", stride_scale="i32",
                      ignore_index="i32", label_smoothing="fp32", z_loss="fp32", softcap="fp32")
     constexprs = dict(N_COLS=args.vocab, FORWARD=True, BACKWARD=not args.forward_only, WITH_RANK=False,
                       HAS_SOFTCAP=False, HAS_SMOOTHING=False, BLOCK_V=block, REVERSE=True,
-                      LANE=block if args.block_sums else 8,
+                      LANE=8 if args.lanes else block,
                       EVICT_PASS1="evict_last", EVICT_PASS2="evict_first")
     aligned = {n for n, t in signature.items() if t.startswith("*")} | {"stride_logits_row", "stride_grad_row"}
     compiled = compile_sm90(_ce_core._ce_kernel, signature, constexprs, aligned, args.warps)
     per_thread = block // (32 * args.warps)
     report(compiled, f"cross-entropy row kernel, V={args.vocab}, block {block} over {args.warps} warps "
-                     f"({per_thread} logits per thread per block), {'block' if args.block_sums else 'lane'} sums")
+                     f"({per_thread} logits per thread per block), {'lane' if args.lanes else 'block'} sums")
 
 
 def norm_backward(args) -> None:
@@ -108,7 +108,7 @@ def main() -> None:
     ce.add_argument("--block", type=int, default=16384)
     ce.add_argument("--warps", type=int, default=32)
     ce.add_argument("--forward-only", action="store_true")
-    ce.add_argument("--block-sums", action="store_true", help="reduce every block across threads (CE_LANE_SUMS off)")
+    ce.add_argument("--lanes", action="store_true", help="per-thread partial sums in pass 1 (CE_LANE_SUMS)")
     nb = sub.add_parser("norm-bwd", help="the RMSNorm backward kernel (llama casting, dW, one row per tile)")
     nb.add_argument("--cols", type=int, default=16384)
     nb.add_argument("--block", type=int, default=16384)

@@ -25,8 +25,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._ce_core import ce_rows, check_labels, check_options, grad_scale, mean_denominator, scale_, take_grads
+from ._ce_core import (
+    LabelCheck, ce_rows, check_labels, check_options, grad_scale, mean_denominator, scale_, take_grads,
+)
 from ._dispatch import use_triton
+
+# check_labels: the CUDA-graph trainer checks every batch with it before copying it into the graph's inputs.
+__all__ = ["CrossEntropyLoss", "check_labels", "cross_entropy", "cross_entropy_reference", "reduce_loss"]
 
 
 def cross_entropy_reference(
@@ -75,8 +80,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, opts: dict, reduction: str, normalizer, need_grad: bool, inplace: bool,
                 scale: torch.Tensor | None):
-        # scale (the gradient's 1/denominator for mean / sum when need_grad) was queued by the caller before the
-        # label check's host sync, so that after the sync the GPU waits only for this launch.
+        # scale: the gradient's 1/denominator for mean / sum when need_grad (a device tensor, computed by the caller).
         x = logits.reshape(-1, logits.shape[-1])
         if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
             x, inplace = x.contiguous(), need_grad  # a private copy: the gradient may always go into it
@@ -110,7 +114,7 @@ class _CrossEntropy(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # the label check syncs; under torch.compile the loss is one clean graph break
+@torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
 def cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -126,7 +130,8 @@ def cross_entropy(
     """Cross-entropy of logits (N, V) (or (..., V)) against int64 labels (N,) (or (...)), options as above.
 
     Returns a 0-dim fp32 loss, or fp32 per-token losses of labels' shape for reduction="none".
-    A label outside [0, V) that is not ignore_index raises ValueError (one host sync, see check_labels).
+    A label outside [0, V) that is not ignore_index raises ValueError (the call waits for the check's result with
+    the loss kernels already queued, see _ce_core.LabelCheck; they touch nothing when a label is bad).
     inplace_grad: write the gradient over the logits (no second N×V buffer). None (default) does so only when
     the logits are an autograd intermediate that is not a view (typically `lm_head(h)` consumed by this loss);
     never for a leaf (the caller's own tensor) or a view (its base is usually kept, e.g. HF's returned logits).
@@ -140,21 +145,24 @@ def cross_entropy(
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     triton_path = use_triton(logits, labels)
-    need_grad = torch.is_grad_enabled() and logits.requires_grad
-    # The gradient's scale only reads the labels (safe before they are checked): queue it ahead of the check's sync.
-    scale = (grad_scale(labels.reshape(-1), ignore_index, reduction, normalizer, 1.0)
-             if triton_path and need_grad and reduction != "none" else None)
-    check_labels(labels, logits.shape[-1], ignore_index)
+    labels_ok = LabelCheck(labels, logits.shape[-1], ignore_index)
     if not triton_path:
+        labels_ok.wait()
         return cross_entropy_reference(
             logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             softcap=softcap, reduction=reduction, normalizer=normalizer,
         )
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    scale = grad_scale(labels.reshape(-1), ignore_index, reduction, normalizer, 1.0) \
+        if need_grad and reduction != "none" else None
     if inplace_grad is None:
         inplace_grad = logits.grad_fn is not None and logits._base is None
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
-    return _CrossEntropy.apply(logits, labels, opts, reduction, normalizer, need_grad, inplace_grad and need_grad,
-                               scale)
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                label_flag=labels_ok.flag)
+    out = _CrossEntropy.apply(logits, labels, opts, reduction, normalizer, need_grad, inplace_grad and need_grad,
+                              scale)
+    labels_ok.wait()
+    return out
 
 
 class CrossEntropyLoss(nn.Module):

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._ce_core import ce_rows, check_labels, check_options, grad_scale, scale_, take_grads
+from ._ce_core import LabelCheck, ce_rows, check_options, grad_scale, scale_, take_grads
 from ._dispatch import row_view, use_triton
 from .cross_entropy import cross_entropy_reference
 
@@ -303,7 +303,7 @@ def _check_unit_gradient(grad_out: torch.Tensor) -> None:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts, reduction, normalizer, loss_scale, accum_dtype, need,
-                with_rank):
+                with_rank, labels_ok):
         h, flat = row_view(hidden), labels.reshape(-1)
         loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
@@ -320,6 +320,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                                 scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype)
             ctx.consumer = _consumer_of(weight) if need[1] else None
             if ctx.consumer is not None:  # hand dW over now, so it need not live until backward
+                labels_ok.wait()  # never a dW from skipped CE passes (a bad label) into an optimizer step
                 ctx.consumer(grads[1])
                 grads = (grads[0], None, grads[2])
             ctx.grads = grads
@@ -347,7 +348,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     scale_(g, grad_out)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # the label check syncs; under torch.compile the loss is one clean graph break
@@ -373,7 +374,7 @@ def fused_linear_cross_entropy(
     return_target_rank=True also int32 ranks of labels' shape (logits strictly above the target's: 0 = top-1
     correct; -1 at ignored positions). A weight with requires_grad=False gets no dW work; dW is accumulated in
     accum_dtype (float32, or the weight's dtype) and returned in the weight's dtype. A label outside [0, V) that
-    is not ignore_index raises ValueError (one host sync, see _ce_core.check_labels).
+    is not ignore_index raises ValueError (the call waits for the check with its kernels queued, _ce_core.LabelCheck).
     """
     check_options(reduction, label_smoothing, softcap)
     if hidden.shape[:-1] != labels.shape:
@@ -387,8 +388,9 @@ def fused_linear_cross_entropy(
         raise ValueError(f"hidden, weight and bias must share one floating dtype, got {sorted(map(str, dtypes))}")
     if accum_dtype not in (torch.float32, weight.dtype):
         raise ValueError(f"accum_dtype must be torch.float32 or the weight's dtype, got {accum_dtype}")
-    check_labels(labels, weight.shape[0], ignore_index)
+    labels_ok = LabelCheck(labels, weight.shape[0], ignore_index)
     if not use_triton(hidden, weight, bias, labels) or labels.numel() == 0:
+        labels_ok.wait()
         return fused_linear_cross_entropy_reference(
             hidden, weight, labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, reduction=reduction, normalizer=normalizer, loss_scale=loss_scale,
@@ -396,9 +398,12 @@ def fused_linear_cross_entropy(
         )
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, normalizer,
-                                          float(loss_scale), accum_dtype, need, return_target_rank)
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                label_flag=labels_ok.flag)
+    out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, normalizer,
+                                         float(loss_scale), accum_dtype, need, return_target_rank, labels_ok)
+    labels_ok.wait()  # after every GEMM and CE pass is queued (they touch nothing if a label is bad)
+    return out
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):

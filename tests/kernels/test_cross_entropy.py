@@ -172,10 +172,37 @@ def test_all_ignored(reduction):
 
 @pytest.mark.parametrize("bad", [67, 1000, -1, -101])
 def test_bad_label_raises(bad):
-    labels = _labels(4, 67)
-    labels[1] = bad
-    with pytest.raises(ValueError, match=f"label {bad} is outside"):
-        cross_entropy(torch.randn(4, 67, device=DEVICE), labels)
+    """The first bad label is named, and logits that would take the gradient in place are left as they were."""
+    labels = _labels(6, 67)
+    labels[1], labels[4] = bad, 67
+    leaf = torch.randn(6, 67, device=DEVICE, requires_grad=True)
+    inter = leaf * 1
+    before = inter.detach().clone()
+    with pytest.raises(ValueError, match=f"label {bad} is outside .*2 such labels"):
+        cross_entropy(inter, labels, inplace_grad=True)
+    assert torch.equal(inter.detach(), before)
+
+
+@pytest.mark.parametrize("settings", ["default", "128-col-blocks-lanes"])
+def test_kernel_touches_nothing_when_the_label_check_failed(monkeypatch, settings):
+    """The row kernel reads LabelCheck's flag (on CUDA the host learns the verdict only after the kernel is queued):
+    set, it writes no loss, statistic or gradient, in place or not."""
+    _use(monkeypatch, SETTINGS[settings])
+    logits = torch.randn(5, 300, device=DEVICE).to(torch.bfloat16)
+    labels = _labels(5, 300)
+    labels[2] = 300
+    flag = _ce_core.LabelCheck(labels, 300, IGNORE).flag
+    assert flag[0].item() == 1 and flag[1].item() == 5 - 2
+    before = logits.clone()
+    outs = [torch.full((5,), float("nan"), device=DEVICE) for _ in range(3)]
+    grad = torch.full_like(logits, 7.0)
+    opts = dict(ignore_index=IGNORE, label_smoothing=0.0, z_loss=0.0, softcap=None, label_flag=flag)
+    scale = torch.ones((), device=DEVICE)
+    _ce_core.ce_rows(logits, labels, grad=grad, loss=outs[0], lse=outs[1], q=outs[2], rank=None, scale=scale, **opts)
+    _ce_core.ce_rows(logits, labels, grad=logits, loss=outs[0], lse=outs[1], q=outs[2], rank=None, scale=scale,
+                     **opts)
+    assert torch.equal(logits, before) and bool((grad == 7).all())
+    assert all(bool(o.isnan().all()) for o in outs)
 
 
 def test_custom_ignore_index_and_bad_options():
@@ -295,3 +322,20 @@ def test_gpu_logits_above_2_31_elements():
     ref_loss, g = _gpu_reference_rows(logits.detach(), labels, rows)
     torch.testing.assert_close(loss[rows].sum(), ref_loss, rtol=1e-5, atol=0)
     assert_matches(logits.grad[rows], g.double(), name="dlogits (last rows)")
+
+
+@pytest.mark.gpu
+def test_gpu_bad_label_raises_with_the_kernel_already_queued():
+    """On CUDA the verdict reaches the host after the row kernel is queued: the call still raises, the in-place
+    logits are untouched (the kernel saw the flag), and the next call with good labels is exact."""
+    n, vocab = 4096, 32000
+    logits = (torch.randn(n, vocab, device="cuda") * 2).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    bad = labels.clone()
+    bad[n - 1] = vocab
+    inter = logits.clone().requires_grad_() * 1
+    with pytest.raises(ValueError, match=f"label {vocab} is outside .*1 such labels"):
+        cross_entropy(inter, bad, inplace_grad=True)
+    assert torch.equal(inter.detach(), logits)
+    loss = cross_entropy(inter, labels, inplace_grad=True)
+    torch.testing.assert_close(loss, cross_entropy_reference(logits, labels), rtol=1e-5, atol=0)

@@ -13,6 +13,7 @@ import liger_models.kernels.fused_linear_cross_entropy as flce_mod
 from liger_models.kernels import _ce_core
 from liger_models.kernels.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
+    consume_weight_grad,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
@@ -207,6 +208,22 @@ def test_bad_label_raises(bad):
     labels[1, 2] = bad
     with pytest.raises(ValueError, match=f"label {bad} is outside"):
         fused_linear_cross_entropy(hidden, weight, labels)
+
+
+def test_bad_label_never_reaches_a_weight_gradient_consumer():
+    """The check's verdict arrives after the chunk kernels are queued; a consumer (an optimizer step in the
+    forward) must not be handed a dW built from skipped CE passes."""
+    hidden, weight, _, labels = _inputs(67, torch.float32)
+    labels[0, 1] = 67
+    weight.requires_grad_()
+    handed = []
+    forget = consume_weight_grad(weight, handed.append)
+    try:
+        with pytest.raises(ValueError, match="label 67 is outside"):
+            fused_linear_cross_entropy(hidden, weight, labels)
+    finally:
+        forget()
+    assert handed == []
 
 
 def test_bad_arguments():
