@@ -109,8 +109,9 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
         # The fused row kernel alone (one launch on a private copy, mean's scale precomputed): against "liger-models"
         # it separates kernel time from the call's host part (label check's sync, autograd), which dominates at
         # few rows.
-        x, scale = logits.detach().clone(), _ce_core.grad_scale(labels, IGNORE, "mean", None, 1.0)
-        flag = torch.zeros(2, dtype=torch.int64, device=x.device)  # labels known good
+        x, checked = logits.detach().clone(), _ce_core.LabelCheck(labels, vocab, IGNORE, "mean")
+        checked.wait()
+        scale, flag = checked.scale, checked.flag
         loss = torch.empty(n, dtype=torch.float32, device=x.device)
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
         return lambda: _ce_core.ce_rows(x, labels, grad=x, loss=loss, lse=lse, q=q, rank=None, scale=scale,

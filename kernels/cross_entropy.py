@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ._ce_core import (
-    LabelCheck, ce_rows, check_labels, check_options, grad_scale, mean_denominator, scale_, take_grads,
+    LabelCheck, ce_rows, check_labels, check_options, mean_denominator, scale_, take_grads,
 )
 from ._dispatch import use_triton
 
@@ -78,26 +78,24 @@ def reduce_loss(
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, opts: dict, reduction: str, normalizer, need_grad: bool, inplace: bool,
-                scale: torch.Tensor | None):
-        # scale: the gradient's 1/denominator for mean / sum when need_grad (a device tensor, computed by the caller).
+    def forward(ctx, logits, labels, opts: dict, need_grad: bool, inplace: bool, scale: torch.Tensor | None):
+        # scale: d loss / d per-token loss for mean / sum (LabelCheck's 0-dim device tensor); None for "none".
         x = logits.reshape(-1, logits.shape[-1])
         if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
             x, inplace = x.contiguous(), need_grad  # a private copy: the gradient may always go into it
         flat = labels.reshape(-1)
         loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
-        fused = scale is not None
+        fused = need_grad and scale is not None
         grad = (x if inplace else torch.empty_like(x)) if fused else None
-        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale, **opts)
+        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale if fused else None, **opts)
         if fused and inplace and x.data_ptr() == logits.data_ptr():
             torch.autograd.graph.increment_version(logits)  # a node that saved the logits now fails loudly
         ctx.opts, ctx.inplace, ctx.shape, ctx.fused = opts, inplace, logits.shape, fused
         ctx.grads = (grad,)  # a plain attribute, not saved: it may be the logits' own (version-bumped) buffer
         if need_grad and not fused:
             ctx.save_for_backward(x, flat, lse, q)
-        out = reduce_loss(loss, flat != opts["ignore_index"], reduction, normalizer)
-        return out.reshape(labels.shape) if reduction == "none" else out
+        return loss.reshape(labels.shape) if scale is None else loss.sum() * scale  # ignored rows' losses are 0
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -111,7 +109,7 @@ class _CrossEntropy(torch.autograd.Function):
             ce_rows(x, flat, grad=grad, loss=None, lse=lse, q=q, rank=None, scale=scale, **ctx.opts)
             if ctx.inplace:
                 torch.autograd.graph.increment_version(x)
-        return grad.view(ctx.shape), None, None, None, None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None
 
 
 @torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
@@ -145,7 +143,7 @@ def cross_entropy(
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     triton_path = use_triton(logits, labels)
-    labels_ok = LabelCheck(labels, logits.shape[-1], ignore_index)
+    labels_ok = LabelCheck(labels, logits.shape[-1], ignore_index, reduction, normalizer)
     if not triton_path:
         labels_ok.wait()
         return cross_entropy_reference(
@@ -153,14 +151,12 @@ def cross_entropy(
             softcap=softcap, reduction=reduction, normalizer=normalizer,
         )
     need_grad = torch.is_grad_enabled() and logits.requires_grad
-    scale = grad_scale(labels.reshape(-1), ignore_index, reduction, normalizer, 1.0) \
-        if need_grad and reduction != "none" else None
     if inplace_grad is None:
         inplace_grad = logits.grad_fn is not None and logits._base is None
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
-    out = _CrossEntropy.apply(logits, labels, opts, reduction, normalizer, need_grad, inplace_grad and need_grad,
-                              scale)
+    out = _CrossEntropy.apply(logits, labels, opts, need_grad, inplace_grad and need_grad,
+                              None if reduction == "none" else labels_ok.scale)
     labels_ok.wait()
     return out
 

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._ce_core import LabelCheck, ce_rows, check_options, grad_scale, scale_, take_grads
+from ._ce_core import LabelCheck, ce_rows, check_options, scale_, take_grads
 from ._dispatch import row_view, use_triton
 from .cross_entropy import cross_entropy_reference
 
@@ -302,8 +302,8 @@ def _check_unit_gradient(grad_out: torch.Tensor) -> None:
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, opts, reduction, normalizer, loss_scale, accum_dtype, need,
-                with_rank, labels_ok):
+    def forward(ctx, hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
+                labels_ok):
         h, flat = row_view(hidden), labels.reshape(-1)
         loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
@@ -315,7 +315,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, bias, flat, lse, q)
             out = (loss * loss_scale).reshape(labels.shape)
         else:
-            scale = grad_scale(flat, opts["ignore_index"], reduction, normalizer, loss_scale)
+            scale = labels_ok.scale
             grads = _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
                                 scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype)
             ctx.consumer = _consumer_of(weight) if need[1] else None
@@ -348,7 +348,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     scale_(g, grad_out)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # the label check syncs; under torch.compile the loss is one clean graph break
@@ -388,7 +388,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"hidden, weight and bias must share one floating dtype, got {sorted(map(str, dtypes))}")
     if accum_dtype not in (torch.float32, weight.dtype):
         raise ValueError(f"accum_dtype must be torch.float32 or the weight's dtype, got {accum_dtype}")
-    labels_ok = LabelCheck(labels, weight.shape[0], ignore_index)
+    labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
     if not use_triton(hidden, weight, bias, labels) or labels.numel() == 0:
         labels_ok.wait()
         return fused_linear_cross_entropy_reference(
@@ -400,8 +400,8 @@ def fused_linear_cross_entropy(
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
-    out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, normalizer,
-                                         float(loss_scale), accum_dtype, need, return_target_rank, labels_ok)
+    out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, float(loss_scale),
+                                         accum_dtype, need, return_target_rank, labels_ok)
     labels_ok.wait()  # after every GEMM and CE pass is queued (they touch nothing if a label is bad)
     return out
 

@@ -183,6 +183,25 @@ def test_bad_label_raises(bad):
     assert torch.equal(inter.detach(), before)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_label_check_counts_and_scale(dtype, reduction):
+    """LabelCheck's one-program kernel over several blocks: bad-label count, first bad index, and the scale."""
+    n, vocab = 2 * _ce_core.LABEL_BLOCK + 37, 1000
+    labels = torch.randint(-3, vocab + 3, (n,), device=DEVICE)
+    labels[torch.rand(n, device=DEVICE) < 0.3] = IGNORE
+    bad = ((labels < 0) | (labels >= vocab)) & (labels != IGNORE)
+    check = _ce_core.LabelCheck(labels.to(dtype), vocab, IGNORE, reduction, loss_scale=0.5)
+    assert check.flag.tolist() == [int(bad.sum()), int(bad.nonzero()[0])]
+    expected = 0.5 / (labels != IGNORE).sum().item() if reduction == "mean" else 0.5
+    torch.testing.assert_close(check.scale, torch.tensor(expected, device=DEVICE), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match=f"label {labels[bad][0].item()} is outside .*{int(bad.sum())} such"):
+        check.wait()
+    check = _ce_core.LabelCheck(torch.full_like(labels, IGNORE).to(dtype), vocab, IGNORE, reduction, loss_scale=0.5)
+    check.wait()  # all ignored: no error, and a mean's denominator counts as 1
+    assert check.flag[0].item() == 0 and check.scale.item() == 0.5
+
+
 @pytest.mark.parametrize("settings", ["default", "128-col-blocks-lanes"])
 def test_kernel_touches_nothing_when_the_label_check_failed(monkeypatch, settings):
     """The row kernel reads LabelCheck's flag (on CUDA the host learns the verdict only after the kernel is queued):
@@ -192,7 +211,7 @@ def test_kernel_touches_nothing_when_the_label_check_failed(monkeypatch, setting
     labels = _labels(5, 300)
     labels[2] = 300
     flag = _ce_core.LabelCheck(labels, 300, IGNORE).flag
-    assert flag[0].item() == 1 and flag[1].item() == 5 - 2
+    assert flag.tolist() == [1, 2]
     before = logits.clone()
     outs = [torch.full((5,), float("nan"), device=DEVICE) for _ in range(3)]
     grad = torch.full_like(logits, 7.0)
