@@ -37,12 +37,12 @@ def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
     settings = dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps, CE_REVERSE_PASS2="fwd" not in flags.split(),
                     CE_EVICTION_HINTS="nohint" not in flags.split())
     if "lanes" in flags.split() or "bsums" in flags.split():
-        settings["CE_LANE_SUMS"] = "lanes" in flags.split()
+        settings.update(CE_LANE_SUMS="lanes" in flags.split(), CE_LANE_SUMS_MIN_ROWS=0)
     return name, settings
 
 
 VARIANTS = dict(_variant(*v) for v in [
-    (32768, 32), (16384, 32, "lanes"), (8192, 32, "lanes"), (32768, 32, "lanes"),
+    (16384, 32, "bsums"), (32768, 32, "bsums"), (16384, 32, "lanes"), (8192, 32, "lanes"),
 ])
 # Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
@@ -83,7 +83,8 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
-    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS", "CE_LANE_SUMS")
+    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS", "CE_LANE_SUMS",
+             "CE_LANE_SUMS_MIN_ROWS")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

@@ -63,10 +63,10 @@ def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
 
 
 # Kernel settings: the default; 128-column blocks (rows of 300 / 517: 2 / 4 whole blocks and a partial one, so the
-# target falls in a whole block or in the masked tail); the same with per-thread partial sums in pass 1; the same with
-# pass 2 in forward order, no eviction hints and per-block sums.
+# target falls in a whole block or in the masked tail), per-block sums in pass 1; the same with per-thread partial sums
+# (the default from 4096 rows on); the same with pass 2 in forward order, no eviction hints and per-block sums.
 SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=False),
-            "128-col-blocks-lanes": dict(CE_BLOCK_V=128, CE_LANE_SUMS=True),
+            "128-col-blocks-lanes": dict(CE_BLOCK_V=128, CE_LANE_SUMS=True, CE_LANE_SUMS_MIN_ROWS=0),
             "128-col-blocks-forward": dict(CE_BLOCK_V=128, CE_REVERSE_PASS2=False, CE_EVICTION_HINTS=False,
                                            CE_LANE_SUMS=False)}
 
@@ -129,6 +129,15 @@ def test_incoming_grad_scales_the_in_place_gradient(grad_scale):
     """mean/sum keep the gradient from the forward; backward multiplies by grad_output (skipped when it is 1)."""
     logits = torch.randn(5, 300, device=DEVICE)
     _check(logits, _labels(5, 300), "mean", grad_scale=grad_scale)
+
+
+@pytest.mark.parametrize("g", [1.0, -0.375])
+def test_scale_in_place_strides_over_large_tensors(g):
+    """_ce_core.scale_ runs a capped grid that strides (more blocks than programs here), and skips g == 1."""
+    x = torch.randn(_ce_core.SCALE_BLOCK * 41 + 123, device=DEVICE).to(torch.bfloat16)
+    expected = (x.float() * g).to(torch.bfloat16)
+    _ce_core.scale_(x, torch.tensor(g, device=DEVICE))
+    assert torch.equal(x, expected)
 
 
 def test_normaliser_tensor_and_number():
@@ -300,8 +309,8 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
     return loss, g
 
 
-# Real-size settings: the default and per-thread partial sums in pass 1 (a benchmarked variant).
-GPU_SETTINGS = {"default": {}, "lanes": dict(CE_LANE_SUMS=True)}
+# Real-size settings: the default (per-thread partial sums in pass 1 from 4096 rows on) and per-block sums.
+GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False)}
 
 
 @pytest.mark.gpu
