@@ -29,6 +29,7 @@ from ._ce_core import (
     LabelCheck, ce_rows, check_labels, check_options, mean_denominator, scale_, take_grads,
 )
 from ._dispatch import use_triton
+from ._launch import on_input_device
 
 # check_labels: the CUDA-graph trainer checks every batch with it before copying it into the graph's inputs.
 __all__ = ["CrossEntropyLoss", "check_labels", "cross_entropy", "cross_entropy_reference", "reduce_loss"]
@@ -113,6 +114,7 @@ class _CrossEntropy(torch.autograd.Function):
 
 
 @torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
+@on_input_device  # launches, the check's event and its pinned copy all on the logits' device
 def cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,

@@ -57,6 +57,7 @@ from torch.autograd.function import once_differentiable
 
 from ._ce_core import LabelCheck, ce_rows, check_options, scale_, take_grads
 from ._dispatch import row_view, use_triton
+from ._launch import on_input_device
 from .cross_entropy import cross_entropy_reference
 
 # Tunables: bytes of logits scratch when grad_W's storage is not available (frozen W or bf16 accumulation),
@@ -351,7 +352,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # the label check syncs; under torch.compile the loss is one clean graph break
+@torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
+@on_input_device  # launches, the check's event and its pinned copy all on the logits' device
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
