@@ -76,7 +76,7 @@ def cross_entropy(args) -> None:
     constexprs = dict(N_COLS=args.vocab, FORWARD=True, BACKWARD=not args.forward_only, WITH_RANK=False,
                       HAS_SOFTCAP=False, HAS_SMOOTHING=False, BLOCK_V=block, REVERSE=True,
                       LANE=8 if args.lanes else block,
-                      EVICT_PASS1="evict_last", EVICT_PASS2="evict_first")
+                      EVICT_PASS1="evict_last", EVICT_PASS2="evict_first", KEEP_FROM=0, EVICT_HEAD="evict_first")
     aligned = {n for n, t in signature.items() if t.startswith("*")} | {"stride_logits_row", "stride_grad_row"}
     compiled = compile_sm90(_ce_core._ce_kernel, signature, constexprs, aligned, args.warps)
     per_thread = block // (32 * args.warps)

@@ -35,6 +35,8 @@ overwritten and no other program touches the row.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -59,6 +61,8 @@ CE_EVICTION_HINTS = True
 # program per SM): 2.5-4.6% faster at 4K-16K rows, even at 32K, 6% slower at 2048 rows (eighth session).
 CE_LANE_SUMS = True
 CE_LANE_SUMS_MIN_ROWS = 4096
+# Share of L2 that pass 1 plans for with evict_last (0 = every pass-1 load evict_last); see _keep_from.
+CE_KEEP_L2_SHARE = 0.0
 SCALE_BLOCK = 4096
 SCALE_PROGRAMS_PER_SM = 8  # scale_'s grid: enough resident programs to stream at the copy rate when g != 1
 LABEL_BLOCK = 4096
@@ -278,12 +282,13 @@ def _ce_kernel(
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
-    REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr,
+    REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
+    EVICT_HEAD: tl.constexpr,
 ):
     if tl.load(LABEL_FLAG) == 0:  # LabelCheck found no bad label: only then touch anything (see LabelCheck)
         _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, stride_logits_row, stride_grad_row, stride_scale,
                 ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD, BACKWARD, WITH_RANK, HAS_SOFTCAP,
-                HAS_SMOOTHING, BLOCK_V, LANE, REVERSE, EVICT_PASS1, EVICT_PASS2)
+                HAS_SMOOTHING, BLOCK_V, LANE, REVERSE, EVICT_PASS1, EVICT_PASS2, KEEP_FROM, EVICT_HEAD)
 
 
 @triton.jit
@@ -293,7 +298,8 @@ def _ce_row(
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
-    REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr,
+    REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
+    EVICT_HEAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     X = LOGITS + row * stride_logits_row
@@ -322,7 +328,12 @@ def _ce_row(
             # around a whole block stays a branch; a per-element test would be if-converted into every block.
             # (The loads stay here: moved into _stats_block, as _grad_block does, ptxas gave the kernel 64 registers
             # instead of 32 at 16384/32, one program per SM instead of two; sass_report.py.)
-            for start in range(0, FULL, BLOCK_V):
+            for start in range(0, KEEP_FROM, BLOCK_V):  # the row's head: pass 2 comes back to it last (below)
+                if start != t_start:
+                    x = tl.load(X + start + lanes, eviction_policy=EVICT_HEAD).to(tl.float32)
+                    m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, lanes, None, softcap,
+                                                     False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+            for start in range(KEEP_FROM, FULL, BLOCK_V):
                 if start != t_start:
                     x = tl.load(X + start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
                     m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, lanes, None, softcap,
@@ -434,6 +445,7 @@ def ce_rows(
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
     forward, backward = loss is not None, grad is not None
     block = min(CE_BLOCK_V, pow2(n_cols))
+    lanes = CE_LANE_SUMS and rows >= CE_LANE_SUMS_MIN_ROWS
     dummy = lse  # stands in for pointers a mode does not touch
     launch(_ce_kernel, (rows,),
            [logits, grad if backward else logits, labels, label_flag, loss if forward else dummy, lse, q,
@@ -442,12 +454,33 @@ def ce_rows(
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)],
            dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
                 HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block,
-                LANE=min(block, 16 // logits.element_size()) if CE_LANE_SUMS and rows >= CE_LANE_SUMS_MIN_ROWS
-                else block,
+                LANE=min(block, 16 // logits.element_size()) if lanes else block,
                 REVERSE=CE_REVERSE_PASS2,
                 EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
                 EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
+                KEEP_FROM=_keep_from(logits, block, lanes), EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
                 num_warps=max(1, min(CE_NUM_WARPS, block // 512))))
+
+
+def _keep_from(logits: torch.Tensor, block: int, lanes: bool) -> int:
+    """KEEP_FROM: pass 1 marks its loads evict_last only from this column on (a multiple of the block), and the
+    row's head before it evict_first. With CE_KEEP_L2_SHARE, the tail kept is what one resident row may hold of that
+    share of L2 (rows in flight: one program per SM with lane sums, two without); pass 2, in reverse, re-reads the
+    tail first, and a head marked evict_last would only push other rows' tails out before they are re-read."""
+    if not CE_KEEP_L2_SHARE:
+        return 0
+    full = logits.shape[1] // block * block
+    rows_in_flight = sm_count(logits.device) * (1 if lanes else 2)
+    keep = int(CE_KEEP_L2_SHARE * _l2_bytes(logits.device)) // (rows_in_flight * logits.element_size())
+    return max(0, full - keep // block * block)
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device: torch.device) -> int:
+    """L2 size of a CUDA device (cached: a property lookup costs more than a launch); an H200's 50 MB elsewhere."""
+    if device.type != "cuda":
+        return 50 << 20
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
 
 
 def take_grads(ctx) -> tuple:
