@@ -66,7 +66,7 @@ def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
 # target falls in a whole block or in the masked tail), per-block sums in pass 1; the same with per-thread partial sums
 # (the default from 4096 rows on); the same with pass 2 in forward order, no eviction hints and per-block sums;
 # 64-column blocks with pass 1's loads split into an evict_first head and a 64-column evict_last tail.
-SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=False),
+SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=0.0),
             "128-col-blocks-lanes": dict(CE_BLOCK_V=128, CE_LANE_SUMS=True, CE_LANE_SUMS_MIN_ROWS=0),
             "128-col-blocks-forward": dict(CE_BLOCK_V=128, CE_REVERSE_PASS2=False, CE_EVICTION_HINTS=False,
                                            CE_LANE_SUMS=False),
@@ -311,9 +311,9 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
     return loss, g
 
 
-# Real-size settings: the default (per-thread partial sums in pass 1 from 4096 rows on), per-block sums, and pass 1's
-# loads evict_last only in the tail a resident row may keep of 60% of L2.
-GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False), "keep-tail": dict(CE_KEEP_L2_SHARE=0.6)}
+# Real-size settings: the default (per-thread partial sums in pass 1 from 4096 rows on; pass 1's loads evict_last only
+# in the tail a resident row may keep of 60% of L2), per-block sums, and every pass-1 load evict_last.
+GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False), "all-evict-last": dict(CE_KEEP_L2_SHARE=0.0)}
 
 
 @pytest.mark.gpu
