@@ -16,8 +16,9 @@ where the kernels are deterministic; tests/train/test_cuda_graph.py checks that 
 What the step must be (checked where it can be):
 - Fixed shapes: every batch has the example's shapes and dtypes (pack to a fixed length).
 - No host sync: nothing may read a device value on the host inside the step. The loss kernels' label range check
-  is one such read; it is skipped while capturing, so ``GraphedStep`` runs it on each batch as it is copied in
-  (``label_keys``), where a bad label still raises the same ValueError before any kernel reads with it.
+  ends in one such read; while capturing only its device part is recorded (the loss kernels still do nothing on a
+  bad label), so ``GraphedStep`` runs the whole check on each batch as it is copied in (``label_keys``), where a
+  bad label still raises the same ValueError before any kernel reads with it.
 - A capturable optimizer: ``torch.optim.AdamW(..., fused=True, capturable=True)`` (its step count lives on the GPU).
   A float learning rate would be baked into the graph, so just before the capture each group's float ``lr``
   becomes a 0-dim tensor on its parameters' device; an LR scheduler then fills it in place (torch's schedulers
