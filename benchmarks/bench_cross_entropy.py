@@ -81,7 +81,7 @@ def make_inputs(n: int, vocab: int, kind: str):
 
 
 def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
-    from liger_models.kernels import _ce_core
+    from liger_models.kernels import _ce_core, _labels
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
@@ -112,7 +112,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
         # The fused row kernel alone (one launch on a private copy, mean's scale precomputed): against "liger-models"
         # it separates kernel time from the call's host part (label check's sync, autograd), which dominates at
         # few rows.
-        x, checked = logits.detach().clone(), _ce_core.LabelCheck(labels, vocab, IGNORE, "mean")
+        x, checked = logits.detach().clone(), _labels.LabelCheck(labels, vocab, IGNORE, "mean")
         checked.wait()
         scale, flag = checked.scale, checked.flag
         loss = torch.empty(n, dtype=torch.float32, device=x.device)

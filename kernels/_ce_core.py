@@ -26,8 +26,8 @@ Instructions matter as much as bytes (seventh session, `benchmarks/sass_report.p
 + ~8 (pass 2) instructions per logit, down from ~38, because exp is one ex2.ftz, only the partial last block is
 masked, only the target's block pays for the target (a branch around whole blocks, which ptxas cannot if-convert
 into every block), the sums are reduced per thread (CE_LANE_SUMS; per block below 4096 rows), and the per-row
-constants of the gradient are folded once. With the call's host path out of the way (LabelCheck; eighth session)
-the kernel runs 8192×128256 in 1.24-1.28 ms on the H200, beyond the read-twice floor: L2 serves about half of
+constants of the gradient are folded once. With the call's host path out of the way (_labels.py; eighth session) the
+kernel runs 8192×128256 in 1.24-1.28 ms on the H200, beyond the read-twice floor: L2 serves about half of
 pass 2's re-reads; at 4096×256000 (512 KB rows) about a quarter, 1.35-1.36 ms.
 V is a constexpr (one compile per vocabulary size; the whole-block count is then known at compile time, and
 Triton's interpreter cannot loop to a runtime bound with numpy ≥ 2.4).
@@ -45,7 +45,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import interpreting
 from ._launch import cdiv, launch, pow2, sm_count
 
 # Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
@@ -71,7 +70,6 @@ CE_LANE_SUMS_MIN_ROWS = 4096
 CE_KEEP_L2_SHARE = 0.6
 SCALE_BLOCK = 4096
 SCALE_PROGRAMS_PER_SM = 8  # scale_'s grid: enough resident programs to stream at the copy rate when g != 1
-LABEL_BLOCK = 4096
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -83,112 +81,6 @@ def check_options(reduction: str, label_smoothing: float, softcap: float | None)
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
-
-
-class LabelCheck:
-    """The range check of a loss call's labels (outside [0, V) and not ignore_index is an error) and the call's
-    scale (d loss / d per-token loss: loss_scale / denominator for reduction="mean", loss_scale for "sum"), without
-    stalling the GPU and in one launch.
-
-    The kernels index the logits with the label, so a bad label must never reach a load. On CUDA one kernel counts
-    the bad labels into `flag` (count, index of the first) and writes `scale`; the loss kernels, queued after it,
-    read `flag` and do nothing at all when it is set: no read out of bounds, and no logits overwritten by an in-place
-    gradient. The flag is copied to pinned host memory behind an event; `wait()` (at the end of the loss call, after
-    its kernels are queued) blocks only until that copy lands, then raises ValueError. So the GPU always has the
-    loss kernels queued while the host waits; a plain `.item()` before them left it idle for the whole host path
-    from the sync to their launch (0.45 ms per call at 8192×128256 on the H200, eighth session), and the check and
-    the scale took ~10 small launches. While a CUDA graph is being captured nothing is read on the host (the
-    kernels still skip on a bad label); the capturer checks every batch it copies in (liger_models/train/
-    cuda_graph.py). On CPU everything runs at once, in PyTorch.
-    """
-
-    def __init__(self, labels: torch.Tensor, vocab_size: int, ignore_index: int, reduction: str = "sum",
-                 normalizer: float | torch.Tensor | None = None, loss_scale: float = 1.0):
-        if labels.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"labels must be int64 (or int32), got {labels.dtype}")
-        self.labels, self.vocab_size, self.ignore_index = labels.reshape(-1), vocab_size, ignore_index
-        n, device = self.labels.numel(), labels.device
-        self._event = None
-        if not (labels.is_cuda or interpreting()):  # the PyTorch reference path
-            bad = ((self.labels < 0) | (self.labels >= vocab_size)) & (self.labels != ignore_index)
-            self.flag = torch.stack([bad.sum(), bad.int().argmax() if n else bad.sum()])
-            self.scale = grad_scale(self.labels, ignore_index, reduction, normalizer, loss_scale)
-            self._host = self.flag
-            return
-        self.flag = torch.empty(2, dtype=torch.int64, device=device)
-        self.scale = torch.empty((), dtype=torch.float32, device=device)
-        launch(_label_check_kernel, (1,),
-               [self.labels if n else self.flag, self.flag, self.scale, n, vocab_size, ignore_index, float(loss_scale)],
-               dict(MEAN=reduction == "mean" and normalizer is None, BLOCK=LABEL_BLOCK, num_warps=4))
-        if reduction == "mean" and normalizer is not None:
-            self.scale = grad_scale(self.labels, ignore_index, reduction, normalizer, loss_scale)
-        if not labels.is_cuda:
-            self._host = self.flag
-        elif torch.cuda.is_current_stream_capturing():
-            self._host = None
-        else:
-            self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-            self._host.copy_(self.flag, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def wait(self) -> None:
-        """Raise ValueError if a label was bad (blocking until the check's result is on the host)."""
-        if self._event is not None:
-            self._event.synchronize()
-        if self._host is not None and int(self._host[0]):
-            first = self.labels[int(self._host[1])].item()
-            raise ValueError(f"label {first} is outside the vocabulary [0, {self.vocab_size}) and is not "
-                             f"ignore_index={self.ignore_index} ({int(self._host[0])} such labels)")
-
-
-def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Raise ValueError now for a label outside [0, V) that is not ignore_index (a host sync on CUDA)."""
-    LabelCheck(labels, vocab_size, ignore_index).wait()
-
-
-@triton.jit
-def _label_check_kernel(LABELS, FLAG, SCALE, n, vocab_size, ignore_index, loss_scale, MEAN: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    # One program: a batch has at most a few 100K labels, and one launch (no zeroed buffer, no atomics, no second
-    # kernel for the scale) is what keeps the call's host part short. A while loop: Triton's interpreter cannot
-    # run `for` to a runtime bound (numpy ≥ 2.4).
-    n_bad = tl.zeros([BLOCK], tl.int32)
-    n_valid = tl.zeros([BLOCK], tl.int32)
-    first = tl.zeros([BLOCK], tl.int64) + n
-    start = 0
-    while start < n:
-        offs = start + tl.arange(0, BLOCK).to(tl.int64)
-        label = tl.load(LABELS + offs, mask=offs < n, other=ignore_index).to(tl.int64)
-        valid = label != ignore_index
-        bad = ((label < 0) | (label >= vocab_size)) & valid
-        n_bad += bad.to(tl.int32)
-        n_valid += valid.to(tl.int32)
-        first = tl.minimum(first, tl.where(bad, offs, n))
-        start += BLOCK
-    tl.store(FLAG, tl.sum(n_bad, 0).to(tl.int64))
-    tl.store(FLAG + 1, tl.min(first, 0))
-    scale = loss_scale
-    if MEAN:
-        scale = loss_scale / tl.maximum(tl.sum(n_valid, 0), 1).to(tl.float32)  # all ignored: 0 / 1, loss 0
-    tl.store(SCALE, scale)
-
-
-def mean_denominator(valid: torch.Tensor, normalizer: float | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The divisor of reduction="mean" as a 0-dim device tensor; 0 counts as 1 so all-ignored gives loss 0."""
-    if normalizer is None:
-        denom = valid.sum().to(dtype)
-    else:
-        denom = torch.as_tensor(normalizer, device=valid.device).to(dtype)
-    return torch.where(denom == 0, torch.ones_like(denom), denom)
-
-
-def grad_scale(labels: torch.Tensor, ignore_index: int, reduction: str, normalizer, loss_scale: float) -> torch.Tensor:
-    """0-dim fp32 device tensor: d(loss)/d(per-token loss) for mean / sum (loss_scale / denominator, loss_scale)."""
-    scale = torch.full((), loss_scale, dtype=torch.float32, device=labels.device)
-    if reduction == "mean":
-        scale = scale / mean_denominator(labels != ignore_index, normalizer, torch.float32)
-    return scale
 
 
 @triton.jit
@@ -291,7 +183,7 @@ def _ce_kernel(
     REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
     EVICT_HEAD: tl.constexpr,
 ):
-    if tl.load(LABEL_FLAG) == 0:  # LabelCheck found no bad label: only then touch anything (see LabelCheck)
+    if tl.load(LABEL_FLAG) == 0:  # no bad label (_labels.LabelCheck): only then touch anything
         _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, stride_logits_row, stride_grad_row, stride_scale,
                 ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD, BACKWARD, WITH_RANK, HAS_SOFTCAP,
                 HAS_SMOOTHING, BLOCK_V, LANE, REVERSE, EVICT_PASS1, EVICT_PASS2, KEEP_FROM, EVICT_HEAD)
@@ -439,8 +331,8 @@ def ce_rows(
     softcap: float | None,
     label_flag: torch.Tensor,
 ) -> None:
-    """Launch the row kernel on logits (rows, V) with unit column stride; label_flag is a LabelCheck's flag (the
-    kernel writes nothing when it is set).
+    """Launch the row kernel on logits (rows, V) with unit column stride; label_flag is a _labels.LabelCheck's flag
+    (the kernel writes nothing when it is set).
 
     loss given → FORWARD (writes loss, lse, q, and rank if given); grad given → BACKWARD (writes grad, which may be
     logits itself, scaled by `scale`: a 0-dim or (rows,) fp32 tensor). Without loss, lse and q are inputs.

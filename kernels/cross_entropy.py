@@ -25,9 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._ce_core import (
-    LabelCheck, ce_rows, check_labels, check_options, mean_denominator, scale_, take_grads,
-)
+from ._ce_core import ce_rows, check_options, scale_, take_grads
+from ._labels import LabelCheck, check_labels, mean_denominator
 from ._dispatch import use_triton
 from ._launch import on_input_device
 
@@ -131,7 +130,7 @@ def cross_entropy(
 
     Returns a 0-dim fp32 loss, or fp32 per-token losses of labels' shape for reduction="none".
     A label outside [0, V) that is not ignore_index raises ValueError (the call waits for the check's result with
-    the loss kernels already queued, see _ce_core.LabelCheck; they touch nothing when a label is bad).
+    the loss kernels already queued, see _labels.LabelCheck; they touch nothing when a label is bad).
     inplace_grad: write the gradient over the logits (no second N×V buffer). None (default) does so only when
     the logits are an autograd intermediate that is not a view (typically `lm_head(h)` consumed by this loss);
     never for a leaf (the caller's own tensor) or a view (its base is usually kept, e.g. HF's returned logits).

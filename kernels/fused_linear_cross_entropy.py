@@ -55,8 +55,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._ce_core import LabelCheck, ce_rows, check_options, scale_, take_grads
+from ._ce_core import ce_rows, check_options, scale_, take_grads
 from ._dispatch import row_view, use_triton
+from ._labels import LabelCheck
 from ._launch import on_input_device
 from .cross_entropy import cross_entropy_reference
 
@@ -376,7 +377,7 @@ def fused_linear_cross_entropy(
     return_target_rank=True also int32 ranks of labels' shape (logits strictly above the target's: 0 = top-1
     correct; -1 at ignored positions). A weight with requires_grad=False gets no dW work; dW is accumulated in
     accum_dtype (float32, or the weight's dtype) and returned in the weight's dtype. A label outside [0, V) that
-    is not ignore_index raises ValueError (the call waits for the check with its kernels queued, _ce_core.LabelCheck).
+    is not ignore_index raises ValueError (the call waits for the check with its kernels queued, _labels.LabelCheck).
     """
     check_options(reduction, label_smoothing, softcap)
     if hidden.shape[:-1] != labels.shape:

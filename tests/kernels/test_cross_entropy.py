@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from liger_models.kernels import _ce_core
+from liger_models.kernels import _labels as label_check
 from liger_models.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
 from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
 
@@ -198,17 +199,17 @@ def test_bad_label_raises(bad):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_label_check_counts_and_scale(dtype, reduction):
     """LabelCheck's one-program kernel over several blocks: bad-label count, first bad index, and the scale."""
-    n, vocab = 2 * _ce_core.LABEL_BLOCK + 37, 1000
+    n, vocab = 2 * label_check.LABEL_BLOCK + 37, 1000
     labels = torch.randint(-3, vocab + 3, (n,), device=DEVICE)
     labels[torch.rand(n, device=DEVICE) < 0.3] = IGNORE
     bad = ((labels < 0) | (labels >= vocab)) & (labels != IGNORE)
-    check = _ce_core.LabelCheck(labels.to(dtype), vocab, IGNORE, reduction, loss_scale=0.5)
+    check = label_check.LabelCheck(labels.to(dtype), vocab, IGNORE, reduction, loss_scale=0.5)
     assert check.flag.tolist() == [int(bad.sum()), int(bad.nonzero()[0])]
     expected = 0.5 / (labels != IGNORE).sum().item() if reduction == "mean" else 0.5
     torch.testing.assert_close(check.scale, torch.tensor(expected, device=DEVICE), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match=f"label {labels[bad][0].item()} is outside .*{int(bad.sum())} such"):
         check.wait()
-    check = _ce_core.LabelCheck(torch.full_like(labels, IGNORE).to(dtype), vocab, IGNORE, reduction, loss_scale=0.5)
+    check = label_check.LabelCheck(torch.full_like(labels, IGNORE).to(dtype), vocab, IGNORE, reduction, loss_scale=0.5)
     check.wait()  # all ignored: no error, and a mean's denominator counts as 1
     assert check.flag[0].item() == 0 and check.scale.item() == 0.5
 
@@ -221,7 +222,7 @@ def test_kernel_touches_nothing_when_the_label_check_failed(monkeypatch, setting
     logits = torch.randn(5, 300, device=DEVICE).to(torch.bfloat16)
     labels = _labels(5, 300)
     labels[2] = 300
-    flag = _ce_core.LabelCheck(labels, 300, IGNORE).flag
+    flag = label_check.LabelCheck(labels, 300, IGNORE).flag
     assert flag.tolist() == [1, 2]
     before = logits.clone()
     outs = [torch.full((5,), float("nan"), device=DEVICE) for _ in range(3)]
