@@ -30,7 +30,8 @@ HEADLINE = [(8192, 128256), (4096, 256000)]
 SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
 # Settings of kernels/_ce_core.py timed besides the default: bBLOCKwWARPS, "fwd" = pass 2 in forward order, "nohint"
 # = no eviction hints, "lanes" / "bsums" = pass 1 with per-thread / per-block partial sums, "keepN" = pass 1's loads
-# evict_last only in the tail of a row that N% of L2 holds for every resident row. (Sixth session: a one-read
+# evict_last only in the tail of a row that N% of L2 holds for every resident row, "rN" = ptxas capped at N registers
+# per thread. (Sixth session: a one-read
 # split-row kernel and persistent grids; seventh: partial-statistics + finishing split kernels; eighth: 32K-64K
 # leading columns held in registers between the passes — all lost, BENCHMARKS.md.)
 def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
@@ -40,11 +41,12 @@ def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
     if "lanes" in flags.split() or "bsums" in flags.split():
         settings.update(CE_LANE_SUMS="lanes" in flags.split(), CE_LANE_SUMS_MIN_ROWS=0)
     settings.update({"CE_KEEP_L2_SHARE": int(f[4:]) / 100 for f in flags.split() if f.startswith("keep")})
+    settings.update({"CE_MAX_REGISTERS": int(f[1:]) for f in flags.split() if f[0] == "r" and f[1:].isdigit()})
     return name, settings
 
 
 VARIANTS = dict(_variant(*v) for v in [
-    (16384, 32, "bsums"), (16384, 32, "keep0"), (16384, 32, "keep90"),
+    (16384, 32, "bsums"), (16384, 32, "r32"), (16384, 32, "r32 keep30"),
 ])
 # Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
@@ -86,7 +88,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
 
     logits, labels = make_inputs(n, vocab, kind)
     knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS", "CE_LANE_SUMS",
-             "CE_LANE_SUMS_MIN_ROWS", "CE_KEEP_L2_SHARE")
+             "CE_LANE_SUMS_MIN_ROWS", "CE_KEEP_L2_SHARE", "CE_MAX_REGISTERS")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

@@ -64,6 +64,9 @@ CE_EVICTION_HINTS = True
 # program per SM): 2.5-4.6% faster at 4K-16K rows, even at 32K, 6% slower at 2048 rows (eighth session).
 CE_LANE_SUMS = True
 CE_LANE_SUMS_MIN_ROWS = 4096
+# ptxas's register cap per thread (maxnreg; None = its choice): the lane-sum body at 16384/32 compiles to 57 registers
+# (one 1024-thread program per SM) and to 32 with no spill under a cap of 32 (two per SM; sass_report.py).
+CE_MAX_REGISTERS: int | None = None
 # Share of L2 that pass 1 plans for with evict_last (0 = every pass-1 load evict_last); see _keep_from. 0.6 took
 # 4096×256000 from 1.390 to 1.371 ms and left 128K-wide rows (whose tail is all but one block) alike; 0.4 lost at
 # 8192×128256, 0.9 won less (eighth session).
@@ -357,7 +360,8 @@ def ce_rows(
                 EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
                 EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
                 KEEP_FROM=_keep_from(logits, block, lanes), EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
-                num_warps=max(1, min(CE_NUM_WARPS, block // 512))))
+                num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
+                **({} if CE_MAX_REGISTERS is None else dict(maxnreg=CE_MAX_REGISTERS))))
 
 
 def _keep_from(logits: torch.Tensor, block: int, lanes: bool) -> int:

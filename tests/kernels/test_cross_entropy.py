@@ -65,10 +65,11 @@ def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
 
 # Kernel settings: the default; 128-column blocks (rows of 300 / 517: 2 / 4 whole blocks and a partial one, so the
 # target falls in a whole block or in the masked tail), per-block sums in pass 1; the same with per-thread partial sums
-# (the default from 4096 rows on); the same with pass 2 in forward order, no eviction hints and per-block sums;
+# (the default from 4096 rows on) and a register cap; the same with pass 2 in forward order, no eviction hints and per-block sums;
 # 64-column blocks with pass 1's loads split into an evict_first head and a 64-column evict_last tail.
 SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=0.0),
-            "128-col-blocks-lanes": dict(CE_BLOCK_V=128, CE_LANE_SUMS=True, CE_LANE_SUMS_MIN_ROWS=0),
+            "128-col-blocks-lanes": dict(CE_BLOCK_V=128, CE_LANE_SUMS=True, CE_LANE_SUMS_MIN_ROWS=0,
+                                         CE_MAX_REGISTERS=32),
             "128-col-blocks-forward": dict(CE_BLOCK_V=128, CE_REVERSE_PASS2=False, CE_EVICTION_HINTS=False,
                                            CE_LANE_SUMS=False),
             "64-col-blocks-keep-tail": dict(CE_BLOCK_V=64, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=3e-5)}
@@ -313,8 +314,10 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
 
 
 # Real-size settings: the default (per-thread partial sums in pass 1 from 4096 rows on; pass 1's loads evict_last only
-# in the tail a resident row may keep of 60% of L2), per-block sums, and every pass-1 load evict_last.
-GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False), "all-evict-last": dict(CE_KEEP_L2_SHARE=0.0)}
+# in the tail a resident row may keep of 60% of L2), per-block sums, every pass-1 load evict_last, and ptxas capped at
+# 32 registers (two programs per SM).
+GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False), "all-evict-last": dict(CE_KEEP_L2_SHARE=0.0),
+                "32-registers": dict(CE_MAX_REGISTERS=32)}
 
 
 @pytest.mark.gpu
