@@ -367,12 +367,14 @@ def ce_rows(
 def _keep_from(logits: torch.Tensor, block: int, lanes: bool) -> int:
     """KEEP_FROM: pass 1 marks its loads evict_last only from this column on (a multiple of the block), and the
     row's head before it evict_first. With CE_KEEP_L2_SHARE, the tail kept is what one resident row may hold of that
-    share of L2 (rows in flight: one program per SM with lane sums, two without); pass 2, in reverse, re-reads the
-    tail first, and a head marked evict_last would only push other rows' tails out before they are re-read."""
+    share of L2 (rows in flight at 32 warps: one program per SM with lane sums at ptxas's 57 registers, two at 32
+    registers — per-block sums, or lane sums under CE_MAX_REGISTERS=32); pass 2, in reverse, re-reads the tail
+    first, and a head marked evict_last would only push other rows' tails out before they are re-read."""
     if not CE_KEEP_L2_SHARE:
         return 0
     full = logits.shape[1] // block * block
-    rows_in_flight = sm_count(logits.device) * (1 if lanes else 2)
+    one_per_sm = lanes and (CE_MAX_REGISTERS is None or CE_MAX_REGISTERS > 32)
+    rows_in_flight = sm_count(logits.device) * (1 if one_per_sm else 2)
     keep = int(CE_KEEP_L2_SHARE * _l2_bytes(logits.device)) // (rows_in_flight * logits.element_size())
     return max(0, full - keep // block * block)
 
