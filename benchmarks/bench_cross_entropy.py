@@ -31,17 +31,18 @@ SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (3276
 # Settings of kernels/_ce_core.py timed besides the default: bBLOCKwWARPS, "fwd" = pass 2 in forward order, "nohint"
 # = no eviction hints, "lanes" / "bsums" = pass 1 with per-thread / per-block partial sums, "keepN" = pass 1's loads
 # evict_last only in the tail of a row that N% of L2 holds for every resident row, "rN" = ptxas capped at N registers
-# per thread. (Sixth session: a one-read
-# split-row kernel and persistent grids; seventh: partial-statistics + finishing split kernels; eighth: 32K-64K
-# leading columns held in registers between the passes — all lost, BENCHMARKS.md.)
+# per thread. (Sixth session: a one-read split-row kernel and persistent grids; seventh: partial-statistics +
+# finishing split kernels; eighth: 32K-64K leading columns held in registers between the passes — all lost,
+# BENCHMARKS.md.)
 def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
-    name = f"b{block}w{warps}" + "".join(f" {f}" for f in flags.split())
-    settings = dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps, CE_REVERSE_PASS2="fwd" not in flags.split(),
-                    CE_EVICTION_HINTS="nohint" not in flags.split())
-    if "lanes" in flags.split() or "bsums" in flags.split():
-        settings.update(CE_LANE_SUMS="lanes" in flags.split(), CE_LANE_SUMS_MIN_ROWS=0)
-    settings.update({"CE_KEEP_L2_SHARE": int(f[4:]) / 100 for f in flags.split() if f.startswith("keep")})
-    settings.update({"CE_MAX_REGISTERS": int(f[1:]) for f in flags.split() if f[0] == "r" and f[1:].isdigit()})
+    words = flags.split()
+    name = f"b{block}w{warps}" + "".join(f" {w}" for w in words)
+    settings = dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps, CE_REVERSE_PASS2="fwd" not in words,
+                    CE_EVICTION_HINTS="nohint" not in words)
+    if "lanes" in words or "bsums" in words:
+        settings.update(CE_LANE_SUMS="lanes" in words, CE_LANE_SUMS_MIN_ROWS=0)
+    settings.update({"CE_KEEP_L2_SHARE": int(w[4:]) / 100 for w in words if w.startswith("keep")})
+    settings.update({"CE_MAX_REGISTERS": int(w[1:]) for w in words if w[0] == "r" and w[1:].isdigit()})
     return name, settings
 
 
@@ -111,9 +112,8 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
         return step(fn, in_place=True)
 
     def kernel_only():
-        # The fused row kernel alone (one launch on a private copy, mean's scale precomputed): against "liger-models"
-        # it separates kernel time from the call's host part (label check's sync, autograd), which dominates at
-        # few rows.
+        # The fused row kernel alone (one launch on a private copy, labels checked and mean's scale computed once):
+        # against "liger-models" it separates kernel time from what the call adds (label check, autograd, host).
         x, checked = logits.detach().clone(), _labels.LabelCheck(labels, vocab, IGNORE, "mean")
         checked.wait()
         scale, flag = checked.scale, checked.flag

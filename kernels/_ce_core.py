@@ -186,22 +186,6 @@ def _ce_kernel(
     REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
     EVICT_HEAD: tl.constexpr,
 ):
-    if tl.load(LABEL_FLAG) == 0:  # no bad label (_labels.LabelCheck): only then touch anything
-        _ce_row(LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE, stride_logits_row, stride_grad_row, stride_scale,
-                ignore_index, label_smoothing, z_loss, softcap, N_COLS, FORWARD, BACKWARD, WITH_RANK, HAS_SOFTCAP,
-                HAS_SMOOTHING, BLOCK_V, LANE, REVERSE, EVICT_PASS1, EVICT_PASS2, KEEP_FROM, EVICT_HEAD)
-
-
-@triton.jit
-def _ce_row(
-    LOGITS, GRAD, LABELS, LOSS, LSE, Q, RANK, SCALE,
-    stride_logits_row, stride_grad_row, stride_scale,
-    ignore_index, label_smoothing, z_loss, softcap,
-    N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
-    REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
-    EVICT_HEAD: tl.constexpr,
-):
     row = tl.program_id(0).to(tl.int64)
     X = LOGITS + row * stride_logits_row
     G = GRAD + row * stride_grad_row
@@ -213,7 +197,8 @@ def _ce_row(
     LANES: tl.constexpr = BLOCK_V // LANE
     lanes = tl.arange(0, LANES)[:, None] * LANE + tl.arange(0, LANE)[None, :]
     FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V  # columns in whole blocks: no mask there
-    if label != ignore_index:
+    clean = tl.load(LABEL_FLAG) == 0  # no bad label in the batch (_labels.LabelCheck): only then touch anything
+    if clean & (label != ignore_index):
         target = label.to(tl.int32)  # < V once range-checked; int32 keeps the per-block offsets cheap
         t_start = (target // BLOCK_V) * BLOCK_V  # the target's block
         if FORWARD:
@@ -287,7 +272,7 @@ def _ce_row(
             if not REVERSE and FULL < N_COLS:
                 _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
                             True, True, HAS_SOFTCAP, EVICT_PASS2)
-    else:
+    elif clean:
         if FORWARD:
             tl.store(LOSS + row, 0.0)
             tl.store(LSE + row, 0.0)

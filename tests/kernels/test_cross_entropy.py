@@ -64,9 +64,10 @@ def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
 
 
 # Kernel settings: the default; 128-column blocks (rows of 300 / 517: 2 / 4 whole blocks and a partial one, so the
-# target falls in a whole block or in the masked tail), per-block sums in pass 1; the same with per-thread partial sums
-# (the default from 4096 rows on) and a register cap; the same with pass 2 in forward order, no eviction hints and per-block sums;
-# 64-column blocks with pass 1's loads split into an evict_first head and a 64-column evict_last tail.
+# target falls in a whole block or in the masked tail), per-block sums in pass 1; the same with per-thread partial
+# sums (the default from 4096 rows on) and a register cap; the same with pass 2 in forward order, no eviction hints
+# and per-block sums; 64-column blocks with pass 1's loads split into an evict_first head and a 64-column evict_last
+# tail.
 SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=0.0),
             "128-col-blocks-lanes": dict(CE_BLOCK_V=128, CE_LANE_SUMS=True, CE_LANE_SUMS_MIN_ROWS=0,
                                          CE_MAX_REGISTERS=32),
