@@ -31,9 +31,9 @@ SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (3276
 # Settings of kernels/_ce_core.py timed besides the default: bBLOCKwWARPS, "fwd" = pass 2 in forward order, "nohint"
 # = no eviction hints, "lanes" / "bsums" = pass 1 with per-thread / per-block partial sums, "keepN" = pass 1's loads
 # evict_last only in the tail of a row that N% of L2 holds for every resident row, "rN" = ptxas capped at N registers
-# per thread. (Sixth session: a one-read split-row kernel and persistent grids; seventh: partial-statistics +
-# finishing split kernels; eighth: 32K-64K leading columns held in registers between the passes — all lost,
-# BENCHMARKS.md.)
+# per thread on rows up to 128K wide (the default: 32), "nocap" = no cap, "capall" = the cap at every width.
+# (Sixth session: a one-read split-row kernel and persistent grids; seventh: partial-statistics + finishing split
+# kernels; eighth: 32K-64K leading columns held in registers between the passes — all lost, BENCHMARKS.md.)
 def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
     words = flags.split()
     name = f"b{block}w{warps}" + "".join(f" {w}" for w in words)
@@ -43,11 +43,13 @@ def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
         settings.update(CE_LANE_SUMS="lanes" in words, CE_LANE_SUMS_MIN_ROWS=0)
     settings.update({"CE_KEEP_L2_SHARE": int(w[4:]) / 100 for w in words if w.startswith("keep")})
     settings.update({"CE_MAX_REGISTERS": int(w[1:]) for w in words if w[0] == "r" and w[1:].isdigit()})
+    settings.update({"CE_MAX_REGISTERS": None for w in words if w == "nocap"})
+    settings.update({"CE_MAX_REGISTERS_COLS": 1 << 30 for w in words if w == "capall"})
     return name, settings
 
 
 VARIANTS = dict(_variant(*v) for v in [
-    (16384, 32, "bsums"), (16384, 32, "r32"), (16384, 32, "r32 keep90"),
+    (16384, 32, "bsums"), (16384, 32, "nocap"), (16384, 32, "capall keep90"),
 ])
 # Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
@@ -89,7 +91,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
 
     logits, labels = make_inputs(n, vocab, kind)
     knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS", "CE_LANE_SUMS",
-             "CE_LANE_SUMS_MIN_ROWS", "CE_KEEP_L2_SHARE", "CE_MAX_REGISTERS")
+             "CE_LANE_SUMS_MIN_ROWS", "CE_KEEP_L2_SHARE", "CE_MAX_REGISTERS", "CE_MAX_REGISTERS_COLS")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

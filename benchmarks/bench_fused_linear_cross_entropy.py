@@ -11,9 +11,11 @@ that rate. Two distributions: "random" (N(0,1) hidden, weight scaled to logits o
 "peaked" (a shared direction gives each token a Zipf-like logit bias of up to +20, labels sampled from the
 softmax itself; CCE's gradient filtering only pays here). At the headline shapes this project also runs
 without grad_W's storage as the logits scratch (token chunks from a 256 MiB or a 1 GiB budget instead):
-`liger-models budget256` / `liger-models budget1024`, and with OVERLAP_CE flipped (`liger-models overlap`: the
-CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs), and with
-SINGLE_CHUNK_IN_ACCUMULATOR flipped where N ≤ 2H (`liger-models chunked`: the default is one chunk there).
+`liger-models budget256` / `liger-models budget1024`; under a 512 MiB scratch cap (`liger-models cap512`:
+MAX_SCRATCH_BYTES, the fp32 accumulator becoming grad_W in place; also at the Gemma-2B step's BT16384 H2048
+V256000); with OVERLAP_CE flipped (`liger-models overlap`: the CE pass of each chunk on a side stream, overlapping
+the previous chunk's gradient GEMMs); and with SINGLE_CHUNK_IN_ACCUMULATOR flipped where N ≤ 2H (`liger-models
+chunked`: the default is one chunk there).
 
     python benchmarks/bench_fused_linear_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,...]
 """
@@ -28,6 +30,7 @@ from harness import Result, matmul_tflops, parse_args, run_case, save, table
 
 MiB = 1 << 20
 HEADLINE = [(8192, 4096, 128256), (8192, 2048, 256000), (16384, 2048, 128256)]
+GEMMA_STEP = (16384, 2048, 256000)  # the Gemma-2B e2e step's loss (bench_e2e): where the scratch cap is weighed
 SWEEP = [(2048, 4096, 128256), (32768, 2048, 128256), (8192, 8192, 128256), (8192, 4096, 32000),
          (8192, 4096, 152064), (32768, 4096, 256000), (16384, 8192, 152064)]
 EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits and their grads: ≈12 B per logit
@@ -59,13 +62,14 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
     def step(fn):
         return lambda: torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
 
-    tunables = ("GRAD_WEIGHT_AS_SCRATCH", "LOGITS_BUDGET_BYTES", "OVERLAP_CE", "SINGLE_CHUNK_IN_ACCUMULATOR")
+    tunables = ("GRAD_WEIGHT_AS_SCRATCH", "LOGITS_BUDGET_BYTES", "OVERLAP_CE", "SINGLE_CHUNK_IN_ACCUMULATOR",
+                "MAX_SCRATCH_BYTES")
 
     def ours(scratch=flce.GRAD_WEIGHT_AS_SCRATCH, budget=flce.LOGITS_BUDGET_BYTES, overlap=flce.OVERLAP_CE,
-             single=flce.SINGLE_CHUNK_IN_ACCUMULATOR):
+             single=flce.SINGLE_CHUNK_IN_ACCUMULATOR, cap=flce.MAX_SCRATCH_BYTES):
         def fn(h, w, y):
             saved = [getattr(flce, name) for name in tunables]
-            for name, value in zip(tunables, (scratch, budget, overlap, single)):
+            for name, value in zip(tunables, (scratch, budget, overlap, single, cap)):
                 setattr(flce, name, value)
             try:
                 return flce.fused_linear_cross_entropy(h, w, y)
@@ -92,6 +96,8 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
     if variants:
         out["liger-models budget256"] = ours(False, 256 * MiB)
         out["liger-models budget1024"] = ours(False, 1024 * MiB)
+        # a capped scratch: the fp32 accumulator becomes grad_W in place (peak 4·V·H + 512 MiB instead of 6·V·H)
+        out["liger-models cap512"] = ours(cap=512 * MiB)
         # the CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs
         out["liger-models overlap"] = ours(overlap=not flce.OVERLAP_CE)
         if n <= 2 * hdim:  # N ≤ 2H: one chunk in the fp32 accumulator's bytes, dW straight into grad_W
@@ -125,6 +131,7 @@ def main() -> None:
     wanted = set(filter(None, args.providers.split(",")))
     rate = matmul_tflops()
     cases = [(n, h, v, kind, True) for n, h, v in HEADLINE for kind in ("random", "peaked")]
+    cases.append((*GEMMA_STEP, "random", True))
     if not args.quick:
         cases += [(n, h, v, "random", False) for n, h, v in SWEEP]
     results = []

@@ -64,9 +64,13 @@ CE_EVICTION_HINTS = True
 # program per SM): 2.5-4.6% faster at 4K-16K rows, even at 32K, 6% slower at 2048 rows (eighth session).
 CE_LANE_SUMS = True
 CE_LANE_SUMS_MIN_ROWS = 4096
-# ptxas's register cap per thread (maxnreg; None = its choice): the lane-sum body at 16384/32 compiles to 57 registers
-# (one 1024-thread program per SM) and to 32 with no spill under a cap of 32 (two per SM; sass_report.py).
-CE_MAX_REGISTERS: int | None = None
+# ptxas's register cap per thread for the lane-sum body (maxnreg; None = its choice), on rows up to
+# CE_MAX_REGISTERS_COLS wide: at 16384/32 it compiles to 57 registers (one 1024-thread program per SM) and to 32 with
+# no spill under a cap of 32 (two per SM; sass_report.py). Ninth session, one H200 run: 8192×128256 1.282/1.301 →
+# 1.251/1.254 ms (random/peaked), 32768×128256 5.06 → 4.83, 16384×152064 2.960 → 2.953, but 4096×256000 1.370 →
+# 1.393 (two 512 KB rows per SM crowd L2 between the passes): capped on rows of up to 128K columns only.
+CE_MAX_REGISTERS: int | None = 32
+CE_MAX_REGISTERS_COLS = 131072
 # Share of L2 that pass 1 plans for with evict_last (0 = every pass-1 load evict_last); see _keep_from. 0.6 took
 # 4096×256000 from 1.390 to 1.371 ms and left 128K-wide rows (whose tail is all but one block) alike; 0.4 lost at
 # 8192×128256, 0.9 won less (eighth session).
@@ -332,6 +336,7 @@ def ce_rows(
     forward, backward = loss is not None, grad is not None
     block = min(CE_BLOCK_V, pow2(n_cols))
     lanes = CE_LANE_SUMS and rows >= CE_LANE_SUMS_MIN_ROWS
+    cap = _register_cap(lanes, n_cols)
     dummy = lse  # stands in for pointers a mode does not touch
     launch(_ce_kernel, (rows,),
            [logits, grad if backward else logits, labels, label_flag, loss if forward else dummy, lse, q,
@@ -344,21 +349,27 @@ def ce_rows(
                 REVERSE=CE_REVERSE_PASS2,
                 EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
                 EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
-                KEEP_FROM=_keep_from(logits, block, lanes), EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
+                KEEP_FROM=_keep_from(logits, block, lanes, cap), EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
                 num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
-                **({} if CE_MAX_REGISTERS is None else dict(maxnreg=CE_MAX_REGISTERS))))
+                **({} if cap is None else dict(maxnreg=cap))))
 
 
-def _keep_from(logits: torch.Tensor, block: int, lanes: bool) -> int:
+def _register_cap(lanes: bool, n_cols: int) -> int | None:
+    """maxnreg for the row kernel: CE_MAX_REGISTERS on the lane-sum body of rows up to CE_MAX_REGISTERS_COLS wide
+    (the per-block body is at 32 registers already)."""
+    return CE_MAX_REGISTERS if lanes and n_cols <= CE_MAX_REGISTERS_COLS else None
+
+
+def _keep_from(logits: torch.Tensor, block: int, lanes: bool, cap: int | None) -> int:
     """KEEP_FROM: pass 1 marks its loads evict_last only from this column on (a multiple of the block), and the
     row's head before it evict_first. With CE_KEEP_L2_SHARE, the tail kept is what one resident row may hold of that
     share of L2 (rows in flight at 32 warps: one program per SM with lane sums at ptxas's 57 registers, two at 32
-    registers — per-block sums, or lane sums under CE_MAX_REGISTERS=32); pass 2, in reverse, re-reads the tail
+    registers — per-block sums, or lane sums under a register cap of 32); pass 2, in reverse, re-reads the tail
     first, and a head marked evict_last would only push other rows' tails out before they are re-read."""
     if not CE_KEEP_L2_SHARE:
         return 0
     full = logits.shape[1] // block * block
-    one_per_sm = lanes and (CE_MAX_REGISTERS is None or CE_MAX_REGISTERS > 32)
+    one_per_sm = lanes and (cap is None or cap > 32)
     rows_in_flight = sm_count(logits.device) * (1 if one_per_sm else 2)
     keep = int(CE_KEEP_L2_SHARE * _l2_bytes(logits.device)) // (rows_in_flight * logits.element_size())
     return max(0, full - keep // block * block)

@@ -77,6 +77,14 @@ OVERLAP_CE = False
 # 8K-token heads at 8B width. Measured on the H200 (BENCHMARKS.md, fifth session): BT8192/H4096/V128256 40.17 →
 # 38.78 ms (random logits), Medusa 8K-token steps +3-5%, the 8B-width training step +2%, peak memory unchanged.
 SINGLE_CHUNK_IN_ACCUMULATOR = True
+# A cap on the logits scratch in bytes (None: none; the fused_linear_cross_entropy argument max_scratch_bytes
+# overrides it per call). Below grad_W's size it also changes where dW is formed: with fp32 accumulation over several
+# chunks, the accumulator is two vocabulary halves whose first half's storage has exactly grad_W's bytes, and dW is
+# cast into that storage in place (_accumulator_becoming_grad), so the op's peak is the fp32 accumulator + the cap
+# instead of the accumulator + grad_W (4·V·H + cap bytes instead of 6·V·H for bf16). The price is more, smaller
+# chunks (each re-reads and re-writes the accumulator): e.g. Gemma-2B's 16K-token step with a 512 MiB cap, 16
+# chunks instead of 8, 0.5 GiB lower peak.
+MAX_SCRATCH_BYTES: int | None = None
 
 
 def target_rank_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
@@ -165,12 +173,14 @@ def _accumulate_dw(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, fi
             torch.addmm(part, dlogits[:, v : v + slab].t().to(acc.dtype), hf, beta=beta, out=part)
 
 
-def _scratch(n: int, h: torch.Tensor, vocab: int, grad_w: torch.Tensor | None,
-             use_grad_w: bool) -> tuple[list[torch.Tensor], int]:
+def _scratch(n: int, h: torch.Tensor, vocab: int, grad_w: torch.Tensor | None, use_grad_w: bool,
+             cap_rows: int | None) -> tuple[list[torch.Tensor], int]:
     """The logits buffers of the chunk loop and the rows each holds: one buffer, or two halves when the CE pass
     is overlapped (OVERLAP_CE) and there is more than one chunk. Storage: grad_W's (H rows of V) when allowed and
-    larger than the budget, else a new budget-sized tensor."""
+    larger than the budget, else a new budget-sized tensor; never more than cap_rows rows."""
     budget_rows = max(1, LOGITS_BUDGET_BYTES // (vocab * h.element_size()))
+    if cap_rows is not None:
+        budget_rows = min(budget_rows, cap_rows)
     storage = grad_w.view(-1) if use_grad_w and h.shape[1] > budget_rows else None
     capacity = h.shape[1] if storage is not None else budget_rows
     count = 2 if OVERLAP_CE and n > capacity and capacity >= 2 else 1
@@ -180,13 +190,44 @@ def _scratch(n: int, h: torch.Tensor, vocab: int, grad_w: torch.Tensor | None,
     return [storage[i * rows * vocab : (i + 1) * rows * vocab].view(rows, vocab) for i in range(count)], rows
 
 
+def _accumulator_becoming_grad(vocab: int, hdim: int, dtype: torch.dtype,
+                               device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """An fp32 (V, H) accumulator as two vocabulary halves [lo, hi], and grad_W (V, H) in `dtype` over lo's
+    storage: lo has ceil(V·size/4) rows, so its bytes hold all of dW in `dtype`. grad_W is valid only after
+    _cast_into_grad; until then its bytes are lo's accumulator. A tensor of its own over the storage (not a view of
+    lo), so that autograd can keep it as .grad once lo is gone."""
+    lo_rows = -(-vocab * torch.finfo(dtype).bits // 32)
+    lo = torch.empty(lo_rows, hdim, dtype=torch.float32, device=device)
+    hi = torch.empty(vocab - lo_rows, hdim, dtype=torch.float32, device=device)
+    grad_w = torch.empty(0, dtype=dtype, device=device).set_(lo.untyped_storage(), 0, (vocab, hdim))
+    return [lo, hi], grad_w
+
+
+def _cast_into_grad(halves: list[torch.Tensor], grad_w: torch.Tensor, first: int = 1 << 20) -> None:
+    """grad_W = [lo; hi] rounded to grad_W's dtype, written over lo's own storage.
+
+    Element i of lo (fp32, bytes 4i..4i+4) goes to bytes 2i..2i+2 (for a 2-byte dtype). Copying elements [a, 2a)
+    in one step reads bytes [4a, 8a) and writes [2a, 4a): disjoint, and what it overwrites (elements < a) was
+    copied by an earlier step on the same stream. So after one small copy through a clone, doublings finish lo in
+    log2(lo / first) launches; hi then lands in lo's already-copied upper part."""
+    lo, hi = halves
+    src, dst = lo.view(-1), grad_w.view(-1)
+    done = min(first, src.numel())
+    dst[:done].copy_(src[:done].clone())
+    while done < src.numel():
+        end = min(src.numel(), 2 * done)
+        dst[done:end].copy_(src[done:end])
+        done = end
+    dst[src.numel():].copy_(hi.view(-1))
+
+
 @functools.lru_cache(maxsize=None)
 def _ce_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
 def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, scale=None,
-                need=(False, False, False), accum_dtype=torch.float32):
+                need=(False, False, False), accum_dtype=torch.float32, max_scratch_bytes=None):
     """The chunk loop of the module docstring; loss given → forward (writes loss, lse, q, rank), scale given →
     gradients (lse, q are inputs when loss is None). Returns (grad_h (N, H), grad_W, grad_b) or Nones.
 
@@ -199,27 +240,41 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     need_h, need_w, need_b = need
     backward = scale is not None
     grad_h = torch.empty(n, hdim, dtype=h.dtype, device=h.device) if need_h else None
-    grad_w = torch.empty(vocab, hdim, dtype=weight.dtype, device=h.device) if need_w else None
-    acc_w = None
+    cap = MAX_SCRATCH_BYTES if max_scratch_bytes is None else max_scratch_bytes
+    cap_rows = None if cap is None else max(1, cap // (vocab * h.element_size()))
     one_chunk = (need_w and accum_dtype != weight.dtype and SINGLE_CHUNK_IN_ACCUMULATOR
-                 and n * h.element_size() <= hdim * torch.finfo(accum_dtype).bits // 8)
-    if need_w:
-        exact = accum_dtype == weight.dtype or one_chunk  # one GEMM's own fp32 accumulation is the accumulator
+                 and n * h.element_size() <= hdim * torch.finfo(accum_dtype).bits // 8
+                 and (cap_rows is None or n <= cap_rows))
+    exact = accum_dtype == weight.dtype or one_chunk  # one GEMM's own fp32 accumulation is the accumulator
+    # fp32 accumulation over chunks, under a cap too small for grad_W's storage as the scratch: the accumulator
+    # becomes grad_W in place (MAX_SCRATCH_BYTES)
+    in_place = need_w and not exact and cap_rows is not None and cap_rows < hdim and weight.element_size() == 2
+    acc_w = halves = None  # dW accumulates in acc_w, or in the two halves of an accumulator becoming grad_W
+    if in_place:
+        halves, grad_w = _accumulator_becoming_grad(vocab, hdim, weight.dtype, h.device)
+    elif need_w:
+        grad_w = torch.empty(vocab, hdim, dtype=weight.dtype, device=h.device)
         acc_w = grad_w if exact else torch.empty_like(grad_w, dtype=accum_dtype)
+    else:
+        grad_w = None
     acc_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) if need_b else None
     if one_chunk:
         buffers, rows = [torch.empty(n, vocab, dtype=h.dtype, device=h.device)], n
     else:
         buffers, rows = _scratch(n, h, vocab, grad_w,
-                                 GRAD_WEIGHT_AS_SCRATCH and acc_w is not None and acc_w is not grad_w)
+                                 GRAD_WEIGHT_AS_SCRATCH and acc_w is not None and acc_w is not grad_w, cap_rows)
     side = _ce_stream(h.device) if len(buffers) == 2 and h.is_cuda else None
     main = torch.cuda.current_stream(h.device) if side is not None else None
 
     def gradients(i: int, s: int, e: int, logits: torch.Tensor) -> None:  # dlogits of rows s:e are in logits
         if need_h:
             torch.mm(logits, weight, out=grad_h[s:e])
-        if need_w:
+        if acc_w is not None:
             _accumulate_dw(acc_w, logits, h[s:e], first=i == 0)
+        elif halves is not None:
+            split = halves[0].shape[0]
+            _accumulate_dw(halves[0], logits[:, :split], h[s:e], first=i == 0)
+            _accumulate_dw(halves[1], logits[:, split:], h[s:e], first=i == 0)
         if need_b:
             acc_b.add_(logits.sum(0, dtype=torch.float32))
 
@@ -256,6 +311,8 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
         main.wait_stream(side)  # nothing the side stream touched may be freed or read before its work is done
     if acc_w is not None and acc_w is not grad_w:
         grad_w.copy_(acc_w)
+    elif halves is not None:
+        _cast_into_grad(halves, grad_w)
     return grad_h, grad_w, None if acc_b is None else acc_b.to(bias.dtype)
 
 
@@ -305,21 +362,23 @@ def _check_unit_gradient(grad_out: torch.Tensor) -> None:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
-                labels_ok):
+                labels_ok, max_scratch_bytes):
         h, flat = row_view(hidden), labels.reshape(-1)
         loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
         rank = torch.empty(h.shape[0], dtype=torch.int32, device=h.device) if with_rank else None
         ctx.opts, ctx.loss_scale, ctx.accum_dtype, ctx.need = opts, loss_scale, accum_dtype, need
-        ctx.hidden_shape, ctx.reduction = hidden.shape, reduction
+        ctx.hidden_shape, ctx.reduction, ctx.max_scratch_bytes = hidden.shape, reduction, max_scratch_bytes
         if reduction == "none":
-            _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank)
+            _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
+                        max_scratch_bytes=max_scratch_bytes)
             ctx.save_for_backward(hidden, weight, bias, flat, lse, q)
             out = (loss * loss_scale).reshape(labels.shape)
         else:
             scale = labels_ok.scale
             grads = _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
-                                scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype)
+                                scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype,
+                                max_scratch_bytes=max_scratch_bytes)
             ctx.consumer = _consumer_of(weight) if need[1] else None
             if ctx.consumer is not None:  # hand dW over now, so it need not live until backward
                 labels_ok.wait()  # never a dW from skipped CE passes (a bad label) into an optimizer step
@@ -339,7 +398,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             hidden, weight, bias, flat, lse, q = ctx.saved_tensors
             scale = (grad_out.reshape(-1).float() * ctx.loss_scale).contiguous()
             grad_h, grad_w, grad_b = _run_chunks(row_view(hidden), weight, bias, flat, ctx.opts, lse=lse, q=q,
-                                                 scale=scale, need=ctx.need, accum_dtype=ctx.accum_dtype)
+                                                 scale=scale, need=ctx.need, accum_dtype=ctx.accum_dtype,
+                                                 max_scratch_bytes=ctx.max_scratch_bytes)
         else:
             if ctx.consumer is not None:
                 _check_unit_gradient(grad_out)
@@ -350,7 +410,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     scale_(g, grad_out)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
@@ -370,6 +430,7 @@ def fused_linear_cross_entropy(
     loss_scale: float = 1.0,
     accum_dtype: torch.dtype = torch.float32,
     return_target_rank: bool = False,
+    max_scratch_bytes: int | None = None,
 ):
     """Cross-entropy of hidden (..., H) · weight (V, H)ᵀ (+ bias (V,)) against labels (...), never holding N×V.
 
@@ -378,6 +439,7 @@ def fused_linear_cross_entropy(
     correct; -1 at ignored positions). A weight with requires_grad=False gets no dW work; dW is accumulated in
     accum_dtype (float32, or the weight's dtype) and returned in the weight's dtype. A label outside [0, V) that
     is not ignore_index raises ValueError (the call waits for the check with its kernels queued, _labels.LabelCheck).
+    max_scratch_bytes caps the logits scratch (default MAX_SCRATCH_BYTES, none): a lower peak for more chunks.
     """
     check_options(reduction, label_smoothing, softcap)
     if hidden.shape[:-1] != labels.shape:
@@ -391,6 +453,8 @@ def fused_linear_cross_entropy(
         raise ValueError(f"hidden, weight and bias must share one floating dtype, got {sorted(map(str, dtypes))}")
     if accum_dtype not in (torch.float32, weight.dtype):
         raise ValueError(f"accum_dtype must be torch.float32 or the weight's dtype, got {accum_dtype}")
+    if max_scratch_bytes is not None and max_scratch_bytes < 1:
+        raise ValueError(f"max_scratch_bytes must be a positive byte count or None, got {max_scratch_bytes}")
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
     if not use_triton(hidden, weight, bias, labels) or labels.numel() == 0:
         labels_ok.wait()
@@ -404,7 +468,7 @@ def fused_linear_cross_entropy(
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
     out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, float(loss_scale),
-                                         accum_dtype, need, return_target_rank, labels_ok)
+                                         accum_dtype, need, return_target_rank, labels_ok, max_scratch_bytes)
     labels_ok.wait()  # after every GEMM and CE pass is queued (they touch nothing if a label is bad)
     return out
 

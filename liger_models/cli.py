@@ -66,6 +66,10 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--cuda-graph", action="store_true",
                    help="after 3 eager steps, replay each whole step (forward, backward, AdamW) from one CUDA graph: "
                         "no host overhead; fixed shapes, one GPU, no activation checkpointing")
+    p.add_argument("--loss-scratch-mib", type=_positive, default=None, metavar="MIB",
+                   help="cap the fused linear-CE's logits scratch at MIB MiB: the fp32 dW accumulator then becomes "
+                        "the gradient in place (peak 4·V·H bytes + MIB instead of 6·V·H for an untied or tied "
+                        "lm_head; more, smaller chunks, a little slower)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="parameter dtype; bf16 is pure bf16 (weights, grads, AdamW moments); auto = bf16 on CUDA, "
                         "fp32 on CPU")

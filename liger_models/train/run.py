@@ -12,6 +12,7 @@ copied in); a Medusa stage-1 checkpoint is a heads directory in the Medusa/TGI f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -138,11 +139,25 @@ def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
         if info.is_main and not args.quiet:
             print(f"resumed from {resume} at step {trainer.step}", flush=True)
     start = time.perf_counter()
-    history = trainer.train()
+    with _loss_scratch_cap(getattr(args, "loss_scratch_mib", None)):
+        history = trainer.train()
     last = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
     if info.is_main and not args.quiet:
         print(f"done: {trainer.step} steps in {time.perf_counter() - start:.1f}s; checkpoint: {last}", flush=True)
     return RunResult(last, history, Path(args.output_dir), trainer.evals)
+
+
+@contextlib.contextmanager
+def _loss_scratch_cap(mib: int | None):
+    """--loss-scratch-mib: linear-CE's MAX_SCRATCH_BYTES for the run (every head's loss), then the default again."""
+    from liger_models.kernels import fused_linear_cross_entropy as flce
+
+    default = flce.MAX_SCRATCH_BYTES
+    flce.MAX_SCRATCH_BYTES = default if mib is None else mib << 20
+    try:
+        yield
+    finally:
+        flce.MAX_SCRATCH_BYTES = default
 
 
 def _prepare(model: nn.Module, layers, args, info, more_units=()) -> None:

@@ -314,11 +314,12 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
     return loss, g
 
 
-# Real-size settings: the default (per-thread partial sums in pass 1 from 4096 rows on; pass 1's loads evict_last only
-# in the tail a resident row may keep of 60% of L2), per-block sums, every pass-1 load evict_last, and ptxas capped at
-# 32 registers (two programs per SM).
+# Real-size settings: the default (per-thread partial sums in pass 1 from 4096 rows on, ptxas capped at 32 registers
+# on rows up to 128K wide; pass 1's loads evict_last only in the tail a resident row may keep of 60% of L2), per-block
+# sums, every pass-1 load evict_last, the 32-register cap at every width, and no cap (57 registers, one program/SM).
 GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False), "all-evict-last": dict(CE_KEEP_L2_SHARE=0.0),
-                "32-registers": dict(CE_MAX_REGISTERS=32)}
+                "32-registers-any-width": dict(CE_MAX_REGISTERS_COLS=1 << 30),
+                "no-register-cap": dict(CE_MAX_REGISTERS=None)}
 
 
 @pytest.mark.gpu

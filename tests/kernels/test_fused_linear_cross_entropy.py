@@ -155,6 +155,34 @@ def test_single_chunk_in_accumulator(monkeypatch, opts, rows):
     assert set(accumulators) == ({torch.bfloat16} if rows <= 2 * H else {torch.float32})
 
 
+@pytest.mark.parametrize("vocab,opts", [(301, dict()), (300, dict(reduction="none", z_loss=1e-3))])
+def test_accumulator_becoming_grad(monkeypatch, vocab, opts):
+    """bf16 under a 3-row scratch cap (< H): five chunks accumulate dW in fp32 halves of the vocabulary, and
+    grad_W is cast into the first half's own storage (odd V: one spare row); same results as the reference."""
+    _chunk(monkeypatch, "budget_scratch")
+    monkeypatch.setattr(flce_mod, "MAX_SCRATCH_BYTES", 3 * vocab * 2)
+    casts = []
+    cast = flce_mod._cast_into_grad
+    monkeypatch.setattr(flce_mod, "_cast_into_grad", lambda halves, g: (casts.append(g), cast(halves, g, first=7)))
+    hidden, weight, bias, labels = _inputs(vocab, torch.bfloat16, bias=True)
+    _check(hidden, weight, bias, labels, **opts)
+    assert len(casts) == 1
+    assert casts[0].untyped_storage().nbytes() == -(-vocab // 2) * H * 4  # ≤ grad_W's bytes + one row
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 1000, 4099])
+def test_cast_into_grad_in_place(size):
+    """The doubling copies give exactly (bit for bit) the rounding of the concatenated halves."""
+    vocab, hdim = size, 3
+    halves, grad = flce_mod._accumulator_becoming_grad(vocab, hdim, torch.bfloat16, torch.device("cpu"))
+    assert grad.untyped_storage().data_ptr() == halves[0].untyped_storage().data_ptr()
+    for half in halves:
+        half.copy_(torch.randn(half.shape) * 100)
+    want = torch.cat(halves).to(torch.bfloat16)
+    flce_mod._cast_into_grad(halves, grad, first=2)
+    assert torch.equal(grad.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("requires", [(True, False, False), (False, True, True), (True, False, True)])
 def test_frozen_weight_or_hidden(chunked_once, monkeypatch, requires):
     """Only the gradients asked for are computed; a frozen weight never reaches the dW GEMM."""
@@ -236,6 +264,8 @@ def test_bad_arguments():
         fused_linear_cross_entropy(hidden, weight, labels[:, :-1])
     with pytest.raises(ValueError, match="accum_dtype"):
         fused_linear_cross_entropy(hidden, weight, labels, accum_dtype=torch.float16)
+    with pytest.raises(ValueError, match="max_scratch_bytes"):
+        fused_linear_cross_entropy(hidden, weight, labels, max_scratch_bytes=0)
 
 
 def test_strided_hidden(chunked_once):
@@ -308,13 +338,15 @@ def test_gpu_fp32_output_gemm_available():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["default", "overlap", "single"])
+@pytest.mark.parametrize("mode", ["default", "overlap", "single", "capped"])
 @pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, loss_scale=0.5),
                                   dict(reduction="sum")])
 def test_gpu_real_size(monkeypatch, opts, mode):
     """2 chunks of 2048 rows in grad_W's storage; overlap: 4 chunks of 1024, CE on a side stream; single: the
-    4096 rows (= 2H) as one chunk, dW one GEMM straight into grad_W."""
+    4096 rows (= 2H) as one chunk, dW one GEMM straight into grad_W; capped: a 768-row scratch, 6 chunks into an
+    fp32 accumulator that becomes grad_W in place."""
     monkeypatch.setattr(flce_mod, "OVERLAP_CE", mode == "overlap")
+    monkeypatch.setattr(flce_mod, "MAX_SCRATCH_BYTES", 768 * 128256 * 2 if mode == "capped" else None)
     monkeypatch.setattr(flce_mod, "SINGLE_CHUNK_IN_ACCUMULATOR", mode == "single")
     _gpu_case(4096, 2048, 128256, **opts)
 

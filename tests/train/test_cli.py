@@ -141,3 +141,25 @@ def test_data_that_does_not_fit_the_model_fails_clearly(tiny_model_dir, tmp_path
     code = main(["train", "--model", str(small), "--data", str(tmp_path / "t.txt"), "--output-dir",
                  str(tmp_path / "o"), "--seq-len", "8", "--max-steps", "1"])
     assert code == 2 and "vocab_size is 64" in capsys.readouterr().err
+
+
+def test_loss_scratch_cap_is_the_runs_only():
+    """--loss-scratch-mib sets linear-CE's MAX_SCRATCH_BYTES around the training loop and restores it, also on error."""
+    from liger_models.cli import build_parser
+    from liger_models.kernels import fused_linear_cross_entropy as flce
+    from liger_models.train.run import _loss_scratch_cap
+
+    for command in ("train", "train-medusa"):
+        args = build_parser().parse_args([command, "--model", "m", "--data", "d.txt", "--loss-scratch-mib", "512"])
+        assert args.loss_scratch_mib == 512
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--model", "m", "--data", "d.txt", "--loss-scratch-mib", "0"])
+    before = flce.MAX_SCRATCH_BYTES
+    with _loss_scratch_cap(512):
+        assert flce.MAX_SCRATCH_BYTES == 512 << 20
+    assert flce.MAX_SCRATCH_BYTES == before
+    with pytest.raises(KeyError), _loss_scratch_cap(8):
+        raise KeyError("interrupted")
+    assert flce.MAX_SCRATCH_BYTES == before
+    with _loss_scratch_cap(None):
+        assert flce.MAX_SCRATCH_BYTES == before
