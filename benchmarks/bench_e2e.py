@@ -49,7 +49,9 @@ CONFIGS: dict[str, tuple[dict, int, int]] = {
 # AdamW updates bit for bit, each gradient freed once its parameter is stepped.
 # ours_graph: ours with the whole step (forward, backward, capturable fused AdamW) replayed from a CUDA graph
 # (liger_models/train/cuda_graph.py): the same kernels, no host time between them.
-PROVIDERS = ("ours", "ours_inbwd", "ours_graph", "hf", "hf_compile", "hf_liger")
+# Every ours* provider steps with the project's FusedAdamW (liger_models/train/optim.py, kernels/adamw.py), the
+# one `liger-models train` builds; ours_torch_adamw is ours with torch's fused AdamW instead (the HF providers').
+PROVIDERS = ("ours", "ours_inbwd", "ours_graph", "ours_torch_adamw", "hf", "hf_compile", "hf_liger")
 WARMUP, STEPS = 4, 8
 H200_BF16_PEAK_TFLOPS = 989.0
 
@@ -97,7 +99,12 @@ def training_step(name: str, provider: str, n_batches: int):
     model = _build(provider, cfg)
     model.train()
     graphed = provider == "ours_graph"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=graphed)
+    if provider.startswith("ours") and provider != "ours_torch_adamw":
+        from liger_models.train.optim import FusedAdamW
+
+        opt = FusedAdamW(model.parameters(), lr=1e-5, capturable=graphed)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=graphed)
     in_backward = provider == "ours_inbwd"
     if in_backward:
         from liger_models.train.step_in_backward import OptimizerInBackward

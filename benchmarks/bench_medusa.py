@@ -3,7 +3,8 @@
 Model: hidden 4096, intermediate 14336, 32/8 heads, vocab 128256, 4 decoder layers (so it fits one H200), random
 init, bf16 weights, SDPA/flash attention, no activation checkpointing; 5 Medusa heads (1 ResBlock each), either with
 their own lm_head copies ("copy") or the shared frozen base lm_head ("shared"); head k weighted 0.2·0.8^k; stage 1
-(frozen base under no_grad, heads only) and stage 2 (joint, base CE on); fused AdamW (heads at lr × 4 for ours).
+(frozen base under no_grad, heads only) and stage 2 (joint, base CE on); fused AdamW (heads at lr × 4 for ours;
+ours steps with the project's FusedAdamW, the baselines with torch's).
 Random tokens, every one a target. A step is forward + backward + optimizer step; tokens/s over STEPS steps after
 warm-up; peak = torch.cuda.max_memory_allocated over those steps (weights, grads and optimizer state included).
 
@@ -60,11 +61,12 @@ def _ours(lm_head: str, stage: int):
     from liger_models.llama.config import LlamaConfig
     from liger_models.llama.modeling import LigerLlamaForCausalLM
     from liger_models.medusa import MedusaModel
+    from liger_models.train.optim import FusedAdamW
 
     base = LigerLlamaForCausalLM.from_config(LlamaConfig.from_hf(dict(MODEL)), dtype=torch.bfloat16, device=DEVICE)
     model = MedusaModel.from_base(base, stage=stage, num_heads=NUM_HEADS, share_lm_head=lm_head == "shared",
                                   heads_coefficient=LAMBDA0, decay_coefficient=DECAY)
-    opt = torch.optim.AdamW(model.param_groups(LR, HEAD_LR_MULT), lr=LR, fused=True)
+    opt = FusedAdamW(model.param_groups(LR, HEAD_LR_MULT), lr=LR)  # the project's AdamW (kernels/adamw.py)
 
     def loss_fn(ids):
         return model(ids, labels=ids).loss

@@ -29,6 +29,8 @@ run_part() {
       (cd benchmarks && for b in rms_norm layer_norm rope; do
          LIGER_BENCH_GRAPH=1 LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --out "$OUT" || echo "bench_$b failed"; done
        for b in swiglu geglu; do LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --out "$OUT" || echo "bench_$b failed"; done) ;;
+    host)  # host time per call of the small-shape autograd ops and the losses, with a cProfile of each loss call
+      (cd benchmarks && python3 host_overhead.py --out "$OUT") ;;
     profiles)  # issue 6: one profiled step per family (Qwen and Gemma again after the session-2 changes)
       python3 benchmarks/profile_e2e.py --out "$OUT/profiles" --configs qwen2.5-1.5b,gemma-2b,mistral-7b-w4l,phi3-mini-w8l ;;
     e2e-small)  # tied lm_heads: no forward-time head step to measure, so graph capture only

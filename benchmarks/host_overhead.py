@@ -53,9 +53,48 @@ def steps() -> dict:
         q, k = rope(q, k, cos, sin)
         (q.sum() + k.sum()).backward()
 
-    # (cross_entropy is not here: its label check syncs with the device, so its host time includes the GPU's.)
     return {"swiglu packed 4096x4096": swiglu_step, "geglu 4096x4096": geglu_step, "rms_norm 4096x4096": rms_step,
             "rope B2 T1024 Hq32 Hkv8 D64": rope_step}
+
+
+def loss_steps() -> dict:
+    """The losses wait for their label check's result inside the call, so a GPU sleep queued ahead would be timed
+    too: they run on tiny shapes with the GPU idle instead (a few µs of GPU work per call), where the time per call
+    is the host's path plus one check's round trip."""
+    from liger_models.kernels.cross_entropy import cross_entropy
+    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    logits = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    hidden = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 1024, (64,), device="cuda")
+
+    def ce_step():
+        cross_entropy(logits, labels).backward()
+
+    def flce_step():
+        fused_linear_cross_entropy(hidden, weight, labels).backward()
+
+    return {"cross_entropy 64x1024 (GPU idle)": ce_step, "linear-CE 64x256x1024 (GPU idle)": flce_step}
+
+
+def profile_top(fn, reps: int = 300, top: int = 25) -> str:
+    """cProfile of ``fn`` repeated: the host functions by total own time (where a loss call's host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def main() -> None:
@@ -71,6 +110,12 @@ def main() -> None:
             row["host_ms_fast" if fast else "host_ms_triton"] = host_ms_per_call(fn, 50, SLEEP_CYCLES * 4)
         rows.append(row)
     _launch.FAST_LAUNCH = True
+    profiles = {}
+    for name, fn in loss_steps().items():
+        host_ms_per_call(fn, 20)
+        rows.append({"op": name, "gpu_ms": busy_gpu_ms(fn), "host_ms_triton": float("nan"),
+                     "host_ms_fast": host_ms_per_call(fn, 200)})
+        profiles[name] = profile_top(fn)
     print("| op (fwd+bwd) | GPU ms | host ms, Triton launcher | host ms, direct launch |")
     print("|---|---|---|---|")
     for r in rows:
@@ -79,6 +124,11 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
             json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, "host_overhead_loss_profiles.txt"), "w") as f:
+            f.write("\n\n".join(f"##### {name}\n{text}" for name, text in profiles.items()))
+    for name, text in profiles.items():
+        print(f"##### {name}")
+        print("\n".join(text.splitlines()[:40]))
 
 
 if __name__ == "__main__":

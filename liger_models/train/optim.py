@@ -13,6 +13,9 @@ import math
 import torch
 from torch import nn
 
+from liger_models.kernels._dispatch import use_triton
+from liger_models.kernels.adamw import adamw_step_
+
 
 def decay_param_groups(model: nn.Module, lr: float, weight_decay: float) -> list[dict]:
     """Trainable matrices get weight decay; biases, norm weights (all 1-D tensors) do not."""
@@ -26,6 +29,67 @@ def decay_param_groups(model: nn.Module, lr: float, weight_decay: float) -> list
     return [g for g in groups if g["params"]]
 
 
+class FusedAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW (fused) whose step runs kernels/adamw.py: one pass per parameter tensor at the copy rate
+    (torch's multi-tensor kernel streams at ~60% of it on the H200; BENCHMARKS.md). Same math in fp32, same
+    state (step as a 0-dim fp32 tensor on the parameter's device, exp_avg, exp_avg_sq) and state_dict, so
+    checkpoints move freely between the two. Anything the kernel does not cover — a parameter that is not a plain
+    contiguous CUDA tensor (an FSDP2 DTensor), a tensor learning rate, amsgrad / maximize, AMP's grad scaling —
+    makes that step torch's own."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, capturable: bool = False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True,
+                         capturable=capturable)
+
+    def _kernel_covers(self) -> bool:
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            return False  # AMP's GradScaler hands a fused optimizer its scale through these
+        for group in self.param_groups:
+            if isinstance(group["lr"], torch.Tensor) or group["amsgrad"] or group["maximize"]:
+                return False
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if type(p) not in (nn.Parameter, torch.Tensor) or type(g) is not torch.Tensor:
+                    return False  # a tensor subclass (an FSDP2 DTensor): torch's path knows its layout
+                if not use_triton(p) or g.is_sparse or g.dtype != p.dtype:
+                    return False
+                if not (p.is_contiguous() and g.is_contiguous()):
+                    return False
+        return True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self._kernel_covers():
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            todo = [p for p in group["params"] if p.grad is not None]
+            states = [self._state_of(p) for p in todo]
+            if not states:
+                continue
+            torch._foreach_add_([s["step"] for s in states], 1.0)  # one launch for the group's step counts
+            for p, s in zip(todo, states):
+                adamw_step_(p, p.grad, s["exp_avg"], s["exp_avg_sq"], s["step"], lr=group["lr"], beta1=beta1,
+                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        return loss
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        """p's AdamW state, created as torch's fused AdamW creates it on first use."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+
 def build_adamw(
     param_groups: list[dict],
     *,
@@ -33,14 +97,14 @@ def build_adamw(
     eps: float = 1e-8,
     capturable: bool = False,
 ) -> torch.optim.AdamW:
-    """AdamW over ``param_groups`` (each carries its own lr / weight_decay); fused when every param is on CUDA.
+    """AdamW over ``param_groups`` (each carries its own lr / weight_decay); FusedAdamW when every param is on CUDA.
     capturable: keep the step count on the GPU, so a CUDA graph can hold the step (cuda_graph.py)."""
     params = [p for g in param_groups for p in g["params"]]
     if not params:
         raise ValueError("nothing to train: no parameter requires a gradient")
-    on_cuda = all(p.is_cuda for p in params)
-    return torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=on_cuda or None,
-                             capturable=capturable and on_cuda)
+    if all(p.is_cuda for p in params):
+        return FusedAdamW(param_groups, betas=betas, eps=eps, capturable=capturable)
+    return torch.optim.AdamW(param_groups, betas=betas, eps=eps)
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1) -> float:

@@ -64,15 +64,21 @@ def test_quick_demo_on_cuda(tmp_path):
     assert result["tokens_per_step"] >= 1.0 and len(result["after"]["top1"]) == 3
 
 
-def test_optimizer_in_backward_matches_fused_adamw_on_cuda(tiny_tied_model_dir):
-    """bf16 on CUDA with fused AdamW (multi-tensor for the normal step, one tensor per call in backward) and the
-    Triton kernels: the same weights bit for bit after every step, with at most two gradients alive at once."""
+@pytest.mark.parametrize("optimizer", ["torch", "liger-models"])
+def test_optimizer_in_backward_matches_fused_adamw_on_cuda(tiny_tied_model_dir, optimizer):
+    """bf16 on CUDA with torch's fused AdamW (multi-tensor for the normal step, one tensor per call in backward) or
+    the project's FusedAdamW, and the Triton kernels: the same weights bit for bit after every step, with at most
+    two gradients alive at once."""
     from liger_models import AutoLigerForCausalLM
+    from liger_models.train.optim import FusedAdamW
     from liger_models.train.step_in_backward import OptimizerInBackward
 
     models = [AutoLigerForCausalLM.from_pretrained(tiny_tied_model_dir, dtype=torch.bfloat16, device="cuda")
               for _ in range(2)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True) for m in models]
+    if optimizer == "torch":
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True) for m in models]
+    else:
+        opts = [FusedAdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in models]
     OptimizerInBackward(opts[1])
     live = []
     for p in models[1].parameters():

@@ -1,0 +1,166 @@
+"""kernels/adamw.py and liger_models.train.optim.FusedAdamW against torch.optim.AdamW and an fp64 reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from liger_models.kernels.adamw import adamw_reference_, adamw_step_
+from liger_models.train.optim import FusedAdamW
+from tests.helpers import DEVICE
+
+HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def _state(shape, dtype, device=DEVICE):
+    p = torch.randn(shape, device=device).to(dtype)
+    g = torch.randn(shape, device=device).to(dtype)
+    m = (torch.randn(shape, device=device) * 0.1).to(dtype)
+    v = (torch.rand(shape, device=device) * 0.01).to(dtype)
+    return p, g, m, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (127,), (3, 4097), (4096,)])
+def test_step_matches_fp64_reference(dtype, shape):
+    """Steps 1 and 7 (bias corrections far from and near 1): p, m, v within one rounding of the fp64 update."""
+    for t in (1.0, 7.0):
+        p, g, m, v = _state(shape, dtype)
+        ref = [x.double() for x in (p, g, m, v)]
+        step = torch.tensor(t, device=DEVICE)
+        adamw_step_(p, g, m, v, step, **HYPER)
+        adamw_reference_(*ref, step.double(), **HYPER)
+        for name, got, want in zip(("p", "m", "v"), (p, m, v), (ref[0], ref[2], ref[3])):
+            assert not torch.isnan(got).any(), name
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-9, msg=name)
+            else:  # the fp32 result rounded once to bf16: within one bf16 ulp of the exact value
+                torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-30, msg=name)
+
+
+def test_bad_arguments():
+    p, g, m, v = _state((8,), torch.float32)
+    step = torch.tensor(1.0, device=DEVICE)
+    with pytest.raises(ValueError, match="grad"):
+        adamw_step_(p, g[:4], m, v, step, **HYPER)
+    with pytest.raises(ValueError, match="contiguous"):
+        q = torch.randn(8, 2, device=DEVICE).t()
+        adamw_step_(q, q.clone(), q.clone(), q.clone(), step, **HYPER)
+    with pytest.raises(ValueError, match="step"):
+        adamw_step_(p, g, m, v, step.double(), **HYPER)
+    with pytest.raises(ValueError, match="betas"):
+        adamw_step_(p, g, m, v, step, **{**HYPER, "beta1": 1.0})
+
+
+def _model(device=DEVICE, dtype=torch.float32):
+    torch.manual_seed(torch.initial_seed() % 2**31)
+    return torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.LayerNorm(65), torch.nn.Linear(65, 7)).to(
+        device, dtype)
+
+
+def _groups(model, lr):
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": matrices, "lr": lr, "weight_decay": 0.1}, {"params": vectors, "lr": lr * 4, "weight_decay": 0}]
+
+
+def _train(model, opt, steps, skip_last_bias=False, start=0):
+    for i in range(start, start + steps):
+        gen = torch.Generator().manual_seed(1000 + i)
+        x = torch.randn(16, 33, generator=gen).to(next(model.parameters()).device)
+        model(x).square().mean().backward()
+        if skip_last_bias and i == start + 1:
+            model[2].bias.grad = None  # a parameter without a gradient this step is left alone (step not counted)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_optimizer_matches_torch_adamw_and_shares_its_state():
+    """Two groups (their own lr / weight decay), a step where one parameter has no gradient; then the state_dict
+    goes to torch.optim.AdamW and back, and both continue alike."""
+    ours_model = _model()
+    torch_model = copy.deepcopy(ours_model)
+    ours = FusedAdamW(_groups(ours_model, 1e-2), betas=(0.9, 0.95))
+    ref = torch.optim.AdamW(_groups(torch_model, 1e-2), betas=(0.9, 0.95), foreach=False)
+    _train(ours_model, ours, 4, skip_last_bias=True)
+    _train(torch_model, ref, 4, skip_last_bias=True)
+    for a, b in zip(ours_model.parameters(), torch_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert float(ours.state[a]["step"]) == float(ref.state[b]["step"])
+    assert float(ours.state[ours_model[2].bias]["step"]) == 3.0
+    # resume each from the other's state
+    swapped_ours = FusedAdamW(_groups(torch_model, 1e-2), betas=(0.9, 0.95))
+    swapped_ours.load_state_dict(ref.state_dict())
+    swapped_ref = torch.optim.AdamW(_groups(ours_model, 1e-2), betas=(0.9, 0.95), foreach=False)
+    swapped_ref.load_state_dict(ours.state_dict())
+    _train(torch_model, swapped_ours, 2, start=4)
+    _train(ours_model, swapped_ref, 2, start=4)
+    for a, b in zip(ours_model.parameters(), torch_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_leaves_uncovered_steps_to_torch(monkeypatch):
+    """A tensor learning rate is not the kernel's case: the step is torch's own, with the same result."""
+    calls = []
+    monkeypatch.setattr("liger_models.train.optim.adamw_step_", lambda *a, **k: calls.append(1))
+    model = _model()
+    opt = FusedAdamW(model.parameters(), lr=torch.tensor(1e-2))
+    before = [p.detach().clone() for p in model.parameters()]
+    _train(model, opt, 1)
+    assert not calls and all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_matches_torch_fused_adamw(dtype):
+    """Real sizes (a 4096×14336 matrix, an odd vector) for 3 steps against torch's fused AdamW on the GPU."""
+    torch.manual_seed(0)
+    params = [torch.randn(4096, 14336, device="cuda").to(dtype), torch.randn(4099, device="cuda").to(dtype)]
+    ours_p = [torch.nn.Parameter(p.clone()) for p in params]
+    ref_p = [torch.nn.Parameter(p.clone()) for p in params]
+    ours = FusedAdamW(ours_p, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_p, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    for _ in range(3):
+        for a, b in zip(ours_p, ref_p):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    for a, b in zip(ours_p, ref_p):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:  # differently contracted fp32 math may round a few elements to the neighbouring bf16 value
+            ulps = ((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-30))
+            assert (ulps <= 2**-8).all() and (a != b).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_step_replays_in_a_cuda_graph():
+    """The step count lives on the GPU, so a captured step replays with the right bias corrections."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16))
+    q = torch.nn.Parameter(p.detach().clone())
+    grad = torch.randn_like(p)
+    graphed, eager = FusedAdamW([p], lr=1e-3, capturable=True), FusedAdamW([q], lr=1e-3)
+    p.grad, q.grad = grad, grad.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graphed.step()  # warm-up (creates the state) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    eager.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step()
+    for _ in range(3):
+        graph.replay()
+        eager.step()
+    torch.cuda.synchronize()
+    assert float(graphed.state[p]["step"]) == 4.0
+    torch.testing.assert_close(p, q, rtol=0, atol=0)
