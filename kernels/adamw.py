@@ -45,8 +45,8 @@ def adamw_reference_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, STEP, n, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
-                  BLOCK: tl.constexpr):
+def _adamw_kernel(P, G, M, V, STEP, LR, n, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
+                  LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(P + offs, mask=mask).to(tl.float32)
@@ -54,6 +54,8 @@ def _adamw_kernel(P, G, M, V, STEP, n, lr, beta1, beta2, log2_beta1, log2_beta2,
     m = tl.load(M + offs, mask=mask).to(tl.float32)
     v = tl.load(V + offs, mask=mask).to(tl.float32)
     t = tl.load(STEP)
+    if LR_ON_DEVICE:  # a CUDA graph replays the step: the scheduler's current lr is read, not the captured one
+        lr = tl.load(LR)
     bias1 = 1.0 - tl.exp2(t * log2_beta1)
     bias2_sqrt = tl.sqrt(1.0 - tl.exp2(t * log2_beta2))
     p = p - lr * weight_decay * p
@@ -66,10 +68,11 @@ def _adamw_kernel(P, G, M, V, STEP, n, lr, beta1, beta2, log2_beta1, log2_beta2,
 
 
 def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, *,
-                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
     """One AdamW update of ``p`` in place (with its moments ``m``, ``v``), given its gradient ``g`` and its
     step count ``step`` (0-dim fp32 tensor on p's device, already incremented). All four tensors contiguous, of
-    p's shape, on one CUDA device (or on the CPU under TRITON_INTERPRET=1). No host sync."""
+    p's shape, on one CUDA device (or on the CPU under TRITON_INTERPRET=1). lr: a float, or a 0-dim fp32 tensor
+    on p's device read by the kernel (what a captured step needs). No host sync."""
     for name, t in (("grad", g), ("exp_avg", m), ("exp_avg_sq", v)):
         if t.shape != p.shape or t.device != p.device:
             raise ValueError(f"{name} {tuple(t.shape)} on {t.device} does not match the parameter "
@@ -80,10 +83,13 @@ def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
         raise ValueError(f"step must be a 0-dim float32 tensor on {p.device}, got {step.dtype} on {step.device}")
     if not 0.0 < beta1 < 1.0 or not 0.0 < beta2 < 1.0:
         raise ValueError(f"betas must be in (0, 1), got ({beta1}, {beta2})")
+    on_device = isinstance(lr, torch.Tensor)
+    if on_device and (lr.numel() != 1 or lr.dtype != torch.float32 or lr.device != p.device):
+        raise ValueError(f"a tensor lr must be a 0-dim float32 tensor on {p.device}, got {lr.dtype} on {lr.device}")
     n = p.numel()
     if n == 0:
         return
     launch(_adamw_kernel, (cdiv(n, BLOCK),),
-           [p, g, m, v, step, n, float(lr), float(beta1), float(beta2), math.log2(beta1), math.log2(beta2),
-            float(eps), float(weight_decay)],
-           dict(BLOCK=BLOCK, num_warps=NUM_WARPS))
+           [p, g, m, v, step, lr if on_device else step, n, 0.0 if on_device else float(lr), float(beta1),
+            float(beta2), math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay)],
+           dict(LR_ON_DEVICE=on_device, BLOCK=BLOCK, num_warps=NUM_WARPS))

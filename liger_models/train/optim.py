@@ -34,8 +34,9 @@ class FusedAdamW(torch.optim.AdamW):
     (torch's multi-tensor kernel streams at ~60% of it on the H200; BENCHMARKS.md). Same math in fp32, same
     state (step as a 0-dim fp32 tensor on the parameter's device, exp_avg, exp_avg_sq) and state_dict, so
     checkpoints move freely between the two. Anything the kernel does not cover — a parameter that is not a plain
-    contiguous CUDA tensor (an FSDP2 DTensor), a tensor learning rate, amsgrad / maximize, AMP's grad scaling —
-    makes that step torch's own."""
+    contiguous CUDA tensor (an FSDP2 DTensor), a learning rate that is not a float or a 0-dim fp32 tensor on the
+    parameters' device, amsgrad / maximize, AMP's grad scaling — makes that step torch's own. A tensor learning rate
+    (cuda_graph.py turns each group's into one before a capture) is read by the kernel on the device."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, capturable: bool = False):
@@ -46,7 +47,10 @@ class FusedAdamW(torch.optim.AdamW):
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             return False  # AMP's GradScaler hands a fused optimizer its scale through these
         for group in self.param_groups:
-            if isinstance(group["lr"], torch.Tensor) or group["amsgrad"] or group["maximize"]:
+            if group["amsgrad"] or group["maximize"]:
+                return False
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or lr.dtype != torch.float32):
                 return False
             for p in group["params"]:
                 g = p.grad
@@ -55,6 +59,8 @@ class FusedAdamW(torch.optim.AdamW):
                 if type(p) not in (nn.Parameter, torch.Tensor) or type(g) is not torch.Tensor:
                     return False  # a tensor subclass (an FSDP2 DTensor): torch's path knows its layout
                 if not use_triton(p) or g.is_sparse or g.dtype != p.dtype:
+                    return False
+                if isinstance(lr, torch.Tensor) and lr.device != p.device:
                     return False
                 if not (p.is_contiguous() and g.is_contiguous()):
                     return False
