@@ -156,11 +156,14 @@ def test_gpu_matches_torch_fused_adamw(dtype):
     for a, b in zip(ours_p, ref_p):
         if dtype == torch.float32:
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-        else:  # fp32 math that differs in its last bits (β^t, contraction) may round an element to the next bf16
-            same_sign = (a > 0) == (b > 0)
-            ulps = (a.detach().view(torch.int16).int() - b.detach().view(torch.int16).int()).abs()[same_sign]
-            assert same_sign.float().mean() > 0.999 and ulps.max() <= 1, f"{ulps.max()} bf16 ulps apart"
-            assert (ulps > 0).float().mean() < 1e-3, f"{(ulps > 0).float().mean():.2e} of the elements differ"
+        else:  # fp32 math that differs in its last bits (β^t, contraction) may round an element to the next bf16,
+            # and where p − update cancels to near 0 those last bits are all the result has: the bound is one bf16
+            # rounding of the result plus fp32 rounding of the terms (|p| + the update, ≤ lr·(1 + wd·|p|) / (1 − β1))
+            err = (a.detach().double() - b.detach().double()).abs()
+            terms = b.detach().double().abs() + 1e-3 * 10
+            bound = b.detach().double().abs() * 2**-8 + terms * 2**-22
+            assert (err <= bound).all(), f"worst excess {(err - bound).max():.3e}"
+            assert (a != b).float().mean() < 1e-3, f"{(a != b).float().mean():.2e} of the elements differ"
 
 
 @pytest.mark.gpu
