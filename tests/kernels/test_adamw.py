@@ -158,10 +158,11 @@ def test_gpu_matches_torch_fused_adamw(dtype):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         else:  # fp32 math that differs in its last bits (β^t, contraction) may round an element to the next bf16,
             # and where p − update cancels to near 0 those last bits are all the result has: the bound is one bf16
-            # rounding of the result plus fp32 rounding of the terms (|p| + the update, ≤ lr·(1 + wd·|p|) / (1 − β1))
+            # ulp of the result (≤ 2⁻⁷ relative) plus fp32 rounding of the terms (|p| and an update of ~lr). After
+            # step 1 a moment one bf16 ulp apart carries such a flip into the next steps (H200: 6e-6 of elements).
             err = (a.detach().double() - b.detach().double()).abs()
             terms = b.detach().double().abs() + 1e-3 * 10
-            bound = b.detach().double().abs() * 2**-8 + terms * 2**-22
+            bound = b.detach().double().abs() * 2**-7 + terms * 2**-22
             assert (err <= bound).all(), f"worst excess {(err - bound).max():.3e}"
             assert (a != b).float().mean() < 1e-3, f"{(a != b).float().mean():.2e} of the elements differ"
 
