@@ -66,6 +66,9 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--cuda-graph", action="store_true",
                    help="after 3 eager steps, replay each whole step (forward, backward, AdamW) from one CUDA graph: "
                         "no host overhead; fixed shapes, one GPU, no activation checkpointing")
+    p.add_argument("--adamw", default="liger", choices=("liger", "torch"),
+                   help="AdamW's step on CUDA: this project's one-pass Triton kernel (FusedAdamW, default) or torch's "
+                        "fused AdamW; same math, state and checkpoints")
     p.add_argument("--loss-scratch-mib", type=_positive, default=None, metavar="MIB",
                    help="cap the fused linear-CE's logits scratch at MIB MiB: the fp32 dW accumulator then becomes "
                         "the gradient in place (peak 4·V·H bytes + MIB instead of 6·V·H for an untied or tied "

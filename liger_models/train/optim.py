@@ -102,14 +102,18 @@ def build_adamw(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     capturable: bool = False,
+    kernel: bool = True,
 ) -> torch.optim.AdamW:
-    """AdamW over ``param_groups`` (each carries its own lr / weight_decay); FusedAdamW when every param is on CUDA.
-    capturable: keep the step count on the GPU, so a CUDA graph can hold the step (cuda_graph.py)."""
+    """AdamW over ``param_groups`` (each carries its own lr / weight_decay). On CUDA: FusedAdamW, or with
+    kernel=False torch's own fused AdamW (same math and state; `--adamw torch`). capturable: keep the step count
+    on the GPU, so a CUDA graph can hold the step (cuda_graph.py)."""
     params = [p for g in param_groups for p in g["params"]]
     if not params:
         raise ValueError("nothing to train: no parameter requires a gradient")
     if all(p.is_cuda for p in params):
-        return FusedAdamW(param_groups, betas=betas, eps=eps, capturable=capturable)
+        if kernel:
+            return FusedAdamW(param_groups, betas=betas, eps=eps, capturable=capturable)
+        return torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=True, capturable=capturable)
     return torch.optim.AdamW(param_groups, betas=betas, eps=eps)
 
 

@@ -124,7 +124,8 @@ def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> tuple[Bat
 
 def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
     stream, eval_data = data
-    optimizer = build_adamw(groups, betas=(args.beta1, args.beta2), capturable=args.cuda_graph)
+    optimizer = build_adamw(groups, betas=(args.beta1, args.beta2), capturable=args.cuda_graph,
+                            kernel=getattr(args, "adamw", "liger") == "liger")
     warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 20
     scheduler = build_scheduler(optimizer, warmup, args.max_steps, args.min_lr_ratio)
     config = TrainConfig(output_dir=args.output_dir, max_steps=args.max_steps, grad_accum=args.grad_accum,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from liger_models.kernels.adamw import adamw_reference_, adamw_step_
-from liger_models.train.optim import FusedAdamW
+from liger_models.train.optim import FusedAdamW, build_adamw
 from tests.helpers import DEVICE
 
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -194,3 +194,12 @@ def test_gpu_step_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert float(graphed.state[p]["step"]) == 4.0
     torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_build_adamw_choice():
+    """`liger-models` trains with FusedAdamW on CUDA, or with torch's fused AdamW under --adamw torch."""
+    params = [torch.nn.Parameter(torch.zeros(3, device="cuda"))]
+    assert type(build_adamw([{"params": params, "lr": 1e-3}])) is FusedAdamW
+    opt = build_adamw([{"params": params, "lr": 1e-3}], kernel=False)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]

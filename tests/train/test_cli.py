@@ -163,3 +163,18 @@ def test_loss_scratch_cap_is_the_runs_only():
     assert flce.MAX_SCRATCH_BYTES == before
     with _loss_scratch_cap(None):
         assert flce.MAX_SCRATCH_BYTES == before
+
+
+def test_adamw_choice():
+    """--adamw picks the CUDA step (FusedAdamW or torch's fused AdamW); on the CPU both build torch's AdamW."""
+    from liger_models.cli import build_parser
+    from liger_models.train.optim import FusedAdamW, build_adamw
+
+    parse = build_parser().parse_args
+    assert parse(["train", "--model", "m", "--data", "d.txt"]).adamw == "liger"
+    assert parse(["train-medusa", "--model", "m", "--data", "d.txt", "--adamw", "torch"]).adamw == "torch"
+    with pytest.raises(SystemExit):
+        parse(["train", "--model", "m", "--data", "d.txt", "--adamw", "sgd"])
+    for kernel in (True, False):
+        opt = build_adamw([{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 1e-3}], kernel=kernel)
+        assert type(opt) is torch.optim.AdamW and not isinstance(opt, FusedAdamW)
