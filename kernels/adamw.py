@@ -6,7 +6,8 @@ a 0-dim fp32 device tensor (already incremented for this step, as torch's fused 
     m ← β1·m + (1 − β1)·g
     v ← β2·v + (1 − β2)·g²
     p ← p − (lr / (1 − β1ᵗ)) · m / (√v / √(1 − β2ᵗ) + ε)
-then p, m, v are rounded once to their own dtypes. β1ᵗ is exp2(t·log2 β1) on the device (no host sync for t).
+then p, m, v are rounded once to their own dtypes. 1 − βᵗ is formed on the device from t·ln β without cancelling
+(_one_minus_pow; no host sync for t).
 
 Why a kernel of its own: torch's fused AdamW (multi_tensor_apply over 64K-element chunks) streamed at 2.3–2.7 TB/s
 in the H200 step profiles (BENCHMARKS.md: 17.1 ms of the 196 ms Llama-3-8B-width step for 2.8e9 bf16 parameters,
@@ -30,22 +31,36 @@ NUM_WARPS = 8
 
 def adamw_reference_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, *,
                      lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """The update in fp32 PyTorch ops, in place on p, m, v (step: 0-dim tensor, already incremented)."""
-    t = step.to(p.device, torch.float32)
-    p32, g32, m32, v32 = p.float(), g.float(), m.float(), v.float()
-    p32 = p32 - lr * weight_decay * p32
-    m32 = beta1 * m32 + (1 - beta1) * g32
-    v32 = beta2 * v32 + (1 - beta2) * g32 * g32
+    """The update in PyTorch ops, in place on p, m, v (step: 0-dim tensor, already incremented): in fp32, or in
+    fp64 for fp64 tensors (the tests' exact reference)."""
+    compute = torch.promote_types(p.dtype, torch.float32)
+    t = step.to(p.device, compute)
+    p_, g_, m_, v_ = (x.to(compute) for x in (p, g, m, v))
+    p_ = p_ - lr * weight_decay * p_
+    m_ = beta1 * m_ + (1 - beta1) * g_
+    v_ = beta2 * v_ + (1 - beta2) * g_ * g_
     step_size = lr / (1 - torch.pow(beta1, t))
-    denom = v32.sqrt() / torch.sqrt(1 - torch.pow(beta2, t)) + eps
-    p32 = p32 - step_size * m32 / denom
-    p.copy_(p32)
-    m.copy_(m32)
-    v.copy_(v32)
+    denom = v_.sqrt() / torch.sqrt(1 - torch.pow(beta2, t)) + eps
+    p_ = p_ - step_size * m_ / denom
+    p.copy_(p_)
+    m.copy_(m_)
+    v.copy_(v_)
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, STEP, LR, n, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
+def _one_minus_pow(t, log_beta):
+    """1 − βᵗ from x = t·ln β ≤ 0 without cancellation: 1 − eˣ rounds away the digits that matter when βᵗ is near 1
+    (β2 = 0.999 at t = 1: 1 − 0.999 from an fp32 exp would be good to ~1e-4 only). For x > −½ the Taylor series of
+    −expm1(x) to x⁸ (truncation < 1e-8 relative); below, eˣ < 0.61 and the subtraction loses nothing."""
+    x = t * log_beta
+    series = 1.9841269841269841e-4 + x * 2.4801587301587302e-5  # 1/7! + x/8!, then Horner down to 1/1!
+    series = 4.1666666666666664e-2 + x * (8.3333333333333332e-3 + x * (1.3888888888888889e-3 + x * series))
+    series = -x * (1.0 + x * (0.5 + x * (1.6666666666666666e-1 + x * series)))
+    return tl.where(x > -0.5, series, 1.0 - tl.exp(x))
+
+
+@triton.jit
+def _adamw_kernel(P, G, M, V, STEP, LR, n, lr, beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
                   LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -56,8 +71,8 @@ def _adamw_kernel(P, G, M, V, STEP, LR, n, lr, beta1, beta2, log2_beta1, log2_be
     t = tl.load(STEP)
     if LR_ON_DEVICE:  # a CUDA graph replays the step: the scheduler's current lr is read, not the captured one
         lr = tl.load(LR)
-    bias1 = 1.0 - tl.exp2(t * log2_beta1)
-    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(t * log2_beta2))
+    bias1 = _one_minus_pow(t, log_beta1)
+    bias2_sqrt = tl.sqrt(_one_minus_pow(t, log_beta2))
     p = p - lr * weight_decay * p
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
@@ -91,5 +106,5 @@ def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
         return
     launch(_adamw_kernel, (cdiv(n, BLOCK),),
            [p, g, m, v, step, lr if on_device else step, n, 0.0 if on_device else float(lr), float(beta1),
-            float(beta2), math.log2(beta1), math.log2(beta2), float(eps), float(weight_decay)],
+            float(beta2), math.log(beta1), math.log(beta2), float(eps), float(weight_decay)],
            dict(LR_ON_DEVICE=on_device, BLOCK=BLOCK, num_warps=NUM_WARPS))
