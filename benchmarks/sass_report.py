@@ -70,8 +70,8 @@ def cross_entropy(args) -> None:
     from liger_models.kernels import _ce_core
 
     block = min(args.block, 1 << (args.vocab - 1).bit_length())
-    signature = dict(LOGITS="*bf16", GRAD="*bf16", LABELS="*i64", LABEL_FLAG="*i64", LOSS="*fp32", LSE="*fp32", Q="*fp32", RANK="*i32",
-                     SCALE="*fp32", stride_logits_row="i64", stride_grad_row="i64", stride_scale="i32",
+    signature = dict(LOGITS="*bf16", GRAD="*bf16", LABELS="*i64", LABEL_FLAG="*i64", LOSS="*fp32", LSE="*fp32",
+                     Q="*fp32", RANK="*i32", SCALE="*fp32", stride_logits_row="i64", stride_grad_row="i64", stride_scale="i32",
                      ignore_index="i32", label_smoothing="fp32", z_loss="fp32", softcap="fp32")
     constexprs = dict(N_COLS=args.vocab, FORWARD=True, BACKWARD=not args.forward_only, WITH_RANK=False,
                       HAS_SOFTCAP=False, HAS_SMOOTHING=False, BLOCK_V=block, REVERSE=True,

@@ -19,7 +19,8 @@ What the step must be (checked where it can be):
   ends in one such read; while capturing only its device part is recorded (the loss kernels still do nothing on a
   bad label), so ``GraphedStep`` runs the whole check on each batch as it is copied in (``label_keys``), where a
   bad label still raises the same ValueError before any kernel reads with it.
-- A capturable optimizer: ``torch.optim.AdamW(..., fused=True, capturable=True)`` (its step count lives on the GPU).
+- A capturable optimizer: ``FusedAdamW(..., capturable=True)`` (optim.py) or ``torch.optim.AdamW(..., fused=True,
+  capturable=True)`` (the step count lives on the GPU).
   A float learning rate would be baked into the graph, so just before the capture each group's float ``lr``
   becomes a 0-dim tensor on its parameters' device; an LR scheduler then fills it in place (torch's schedulers
   do) and every replay reads the current value. ``float(group["lr"])`` reads it back.
