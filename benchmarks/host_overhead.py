@@ -78,6 +78,61 @@ def loss_steps() -> dict:
     return {"cross_entropy 64x1024 (GPU idle)": ce_step, "linear-CE 64x256x1024 (GPU idle)": flce_step}
 
 
+def launch_paths() -> dict:
+    """One tiny cached kernel launched five ways: where a launch's host time goes (Triton 3.x internals)."""
+    import triton
+    import triton.language as tl
+    from liger_models.kernels import _launch
+
+    @triton.jit
+    def _tiny(X, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(X + offs, tl.load(X + offs, mask=offs < n) + 1, mask=offs < n)
+
+    x = torch.zeros(128, device="cuda")
+    meta = dict(BLOCK=128, num_warps=1)
+    binary, consts, _ = _launch.compiled(_tiny, [x, 128], meta, x.device)
+    runner = binary[(1, 1, 1)]
+    stream = torch.cuda.current_stream().cuda_stream
+    run, function, packed = binary.run, binary.function, binary.packed_metadata
+    raw_stream = torch._C._cuda_getCurrentRawStream
+
+    def direct():
+        run(1, 1, 1, raw_stream(0), function, packed, None, None, None, x.data_ptr(), 128, *consts)
+
+    return {
+        "kernel[grid](...)": lambda: _tiny[(1,)](x, 128, **meta),
+        "_launch.launch": lambda: _launch.launch(_tiny, (1,), [x, 128], meta),
+        "_launch._key": lambda: _launch._key(_tiny, x.device, [x, 128], meta),
+        "compiled[grid](...)": lambda: binary[(1, 1, 1)](x.data_ptr(), 128, *consts),
+        "runner(...), stream given": lambda: runner(x.data_ptr(), 128, *consts, stream=stream),
+        "binary.run(...) direct": direct,
+        "torch.empty(4096, 4096)": lambda: torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16),
+        "autograd.grad of x * 2": _bare_autograd(),
+    }
+
+
+def _bare_autograd():
+    x = torch.randn(64, device="cuda", requires_grad=True).clone()
+    dy = torch.ones(64, device="cuda")
+    return lambda: torch.autograd.grad(x * 2, x, dy)
+
+
+def bench_style_steps() -> dict:
+    """The headline autograd steps exactly as bench_rms_norm / bench_rope time them (autograd.grad on intermediates)."""
+    from liger_models.kernels.rms_norm import _RMSNormFunction, rms_norm
+
+    x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16).requires_grad_().clone()
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    return {
+        "rms_norm 16384x4096 autograd.grad": lambda: torch.autograd.grad(rms_norm(x, w, 1e-6), (x, w), dy),
+        "  same, Function.apply directly": lambda: torch.autograd.grad(
+            _RMSNormFunction.apply(x, None, w, 1e-6, 0.0, False), (x, w), dy),
+        "  forward only": lambda: rms_norm(x, w, 1e-6),
+    }
+
+
 def profile_top(fn, reps: int = 300, top: int = 25) -> str:
     """cProfile of ``fn`` repeated: the host functions by total own time (where a loss call's host time goes)."""
     import cProfile
@@ -110,25 +165,39 @@ def main() -> None:
             row["host_ms_fast" if fast else "host_ms_triton"] = host_ms_per_call(fn, 50, SLEEP_CYCLES * 4)
         rows.append(row)
     _launch.FAST_LAUNCH = True
+    micro = []
+    for name, fn in {**launch_paths(), **bench_style_steps()}.items():
+        host_ms_per_call(fn, 20, SLEEP_CYCLES)
+        micro.append({"path": name, "host_us": 1e3 * host_ms_per_call(fn, 200, SLEEP_CYCLES * 8)})
     profiles = {}
+    for name, fn in {**steps(), **bench_style_steps()}.items():
+        profiles[name] = profile_top(fn, reps=100)
+    loss_profiles = {}
     for name, fn in loss_steps().items():
         host_ms_per_call(fn, 20)
         rows.append({"op": name, "gpu_ms": busy_gpu_ms(fn), "host_ms_triton": float("nan"),
                      "host_ms_fast": host_ms_per_call(fn, 200)})
-        profiles[name] = profile_top(fn)
+        loss_profiles[name] = profile_top(fn)
     print("| op (fwd+bwd) | GPU ms | host ms, Triton launcher | host ms, direct launch |")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['op']} | {r['gpu_ms']:.3f} | {r['host_ms_triton']:.3f} | {r['host_ms_fast']:.3f} |")
+    print("| host path | µs per call (GPU busy) |")
+    print("|---|---|")
+    for m in micro:
+        print(f"| {m['path']} | {m['host_us']:.1f} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
-            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "rows": rows,
+                       "launch_paths": micro}, f, indent=1)
         with open(os.path.join(args.out, "host_overhead_loss_profiles.txt"), "w") as f:
+            f.write("\n\n".join(f"##### {name}\n{text}" for name, text in loss_profiles.items()))
+        with open(os.path.join(args.out, "host_overhead_step_profiles.txt"), "w") as f:
             f.write("\n\n".join(f"##### {name}\n{text}" for name, text in profiles.items()))
-    for name, text in profiles.items():
+    for name in ("cross_entropy 64x1024 (GPU idle)", "rms_norm 16384x4096 autograd.grad"):
         print(f"##### {name}")
-        print("\n".join(text.splitlines()[:40]))
+        print("\n".join({**loss_profiles, **profiles}[name].splitlines()[:34]))
 
 
 if __name__ == "__main__":
