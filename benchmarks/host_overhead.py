@@ -91,7 +91,7 @@ def launch_paths() -> dict:
 
     x = torch.zeros(128, device="cuda")
     meta = dict(BLOCK=128, num_warps=1)
-    binary, consts, _ = _launch.compiled(_tiny, [x, 128], meta, x.device)
+    binary, consts, _, direct_launch = _launch.compiled(_tiny, [x, 128], meta, x.device)
     runner = binary[(1, 1, 1)]
     stream = torch.cuda.current_stream().cuda_stream
     run, function, packed = binary.run, binary.function, binary.packed_metadata
@@ -103,7 +103,8 @@ def launch_paths() -> dict:
     return {
         "kernel[grid](...)": lambda: _tiny[(1,)](x, 128, **meta),
         "_launch.launch": lambda: _launch.launch(_tiny, (1,), [x, 128], meta),
-        "_launch._key": lambda: _launch._key(_tiny, x.device, [x, 128], meta),
+        "_launch._spec + _key": lambda: _launch._key(_tiny, 0, _launch._spec([x, 128])[0], meta),
+        "_launch._direct": lambda: direct_launch((1,), [x.data_ptr(), 128]),
         "compiled[grid](...)": lambda: binary[(1, 1, 1)](x.data_ptr(), 128, *consts),
         "runner(...), stream given": lambda: runner(x.data_ptr(), 128, *consts, stream=stream),
         "binary.run(...) direct": direct,

@@ -13,6 +13,9 @@ from ._dispatch import interpreting
 from ._launch import launch
 
 LABEL_BLOCK = 4096
+# Pinned host buffers + events of finished checks, per device, for the next check to reuse: a fresh pinned
+# tensor and event cost more host time than the check's own launch.
+_SPARE: dict[int, list] = {}
 
 
 class LabelCheck:
@@ -38,7 +41,7 @@ class LabelCheck:
             raise ValueError(f"labels must be int64 (or int32), got {labels.dtype}")
         self.labels, self.vocab_size, self.ignore_index = labels.reshape(-1), vocab_size, ignore_index
         n, device = self.labels.numel(), labels.device
-        self._event = None
+        self._event, self._counts = None, (0, 0)
         if not (labels.is_cuda or interpreting()):  # the PyTorch reference path
             bad = ((self.labels < 0) | (self.labels >= vocab_size)) & (self.labels != ignore_index)
             self.flag = torch.stack([bad.sum(), bad.int().argmax() if n else bad.sum()])
@@ -57,19 +60,26 @@ class LabelCheck:
         elif torch.cuda.is_current_stream_capturing():
             self._host = None
         else:
-            self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            spare = _SPARE.setdefault(device.index, [])
+            self._host, self._event = spare.pop() if spare else (torch.empty(2, dtype=torch.int64, pin_memory=True),
+                                                                 torch.cuda.Event())
             self._host.copy_(self.flag, non_blocking=True)
-            self._event = torch.cuda.Event()
             self._event.record()
 
     def wait(self) -> None:
         """Raise ValueError if a label was bad (blocking until the check's result is on the host)."""
         if self._event is not None:
             self._event.synchronize()
-        if self._host is not None and int(self._host[0]):
-            first = self.labels[int(self._host[1])].item()
+        if self._host is not None:
+            self._counts = self._host.tolist()
+        if self._event is not None:  # the copy has landed: buffer and event are free for the next check
+            _SPARE[self.labels.device.index].append((self._host, self._event))
+            self._host = self._event = None
+        n_bad, first_index = self._counts
+        if n_bad:
+            first = self.labels[first_index].item()
             raise ValueError(f"label {first} is outside the vocabulary [0, {self.vocab_size}) and is not "
-                             f"ignore_index={self.ignore_index} ({int(self._host[0])} such labels)")
+                             f"ignore_index={self.ignore_index} ({n_bad} such labels)")
 
 
 def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:

@@ -233,7 +233,7 @@ def test_launch_helpers_match_triton():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
-    from liger_models.kernels._launch import _key, cdiv, pow2
+    from liger_models.kernels._launch import _key, _spec, cdiv, pow2
 
     for n in (1, 2, 3, 4, 5, 127, 1023, 1024, 1025, 2**31 + 1):
         assert pow2(n) == triton.next_power_of_2(n) and cdiv(n, 7) == triton.cdiv(n, 7)
@@ -241,7 +241,7 @@ def test_launch_helpers_match_triton():
     samples = [buf, buf[1:], buf[8:], buf.float(), None, 0, 1, 2, 16, 17, 32, 2**31 - 16, 2**31, 2**31 + 16, -16, 0.5]
     for a in samples:
         for b in samples:
-            if _key(rn._norm_fwd_kernel, buf.device, [a], {}) == _key(rn._norm_fwd_kernel, buf.device, [b], {}):
+            if _key(rn._norm_fwd_kernel, 0, _spec([a])[0], {}) == _key(rn._norm_fwd_kernel, 0, _spec([b])[0], {}):
                 assert (native_specialize_impl(CUDABackend, a, False, True, True)
                         == native_specialize_impl(CUDABackend, b, False, True, True)), (a, b)
 
