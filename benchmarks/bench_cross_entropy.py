@@ -31,7 +31,8 @@ SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (3276
 # Settings of kernels/_ce_core.py timed besides the default: bBLOCKwWARPS, "fwd" = pass 2 in forward order, "nohint"
 # = no eviction hints, "lanes" / "bsums" = pass 1 with per-thread / per-block partial sums, "keepN" = pass 1's loads
 # evict_last only in the tail of a row that N% of L2 holds for every resident row, "rN" = ptxas capped at N registers
-# per thread on rows up to 128K wide (the default: 32), "nocap" = no cap, "capall" = the cap at every width.
+# per thread on rows up to 128K wide (the default: 32), "nocap" = no cap, "capall" = the cap at every width,
+# "nosplit" = one program per row at any width, "splitNk" = rows wider than N K columns split over programs.
 # (Sixth session: a one-read split-row kernel and persistent grids; seventh: partial-statistics + finishing split
 # kernels; eighth: 32K-64K leading columns held in registers between the passes — all lost, BENCHMARKS.md.)
 def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
@@ -45,14 +46,16 @@ def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
     settings.update({"CE_MAX_REGISTERS": int(w[1:]) for w in words if w[0] == "r" and w[1:].isdigit()})
     settings.update({"CE_MAX_REGISTERS": None for w in words if w == "nocap"})
     settings.update({"CE_MAX_REGISTERS_COLS": 1 << 30 for w in words if w == "capall"})
+    settings.update({"CE_SPLIT_COLS": None for w in words if w == "nosplit"})
+    settings.update({"CE_SPLIT_COLS": int(w[5:-1]) << 10 for w in words if w.startswith("split") and w[-1] == "k"})
     return name, settings
 
 
 VARIANTS = dict(_variant(*v) for v in [
-    (16384, 32, "bsums"), (16384, 32, "nocap"), (16384, 32, "capall keep90"),
+    (16384, 32, "bsums"), (16384, 32, "nosplit"), (16384, 32, "split64k"),
 ])
-# Sweep cases that time the variants too: few rows, and the two where liger-kernel led by most.
-SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256)}
+# Sweep cases that time the variants too: few rows, wide rows, and the two where liger-kernel led by most.
+SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256), (16384, 256000)}
 EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits + fp32 and bf16 grads: ≈12 B per logit
 IGNORE = -100
 

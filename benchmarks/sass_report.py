@@ -7,6 +7,7 @@ that the cross-entropy row kernel issued ~38 instructions per logit (exp through
 check, a mask and a target test on every element), where ~16 suffice.
 
     python benchmarks/sass_report.py ce [--vocab 128256] [--block 16384] [--warps 32] [--lanes] [--forward-only]
+                                        [--split 2] [--maxnreg 32]
     python benchmarks/sass_report.py norm-bwd [--cols 16384] [--block 16384] [--warps 32]
 
 Launch arguments are specialised as on the GPU for 16-byte-aligned tensors and strides divisible by 16 (without
@@ -30,14 +31,15 @@ TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
-def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: set, num_warps: int):
+def compile_sm90(kernel, signature: dict, constexprs: dict, aligned: set, num_warps: int, maxnreg: int | None = None):
     """Compile `kernel` for sm_90: signature maps every runtime argument to a Triton type ("*bf16", "i32", ...);
-    arguments named in `aligned` are specialised as divisible by 16."""
+    arguments named in `aligned` are specialised as divisible by 16; maxnreg caps ptxas's registers per thread."""
     names = kernel.arg_names
     sig = {n: "constexpr" if n in constexprs else signature[n] for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def report(compiled, label: str) -> None:
@@ -71,17 +73,20 @@ def cross_entropy(args) -> None:
 
     block = min(args.block, 1 << (args.vocab - 1).bit_length())
     signature = dict(LOGITS="*bf16", GRAD="*bf16", LABELS="*i64", LABEL_FLAG="*i64", LOSS="*fp32", LSE="*fp32",
-                     Q="*fp32", RANK="*i32", SCALE="*fp32", stride_logits_row="i64", stride_grad_row="i64", stride_scale="i32",
+                     Q="*fp32", RANK="*i32", SCALE="*fp32", PARTIAL="*fp32", ARRIVED="*i32",
+                     stride_logits_row="i64", stride_grad_row="i64", stride_scale="i32",
                      ignore_index="i32", label_smoothing="fp32", z_loss="fp32", softcap="fp32")
     constexprs = dict(N_COLS=args.vocab, FORWARD=True, BACKWARD=not args.forward_only, WITH_RANK=False,
                       HAS_SOFTCAP=False, HAS_SMOOTHING=False, BLOCK_V=block, REVERSE=True,
                       LANE=8 if args.lanes else block,
-                      EVICT_PASS1="evict_last", EVICT_PASS2="evict_first", KEEP_FROM=0, EVICT_HEAD="evict_first")
+                      EVICT_PASS1="evict_last", EVICT_PASS2="evict_first", KEEP_FROM=0, EVICT_HEAD="evict_first",
+                      SPLIT=args.split, SEGMENT=-(-(args.vocab // block) // args.split) * block, PHASE=0)
     aligned = {n for n, t in signature.items() if t.startswith("*")} | {"stride_logits_row", "stride_grad_row"}
-    compiled = compile_sm90(_ce_core._ce_kernel, signature, constexprs, aligned, args.warps)
+    compiled = compile_sm90(_ce_core._ce_kernel, signature, constexprs, aligned, args.warps, args.maxnreg)
     per_thread = block // (32 * args.warps)
     report(compiled, f"cross-entropy row kernel, V={args.vocab}, block {block} over {args.warps} warps "
-                     f"({per_thread} logits per thread per block), {'lane' if args.lanes else 'block'} sums")
+                     f"({per_thread} logits per thread per block), {'lane' if args.lanes else 'block'} sums, "
+                     f"{args.split} program(s) per row, maxnreg {args.maxnreg}")
 
 
 def norm_backward(args) -> None:
@@ -109,6 +114,8 @@ def main() -> None:
     ce.add_argument("--warps", type=int, default=32)
     ce.add_argument("--forward-only", action="store_true")
     ce.add_argument("--lanes", action="store_true", help="per-thread partial sums in pass 1 (CE_LANE_SUMS)")
+    ce.add_argument("--split", type=int, default=1, help="programs per row (CE_SPLIT_COLS)")
+    ce.add_argument("--maxnreg", type=int, default=None, help="register cap (CE_MAX_REGISTERS)")
     nb = sub.add_parser("norm-bwd", help="the RMSNorm backward kernel (llama casting, dW, one row per tile)")
     nb.add_argument("--cols", type=int, default=16384)
     nb.add_argument("--block", type=int, default=16384)

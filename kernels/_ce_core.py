@@ -14,13 +14,11 @@ mean's 1/denominator, a loss scale, or a per-row grad_output) so nothing here ne
 
 Bytes per element (bf16): pass 1 reads 2, pass 2 reads 2 (partly from L2) and writes 2. Floor (one read + one
 write) for 8192×128256 is 4.2 GB → 1.0 ms at 4.2 TB/s; an L2 miss on every pass-2 read costs 1.5 ms.
-Reaching that floor needs one read: a 128K-entry row does not fit one program's registers, and splitting it over
-several programs that hold their slices in registers and meet once (atomic counter; commit 032f589) measured
-1.2-1.9x slower on the H200 (sixth session, BENCHMARKS.md): each program idles at the meeting with too few bytes
-in flight. A persistent grid (few rows in flight, so pass 2 re-reads from L2) lost 10-90% with 4K-32K blocks, and
-two launches over (row, slice) programs (partial statistics, then combine + gradient; commit fa2f2d2) lost too, and
-so did keeping a row's first 32K-64K columns in registers between the passes as packed bf16 pairs (commit f35163f;
-20-75% slower: 64 registers per thread leave one program per SM, too few bytes in flight).
+Reaching that floor needs one read: a 128K-entry row does not fit one program's registers, and holding slices of it
+in several programs' registers (sixth session), persistent grids, a two-launch (partial statistics, then gradient)
+split and 32K-64K columns kept in registers between the passes (seventh, eighth) all lost (BENCHMARKS.md). What is
+kept: rows wider than CE_SPLIT_COLS go to 2 (4, ...) programs that each run both passes on a segment and meet once
+between them (_share_partials), so a 512 KB row puts no more in flight per SM than a 256 KB one.
 
 Instructions matter as much as bytes (seventh session, `benchmarks/sass_report.py ce`): the loops issue ~12 (pass 1)
 + ~8 (pass 2) instructions per logit, down from ~38, because exp is one ex2.ftz, only the partial last block is
@@ -75,19 +73,10 @@ CE_MAX_REGISTERS_COLS = 131072
 # 4096×256000 from 1.390 to 1.371 ms and left 128K-wide rows (whose tail is all but one block) alike; 0.4 lost at
 # 8192×128256, 0.9 won less (eighth session).
 CE_KEEP_L2_SHARE = 0.6
-SCALE_BLOCK = 4096
-SCALE_PROGRAMS_PER_SM = 8  # scale_'s grid: enough resident programs to stream at the copy rate when g != 1
-_REDUCTIONS = ("mean", "sum", "none")
-
-
-def check_options(reduction: str, label_smoothing: float, softcap: float | None) -> None:
-    """Raise ValueError for an unknown reduction or an out-of-range smoothing / softcap."""
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+# Rows wider than this are split over 2 (4, ...) programs that meet once between the passes (_share_partials): at
+# 4096×256000 one program per 512 KB row and SM (two would crowd L2 between the passes) streamed 1.34 ms against
+# 1.22 ms for the same bytes as 8192×128256 rows, two programs per SM. None = never split.
+CE_SPLIT_COLS: int | None = 131072
 
 
 @triton.jit
@@ -181,16 +170,131 @@ def _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, t_off, softc
 
 
 @triton.jit
+def _row_stats(X, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap, N_COLS: tl.constexpr,
+               SEGMENT: tl.constexpr, WITH_RANK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_SMOOTHING: tl.constexpr, LANES: tl.constexpr, BLOCK_V: tl.constexpr, EVICT_PASS1: tl.constexpr,
+               KEEP_FROM: tl.constexpr, EVICT_HEAD: tl.constexpr):
+    """Pass 1 over the whole blocks [seg_start, seg_end) of the row (and its partial last block when `last`):
+    the merged (max, Σ_{j≠t} e^{x−max}, Σx, #{x_j > x_t}), the running max started at x_t."""
+    FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V  # columns in whole blocks: no mask there
+    # Per-lane partials (LANES of them), merged once after the loops.
+    m = tl.zeros([LANES], tl.float32) + x_t
+    s = tl.zeros([LANES], tl.float32)
+    sum_x = tl.zeros([LANES], tl.float32)
+    rank = tl.zeros([LANES], tl.int32)
+    # Whole blocks but the target's, then the target's (if whole), then the partial last block. A branch around a
+    # whole block stays a branch; a per-element test would be if-converted into every block. (The loads stay here:
+    # moved into _stats_block, as _grad_block does, ptxas gave the kernel 64 registers instead of 32 at 16384/32,
+    # one program per SM instead of two; sass_report.py.)
+    for b in range(0, KEEP_FROM, BLOCK_V):  # the segment's head: pass 2 comes back to it last (below)
+        start = seg_start + b
+        if (start != t_start) & (start < seg_end):
+            x = tl.load(X + start + lanes, eviction_policy=EVICT_HEAD).to(tl.float32)
+            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, lanes, None, softcap,
+                                             False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+    for b in range(KEEP_FROM, SEGMENT, BLOCK_V):
+        start = seg_start + b
+        if (start != t_start) & (start < seg_end):
+            x = tl.load(X + start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
+            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, lanes, None, softcap,
+                                             False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+    if (t_start >= seg_start) & (t_start < seg_end):
+        x = tl.load(X + t_start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
+        m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - t_start, lanes, None, softcap,
+                                         False, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+    if FULL < N_COLS:
+        if last:
+            mask = FULL + lanes < N_COLS
+            x = tl.load(X + FULL + lanes, mask=mask, other=0.0, eviction_policy=EVICT_PASS1).to(tl.float32)
+            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - FULL, lanes, mask, softcap,
+                                             True, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+    return _merge_lanes(m, s, sum_x, rank)
+
+
+@triton.jit
+def _row_grad(X, G, seg_start, seg_end, last, t_start, target, offs, lse, coef, shift, t_coef, t_add, softcap,
+              N_COLS: tl.constexpr, SEGMENT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+              REVERSE: tl.constexpr, EVICT_PASS2: tl.constexpr):
+    """Pass 2 over the same columns as _row_stats: write the gradient."""
+    FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V
+    if REVERSE and FULL < N_COLS:  # the blocks pass 1 read last first: they are the likeliest in L2
+        if last:
+            _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
+                        True, True, HAS_SOFTCAP, EVICT_PASS2)
+    for b in range(0, SEGMENT, BLOCK_V):
+        start = seg_start + ((SEGMENT - BLOCK_V - b) if REVERSE else b)
+        if (start != t_start) & (start < seg_end):
+            _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, 0, softcap, N_COLS,
+                        False, False, HAS_SOFTCAP, EVICT_PASS2)
+    if (t_start >= seg_start) & (t_start < seg_end):
+        _grad_block(X, G, t_start, offs, lse, coef, shift, t_coef, t_add, target - t_start, softcap, N_COLS,
+                    False, True, HAS_SOFTCAP, EVICT_PASS2)
+    if not REVERSE and FULL < N_COLS:
+        if last:
+            _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
+                        True, True, HAS_SOFTCAP, EVICT_PASS2)
+
+
+@triton.jit
+def _share_partials(PARTIAL, ARRIVED, part, m, s, sum_x, rank, x_t, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+    """A split row's programs meet: each publishes its pass-1 partials, then (PHASE 0) waits until all SPLIT have,
+    then every one merges all of them. PHASE 1 only publishes, PHASE 2 only merges (the two launches of the
+    interpreter, which runs programs one after another, so a program waiting for a later one would wait forever;
+    x_t goes along, as the logit may be a gradient by the time a later program of PHASE 2 could read it).
+    On the GPU the SPLIT programs of a row are consecutive in launch order, so each one's partners are resident
+    or about to be: the wait cannot deadlock. PARTIAL: 8 fp32 slots per program."""
+    BITS = PARTIAL.to(tl.pointer_type(tl.int32)) + 8 * part
+    if PHASE != 2:
+        # Scalar atomics (of the bits: the interpreter has no fp32 exchange) are issued by one thread, ordered
+        # before the release below on that same thread.
+        tl.atomic_xchg(BITS, m.to(tl.int32, bitcast=True), sem="relaxed")
+        tl.atomic_xchg(BITS + 1, s.to(tl.int32, bitcast=True), sem="relaxed")
+        tl.atomic_xchg(BITS + 2, sum_x.to(tl.int32, bitcast=True), sem="relaxed")
+        tl.atomic_xchg(BITS + 3, rank, sem="relaxed")
+    if PHASE == 1:
+        tl.store(PARTIAL + 8 * part + 4, x_t)
+    if PHASE == 2:
+        x_t = tl.load(PARTIAL + 8 * part + 4)
+    if PHASE == 0:
+        arrived = tl.atomic_add(ARRIVED, 1, sem="acq_rel", scope="gpu") + 1
+        while arrived < SPLIT:
+            arrived = tl.atomic_add(ARRIVED, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()  # every thread's loads below come after the acquire
+    if PHASE != 1:
+        parts = 8 * tl.arange(0, SPLIT)
+        pm = tl.load(PARTIAL + parts, volatile=True)
+        m = tl.max(pm, 0)
+        s = tl.sum(tl.load(PARTIAL + parts + 1, volatile=True) * _exp(pm - m), 0)
+        sum_x = tl.sum(tl.load(PARTIAL + parts + 2, volatile=True), 0)
+        rank = tl.sum(tl.load(PARTIAL.to(tl.pointer_type(tl.int32)) + parts + 3, volatile=True), 0)
+    return m, s, sum_x, rank, x_t
+
+
+@triton.jit
 def _ce_kernel(
-    LOGITS, GRAD, LABELS, LABEL_FLAG, LOSS, LSE, Q, RANK, SCALE,
+    LOGITS, GRAD, LABELS, LABEL_FLAG, LOSS, LSE, Q, RANK, SCALE, PARTIAL, ARRIVED,
     stride_logits_row, stride_grad_row, stride_scale,
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
     REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
-    EVICT_HEAD: tl.constexpr,
+    EVICT_HEAD: tl.constexpr, SPLIT: tl.constexpr, SEGMENT: tl.constexpr, PHASE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    # SPLIT programs per row, each on SEGMENT columns of whole blocks (the last one also on the partial last block).
+    FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V
+    if SPLIT == 1:
+        row = tl.program_id(0).to(tl.int64)
+        part = 0
+        seg_start = 0
+        seg_end = FULL
+        last = True
+    else:
+        pid = tl.program_id(0)
+        row = (pid // SPLIT).to(tl.int64)
+        part = pid % SPLIT
+        seg_start = part * SEGMENT
+        seg_end = tl.minimum(seg_start + SEGMENT, FULL)
+        last = part == SPLIT - 1
     X = LOGITS + row * stride_logits_row
     G = GRAD + row * stride_grad_row
     label = tl.load(LABELS + row).to(tl.int64)
@@ -200,61 +304,46 @@ def _ce_kernel(
     # barriers, per block).
     LANES: tl.constexpr = BLOCK_V // LANE
     lanes = tl.arange(0, LANES)[:, None] * LANE + tl.arange(0, LANE)[None, :]
-    FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V  # columns in whole blocks: no mask there
     clean = tl.load(LABEL_FLAG) == 0  # no bad label in the batch (_labels.LabelCheck): only then touch anything
     if clean & (label != ignore_index):
         target = label.to(tl.int32)  # < V once range-checked; int32 keeps the per-block offsets cheap
         t_start = (target // BLOCK_V) * BLOCK_V  # the target's block
         if FORWARD:
-            x_t = tl.load(X + target).to(tl.float32)  # labels were range-checked on the host
-            if HAS_SOFTCAP:
-                x_t = _softcap(x_t, softcap)[0]
-            # Per-lane partials (LANES = BLOCK_V // LANE of them), merged once after the loops.
-            m = tl.zeros([LANES], tl.float32) + x_t
-            s = tl.zeros([LANES], tl.float32)
-            sum_x = tl.zeros([LANES], tl.float32)
-            rank = tl.zeros([LANES], tl.int32)
-            # Whole blocks but the target's, then the target's (if whole), then the partial last block. A branch
-            # around a whole block stays a branch; a per-element test would be if-converted into every block.
-            # (The loads stay here: moved into _stats_block, as _grad_block does, ptxas gave the kernel 64 registers
-            # instead of 32 at 16384/32, one program per SM instead of two; sass_report.py.)
-            for start in range(0, KEEP_FROM, BLOCK_V):  # the row's head: pass 2 comes back to it last (below)
-                if start != t_start:
-                    x = tl.load(X + start + lanes, eviction_policy=EVICT_HEAD).to(tl.float32)
-                    m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, lanes, None, softcap,
-                                                     False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
-            for start in range(KEEP_FROM, FULL, BLOCK_V):
-                if start != t_start:
-                    x = tl.load(X + start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
-                    m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, lanes, None, softcap,
-                                                     False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
-            if t_start < FULL:
-                x = tl.load(X + t_start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
-                m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - t_start, lanes, None, softcap,
-                                                 False, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
-            if FULL < N_COLS:
-                mask = FULL + lanes < N_COLS
-                x = tl.load(X + FULL + lanes, mask=mask, other=0.0, eviction_policy=EVICT_PASS1).to(tl.float32)
-                m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - FULL, lanes, mask, softcap,
-                                                 True, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
-            m, s, sum_x, rank = _merge_lanes(m, s, sum_x, rank)
+            x_t = 0.0
+            if PHASE != 2:
+                x_t = tl.load(X + target).to(tl.float32)  # labels were range-checked on the host
+                if HAS_SOFTCAP:
+                    x_t = _softcap(x_t, softcap)[0]
+            m = x_t
+            s = 0.0
+            sum_x = 0.0
+            rank = 0
+            if PHASE != 2:
+                m, s, sum_x, rank = _row_stats(X, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap,
+                                               N_COLS, SEGMENT, WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, LANES,
+                                               BLOCK_V, EVICT_PASS1, KEEP_FROM, EVICT_HEAD)
+            if SPLIT > 1:
+                m, s, sum_x, rank, x_t = _share_partials(PARTIAL + row * (8 * SPLIT), ARRIVED + row, part, m, s,
+                                                         sum_x, rank, x_t, SPLIT, PHASE)
             e_t = _exp(x_t - m)
             log_s = _log1p(s + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
             lse = m + log_s
-            loss = (1.0 - label_smoothing) * (log_s + (m - x_t))
-            if HAS_SMOOTHING:
-                loss += label_smoothing * (lse - sum_x / N_COLS)
-            loss += z_loss * lse * lse
             q = s / (s + e_t)
-            tl.store(LOSS + row, loss)
-            tl.store(LSE + row, lse)
-            tl.store(Q + row, q)
-            if WITH_RANK:
-                tl.store(RANK + row, rank)
+            if PHASE != 1:
+                if part == 0:  # one program per row stores the row's results
+                    loss = (1.0 - label_smoothing) * (log_s + (m - x_t))
+                    if HAS_SMOOTHING:
+                        loss += label_smoothing * (lse - sum_x / N_COLS)
+                    loss += z_loss * lse * lse
+                    tl.store(LOSS + row, loss)
+                    tl.store(LSE + row, lse)
+                    tl.store(Q + row, q)
+                    if WITH_RANK:
+                        tl.store(RANK + row, rank)
         else:
             lse = tl.load(LSE + row)
             q = tl.load(Q + row)
-        if BACKWARD:
+        if BACKWARD and PHASE != 1:
             # g_j = scale·(p_j·(1 + zc) − ε/V), the target's entry scale·(p_t·zc − q + ε − ε/V), zc = 2z·lse.
             scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
             zc = 2.0 * z_loss * lse
@@ -262,49 +351,24 @@ def _ce_kernel(
             shift = scale * (label_smoothing / N_COLS)
             t_coef = scale * zc
             t_add = scale * (label_smoothing - q) - shift
-            if REVERSE and FULL < N_COLS:  # the blocks pass 1 read last first: they are the likeliest in L2
-                _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
-                            True, True, HAS_SOFTCAP, EVICT_PASS2)
-            for b in range(0, FULL, BLOCK_V):
-                start = (FULL - BLOCK_V - b) if REVERSE else b
-                if start != t_start:
-                    _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, 0, softcap, N_COLS,
-                                False, False, HAS_SOFTCAP, EVICT_PASS2)
-            if t_start < FULL:
-                _grad_block(X, G, t_start, offs, lse, coef, shift, t_coef, t_add, target - t_start, softcap, N_COLS,
-                            False, True, HAS_SOFTCAP, EVICT_PASS2)
-            if not REVERSE and FULL < N_COLS:
-                _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
-                            True, True, HAS_SOFTCAP, EVICT_PASS2)
+            _row_grad(X, G, seg_start, seg_end, last, t_start, target, offs, lse, coef, shift, t_coef, t_add, softcap,
+                      N_COLS, SEGMENT, HAS_SOFTCAP, BLOCK_V, REVERSE, EVICT_PASS2)
     elif clean:
-        if FORWARD:
-            tl.store(LOSS + row, 0.0)
-            tl.store(LSE + row, 0.0)
-            tl.store(Q + row, 0.0)
-            if WITH_RANK:
-                tl.store(RANK + row, -1)
-        if BACKWARD:
+        if FORWARD and PHASE != 1:
+            if part == 0:
+                tl.store(LOSS + row, 0.0)
+                tl.store(LSE + row, 0.0)
+                tl.store(Q + row, 0.0)
+                if WITH_RANK:
+                    tl.store(RANK + row, -1)
+        if BACKWARD and PHASE != 1:
             zeros = tl.zeros([BLOCK_V], dtype=GRAD.dtype.element_ty)
-            for start in range(0, N_COLS, BLOCK_V):
-                cols = start + offs
-                tl.store(G + cols, zeros, mask=cols < N_COLS, eviction_policy="evict_first")
-
-
-@triton.jit
-def _scale_kernel(X, G, n, BLOCK: tl.constexpr):
-    # g is read on the device: grad_output == 1 (a plain loss.backward()) costs a launch and no traffic. A small
-    # grid that strides over x: one program per 4096 elements made the no-op cost 0.18 ms at 8192×128256 (256K
-    # programs to schedule; eighth session). A while loop: the interpreter cannot `for` to a runtime bound.
-    g = tl.load(G).to(tl.float32)
-    if g != 1.0:
-        start = tl.program_id(0).to(tl.int64) * BLOCK
-        step = tl.num_programs(0).to(tl.int64) * BLOCK
-        while start < n:
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n
-            x = tl.load(X + offs, mask=mask).to(tl.float32)
-            tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
-            start += step
+            seg_stop = N_COLS  # the last segment runs to the end of the row
+            if SPLIT > 1:
+                seg_stop = tl.where(last, N_COLS, seg_end)
+            for b in range(0, SEGMENT + BLOCK_V, BLOCK_V):
+                cols = seg_start + b + offs
+                tl.store(G + cols, zeros, mask=cols < seg_stop, eviction_policy="evict_first")
 
 
 def ce_rows(
@@ -336,22 +400,42 @@ def ce_rows(
     forward, backward = loss is not None, grad is not None
     block = min(CE_BLOCK_V, pow2(n_cols))
     lanes = CE_LANE_SUMS and rows >= CE_LANE_SUMS_MIN_ROWS
-    cap = _register_cap(lanes, n_cols)
+    split, segment = _split(n_cols, block)
+    cap = _register_cap(lanes, segment)
     dummy = lse  # stands in for pointers a mode does not touch
-    launch(_ce_kernel, (rows,),
-           [logits, grad if backward else logits, labels, label_flag, loss if forward else dummy, lse, q,
-            rank if rank is not None else dummy, scale if backward else dummy,
+    partial, arrived = dummy, label_flag
+    phases = (0,)
+    if split > 1 and forward:  # the programs of a row meet between the passes (_share_partials)
+        partial = torch.empty(rows * split * 8, dtype=torch.float32, device=logits.device)
+        if type(_ce_kernel) is triton.runtime.jit.JITFunction:
+            arrived = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+        else:  # the interpreter runs programs one by one: publish in one launch, merge in the next
+            phases = (1, 2)
+    args = [logits, grad if backward else logits, labels, label_flag, loss if forward else dummy, lse, q,
+            rank if rank is not None else dummy, scale if backward else dummy, partial, arrived,
             logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
-            ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)],
-           dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
-                HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block,
-                LANE=min(block, 16 // logits.element_size()) if lanes else block,
-                REVERSE=CE_REVERSE_PASS2,
-                EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
-                EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
-                KEEP_FROM=_keep_from(logits, block, lanes, cap), EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
-                num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
-                **({} if cap is None else dict(maxnreg=cap))))
+            ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)]
+    for phase in phases:
+        launch(_ce_kernel, (rows * split,), args,
+               dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
+                    HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block,
+                    LANE=min(block, 16 // logits.element_size()) if lanes else block,
+                    REVERSE=CE_REVERSE_PASS2,
+                    EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
+                    EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
+                    KEEP_FROM=_keep_from(logits, segment, block, lanes, cap),
+                    EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
+                    SPLIT=split, SEGMENT=segment, PHASE=phase,
+                    num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
+                    **({} if cap is None else dict(maxnreg=cap))))
+
+
+def _split(n_cols: int, block: int) -> tuple[int, int]:
+    """(programs per row, whole-block columns per program): rows wider than CE_SPLIT_COLS go to 2, 4, ...
+    programs, so that what is in flight per SM stays what a CE_SPLIT_COLS-wide row puts there."""
+    whole = n_cols // block
+    split = 1 if not CE_SPLIT_COLS else max(1, min(pow2(cdiv(n_cols, CE_SPLIT_COLS)), pow2(whole + 1) // 2))
+    return split, cdiv(whole, split) * block
 
 
 def _register_cap(lanes: bool, n_cols: int) -> int | None:
@@ -360,19 +444,19 @@ def _register_cap(lanes: bool, n_cols: int) -> int | None:
     return CE_MAX_REGISTERS if lanes and n_cols <= CE_MAX_REGISTERS_COLS else None
 
 
-def _keep_from(logits: torch.Tensor, block: int, lanes: bool, cap: int | None) -> int:
-    """KEEP_FROM: pass 1 marks its loads evict_last only from this column on (a multiple of the block), and the
-    row's head before it evict_first. With CE_KEEP_L2_SHARE, the tail kept is what one resident row may hold of that
-    share of L2 (rows in flight at 32 warps: one program per SM with lane sums at ptxas's 57 registers, two at 32
-    registers — per-block sums, or lane sums under a register cap of 32); pass 2, in reverse, re-reads the tail
-    first, and a head marked evict_last would only push other rows' tails out before they are re-read."""
+def _keep_from(logits: torch.Tensor, segment: int, block: int, lanes: bool, cap: int | None) -> int:
+    """KEEP_FROM: pass 1 marks its loads evict_last only from this column of its segment on (a multiple of the
+    block), and the segment's head before it evict_first. With CE_KEEP_L2_SHARE, the tail kept is what one resident
+    program may hold of that share of L2 (programs in flight at 32 warps: one per SM with lane sums at ptxas's 57
+    registers, two at 32 registers — per-block sums, or lane sums under a register cap of 32); pass 2, in reverse,
+    re-reads the tail first, and a head marked evict_last would only push other rows' tails out before they are
+    re-read."""
     if not CE_KEEP_L2_SHARE:
         return 0
-    full = logits.shape[1] // block * block
     one_per_sm = lanes and (cap is None or cap > 32)
-    rows_in_flight = sm_count(logits.device) * (1 if one_per_sm else 2)
-    keep = int(CE_KEEP_L2_SHARE * _l2_bytes(logits.device)) // (rows_in_flight * logits.element_size())
-    return max(0, full - keep // block * block)
+    in_flight = sm_count(logits.device) * (1 if one_per_sm else 2)
+    keep = int(CE_KEEP_L2_SHARE * _l2_bytes(logits.device)) // (in_flight * logits.element_size())
+    return max(0, segment - keep // block * block)
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,26 +465,3 @@ def _l2_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 50 << 20
     return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-
-
-def take_grads(ctx) -> tuple:
-    """The gradients a forward pass computed, handed out once.
-
-    A second backward through the same graph (retain_graph=True) would scale them again, and autograd may already
-    hold them as some leaf's .grad, so it raises instead.
-    """
-    grads = ctx.grads
-    if grads is None:
-        raise RuntimeError("this loss computes its gradients in the forward pass: backward can run only once per "
-                           "forward (retain_graph=True is not supported)")
-    ctx.grads = None
-    return grads
-
-
-def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """x *= g in place for a contiguous x and a 1-element device tensor g, skipping all traffic when g == 1."""
-    n = x.numel()
-    if n:
-        launch(_scale_kernel, (min(cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * sm_count(x.device)),),
-               [x, g.reshape(1).float(), n], dict(BLOCK=SCALE_BLOCK, num_warps=8))
-    return x

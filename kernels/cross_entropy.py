@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._ce_core import ce_rows, check_options, scale_, take_grads
+from ._ce_core import ce_rows
+from ._loss_common import check_options, scale_, take_grads
 from ._labels import LabelCheck, check_labels, mean_denominator
 from ._dispatch import use_triton
 from ._launch import on_input_device

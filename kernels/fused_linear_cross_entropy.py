@@ -55,7 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._ce_core import ce_rows, check_options, scale_, take_grads
+from ._ce_core import ce_rows
+from ._loss_common import check_options, scale_, take_grads
 from ._dispatch import row_view, use_triton
 from ._labels import LabelCheck
 from ._launch import on_input_device

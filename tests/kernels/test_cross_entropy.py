@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liger_models.kernels import _ce_core
+from liger_models.kernels import _ce_core, _loss_common
 from liger_models.kernels import _labels as label_check
 from liger_models.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
 from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
@@ -67,13 +67,17 @@ def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
 # target falls in a whole block or in the masked tail), per-block sums in pass 1; the same with per-thread partial
 # sums (the default from 4096 rows on) and a register cap; the same with pass 2 in forward order, no eviction hints
 # and per-block sums; 64-column blocks with pass 1's loads split into an evict_first head and a 64-column evict_last
-# tail.
+# tail; rows split over programs (32-column blocks; rows of 300 / 517 over 2 / 4 programs of 5 / 4 whole blocks, the
+# last one short and with the partial block), with per-block and with lane sums and an evict_first head.
 SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=0.0),
             "128-col-blocks-lanes": dict(CE_BLOCK_V=128, CE_LANE_SUMS=True, CE_LANE_SUMS_MIN_ROWS=0,
                                          CE_MAX_REGISTERS=32),
             "128-col-blocks-forward": dict(CE_BLOCK_V=128, CE_REVERSE_PASS2=False, CE_EVICTION_HINTS=False,
                                            CE_LANE_SUMS=False),
-            "64-col-blocks-keep-tail": dict(CE_BLOCK_V=64, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=3e-5)}
+            "64-col-blocks-keep-tail": dict(CE_BLOCK_V=64, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=3e-5),
+            "split-rows": dict(CE_BLOCK_V=32, CE_SPLIT_COLS=150, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=0.0),
+            "split-rows-lanes-keep-tail": dict(CE_BLOCK_V=32, CE_SPLIT_COLS=150, CE_LANE_SUMS=True,
+                                               CE_LANE_SUMS_MIN_ROWS=0, CE_KEEP_L2_SHARE=2e-5)}
 
 
 def _use(monkeypatch, settings):
@@ -138,10 +142,10 @@ def test_incoming_grad_scales_the_in_place_gradient(grad_scale):
 
 @pytest.mark.parametrize("g", [1.0, -0.375])
 def test_scale_in_place_strides_over_large_tensors(g):
-    """_ce_core.scale_ runs a capped grid that strides (more blocks than programs here), and skips g == 1."""
-    x = torch.randn(_ce_core.SCALE_BLOCK * 41 + 123, device=DEVICE).to(torch.bfloat16)
+    """_loss_common.scale_ runs a capped grid that strides (more blocks than programs here), and skips g == 1."""
+    x = torch.randn(_loss_common.SCALE_BLOCK * 41 + 123, device=DEVICE).to(torch.bfloat16)
     expected = (x.float() * g).to(torch.bfloat16)
-    _ce_core.scale_(x, torch.tensor(g, device=DEVICE))
+    _loss_common.scale_(x, torch.tensor(g, device=DEVICE))
     assert torch.equal(x, expected)
 
 
@@ -316,10 +320,12 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
 
 # Real-size settings: the default (per-thread partial sums in pass 1 from 4096 rows on, ptxas capped at 32 registers
 # on rows up to 128K wide; pass 1's loads evict_last only in the tail a resident row may keep of 60% of L2), per-block
-# sums, every pass-1 load evict_last, the 32-register cap at every width, and no cap (57 registers, one program/SM).
+# sums, every pass-1 load evict_last, the 32-register cap at every width, no cap (57 registers, one program/SM), one
+# program per row at every width, and rows over 64K columns split (128256 over 2 programs, the others over 4).
 GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False), "all-evict-last": dict(CE_KEEP_L2_SHARE=0.0),
                 "32-registers-any-width": dict(CE_MAX_REGISTERS_COLS=1 << 30),
-                "no-register-cap": dict(CE_MAX_REGISTERS=None)}
+                "no-register-cap": dict(CE_MAX_REGISTERS=None), "no-split": dict(CE_SPLIT_COLS=None),
+                "split-over-64k": dict(CE_SPLIT_COLS=65536)}
 
 
 @pytest.mark.gpu
@@ -340,6 +346,33 @@ def test_gpu_headline_shapes(monkeypatch, settings, n, vocab, opts):
     rows = torch.arange(0, n, 997 if n > 997 else 1, device="cuda")
     _, g = _gpu_reference_rows(logits, labels, rows, **opts)
     assert_matches(x.grad[rows], g.double(), name="dlogits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_cols", [131072, 65536])
+def test_gpu_split_rows_in_place(monkeypatch, split_cols):
+    """Rows split over 2 / 4 programs with the gradient written over the logits: every program reads its target
+    logit before the meeting, so none can read a partner's gradient in its place (the target dominates each row,
+    so a stale x_t would be far off); rows whose target lies in each segment, and ignored rows."""
+    monkeypatch.setattr(_ce_core, "CE_SPLIT_COLS", split_cols)
+    n, vocab = 1031, 256000
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[: n // 2] = torch.arange(n // 2, device="cuda") * (vocab // (n // 2))  # targets across every segment
+    labels[::9] = IGNORE
+    logits = torch.randn(n, vocab, device="cuda") * 2
+    valid = labels != IGNORE
+    logits[valid.nonzero()[:, 0], labels[valid]] += 12
+    logits = logits.to(torch.bfloat16)
+    leaf = logits.clone().requires_grad_()
+    inter = leaf * 1
+    loss = cross_entropy(inter, labels, reduction="sum", label_smoothing=0.05)
+    loss.backward()
+    assert torch.equal(inter.detach(), leaf.grad), "the gradient was not written over the logits"
+    torch.testing.assert_close(loss, cross_entropy_reference(logits, labels, reduction="sum", label_smoothing=0.05),
+                               rtol=1e-5, atol=0)
+    rows = torch.arange(0, n, 13, device="cuda")
+    _, g = _gpu_reference_rows(logits, labels, rows, label_smoothing=0.05)
+    assert_matches(leaf.grad[rows], g.double(), name="dlogits")
 
 
 @pytest.mark.gpu

@@ -192,12 +192,15 @@ def test_frozen_weight_or_hidden(chunked_once, monkeypatch, requires):
     _check(hidden, weight, bias, labels, requires=requires, label_smoothing=0.1)
 
 
+@pytest.mark.parametrize("split_cols", [None, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_target_rank(chunked_once, monkeypatch, dtype, reduction):
+def test_target_rank(chunked_once, monkeypatch, dtype, reduction, split_cols):
     """"none" ranks in the forward-only pass (backward redoes the chunks), "mean" in the fused pass; 128-column
-    blocks make every row's rank a sum over 5 blocks' counts."""
+    blocks make every row's rank a sum over 5 blocks' counts, and split_cols=200 splits each row over 4 programs
+    (whose ranks, sums and maxima merge; the backward-only pass of "none" runs split without meeting)."""
     monkeypatch.setattr(_ce_core, "CE_BLOCK_V", 128)
+    monkeypatch.setattr(_ce_core, "CE_SPLIT_COLS", split_cols)
     hidden, weight, _, labels = _inputs(517, dtype)
     (_, rank), (_, _) = _check(hidden, weight, None, labels, return_target_rank=True, reduction=reduction)
     assert rank.dtype == torch.int32 and rank.shape == labels.shape

@@ -1,0 +1,64 @@
+"""What the two loss Functions share besides the row kernel (_ce_core.py): option checks, the in-place scaling of a
+gradient computed in the forward by backward's grad_output, and handing such gradients out exactly once."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import cdiv, launch, sm_count
+
+SCALE_BLOCK = 4096
+SCALE_PROGRAMS_PER_SM = 8  # scale_'s grid: enough resident programs to stream at the copy rate when g != 1
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_options(reduction: str, label_smoothing: float, softcap: float | None) -> None:
+    """Raise ValueError for an unknown reduction or an out-of-range smoothing / softcap."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+
+
+@triton.jit
+def _scale_kernel(X, G, n, BLOCK: tl.constexpr):
+    # g is read on the device: grad_output == 1 (a plain loss.backward()) costs a launch and no traffic. A small
+    # grid that strides over x: one program per 4096 elements made the no-op cost 0.18 ms at 8192×128256 (256K
+    # programs to schedule; eighth session). A while loop: the interpreter cannot `for` to a runtime bound.
+    g = tl.load(G).to(tl.float32)
+    if g != 1.0:
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        while start < n:
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(X + offs, mask=mask).to(tl.float32)
+            tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
+            start += step
+
+
+def take_grads(ctx) -> tuple:
+    """The gradients a forward pass computed, handed out once.
+
+    A second backward through the same graph (retain_graph=True) would scale them again, and autograd may already
+    hold them as some leaf's .grad, so it raises instead.
+    """
+    grads = ctx.grads
+    if grads is None:
+        raise RuntimeError("this loss computes its gradients in the forward pass: backward can run only once per "
+                           "forward (retain_graph=True is not supported)")
+    ctx.grads = None
+    return grads
+
+
+def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x *= g in place for a contiguous x and a 1-element device tensor g, skipping all traffic when g == 1."""
+    n = x.numel()
+    if n:
+        launch(_scale_kernel, (min(cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * sm_count(x.device)),),
+               [x, g.reshape(1).float(), n], dict(BLOCK=SCALE_BLOCK, num_warps=8))
+    return x
