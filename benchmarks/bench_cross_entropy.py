@@ -94,7 +94,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
 
     logits, labels = make_inputs(n, vocab, kind)
     knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS", "CE_LANE_SUMS",
-             "CE_LANE_SUMS_MIN_ROWS", "CE_KEEP_L2_SHARE", "CE_MAX_REGISTERS", "CE_MAX_REGISTERS_COLS")
+             "CE_LANE_SUMS_MIN_ROWS", "CE_KEEP_L2_SHARE", "CE_MAX_REGISTERS", "CE_MAX_REGISTERS_COLS", "CE_SPLIT_COLS")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

@@ -29,6 +29,8 @@ run_part() {
       (cd benchmarks && for b in rms_norm layer_norm rope; do
          LIGER_BENCH_GRAPH=1 LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --out "$OUT" || echo "bench_$b failed"; done
        for b in swiglu geglu; do LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --out "$OUT" || echo "bench_$b failed"; done) ;;
+    rms-norm)  # the full rms_norm / add_rms_norm sweep alone (host-bound small shapes: a lone lane)
+      (cd benchmarks && LIGER_BENCH_GRAPH=1 LIGER_BENCH_GPU_TIME=1 python3 bench_rms_norm.py --out "$OUT") ;;
     norms-quick)  # the headline rms_norm / RoPE autograd steps (host-bound: a lone lane), GPU time and graph replay too
       (cd benchmarks && for b in rms_norm rope; do
          LIGER_BENCH_GRAPH=1 LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --quick --out "$OUT" || echo "bench_$b failed"; done) ;;
