@@ -32,7 +32,7 @@ SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (3276
 # = no eviction hints, "lanes" / "bsums" = pass 1 with per-thread / per-block partial sums, "keepN" = pass 1's loads
 # evict_last only in the tail of a row that N% of L2 holds for every resident row, "rN" = ptxas capped at N registers
 # per thread on rows up to 128K wide (the default: 32), "nocap" = no cap, "capall" = the cap at every width,
-# "nosplit" = one program per row at any width, "splitNk" = rows wider than N K columns split over programs.
+# "nosplit" = one program per row at any width, "splitNk" = wide rows split over programs of at most N K columns.
 # (Sixth session: a one-read split-row kernel and persistent grids; seventh: partial-statistics + finishing split
 # kernels; eighth: 32K-64K leading columns held in registers between the passes — all lost, BENCHMARKS.md.)
 def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
@@ -52,7 +52,7 @@ def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
 
 
 VARIANTS = dict(_variant(*v) for v in [
-    (16384, 32, "bsums"), (16384, 32, "nosplit"), (16384, 32, "split64k"),
+    (16384, 32, "nosplit"), (16384, 32, "split128k"), (16384, 32, "split32k"),
 ])
 # Sweep cases that time the variants too: few rows, wide rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256), (16384, 256000)}

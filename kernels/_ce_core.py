@@ -73,10 +73,12 @@ CE_MAX_REGISTERS_COLS = 131072
 # 4096×256000 from 1.390 to 1.371 ms and left 128K-wide rows (whose tail is all but one block) alike; 0.4 lost at
 # 8192×128256, 0.9 won less (eighth session).
 CE_KEEP_L2_SHARE = 0.6
-# Rows wider than this are split over 2 (4, ...) programs that meet once between the passes (_share_partials): at
-# 4096×256000 one program per 512 KB row and SM (two would crowd L2 between the passes) streamed 1.34 ms against
-# 1.22 ms for the same bytes as 8192×128256 rows, two programs per SM. None = never split.
-CE_SPLIT_COLS: int | None = 131072
+# Rows wider than CE_SPLIT_MIN_COLS are split over 2, 4, ... programs of at most CE_SPLIT_COLS columns that meet
+# once between the passes (_share_partials). Tenth session, one H200 run: 4096×256000 1.366 → 1.337 ms over 2
+# programs, 1.321 over 4 (16384×256000 5.282 → 5.191, 5.160), but 16384×152064 2.952 → 3.059 over 2 and
+# 8192×128256 1.248 → 1.316 over 2: each program idles at the meeting until its partner is done with pass 1.
+CE_SPLIT_MIN_COLS = 196608
+CE_SPLIT_COLS: int | None = 65536  # None = never split
 
 
 @triton.jit
@@ -431,10 +433,13 @@ def ce_rows(
 
 
 def _split(n_cols: int, block: int) -> tuple[int, int]:
-    """(programs per row, whole-block columns per program): rows wider than CE_SPLIT_COLS go to 2, 4, ...
-    programs, so that what is in flight per SM stays what a CE_SPLIT_COLS-wide row puts there."""
+    """(programs per row, whole-block columns per program): rows wider than CE_SPLIT_MIN_COLS go to 2, 4, ...
+    programs of at most CE_SPLIT_COLS columns (and at least one whole block), so that a wide row puts no more in
+    flight per SM than a narrower one."""
     whole = n_cols // block
-    split = 1 if not CE_SPLIT_COLS else max(1, min(pow2(cdiv(n_cols, CE_SPLIT_COLS)), pow2(whole + 1) // 2))
+    if not CE_SPLIT_COLS or n_cols <= CE_SPLIT_MIN_COLS:
+        return 1, whole * block
+    split = max(1, min(pow2(cdiv(n_cols, CE_SPLIT_COLS)), pow2(whole + 1) // 2))
     return split, cdiv(whole, split) * block
 
 

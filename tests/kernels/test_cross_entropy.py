@@ -75,8 +75,9 @@ SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=F
             "128-col-blocks-forward": dict(CE_BLOCK_V=128, CE_REVERSE_PASS2=False, CE_EVICTION_HINTS=False,
                                            CE_LANE_SUMS=False),
             "64-col-blocks-keep-tail": dict(CE_BLOCK_V=64, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=3e-5),
-            "split-rows": dict(CE_BLOCK_V=32, CE_SPLIT_COLS=150, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=0.0),
-            "split-rows-lanes-keep-tail": dict(CE_BLOCK_V=32, CE_SPLIT_COLS=150, CE_LANE_SUMS=True,
+            "split-rows": dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=150, CE_LANE_SUMS=False,
+                               CE_KEEP_L2_SHARE=0.0),
+            "split-rows-lanes-keep-tail": dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=150, CE_LANE_SUMS=True,
                                                CE_LANE_SUMS_MIN_ROWS=0, CE_KEEP_L2_SHARE=2e-5)}
 
 
@@ -321,11 +322,12 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
 # Real-size settings: the default (per-thread partial sums in pass 1 from 4096 rows on, ptxas capped at 32 registers
 # on rows up to 128K wide; pass 1's loads evict_last only in the tail a resident row may keep of 60% of L2), per-block
 # sums, every pass-1 load evict_last, the 32-register cap at every width, no cap (57 registers, one program/SM), one
-# program per row at every width, and rows over 64K columns split (128256 over 2 programs, the others over 4).
+# program per row at every width (the default splits 256000 over 4), and every row over 64K columns split (128256
+# over 2 programs, 152064 and 256000 over 4).
 GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False), "all-evict-last": dict(CE_KEEP_L2_SHARE=0.0),
                 "32-registers-any-width": dict(CE_MAX_REGISTERS_COLS=1 << 30),
                 "no-register-cap": dict(CE_MAX_REGISTERS=None), "no-split": dict(CE_SPLIT_COLS=None),
-                "split-over-64k": dict(CE_SPLIT_COLS=65536)}
+                "split-over-64k": dict(CE_SPLIT_MIN_COLS=65536)}
 
 
 @pytest.mark.gpu

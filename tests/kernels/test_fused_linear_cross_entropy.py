@@ -201,6 +201,7 @@ def test_target_rank(chunked_once, monkeypatch, dtype, reduction, split_cols):
     (whose ranks, sums and maxima merge; the backward-only pass of "none" runs split without meeting)."""
     monkeypatch.setattr(_ce_core, "CE_BLOCK_V", 128)
     monkeypatch.setattr(_ce_core, "CE_SPLIT_COLS", split_cols)
+    monkeypatch.setattr(_ce_core, "CE_SPLIT_MIN_COLS", 0)
     hidden, weight, _, labels = _inputs(517, dtype)
     (_, rank), (_, _) = _check(hidden, weight, None, labels, return_target_rank=True, reduction=reduction)
     assert rank.dtype == torch.int32 and rank.shape == labels.shape
