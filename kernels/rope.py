@@ -180,11 +180,12 @@ def _token_stride(x: torch.Tensor) -> int | None:
     b·T + t order (contiguous, or a head slice of a packed (B, T, W) tensor): the layout the backward writes.
     None for any other layout. (Strides of size-1 dims are arbitrary, hence the cases.)"""
     b, t, h, d = x.shape
-    if (h > 1 and x.stride(2) != d) or (d > 1 and x.stride(3) != 1):
+    sb, st, sh, sd = x.stride()  # one call: each stride(i) costs as much host time as all four
+    if (h > 1 and sh != d) or (d > 1 and sd != 1):
         return None
     if t == 1:
-        return x.stride(0)
-    return x.stride(1) if b == 1 or x.stride(0) == t * x.stride(1) else None
+        return sb
+    return st if b == 1 or sb == t * st else None
 
 
 def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
@@ -208,14 +209,16 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
             else:
                 dst[..., :rot].copy_(_rotate_reference(src[..., :rot], cos, sin))
         return
-    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+    cos_strides = cos.stride()
+    if cos_strides != sin.stride() or cos_strides[2] != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
+        cos_strides = cos.stride()
     blocks_per_seq, meta = _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward,
                                    _TOKENS_PER_PROGRAM, _HEAD_TILE, _ELEMS_PER_THREAD)
+    q_strides, k_strides = q.stride(), k.stride()
     launch(_rope_kernel, (bsz * blocks_per_seq,),
-           [q, k, dst_q, dst_k, cos, sin, seq_len,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),  # a batch of one broadcasts
+           [q, k, dst_q, dst_k, cos, sin, seq_len, *q_strides[:3], *k_strides[:3],
+            cos_strides[0] if cos.shape[0] > 1 else 0, cos_strides[1],  # a batch of one broadcasts
             dq_stride, dk_stride],
            meta)
 
