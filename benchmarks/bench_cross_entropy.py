@@ -52,7 +52,7 @@ def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
 
 
 VARIANTS = dict(_variant(*v) for v in [
-    (16384, 32, "nosplit"), (16384, 32, "split128k"), (16384, 32, "split32k"),
+    (16384, 32, "nosplit"), (16384, 32, "keep0"), (16384, 32, "keep90"), (8192, 16, ""),
 ])
 # Sweep cases that time the variants too: few rows, wide rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256), (16384, 256000)}
