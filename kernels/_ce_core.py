@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch, pow2, sm_count
+from ._launch import cdiv, launch, pow2, runs_compiled, sm_count
 
 # Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
 # elements per block and warps per row program. With the loop body at ~19 issued instructions per logit (fwd+bwd,
@@ -245,7 +245,8 @@ def _share_partials(PARTIAL, ARRIVED, part, m, s, sum_x, rank, x_t, SPLIT: tl.co
     x_t goes along, as the logit may be a gradient by the time a later program of PHASE 2 could read it).
     On the GPU the SPLIT programs of a row are consecutive in launch order, so each one's partners are resident
     or about to be: the wait cannot deadlock. PARTIAL: 8 fp32 slots per program."""
-    BITS = PARTIAL.to(tl.pointer_type(tl.int32)) + 8 * part
+    PARTIAL_BITS = PARTIAL.to(tl.pointer_type(tl.int32))  # the same slots, as int32
+    BITS = PARTIAL_BITS + 8 * part
     if PHASE != 2:
         # Scalar atomics (of the bits: the interpreter has no fp32 exchange) are issued by one thread, ordered
         # before the release below on that same thread.
@@ -268,7 +269,7 @@ def _share_partials(PARTIAL, ARRIVED, part, m, s, sum_x, rank, x_t, SPLIT: tl.co
         m = tl.max(pm, 0)
         s = tl.sum(tl.load(PARTIAL + parts + 1, volatile=True) * _exp(pm - m), 0)
         sum_x = tl.sum(tl.load(PARTIAL + parts + 2, volatile=True), 0)
-        rank = tl.sum(tl.load(PARTIAL.to(tl.pointer_type(tl.int32)) + parts + 3, volatile=True), 0)
+        rank = tl.sum(tl.load(PARTIAL_BITS + parts + 3, volatile=True), 0)
     return m, s, sum_x, rank, x_t
 
 
@@ -409,7 +410,7 @@ def ce_rows(
     phases = (0,)
     if split > 1 and forward:  # the programs of a row meet between the passes (_share_partials)
         partial = torch.empty(rows * split * 8, dtype=torch.float32, device=logits.device)
-        if type(_ce_kernel) is triton.runtime.jit.JITFunction:
+        if runs_compiled(_ce_kernel):
             arrived = torch.zeros(rows, dtype=torch.int32, device=logits.device)
         else:  # the interpreter runs programs one by one: publish in one launch, merge in the next
             phases = (1, 2)
@@ -417,19 +418,20 @@ def ce_rows(
             rank if rank is not None else dummy, scale if backward else dummy, partial, arrived,
             logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)]
+    meta = dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
+                HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block,
+                LANE=min(block, 16 // logits.element_size()) if lanes else block,
+                REVERSE=CE_REVERSE_PASS2,
+                EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
+                EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
+                KEEP_FROM=_keep_from(logits, segment, block, lanes, cap),
+                EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
+                SPLIT=split, SEGMENT=segment, PHASE=0,
+                num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
+                **({} if cap is None else dict(maxnreg=cap)))
     for phase in phases:
-        launch(_ce_kernel, (rows * split,), args,
-               dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
-                    HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block,
-                    LANE=min(block, 16 // logits.element_size()) if lanes else block,
-                    REVERSE=CE_REVERSE_PASS2,
-                    EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
-                    EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
-                    KEEP_FROM=_keep_from(logits, segment, block, lanes, cap),
-                    EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
-                    SPLIT=split, SEGMENT=segment, PHASE=phase,
-                    num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
-                    **({} if cap is None else dict(maxnreg=cap))))
+        meta["PHASE"] = phase
+        launch(_ce_kernel, (rows * split,), args, meta)
 
 
 def _split(n_cols: int, block: int) -> tuple[int, int]:

@@ -122,8 +122,8 @@ def _compile(kernel, args: list, meta: dict, device: torch.device) -> tuple:
 def _direct(binary, consts: list, device_index: int):
     """A launcher of ``binary`` that skips Triton's per-launch Python (the runner closure, the stream lookup,
     launch-metadata and hook arguments): f(grid, values) calls the compiled C launcher itself. Measured on the
-    H200 (benchmarks/host_overhead.py): ``kernel[grid](...)`` 14 µs, the compiled kernel's runner 7.5 µs, its
-    C launcher ~4 µs. None where Triton's internals differ from 3.6's (then the runner is used)."""
+    H200 (benchmarks/host_overhead.py, two runs): ``kernel[grid](...)`` 14-17.5 µs, the compiled kernel's runner
+    7.5-11.7 µs, this 6.3 µs. None where Triton's internals differ from 3.6's (then the runner is used)."""
     try:
         run, function, packed = binary.run, binary.function, binary.packed_metadata
         c_launch = run.launch
@@ -143,6 +143,12 @@ def _direct(binary, consts: list, device_index: int):
     return direct
 
 
+def runs_compiled(kernel) -> bool:
+    """Whether ``kernel`` runs as compiled GPU code: kernels made under ``TRITON_INTERPRET=1`` are Triton's
+    interpreter functions instead (which run a grid's programs one after another, on the CPU)."""
+    return type(kernel) is JITFunction
+
+
 def _hooked() -> bool:
     """Whether a Triton launch hook is installed (a profiler such as proton): then launches take Triton's path."""
     return knobs is None or bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
@@ -156,7 +162,7 @@ def launch(kernel, grid: tuple, args: list, meta: dict, kernel_info: tuple | Non
     pointers (the tensors were checked by Triton on the first, compiling call) and the constexpr values. Kernels
     made under ``TRITON_INTERPRET=1`` are not JITFunctions and always take Triton's path.
     """
-    if FAST_LAUNCH and type(kernel) is JITFunction:
+    if FAST_LAUNCH and runs_compiled(kernel):
         spec, values = _spec(args)
         info = kernel_info or _COMPILED.get(_key(kernel, args[0].get_device(), spec, meta))
         if info is None:
