@@ -34,6 +34,8 @@ run_part() {
     norms-quick)  # the headline rms_norm / RoPE autograd steps (host-bound: a lone lane), GPU time and graph replay too
       (cd benchmarks && for b in rms_norm rope; do
          LIGER_BENCH_GRAPH=1 LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --quick --out "$OUT" || echo "bench_$b failed"; done) ;;
+    timeline)  # what the GPU runs in one step of the CE / RoPE / rms_norm benchmarks: kernels, copies, idle gaps
+      (cd benchmarks && python3 gpu_timeline.py --out "$OUT") ;;
     host)  # host time per call of the small-shape autograd ops and the losses, with a cProfile of each loss call
       (cd benchmarks && python3 host_overhead.py --out "$OUT") ;;
     profiles)  # issue 6: one profiled step per family (Qwen and Gemma again after the session-2 changes)
