@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._ce_meet import _exp, _share_partials, _sum_losses, meeting_counters
 from ._launch import cdiv, launch, pow2, runs_compiled, sm_count
 
 # Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
@@ -100,13 +101,6 @@ def _log1p(v):
     w = 1.0 + v
     d = w - 1.0
     return tl.where(d == 0.0, v, tl.log(w) * (v / tl.where(d == 0.0, 1.0, d)))
-
-
-@triton.jit
-def _exp(v):
-    # e^v as one MUFU.EX2 (flush-to-zero: a term below 1e-38 counts as 0). tl.exp lowers to the non-ftz ex2,
-    # which ptxas wraps in a denormal range check: three more instructions per element in a loop that issues ~10.
-    return tl.exp2(v * 1.4426950408889634)
 
 
 @triton.jit
@@ -238,52 +232,19 @@ def _row_grad(X, G, seg_start, seg_end, last, t_start, target, offs, lse, coef, 
 
 
 @triton.jit
-def _share_partials(PARTIAL, ARRIVED, part, m, s, sum_x, rank, x_t, SPLIT: tl.constexpr, PHASE: tl.constexpr):
-    """A split row's programs meet: each publishes its pass-1 partials, then (PHASE 0) waits until all SPLIT have,
-    then every one merges all of them. PHASE 1 only publishes, PHASE 2 only merges (the two launches of the
-    interpreter, which runs programs one after another, so a program waiting for a later one would wait forever;
-    x_t goes along, as the logit may be a gradient by the time a later program of PHASE 2 could read it).
-    On the GPU the SPLIT programs of a row are consecutive in launch order, so each one's partners are resident
-    or about to be: the wait cannot deadlock. PARTIAL: 8 fp32 slots per program."""
-    PARTIAL_BITS = PARTIAL.to(tl.pointer_type(tl.int32))  # the same slots, as int32
-    BITS = PARTIAL_BITS + 8 * part
-    if PHASE != 2:
-        # Scalar atomics (of the bits: the interpreter has no fp32 exchange) are issued by one thread, ordered
-        # before the release below on that same thread.
-        tl.atomic_xchg(BITS, m.to(tl.int32, bitcast=True), sem="relaxed")
-        tl.atomic_xchg(BITS + 1, s.to(tl.int32, bitcast=True), sem="relaxed")
-        tl.atomic_xchg(BITS + 2, sum_x.to(tl.int32, bitcast=True), sem="relaxed")
-        tl.atomic_xchg(BITS + 3, rank, sem="relaxed")
-    if PHASE == 1:
-        tl.store(PARTIAL + 8 * part + 4, x_t)
-    if PHASE == 2:
-        x_t = tl.load(PARTIAL + 8 * part + 4)
-    if PHASE == 0:
-        arrived = tl.atomic_add(ARRIVED, 1, sem="acq_rel", scope="gpu") + 1
-        while arrived < SPLIT:
-            arrived = tl.atomic_add(ARRIVED, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()  # every thread's loads below come after the acquire
-    if PHASE != 1:
-        parts = 8 * tl.arange(0, SPLIT)
-        pm = tl.load(PARTIAL + parts, volatile=True)
-        m = tl.max(pm, 0)
-        s = tl.sum(tl.load(PARTIAL + parts + 1, volatile=True) * _exp(pm - m), 0)
-        sum_x = tl.sum(tl.load(PARTIAL + parts + 2, volatile=True), 0)
-        rank = tl.sum(tl.load(PARTIAL_BITS + parts + 3, volatile=True), 0)
-    return m, s, sum_x, rank, x_t
-
-
-@triton.jit
 def _ce_kernel(
-    LOGITS, GRAD, LABELS, LABEL_FLAG, LOSS, LSE, Q, RANK, SCALE, PARTIAL, ARRIVED,
+    LOGITS, GRAD, LABELS, LABEL_FLAG, LOSS, LSE, Q, RANK, SCALE, PARTIAL, COUNTERS, TOTAL,
     stride_logits_row, stride_grad_row, stride_scale,
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
     REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
     EVICT_HEAD: tl.constexpr, SPLIT: tl.constexpr, SEGMENT: tl.constexpr, PHASE: tl.constexpr,
+    REDUCE: tl.constexpr,
 ):
     # SPLIT programs per row, each on SEGMENT columns of whole blocks (the last one also on the partial last block).
+    # COUNTERS (int32, zero at launch and again at exit): a meeting counter per row (SPLIT > 1), then the REDUCE
+    # ticket.
     FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V
     if SPLIT == 1:
         row = tl.program_id(0).to(tl.int64)
@@ -326,7 +287,7 @@ def _ce_kernel(
                                                N_COLS, SEGMENT, WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, LANES,
                                                BLOCK_V, EVICT_PASS1, KEEP_FROM, EVICT_HEAD)
             if SPLIT > 1:
-                m, s, sum_x, rank, x_t = _share_partials(PARTIAL + row * (8 * SPLIT), ARRIVED + row, part, m, s,
+                m, s, sum_x, rank, x_t = _share_partials(PARTIAL + row * (8 * SPLIT), COUNTERS + row, part, m, s,
                                                          sum_x, rank, x_t, SPLIT, PHASE)
             e_t = _exp(x_t - m)
             log_s = _log1p(s + (e_t - 1.0))  # S = S' + e_t >= 1 because the max term is e^0
@@ -372,6 +333,8 @@ def _ce_kernel(
             for b in range(0, SEGMENT + BLOCK_V, BLOCK_V):
                 cols = seg_start + b + offs
                 tl.store(G + cols, zeros, mask=cols < seg_stop, eviction_policy="evict_first")
+    if REDUCE and clean and PHASE != 1:
+        _sum_losses(LOSS, SCALE, TOTAL, COUNTERS + tl.num_programs(0) // SPLIT, tl.num_programs(0) // SPLIT, 2048)
 
 
 def ce_rows(
@@ -389,33 +352,40 @@ def ce_rows(
     z_loss: float,
     softcap: float | None,
     label_flag: torch.Tensor,
+    total: torch.Tensor | None = None,
 ) -> None:
     """Launch the row kernel on logits (rows, V) with unit column stride; label_flag is a _labels.LabelCheck's flag
     (the kernel writes nothing when it is set).
 
     loss given → FORWARD (writes loss, lse, q, and rank if given); grad given → BACKWARD (writes grad, which may be
     logits itself, scaled by `scale`: a 0-dim or (rows,) fp32 tensor). Without loss, lse and q are inputs.
+    total given (a 0-dim fp32 tensor; with loss and a 0-dim scale) → it also gets scale · Σ loss.
     """
     rows, n_cols = logits.shape
     if rows == 0:
+        if total is not None:
+            total.zero_()
         return
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
-    forward, backward = loss is not None, grad is not None
+    forward, backward, reduce = loss is not None, grad is not None, total is not None
+    assert not reduce or (forward and scale is not None and scale.dim() == 0)
     block = min(CE_BLOCK_V, pow2(n_cols))
     lanes = CE_LANE_SUMS and rows >= CE_LANE_SUMS_MIN_ROWS
     split, segment = _split(n_cols, block)
     cap = _register_cap(lanes, segment)
     dummy = lse  # stands in for pointers a mode does not touch
-    partial, arrived = dummy, label_flag
+    partial, counters = dummy, label_flag
     phases = (0,)
-    if split > 1 and forward:  # the programs of a row meet between the passes (_share_partials)
+    meet = split > 1 and forward  # the programs of a row meet between the passes (_share_partials)
+    if meet:
         partial = torch.empty(rows * split * 8, dtype=torch.float32, device=logits.device)
-        if runs_compiled(_ce_kernel):
-            arrived = torch.zeros(rows, dtype=torch.int32, device=logits.device)
-        else:  # the interpreter runs programs one by one: publish in one launch, merge in the next
+        if not runs_compiled(_ce_kernel):  # the interpreter runs programs one by one: publish, then merge
             phases = (1, 2)
+    if reduce or (meet and phases == (0,)):
+        counters = meeting_counters(logits.device, rows + 1)
     args = [logits, grad if backward else logits, labels, label_flag, loss if forward else dummy, lse, q,
-            rank if rank is not None else dummy, scale if backward else dummy, partial, arrived,
+            rank if rank is not None else dummy, scale if scale is not None else dummy, partial, counters,
+            total if reduce else dummy,
             logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)]
     meta = dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
@@ -426,7 +396,7 @@ def ce_rows(
                 EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
                 KEEP_FROM=_keep_from(logits, segment, block, lanes, cap),
                 EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
-                SPLIT=split, SEGMENT=segment, PHASE=0,
+                SPLIT=split, SEGMENT=segment, PHASE=0, REDUCE=reduce,
                 num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
                 **({} if cap is None else dict(maxnreg=cap)))
     for phase in phases:

@@ -26,8 +26,10 @@ class LabelCheck:
     The kernels index the logits with the label, so a bad label must never reach a load. On CUDA one kernel counts
     the bad labels into `flag` (count, index of the first) and writes `scale`; the loss kernels, queued after it,
     read `flag` and do nothing at all when it is set: no read out of bounds, and no logits overwritten by an in-place
-    gradient. The flag is copied to pinned host memory behind an event; `wait()` (at the end of the loss call, after
-    its kernels are queued) blocks only until that copy lands, then raises ValueError. So the GPU always has the
+    gradient. The same kernel also stores the flag straight into pinned host memory (mapped into the GPU's address
+    space, as all pinned memory is under unified addressing), behind an event; `wait()` (at the end of the loss
+    call, after its kernels are queued) blocks only until that event, then raises ValueError. A copy to the host
+    queued on the stream instead held the loss kernel back by 5-14 µs (eleventh session, benchmarks/gpu_timeline.py). So the GPU always has the
     loss kernels queued while the host waits; a plain `.item()` before them left it idle for the whole host path
     from the sync to their launch (0.45 ms per call at 8192×128256 on the H200, eighth session), and the check and
     the scale took ~10 small launches. While a CUDA graph is being captured nothing is read on the host (the
@@ -50,21 +52,22 @@ class LabelCheck:
             return
         self.flag = torch.empty(2, dtype=torch.int64, device=device)
         self.scale = torch.empty((), dtype=torch.float32, device=device)
-        launch(_label_check_kernel, (1,),
-               [self.labels if n else self.flag, self.flag, self.scale, n, vocab_size, ignore_index, float(loss_scale)],
-               dict(MEAN=reduction == "mean" and normalizer is None, BLOCK=LABEL_BLOCK, num_warps=4))
-        if reduction == "mean" and normalizer is not None:
-            self.scale = grad_scale(self.labels, ignore_index, reduction, normalizer, loss_scale)
+        self._host = None
         if not labels.is_cuda:
             self._host = self.flag
-        elif torch.cuda.is_current_stream_capturing():
-            self._host = None
-        else:
+        elif not torch.cuda.is_current_stream_capturing():  # while capturing, nothing is read on the host
             spare = _SPARE.setdefault(device.index, [])
             self._host, self._event = spare.pop() if spare else (torch.empty(2, dtype=torch.int64, pin_memory=True),
                                                                  torch.cuda.Event())
-            self._host.copy_(self.flag, non_blocking=True)
+        to_host = self._event is not None
+        launch(_label_check_kernel, (1,),
+               [self.labels if n else self.flag, self.flag, self.scale, self._host if to_host else self.flag, n,
+                vocab_size, ignore_index, float(loss_scale)],
+               dict(MEAN=reduction == "mean" and normalizer is None, TO_HOST=to_host, BLOCK=LABEL_BLOCK, num_warps=4))
+        if to_host:
             self._event.record()
+        if reduction == "mean" and normalizer is not None:
+            self.scale = grad_scale(self.labels, ignore_index, reduction, normalizer, loss_scale)
 
     def wait(self) -> None:
         """Raise ValueError if a label was bad (blocking until the check's result is on the host)."""
@@ -88,8 +91,8 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> No
 
 
 @triton.jit
-def _label_check_kernel(LABELS, FLAG, SCALE, n, vocab_size, ignore_index, loss_scale, MEAN: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _label_check_kernel(LABELS, FLAG, SCALE, HOST_FLAG, n, vocab_size, ignore_index, loss_scale,
+                        MEAN: tl.constexpr, TO_HOST: tl.constexpr, BLOCK: tl.constexpr):
     # One program: a batch has at most a few 100K labels, and one launch (no zeroed buffer, no atomics, no second
     # kernel for the scale) is what keeps the call's host part short. A while loop: Triton's interpreter cannot
     # run `for` to a runtime bound (numpy ≥ 2.4).
@@ -106,8 +109,12 @@ def _label_check_kernel(LABELS, FLAG, SCALE, n, vocab_size, ignore_index, loss_s
         n_valid += valid.to(tl.int32)
         first = tl.minimum(first, tl.where(bad, offs, n))
         start += BLOCK
-    tl.store(FLAG, tl.sum(n_bad, 0).to(tl.int64))
-    tl.store(FLAG + 1, tl.min(first, 0))
+    n_bad, first = tl.sum(n_bad, 0).to(tl.int64), tl.min(first, 0)
+    tl.store(FLAG, n_bad)
+    tl.store(FLAG + 1, first)
+    if TO_HOST:  # pinned host memory: visible to the host once the event recorded after this kernel completes
+        tl.store(HOST_FLAG, n_bad)
+        tl.store(HOST_FLAG + 1, first)
     scale = loss_scale
     if MEAN:
         scale = loss_scale / tl.maximum(tl.sum(n_valid, 0), 1).to(tl.float32)  # all ignored: 0 / 1, loss 0

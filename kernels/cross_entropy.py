@@ -89,14 +89,15 @@ class _CrossEntropy(torch.autograd.Function):
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
         fused = need_grad and scale is not None
         grad = (x if inplace else torch.empty_like(x)) if fused else None
-        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale if fused else None, **opts)
+        total = None if scale is None else torch.empty((), dtype=torch.float32, device=x.device)
+        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale, total=total, **opts)
         if fused and inplace and x.data_ptr() == logits.data_ptr():
             torch.autograd.graph.increment_version(logits)  # a node that saved the logits now fails loudly
         ctx.opts, ctx.inplace, ctx.shape, ctx.fused = opts, inplace, logits.shape, fused
         ctx.grads = (grad,)  # a plain attribute, not saved: it may be the logits' own (version-bumped) buffer
         if need_grad and not fused:
             ctx.save_for_backward(x, flat, lse, q)
-        return loss.reshape(labels.shape) if scale is None else loss.sum() * scale  # ignored rows' losses are 0
+        return loss.reshape(labels.shape) if total is None else total  # scale · Σ loss (ignored rows' are 0)
 
     @staticmethod
     def backward(ctx, grad_out):

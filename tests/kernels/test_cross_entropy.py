@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liger_models.kernels import _ce_core, _loss_common
+from liger_models.kernels import _ce_core, _ce_meet, _loss_common
 from liger_models.kernels import _labels as label_check
 from liger_models.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
 from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
@@ -243,6 +243,25 @@ def test_kernel_touches_nothing_when_the_label_check_failed(monkeypatch, setting
     assert all(bool(o.isnan().all()) for o in outs)
 
 
+@pytest.mark.parametrize("settings", ["default", "split-rows"])
+def test_loss_total_and_counters_left_zero(monkeypatch, settings):
+    """mean / sum come out of the row kernel itself (the last program to finish sums the rows' losses in a fixed
+    order, times the scale): the same bits on every call, equal to the per-row losses' sum; and the kernel leaves its
+    cached meeting and ticket counters at zero for the next launch."""
+    _use(monkeypatch, SETTINGS[settings])
+    monkeypatch.setattr(_ce_meet, "_COUNTERS", {})
+    logits = torch.randn(7, 517, device=DEVICE)
+    labels = _labels(7, 517)
+    for reduction in ("sum", "mean"):
+        totals = [cross_entropy(logits, labels, reduction=reduction) for _ in range(3)]
+        per_row = cross_entropy(logits, labels, reduction="none")
+        denominator = (labels != IGNORE).sum() if reduction == "mean" else 1
+        assert totals[0].shape == () and all(torch.equal(t, totals[0]) for t in totals[1:])
+        torch.testing.assert_close(totals[0], per_row.sum() / denominator, rtol=1e-6, atol=0)
+    (counters,) = _ce_meet._COUNTERS.values()
+    assert counters.numel() >= 8 and not counters.any()
+
+
 def test_custom_ignore_index_and_bad_options():
     logits = torch.randn(5, 67, device=DEVICE)
     labels = _labels(5, 67)
@@ -394,6 +413,29 @@ def test_gpu_logits_above_2_31_elements():
     ref_loss, g = _gpu_reference_rows(logits.detach(), labels, rows)
     torch.testing.assert_close(loss[rows].sum(), ref_loss, rtol=1e-5, atol=0)
     assert_matches(logits.grad[rows], g.double(), name="dlogits (last rows)")
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_split_calls_and_host_flags():
+    """Launch after launch on one stream with rows split over 4 programs: the meeting and ticket counters, which the
+    kernel sets back to zero itself, must be zero again each time (a stale count would let a program merge before
+    its partners published: a different loss). Bad and good label batches alternate: each verdict travels through
+    pinned host memory that the check kernel writes directly, the buffers reused from call to call."""
+    n, vocab = 2048, 256000
+    logits = (torch.randn(n, vocab, device="cuda") * 2).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::5] = IGNORE
+    ref = cross_entropy_reference(logits, labels)
+    first = cross_entropy(logits, labels)
+    torch.testing.assert_close(first, ref, rtol=1e-5, atol=0)
+    for i in range(6):
+        bad = labels.clone()
+        bad[(i * 331) % n] = vocab + i
+        with pytest.raises(ValueError, match=f"label {vocab + i} is outside .*1 such labels"):
+            cross_entropy(logits, bad)
+        assert torch.equal(cross_entropy(logits, labels), first)
+    for counters in _ce_meet._COUNTERS.values():
+        assert not counters.any()
 
 
 @pytest.mark.gpu
