@@ -15,6 +15,11 @@ run_part() {
   case $1 in
     tests)  # the whole GPU suite, 4 workers; the tests that hold tens of GiB share one (tests/helpers.BIG_MEMORY)
       python3 -m pytest -m gpu -q -n 4 --dist loadgroup -p no:cacheprovider ;;
+    tests-loss)  # the loss kernels' GPU tests alone
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_cross_entropy.py \
+        tests/kernels/test_fused_linear_cross_entropy.py ;;
+    ce-quick)  # cross-entropy at the headline shapes with its variants and peers
+      (cd benchmarks && python3 bench_cross_entropy.py --quick --out "$OUT") ;;
     kernels)  # block/warp/grid variants of the CE row kernel, and linear-CE with the overlapped CE pass
       (cd benchmarks && python3 bench_cross_entropy.py --quick --out "$OUT" &&
         python3 bench_fused_linear_cross_entropy.py --quick --out "$OUT") ;;

@@ -74,15 +74,13 @@ def cross_entropy(args) -> None:
     block = min(args.block, 1 << (args.vocab - 1).bit_length())
     signature = dict(LOGITS="*bf16", GRAD="*bf16", LABELS="*i64", LABEL_FLAG="*i64", LOSS="*fp32", LSE="*fp32",
                      Q="*fp32", RANK="*i32", SCALE="*fp32", PARTIAL="*fp32", COUNTERS="*i32",
-                     TOTAL="*fp32",
                      stride_logits_row="i64", stride_grad_row="i64", stride_scale="i32",
                      ignore_index="i32", label_smoothing="fp32", z_loss="fp32", softcap="fp32")
     constexprs = dict(N_COLS=args.vocab, FORWARD=True, BACKWARD=not args.forward_only, WITH_RANK=False,
                       HAS_SOFTCAP=False, HAS_SMOOTHING=False, BLOCK_V=block, REVERSE=True,
                       LANE=8 if args.lanes else block,
                       EVICT_PASS1="evict_last", EVICT_PASS2="evict_first", KEEP_FROM=0, EVICT_HEAD="evict_first",
-                      SPLIT=args.split, SEGMENT=-(-(args.vocab // block) // args.split) * block, PHASE=0,
-                      REDUCE=args.reduce)
+                      SPLIT=args.split, SEGMENT=-(-(args.vocab // block) // args.split) * block, PHASE=0)
     aligned = {n for n, t in signature.items() if t.startswith("*")} | {"stride_logits_row", "stride_grad_row"}
     compiled = compile_sm90(_ce_core._ce_kernel, signature, constexprs, aligned, args.warps, args.maxnreg)
     per_thread = block // (32 * args.warps)
@@ -118,7 +116,6 @@ def main() -> None:
     ce.add_argument("--lanes", action="store_true", help="per-thread partial sums in pass 1 (CE_LANE_SUMS)")
     ce.add_argument("--split", type=int, default=1, help="programs per row (CE_SPLIT_COLS)")
     ce.add_argument("--maxnreg", type=int, default=None, help="register cap (CE_MAX_REGISTERS)")
-    ce.add_argument("--reduce", action="store_true", help="the last program sums the losses (cross_entropy mean/sum)")
     nb = sub.add_parser("norm-bwd", help="the RMSNorm backward kernel (llama casting, dW, one row per tile)")
     nb.add_argument("--cols", type=int, default=16384)
     nb.add_argument("--block", type=int, default=16384)

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._ce_meet import _exp, _share_partials, _sum_losses, meeting_counters
+from ._ce_meet import _exp, _share_partials, meeting_counters
 from ._launch import cdiv, launch, pow2, runs_compiled, sm_count
 
 # Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
@@ -233,18 +233,16 @@ def _row_grad(X, G, seg_start, seg_end, last, t_start, target, offs, lse, coef, 
 
 @triton.jit
 def _ce_kernel(
-    LOGITS, GRAD, LABELS, LABEL_FLAG, LOSS, LSE, Q, RANK, SCALE, PARTIAL, COUNTERS, TOTAL,
+    LOGITS, GRAD, LABELS, LABEL_FLAG, LOSS, LSE, Q, RANK, SCALE, PARTIAL, COUNTERS,
     stride_logits_row, stride_grad_row, stride_scale,
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
     REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
     EVICT_HEAD: tl.constexpr, SPLIT: tl.constexpr, SEGMENT: tl.constexpr, PHASE: tl.constexpr,
-    REDUCE: tl.constexpr,
 ):
     # SPLIT programs per row, each on SEGMENT columns of whole blocks (the last one also on the partial last block).
-    # COUNTERS (int32, zero at launch and again at exit): a meeting counter per row (SPLIT > 1), then the REDUCE
-    # ticket.
+    # COUNTERS: one zeroed int32 meeting counter per row (SPLIT > 1 on the GPU; _ce_meet.meeting_counters).
     FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V
     if SPLIT == 1:
         row = tl.program_id(0).to(tl.int64)
@@ -333,8 +331,6 @@ def _ce_kernel(
             for b in range(0, SEGMENT + BLOCK_V, BLOCK_V):
                 cols = seg_start + b + offs
                 tl.store(G + cols, zeros, mask=cols < seg_stop, eviction_policy="evict_first")
-    if REDUCE and clean and PHASE != 1:
-        _sum_losses(LOSS, SCALE, TOTAL, COUNTERS + tl.num_programs(0) // SPLIT, tl.num_programs(0) // SPLIT, 2048)
 
 
 def ce_rows(
@@ -352,23 +348,18 @@ def ce_rows(
     z_loss: float,
     softcap: float | None,
     label_flag: torch.Tensor,
-    total: torch.Tensor | None = None,
 ) -> None:
     """Launch the row kernel on logits (rows, V) with unit column stride; label_flag is a _labels.LabelCheck's flag
     (the kernel writes nothing when it is set).
 
     loss given → FORWARD (writes loss, lse, q, and rank if given); grad given → BACKWARD (writes grad, which may be
     logits itself, scaled by `scale`: a 0-dim or (rows,) fp32 tensor). Without loss, lse and q are inputs.
-    total given (a 0-dim fp32 tensor; with loss and a 0-dim scale) → it also gets scale · Σ loss.
     """
     rows, n_cols = logits.shape
     if rows == 0:
-        if total is not None:
-            total.zero_()
         return
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
-    forward, backward, reduce = loss is not None, grad is not None, total is not None
-    assert not reduce or (forward and scale is not None and scale.dim() == 0)
+    forward, backward = loss is not None, grad is not None
     block = min(CE_BLOCK_V, pow2(n_cols))
     lanes = CE_LANE_SUMS and rows >= CE_LANE_SUMS_MIN_ROWS
     split, segment = _split(n_cols, block)
@@ -381,11 +372,10 @@ def ce_rows(
         partial = torch.empty(rows * split * 8, dtype=torch.float32, device=logits.device)
         if not runs_compiled(_ce_kernel):  # the interpreter runs programs one by one: publish, then merge
             phases = (1, 2)
-    if reduce or (meet and phases == (0,)):
-        counters = meeting_counters(logits.device, rows + 1)
+    if meet and phases == (0,):
+        counters = meeting_counters(logits.device, rows)
     args = [logits, grad if backward else logits, labels, label_flag, loss if forward else dummy, lse, q,
-            rank if rank is not None else dummy, scale if scale is not None else dummy, partial, counters,
-            total if reduce else dummy,
+            rank if rank is not None else dummy, scale if backward else dummy, partial, counters,
             logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)]
     meta = dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
@@ -396,7 +386,7 @@ def ce_rows(
                 EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
                 KEEP_FROM=_keep_from(logits, segment, block, lanes, cap),
                 EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
-                SPLIT=split, SEGMENT=segment, PHASE=0, REDUCE=reduce,
+                SPLIT=split, SEGMENT=segment, PHASE=0,
                 num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
                 **({} if cap is None else dict(maxnreg=cap)))
     for phase in phases:

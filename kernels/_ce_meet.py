@@ -1,8 +1,7 @@
 """Programs of one row-kernel launch (_ce_core.py) that wait for each other: the programs of a split row meet
-between their passes to merge partial statistics, and the last program of a launch sums the rows' losses.
+between their passes to merge partial statistics.
 
-Both synchronise through int32 counters in device memory that the kernel itself sets back to zero before it
-exits (`meeting_counters` keeps one buffer per stream), so no launch needs a zero-fill of its own first.
+The meeting synchronises through int32 counters in device memory, handed out zeroed by `meeting_counters`.
 """
 
 from __future__ import annotations
@@ -47,10 +46,6 @@ def _share_partials(PARTIAL, ARRIVED, part, m, s, sum_x, rank, x_t, SPLIT: tl.co
         while arrived < SPLIT:
             arrived = tl.atomic_add(ARRIVED, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()  # every thread's loads below come after the acquire
-        # Leaving: the last of the row's 2·SPLIT increments (every program is past its wait by then) sets the
-        # counter back to 0, so the next launch finds it zeroed without a memset of its own (meeting_counters).
-        if tl.atomic_add(ARRIVED, 1, sem="relaxed", scope="gpu") == 2 * SPLIT - 1:
-            tl.atomic_xchg(ARRIVED, 0, sem="relaxed", scope="gpu")
     if PHASE != 1:
         parts = 8 * tl.arange(0, SPLIT)
         pm = tl.load(PARTIAL + parts, volatile=True)
@@ -61,39 +56,28 @@ def _share_partials(PARTIAL, ARRIVED, part, m, s, sum_x, rank, x_t, SPLIT: tl.co
     return m, s, sum_x, rank, x_t
 
 
-@triton.jit
-def _sum_losses(LOSS, SCALE, TOTAL, TICKET, n_rows, BLOCK: tl.constexpr):
-    """TOTAL = scale · Σ LOSS, by whichever program finishes last (a ticket), in one fixed order: deterministic, and
-    no reduce + multiply launches after the kernel (~8 µs of stream time per call on the H200)."""
-    tl.debug_barrier()  # this program's stores (its row's loss) come before the release below
-    if tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.debug_barrier()  # every thread's loads below come after the acquire
-        acc = tl.zeros([BLOCK], tl.float32)
-        start = tl.full((), 0, tl.int32)
-        while start < n_rows:
-            rows = start + tl.arange(0, BLOCK)
-            acc += tl.load(LOSS + rows, mask=rows < n_rows, other=0.0, volatile=True)
-            start += BLOCK
-        tl.store(TOTAL, tl.sum(acc, 0) * tl.load(SCALE))
-        tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-
-
-
-# (device index, raw stream) → int32 zeros that the row kernel leaves zeroed (meeting counters, the REDUCE ticket).
-_COUNTERS: dict[tuple, torch.Tensor] = {}
+# Meeting counters: per (device index, raw stream), a ring of int32 zeros and the offset of its unused part.
+COUNTER_RING = 1 << 20
+_COUNTERS: dict[tuple, list] = {}
 
 
 def meeting_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 zeros for the row kernel's counters, which it sets back to zero before it exits.
+    """n int32 zeros for one launch's meeting counters, from a ring zeroed once per lap rather than per launch.
 
-    Kept per stream (launches on one stream run one after another, so they never share counters at once) instead of
-    a torch.zeros per call: that fill cost 8 µs of stream time before the kernel (H200, benchmarks/gpu_timeline.py).
-    A CUDA graph being captured gets its own buffer (its memory stays with the graph; a cached one could be
-    replaced by a larger one while the graph still points at it)."""
+    A torch.zeros per call cost 8 µs of stream time before the row kernel (H200, benchmarks/gpu_timeline.py), and
+    a kernel that zeroes its counters again on the way out stalls every program on the atomic's reply (+20 µs at
+    4096×256000, eleventh session). Launches on one stream run one after another, so slices of the ring handed out
+    in order never overlap in time, and the lap's zero-fill is queued behind every launch that used it. A CUDA graph
+    being captured gets zeros of its own (its memory stays with the graph)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[key] = torch.zeros(pow2(n), dtype=torch.int32, device=device)
-    return buf
+    ring = _COUNTERS.get(key)
+    if ring is None or ring[0].numel() < n:
+        ring = _COUNTERS[key] = [torch.zeros(max(COUNTER_RING, pow2(n)), dtype=torch.int32, device=device), 0]
+    elif ring[1] + n > ring[0].numel():
+        ring[0].zero_()
+        ring[1] = 0
+    start = ring[1]
+    ring[1] = start + n
+    return ring[0][start : start + n]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ._ce_core import ce_rows
-from ._loss_common import check_options, scale_, take_grads
+from ._loss_common import check_options, scale_, scaled_sum, take_grads
 from ._labels import LabelCheck, check_labels, mean_denominator
 from ._dispatch import use_triton
 from ._launch import on_input_device
@@ -89,15 +89,14 @@ class _CrossEntropy(torch.autograd.Function):
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
         fused = need_grad and scale is not None
         grad = (x if inplace else torch.empty_like(x)) if fused else None
-        total = None if scale is None else torch.empty((), dtype=torch.float32, device=x.device)
-        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale, total=total, **opts)
+        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale if fused else None, **opts)
         if fused and inplace and x.data_ptr() == logits.data_ptr():
             torch.autograd.graph.increment_version(logits)  # a node that saved the logits now fails loudly
         ctx.opts, ctx.inplace, ctx.shape, ctx.fused = opts, inplace, logits.shape, fused
         ctx.grads = (grad,)  # a plain attribute, not saved: it may be the logits' own (version-bumped) buffer
         if need_grad and not fused:
             ctx.save_for_backward(x, flat, lse, q)
-        return loss.reshape(labels.shape) if total is None else total  # scale · Σ loss (ignored rows' are 0)
+        return loss.reshape(labels.shape) if scale is None else scaled_sum(loss, scale)  # ignored rows' losses are 0
 
     @staticmethod
     def backward(ctx, grad_out):

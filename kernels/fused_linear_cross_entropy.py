@@ -56,7 +56,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ._ce_core import ce_rows
-from ._loss_common import check_options, scale_, take_grads
+from ._loss_common import check_options, scale_, scaled_sum, take_grads
 from ._dispatch import row_view, use_triton
 from ._labels import LabelCheck
 from ._launch import on_input_device
@@ -387,7 +387,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 ctx.consumer(grads[1])
                 grads = (grads[0], None, grads[2])
             ctx.grads = grads
-            out = loss.sum() * scale
+            out = scaled_sum(loss, scale)
         if not with_rank:
             return out
         ctx.mark_non_differentiable(rank)

@@ -244,12 +244,10 @@ def test_kernel_touches_nothing_when_the_label_check_failed(monkeypatch, setting
 
 
 @pytest.mark.parametrize("settings", ["default", "split-rows"])
-def test_loss_total_and_counters_left_zero(monkeypatch, settings):
-    """mean / sum come out of the row kernel itself (the last program to finish sums the rows' losses in a fixed
-    order, times the scale): the same bits on every call, equal to the per-row losses' sum; and the kernel leaves its
-    cached meeting and ticket counters at zero for the next launch."""
+def test_loss_total_is_deterministic(monkeypatch, settings):
+    """mean / sum: the per-row losses summed in one fixed order by one program (scaled_sum), times the scale: the same
+    bits on every call, and the per-row losses' sum."""
     _use(monkeypatch, SETTINGS[settings])
-    monkeypatch.setattr(_ce_meet, "_COUNTERS", {})
     logits = torch.randn(7, 517, device=DEVICE)
     labels = _labels(7, 517)
     for reduction in ("sum", "mean"):
@@ -258,8 +256,13 @@ def test_loss_total_and_counters_left_zero(monkeypatch, settings):
         denominator = (labels != IGNORE).sum() if reduction == "mean" else 1
         assert totals[0].shape == () and all(torch.equal(t, totals[0]) for t in totals[1:])
         torch.testing.assert_close(totals[0], per_row.sum() / denominator, rtol=1e-6, atol=0)
-    (counters,) = _ce_meet._COUNTERS.values()
-    assert counters.numel() >= 8 and not counters.any()
+
+
+def test_scaled_sum_over_several_blocks():
+    x = torch.randn(2 * _loss_common.SUM_BLOCK + 13, device=DEVICE)
+    g = torch.tensor(0.37, device=DEVICE)
+    torch.testing.assert_close(_loss_common.scaled_sum(x, g), (x.double().sum() * 0.37).float(), rtol=1e-6, atol=0)
+    assert _loss_common.scaled_sum(x[:0], g).item() == 0.0
 
 
 def test_custom_ignore_index_and_bad_options():
@@ -416,11 +419,13 @@ def test_gpu_logits_above_2_31_elements():
 
 
 @pytest.mark.gpu
-def test_gpu_repeated_split_calls_and_host_flags():
-    """Launch after launch on one stream with rows split over 4 programs: the meeting and ticket counters, which the
-    kernel sets back to zero itself, must be zero again each time (a stale count would let a program merge before
-    its partners published: a different loss). Bad and good label batches alternate: each verdict travels through
-    pinned host memory that the check kernel writes directly, the buffers reused from call to call."""
+def test_gpu_repeated_split_calls_and_host_flags(monkeypatch):
+    """Launch after launch on one stream with rows split over 4 programs, the meeting counters taken from a ring that
+    laps several times (a counter not zero would let a program merge before its partners published: a different
+    loss). Bad and good label batches alternate: each verdict travels through pinned host memory that the check
+    kernel writes directly, the buffers reused from call to call."""
+    monkeypatch.setattr(_ce_meet, "COUNTER_RING", 5000)
+    monkeypatch.setattr(_ce_meet, "_COUNTERS", {})
     n, vocab = 2048, 256000
     logits = (torch.randn(n, vocab, device="cuda") * 2).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (n,), device="cuda")
@@ -434,8 +439,8 @@ def test_gpu_repeated_split_calls_and_host_flags():
         with pytest.raises(ValueError, match=f"label {vocab + i} is outside .*1 such labels"):
             cross_entropy(logits, bad)
         assert torch.equal(cross_entropy(logits, labels), first)
-    for counters in _ce_meet._COUNTERS.values():
-        assert not counters.any()
+    ((ring, used),) = _ce_meet._COUNTERS.values()
+    assert ring.numel() == 5000 and used == n
 
 
 @pytest.mark.gpu
