@@ -41,6 +41,8 @@ run_part() {
          LIGER_BENCH_GRAPH=1 LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --quick --out "$OUT" || echo "bench_$b failed"; done) ;;
     timeline)  # what the GPU runs in one step of the CE / RoPE / rms_norm benchmarks: kernels, copies, idle gaps
       (cd benchmarks && python3 gpu_timeline.py --out "$OUT") ;;
+    attention)  # SDPA backends at the e2e configs' attention shapes (which one a step should ask for)
+      (cd benchmarks && python3 bench_attention.py --out "$OUT") ;;
     host)  # host time per call of the small-shape autograd ops and the losses, with a cProfile of each loss call
       (cd benchmarks && python3 host_overhead.py --out "$OUT") ;;
     profiles)  # issue 6: one profiled step per family (Qwen and Gemma again after the session-2 changes)
