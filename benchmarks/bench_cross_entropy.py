@@ -47,12 +47,13 @@ def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
     settings.update({"CE_MAX_REGISTERS": None for w in words if w == "nocap"})
     settings.update({"CE_MAX_REGISTERS_COLS": 1 << 30 for w in words if w == "capall"})
     settings.update({"CE_SPLIT_COLS": None for w in words if w == "nosplit"})
+    settings.update({"CE_PREFETCH_PASS2": False for w in words if w == "noprefetch"})
     settings.update({"CE_SPLIT_COLS": int(w[5:-1]) << 10 for w in words if w.startswith("split") and w[-1] == "k"})
     return name, settings
 
 
 VARIANTS = dict(_variant(*v) for v in [
-    (16384, 32, "nosplit"), (16384, 32, "keep0"), (16384, 32, "keep90"), (8192, 16, ""),
+    (16384, 32, "nosplit"), (16384, 32, "noprefetch"), (16384, 32, "keep90"), (8192, 16, ""),
 ])
 # Sweep cases that time the variants too: few rows, wide rows, and the two where liger-kernel led by most.
 SWEEP_WITH_VARIANTS = {(2048, 128256), (16384, 152064), (32768, 128256), (16384, 256000)}
@@ -94,7 +95,8 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
 
     logits, labels = make_inputs(n, vocab, kind)
     knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS", "CE_LANE_SUMS",
-             "CE_LANE_SUMS_MIN_ROWS", "CE_KEEP_L2_SHARE", "CE_MAX_REGISTERS", "CE_MAX_REGISTERS_COLS", "CE_SPLIT_COLS")
+             "CE_LANE_SUMS_MIN_ROWS", "CE_KEEP_L2_SHARE", "CE_MAX_REGISTERS", "CE_MAX_REGISTERS_COLS", "CE_SPLIT_COLS",
+             "CE_PREFETCH_PASS2")
     default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)

@@ -80,7 +80,8 @@ def cross_entropy(args) -> None:
                       HAS_SOFTCAP=False, HAS_SMOOTHING=False, BLOCK_V=block, REVERSE=True,
                       LANE=8 if args.lanes else block,
                       EVICT_PASS1="evict_last", EVICT_PASS2="evict_first", KEEP_FROM=0, EVICT_HEAD="evict_first",
-                      SPLIT=args.split, SEGMENT=-(-(args.vocab // block) // args.split) * block, PHASE=0)
+                      SPLIT=args.split, SEGMENT=-(-(args.vocab // block) // args.split) * block, PHASE=0,
+                      PREFETCH_PASS2=not args.no_prefetch)
     aligned = {n for n, t in signature.items() if t.startswith("*")} | {"stride_logits_row", "stride_grad_row"}
     compiled = compile_sm90(_ce_core._ce_kernel, signature, constexprs, aligned, args.warps, args.maxnreg)
     per_thread = block // (32 * args.warps)
@@ -116,6 +117,7 @@ def main() -> None:
     ce.add_argument("--lanes", action="store_true", help="per-thread partial sums in pass 1 (CE_LANE_SUMS)")
     ce.add_argument("--split", type=int, default=1, help="programs per row (CE_SPLIT_COLS)")
     ce.add_argument("--maxnreg", type=int, default=None, help="register cap (CE_MAX_REGISTERS)")
+    ce.add_argument("--no-prefetch", action="store_true", help="split rows: no pass-2 block loaded before the meeting")
     nb = sub.add_parser("norm-bwd", help="the RMSNorm backward kernel (llama casting, dW, one row per tile)")
     nb.add_argument("--cols", type=int, default=16384)
     nb.add_argument("--block", type=int, default=16384)

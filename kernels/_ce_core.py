@@ -80,6 +80,8 @@ CE_KEEP_L2_SHARE = 0.6
 # 8192×128256 1.248 → 1.316 over 2: each program idles at the meeting until its partner is done with pass 1.
 CE_SPLIT_MIN_COLS = 196608
 CE_SPLIT_COLS: int | None = 65536  # None = never split
+# Split rows: each program loads pass 2's first block before the meeting, so that load's latency overlaps the wait.
+CE_PREFETCH_PASS2 = True
 
 
 @triton.jit
@@ -209,20 +211,31 @@ def _row_stats(X, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap
 
 @triton.jit
 def _row_grad(X, G, seg_start, seg_end, last, t_start, target, offs, lse, coef, shift, t_coef, t_add, softcap,
-              N_COLS: tl.constexpr, SEGMENT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
-              REVERSE: tl.constexpr, EVICT_PASS2: tl.constexpr):
-    """Pass 2 over the same columns as _row_stats: write the gradient."""
+              x_first, N_COLS: tl.constexpr, SEGMENT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+              REVERSE: tl.constexpr, EVICT_PASS2: tl.constexpr, PREFETCHED: tl.constexpr):
+    """Pass 2 over the same columns as _row_stats: write the gradient. PREFETCHED: x_first holds the raw values of
+    the segment's last whole block, loaded before the meeting; that block is written first, and skipped below."""
     FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V
+    first = seg_end - BLOCK_V
+    if PREFETCHED:
+        x = x_first.to(tl.float32)
+        if first == t_start:
+            g = _grad_values(x, offs, lse, coef, shift, t_coef, t_add, target - first, softcap, True, HAS_SOFTCAP)
+        else:
+            g = _grad_values(x, offs, lse, coef, shift, t_coef, t_add, 0, softcap, False, HAS_SOFTCAP)
+        tl.store(G + first + offs, g.to(G.dtype.element_ty), eviction_policy=EVICT_PASS2)
+    else:
+        first = -1  # nothing skipped
     if REVERSE and FULL < N_COLS:  # the blocks pass 1 read last first: they are the likeliest in L2
         if last:
             _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
                         True, True, HAS_SOFTCAP, EVICT_PASS2)
     for b in range(0, SEGMENT, BLOCK_V):
         start = seg_start + ((SEGMENT - BLOCK_V - b) if REVERSE else b)
-        if (start != t_start) & (start < seg_end):
+        if (start != t_start) & (start < seg_end) & (start != first):
             _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, 0, softcap, N_COLS,
                         False, False, HAS_SOFTCAP, EVICT_PASS2)
-    if (t_start >= seg_start) & (t_start < seg_end):
+    if (t_start >= seg_start) & (t_start < seg_end) & (t_start != first):
         _grad_block(X, G, t_start, offs, lse, coef, shift, t_coef, t_add, target - t_start, softcap, N_COLS,
                     False, True, HAS_SOFTCAP, EVICT_PASS2)
     if not REVERSE and FULL < N_COLS:
@@ -240,10 +253,12 @@ def _ce_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
     REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
     EVICT_HEAD: tl.constexpr, SPLIT: tl.constexpr, SEGMENT: tl.constexpr, PHASE: tl.constexpr,
+    PREFETCH_PASS2: tl.constexpr,
 ):
     # SPLIT programs per row, each on SEGMENT columns of whole blocks (the last one also on the partial last block).
     # COUNTERS: one zeroed int32 meeting counter per row (SPLIT > 1 on the GPU; _ce_meet.meeting_counters).
     FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V
+    PREFETCH: tl.constexpr = PREFETCH_PASS2 and SPLIT > 1 and FORWARD and BACKWARD and PHASE != 1
     if SPLIT == 1:
         row = tl.program_id(0).to(tl.int64)
         part = 0
@@ -270,6 +285,7 @@ def _ce_kernel(
     if clean & (label != ignore_index):
         target = label.to(tl.int32)  # < V once range-checked; int32 keeps the per-block offsets cheap
         t_start = (target // BLOCK_V) * BLOCK_V  # the target's block
+        x_first = 0.0
         if FORWARD:
             x_t = 0.0
             if PHASE != 2:
@@ -284,6 +300,8 @@ def _ce_kernel(
                 m, s, sum_x, rank = _row_stats(X, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap,
                                                N_COLS, SEGMENT, WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, LANES,
                                                BLOCK_V, EVICT_PASS1, KEEP_FROM, EVICT_HEAD)
+            if PREFETCH:  # pass 2's first block, loaded now: its latency overlaps the meeting's
+                x_first = tl.load(X + seg_end - BLOCK_V + offs, eviction_policy=EVICT_PASS2)
             if SPLIT > 1:
                 m, s, sum_x, rank, x_t = _share_partials(PARTIAL + row * (8 * SPLIT), COUNTERS + row, part, m, s,
                                                          sum_x, rank, x_t, SPLIT, PHASE)
@@ -314,7 +332,7 @@ def _ce_kernel(
             t_coef = scale * zc
             t_add = scale * (label_smoothing - q) - shift
             _row_grad(X, G, seg_start, seg_end, last, t_start, target, offs, lse, coef, shift, t_coef, t_add, softcap,
-                      N_COLS, SEGMENT, HAS_SOFTCAP, BLOCK_V, REVERSE, EVICT_PASS2)
+                      x_first, N_COLS, SEGMENT, HAS_SOFTCAP, BLOCK_V, REVERSE, EVICT_PASS2, PREFETCH)
     elif clean:
         if FORWARD and PHASE != 1:
             if part == 0:
@@ -386,7 +404,7 @@ def ce_rows(
                 EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
                 KEEP_FROM=_keep_from(logits, segment, block, lanes, cap),
                 EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
-                SPLIT=split, SEGMENT=segment, PHASE=0,
+                SPLIT=split, SEGMENT=segment, PHASE=0, PREFETCH_PASS2=CE_PREFETCH_PASS2,
                 num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
                 **({} if cap is None else dict(maxnreg=cap)))
     for phase in phases:

@@ -78,7 +78,9 @@ SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=F
             "split-rows": dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=150, CE_LANE_SUMS=False,
                                CE_KEEP_L2_SHARE=0.0),
             "split-rows-lanes-keep-tail": dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=150, CE_LANE_SUMS=True,
-                                               CE_LANE_SUMS_MIN_ROWS=0, CE_KEEP_L2_SHARE=2e-5)}
+                                               CE_LANE_SUMS_MIN_ROWS=0, CE_KEEP_L2_SHARE=2e-5),
+            "split-rows-no-prefetch": dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=150, CE_LANE_SUMS=False,
+                                           CE_KEEP_L2_SHARE=0.0, CE_PREFETCH_PASS2=False)}
 
 
 def _use(monkeypatch, settings):
@@ -243,6 +245,29 @@ def test_kernel_touches_nothing_when_the_label_check_failed(monkeypatch, setting
     assert all(bool(o.isnan().all()) for o in outs)
 
 
+@pytest.mark.parametrize("settings", ["split-rows", "split-rows-no-prefetch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_rows_targets_in_every_kind_of_block(monkeypatch, settings, dtype):
+    """V = 517 in 32-column blocks over 4 programs of 4 whole blocks ([128k, 128k + 128)), the last one also on the
+    partial block [512, 517): targets in the block each program loads for pass 2 before the meeting (the last whole
+    block of its segment: 96.., 224.., 352.., 480..), at a segment's first column, and in the partial block; the
+    gradient written over the logits, whose targets dominate (a stale read would be far off)."""
+    _use(monkeypatch, SETTINGS[settings])
+    labels = torch.tensor([96, 127, 229, 383, 480, 511, 514, 0, 128, IGNORE], device=DEVICE)
+    logits = torch.randn(len(labels), 517, device=DEVICE) * 2
+    valid = labels != IGNORE
+    logits[valid.nonzero()[:, 0], labels[valid]] += 6
+    logits = logits.to(dtype)
+    _check(logits, labels, "mean", label_smoothing=0.1)
+    leaf = logits.clone().requires_grad_()
+    inter = leaf * 1
+    cross_entropy(inter, labels, reduction="sum").backward()
+    x64 = logits.double().requires_grad_()
+    cross_entropy_reference(x64, labels, reduction="sum").backward()
+    assert torch.equal(inter.detach(), leaf.grad)
+    assert_matches(leaf.grad, x64.grad, name="dlogits in place")
+
+
 @pytest.mark.parametrize("settings", ["default", "split-rows"])
 def test_loss_total_is_deterministic(monkeypatch, settings):
     """mean / sum: the per-row losses summed in one fixed order by one program (scaled_sum), times the scale: the same
@@ -349,7 +374,8 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
 GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False), "all-evict-last": dict(CE_KEEP_L2_SHARE=0.0),
                 "32-registers-any-width": dict(CE_MAX_REGISTERS_COLS=1 << 30),
                 "no-register-cap": dict(CE_MAX_REGISTERS=None), "no-split": dict(CE_SPLIT_COLS=None),
-                "split-over-64k": dict(CE_SPLIT_MIN_COLS=65536)}
+                "split-over-64k": dict(CE_SPLIT_MIN_COLS=65536),
+                "split-no-prefetch": dict(CE_PREFETCH_PASS2=False)}
 
 
 @pytest.mark.gpu
