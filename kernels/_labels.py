@@ -28,16 +28,16 @@ class LabelCheck:
 
     The kernels index the logits with the label, so a bad label must never reach a load. On CUDA one kernel counts
     the bad labels into `flag` (count, index of the first) and writes `scale`; the loss kernels, queued after it,
-    read `flag` and do nothing at all when it is set: no read out of bounds, and no logits overwritten by an in-place
-    gradient. The same kernel also stores the flag straight into pinned host memory (mapped into the GPU's address
-    space, as all pinned memory is under unified addressing), behind an event; `wait()` (at the end of the loss
-    call, after its kernels are queued) blocks only until that event, then raises ValueError. A copy to the host
-    queued on the stream instead held the loss kernel back by 5-14 µs (eleventh session, benchmarks/gpu_timeline.py). So the GPU always has the
-    loss kernels queued while the host waits; a plain `.item()` before them left it idle for the whole host path
-    from the sync to their launch (0.45 ms per call at 8192×128256 on the H200, eighth session), and the check and
-    the scale took ~10 small launches. While a CUDA graph is being captured nothing is read on the host (the
-    kernels still skip on a bad label); the capturer checks every batch it copies in (liger_models/train/
-    cuda_graph.py). On CPU everything runs at once, in PyTorch.
+    read `flag` and do nothing at all when it is set: no read out of bounds, and no logits overwritten by an
+    in-place gradient. The same kernel also stores the flag straight into pinned host memory (mapped into the GPU's
+    address space, as all pinned memory is under unified addressing), behind an event; `wait()` (at the end of the
+    loss call, after its kernels are queued) blocks only until that event, then raises ValueError. A copy to the
+    host queued on the stream instead held the loss kernel back by 5-14 µs (eleventh session,
+    benchmarks/gpu_timeline.py). So the GPU always has the loss kernels queued while the host waits; a plain
+    `.item()` before them left it idle for the whole host path from the sync to their launch (0.45 ms per call at
+    8192×128256 on the H200, eighth session), and the check and the scale took ~10 small launches. While a CUDA
+    graph is being captured nothing is read on the host (the kernels still skip on a bad label); the capturer checks
+    every batch it copies in (liger_models/train/cuda_graph.py). On CPU everything runs at once, in PyTorch.
     """
 
     def __init__(self, labels: torch.Tensor, vocab_size: int, ignore_index: int, reduction: str = "sum",

@@ -13,8 +13,8 @@ Algorithm, per chunk of M token rows (all gradients are computed in the forward 
   5. db_acc += column sums of D (fp32)
   then grad_W = dW_acc cast to the weight dtype (or, SINGLE_CHUNK_IN_ACCUMULATOR with N ≤ 2H, one chunk in a scratch
   the accumulator's size and step 4 as one GEMM straight into grad_W). Backward only multiplies the gradients by
-  grad_output, with a kernel that reads grad_output on the device and does nothing when it is 1 (no host sync). A grad_output that
-  is not a power of two rounds the bf16 gradients a second time (unbiased, ≤ 2⁻⁹ relative per element, never
+  grad_output, with a kernel that reads grad_output on the device and does nothing when it is 1 (no host sync). A
+  grad_output that is not a power of two rounds the bf16 gradients a second time (unbiased, ≤ 2⁻⁹ relative per element, never
   compounding across chunks or steps); a factor known up front belongs in loss_scale, which is folded in before
   the single rounding.
 
