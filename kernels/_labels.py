@@ -19,6 +19,10 @@ LABEL_WARPS = 16
 # Pinned host buffers + events of finished checks, per device, for the next check to reuse: a fresh pinned
 # tensor and event cost more host time than the check's own launch.
 _SPARE: dict[int, list] = {}
+# Every pinned buffer ever made stays referenced here. The check kernel writes into it directly, so a buffer whose check
+# was dropped before wait() (an exception in between) must never return to torch's pinned-memory cache while that
+# kernel may still be queued; it is simply never reused (16 bytes each).
+_KEPT: list[torch.Tensor] = []
 
 
 class LabelCheck:
@@ -60,8 +64,11 @@ class LabelCheck:
             self._host = self.flag
         elif not torch.cuda.is_current_stream_capturing():  # while capturing, nothing is read on the host
             spare = _SPARE.setdefault(device.index, [])
-            self._host, self._event = spare.pop() if spare else (torch.empty(2, dtype=torch.int64, pin_memory=True),
-                                                                 torch.cuda.Event())
+            if spare:
+                self._host, self._event = spare.pop()
+            else:
+                self._host, self._event = torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
+                _KEPT.append(self._host)
         to_host = self._event is not None
         launch(_label_check_kernel, (1,),
                [self.labels if n else self.flag, self.flag, self.scale, self._host if to_host else self.flag, n,
@@ -79,7 +86,7 @@ class LabelCheck:
             self._event.synchronize()
         if self._host is not None:
             self._counts = self._host.tolist()
-        if self._event is not None:  # the copy has landed: buffer and event are free for the next check
+        if self._event is not None:  # the kernel is done and read: buffer and event are free for the next check
             _SPARE[self.labels.device.index].append((self._host, self._event))
             self._host = self._event = None
         n_bad, first_index = self._counts
