@@ -416,12 +416,17 @@ def ce_rows(
 
 def _split(n_cols: int, block: int) -> tuple[int, int]:
     """(programs per row, whole-block columns per program): rows wider than CE_SPLIT_MIN_COLS go to 2, 4, ...
-    programs of at most CE_SPLIT_COLS columns (and at least one whole block), so that a wide row puts no more in
-    flight per SM than a narrower one."""
+    programs of at most CE_SPLIT_COLS columns, so that a wide row puts no more in flight per SM than a narrower one.
+    Every program gets at least one whole block: rounding the count up to a power of two (the meeting reduces over
+    it) can leave the last programs none (V = 300000: 8 programs of 3 blocks of 16384 for 18 blocks), and such a
+    program would start past the row's whole blocks: it missed zeroing an ignored row's tail, and with pass 2's
+    prefetch it would load and write a neighbour's block. Then the count halves until none is empty."""
     whole = n_cols // block
     if not CE_SPLIT_COLS or n_cols <= CE_SPLIT_MIN_COLS:
         return 1, whole * block
     split = max(1, min(pow2(cdiv(n_cols, CE_SPLIT_COLS)), pow2(whole + 1) // 2))
+    while split > 1 and (split - 1) * cdiv(whole, split) >= whole:
+        split //= 2
     return split, cdiv(whole, split) * block
 
 

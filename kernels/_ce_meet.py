@@ -67,7 +67,8 @@ def meeting_counters(device: torch.device, n: int) -> torch.Tensor:
     A torch.zeros per call cost 8 µs of stream time before the row kernel (H200, benchmarks/gpu_timeline.py), and
     a kernel that zeroes its counters again on the way out stalls every program on the atomic's reply (+20 µs at
     4096×256000, eleventh session). Launches on one stream run one after another, so slices of the ring handed out
-    in order never overlap in time, and the lap's zero-fill is queued behind every launch that used it. A CUDA graph
+    in order never overlap in time (one Python thread launching on a stream at a time), and the lap's zero-fill is
+    queued behind every launch that used it. A CUDA graph
     being captured gets zeros of its own (its memory stays with the graph)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)

@@ -268,6 +268,28 @@ def test_split_rows_targets_in_every_kind_of_block(monkeypatch, settings, dtype)
     assert_matches(leaf.grad, x64.grad, name="dlogits in place")
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_split_never_leaves_a_program_without_columns(monkeypatch, prefetch):
+    """V = 18 whole 32-column blocks + 5: splitting over 8 programs (150 columns each, rounded up to a power of two)
+    would give segments of 3 blocks and leave the last two programs none, and such a program would prefetch (and
+    write) a neighbour's block. The split shrinks to 4 programs of 5 blocks instead; in place, targets everywhere."""
+    _use(monkeypatch, dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=80, CE_LANE_SUMS=False,
+                           CE_KEEP_L2_SHARE=0.0, CE_PREFETCH_PASS2=prefetch))
+    assert _ce_core._split(18 * 32 + 5, 32) == (4, 5 * 32)
+    assert _ce_core._split(15 * 32 + 7, 32) == (8, 2 * 32)  # 8 programs of 2 blocks: the last has 1 and the tail
+    labels = torch.tensor([0, 95, 160, 511, 544, 575, 580, 300, IGNORE], device=DEVICE)
+    logits = torch.randn(len(labels), 18 * 32 + 5, device=DEVICE) * 2
+    valid = labels != IGNORE
+    logits[valid.nonzero()[:, 0], labels[valid]] += 6
+    leaf = logits.clone().requires_grad_()
+    inter = leaf * 1
+    cross_entropy(inter, labels, reduction="sum").backward()
+    x64 = logits.double().requires_grad_()
+    cross_entropy_reference(x64, labels, reduction="sum").backward()
+    assert torch.equal(inter.detach(), leaf.grad)
+    assert_matches(leaf.grad, x64.grad, name="dlogits in place")
+
+
 @pytest.mark.parametrize("settings", ["default", "split-rows"])
 def test_loss_total_is_deterministic(monkeypatch, settings):
     """mean / sum: the per-row losses summed in one fixed order by one program (scaled_sum), times the scale: the same
