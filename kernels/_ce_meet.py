@@ -68,8 +68,8 @@ def meeting_counters(device: torch.device, n: int) -> torch.Tensor:
     a kernel that zeroes its counters again on the way out stalls every program on the atomic's reply (+20 µs at
     4096×256000, eleventh session). Launches on one stream run one after another, so slices of the ring handed out
     in order never overlap in time (one Python thread launching on a stream at a time), and the lap's zero-fill is
-    queued behind every launch that used it. A CUDA graph
-    being captured gets zeros of its own (its memory stays with the graph)."""
+    queued behind every launch that used it. A CUDA graph being captured gets zeros of its own (its memory stays
+    with the graph)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
