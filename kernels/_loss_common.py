@@ -57,8 +57,13 @@ def _scaled_sum_kernel(X, G, OUT, n, BLOCK: tl.constexpr):
 def scaled_sum(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """g · Σ x as a 0-dim fp32 tensor for a contiguous fp32 x (per-token losses) and a 0-dim fp32 device tensor g.
 
-    One launch where ``x.sum() * g`` takes two (torch's reduction and a multiply, ~7 µs of stream time after the
-    loss kernel on the H200; benchmarks/gpu_timeline.py)."""
+    On CUDA one launch where ``x.sum() * g`` takes two (torch's reduction and a multiply, ~7 µs of stream time after
+    the loss kernel on the H200; benchmarks/gpu_timeline.py). On the CPU PyTorch's sum: the interpreter would spend
+    ~9 ms simulating the launch for nothing (tests call the kernel through _launch_scaled_sum)."""
+    return _launch_scaled_sum(x, g) if x.is_cuda else x.sum() * g
+
+
+def _launch_scaled_sum(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     out = torch.empty((), dtype=torch.float32, device=x.device)
     launch(_scaled_sum_kernel, (1,), [x, g, out, x.numel()], dict(BLOCK=SUM_BLOCK, num_warps=SUM_WARPS))
     return out
