@@ -71,10 +71,9 @@ def timeline(step, reps: int = 5) -> list[list[dict]]:
             trace = json.load(f)
     items = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X"
                     and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    # An iteration starts at each flush (the zero_ fill of FLUSH_BYTES, the longest memset/fill in the loop).
-    starts = [i for i, e in enumerate(items) if "fill" in e["name"].lower() or e.get("cat") == "gpu_memset"
-              and e.get("args", {}).get("bytes", 0) == FLUSH_BYTES]
-    starts = [i for i in starts if items[i]["dur"] > 20] or starts
+    # An iteration starts at each flush: the zero_ of FLUSH_BYTES, a fill kernel of ~80 µs (a step's own fills, such
+    # as autograd's ones, take ~1 µs).
+    starts = [i for i, e in enumerate(items) if "fill" in e["name"].lower() and e["dur"] > 20]
     out = []
     for a, b in zip(starts, starts[1:] + [len(items)]):
         end_prev = items[a]["ts"] + items[a]["dur"]

@@ -387,13 +387,12 @@ def ce_rows(
     dummy = lse  # stands in for pointers a mode does not touch
     partial, counters = dummy, label_flag
     phases = (0,)
-    meet = split > 1 and forward  # the programs of a row meet between the passes (_share_partials)
-    if meet:
+    if split > 1 and forward:  # the programs of a row meet between the passes (_share_partials)
         partial = torch.empty(rows * split * 8, dtype=torch.float32, device=logits.device)
-        if not runs_compiled(_ce_kernel):  # the interpreter runs programs one by one: publish, then merge
+        if runs_compiled(_ce_kernel):
+            counters = meeting_counters(logits.device, rows)
+        else:  # the interpreter runs programs one by one: publish in one launch, merge in the next
             phases = (1, 2)
-    if meet and phases == (0,):
-        counters = meeting_counters(logits.device, rows)
     args = [logits, grad if backward else logits, labels, label_flag, loss if forward else dummy, lse, q,
             rank if rank is not None else dummy, scale if backward else dummy, partial, counters,
             logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,

@@ -14,9 +14,9 @@ Algorithm, per chunk of M token rows (all gradients are computed in the forward 
   then grad_W = dW_acc cast to the weight dtype (or, SINGLE_CHUNK_IN_ACCUMULATOR with N ≤ 2H, one chunk in a scratch
   the accumulator's size and step 4 as one GEMM straight into grad_W). Backward only multiplies the gradients by
   grad_output, with a kernel that reads grad_output on the device and does nothing when it is 1 (no host sync). A
-  grad_output that is not a power of two rounds the bf16 gradients a second time (unbiased, ≤ 2⁻⁹ relative per element, never
-  compounding across chunks or steps); a factor known up front belongs in loss_scale, which is folded in before
-  the single rounding.
+  grad_output that is not a power of two rounds the bf16 gradients a second time (unbiased, ≤ 2⁻⁹ relative per
+  element, never compounding across chunks or steps); a factor known up front belongs in loss_scale, which is
+  folded in before the single rounding.
 
 Counting (H200: ≈790 TFLOP/s dense bf16 peak, 655 measured on 8192³; 4.3 TB/s HBM; ridge ≈ 185 FLOP/B).
 The three headline shapes (BT8192/H4096/V128256, BT8192/H2048/V256000, BT16384/H2048/V128256) all need
