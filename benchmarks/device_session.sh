@@ -36,6 +36,10 @@ run_part() {
        for b in swiglu geglu; do LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --out "$OUT" || echo "bench_$b failed"; done) ;;
     rms-norm)  # the full rms_norm / add_rms_norm sweep alone (host-bound small shapes: a lone lane)
       (cd benchmarks && LIGER_BENCH_GRAPH=1 LIGER_BENCH_GPU_TIME=1 python3 bench_rms_norm.py --out "$OUT") ;;
+    layer-norm)  # the full layer_norm sweep alone, GPU time too
+      (cd benchmarks && LIGER_BENCH_GPU_TIME=1 python3 bench_layer_norm.py --out "$OUT") ;;
+    norms-wide)  # the 8K-16K-column backward: wide kernel variants vs the split path (kernel GPU time)
+      (cd benchmarks && python3 tune_norms.py --sections wide --out "$OUT") ;;
     norms-quick)  # the headline rms_norm / RoPE autograd steps (host-bound: a lone lane), GPU time and graph replay too
       (cd benchmarks && for b in rms_norm rope; do
          LIGER_BENCH_GRAPH=1 LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --quick --out "$OUT" || echo "bench_$b failed"; done) ;;
@@ -46,7 +50,7 @@ run_part() {
     host)  # host time per call of the small-shape autograd ops and the losses, with a cProfile of each loss call
       (cd benchmarks && python3 host_overhead.py --out "$OUT") ;;
     profiles)  # issue 6: one profiled step per family (Qwen and Gemma again after the session-2 changes)
-      python3 benchmarks/profile_e2e.py --out "$OUT/profiles" --configs qwen2.5-1.5b,gemma-2b,mistral-7b-w4l,phi3-mini-w8l ;;
+      python3 benchmarks/profile_e2e.py --out "$OUT/profiles" --configs "${PROFILE_CONFIGS:-qwen2.5-1.5b,gemma-2b,mistral-7b-w4l,phi3-mini-w8l}" ;;
     e2e-small)  # tied lm_heads: no forward-time head step to measure, so graph capture only
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_small" --timeout 200 --providers "${E2E_SMALL_PROVIDERS:-ours,ours_graph}" \
         --configs llama-3.2-1b,qwen2.5-1.5b,gemma-2b ;;

@@ -5,6 +5,8 @@ Sections (bf16, llama casting; GB/s counts 4 B/elem forward (x, y), 6 B/elem bac
          registers and no prefetch (1 row per iteration) at 1–4 programs per SM: the yardstick.
   sweep  GPU time of norm_forward / norm_backward per shape and tiling knob (tile elements × elements per thread
          → BLOCK_M, num_warps; backward grid in programs per SM, "occ" = measured occupancy).
+  wide   rows of 8K-16K columns: the one-kernel wide backward (its elements per thread, L2 hints, grid) against
+         the split path, plus the forward for scale; 8192 columns also forced through the wide kernel.
   host   host µs per call, GPU idle (tiny tensors): allocation, Triton launch through its launcher vs the cached
          compiled kernel (kernels/_launch.py FAST_LAUNCH), autograd.grad alone, a whole forward + backward.
   e2e    forward + backward through autograd.grad, timed like benchmarks/bench_rms_norm.py (do_bench median,
@@ -33,7 +35,8 @@ import liger_models.kernels.rms_norm as rn
 
 EPS = 1e-6
 KNOBS = ("_FWD_TILE", "_FWD_ELEMS_PER_THREAD", "_BWD_TILE", "_BWD_ELEMS_PER_THREAD", "_PROGRAMS_PER_SM",
-         "_SPLIT_BLOCK_N")
+         "_SPLIT_BLOCK_N", "_MAX_FUSED_BWD_N", "_WIDE_BWD", "_WIDE_CHUNK", "_WIDE_ELEMS_PER_THREAD",
+         "_WIDE_L2_HINTS_MIN_CHUNKS")
 HEADLINE = (16384, 4096)
 # shape -> (forward (tile, elems/thread) list, backward (tile, elems/thread) list, programs-per-SM list)
 SWEEP = {
@@ -155,6 +158,43 @@ def sweep_section(out: list, quick: bool) -> None:
         print(f"swept {shape} ({time.time() - T0:.0f} s)", flush=True)
 
 
+WIDE_SHAPES = [(16384, 16384), (4096, 16384), (8192, 12288), (16384, 8192)]
+
+
+def _wide_variants(hidden: int) -> list:
+    variants = [("bwd default", {}), ("bwd split", dict(_WIDE_BWD=False))]
+    if hidden <= rn._MAX_FUSED_BWD_N:
+        variants = [("bwd default (fused row)", {})]
+    return variants + [(f"bwd wide ept{ept} hints{int(hints)}",
+                        dict(_MAX_FUSED_BWD_N=min(rn._MAX_FUSED_BWD_N, hidden // 2), _WIDE_ELEMS_PER_THREAD=ept,
+                             _WIDE_L2_HINTS_MIN_CHUNKS=0 if hints else 99))
+                       for ept, hints in [(4, False), (4, True), (8, False), (8, True)]]
+
+
+def wide_section(out: list) -> None:
+    """RMSNorm (llama casting) and LayerNorm with bias (dW and dB) backward at 8K-16K columns, per variant."""
+    for rows, hidden in WIDE_SHAPES:
+        x, w, dy = _inputs(rows, hidden)
+        b = torch.zeros_like(w)
+        for op in ("rms_norm", "layer_norm"):
+            center = op == "layer_norm"
+            shape = f"{op} {rows}x{hidden}"
+            fwd = lambda: rn.norm_forward(x, None, w, b if center else None, EPS, 0.0, center=center,  # noqa: E731
+                                          gemma=False)
+            _, _, mean, rstd = fwd()
+            bwd = lambda: rn.norm_backward(dy, x, w, mean, rstd, None, 0.0, center=center,  # noqa: E731
+                                           gemma=False, need_dw=True, need_db=center)
+            _add(out, dict(sec="wide", shape=shape, what="fwd (default)", ms=busy_gpu_ms(fwd), per=4))
+            for what, knobs in _wide_variants(hidden):
+                _set(**{**DEFAULTS, **knobs})
+                try:
+                    _add(out, dict(sec="wide", shape=shape, what=what, ms=busy_gpu_ms(bwd), per=6))
+                except Exception as e:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
+                    print(f"{shape} {what}: {type(e).__name__}: {e}"[:300], flush=True)
+            _set()
+        print(f"wide {rows}x{hidden} ({time.time() - T0:.0f} s)", flush=True)
+
+
 def _liger(module: str, name: str):
     return getattr(importlib.import_module(module), name)
 
@@ -272,8 +312,8 @@ def main() -> None:
     DEFAULTS = {k: getattr(rn, k) for k in KNOBS}
     copy_gbs = copy_bandwidth_gbs()
     results: list = []
-    sections = {"ref": ref_section, "sweep": lambda o: sweep_section(o, args.quick), "host": host_section,
-                "e2e": e2e_section}
+    sections = {"ref": ref_section, "sweep": lambda o: sweep_section(o, args.quick), "wide": wide_section,
+                "host": host_section, "e2e": e2e_section}
     for name in args.sections.split(","):
         sections[name](results)
         print(f"{name} done ({time.time() - T0:.0f} s)", flush=True)

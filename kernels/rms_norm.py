@@ -30,6 +30,7 @@ from torch import nn
 
 from ._dispatch import interpreting, row_view, use_triton
 from ._launch import cdiv, compiled, launch, on_input_device, pow2, sm_count
+from ._norm_wide import _norm_bwd_wide_kernel
 
 _CASTINGS = ("llama", "gemma")
 
@@ -281,6 +282,16 @@ _SPLIT_BLOCK_N = 4096
 _FWD_TILE, _FWD_ELEMS_PER_THREAD = 4096, 16
 _BWD_TILE, _BWD_ELEMS_PER_THREAD = 4096, 16
 _PROGRAMS_PER_SM: int | None = None  # backward grid override (benchmarks/tune_norms.py); None = measured occupancy
+# Rows longer than _MAX_FUSED_BWD_N and at most 4 · _WIDE_CHUNK run the backward in one kernel that reads each row
+# twice, the second time from L2 (_norm_bwd_wide_kernel); longer rows take the split path (a row-dots kernel, then
+# column blocks: two HBM reads of dy and x). L2 hints (pass 1 loads evict_last, pass 2 evict_first) are given to rows
+# of at least _WIDE_L2_HINTS_MIN_CHUNKS chunks. H200, bf16 rms_norm backward GPU time (tune_norms.py --sections wide,
+# two runs): 16384×16384 split 0.660 ms, wide 0.455 with the hints at 4 elements per thread (32 warps), 0.554-0.587
+# without them or at 8; 4096×16384 0.180 → 0.130 (same variant); 8192×12288 (3 chunks) 0.262 → 0.189 without the
+# hints, at 4 or 8 elements per thread, but 0.265 with them.
+_WIDE_BWD = True
+_WIDE_CHUNK, _WIDE_ELEMS_PER_THREAD = 4096, 4
+_WIDE_L2_HINTS_MIN_CHUNKS = 4
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -334,6 +345,8 @@ def norm_backward(
         zeros = torch.zeros_like(weight)
         return dx, zeros if need_dw else None, zeros.clone() if need_db else None
     split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_BWD_N, _BWD_TILE, _BWD_ELEMS_PER_THREAD)
+    if split and _WIDE_BWD and n_cols <= 4 * _WIDE_CHUNK:
+        return _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db)
     n_col_blocks = cdiv(n_cols, block_n) if split else 1
     c0 = c1 = None
     if split:
@@ -344,22 +357,42 @@ def norm_backward(
                dict(CENTER=center, BLOCK_N=block_n, num_warps=max(4, num_warps)))
     meta = dict(CENTER=center, GEMMA=gemma, HAS_DRES=dres is not None, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
                 SPLIT_N=split, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    # rstd stands in for the dW/dB partials (same dtype and alignment) until the grid, and so their size, is known.
     args = [dy, x, weight, mean, rstd, dres, c0, c1, dx, rstd if need_dw else None, rstd if need_db else None,
             n_rows, n_cols, dy.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0, offset]
+    return _persistent_backward(_norm_bwd_kernel, args, meta, 9, cdiv(n_rows, block_m), n_col_blocks, dx, weight,
+                                need_dw, need_db)
+
+
+def _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db):
+    """The backward of rows of 2-4 _WIDE_CHUNKs in one kernel (_norm_bwd_wide_kernel)."""
+    n_rows, n_cols = x.shape
+    n_chunks = cdiv(n_cols, _WIDE_CHUNK)
+    meta = dict(CENTER=center, GEMMA=gemma, HAS_DRES=dres is not None, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
+                N_CHUNKS=n_chunks, CHUNK=_WIDE_CHUNK, L2_HINTS=n_chunks >= _WIDE_L2_HINTS_MIN_CHUNKS,
+                num_warps=max(1, min(32, _WIDE_CHUNK // (32 * _WIDE_ELEMS_PER_THREAD))))
+    args = [dy, x, weight, mean, rstd, dres, dx, rstd if need_dw else None, rstd if need_db else None,
+            n_rows, n_cols, dy.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0, offset]
+    return _persistent_backward(_norm_bwd_wide_kernel, args, meta, 7, n_rows, 1, dx, weight, need_dw, need_db)
+
+
+def _persistent_backward(kernel, args: list, meta: dict, dw_arg: int, row_units: int, n_col_blocks: int,
+                         dx: torch.Tensor, weight: torch.Tensor, need_dw: bool, need_db: bool):
+    """Launch a persistent backward whose programs each write one row of fp32 dW (args[dw_arg]) and dB
+    (args[dw_arg + 1]) partials, then reduce them: (dx, dW or None, dB or None). rstd stands in for the partials
+    in ``args`` (same dtype and alignment) until the grid, and so their size, is known."""
+    device, n_cols = dx.device, dx.shape[1]
     # One wave of persistent programs: as many as fit at once (fewest partials); the interpreter gets 4.
-    info = None if interpreting() else compiled(_norm_bwd_kernel, args, meta, x.device)
+    info = None if interpreting() else compiled(kernel, args, meta, device)
     resident = 4 if info is None else info[2]
     if _PROGRAMS_PER_SM is not None:
-        resident = _PROGRAMS_PER_SM * sm_count(x.device)
-    n_prog = max(1, min(cdiv(n_rows, block_m), resident // n_col_blocks))
-    if need_dw:
-        args[9] = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device)
-    if need_db:
-        args[10] = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x.device)
-    launch(_norm_bwd_kernel, (n_prog, n_col_blocks), args, meta, info)
-    dw = _sum_partials(args[9], weight.dtype) if need_dw else None
-    return dx, dw, _sum_partials(args[10], weight.dtype) if need_db else None
+        resident = _PROGRAMS_PER_SM * sm_count(device)
+    n_prog = max(1, min(row_units, resident // n_col_blocks))
+    for i, needed in ((dw_arg, need_dw), (dw_arg + 1, need_db)):
+        if needed:
+            args[i] = torch.empty((n_prog, n_cols), dtype=torch.float32, device=device)
+    launch(kernel, (n_prog, n_col_blocks), args, meta, info)
+    dw = _sum_partials(args[dw_arg], weight.dtype) if need_dw else None
+    return dx, dw, _sum_partials(args[dw_arg + 1], weight.dtype) if need_db else None
 
 
 def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -74,7 +74,17 @@ def test_long_rows_split_path(monkeypatch, shape, dtype):
     monkeypatch.setattr(rn, "_MAX_FUSED_FWD_N", 64)
     monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
     monkeypatch.setattr(rn, "_SPLIT_BLOCK_N", 64)
+    monkeypatch.setattr(rn, "_WIDE_BWD", False)
     _check(*_inputs(shape, dtype, bias=True, mean=30.0))  # a mean ≫ std: the separate mean pass matters
+
+
+@pytest.mark.parametrize("shape", [(3, 127), (5, 250)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_rows_backward(monkeypatch, shape, bias, dtype):
+    monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
+    monkeypatch.setattr(rn, "_WIDE_CHUNK", 64)  # rows of 2 and 4 chunks (with a tail): the one-kernel backward
+    _check(*_inputs(shape, dtype, bias=bias, mean=30.0))
 
 
 def test_large_mean_fused_path():
@@ -132,7 +142,8 @@ def test_bad_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(16384, 4096), (4096, 8192), (1024, 65536), (4095, 2047)])
+@pytest.mark.parametrize("shape", [(16384, 4096), (4096, 8192), (2048, 16384), (3000, 12000), (1024, 65536),
+                                   (4095, 2047)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_gpu_real_sizes(shape, bias):
     _check(*_inputs(shape, torch.bfloat16, bias))

@@ -31,6 +31,15 @@ def split_rows(monkeypatch):
     monkeypatch.setattr(rn, "_MAX_FUSED_FWD_N", 64)
     monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
     monkeypatch.setattr(rn, "_SPLIT_BLOCK_N", 64)
+    monkeypatch.setattr(rn, "_WIDE_BWD", False)
+
+
+@pytest.fixture
+def wide_rows(monkeypatch):
+    """Rows of 2-4 chunks of 64 take the one-kernel wide backward; longer ones the split path."""
+    monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
+    monkeypatch.setattr(rn, "_SPLIT_BLOCK_N", 64)
+    monkeypatch.setattr(rn, "_WIDE_CHUNK", 64)
 
 
 def _inputs(shape, dtype, casting, device=DEVICE):
@@ -115,6 +124,23 @@ def test_long_rows_split_path(split_rows, shape, casting, offset, dtype):
     x, w = _inputs(shape, dtype, casting)
     _check_rms_norm(x, w, casting, offset)
     _check_add_rms_norm(x, torch.randn_like(x), w, casting, offset)
+
+
+@pytest.mark.parametrize("shape", [(3, 127), (5, 250), (2, 300)])
+@pytest.mark.parametrize("casting,offset", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_rows_backward(wide_rows, shape, casting, offset, dtype):
+    x, w = _inputs(shape, dtype, casting)
+    _check_rms_norm(x, w, casting, offset)
+    _check_add_rms_norm(x, torch.randn_like(x), w, casting, offset)
+
+
+def test_wide_rows_strided(wide_rows):
+    x = torch.randn(7, 260, device=DEVICE, dtype=torch.bfloat16)[:, 3:203]  # row stride 260, 4 chunks with a tail
+    dy = torch.randn(200, 7, device=DEVICE, dtype=torch.bfloat16).t()  # a transposed incoming gradient
+    w = _inputs((1, 200), torch.bfloat16, "llama")[1]
+    _check_rms_norm(x, w, "llama", 0.0, dy=dy)
+    _check_add_rms_norm(x, torch.randn(7, 200, device=DEVICE, dtype=torch.bfloat16), w, "gemma", 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -250,7 +276,8 @@ def test_launch_helpers_match_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(16384, 4096), (4096, 8192), (1024, 65536), (8192, 16384), (4095, 2047)])
+@pytest.mark.parametrize("shape", [(16384, 4096), (4096, 8192), (1024, 65536), (8192, 16384), (3000, 12000),
+                                   (4095, 2047)])
 @pytest.mark.parametrize("casting,offset", MODES)
 def test_gpu_real_sizes(shape, casting, offset):
     x, w = _inputs(shape, torch.bfloat16, casting)
