@@ -5,8 +5,8 @@ Sections (bf16, llama casting; GB/s counts 4 B/elem forward (x, y), 6 B/elem bac
          registers and no prefetch (1 row per iteration) at 1–4 programs per SM: the yardstick.
   sweep  GPU time of norm_forward / norm_backward per shape and tiling knob (tile elements × elements per thread
          → BLOCK_M, num_warps; backward grid in programs per SM, "occ" = measured occupancy).
-  wide   rows of 8K-16K columns: the one-kernel wide backward (its elements per thread, L2 hints, grid) against
-         the split path, plus the forward for scale; 8192 columns also forced through the wide kernel.
+  wide   rows of 8K-16K columns, RMSNorm and LayerNorm: the one-kernel wide backward (elements per thread, L2
+         hints) against the split path, plus the forward for scale; 8192 columns also forced through the wide kernel.
   host   host µs per call, GPU idle (tiny tensors): allocation, Triton launch through its launcher vs the cached
          compiled kernel (kernels/_launch.py FAST_LAUNCH), autograd.grad alone, a whole forward + backward.
   e2e    forward + backward through autograd.grad, timed like benchmarks/bench_rms_norm.py (do_bench median,
@@ -36,7 +36,7 @@ import liger_models.kernels.rms_norm as rn
 EPS = 1e-6
 KNOBS = ("_FWD_TILE", "_FWD_ELEMS_PER_THREAD", "_BWD_TILE", "_BWD_ELEMS_PER_THREAD", "_PROGRAMS_PER_SM",
          "_SPLIT_BLOCK_N", "_MAX_FUSED_BWD_N", "_WIDE_BWD", "_WIDE_CHUNK", "_WIDE_ELEMS_PER_THREAD",
-         "_WIDE_L2_HINTS_MIN_CHUNKS")
+         "_WIDE_L2_HINTS_MIN_CHUNKS", "_WIDE_LN_ELEMS_PER_THREAD", "_WIDE_LN_MAX_CHUNKS")
 HEADLINE = (16384, 4096)
 # shape -> (forward (tile, elems/thread) list, backward (tile, elems/thread) list, programs-per-SM list)
 SWEEP = {
@@ -167,6 +167,7 @@ def _wide_variants(hidden: int) -> list:
         variants = [("bwd default (fused row)", {})]
     return variants + [(f"bwd wide ept{ept} hints{int(hints)}",
                         dict(_MAX_FUSED_BWD_N=min(rn._MAX_FUSED_BWD_N, hidden // 2), _WIDE_ELEMS_PER_THREAD=ept,
+                             _WIDE_LN_ELEMS_PER_THREAD=ept, _WIDE_LN_MAX_CHUNKS=4,
                              _WIDE_L2_HINTS_MIN_CHUNKS=0 if hints else 99))
                        for ept, hints in [(4, False), (4, True), (8, False), (8, True)]]
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from ._dispatch import interpreting, row_view, use_triton
 from ._launch import cdiv, compiled, launch, on_input_device, pow2, sm_count
-from ._norm_wide import _norm_bwd_wide_kernel
+from ._norm_backward import _norm_bwd_wide_kernel, sum_partials
 
 _CASTINGS = ("llama", "gemma")
 
@@ -204,7 +204,7 @@ def _norm_bwd_kernel(
 ):
     # Persistent grid: axis 0 has about as many programs as fit on the GPU at once; each loops over row blocks
     # and keeps its dW (dB) partial in fp32 registers, written once at the end. G×N partials (not M×N) are then
-    # summed in a fixed order by _sum_partials_kernel: deterministic, no atomics.
+    # summed in a fixed order by _norm_backward.sum_partials: deterministic, no atomics.
     # Axis 1 splits long rows into column blocks (SPLIT_N); the row dots then come from _norm_bwd_row_dots_kernel.
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -256,20 +256,6 @@ def _norm_bwd_kernel(
         tl.store(DB_PART + pid * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
 
 
-@triton.jit
-def _sum_partials_kernel(PART, OUT, n_part, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Second stage of the dW reduction: a fixed summation order, so the same inputs give the same bits.
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
-    start = tl.full((), 0, tl.int32)
-    while start < n_part:
-        p = start + tl.arange(0, BLOCK_P)
-        mask = (p < n_part)[:, None] & (cols < n_cols)[None, :]
-        acc += tl.load(PART + p[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-        start += BLOCK_P
-    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cols < n_cols)
-
-
 # Tiling. A row up to _MAX_FUSED_*_N elements is held in registers; longer rows are split into _SPLIT_BLOCK_N
 # column blocks. Compiled for sm_90 (ptxas, bf16, no spills): the forward needs 32–61 registers; the backward,
 # which carries the next tile's raw loads, the fp32 dW tile and w through its loop, ~80 registers at 8 elements
@@ -282,16 +268,11 @@ _SPLIT_BLOCK_N = 4096
 _FWD_TILE, _FWD_ELEMS_PER_THREAD = 4096, 16
 _BWD_TILE, _BWD_ELEMS_PER_THREAD = 4096, 16
 _PROGRAMS_PER_SM: int | None = None  # backward grid override (benchmarks/tune_norms.py); None = measured occupancy
-# Rows longer than _MAX_FUSED_BWD_N and at most 4 · _WIDE_CHUNK run the backward in one kernel that reads each row
-# twice, the second time from L2 (_norm_bwd_wide_kernel); longer rows take the split path (a row-dots kernel, then
-# column blocks: two HBM reads of dy and x). L2 hints (pass 1 loads evict_last, pass 2 evict_first) are given to rows
-# of at least _WIDE_L2_HINTS_MIN_CHUNKS chunks. H200, bf16 rms_norm backward GPU time (tune_norms.py --sections wide,
-# two runs): 16384×16384 split 0.660 ms, wide 0.455 with the hints at 4 elements per thread (32 warps), 0.554-0.587
-# without them or at 8; 4096×16384 0.180 → 0.130 (same variant); 8192×12288 (3 chunks) 0.262 → 0.189 without the
-# hints, at 4 or 8 elements per thread, but 0.265 with them.
+# Rows of 8K-16K columns: one backward reading each row twice, the second time from L2 (numbers: _norm_backward.py).
 _WIDE_BWD = True
 _WIDE_CHUNK, _WIDE_ELEMS_PER_THREAD = 4096, 4
 _WIDE_L2_HINTS_MIN_CHUNKS = 4
+_WIDE_LN_ELEMS_PER_THREAD, _WIDE_LN_MAX_CHUNKS = 8, 3
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -345,7 +326,7 @@ def norm_backward(
         zeros = torch.zeros_like(weight)
         return dx, zeros if need_dw else None, zeros.clone() if need_db else None
     split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_BWD_N, _BWD_TILE, _BWD_ELEMS_PER_THREAD)
-    if split and _WIDE_BWD and n_cols <= 4 * _WIDE_CHUNK:
+    if split and _WIDE_BWD and n_cols <= (_WIDE_LN_MAX_CHUNKS if center else 4) * _WIDE_CHUNK:
         return _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db)
     n_col_blocks = cdiv(n_cols, block_n) if split else 1
     c0 = c1 = None
@@ -364,12 +345,12 @@ def norm_backward(
 
 
 def _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db):
-    """The backward of rows of 2-4 _WIDE_CHUNKs in one kernel (_norm_bwd_wide_kernel)."""
     n_rows, n_cols = x.shape
     n_chunks = cdiv(n_cols, _WIDE_CHUNK)
+    per_thread = _WIDE_LN_ELEMS_PER_THREAD if center else _WIDE_ELEMS_PER_THREAD
     meta = dict(CENTER=center, GEMMA=gemma, HAS_DRES=dres is not None, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
-                N_CHUNKS=n_chunks, CHUNK=_WIDE_CHUNK, L2_HINTS=n_chunks >= _WIDE_L2_HINTS_MIN_CHUNKS,
-                num_warps=max(1, min(32, _WIDE_CHUNK // (32 * _WIDE_ELEMS_PER_THREAD))))
+                N_CHUNKS=n_chunks, CHUNK=_WIDE_CHUNK, L2_HINTS=not center and n_chunks >= _WIDE_L2_HINTS_MIN_CHUNKS,
+                num_warps=max(1, min(32, _WIDE_CHUNK // (32 * per_thread))))
     args = [dy, x, weight, mean, rstd, dres, dx, rstd if need_dw else None, rstd if need_db else None,
             n_rows, n_cols, dy.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0, offset]
     return _persistent_backward(_norm_bwd_wide_kernel, args, meta, 7, n_rows, 1, dx, weight, need_dw, need_db)
@@ -377,11 +358,10 @@ def _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, n
 
 def _persistent_backward(kernel, args: list, meta: dict, dw_arg: int, row_units: int, n_col_blocks: int,
                          dx: torch.Tensor, weight: torch.Tensor, need_dw: bool, need_db: bool):
-    """Launch a persistent backward whose programs each write one row of fp32 dW (args[dw_arg]) and dB
-    (args[dw_arg + 1]) partials, then reduce them: (dx, dW or None, dB or None). rstd stands in for the partials
-    in ``args`` (same dtype and alignment) until the grid, and so their size, is known."""
+    """Launch a persistent backward (one wave: as many programs as fit at once, so the fewest fp32 dW / dB partial
+    rows; the interpreter gets 4), then reduce the partials: (dx, dW or None, dB or None). rstd stands in for the
+    partials (args[dw_arg], args[dw_arg + 1]: same dtype and alignment) until the grid, and so their size, is known."""
     device, n_cols = dx.device, dx.shape[1]
-    # One wave of persistent programs: as many as fit at once (fewest partials); the interpreter gets 4.
     info = None if interpreting() else compiled(kernel, args, meta, device)
     resident = 4 if info is None else info[2]
     if _PROGRAMS_PER_SM is not None:
@@ -391,19 +371,8 @@ def _persistent_backward(kernel, args: list, meta: dict, dw_arg: int, row_units:
         if needed:
             args[i] = torch.empty((n_prog, n_cols), dtype=torch.float32, device=device)
     launch(kernel, (n_prog, n_col_blocks), args, meta, info)
-    dw = _sum_partials(args[dw_arg], weight.dtype) if need_dw else None
-    return dx, dw, _sum_partials(args[dw_arg + 1], weight.dtype) if need_db else None
-
-
-def _sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Column sums of the (programs, N) fp32 partials, cast to the weight's dtype."""
-    n_part, n_cols = part.shape
-    out = torch.empty(n_cols, dtype=dtype, device=part.device)
-    # About one column block per SM (≥ 32 columns: 128-byte row segments), 4096-element tiles.
-    block_n = min(4096, max(32, pow2(cdiv(n_cols, sm_count(part.device)))))
-    launch(_sum_partials_kernel, (cdiv(n_cols, block_n),), [part, out, n_part, n_cols],
-           dict(BLOCK_P=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4))
-    return out
+    dw = sum_partials(args[dw_arg], weight.dtype) if need_dw else None
+    return dx, dw, sum_partials(args[dw_arg + 1], weight.dtype) if need_db else None
 
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -84,6 +84,7 @@ def test_long_rows_split_path(monkeypatch, shape, dtype):
 def test_wide_rows_backward(monkeypatch, shape, bias, dtype):
     monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
     monkeypatch.setattr(rn, "_WIDE_CHUNK", 64)  # rows of 2 and 4 chunks (with a tail): the one-kernel backward
+    monkeypatch.setattr(rn, "_WIDE_LN_MAX_CHUNKS", 4)
     _check(*_inputs(shape, dtype, bias=bias, mean=30.0))
 
 

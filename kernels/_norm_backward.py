@@ -1,16 +1,28 @@
-"""The row-norm backward for rows a little too long for registers (kernels/rms_norm.py's ``_wide_backward``).
+"""Two pieces of the row-norm backward (kernels/rms_norm.py): the kernel for rows a little too long for registers
+(``_wide_backward``), and the deterministic reduction of the persistent backwards' fp32 dW / dB partials.
 
 Between _MAX_FUSED_BWD_N and 4 chunks of _WIDE_CHUNK columns (8K-16K at the defaults), a whole fp32 row of dy and
 x beside the fp32 dW tile does not fit in one program's registers (a fused 16K-column row spills: 1024 threads ×
 64 registers is all an SM holds). The split path reads dy and x from HBM twice (a row-dots kernel, then column
 blocks). This kernel walks whole rows and reads each one twice too, but back to back on one SM, so the second read
 is served by L2. Same math and dW partial layout as ``_norm_bwd_kernel``.
+
+Knobs (rms_norm.py) and what set them, H200, bf16 backward GPU time (benchmarks/tune_norms.py --sections wide, two
+runs): RMSNorm 16384×16384 split 0.660 ms, this kernel 0.455 with L2 hints (pass 1 loads evict_last, pass 2
+evict_first) at 4 elements per thread (32 warps: twice the loads in flight per SM of 8), 0.554-0.587 without the
+hints or at 8; 4096×16384 0.180 → 0.130 (same variant); 8192×12288 (3 chunks) 0.262 → 0.189 without the hints at 4
+or 8 elements per thread, 0.265 with them — hence hints from _WIDE_L2_HINTS_MIN_CHUNKS = 4 chunks. LayerNorm also
+carries dB tiles: best at 8 elements per thread without hints, 8192×12288 0.286 → 0.225 ms, but at 16K columns no
+faster than the split path (0.705 vs 0.701 ms), hence _WIDE_LN_MAX_CHUNKS = 3.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from ._launch import cdiv, launch, pow2, sm_count
 
 
 @triton.jit
@@ -112,3 +124,28 @@ def _norm_bwd_wide_kernel(
             tl.store(DW_PART + pid * n_cols + c * CHUNK + cols, _chunk_of(c, dw0, dw1, dw2, dw3), mask=col_mask)
         if COMPUTE_DB:
             tl.store(DB_PART + pid * n_cols + c * CHUNK + cols, _chunk_of(c, db0, db1, db2, db3), mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(PART, OUT, n_part, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Second stage of the dW reduction: a fixed summation order, so the same inputs give the same bits.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
+    start = tl.full((), 0, tl.int32)
+    while start < n_part:
+        p = start + tl.arange(0, BLOCK_P)
+        mask = (p < n_part)[:, None] & (cols < n_cols)[None, :]
+        acc += tl.load(PART + p[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+        start += BLOCK_P
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cols < n_cols)
+
+
+def sum_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Column sums of the (programs, N) fp32 partials, cast to the weight's dtype."""
+    n_part, n_cols = part.shape
+    out = torch.empty(n_cols, dtype=dtype, device=part.device)
+    # About one column block per SM (≥ 32 columns: 128-byte row segments), 4096-element tiles.
+    block_n = min(4096, max(32, pow2(cdiv(n_cols, sm_count(part.device)))))
+    launch(_sum_partials_kernel, (cdiv(n_cols, block_n),), [part, out, n_part, n_cols],
+           dict(BLOCK_P=max(1, 4096 // block_n), BLOCK_N=block_n, num_warps=4))
+    return out
