@@ -51,6 +51,15 @@ def _chunk_of(c: tl.constexpr, a0, a1, a2, a3):
 
 
 @triton.jit
+def row_stats(RSTD, MEAN, row, CENTER: tl.constexpr):
+    """(rstd, mean) of one row as the forward saved them (mean 0 without CENTER)."""
+    mean = 0.0
+    if CENTER:
+        mean = tl.load(MEAN + row)
+    return tl.load(RSTD + row), mean
+
+
+@triton.jit
 def _wide_row_chunk(DY, X, W, row, start, cols, n_cols, stride_dy_row, stride_x_row, mean, rstd, offset,
                     CENTER: tl.constexpr, POLICY: tl.constexpr):
     """fp32 (dy, x̂, g = dy · w', column mask) of one CHUNK of a row."""
@@ -86,10 +95,7 @@ def _norm_bwd_wide_kernel(
     row = pid
     while row < n_rows:
         r = row.to(tl.int64)  # row × stride can pass 2³¹
-        rstd = tl.load(RSTD + r)
-        mean = 0.0
-        if CENTER:
-            mean = tl.load(MEAN + r)
+        rstd, mean = row_stats(RSTD, MEAN, r, CENTER)
         s0 = tl.zeros((CHUNK,), tl.float32)
         s1 = tl.zeros((CHUNK,), tl.float32)
         for c in tl.static_range(N_CHUNKS):

@@ -30,7 +30,7 @@ from torch import nn
 
 from ._dispatch import interpreting, row_view, use_triton
 from ._launch import cdiv, compiled, launch, on_input_device, pow2, sm_count
-from ._norm_backward import _norm_bwd_wide_kernel, sum_partials
+from ._norm_backward import _norm_bwd_wide_kernel, row_stats, sum_partials
 
 _CASTINGS = ("llama", "gemma")
 
@@ -147,10 +147,7 @@ def _norm_bwd_row_dots_kernel(
     # kernel can run in separate programs (costs one extra read of dy and x).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
-    rstd = tl.load(RSTD + row)
-    mean = 0.0
-    if CENTER:
-        mean = tl.load(MEAN + row)
+    rstd, mean = row_stats(RSTD, MEAN, row, CENTER)
     acc0 = tl.zeros((BLOCK_N,), tl.float32)
     acc1 = tl.zeros((BLOCK_N,), tl.float32)
     start = tl.full((), 0, tl.int32)

@@ -117,19 +117,12 @@ def test_add_rms_norm(shape, casting, offset, dtype):
     _check_add_rms_norm(x, torch.randn_like(x), w, casting, offset, eps=_eps(shape))
 
 
-@pytest.mark.parametrize("shape", [(3, 127), (2, 300)])
+@pytest.mark.parametrize("path,shape", [("split_rows", (3, 127)), ("split_rows", (2, 300)), ("wide_rows", (3, 127)),
+                                        ("wide_rows", (5, 250)), ("wide_rows", (2, 300))])
 @pytest.mark.parametrize("casting,offset", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_rows_split_path(split_rows, shape, casting, offset, dtype):
-    x, w = _inputs(shape, dtype, casting)
-    _check_rms_norm(x, w, casting, offset)
-    _check_add_rms_norm(x, torch.randn_like(x), w, casting, offset)
-
-
-@pytest.mark.parametrize("shape", [(3, 127), (5, 250), (2, 300)])
-@pytest.mark.parametrize("casting,offset", MODES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wide_rows_backward(wide_rows, shape, casting, offset, dtype):
+def test_long_rows(request, path, shape, casting, offset, dtype):
+    request.getfixturevalue(path)  # the long-row backward under test: split column blocks or the wide kernel
     x, w = _inputs(shape, dtype, casting)
     _check_rms_norm(x, w, casting, offset)
     _check_add_rms_norm(x, torch.randn_like(x), w, casting, offset)
