@@ -36,7 +36,8 @@ import liger_models.kernels.rms_norm as rn
 EPS = 1e-6
 KNOBS = ("_FWD_TILE", "_FWD_ELEMS_PER_THREAD", "_BWD_TILE", "_BWD_ELEMS_PER_THREAD", "_PROGRAMS_PER_SM",
          "_SPLIT_BLOCK_N", "_MAX_FUSED_BWD_N", "_WIDE_BWD", "_WIDE_CHUNK", "_WIDE_ELEMS_PER_THREAD",
-         "_WIDE_L2_HINTS_MIN_CHUNKS", "_WIDE_LN_ELEMS_PER_THREAD", "_WIDE_LN_MAX_CHUNKS")
+         "_WIDE_L2_HINTS_MIN_CHUNKS", "_WIDE_LN_ELEMS_PER_THREAD", "_WIDE_LN_MAX_CHUNKS",
+         "_WIDE_LN_L2_HINTS_MIN_CHUNKS")
 HEADLINE = (16384, 4096)
 # shape -> (forward (tile, elems/thread) list, backward (tile, elems/thread) list, programs-per-SM list)
 SWEEP = {
@@ -168,7 +169,8 @@ def _wide_variants(hidden: int) -> list:
     return variants + [(f"bwd wide ept{ept} hints{int(hints)}",
                         dict(_MAX_FUSED_BWD_N=min(rn._MAX_FUSED_BWD_N, hidden // 2), _WIDE_ELEMS_PER_THREAD=ept,
                              _WIDE_LN_ELEMS_PER_THREAD=ept, _WIDE_LN_MAX_CHUNKS=4,
-                             _WIDE_L2_HINTS_MIN_CHUNKS=0 if hints else 99))
+                             _WIDE_L2_HINTS_MIN_CHUNKS=0 if hints else 99,
+                             _WIDE_LN_L2_HINTS_MIN_CHUNKS=0 if hints else 99))
                        for ept, hints in [(4, False), (4, True), (8, False), (8, True)]]
 
 

@@ -269,7 +269,7 @@ _PROGRAMS_PER_SM: int | None = None  # backward grid override (benchmarks/tune_n
 _WIDE_BWD = True
 _WIDE_CHUNK, _WIDE_ELEMS_PER_THREAD = 4096, 4
 _WIDE_L2_HINTS_MIN_CHUNKS = 4
-_WIDE_LN_ELEMS_PER_THREAD, _WIDE_LN_MAX_CHUNKS = 8, 3
+_WIDE_LN_ELEMS_PER_THREAD, _WIDE_LN_MAX_CHUNKS, _WIDE_LN_L2_HINTS_MIN_CHUNKS = 8, 3, 99  # LayerNorm: never hints
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -344,9 +344,10 @@ def norm_backward(
 def _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db):
     n_rows, n_cols = x.shape
     n_chunks = cdiv(n_cols, _WIDE_CHUNK)
-    per_thread = _WIDE_LN_ELEMS_PER_THREAD if center else _WIDE_ELEMS_PER_THREAD
+    per_thread, hints_from = ((_WIDE_LN_ELEMS_PER_THREAD, _WIDE_LN_L2_HINTS_MIN_CHUNKS) if center
+                              else (_WIDE_ELEMS_PER_THREAD, _WIDE_L2_HINTS_MIN_CHUNKS))
     meta = dict(CENTER=center, GEMMA=gemma, HAS_DRES=dres is not None, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
-                N_CHUNKS=n_chunks, CHUNK=_WIDE_CHUNK, L2_HINTS=not center and n_chunks >= _WIDE_L2_HINTS_MIN_CHUNKS,
+                N_CHUNKS=n_chunks, CHUNK=_WIDE_CHUNK, L2_HINTS=n_chunks >= hints_from,
                 num_warps=max(1, min(32, _WIDE_CHUNK // (32 * per_thread))))
     args = [dy, x, weight, mean, rstd, dres, dx, rstd if need_dw else None, rstd if need_db else None,
             n_rows, n_cols, dy.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0, offset]
