@@ -99,14 +99,18 @@ def load_vllm(directory: str, base_lm_head: torch.nn.Linear | None = None, *, dt
     """Load a vLLM Medusa directory back into MedusaHeads.
 
     With `original_lm_head`, the heads share `base_lm_head`, which must equal the stored `lm_heads.0.weight`
-    (when omitted, a bias-free Linear holding the stored weight stands in for it).
+    (when omitted, a bias-free Linear holding the stored weight stands in for it). ResBlock biases absent from the
+    file (vLLM's usual bias-free layout, `medusa_fc_bias` false) load as zeros: what a bias-free Linear computes.
     """
     raw = read_json(os.path.join(directory, CONFIG_NAME))
     if raw.get("model_type") != "medusa":
         raise ValueError(f"{directory} is not a vLLM Medusa checkpoint (model_type={raw.get('model_type')!r})")
-    num_layers = int(raw.get("num_hidden_layers", 1))
+    num_heads = int(raw.get("num_heads", raw.get("medusa_num_heads", 1)))  # vLLM maps medusa_num_* onto these
+    num_layers = int(raw.get("num_hidden_layers", raw.get("medusa_num_layers", 1)))
     original = bool(raw.get("original_lm_head", False))
     sd, shared = vllm_to_medusa_state_dict(load_file(os.path.join(directory, VLLM_WEIGHTS_NAME)), num_layers, original)
+    for key in [k for k in sd if k.endswith(".linear.weight")]:
+        sd.setdefault(key.removesuffix("weight") + "bias", sd[key].new_zeros(sd[key].shape[0]))
     if original:
         if shared is None:
             raise ValueError("original_lm_head is set but lm_heads.0.weight is missing")
@@ -116,7 +120,7 @@ def load_vllm(directory: str, base_lm_head: torch.nn.Linear | None = None, *, dt
                                                      requires_grad=False)
         elif not torch.equal(base_lm_head.weight.detach().to("cpu", shared.dtype), shared):
             raise ValueError("the checkpoint's lm_heads.0.weight differs from the base model's lm_head")
-    config = MedusaConfig.from_json_dict({**raw, "medusa_num_heads": raw.get("num_heads", 1),
+    config = MedusaConfig.from_json_dict({**raw, "medusa_num_heads": num_heads,
                                           "medusa_num_layers": num_layers, "version": "2" if original else "1"})
     config = config_from_state_dict(config, sd)
     return build_heads(config, sd, base_lm_head, dtype=dtype, device=device)

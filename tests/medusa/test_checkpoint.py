@@ -120,6 +120,28 @@ def test_vllm_round_trip(tmp_path, share, L):
     assert torch.equal(standalone.weight(1), model.heads.weight(1))
 
 
+def test_vllm_bias_free_checkpoint_loads(tmp_path):
+    # vLLM's usual layout: no medusa_fc_bias, no ResBlock biases, head counts under the medusa_num_* names.
+    K, L = 3, 2
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": H, "vocab_size": V,
+        "medusa_num_heads": K, "medusa_num_layers": L, "truncated_vocab_size": None}))
+    blocks = {f"blocks.{h}.layers.{l}.weight": torch.randn(H, H) / H for h in range(K) for l in range(L)}
+    lm_heads = {f"lm_heads.{h}.weight": torch.randn(V, H) for h in range(K)}
+    from safetensors.torch import save_file
+    save_file({**blocks, **lm_heads}, str(tmp_path / "model.safetensors"))
+    heads = load_vllm(str(tmp_path))
+    assert (heads.num_heads, heads.config.num_layers) == (K, L)
+    x = torch.randn(4, H)
+    got = heads.logits(x)
+    for h in range(K):
+        y = x.double()
+        for l in range(L):  # what vLLM's bias-free ResBlock computes
+            y = y + torch.nn.functional.silu(y @ blocks[f"blocks.{h}.layers.{l}.weight"].double().T)
+        torch.testing.assert_close(got[h].double(), y @ lm_heads[f"lm_heads.{h}.weight"].double().T,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_vllm_shared_head_must_match_base(tmp_path):
     model = _model(True, 1)
     save_vllm(model.heads, str(tmp_path))
