@@ -12,6 +12,12 @@ One step (batch size 1, as in the reference implementation):
      posterior_alpha δ; not distribution-preserving), ties on length broken by the summed log-probability.
   4. The step emits root + accepted tokens; the base's prediction after the last accepted token is the next root.
 
+Rotary tables that depend on the sequence length (longrope's switch at original_max_position_embeddings, dynamic
+NTK past max_position_embeddings): plain greedy decoding rotates position p with the table for length p + 1 and,
+when longrope switches, recomputes the whole sequence (modules/generate.py). A verification call rotates all its
+positions with the table of its last one, so a step whose tree would span two tables verifies the root alone, and
+a longrope switch re-prefills the committed tokens, as plain greedy does: the greedy output stays identical.
+
 Verification layout. The reference runs the (1 + N) tree nodes as one sequence with a tree attention mask
 (`MedusaBuffers.tree_mask`). Our base models' attention takes no custom mask (only causal / window / packed
 documents), so the base instead runs the P root-to-leaf paths as a batch of P rows of length depth + 1 on top of a
@@ -163,6 +169,14 @@ def _next_root(logits: torch.Tensor, temperature: float, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _prefill(base: nn.Module, ids: torch.Tensor) -> tuple[PathCache, torch.Tensor]:
+    """A fresh cache holding ids (1, T), and the base's last hidden state (1, H)."""
+    cache = PathCache()
+    hidden = base.model(ids, cache=cache)[:, -1]
+    cache.commit(0, ids.shape[1])
+    return cache, hidden
+
+
 @torch.no_grad()
 def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, max_new_tokens: int = 32, *,
                     medusa_choices: Sequence[Sequence[int]] | None = None, temperature: float = 0.0,
@@ -189,21 +203,32 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root, masked by `valid`
     valid = buffers.retrieve_indices >= 0
     depth = buffers.retrieve_indices.shape[1] - 1
+    if eos_token_id is None:  # the config's, as plain generate does
+        eos_token_id = getattr(getattr(base, "config", None), "eos_token_id", None)
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    rotary = getattr(base.model, "rotary", None)
+    table_key = (lambda n: None) if rotary is None else rotary.table_key
 
-    cache = PathCache()
-    hidden = base.model(input_ids, cache=cache)[:, -1]  # (1, H)
-    cache.commit(0, input_ids.shape[1])
+    cache, hidden = _prefill(base, input_ids)
+    cached_table = table_key(input_ids.shape[1])
     tokens = [input_ids[0]]
     emitted, per_step = 0, []
     while emitted < max_new_tokens:
+        length = cache.seq_length()
+        if rotary is not None and rotary.regime(length) != rotary.regime(length - 1):
+            cache, hidden = _prefill(base, torch.cat(tokens)[None])  # longrope switched: recompute, as generate does
+            cached_table = table_key(length)
         root = _next_root(base.lm_head(hidden), temperature, generator)  # (1,)
-        proposals = heads.logits(hidden)[:depth, 0].topk(topk, dim=-1).indices  # (D, topk)
-        flat = torch.cat([root, proposals.flatten()])
-        paths = flat[buffers.tree_indices][path_nodes]  # (P, D+1) token ids, root first
-        out = base.model(paths, cache=cache)  # (P, D+1, H)
-        row, n = _accept(paths, valid, base.lm_head(out), temperature, posterior_threshold, posterior_alpha)
-        step_tokens = paths[row, : n + 1]
+        if table_key(length + depth + 1) != cached_table:  # the tree would span two rotary tables: the root alone
+            out = base.model(root[None], cache=cache)  # (1, 1, H)
+            step_tokens, row, n = root, 0, 0
+        else:
+            proposals = heads.logits(hidden)[:depth, 0].topk(topk, dim=-1).indices  # (D, topk)
+            flat = torch.cat([root, proposals.flatten()])
+            paths = flat[buffers.tree_indices][path_nodes]  # (P, D+1) token ids, root first
+            out = base.model(paths, cache=cache)  # (P, D+1, H)
+            row, n = _accept(paths, valid, base.lm_head(out), temperature, posterior_threshold, posterior_alpha)
+            step_tokens = paths[row, : n + 1]
         cache.commit(row, n + 1)
         hidden = out[row: row + 1, n]
         step_tokens = step_tokens[: max_new_tokens - emitted]

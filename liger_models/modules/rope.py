@@ -87,6 +87,13 @@ class RotaryEmbedding(nn.Module):
             return seq_len > self.rope["original_max_position_embeddings"]
         return None
 
+    def table_key(self, seq_len: int) -> object:
+        """What the cos/sin table of a call whose positions end at seq_len − 1 depends on: calls with equal keys
+        rotate every position alike (longrope: which factors; dynamic NTK: the length past max_positions)."""
+        if self.rope_type == "dynamic":
+            return max(seq_len, self.max_positions)
+        return self.regime(seq_len)
+
     def inv_freq(self, position_ids: torch.Tensor) -> torch.Tensor:
         """inv_freq for this call (R/2,) fp32, on position_ids' device."""
         device = position_ids.device

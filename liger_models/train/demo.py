@@ -129,7 +129,8 @@ def _medusa_speed(medusa, tokenizer, prompt: str, device: torch.device, n: int) 
     from liger_models.medusa.decoding import medusa_generate
 
     ids = torch.tensor([tokenizer.encode(prompt).ids], device=device)
-    tokens, per_step = medusa_generate(medusa.base, medusa.heads, ids, max_new_tokens=n, return_stats=True)
+    tokens, per_step = medusa_generate(medusa.base, medusa.heads, ids, max_new_tokens=n, eos_token_id=[],
+                                       return_stats=True)
     greedy = medusa.base.generate(ids, max_new_tokens=n, eos_token_id=[])
     same = torch.equal(tokens[0], greedy[0, : tokens.shape[1]])
     return sum(per_step) / len(per_step), same

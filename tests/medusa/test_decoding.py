@@ -135,9 +135,55 @@ def test_greedy_medusa_equals_plain_greedy_on_tiny_llama(share):
         model.heads[k][0].linear.bias.data.zero_()
     prompt = torch.randint(3, V, (1, 6))
     plain = base.generate(prompt, max_new_tokens=30, eos_token_id=[])
-    medusa, steps = model.generate(prompt, max_new_tokens=30, eos_token_id=None, return_stats=True)
+    medusa, steps = model.generate(prompt, max_new_tokens=30, eos_token_id=[], return_stats=True)
     assert torch.equal(medusa, plain)
     assert sum(steps) == 30
+
+
+def _rotary_switch_base(kind: str, seed: int):
+    """A tiny random base whose rotary table changes with the length: Phi-3 longrope switching at 12 positions, or
+    Llama dynamic NTK past max_position_embeddings = 12."""
+    from liger_models.llama.config import LlamaConfig
+    from liger_models.llama.modeling import LigerLlamaForCausalLM
+    from liger_models.phi3.config import Phi3Config
+    from liger_models.phi3.modeling import LigerPhi3ForCausalLM
+
+    torch.manual_seed(seed)
+    small = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, vocab_size=50, num_hidden_layers=2,
+                 initializer_range=0.3)
+    if kind == "longrope":
+        half = 8  # head_dim 16
+        rope = {"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(half)],
+                "long_factor": [3.0 + i for i in range(half)]}
+        cfg = Phi3Config.tiny(rope_scaling=rope, original_max_position_embeddings=12, max_position_embeddings=64,
+                              **small)
+        return LigerPhi3ForCausalLM.from_config(cfg, dtype=torch.float64)
+    cfg = LlamaConfig.tiny(rope_scaling={"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=12, **small)
+    return LigerLlamaForCausalLM.from_config(cfg, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_greedy_medusa_equals_plain_greedy_across_rotary_table_changes(kind):
+    # The 6-token prompt grows past 12 positions: longrope switches its factors (plain greedy then recomputes the
+    # sequence), dynamic NTK changes its table at every length past 12.
+    for seed in range(4):
+        base = _rotary_switch_base(kind, seed)
+        model = MedusaModel.from_base(base, num_heads=3)
+        for k in range(3):
+            model.heads[k][0].linear.bias.data.zero_()
+        prompt = torch.randint(3, 50, (1, 6))
+        plain = base.generate(prompt, max_new_tokens=16, eos_token_id=[])
+        assert torch.equal(model.generate(prompt, max_new_tokens=16, eos_token_id=[]), plain), seed
+
+
+def test_eos_defaults_to_the_config_like_plain_generate():
+    base = make_base(V, H, torch.float64, layers=1)
+    heads = MedusaModel.from_base(base, num_heads=2).heads
+    prompt = torch.randint(3, V, (1, 4))
+    base.config.eos_token_id = int(base.generate(prompt, max_new_tokens=12, eos_token_id=[])[0, 4 + 2])
+    plain = base.generate(prompt, max_new_tokens=12)  # stops at the config's EOS
+    assert plain.shape[1] < 4 + 12
+    assert torch.equal(medusa_generate(base, heads, prompt, 12), plain)
 
 
 def test_eos_stops_like_plain_greedy():
