@@ -106,17 +106,19 @@ class MedusaModel(nn.Module):
                            "lr": lr, "weight_decay": weight_decay})
         return groups
 
-    def save_pretrained(self, directory: str) -> None:
+    def save_pretrained(self, directory: str, *, location: str | None = None) -> None:
         """Stage 1: heads only (config.json + medusa_lm_head.safetensors, Medusa/TGI format B).
 
         Stage 2: the trained base in HF format (`base.save_pretrained`) plus the heads file, with the `medusa_*`
         fields merged into the base's config.json and `base_model_name_or_path` pointing at this directory (the
-        base the heads belong to is the one saved here, not the original).
+        base the heads belong to is the one saved here, not the original) — or at `location`, where a caller that
+        writes into a temporary directory will move the files (an atomic checkpoint).
         """
         os.makedirs(directory, exist_ok=True)
         if self.stage == 2:
             self.base.save_pretrained(directory)
-            save_heads(self.heads, directory, merge_config=True, base_model_name_or_path=os.path.abspath(directory))
+            save_heads(self.heads, directory, merge_config=True,
+                       base_model_name_or_path=os.path.abspath(location or directory))
         else:
             save_heads(self.heads, directory)
 

@@ -84,14 +84,17 @@ def step_dir_name(step: int) -> str:
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
-    write_model: Callable[[Path], None],
+    write_model: Callable[[Path, Path], None],
     trainer_state: dict,
     keep_last: int | None = None,
 ) -> Path:
     """Write a complete checkpoint for ``step`` atomically and return its directory.
 
-    ``write_model(tmp_dir)`` writes the model files; ``trainer_state`` is saved with ``torch.save``. Keeps only the
-    newest ``keep_last`` checkpoints when given. Call on one process (rank 0) with already-gathered state.
+    ``write_model(tmp_dir, final_dir)`` writes the model files into tmp_dir, which becomes final_dir once complete
+    (a file that records its own location, such as a Medusa stage-2 config.json, names final_dir);
+    ``trainer_state`` is saved with ``torch.save``. With ``keep_last``, keeps the newest ``keep_last`` checkpoints
+    up to this step (this one always; later steps, left by a run this one resumed before, are not pruned).
+    Call on one process (rank 0) with already-gathered state.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -99,7 +102,7 @@ def save_checkpoint(
     tmp = root / f".{final.name}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()
     try:
-        write_model(tmp)
+        write_model(tmp, final)
         torch.save({**trainer_state, "step": step}, tmp / STATE_FILE)
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
@@ -115,9 +118,14 @@ def save_checkpoint(
         raise
     write_text_atomic(root / "latest", final.name + "\n")
     if keep_last:
-        for old in list_checkpoints(root)[:-keep_last]:
+        up_to_here = [p for p in list_checkpoints(root) if _step_of(p) <= step]
+        for old in up_to_here[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:

@@ -185,7 +185,7 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
         _prepare(model, model.model.layers, args, info)
         groups = decay_param_groups(model, args.lr, args.weight_decay)
 
-        def export(directory: Path, full_state: dict | None) -> None:
+        def export(directory: Path, full_state: dict | None, final: Path) -> None:
             target = model if full_state is None else _shadow_base(model, full_state)
             if full_state is not None:
                 _check_materialised(target)
@@ -241,7 +241,7 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
         lr = args.lr if args.lr is not None else (2.5e-4 if args.stage == 1 else 2e-5)
         groups = medusa.param_groups(lr, args.head_lr_multiplier, args.weight_decay)
 
-        def export(directory: Path, full_state: dict | None) -> None:
+        def export(directory: Path, full_state: dict | None, final: Path) -> None:
             target = medusa
             if full_state is not None:
                 base = _shadow_base(medusa.base, full_state, prefix="base.")
@@ -250,7 +250,7 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
                                        if k.startswith("heads.")}, strict=True, assign=True)
                 target = MedusaModel(base, heads, stage=medusa.stage)
                 _check_materialised(target.heads if medusa.stage == 1 else target)
-            target.save_pretrained(str(directory))
+            target.save_pretrained(str(directory), location=str(final))
             _copy_tokenizer(model_dir, directory)
 
         task = MedusaTask(medusa.config.num_heads)

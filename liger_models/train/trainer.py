@@ -142,14 +142,15 @@ def _to_float(norm: torch.Tensor) -> float:
 
 
 class Trainer:
-    """Runs the optimisation; ``export(dir, full_state)`` writes the model files of a checkpoint (rank 0).
+    """Runs the optimisation; ``export(dir, full_state, final_dir)`` writes the model files of a checkpoint (rank 0)
+    into dir, which is renamed final_dir once the checkpoint is complete.
 
     ``full_state`` is the gathered state dict under FSDP and None otherwise (the live model is whole then).
     """
 
     def __init__(self, model: nn.Module, task, stream: BatchStream, optimizer: torch.optim.Optimizer,
                  scheduler, config: TrainConfig, info: D.DistInfo,
-                 export: Callable[[Path, dict | None], None], run_args: dict | None = None,
+                 export: Callable[[Path, dict | None, Path], None], run_args: dict | None = None,
                  eval_data: PackedDataset | None = None):
         self.model, self.task, self.stream = model, task, stream
         self.optimizer, self.scheduler, self.config, self.info = optimizer, scheduler, config, info
@@ -343,7 +344,8 @@ class Trainer:
                 "args": self.run_args,
             }
             path = ckpt.save_checkpoint(self.output_dir / "checkpoints", self.step,
-                                        lambda d: self.export(d, full_state), state, self.config.keep_last)
+                                        lambda tmp, final: self.export(tmp, full_state, final), state,
+                                        self.config.keep_last)
         D.barrier()
         return D.broadcast_object(path)
 

@@ -11,7 +11,7 @@ from liger_models.train import checkpointing as ckpt
 
 
 def _writer(value: float):
-    def write(directory):
+    def write(directory, final):
         torch.save({"w": torch.full((3,), value)}, directory / "model.pt")
 
     return write
@@ -27,8 +27,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_in):
     first = ckpt.save_checkpoint(root, 10, _writer(1.0), {"x": 1})
     assert ckpt.find_latest(root) == first and (root / "latest").read_text().strip() == "step_000010"
 
-    def broken_model(directory):
-        _writer(2.0)(directory)  # half of the files are written ...
+    def broken_model(directory, final):
+        _writer(2.0)(directory, final)  # half of the files are written ...
         raise OSError("disk full")  # ... then the save dies
 
     write = broken_model if fail_in == "model" else _writer(2.0)
@@ -71,6 +71,24 @@ def test_resave_same_step_and_keep_last(tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000002", "step_000003"]
     again = ckpt.save_checkpoint(root, 3, _writer(33.0), {}, keep_last=2)
     assert _model_value(again) == 33.0 and len(ckpt.list_checkpoints(root)) == 2
+
+
+def test_keep_last_after_resuming_an_earlier_step(tmp_path):
+    # Run A saved steps 2..4; run B resumed from step 2 and saves step 3 with keep_last=1: the checkpoint just
+    # written must survive (and stay `latest`), run A's step 4 is not B's to prune.
+    root = tmp_path / "checkpoints"
+    for step in (2, 3, 4):
+        ckpt.save_checkpoint(root, step, _writer(float(step)), {})
+    again = ckpt.save_checkpoint(root, 3, _writer(33.0), {}, keep_last=1)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000003", "step_000004"]
+    assert ckpt.find_latest(root) == again and _model_value(again) == 33.0
+
+
+def test_writer_learns_the_final_directory(tmp_path):
+    seen = []
+    path = ckpt.save_checkpoint(tmp_path, 7, lambda tmp, final: seen.append((tmp, final)), {})
+    (tmp, final), = seen
+    assert final == path and tmp != path and tmp.parent == path.parent and not tmp.exists()
 
 
 def test_resolve_resume_errors_clearly(tmp_path):

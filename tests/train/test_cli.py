@@ -70,6 +70,8 @@ def test_train_then_medusa_stage1_then_stage2(tiny_model_dir, text_file, chat_fi
     joint = tmp_path / "s2" / "checkpoints" / "step_000003"
     stage2 = MedusaModel.from_pretrained(str(joint))
     assert stage2.stage == 2 and stage2.config.scheduler == "sine_0.5"
+    # The checkpoint was written into a temporary directory, then renamed: its config names where it lives now.
+    assert json.loads((joint / "config.json").read_text())["base_model_name_or_path"] == str(joint.resolve())
     start = MedusaModel.from_pretrained(str(heads))
     # Stage 2 started from the stage-1 heads and trained the base as well.
     assert not torch.equal(stage2.base.model.layers[0].mlp.down_proj.weight,

@@ -45,7 +45,7 @@ def _sgd_trainer(model, task, model_dir, data, batch_size, grad_accum, tmp_path)
     opt = torch.optim.SGD(params, lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     cfg = TrainConfig(output_dir=str(tmp_path), max_steps=1, grad_accum=grad_accum, max_grad_norm=0.0, quiet=True)
-    return Trainer(model, task, stream, opt, sched, cfg, D.DistInfo(), export=lambda d, s: None)
+    return Trainer(model, task, stream, opt, sched, cfg, D.DistInfo(), export=lambda d, s, f: None)
 
 
 def _build(kind: str, model_dir: Path):
