@@ -223,10 +223,15 @@ def save_pretrained(model, directory: str | Path, *, max_shard_size: int | str =
 
 
 def load_tokenizer(path: str | Path):
-    """``tokenizers.Tokenizer`` from a checkpoint directory's tokenizer.json."""
+    """``tokenizers.Tokenizer`` from a checkpoint directory's tokenizer.json, with its truncation and padding
+    settings switched off (fine-tuned repos often save them; they would silently cut documents short and pad
+    them with tokens that training would then learn)."""
     from tokenizers import Tokenizer
 
     file = Path(path).expanduser() / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {str(path)!r} (only fast-tokenizer files are supported)")
-    return Tokenizer.from_file(str(file))
+    tokenizer = Tokenizer.from_file(str(file))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer

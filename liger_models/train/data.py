@@ -4,10 +4,12 @@ Documents
     ``.txt``    the whole file is one document; every token is trained on.
     ``.jsonl``  one document per line: ``{"text": ...}`` (every token trained) or
                 ``{"messages": [{"role": ..., "content": ...}, ...]}`` (chat: loss on assistant turns only).
+    A blank text (a file or ``"text"`` of whitespace only) is skipped: with BOS/EOS added it would teach BOS → EOS.
 
 Chat rendering
     ``template="model"`` renders the model's own ``chat_template`` from ``tokenizer_config.json`` with jinja2 (the
-    sandboxed environment HF uses). Assistant spans are found by rendering growing prefixes of the conversation: the
+    sandboxed environment HF uses: loop controls, a ``tojson`` that keeps non-ASCII text, ``raise_exception``;
+    ``strftime_now`` renders the fixed CHAT_TEMPLATE_DATE, so the tokens never depend on the day they are built). Assistant spans are found by rendering growing prefixes of the conversation: the
     text between ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i+1])`` is turn i, so
     the loss covers the assistant's content plus the template's end-of-turn marker and nothing the user wrote. A
     template that rewrites earlier turns (not prefix-stable) is rejected with a clear error.
@@ -34,6 +36,7 @@ Batches
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from dataclasses import dataclass
@@ -45,6 +48,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 IGNORE_INDEX = -100
 SIMPLE_ROLES = ("system", "user", "assistant")
+# What a chat template's strftime_now() sees: a fixed day (the one Llama 3.1's template itself falls back to), so a
+# resumed or repeated run tokenizes its data exactly as the first did.
+CHAT_TEMPLATE_DATE = datetime.datetime(2024, 7, 26)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,11 +186,13 @@ def _jinja_renderer(template: str, special: SpecialTokens):
         raise jinja2.exceptions.TemplateError(message)
 
     def strftime_now(fmt):
-        import datetime
+        return CHAT_TEMPLATE_DATE.strftime(fmt)
 
-        return datetime.datetime.now().strftime(fmt)
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     compiled = env.from_string(template)
 
@@ -232,7 +240,9 @@ def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens, c
         if not path.is_file():
             raise FileNotFoundError(f"data file not found: {path}")
         if path.suffix == ".txt":
-            docs.append(Document(path.read_text(encoding="utf-8")))
+            text = path.read_text(encoding="utf-8")
+            if text.strip():
+                docs.append(Document(text))
             continue
         if path.suffix != ".jsonl":
             raise ValueError(f"unsupported data file {path}: expected .txt or .jsonl")
@@ -253,7 +263,8 @@ def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens, c
                     else:
                         docs.append(render_simple(row["messages"], special))
                 elif isinstance(row, dict) and isinstance(row.get("text"), str):
-                    docs.append(Document(row["text"]))
+                    if row["text"].strip():
+                        docs.append(Document(row["text"]))
                 else:
                     raise ValueError(f'{where}: expected {{"text": ...}} or {{"messages": [...]}}')
     if not docs:

@@ -102,6 +102,60 @@ def test_chat_model_template_via_jinja(tokenizer, tmp_path):
     assert forced.text.startswith("<|system|>")
 
 
+def _model_template_special(tokenizer, tmp_path, template):
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "chat_template": template}))
+    return read_special_tokens(tokenizer, tmp_path)
+
+
+def test_chat_template_environment_is_hfs(tokenizer, tmp_path, monkeypatch):
+    # Loop controls, a tojson that keeps non-ASCII and '<' / '&' as json.dumps writes them, and a strftime_now that
+    # does not depend on the day the data is built.
+    template = ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                "{{ m['role'] }}: {{ m['content'] | tojson }} {{ strftime_now('%d %b %Y') }}\n{% endfor %}")
+    special = _model_template_special(tokenizer, tmp_path, template)
+    data = tmp_path / "chat.jsonl"
+    chat = [{"role": "user", "content": "a<b & café"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "never rendered"}]
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    [doc] = load_documents([data], special, "model")
+    assert doc.text == 'user: "a<b & café" 26 Jul 2024\nassistant: "ok" 26 Jul 2024\n'
+
+    import datetime as real_datetime
+
+    class Tomorrow(real_datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return real_datetime.datetime(2031, 1, 2)
+
+    monkeypatch.setattr(real_datetime, "datetime", Tomorrow)
+    [again] = load_documents([data], special, "model")
+    assert again.text == doc.text
+
+
+def test_blank_documents_are_skipped(tokenizer, tmp_path):
+    special = read_special_tokens(tokenizer, None)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in ["", "  \n", "To be"]) + "\n")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n")
+    assert [d.text for d in load_documents([data, blank], special, "auto")] == ["To be"]
+
+
+def test_load_tokenizer_switches_off_saved_truncation_and_padding(tokenizer, tmp_path):
+    from liger_models.hub import load_tokenizer
+
+    saved = Tokenizer.from_str(tokenizer.to_str())
+    saved.enable_truncation(4)
+    saved.enable_padding(length=64, pad_id=0, pad_token="<pad>")
+    saved.save(str(tmp_path / "tokenizer.json"))
+    text = shakespeare(400)
+    full = tokenizer.encode(text).ids
+    as_saved = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(text).ids
+    assert len(full) > 64 and as_saved == full[:4] + [0] * 60  # cut at 4, padded to 64
+    assert load_tokenizer(tmp_path).encode(text).ids == full
+
+
 def test_chat_template_not_prefix_stable_is_rejected(tokenizer, tmp_path):
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     # Renders only the last message: earlier turns change when a turn is added.
