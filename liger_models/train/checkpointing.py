@@ -98,6 +98,7 @@ def save_checkpoint(
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    _restore_interrupted_swaps(root)
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()
@@ -128,6 +129,15 @@ def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
 
+def _restore_interrupted_swaps(root: Path) -> None:
+    """A process killed between a re-save's two renames leaves the previous copy as ``.step_N.<id>.old`` and no
+    ``step_N``: put it back, so the step is not lost (the new copy, still a .tmp, is incomplete by definition)."""
+    for old in root.glob(".step_*.old"):
+        final = root / old.name[1:].split(".")[0]
+        if _STEP_DIR.match(final.name) and not final.exists() and (old / STATE_FILE).is_file():
+            os.rename(old, final)
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     """Complete checkpoint directories under ``root``, oldest first."""
     root = Path(root)
@@ -140,6 +150,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
 def find_latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``root`` (``latest`` if valid, else the highest step), or None."""
     root = Path(root)
+    if root.is_dir():
+        _restore_interrupted_swaps(root)
     pointer = root / "latest"
     if pointer.is_file():
         candidate = root / pointer.read_text(encoding="utf-8").strip()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -62,6 +63,16 @@ def test_hard_kill_leftovers_are_ignored(tmp_path):
     newer = ckpt.save_checkpoint(root, 8, _writer(8.0), {})
     (root / "latest").write_text("step_000099\n")  # names nothing valid: fall back to the highest complete step
     assert ckpt.find_latest(root) == newer
+
+
+def test_a_resave_killed_between_its_renames_loses_nothing(tmp_path):
+    root = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(root, 4, _writer(4.0), {})
+    # The re-save of step 4 renamed the old copy aside and died before renaming its new copy into place.
+    os.rename(root / "step_000004", root / ".step_000004.abc.old")
+    (root / ".step_000004.def.tmp").mkdir()
+    latest = ckpt.find_latest(root)
+    assert latest == root / "step_000004" and _model_value(latest) == 4.0
 
 
 def test_resave_same_step_and_keep_last(tmp_path):
