@@ -46,6 +46,8 @@ from typing import Iterable, Sequence
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from liger_models.modules.loss import shift_labels
+
 IGNORE_INDEX = -100
 SIMPLE_ROLES = ("system", "user", "assistant")
 # What a chat template's strftime_now() sees: a fixed day (the one Llama 3.1's template itself falls back to), so a
@@ -363,9 +365,17 @@ def build_dataset(
     docs = load_documents(paths, special, chat_template)
     tokenized = [tokenize_document(d, tokenizer, special) for d in docs]
     dataset = pack_documents(tokenized, seq_len, special.pad_id)
-    if not bool((dataset.labels != IGNORE_INDEX).any()):
-        raise ValueError("the data has no token to train on (every label is masked)")
+    check_has_targets(dataset)
     return dataset
+
+
+def check_has_targets(dataset: PackedDataset) -> None:
+    """Raise unless some token is a target of the causal loss: labelled, with the token before it in the same
+    document and window (a window's or a document's first token is never predicted)."""
+    targets = shift_labels(dataset.labels, 1, dataset.position_ids, IGNORE_INDEX)
+    if not bool((targets != IGNORE_INDEX).any()):
+        raise ValueError("the data has no token to train on (every label is masked, or sits where nothing "
+                         "predicts it: at a document's or window's start)")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ import torch
 from tokenizers import Tokenizer
 
 from liger_models.modules import shift_labels
-from liger_models.train.data import (BatchStream, Document, build_dataset, load_documents,
-                                     pack_documents, read_special_tokens, save_tokenizer, tokenize_document,
-                                     train_bpe_tokenizer)
+from liger_models.train.data import (BatchStream, Document, PackedDataset, build_dataset, check_has_targets,
+                                     load_documents, pack_documents, read_special_tokens, save_tokenizer,
+                                     tokenize_document, train_bpe_tokenizer)
 
 from .conftest import EOS, shakespeare
 
@@ -198,6 +198,18 @@ def test_build_dataset_rejects_data_without_targets(tokenizer, tmp_path):
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}))
     with pytest.raises(ValueError, match="no token to train on"):
         build_dataset([data], tokenizer, special, seq_len=16, chat_template="simple")
+
+
+def test_labels_only_where_nothing_predicts_them_are_no_targets():
+    ids = torch.arange(8).view(2, 4)
+    positions = torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]])  # row 0 holds two documents
+    starts_only = torch.full_like(ids, -100)
+    starts_only[0, 0], starts_only[0, 2], starts_only[1, 0] = 1, 2, 3  # each labelled token starts its document
+    with pytest.raises(ValueError, match="no token to train on"):
+        check_has_targets(PackedDataset(ids, starts_only, positions))
+    one_target = starts_only.clone()
+    one_target[1, 3] = 4
+    check_has_targets(PackedDataset(ids, one_target, positions))
 
 
 def _stream_dataset(n: int = 11, seq_len: int = 5):
