@@ -118,8 +118,10 @@ def load_vllm(directory: str, base_lm_head: torch.nn.Linear | None = None, *, dt
             base_lm_head = torch.nn.Linear(shared.shape[1], shared.shape[0], bias=False, device="meta")
             base_lm_head.weight = torch.nn.Parameter(shared.to(device=device or "cpu", dtype=dtype or shared.dtype),
                                                      requires_grad=False)
-        elif not torch.equal(base_lm_head.weight.detach().to("cpu", shared.dtype), shared):
-            raise ValueError("the checkpoint's lm_heads.0.weight differs from the base model's lm_head")
+        else:  # compared at the lower of the two precisions: a bf16 base is the same lm_head as its fp32 export
+            low = min(base_lm_head.weight.dtype, shared.dtype, key=lambda d: torch.finfo(d).bits)
+            if not torch.equal(base_lm_head.weight.detach().to("cpu", low), shared.to(low)):
+                raise ValueError("the checkpoint's lm_heads.0.weight differs from the base model's lm_head")
     config = MedusaConfig.from_json_dict({**raw, "medusa_num_heads": num_heads,
                                           "medusa_num_layers": num_layers, "version": "2" if original else "1"})
     config = config_from_state_dict(config, sd)

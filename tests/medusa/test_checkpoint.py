@@ -147,6 +147,10 @@ def test_vllm_shared_head_must_match_base(tmp_path):
     save_vllm(model.heads, str(tmp_path))
     with pytest.raises(ValueError, match="differs"):
         load_vllm(str(tmp_path), make_base(V, H).lm_head)
+    # The same lm_head in a lower precision (an fp32 export, a bf16 base) is accepted.
+    bf16_head = torch.nn.Linear(H, V, bias=False, dtype=torch.bfloat16)
+    bf16_head.weight.data.copy_(model.base.lm_head.weight.data)
+    assert load_vllm(str(tmp_path), bf16_head).weight(0).data_ptr() == bf16_head.weight.data_ptr()
 
 
 @pytest.mark.parametrize("share", [False, True])
