@@ -9,10 +9,11 @@ Documents
 Chat rendering
     ``template="model"`` renders the model's own ``chat_template`` from ``tokenizer_config.json`` with jinja2 (the
     sandboxed environment HF uses: loop controls, a ``tojson`` that keeps non-ASCII text, ``raise_exception``;
-    ``strftime_now`` renders the fixed CHAT_TEMPLATE_DATE, so the tokens never depend on the day they are built). Assistant spans are found by rendering growing prefixes of the conversation: the
-    text between ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i+1])`` is turn i, so
-    the loss covers the assistant's content plus the template's end-of-turn marker and nothing the user wrote. A
-    template that rewrites earlier turns (not prefix-stable) is rejected with a clear error.
+    ``strftime_now`` renders the fixed CHAT_TEMPLATE_DATE, so the tokens never depend on the day they are built).
+    Assistant spans are found by rendering growing prefixes of the conversation: the text between
+    ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i+1])`` is turn i, so the loss
+    covers the assistant's content plus the template's end-of-turn marker and nothing the user wrote. A template
+    that rewrites earlier turns (not prefix-stable) is rejected with a clear error.
     ``template="simple"`` needs no jinja and is fully documented here::
 
         <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}{eos}\\n
