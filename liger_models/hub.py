@@ -10,6 +10,8 @@ skipped, and with tied embeddings ``lm_head.weight`` is optional and ignored (it
 Saving writes ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` above
 ``max_shard_size`` (tied head stored once), and config.json with the original keys; everything is written to a
 temporary sibling directory first, then renamed over the target, so a failed save leaves the previous one intact.
+Saving over an existing directory replaces only a previous save's own files (weights, index, config.json): every
+other entry (tokenizer, README, other safetensors such as Medusa heads, sub-directories) is moved across unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ SAFE_INDEX = "model.safetensors.index.json"
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
 IGNORE_PATTERNS = ["original/*", "*.pth", "*.bin", "*.gguf", "*.pt"]
 _SKIPPED = re.compile(r".*\.rotary_emb\.inv_freq$")
+_OWN_OUTPUT = re.compile(rf"^(config\.json|{re.escape(SAFE_WEIGHTS)}|{re.escape(SAFE_INDEX)}|"
+                         r"model-\d{5}-of-\d{5}\.safetensors)$")
 
 
 def resolve_dir(path: str | Path) -> Path:
@@ -47,7 +51,10 @@ def read_config(path: str | Path) -> dict:
 
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the union of the index's shards, or the single file."""
+    """The safetensors files of a checkpoint: the single file, else the union of the index's shards (HF's order
+    when a directory holds both)."""
+    if (path / SAFE_WEIGHTS).is_file():
+        return [path / SAFE_WEIGHTS]
     if (path / SAFE_INDEX).is_file():
         with open(path / SAFE_INDEX, encoding="utf-8") as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
@@ -55,8 +62,6 @@ def checkpoint_files(path: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{SAFE_INDEX} in {str(path)!r} names missing shard files: {missing}")
         return [path / s for s in shards]
-    if (path / SAFE_WEIGHTS).is_file():
-        return [path / SAFE_WEIGHTS]
     other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
     hint = f" (found {other}: only safetensors checkpoints are supported)" if other else ""
     raise FileNotFoundError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {str(path)!r}{hint}")
@@ -190,7 +195,9 @@ def save_pretrained(model, directory: str | Path, *, max_shard_size: int | str =
     shards = _plan_shards(state, parse_size(max_shard_size))
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+    old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    moved: list[str] = []  # the user's entries, moved (not copied) from directory into tmp
     try:
         weight_map = {}
         for i, names in enumerate(shards):
@@ -207,17 +214,22 @@ def save_pretrained(model, directory: str | Path, *, max_shard_size: int | str =
         dtype_key = "torch_dtype" if "torch_dtype" in config else "dtype"
         config[dtype_key] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if directory.exists():  # keep the user's other files (tokenizer, README) but none of the old weights
+        if directory.exists():  # keep every entry but a previous save's own files
             for p in directory.iterdir():
-                if p.is_file() and p.suffix != ".safetensors" and p.name not in (SAFE_INDEX, "config.json"):
-                    shutil.copy2(p, tmp / p.name)
-            old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+                if not _OWN_OUTPUT.match(p.name):
+                    os.rename(p, tmp / p.name)
+                    moved.append(p.name)
             os.rename(directory, old)
             os.rename(tmp, directory)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, directory)
     except BaseException:
+        if old.exists() and not directory.exists():
+            os.rename(old, directory)
+        for name in moved:  # the user's entries go back where they were
+            if (tmp / name).exists():
+                os.rename(tmp / name, directory / name)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 

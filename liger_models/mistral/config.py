@@ -17,6 +17,7 @@ class MistralConfig(LigerConfig):
     sliding_window: int | None = 4096
 
     model_type = "mistral"
+    sliding_window_applies = True
     architecture = "MistralForCausalLM"
 
     def __post_init__(self) -> None:

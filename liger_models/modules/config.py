@@ -65,6 +65,9 @@ class LigerConfig:
     fused_qkv: ClassVar[bool] = False  # one qkv_proj tensor (Phi3) instead of q_proj / k_proj / v_proj
     fused_gate_up: ClassVar[bool] = False  # one gate_up_proj tensor (Phi3) instead of gate_proj / up_proj
     rope_type_aliases: ClassVar[dict] = {}  # e.g. Phi3: {"su": "longrope", "yarn": "longrope"}
+    # Whether attention honours ``sliding_window`` (HF's Mistral and Phi3 do; Llama and Gemma ignore the key, which
+    # is kept for the round trip all the same; Qwen2 has its own rule).
+    sliding_window_applies: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -103,7 +106,7 @@ class LigerConfig:
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """Keys visible to a query in this layer: exactly W tokens including itself, or None for full causal."""
-        return self.sliding_window
+        return self.sliding_window if self.sliding_window_applies else None
 
     # ---- construction -----------------------------------------------------------------------------------
     @classmethod

@@ -24,6 +24,7 @@ class Phi3Config(LigerConfig):
     pad_token_id: int | None = 32000
 
     model_type = "phi3"
+    sliding_window_applies = True
     architecture = "Phi3ForCausalLM"
     fused_qkv = True
     fused_gate_up = True

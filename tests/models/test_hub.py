@@ -1,14 +1,15 @@
 """Checkpoint plumbing: Hub cache resolution offline, strict loading errors, atomic saves, configs, tokenizer."""
 
 import json
+import os
 
 import huggingface_hub
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from liger_models import AutoLigerForCausalLM, GemmaConfig, LigerLlamaForCausalLM, LlamaConfig, Phi3Config, \
-    Qwen2Config, load_tokenizer
+from liger_models import AutoLigerForCausalLM, GemmaConfig, LigerLlamaForCausalLM, LlamaConfig, MistralConfig, \
+    Phi3Config, Qwen2Config, load_tokenizer
 from liger_models import hub
 from liger_models.auto import model_class
 
@@ -127,6 +128,44 @@ def test_save_is_atomic_and_keeps_other_files(checkpoint, monkeypatch):
     assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []
 
 
+def test_save_over_a_directory_keeps_everything_but_the_old_save(checkpoint, monkeypatch):
+    model, path = checkpoint
+    (path / "README.md").write_text("notes")
+    (path / "checkpoint-100").mkdir()
+    (path / "checkpoint-100" / "optimizer.pt").write_bytes(b"state")
+    save_file({"w": torch.ones(2)}, str(path / "medusa_lm_head.safetensors"))
+    theirs = {p.name for p in path.iterdir()} - {"model.safetensors", "config.json"}
+    model.save_pretrained(path, max_shard_size="20KB")
+    names = {p.name for p in path.iterdir()}
+    assert theirs <= names and "model.safetensors" not in names  # the old single file went, the rest stayed
+    assert (path / "checkpoint-100" / "optimizer.pt").read_bytes() == b"state"
+    assert torch.equal(load_file(path / "medusa_lm_head.safetensors")["w"], torch.ones(2))
+    before = {p.name for p in path.iterdir()}
+
+    real_rename = os.rename
+
+    def swap_fails(src, dst):  # the last step of the save: the new directory into place
+        if ".tmp-" in str(src) and str(dst) == str(path):
+            raise OSError("rename failed")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", swap_fails)
+    with pytest.raises(OSError, match="rename failed"):
+        model.save_pretrained(path)
+    assert {p.name for p in path.iterdir()} == before  # everything back in place
+    assert (path / "checkpoint-100" / "optimizer.pt").read_bytes() == b"state"
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_single_file_wins_over_an_index_like_hf(checkpoint):
+    model, path = checkpoint
+    model.save_pretrained(path, max_shard_size="20KB")
+    other = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny(num_hidden_layers=1))
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(path / "model.safetensors"))
+    loaded = AutoLigerForCausalLM.from_pretrained(path)
+    assert torch.equal(loaded.model.embed_tokens.weight, other.model.embed_tokens.weight)
+
+
 def test_load_in_bf16_tied_head_stored_once(tmp_path):
     model = AutoLigerForCausalLM.from_config(GemmaConfig.tiny())
     model.save_pretrained(tmp_path)
@@ -152,6 +191,9 @@ def test_config_parsing_styles():
     qwen = Qwen2Config.from_hf({"model_type": "qwen2", "num_hidden_layers": 4, "use_sliding_window": True,
                                 "sliding_window": 16, "max_window_layers": 2})
     assert [qwen.layer_sliding_window(i) for i in range(4)] == [None, None, 16, 16]
+    windows = {cls.model_type: cls.from_hf({"model_type": cls.model_type, "sliding_window": 4}).layer_sliding_window(0)
+               for cls in (LlamaConfig, GemmaConfig, MistralConfig, Phi3Config)}
+    assert windows == {"llama": None, "gemma": None, "mistral": 4, "phi3": 4}  # as HF's families apply it
     assert Phi3Config().rms_norm_eps == 1e-5 and GemmaConfig().tie_word_embeddings
     with pytest.raises(ValueError, match="expects model_type 'gemma'"):
         GemmaConfig.from_hf({"model_type": "llama"})

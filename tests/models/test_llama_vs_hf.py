@@ -23,6 +23,14 @@ def test_llama3_rope_gqa_head_dim_biases_sharded(tmp_path, v4_style):
     assert ours.config.rope_theta == 500000.0 and ours.config.head_dim == 32
 
 
+def test_a_sliding_window_key_is_ignored_as_hf_does(tmp_path):
+    # HF's Llama has no sliding window: a stray "sliding_window" in config.json changes nothing there, nor here.
+    hf = build_hf(transformers.LlamaConfig, sliding_window=4)
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=16)
+    assert ours.config.layer_sliding_window(0) is None
+    assert ours.config.to_hf()["sliding_window"] == 4  # still round-trips
+
+
 def test_tied_linear_rope_and_roundtrip(tmp_path):
     hf = build_hf(transformers.LlamaConfig, tie_word_embeddings=True,
                   rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
