@@ -28,7 +28,8 @@ import torch
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
-IGNORE_PATTERNS = ["original/*", "*.pth", "*.bin", "*.gguf", "*.pt"]
+# consolidated*.safetensors: Mistral repos' second copy of the weights for mistral-inference (never read here).
+IGNORE_PATTERNS = ["original/*", "*.pth", "*.bin", "*.gguf", "*.pt", "consolidated*.safetensors"]
 _SKIPPED = re.compile(r".*\.rotary_emb\.inv_freq$")
 _OWN_OUTPUT = re.compile(rf"^(config\.json|{re.escape(SAFE_WEIGHTS)}|{re.escape(SAFE_INDEX)}|"
                          r"model-\d{5}-of-\d{5}\.safetensors)$")
@@ -163,15 +164,20 @@ def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from 5000000, "5GB" (10^9), "500MB", "2GiB" (2^30), "200KB" …"""
+    """Bytes from 5000000, "5000000", "5GB" (10^9), "500MB", "2GiB" (2^30), "200KB" …; as in HF, a decimal unit
+    ending in a lowercase b counts bits ("5Gb" = 5·10^9 / 8 bytes)."""
     if isinstance(size, int):
         return size
+    if size.strip().isdigit():
+        return int(size)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", size, re.IGNORECASE)
     if not m:
         raise ValueError(f"cannot parse size {size!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
-    unit = m.group(2).upper()
-    power = "BKMGT".index(unit[0]) if unit != "B" else 0
-    return int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** power))
+    unit = m.group(2)
+    power = "BKMGT".index(unit[0].upper()) if unit.upper() != "B" else 0
+    binary = "I" in unit.upper()
+    n = int(float(m.group(1)) * ((1024 if binary else 1000) ** power))
+    return n // 8 if unit.endswith("b") and not binary and power else n
 
 
 def _plan_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:

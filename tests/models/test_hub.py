@@ -177,6 +177,25 @@ def test_load_in_bf16_tied_head_stored_once(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["GemmaForCausalLM"]
 
 
+def test_hub_download_selects_the_hf_weights_only():
+    # What snapshot_download fetches from a Mistral-style repo: the HF shards, index, configs and tokenizer files;
+    # not the second copy of the weights that mistral-inference reads (consolidated.safetensors), nor .pth/.bin.
+    from huggingface_hub.utils import filter_repo_objects
+
+    repo = ["config.json", "consolidated.safetensors", "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json", "original/consolidated.00.pth", "pytorch_model.bin"]
+    fetched = set(filter_repo_objects(repo, allow_patterns=hub.ALLOW_PATTERNS, ignore_patterns=hub.IGNORE_PATTERNS))
+    assert fetched == {"config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                       "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"}
+
+
+@pytest.mark.parametrize("size,expected", [(1000, 1000), ("1000000", 10**6), ("5GB", 5 * 10**9), ("500MB", 5 * 10**8),
+                                           ("2GiB", 2 * 2**30), ("5Gb", 5 * 10**9 // 8), ("200kb", 200 * 1000 // 8)])
+def test_parse_size_like_hf(size, expected):
+    assert hub.parse_size(size) == expected
+
+
 def test_config_parsing_styles():
     v5 = {"model_type": "llama", "dtype": "bfloat16", "custom_key": 7,
           "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}
