@@ -24,6 +24,8 @@ import triton.language as tl
 
 from ._launch import cdiv, launch, pow2, sm_count
 
+MAX_CHUNKS = 4  # register tiles of dW (and dB) that _norm_bwd_wide_kernel carries: rows of at most 4 chunks
+
 
 @triton.jit
 def _add_to_chunk(c: tl.constexpr, v, a0, a1, a2, a3):

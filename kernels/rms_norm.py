@@ -30,6 +30,7 @@ from torch import nn
 
 from ._dispatch import interpreting, row_view, use_triton
 from ._launch import cdiv, compiled, launch, on_input_device, pow2, sm_count
+from ._norm_backward import MAX_CHUNKS as _WIDE_MAX_CHUNKS
 from ._norm_backward import _norm_bwd_wide_kernel, row_stats, sum_partials
 
 _CASTINGS = ("llama", "gemma")
@@ -323,7 +324,7 @@ def norm_backward(
         zeros = torch.zeros_like(weight)
         return dx, zeros if need_dw else None, zeros.clone() if need_db else None
     split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_BWD_N, _BWD_TILE, _BWD_ELEMS_PER_THREAD)
-    if split and _WIDE_BWD and n_cols <= (_WIDE_LN_MAX_CHUNKS if center else 4) * _WIDE_CHUNK:
+    if split and _WIDE_BWD and n_cols <= (_WIDE_LN_MAX_CHUNKS if center else _WIDE_MAX_CHUNKS) * _WIDE_CHUNK:
         return _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db)
     n_col_blocks = cdiv(n_cols, block_n) if split else 1
     c0 = c1 = None

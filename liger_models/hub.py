@@ -174,7 +174,7 @@ def parse_size(size: int | str) -> int:
     if not m:
         raise ValueError(f"cannot parse size {size!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
     unit = m.group(2)
-    power = "BKMGT".index(unit[0].upper()) if unit.upper() != "B" else 0
+    power = "BKMGT".index(unit[0].upper())
     binary = "I" in unit.upper()
     n = int(float(m.group(1)) * ((1024 if binary else 1000) ** power))
     return n // 8 if unit.endswith("b") and not binary and power else n

@@ -207,19 +207,19 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
         eos_token_id = getattr(getattr(base, "config", None), "eos_token_id", None)
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     rotary = getattr(base.model, "rotary", None)
-    table_key = (lambda n: None) if rotary is None else rotary.table_key
+    regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2
 
     cache, hidden = _prefill(base, input_ids)
-    cached_table = table_key(input_ids.shape[1])
+    cached_regime = regime(input_ids.shape[1])
     tokens = [input_ids[0]]
     emitted, per_step = 0, []
     while emitted < max_new_tokens:
         length = cache.seq_length()
-        if rotary is not None and rotary.regime(length) != rotary.regime(length - 1):
-            cache, hidden = _prefill(base, torch.cat(tokens)[None])  # longrope switched: recompute, as generate does
-            cached_table = table_key(length)
+        if regime(length) != cached_regime:  # longrope switched: recompute the sequence, as generate does
+            cached_regime = regime(length)
+            cache, hidden = _prefill(base, torch.cat(tokens)[None])
         root = _next_root(base.lm_head(hidden), temperature, generator)  # (1,)
-        if table_key(length + depth + 1) != cached_table:  # the tree would span two rotary tables: the root alone
+        if table_key(length + depth + 1) != table_key(length):  # the tree would span two rotary tables: root alone
             out = base.model(root[None], cache=cache)  # (1, 1, H)
             step_tokens, row, n = root, 0, 0
         else:

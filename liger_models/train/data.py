@@ -243,9 +243,7 @@ def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens, c
         if not path.is_file():
             raise FileNotFoundError(f"data file not found: {path}")
         if path.suffix == ".txt":
-            text = path.read_text(encoding="utf-8")
-            if text.strip():
-                docs.append(Document(text))
+            docs.append(Document(path.read_text(encoding="utf-8")))
             continue
         if path.suffix != ".jsonl":
             raise ValueError(f"unsupported data file {path}: expected .txt or .jsonl")
@@ -266,10 +264,10 @@ def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens, c
                     else:
                         docs.append(render_simple(row["messages"], special))
                 elif isinstance(row, dict) and isinstance(row.get("text"), str):
-                    if row["text"].strip():
-                        docs.append(Document(row["text"]))
+                    docs.append(Document(row["text"]))
                 else:
                     raise ValueError(f'{where}: expected {{"text": ...}} or {{"messages": [...]}}')
+    docs = [d for d in docs if d.spans is not None or d.text.strip()]  # blank plain texts: nothing to learn
     if not docs:
         raise ValueError(f"no documents in {[str(p) for p in paths]}")
     return docs
