@@ -42,6 +42,9 @@ class LigerConfig:
     head_dim: int | None = None
     hidden_act: str = "silu"
     max_position_embeddings: int = 2048
+    # config.json's top-level key (Phi3 writes it there): when present it wins over rope_scaling's own value for
+    # llama3 / longrope, as HF v5 reads it in every family (its rope functions re-standardise from the attribute).
+    original_max_position_embeddings: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -170,6 +173,8 @@ class LigerConfig:
             if rope.get(key) is None:
                 raise ValueError(f"rope type {rope_type!r} needs rope_scaling[{key!r}]")
         if rope_type in ("llama3", "longrope"):
+            if self.original_max_position_embeddings is not None:
+                rope["original_max_position_embeddings"] = self.original_max_position_embeddings
             rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
         if rope_type == "longrope":
             for key in ("short_factor", "long_factor"):
@@ -193,6 +198,8 @@ class LigerConfig:
         for f in dataclasses.fields(self):
             if f.name not in ("extra", "torch_dtype", "rope_theta", "rope_scaling", "partial_rotary_factor"):
                 d[f.name] = getattr(self, f.name)
+        if self.original_max_position_embeddings is None:  # a null key would override HF's rope value with None
+            d.pop("original_max_position_embeddings")
         d["model_type"], d["architectures"] = self.model_type, [self.architecture]
         d[self.extra.get("_dtype_key", "dtype")] = self.torch_dtype
         rope = dict(self.rope_scaling or {"rope_type": "default"})

@@ -11,7 +11,8 @@ from liger_models.modules.config import LigerConfig
 class Phi3Config(LigerConfig):
     """HF Phi3Config: fused qkv_proj / gate_up_proj, no biases, eps 1e-5, longrope (alias "su"/"yarn").
 
-    ``original_max_position_embeddings`` lives at the top level and wins over any value inside rope_scaling.
+    ``original_max_position_embeddings`` lives at the top level (default 4096) and wins over any value inside
+    rope_scaling (the base config's rule).
     """
 
     vocab_size: int = 32064
@@ -32,9 +33,6 @@ class Phi3Config(LigerConfig):
 
     def __post_init__(self) -> None:
         self.attention_bias = self.mlp_bias = False
-        if self.rope_scaling:
-            self.rope_scaling = {**self.rope_scaling,
-                                 "original_max_position_embeddings": self.original_max_position_embeddings}
         super().__post_init__()
 
     @classmethod

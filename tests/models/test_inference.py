@@ -131,6 +131,29 @@ def test_rope_tables_match_hf(rope):
     assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
 
 
+@pytest.mark.parametrize("inner", [8, None], ids=["inner-key", "no-inner-key"])
+def test_top_level_original_max_positions_is_read_as_hf_reads_it(inner):
+    """A Llama config.json with a top-level original_max_position_embeddings (Phi3 keeps it there) and llama3 rope:
+    HF ignores the top-level key outside Phi3 (rope's own value, else max_position_embeddings); so do we."""
+    rope = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0}
+    if inner is not None:
+        rope["original_max_position_embeddings"] = inner
+    config_json = dict(model_type="llama", hidden_size=64, num_attention_heads=4, max_position_embeddings=32,
+                       original_max_position_embeddings=4, rope_scaling=rope)
+    hf_cfg = transformers.LlamaConfig.from_dict(config_json)
+    config = LlamaConfig.from_hf(dict(config_json))
+    ours = RotaryEmbedding(config)
+    reference = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_cfg)
+    saved = config.to_hf()  # the value used is written where every transformers version reads it
+    assert saved["original_max_position_embeddings"] == saved["rope_scaling"]["original_max_position_embeddings"] == 4
+    assert "original_max_position_embeddings" not in LlamaConfig.tiny().to_hf()
+    pos = torch.arange(48)[None]
+    ref_cos, ref_sin = reference(torch.zeros(1, dtype=torch.float32), pos)
+    cos, sin = ours(pos)
+    assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
+
+
 def test_packed_projections_keep_identity_and_fall_back():
     """q|k|v and gate|up share one buffer (one GEMM) across .to(); unpacked parameters give the same result."""
     from liger_models.modules.linear import packed_linear
