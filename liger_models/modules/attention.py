@@ -5,6 +5,8 @@ reads kv head h // (Hq/Hkv)). Which keys a query at absolute index i may see:
   causal       j ≤ i
   window W     i − j < W                    (exactly W keys including itself; HF eager/SDPA convention)
   documents    doc[j] == doc[i]             (packed sequences: position_ids that do not step by +1 start a new doc)
+  padding      attention_mask[j] == 1       (or j == i, so a padded query row is never empty: SDPA would give NaN,
+                                             which would then leak into real rows through the padded values)
 Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast path; no mask tensor); on CUDA for
 long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
 tensor); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill).
@@ -66,13 +68,23 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
 class AttentionMask:
     """Which keys each query sees in one forward call; the masks each layer needs are built once and shared."""
 
-    def __init__(self, q_len: int, past: int, documents: torch.Tensor | None, device: torch.device) -> None:
+    def __init__(self, q_len: int, past: int, documents: torch.Tensor | None, device: torch.device,
+                 padding: torch.Tensor | None = None) -> None:
+        """padding: (B, past + q_len) bool, True for real tokens (HF's 2D attention_mask), or None."""
         self.q_len, self.past, self.kv_len = q_len, past, past + q_len
-        self.documents, self.device = documents, device
+        self.documents, self.padding, self.device = documents, padding, device
         self._masks: dict = {}
 
+    @property
+    def batch(self) -> int | None:
+        """Rows with their own mask, or None when every row shares one."""
+        for per_row in (self.documents, self.padding):
+            if per_row is not None:
+                return per_row.shape[0]
+        return None
+
     def needs_mask(self, window: int | None) -> bool:
-        return self.documents is not None or (window is not None and window < self.kv_len)
+        return self.batch is not None or (window is not None and window < self.kv_len)
 
     def _allowed(self, q_idx, kv_idx, window: int | None, b=None):
         ok = kv_idx <= q_idx + self.past
@@ -80,6 +92,8 @@ class AttentionMask:
             ok = ok & (q_idx + self.past - kv_idx < window)
         if self.documents is not None:
             ok = ok & (self.documents[b, q_idx] == self.documents[b, kv_idx])
+        if self.padding is not None:
+            ok = ok & (self.padding[b, kv_idx] | (kv_idx == q_idx + self.past))
         return ok
 
     def boolean(self, window: int | None) -> torch.Tensor:
@@ -87,7 +101,7 @@ class AttentionMask:
         if ("bool", window) not in self._masks:
             q_idx = torch.arange(self.q_len, device=self.device)[None, :, None]  # (1, T, 1)
             kv_idx = torch.arange(self.kv_len, device=self.device)[None, None, :]  # (1, 1, S)
-            b = None if self.documents is None else torch.arange(self.documents.shape[0], device=self.device)
+            b = None if self.batch is None else torch.arange(self.batch, device=self.device)
             allowed = self._allowed(q_idx, kv_idx, window, None if b is None else b[:, None, None])
             self._masks[("bool", window)] = allowed[:, None]  # (B or 1, 1, T, S)
         return self._masks[("bool", window)]
@@ -97,7 +111,7 @@ class AttentionMask:
         if ("block", window) not in self._masks:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            batch = None if self.documents is None else self.documents.shape[0]
+            batch = self.batch
             mask_mod = lambda b, h, q_idx, kv_idx: self._allowed(q_idx, kv_idx, window, b)  # noqa: E731
             self._masks[("block", window)] = create_block_mask(
                 mask_mod, batch, None, self.q_len, self.kv_len, device=self.device)

@@ -34,6 +34,17 @@ class CausalLMOutput:
     past_key_values: KVCache | None = None
 
 
+def keep_positions(hidden: torch.Tensor, num_logits_to_keep: int, logits_to_keep: int | torch.Tensor | None):
+    """The positions whose logits are wanted: all (0), the last k (int), or the given indices (tensor)."""
+    if logits_to_keep is None:
+        logits_to_keep = num_logits_to_keep
+    elif num_logits_to_keep:
+        raise ValueError("pass num_logits_to_keep or logits_to_keep (HF v5's name for it), not both")
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden[:, logits_to_keep]
+    return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+
+
 class LigerForCausalLM(nn.Module):
     """Decoder (``.model``) + LM head (``.lm_head``, tied to the embedding when the config says so)."""
 
@@ -81,19 +92,24 @@ class LigerForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, normalizer: float | torch.Tensor | None = None,
                 num_logits_to_keep: int = 0, past_key_values: KVCache | None = None,
-                use_cache: bool = False) -> CausalLMOutput:
-        """Loss (with labels; logits None) or logits (B, T or num_logits_to_keep, V); see the module docstring."""
+                use_cache: bool = False, attention_mask: torch.Tensor | None = None,
+                logits_to_keep: int | torch.Tensor | None = None) -> CausalLMOutput:
+        """Loss (with labels; logits None) or logits (B, T or num_logits_to_keep, V); see the module docstring.
+
+        attention_mask: HF's (B, past + T) 0/1 mask; padded keys are hidden. As in HF, position_ids still default
+        to past..past+T−1 (pass cumsum-based ones for left padding, as ``generate`` does), and labels at padding
+        should be -100. logits_to_keep is HF v5's name for num_logits_to_keep; it also takes a tensor of positions.
+        """
         if use_cache and past_key_values is None:
             past_key_values = KVCache()
-        hidden = self.model(input_ids, position_ids, cache=past_key_values)  # (B, T, H)
+        hidden = self.model(input_ids, position_ids, cache=past_key_values, attention_mask=attention_mask)
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
             targets = shift_labels(labels, 1, position_ids)  # (B, T)
             loss = fused_linear_cross_entropy(hidden, self.lm_head.weight, targets, normalizer=normalizer)
             return CausalLMOutput(loss=loss, past_key_values=past_key_values)
-        if num_logits_to_keep:
-            hidden = hidden[:, -num_logits_to_keep:]
+        hidden = keep_positions(hidden, num_logits_to_keep, logits_to_keep)
         return CausalLMOutput(logits=self.lm_head(hidden), past_key_values=past_key_values)
 
     generate = generate

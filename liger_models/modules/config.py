@@ -1,6 +1,7 @@
 """The config every family shares: HF field names, family defaults, and config.json parsing.
 
-``LigerConfig.from_hf(d)`` reads a config.json dict as written by any transformers version (MODELS.md §1.1, §3, §6.14):
+``LigerConfig.from_hf(d)`` reads a config.json dict as written by any transformers version
+(MODELS.md §1.1, §3, §6.14):
 ``rope_parameters`` (v5) or ``rope_scaling`` + ``rope_theta`` (v4), ``type`` or ``rope_type``, ``torch_dtype`` or
 ``dtype``. The rope spec is canonicalised into ``rope_theta`` plus ``rope_scaling`` (``None`` for default RoPE, else a
 dict with ``rope_type``). Fields this dataclass does not model are kept in ``extra`` so ``to_hf()`` writes them back.
@@ -27,6 +28,15 @@ _ROPE_REQUIRED = {
 }
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "gelu": "gelu"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(ok: bool, message: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{message}, got {value!r}")
 
 
 @dataclass
@@ -71,18 +81,54 @@ class LigerConfig:
     # Whether attention honours ``sliding_window`` (HF's Mistral and Phi3 do; Llama and Gemma ignore the key, which
     # is kept for the round trip all the same; Qwen2 has its own rule).
     sliding_window_applies: ClassVar[bool] = False
+    # Whether RoPE honours ``partial_rotary_factor``: in HF v5 only Phi3's rotary embedding reads it; the other
+    # families rotate whole heads whatever the key says (it is still kept for the round trip).
+    partial_rotary_applies: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        self._check_sizes()
         if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
+                                 f"({self.num_attention_heads}); set head_dim explicitly")
             self.head_dim = self.hidden_size // self.num_attention_heads
+        _require(_is_int(self.head_dim) and self.head_dim > 0, "head_dim must be a positive integer", self.head_dim)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.activation not in ("silu", "gelu", "gelu_tanh"):
             raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: {sorted(_ACTIVATIONS)})")
         self.rope_scaling = self._check_rope(self.rope_scaling)
+        self._check_rotary()
+        self._check_windows()
+
+    def _check_sizes(self) -> None:
+        """Reject values that would fail much later with an unrelated error (ZeroDivisionError, an empty reshape)
+        or run silently wrong (NaN norms, a window that masks everything)."""
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+            value = getattr(self, key)
+            _require(_is_int(value) and value > 0, f"{key} must be a positive integer", value)
+        layers = self.num_hidden_layers
+        _require(_is_int(layers) and layers >= 0, "num_hidden_layers must be a non-negative integer", layers)
+        _require(self.rms_norm_eps >= 0, "rms_norm_eps must be >= 0", self.rms_norm_eps)
+        _require(self.rope_theta > 0, "rope_theta must be > 0", self.rope_theta)
+
+    def _check_windows(self) -> None:
+        # Only windows some layer uses: HF ignores the key elsewhere (Llama, Gemma, Qwen2 with the flag off).
+        for layer_idx in range(self.num_hidden_layers):
+            window = self.layer_sliding_window(layer_idx)
+            _require(window is None or (_is_int(window) and window > 0),
+                     "sliding_window must be a positive integer or null", window)
+
+    def _check_rotary(self) -> None:
+        factor = self.partial_rotary_factor
+        _require(0 < factor <= 1, "partial_rotary_factor must be in (0, 1]", factor)
+        # rotate_half pairs dimension i with i + R/2, so R must be even (and at least 2).
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"rotary dimension {self.rotary_dim} (head_dim {self.head_dim} x partial_rotary_factor "
+                             f"{factor}) must be even and at least 2")
 
     # ---- derived properties the modeling code reads -------------------------------------------------------
     @property
@@ -100,6 +146,8 @@ class LigerConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if not self.partial_rotary_applies:
+            return self.head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property

@@ -27,6 +27,17 @@ def make_norm(config: LigerConfig) -> RMSNorm:
     return RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0 if gemma else 0.0, casting=config.norm_casting)
 
 
+def key_padding(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
+    """(B, kv_len) bool, True for real tokens, from HF's 2D attention_mask; None when nothing is padded."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, kv_len):
+        raise ValueError(f"attention_mask must be (batch, past + new tokens) = {(batch, kv_len)}, got shape "
+                         f"{tuple(attention_mask.shape)}")
+    padding = attention_mask.bool()
+    return None if bool(padding.all()) else padding  # all ones: keep the unmasked fast path
+
+
 class DecoderLayer(nn.Module):
     """HF names: input_layernorm, self_attn, post_attention_layernorm, mlp."""
 
@@ -61,20 +72,22 @@ class DecoderModel(nn.Module):
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """input_ids (B, T) → hidden (B, T, H). position_ids restarting at 0 mark packed documents (no cache)."""
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (B, T) → hidden (B, T, H). position_ids restarting at 0 mark packed documents (no cache and no
+        attention_mask, as in HF v5); attention_mask (B, past + T), 0 at padding, hides padded keys."""
         B, T = input_ids.shape
         past = cache.seq_length() if cache is not None else 0
+        padding = key_padding(attention_mask, B, past + T)
         documents = None
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=input_ids.device)[None]  # (1, T)
-        elif cache is None:
+        elif cache is None and attention_mask is None:
             documents = document_ids(position_ids.expand(B, T))
         x = self.embed_tokens(input_ids)  # (B, T, H)
         if self.config.scale_embeddings:  # √H rounded to the activation dtype first, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(position_ids)  # (B or 1, T, R) fp32
-        mask = AttentionMask(T, past, documents, input_ids.device)
+        mask = AttentionMask(T, past, documents, input_ids.device, padding)
         residual = None
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:

@@ -1,7 +1,10 @@
 """Plain autoregressive generation with a KV cache: greedy, or sampling with temperature / top-k / top-p.
 
-Prompts in a batch share one length (no padding, so positions are simply 0..T−1). A row that emitted an EOS token
-is filled with ``pad_token_id`` (else its first EOS id) until every row is done or ``max_new_tokens`` is reached.
+Prompts of different lengths come left-padded with an ``attention_mask`` (HF convention); without one, as HF does,
+the mask is inferred from an explicit pad_token_id (argument or config) found in the prompt, unless it is an EOS id.
+Then, like HF, positions are cumsum(mask) − 1 (0 at padding) and padded keys are hidden; unpadded rows get exactly
+the tokens they get alone. A row that emitted an EOS token is filled with ``pad_token_id`` (else its first EOS id)
+until every row is done or ``max_new_tokens`` is reached.
 When the rotary table for cached positions would change (longrope crossing original_max_position_embeddings), the
 cache is dropped and the whole sequence is recomputed, as HF's Phi3 does.
 """
@@ -34,24 +37,44 @@ def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: f
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None,
+                eos: torch.Tensor) -> torch.Tensor | None:
+    """The prompt's attention_mask: the given one, else (as HF infers it) input_ids != pad when an explicit pad id
+    that is not an EOS id occurs in the prompt, else None (no padding)."""
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                             f"{tuple(input_ids.shape)}")
+        return attention_mask.long()
+    if pad is None or bool(torch.isin(pad, eos)) or not bool((input_ids == pad).any()):
+        return None
+    return (input_ids != pad).long()
+
+
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, T) prompt → (B, T + n) tokens, n ≤ max_new_tokens. eos/pad default to the config's ids."""
+             attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, T) prompt (left-padded when lengths differ; see the module docstring) → (B, T + n) tokens,
+    n ≤ max_new_tokens. eos/pad default to the config's ids."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
     eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long,
                        device=input_ids.device)
+    explicit_pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
+    mask = prompt_mask(input_ids, attention_mask, explicit_pad, eos)  # (B, T) or None
+    positions = None if mask is None else (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
     rotary = model.model.rotary
     capacity = input_ids.shape[1] + max_new_tokens
 
     def prefill(tokens: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
         cache = KVCache(capacity)
-        return model(tokens, num_logits_to_keep=1, past_key_values=cache, use_cache=True).logits[:, -1], cache
+        out = model(tokens, num_logits_to_keep=1, past_key_values=cache, use_cache=True, attention_mask=mask,
+                    position_ids=positions)
+        return out.logits[:, -1], cache
 
     logits, cache = prefill(input_ids)
     regime = rotary.regime(input_ids.shape[1])
@@ -61,6 +84,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sam
                           generator=generator)
         nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        if mask is not None:  # the new token is real in every row (HF keeps finished rows' pads visible too)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
         done = done | torch.isin(nxt, eos)
         if step == max_new_tokens - 1 or bool(done.all()):
             break
@@ -68,6 +94,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sam
             regime = rotary.regime(tokens.shape[1])
             logits, cache = prefill(tokens)
         else:
-            out = model(nxt[:, None], num_logits_to_keep=1, past_key_values=cache, use_cache=True)
+            out = model(nxt[:, None], num_logits_to_keep=1, past_key_values=cache, use_cache=True,
+                        attention_mask=mask, position_ids=None if positions is None else positions[:, -1:])
             logits = out.logits[:, -1]
     return tokens

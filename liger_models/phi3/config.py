@@ -26,6 +26,7 @@ class Phi3Config(LigerConfig):
 
     model_type = "phi3"
     sliding_window_applies = True
+    partial_rotary_applies = True
     architecture = "Phi3ForCausalLM"
     fused_qkv = True
     fused_gate_up = True

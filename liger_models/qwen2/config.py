@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from liger_models.modules.config import LigerConfig
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
 
 @dataclass
 class Qwen2Config(LigerConfig):
@@ -32,6 +34,17 @@ class Qwen2Config(LigerConfig):
     def __post_init__(self) -> None:
         self.attention_bias = self.mlp_bias = False
         super().__post_init__()
+
+    def _check_windows(self) -> None:
+        """layer_types first (HF validates it the same way; a short list would fail later with an IndexError)."""
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected num_hidden_layers = "
+                                 f"{self.num_hidden_layers}")
+            for layer_type in self.layer_types:
+                if layer_type not in LAYER_TYPES:
+                    raise ValueError(f"unknown layer type {layer_type!r} in layer_types (supported: {LAYER_TYPES})")
+        super()._check_windows()
 
     @property
     def qkv_bias(self) -> bool:

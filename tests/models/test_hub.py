@@ -111,6 +111,37 @@ def test_config_errors(checkpoint):
         AutoLigerForCausalLM.from_pretrained(path)
 
 
+@pytest.mark.parametrize("cls, change, message", [
+    (LlamaConfig, {"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+    (LlamaConfig, {"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+    (LlamaConfig, {"head_dim": 0}, "head_dim must be a positive integer"),
+    (LlamaConfig, {"vocab_size": 0}, "vocab_size must be a positive integer"),
+    (LlamaConfig, {"intermediate_size": 0}, "intermediate_size must be a positive integer"),
+    (LlamaConfig, {"num_hidden_layers": -1}, "num_hidden_layers must be a non-negative integer"),
+    (LlamaConfig, {"hidden_size": 66, "head_dim": None},
+     "hidden_size \\(66\\) is not a multiple of num_attention_heads"),
+    (MistralConfig, {"sliding_window": 0}, "sliding_window must be a positive integer or null"),
+    (Qwen2Config, {"use_sliding_window": True, "max_window_layers": 0, "sliding_window": -4},
+     "sliding_window must be a positive integer"),
+    (LlamaConfig, {"rms_norm_eps": -1e-6}, "rms_norm_eps must be >= 0"),
+    (LlamaConfig, {"rope_theta": 0.0}, "rope_theta must be > 0"),
+    (Phi3Config, {"partial_rotary_factor": 1.5}, "partial_rotary_factor must be in \\(0, 1\\]"),
+    (Phi3Config, {"partial_rotary_factor": 0.4375}, "rotary dimension 7 .* must be even"),
+    (Qwen2Config, {"use_sliding_window": True, "layer_types": ["full_attention"]}, "layer_types has 1 entries"),
+    (Qwen2Config, {"layer_types": ["full_attention", "local"]}, "unknown layer type 'local'"),
+])
+def test_bad_config_values_raise_clear_errors(cls, change, message):
+    """Values that would crash later with an unrelated error (ZeroDivisionError, IndexError) or silently give NaN or
+    wrong shapes are rejected when the config is built, naming the key."""
+    with pytest.raises(ValueError, match=message):
+        cls.tiny(**change)
+    with pytest.raises(ValueError, match=message):  # and from a config.json
+        cls.from_hf({**cls.tiny().to_hf(), **change})
+    # A window key no layer uses is not checked, as HF ignores it there.
+    assert LlamaConfig.tiny(sliding_window=0).layer_sliding_window(0) is None
+    assert Qwen2Config.tiny(sliding_window=0).layer_sliding_window(1) is None
+
+
 def test_save_is_atomic_and_keeps_other_files(checkpoint, monkeypatch):
     model, path = checkpoint
     model.save_pretrained(path, max_shard_size="20KB")  # over an unsharded save: old single file must go

@@ -181,3 +181,56 @@ def test_packed_projections_keep_identity_and_fall_back():
     assert torch.allclose(results[0][0], reference, atol=1e-6) and torch.allclose(results[1][0], reference, atol=1e-6)
     assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][2], results[1][2]))
+
+
+def left_padded(batch: int, length: int, pads: list[int], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts (ids ≥ 3) with pads[b] pad tokens on the left of row b, and their attention_mask."""
+    ids = torch.randint(3, 128, (batch, length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for b, n in enumerate(pads):
+        ids[b, :n], mask[b, :n] = pad_id, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("positions", ["default", "from-mask"])
+def test_left_padded_forward_matches_hf(tmp_path, positions):
+    """attention_mask hides padded keys (with a sliding window too); logits of real tokens equal HF's."""
+    hf = build_hf(transformers.MistralConfig, sliding_window=5)
+    ours = LigerMistralForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
+    ids, mask = left_padded(3, 11, [4, 0, 7])
+    kwargs = {"attention_mask": mask}
+    if positions == "from-mask":  # what HF's generate passes
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        out, ref = ours(ids, **kwargs).logits, hf(ids, use_cache=False, **kwargs).logits
+    real = mask.bool()
+    assert torch.isfinite(out).all()
+    assert (out[real] - ref[real]).abs().max().item() <= 1e-4
+
+
+def test_generate_left_padded_equals_hf(tmp_path):
+    """Prompts of different lengths, left-padded: with an explicit attention_mask, and with the mask inferred from
+    pad_token_id as HF's generate infers it."""
+    hf = build_hf(transformers.LlamaConfig)
+    ours = LigerLlamaForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
+    prompt, mask = left_padded(3, 7, [3, 0, 5])
+    ref = hf.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, attention_mask=mask, max_new_tokens=6, eos_token_id=2, pad_token_id=0),
+                       ref)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=6, eos_token_id=2, pad_token_id=0), ref)
+    alone = ours.generate(prompt[1:2], max_new_tokens=6, eos_token_id=2, pad_token_id=0)  # the unpadded row
+    assert torch.equal(alone, ref[1:2])
+
+
+def test_logits_to_keep_like_hf(tmp_path):
+    """HF v5's name ``logits_to_keep`` (an int: the last k positions; a tensor: those positions) is accepted."""
+    hf = build_hf(transformers.LlamaConfig)
+    ours = LigerLlamaForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
+    ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        for keep in (3, torch.tensor([0, 4, 8])):
+            out, ref = ours(ids, logits_to_keep=keep).logits, hf(ids, logits_to_keep=keep, use_cache=False).logits
+            assert out.shape == ref.shape and (out - ref).abs().max().item() <= 1e-4
+        assert torch.equal(ours(ids, num_logits_to_keep=2).logits, ours(ids, logits_to_keep=2).logits)
+    with pytest.raises(ValueError, match="not both"):
+        ours(ids, num_logits_to_keep=2, logits_to_keep=2)

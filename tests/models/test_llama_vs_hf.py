@@ -53,3 +53,12 @@ def test_untied_roundtrip_sharded(tmp_path):
     again = LigerLlamaForCausalLM.from_pretrained(tmp_path / "ours")
     for (n, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_partial_rotary_factor_is_ignored_as_hf_does(tmp_path):
+    # HF's Llama (and Mistral, Qwen2, Gemma) rotates whole heads whatever partial_rotary_factor says; only Phi3
+    # reads it.
+    hf = build_hf(transformers.LlamaConfig, partial_rotary_factor=0.5)
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=12, grads=False)
+    assert ours.config.rotary_dim == ours.config.head_dim
+    assert ours.config.to_hf()["rope_parameters"]["partial_rotary_factor"] == 0.5  # still round-trips

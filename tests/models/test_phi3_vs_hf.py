@@ -49,3 +49,10 @@ def test_top_level_original_max_wins():
                                   "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                                   "original_max_position_embeddings": 99}})
     assert cfg.rope_scaling["original_max_position_embeddings"] == 8
+
+
+@pytest.mark.parametrize("v4_style", [False, True], ids=["v5-config", "v4-config"])
+def test_partial_rotary_factor(tmp_path, v4_style):
+    hf = build_hf(transformers.Phi3Config, partial_rotary_factor=0.5, pad_token_id=0)
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf", v4_style=v4_style), seq_len=12, grads=False)
+    assert ours.config.rotary_dim == ours.config.head_dim // 2
