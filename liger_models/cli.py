@@ -25,6 +25,35 @@ def _non_negative(value: str) -> int:
     return n
 
 
+def _seq_len(value: str) -> int:
+    n = int(value)
+    if n < 2:  # a 1-token window has nothing to predict: its only token starts it
+        raise argparse.ArgumentTypeError(f"must be ≥ 2, got {n}")
+    return n
+
+
+def _float_where(rule: str, holds):
+    """An argparse type: a float for which ``holds`` is true, else the error "must be <rule>". NaN fails every
+    comparison, so it is refused too."""
+
+    def parse(value: str) -> float:
+        x = float(value)
+        if not holds(x):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return x
+
+    parse.__name__ = "float"  # argparse names the type in its "invalid float value" message
+    return parse
+
+
+# Refused by the parser, before a model is loaded: a negative final LR ratio would end the cosine in gradient ascent,
+# the others torch refuses only once the model and data are loaded, or takes silently.
+_positive_float = _float_where("> 0", lambda x: x > 0)
+_non_negative_float = _float_where("≥ 0", lambda x: x >= 0)
+_ratio = _float_where("in [0, 1]", lambda x: 0 <= x <= 1)
+_beta = _float_where("in [0, 1)", lambda x: 0 <= x < 1)
+
+
 def _schedule(value: str) -> str:
     from liger_models.medusa.config import check_scheduler
 
@@ -48,18 +77,20 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--chat-template", default="auto", choices=("auto", "model", "simple"),
                    help="chat JSONL rendering: the model's jinja template, or the documented role-tagged one "
                         "(auto: the model's when it has one); loss on assistant turns only")
-    p.add_argument("--seq-len", type=_positive, default=1024, help="tokens per packed sequence (default 1024)")
+    p.add_argument("--seq-len", type=_seq_len, default=1024, help="tokens per packed sequence (default 1024)")
     p.add_argument("--batch-size", type=_positive, default=8, help="sequences per micro-batch per GPU (default 8)")
     p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--max-steps", type=_positive, default=1000, help="optimizer steps (default 1000)")
-    p.add_argument("--lr", type=float, default=lr_default, help=lr_help)
+    p.add_argument("--lr", type=_positive_float, default=lr_default, help=lr_help)
     p.add_argument("--warmup-steps", type=_non_negative, default=None,
                    help="linear warmup steps, then cosine decay (default 5%% of --max-steps)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR / peak LR of the cosine (default 0.1)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on matrices (default 0)")
-    p.add_argument("--beta1", type=float, default=0.9)
-    p.add_argument("--beta2", type=float, default=0.95)
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 disables (default 1.0)")
+    p.add_argument("--min-lr-ratio", type=_ratio, default=0.1, help="final LR / peak LR of the cosine (default 0.1)")
+    p.add_argument("--weight-decay", type=_non_negative_float, default=0.0,
+                   help="AdamW weight decay on matrices (default 0)")
+    p.add_argument("--beta1", type=_beta, default=0.9)
+    p.add_argument("--beta2", type=_beta, default=0.95)
+    p.add_argument("--max-grad-norm", type=_non_negative_float, default=1.0,
+                   help="gradient clipping; 0 disables (default 1.0)")
     p.add_argument("--optimizer-in-backward", action="store_true",
                    help="update each parameter inside backward and free its gradient at once (less memory, same "
                         "weights; needs --max-grad-norm 0, --grad-accum 1, one process)")
@@ -143,12 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="project with the frozen base lm_head (Medusa 'version 2') instead of per-head copies")
     medusa.add_argument("--init-heads", default=None, metavar="DIR",
                         help="start from trained heads (e.g. stage 2 from a stage-1 checkpoint)")
-    medusa.add_argument("--head-lr-multiplier", type=float, default=4.0, help="heads' LR multiplier (default 4)")
+    medusa.add_argument("--head-lr-multiplier", type=_positive_float, default=4.0,
+                        help="heads' LR multiplier (default 4)")
     medusa.add_argument("--schedule", type=_schedule, default="constant",
                         help="heads' loss-weight warmup: constant | linear | sine | sine_<r> (default constant)")
-    medusa.add_argument("--lambda0", type=float, default=0.2, help="heads' loss coefficient (default 0.2)")
-    medusa.add_argument("--decay", type=float, default=0.8, help="per-head weight decay^k (default 0.8)")
-    medusa.add_argument("--base-loss-weight", type=float, default=None,
+    medusa.add_argument("--lambda0", type=_non_negative_float, default=0.2,
+                        help="heads' loss coefficient (default 0.2)")
+    medusa.add_argument("--decay", type=_non_negative_float, default=0.8, help="per-head weight decay^k (default 0.8)")
+    medusa.add_argument("--base-loss-weight", type=_non_negative_float, default=None,
                         help="stage-2 weight of the base CE (default 1; stage 1 has none)")
     medusa.set_defaults(func=_run_medusa)
     return parser

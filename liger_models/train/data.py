@@ -197,15 +197,23 @@ def _jinja_renderer(template: str, special: SpecialTokens):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-    compiled = env.from_string(template)
+    try:
+        compiled = env.from_string(template)
+    except jinja2.exceptions.TemplateError as exc:
+        raise ValueError(f"the model's chat template does not compile: {exc}") from None
 
     def render(messages, add_generation_prompt: bool) -> str:
-        return compiled.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=special.bos_text,
-            eos_token=special.eos_text,
-        )
+        # A template refuses what it cannot render (Gemma's: a system turn) with raise_exception(): a data error,
+        # so a ValueError the caller can place (file:line) and the CLI reports in one line.
+        try:
+            return compiled.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=special.bos_text,
+                eos_token=special.eos_text,
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise ValueError(f"the model's chat template refused this conversation: {exc}") from None
 
     return render
 
@@ -229,7 +237,19 @@ def render_model_template(messages: Sequence[dict], special: SpecialTokens, rend
     return Document(full, spans, template_bos=bool(special.bos_text) and full.startswith(special.bos_text))
 
 
-def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens, chat_template: str = "auto") -> list[Document]:
+def _render_chat(messages: Sequence[dict], special: SpecialTokens, renderer, where: str) -> Document:
+    """One conversation with the model's template (``renderer``) or the simple one (None); a conversation the
+    template refuses is reported with its file and line."""
+    try:
+        if renderer is not None:
+            return render_model_template(messages, special, renderer)
+        return render_simple(messages, special)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
+                   chat_template: str = "auto") -> list[Document]:
     """Read ``.txt`` / ``.jsonl`` files into documents (see the module docstring for the formats)."""
     if chat_template not in ("auto", "model", "simple"):
         raise ValueError(f"chat_template must be auto|model|simple, got {chat_template!r}")
@@ -260,9 +280,7 @@ def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens, c
                     _check_messages(row["messages"], where)
                     if use_model:
                         renderer = renderer or _jinja_renderer(special.chat_template, special)
-                        docs.append(render_model_template(row["messages"], special, renderer))
-                    else:
-                        docs.append(render_simple(row["messages"], special))
+                    docs.append(_render_chat(row["messages"], special, renderer, where))
                 elif isinstance(row, dict) and isinstance(row.get("text"), str):
                     docs.append(Document(row["text"]))
                 else:

@@ -29,14 +29,32 @@ def decay_param_groups(model: nn.Module, lr: float, weight_decay: float) -> list
     return [g for g in groups if g["params"]]
 
 
+def split_no_decay(param_groups: list[dict]) -> list[dict]:
+    """The groups with each decaying group's 1-D tensors (biases, norm weights) moved to a "<name>_no_decay" sibling
+    with the same settings but no weight decay, the rule :func:`decay_param_groups` applies. Groups without weight
+    decay stay as they are (so a run without it keeps its groups, and its checkpoints their layout)."""
+    out = []
+    for group in param_groups:
+        flat = [p for p in group["params"] if p.dim() < 2]
+        if not group.get("weight_decay") or not flat:
+            out.append(group)
+            continue
+        matrices = [p for p in group["params"] if p.dim() >= 2]
+        name = group.get("name", f"group{len(out)}")
+        if matrices:
+            out.append({**group, "params": matrices})
+        out.append({**group, "params": flat, "weight_decay": 0.0, "name": f"{name}_no_decay"})
+    return out
+
+
 class FusedAdamW(torch.optim.AdamW):
     """torch.optim.AdamW (fused) whose step runs kernels/adamw.py: one pass per parameter tensor at the copy rate
     (torch's multi-tensor kernel streams at ~60% of it on the H200; BENCHMARKS.md). Same math in fp32, same
     state (step as a 0-dim fp32 tensor on the parameter's device, exp_avg, exp_avg_sq) and state_dict, so
     checkpoints move freely between the two. Anything the kernel does not cover — a parameter that is not a plain
     contiguous CUDA tensor (an FSDP2 DTensor), a learning rate that is not a float or a 0-dim fp32 tensor on the
-    parameters' device, amsgrad / maximize, AMP's grad scaling — makes that step torch's own. A tensor learning rate
-    (cuda_graph.py turns each group's into one before a capture) is read by the kernel on the device."""
+    parameters' device, amsgrad / maximize, a β of 0, AMP's grad scaling — makes that step torch's own. A tensor
+    learning rate (cuda_graph.py turns each group's into one before a capture) is read by the kernel on the device."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, capturable: bool = False):
@@ -49,6 +67,8 @@ class FusedAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
                 return False
+            if not all(0.0 < b < 1.0 for b in group["betas"]):
+                return False  # β = 0 is torch's to take (the kernel's bias correction needs ln β)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or lr.dtype != torch.float32):
                 return False

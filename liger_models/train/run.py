@@ -26,8 +26,9 @@ from torch import nn
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
 from liger_models.train.data import BatchStream, PackedDataset, build_dataset, read_special_tokens
-from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups
-from liger_models.train.trainer import CausalLMTask, MedusaTask, TrainConfig, Trainer
+from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups, split_no_decay
+from liger_models.train.trainer import (CausalLMTask, MedusaTask, TrainConfig, Trainer, refuse_cuda_graph_conflicts,
+                                        refuse_in_backward_conflicts)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -88,6 +89,25 @@ def _check_materialised(module: nn.Module) -> None:
     meta = [k for k, v in module.state_dict().items() if v.is_meta]
     if meta:
         raise RuntimeError(f"gathered checkpoint state is missing tensors: {meta[:5]}")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse options that cannot go together before anything is loaded: the Trainer would refuse them too, but
+    only after the model and the data, minutes for a large model."""
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # what init_distributed will find
+    # Options that would otherwise be ignored without a word.
+    if args.eval_every and not args.eval_data:
+        raise ValueError("--eval-every needs --eval-data (the held-out files to evaluate on)")
+    if getattr(args, "stage", 2) == 1 and args.base_loss_weight is not None:
+        raise ValueError("--base-loss-weight is for stage 2 only: stage 1 freezes the base and drops its loss")
+    if args.optimizer_in_backward:
+        refuse_in_backward_conflicts(args.grad_accum, args.max_grad_norm, distributed)
+    if args.cuda_graph:
+        if getattr(args, "schedule", "constant") != "constant":
+            raise ValueError(f"--cuda-graph needs --schedule constant: the heads' loss weights under "
+                             f"{args.schedule!r} change every step, and a CUDA graph replays the weights it captured")
+        cpu = args.device == "cpu" or (args.device is None and not torch.cuda.is_available())
+        refuse_cuda_graph_conflicts(cpu, distributed, args.optimizer_in_backward, args.activation_checkpointing)
 
 
 def _setup(args: argparse.Namespace):
@@ -163,9 +183,6 @@ def _loss_scratch_cap(mib: int | None):
 
 def _prepare(model: nn.Module, layers, args, info, more_units=()) -> None:
     """Activation checkpointing on ``layers``; under torchrun, FSDP2 units = ``layers`` + ``more_units``."""
-    if args.cuda_graph and args.activation_checkpointing:
-        raise ValueError("--cuda-graph cannot be combined with --activation-checkpointing (the recomputation saves "
-                         "and restores the RNG state on the host inside the step)")
     if args.activation_checkpointing:
         D.apply_activation_checkpointing(layers)
     if info.distributed:
@@ -176,6 +193,7 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
     """Fine-tune (or pre-train) a causal LM on ``args.data``; see the module docstring."""
     from liger_models import AutoLigerForCausalLM
 
+    check_options(args)
     try:
         info, resume = _setup(args)
         model_dir = resolve_model_dir(args.model)
@@ -228,9 +246,7 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
     """Train Medusa heads (stage 1: frozen base) or heads + base (stage 2); see the module docstring."""
     from liger_models.medusa import MedusaHeads, MedusaModel
 
-    if args.cuda_graph and args.schedule != "constant":
-        raise ValueError(f"--cuda-graph needs --schedule constant: the heads' loss weights under {args.schedule!r} "
-                         "change every step, and a CUDA graph replays the weights it captured")
+    check_options(args)
     try:
         info, resume = _setup(args)
         model_dir = resolve_model_dir(args.model)
@@ -239,7 +255,8 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
         stream, eval_data = _data(args, model_dir, medusa.config.vocab_size, info)
         _prepare(medusa, medusa.base.model.layers, args, info, more_units=medusa.heads)
         lr = args.lr if args.lr is not None else (2.5e-4 if args.stage == 1 else 2e-5)
-        groups = medusa.param_groups(lr, args.head_lr_multiplier, args.weight_decay)
+        # --weight-decay is on matrices only, as for the causal LM: not on the heads' biases nor the base's norms.
+        groups = split_no_decay(medusa.param_groups(lr, args.head_lr_multiplier, args.weight_decay))
 
         def export(directory: Path, full_state: dict | None, final: Path) -> None:
             target = medusa

@@ -137,6 +137,25 @@ def _refuse(option: str, *conflicts: tuple[bool, str]) -> None:
         raise ValueError(f"{option}, so it cannot be combined with " + ", ".join(problems))
 
 
+def refuse_in_backward_conflicts(grad_accum: int, max_grad_norm: float, distributed: bool) -> None:
+    """What --optimizer-in-backward cannot go with (the Trainer checks it; run.py before loading anything)."""
+    _refuse("--optimizer-in-backward frees each gradient as soon as it is used",
+            (grad_accum > 1, "gradient accumulation (--grad-accum > 1)"),
+            (max_grad_norm > 0, "clipping (--max-grad-norm > 0)"),
+            (distributed, "FSDP (several processes)"))
+
+
+def refuse_cuda_graph_conflicts(cpu: bool, distributed: bool, in_backward: bool,
+                                activation_checkpointing: bool = False) -> None:
+    """What --cuda-graph cannot go with (the Trainer checks it; run.py before loading anything)."""
+    _refuse("--cuda-graph replays one process's whole step on one GPU",
+            (cpu, "a CPU device"),
+            (distributed, "FSDP (several processes)"),
+            (in_backward, "--optimizer-in-backward"),
+            (activation_checkpointing, "--activation-checkpointing (its recomputation saves and restores the RNG "
+                                       "state on the host inside the step)"))
+
+
 def _to_float(norm: torch.Tensor) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
@@ -159,18 +178,12 @@ class Trainer:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.in_backward = None
         if config.optimizer_in_backward:
-            _refuse("--optimizer-in-backward frees each gradient as soon as it is used",
-                    (config.grad_accum > 1, "gradient accumulation (--grad-accum > 1)"),
-                    (config.max_grad_norm > 0, "clipping (--max-grad-norm > 0)"),
-                    (info.distributed, "FSDP (several processes)"))
+            refuse_in_backward_conflicts(config.grad_accum, config.max_grad_norm, info.distributed)
             used_once = getattr(task, "loss_weights_used_once", lambda _: [])(model)
             self.in_backward = OptimizerInBackward(optimizer, in_forward=used_once)
         self.graphed = None
         if config.cuda_graph:
-            _refuse("--cuda-graph replays one process's whole step on one GPU",
-                    (info.device.type != "cuda", "a CPU device"),
-                    (info.distributed, "FSDP (several processes)"),
-                    (config.optimizer_in_backward, "--optimizer-in-backward"))
+            refuse_cuda_graph_conflicts(info.device.type != "cuda", info.distributed, config.optimizer_in_backward)
             vocab = model.config.vocab_size
             self.graphed = GraphedStep(self._graph_body, optimizer, warmup=GRAPH_WARMUP,
                                        label_keys={f"{j}.labels": (vocab, IGNORE_INDEX)

@@ -180,3 +180,45 @@ def test_adamw_choice():
     for kernel in (True, False):
         opt = build_adamw([{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 1e-3}], kernel=kernel)
         assert type(opt) is torch.optim.AdamW and not isinstance(opt, FusedAdamW)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--min-lr-ratio", "-0.5"], "--min-lr-ratio"),  # would end the cosine at a negative LR: gradient ascent
+    (["--min-lr-ratio", "1.5"], "--min-lr-ratio"),
+    (["--lr", "-0.001"], "--lr"),
+    (["--lr", "0"], "--lr"),
+    (["--weight-decay", "-0.1"], "--weight-decay"),
+    (["--beta1", "1"], "--beta1"),
+    (["--beta2", "-0.1"], "--beta2"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm"),
+    (["--seq-len", "1"], "--seq-len"),  # nothing to predict in a 1-token window
+    (["--head-lr-multiplier", "0"], "--head-lr-multiplier"),
+])
+def test_bad_numbers_are_rejected_by_the_parser(bad, message, capsys):
+    command = "train-medusa" if bad[0] == "--head-lr-multiplier" else "train"
+    with pytest.raises(SystemExit) as info:
+        main([command, "--model", "m", "--data", "d.txt", *bad])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--optimizer-in-backward", "--max-grad-norm", "0", "--grad-accum", "2"], "gradient accumulation"),
+    (["--optimizer-in-backward"], "clipping"),
+    (["--cuda-graph", "--device", "cpu"], "a CPU device"),
+    (["--cuda-graph", "--activation-checkpointing"], "--activation-checkpointing"),
+    (["--eval-every", "5"], "--eval-every needs --eval-data"),  # would silently never evaluate
+    (["--stage", "1", "--base-loss-weight", "0.5"], "stage 2"),  # stage 1 has no base loss: silently ignored
+])
+def test_conflicting_options_fail_before_any_work(flags, problem, text_file, tmp_path, capsys, monkeypatch):
+    """Options that cannot go together are refused before the model is loaded and the data tokenized (minutes
+    for a large model), with the one-line error."""
+    import liger_models.train.run as run
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the run started loading before refusing its options")
+
+    monkeypatch.setattr(run, "resolve_model_dir", no_work)
+    monkeypatch.setattr(run.D, "init_distributed", no_work)
+    for command in ("train", "train-medusa") if "--stage" not in flags else ("train-medusa",):
+        code = main([command, "--model", "m", "--data", str(text_file), "--output-dir", str(tmp_path), *flags])
+        assert code == 2 and problem in capsys.readouterr().err

@@ -244,3 +244,30 @@ def test_batch_stream_ranks_split_the_global_batch():
         whole = single.next_batch()["input_ids"]
         parts = torch.cat([s.next_batch()["input_ids"] for s in ranks])
         assert torch.equal(whole, parts)
+
+
+GEMMA_LIKE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template, chat, match", [
+    # A model template that refuses a conversation (Gemma's has no system role) raises a jinja TemplateError.
+    (GEMMA_LIKE, CHAT, "System role not supported"),
+    # The simple template's own refusal of an unknown role.
+    (None, [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok"}], "unknown role 'tool'"),
+])
+def test_chat_template_refusals_name_the_line(tokenizer, tmp_path, template, chat, match):
+    """A conversation the template refuses fails as a ValueError (the CLI's one clear line, not a traceback) that
+    names the file and line, as every other bad JSONL line does."""
+    ok = [{"role": "user", "content": "Who goes there?"}, {"role": "assistant", "content": "A friend."}]
+    special = (_model_template_special(tokenizer, tmp_path, template) if template
+               else read_special_tokens(tokenizer, None))
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": ok}) + "\n" + json.dumps({"messages": chat}) + "\n")
+    with pytest.raises(ValueError, match=match) as info:
+        load_documents([data], special, "model" if template else "simple")
+    assert "chat.jsonl:2" in str(info.value)

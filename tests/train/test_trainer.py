@@ -176,3 +176,55 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_model_dir):
     assert torch.equal(l0, l1)
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=0, msg=name)
+
+
+def test_fused_adamw_takes_every_beta_torch_takes(monkeypatch):
+    """torch's AdamW accepts 0 ≤ β < 1; the kernel's bias correction takes ln β, so β1 = 0 (no momentum, an
+    RMSProp-like step) is not its case. FusedAdamW must leave that step to torch, not fail on the first step (on
+    CUDA every run builds FusedAdamW; the Triton interpreter runs the same path on the CPU)."""
+    from liger_models.train.optim import FusedAdamW
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for betas in ((0.0, 0.95), (0.9, 0.0)):
+        w = torch.nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(0)))
+        ref = torch.nn.Parameter(w.detach().clone())
+        ours = FusedAdamW([w], lr=1e-2, betas=betas, weight_decay=0.1)
+        theirs = torch.optim.AdamW([ref], lr=1e-2, betas=betas, weight_decay=0.1, foreach=False)
+        for _ in range(2):
+            for p, opt in ((w, ours), (ref, theirs)):
+                p.square().sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7, msg=str(betas))
+
+
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.parametrize("command, extra", [
+    ("train", ()),
+    ("train-medusa", ("--stage", "1", "--num-heads", "2")),
+    ("train-medusa", ("--stage", "2", "--num-heads", "2")),
+])
+def test_weight_decay_is_on_matrices_only(command, extra, tiny_model_dir, text_file, tmp_path, monkeypatch):
+    """--weight-decay is "AdamW weight decay on matrices": never on a bias or a norm weight (1-D), for the heads'
+    ResBlock biases and the stage-2 base's norms as for the causal LM; each group keeps its learning rate."""
+    import liger_models.train.run as run
+
+    seen = []
+
+    def capture(groups, **kwargs):
+        seen.extend(groups)
+        raise _Built
+
+    monkeypatch.setattr(run, "build_adamw", capture)
+    recipe = train_causal_lm if command == "train" else train_medusa
+    with pytest.raises(_Built):
+        recipe(_args(command, tiny_model_dir, text_file, tmp_path / "x", *extra, "--weight-decay", "0.5"))
+    assert any(p.dim() == 1 for g in seen for p in g["params"])  # the case the test is about is there
+    for g in seen:
+        for p in g["params"]:
+            assert g["weight_decay"] == (0.5 if p.dim() >= 2 else 0.0), (g["name"], tuple(p.shape))
+    if command == "train-medusa":  # the heads still train at 4× the base LR, biases included
+        assert {g["lr"] for g in seen if g["name"].startswith("medusa_heads")} == {3e-3 * 4}
