@@ -6,6 +6,7 @@ tests every kernel without a GPU. A CUDA tensor never silently falls back to the
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -41,3 +42,24 @@ def row_view(x: torch.Tensor) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     return x.reshape(-1, x.shape[-1])
+
+
+def once_differentiable(backward):
+    """Make a Function's backward refuse create_graph=True instead of returning gradients that are silently wrong.
+
+    The backwards launch Triton kernels, which autograd cannot see: under create_graph=True their gradients would
+    have no grad_fn, so differentiating them again would drop every second-order term (or fail later with an
+    unrelated message). torch's ``once_differentiable`` guards only when the incoming gradient requires grad, yet
+    these gradients depend on the saved inputs as well (d(rms_norm(x).sum())/dx still depends on x), and its error
+    node is not connected to them. Autograd runs a backward with grad mode on exactly when create_graph=True, so
+    that is checked here; a plain backward pays one flag read.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{type(ctx).__name__.removesuffix('Backward')}: backward with create_graph=True "
+                               "(double backward) is not supported; its gradients are not differentiable")
+        return backward(ctx, *grads)
+
+    return wrapper

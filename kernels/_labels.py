@@ -48,7 +48,8 @@ class LabelCheck:
                  normalizer: float | torch.Tensor | None = None, loss_scale: float = 1.0):
         if labels.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"labels must be int64 (or int32), got {labels.dtype}")
-        self.labels, self.vocab_size, self.ignore_index = labels.reshape(-1), vocab_size, ignore_index
+        # The kernel reads labels with a unit stride; reshape(-1) keeps a strided 1-D view (a column, an expand).
+        self.labels, self.vocab_size, self.ignore_index = labels.reshape(-1).contiguous(), vocab_size, ignore_index
         n, device = self.labels.numel(), labels.device
         self._event, self._counts = None, (0, 0)
         if not (labels.is_cuda or interpreting()):  # the PyTorch reference path

@@ -28,7 +28,7 @@ from torch import nn
 from ._ce_core import ce_rows
 from ._loss_common import check_options, scale_, scaled_sum, take_grads
 from ._labels import LabelCheck, check_labels, mean_denominator
-from ._dispatch import use_triton
+from ._dispatch import once_differentiable, use_triton
 from ._launch import on_input_device
 
 # check_labels: the CUDA-graph trainer checks every batch with it before copying it into the graph's inputs.
@@ -99,6 +99,7 @@ class _CrossEntropy(torch.autograd.Function):
         return loss.reshape(labels.shape) if scale is None else scaled_sum(loss, scale)  # ignored rows' losses are 0
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         if ctx.fused:
             (grad,) = take_grads(ctx)
@@ -145,6 +146,7 @@ def cross_entropy(
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     triton_path = use_triton(logits, labels)
+    labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
     labels_ok = LabelCheck(labels, logits.shape[-1], ignore_index, reduction, normalizer)
     if not triton_path:
         labels_ok.wait()

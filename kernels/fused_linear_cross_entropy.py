@@ -53,11 +53,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ._ce_core import ce_rows
 from ._loss_common import check_options, scale_, scaled_sum, take_grads
-from ._dispatch import row_view, use_triton
+from ._dispatch import once_differentiable, row_view, use_triton
 from ._labels import LabelCheck
 from ._launch import on_input_device
 from .cross_entropy import cross_entropy_reference
@@ -457,6 +456,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"accum_dtype must be torch.float32 or the weight's dtype, got {accum_dtype}")
     if max_scratch_bytes is not None and max_scratch_bytes < 1:
         raise ValueError(f"max_scratch_bytes must be a positive byte count or None, got {max_scratch_bytes}")
+    labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
     if not use_triton(hidden, weight, bias, labels) or labels.numel() == 0:
         labels_ok.wait()

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from ._dispatch import row_view, use_triton
+from ._dispatch import once_differentiable, row_view, use_triton
 from ._launch import cdiv, launch, pow2
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -246,6 +246,7 @@ class _GatedMLPFunction(torch.autograd.Function):
         return out2d.view(inputs[0].shape[:-1] + (gate2d.shape[1],))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout: torch.Tensor):
         saved = ctx.saved_tensors
         if ctx.inplace:

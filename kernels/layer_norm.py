@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._dispatch import use_triton
-from .rms_norm import _rows, norm_backward, norm_forward
+from ._dispatch import once_differentiable, use_triton
+from .rms_norm import _rows, norm_backward, norm_forward, unit_stride
 
 
 def layer_norm_reference(
@@ -35,15 +35,17 @@ class _LayerNormFunction(torch.autograd.Function):
         x2 = _rows(x)
         y, _, mean, rstd = norm_forward(x2, None, weight, bias, eps, 0.0, center=True, gemma=True)
         ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return y if x.dim() == 2 else y.view(x.shape)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x2, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = norm_backward(
             _rows(dy), x2, weight, mean, rstd, None, 0.0, center=True, gemma=True,
-            need_dw=ctx.needs_input_grad[1], need_db=ctx.has_bias and ctx.needs_input_grad[2],
+            need_dw=ctx.needs_input_grad[1], need_db=ctx.bias_dtype is not None and ctx.needs_input_grad[2],
+            db_dtype=ctx.bias_dtype,
         )
         return dx if dy.dim() == 2 else dx.view(dy.shape), dw, db, None
 
@@ -62,7 +64,7 @@ def layer_norm(
             raise ValueError(f"{name} shape {tuple(p.shape)} does not match hidden size {x.shape[-1]}")
     if not use_triton(x, weight, bias):
         return layer_norm_reference(x, weight, bias, eps)
-    return _LayerNormFunction.apply(x, weight, bias, float(eps))
+    return _LayerNormFunction.apply(x, unit_stride(weight), unit_stride(bias), float(eps))
 
 
 class LayerNorm(nn.Module):

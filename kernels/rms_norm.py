@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._dispatch import interpreting, row_view, use_triton
+from ._dispatch import interpreting, once_differentiable, row_view, use_triton
 from ._launch import cdiv, compiled, launch, on_input_device, pow2, sm_count
 from ._norm_backward import MAX_CHUNKS as _WIDE_MAX_CHUNKS
 from ._norm_backward import _norm_bwd_wide_kernel, row_stats, sum_partials
@@ -316,16 +316,17 @@ def norm_forward(
 def norm_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
     dres: torch.Tensor | None, offset: float, *, center: bool, gemma: bool, need_dw: bool, need_db: bool,
+    db_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Row-norm backward on 2-D unit-column-stride views: (dx [+ dres], dW or None, dB or None)."""
     n_rows, n_cols = x.shape
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     if n_rows == 0:
         zeros = torch.zeros_like(weight)
-        return dx, zeros if need_dw else None, zeros.clone() if need_db else None
+        return dx, zeros if need_dw else None, zeros.to(db_dtype or weight.dtype, copy=True) if need_db else None
     split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_BWD_N, _BWD_TILE, _BWD_ELEMS_PER_THREAD)
     if split and _WIDE_BWD and n_cols <= (_WIDE_LN_MAX_CHUNKS if center else _WIDE_MAX_CHUNKS) * _WIDE_CHUNK:
-        return _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db)
+        return _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db, db_dtype)
     n_col_blocks = cdiv(n_cols, block_n) if split else 1
     c0 = c1 = None
     if split:
@@ -339,10 +340,10 @@ def norm_backward(
     args = [dy, x, weight, mean, rstd, dres, c0, c1, dx, rstd if need_dw else None, rstd if need_db else None,
             n_rows, n_cols, dy.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0, offset]
     return _persistent_backward(_norm_bwd_kernel, args, meta, 9, cdiv(n_rows, block_m), n_col_blocks, dx, weight,
-                                need_dw, need_db)
+                                need_dw, need_db, db_dtype)
 
 
-def _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db):
+def _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db, db_dtype):
     n_rows, n_cols = x.shape
     n_chunks = cdiv(n_cols, _WIDE_CHUNK)
     per_thread, hints_from = ((_WIDE_LN_ELEMS_PER_THREAD, _WIDE_LN_L2_HINTS_MIN_CHUNKS) if center
@@ -352,11 +353,13 @@ def _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, n
                 num_warps=max(1, min(32, _WIDE_CHUNK // (32 * per_thread))))
     args = [dy, x, weight, mean, rstd, dres, dx, rstd if need_dw else None, rstd if need_db else None,
             n_rows, n_cols, dy.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0, offset]
-    return _persistent_backward(_norm_bwd_wide_kernel, args, meta, 7, n_rows, 1, dx, weight, need_dw, need_db)
+    return _persistent_backward(_norm_bwd_wide_kernel, args, meta, 7, n_rows, 1, dx, weight, need_dw, need_db,
+                                db_dtype)
 
 
 def _persistent_backward(kernel, args: list, meta: dict, dw_arg: int, row_units: int, n_col_blocks: int,
-                         dx: torch.Tensor, weight: torch.Tensor, need_dw: bool, need_db: bool):
+                         dx: torch.Tensor, weight: torch.Tensor, need_dw: bool, need_db: bool,
+                         db_dtype: torch.dtype | None = None):
     """Launch a persistent backward (one wave: as many programs as fit at once, so the fewest fp32 dW / dB partial
     rows; the interpreter gets 4), then reduce the partials: (dx, dW or None, dB or None). rstd stands in for the
     partials (args[dw_arg], args[dw_arg + 1]: same dtype and alignment) until the grid, and so their size, is known."""
@@ -371,7 +374,8 @@ def _persistent_backward(kernel, args: list, meta: dict, dw_arg: int, row_units:
             args[i] = torch.empty((n_prog, n_cols), dtype=torch.float32, device=device)
     launch(kernel, (n_prog, n_col_blocks), args, meta, info)
     dw = sum_partials(args[dw_arg], weight.dtype) if need_dw else None
-    return dx, dw, sum_partials(args[dw_arg + 1], weight.dtype) if need_db else None
+    # dB in the bias's own dtype (db_dtype, default the weight's): an fp32 bias beside a bf16 weight keeps fp32 sums
+    return dx, dw, sum_partials(args[dw_arg + 1], db_dtype or weight.dtype) if need_db else None
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -389,6 +393,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return y if residual is None else (y, r)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy, dres=None):
         xs, weight, rstd = ctx.saved_tensors
         need_dw = ctx.needs_input_grad[2]
@@ -417,6 +422,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, casting: str) -> None:
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
 
 
+def unit_stride(p: torch.Tensor | None) -> torch.Tensor | None:
+    """A 1-D weight / bias the kernels can index with a unit stride (they take no stride for it): a strided view
+    is copied, through autograd so its gradient still reaches the view; a Parameter is returned as is."""
+    return p if p is None or p.is_contiguous() else p.contiguous()
+
+
 @torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"
@@ -425,7 +436,7 @@ def rms_norm(
     _check(x, weight, casting)
     if not use_triton(x, weight):
         return rms_norm_reference(x, weight, eps, offset, casting)
-    return _RMSNormFunction.apply(x, None, weight, float(eps), float(offset), casting == "gemma")
+    return _RMSNormFunction.apply(x, None, unit_stride(weight), float(eps), float(offset), casting == "gemma")
 
 
 @torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
@@ -445,7 +456,7 @@ def add_rms_norm(
     if not use_triton(x, residual, weight):
         r = x + residual.to(x.dtype)
         return rms_norm_reference(r, weight, eps, offset, casting), r
-    return _RMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting == "gemma")
+    return _RMSNormFunction.apply(x, residual, unit_stride(weight), float(eps), float(offset), casting == "gemma")
 
 
 class RMSNorm(nn.Module):

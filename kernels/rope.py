@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import once_differentiable, use_triton
 from ._launch import launch, pow2
 
 # Tiling: _TOKENS_PER_PROGRAM tokens × all heads per program (heads in tiles of at most _HEAD_TILE elements per
@@ -236,6 +236,7 @@ class _RoPEFunction(torch.autograd.Function):
         return q.view_as(q), k.view_as(k)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
         dq_out = torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
@@ -260,6 +261,7 @@ class _RoPEPackedFunction(torch.autograd.Function):
         return q, k, v
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
         n_q_heads, n_kv_heads, head_dim = ctx.heads

@@ -145,6 +145,17 @@ def check_edges_and_errors(fn, fn_packed) -> None:
         fn_packed(torch.ones(2, 4, device=DEVICE, dtype=torch.int32))
 
 
+def check_double_backward_raises(fn, fn_packed) -> None:
+    """create_graph=True fails clearly instead of returning gradients without their second-order terms, for leaf
+    and intermediate inputs (whose memory the backward reuses) and for a constant incoming gradient."""
+    for leaf in (True, False):
+        gate, up = (activation_input((3, 9), torch.float32, leaf=leaf) for _ in range(2))
+        gate_up = activation_input((3, 18), torch.float32, leaf=leaf)
+        for out, inputs in ((fn(gate, up), (gate, up)), (fn_packed(gate_up), (gate_up,))):
+            with pytest.raises(RuntimeError, match="create_graph"):
+                torch.autograd.grad(out.sum(), inputs, create_graph=True)
+
+
 def check_gpu_real_size(fn_packed, activation: str, rows: int, width: int) -> None:
     """bf16 at a real training size, in place on an intermediate, against an fp32 reference (rel L2)."""
     gate_up = activation_input((rows, 2 * width), torch.bfloat16, leaf=False)

@@ -336,6 +336,30 @@ def test_strided_logits():
     _check(torch.randn(2, 3, 67, device=DEVICE), labels.view(2, 3), "none")
 
 
+@pytest.mark.parametrize("layout", ["every_other", "expanded", "column"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_strided_labels(layout, reduction):
+    """1-D label views that are not contiguous (reshape(-1) keeps them as views): the kernels index labels by row."""
+    if layout == "every_other":
+        labels = torch.stack((_labels(6, 67), _labels(6, 67)), dim=1)[:, 1]
+    elif layout == "expanded":
+        labels = torch.tensor(66, device=DEVICE).expand(6)
+    else:  # one position of every sequence: a column of a (6, T) batch
+        labels = torch.randint(0, 67, (6, 5), device=DEVICE)[:, 2]
+    assert not labels.is_contiguous()
+    _check(torch.randn(6, 67, device=DEVICE) * 3, labels, reduction)
+    label_check.check_labels(labels, 67, IGNORE)  # every label is valid: the check must see them as they are
+
+
+def test_double_backward_raises():
+    """create_graph=True must fail clearly, not hand out gradients without their second-order terms."""
+    x = torch.randn(4, 67, device=DEVICE, requires_grad=True)
+    for reduction, inplace in (("mean", None), ("mean", False), ("sum", False), ("none", None)):
+        loss = cross_entropy(x * 1.0, _labels(4, 67), reduction=reduction, inplace_grad=inplace).sum()
+        with pytest.raises(RuntimeError, match="create_graph"):
+            torch.autograd.grad(loss, x, create_graph=True)
+
+
 def test_in_place_contract():
     """Default: in place for a non-view intermediate, never for a leaf or a view; versions are bumped."""
     labels = _labels(6, 67)

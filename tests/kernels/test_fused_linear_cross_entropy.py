@@ -280,6 +280,27 @@ def test_strided_hidden(chunked_once):
     _check(wide, weight, None, labels, reduction="sum")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_strided_labels(chunked_once, reduction):
+    """Labels as a 1-D strided view (one position of each of B·T sequences), which reshape(-1) does not copy."""
+    hidden, weight, bias, _ = _inputs(300, torch.float32, bias=True, b=1)
+    labels = torch.randint(0, 300, (T, 3), device=DEVICE)[:, 1].view(1, T)
+    labels[0, 2] = IGNORE
+    assert labels.stride(1) == 3 and labels.reshape(-1).stride(0) == 3
+    _check(hidden, weight, bias, labels, reduction=reduction)
+
+
+def test_double_backward_raises(chunked_once):
+    """create_graph=True must fail clearly, even for a constant incoming gradient (torch's once_differentiable
+    passes that case through with gradients that lack their second-order terms)."""
+    hidden, weight, _, labels = _inputs(67, torch.float32)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    for reduction in ("mean", "none"):
+        loss = fused_linear_cross_entropy(h, w, labels, reduction=reduction).sum()
+        with pytest.raises(RuntimeError, match="create_graph"):
+            torch.autograd.grad(loss, (h, w), create_graph=True)
+
+
 def test_bf16_accumulation_and_heads_sharing_hidden(chunked_once):
     """accum_dtype=weight dtype, and two heads on one hidden tensor via shifted labels (grads add up)."""
     hidden, weight, _, labels = _inputs(300, torch.bfloat16)

@@ -103,6 +103,10 @@ def test_aliasing_safety():
     checks.check_aliasing_safety(*_fns("tanh"), "gelu_tanh")
 
 
+def test_double_backward_raises():
+    checks.check_double_backward_raises(*_fns("tanh"))
+
+
 def test_edges_and_errors():
     checks.check_edges_and_errors(*_fns("tanh"))
     with pytest.raises(ValueError, match="approximate"):

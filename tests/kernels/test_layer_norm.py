@@ -100,6 +100,41 @@ def test_strided_inputs_and_grads():
     _check(xt, *_inputs((1, 127), torch.bfloat16, bias=False)[1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_weight_and_bias(dtype):
+    # Weight and bias as strided views (columns of one (N, 2) buffer each): the kernels index them with a unit stride.
+    x, w, b = _inputs((5, 127), dtype, bias=True)
+
+    def strided(p):
+        return torch.stack((p, torch.randn_like(p)), dim=1)[:, 0]
+
+    _check(x, strided(w), strided(b))
+
+
+def test_bias_dtype_differs_from_weight():
+    # An fp32 bias beside a bf16 weight: dB = Σ dy is reduced in fp32 and must not pass through the weight's bf16.
+    x, w, _ = _inputs((6, 127), torch.bfloat16, bias=False)
+    w, b = w.requires_grad_(), torch.randn(127, device=DEVICE, requires_grad=True)
+    y = layer_norm(x, w, b)
+    dy = torch.randn_like(y)
+    dw, db = torch.autograd.grad(y, (w, b), dy)
+    w64, b64 = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    y64 = layer_norm_reference(x.double(), w64, b64)
+    dw64, db64 = torch.autograd.grad(y64, (w64, b64), dy.double())
+    assert db.dtype == torch.float32 and dw.dtype == torch.bfloat16
+    assert_matches(y, y64, name="y")
+    assert_matches(db, db64, name="db")
+    assert_matches(dw, dw64, name="dw")
+
+
+def test_double_backward_raises():
+    # create_graph=True would otherwise return gradients without their second-order terms (no grad_fn).
+    x, w, b = (t.requires_grad_() for t in _inputs((3, 33), torch.float32, bias=True))
+    for loss in (layer_norm(x, w, b).pow(2).sum(), (layer_norm(x, w, b) * torch.randn_like(x)).sum()):
+        with pytest.raises(RuntimeError, match="create_graph"):
+            torch.autograd.grad(loss, (x, w, b), create_graph=True)
+
+
 def test_dw_db_are_deterministic():
     x, w, b = _inputs((37, 255), torch.bfloat16, bias=True)
     dy = torch.randn_like(x)

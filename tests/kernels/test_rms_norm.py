@@ -153,6 +153,28 @@ def test_strided_inputs_and_grads(dtype):
     _check_add_rms_norm(transposed(3, 5), column_slice(15).view(3, 5, 127), w, "gemma", 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_weight(dtype):
+    # A weight that is a strided view (every other element of a buffer): the kernels index it with a unit stride.
+    x, w = _inputs((5, 127), dtype, "llama")
+    w_strided = torch.stack((w, torch.randn_like(w)), dim=1)[:, 0]
+    assert w_strided.stride(0) == 2
+    _check_rms_norm(x, w_strided, "llama", 0.0)
+    _check_add_rms_norm(x, torch.randn_like(x), w_strided, "gemma", 1.0)
+
+
+@pytest.mark.parametrize("incoming", ["constant", "graph"])
+def test_double_backward_raises(incoming):
+    # create_graph=True: the Triton backward is invisible to autograd, so its gradients must not pass for
+    # differentiable ones (their second-order terms would silently be missing, even for a constant incoming grad).
+    x, w = _inputs((3, 33), torch.float32, "llama")
+    x, w, res = x.requires_grad_(), w.requires_grad_(), torch.randn_like(x).requires_grad_()
+    for out in (rms_norm(x, w), add_rms_norm(x, res, w)[0]):
+        loss = out.sum() if incoming == "constant" else out.pow(2).sum()
+        with pytest.raises(RuntimeError, match="create_graph"):
+            torch.autograd.grad(loss, (x, w), create_graph=True)
+
+
 def test_residual_grad_when_one_output_is_unused():
     x, w = _inputs((4, 129), torch.float32, "llama")
     res = torch.randn_like(x)

@@ -272,6 +272,21 @@ def test_fused_projection_siblings_keep_their_graph(how):
     assert_matches(weight_grad(rope), weight_grad(rope_reference).double(), name="dW")
 
 
+def test_double_backward_raises():
+    """create_graph=True: the Triton backward's gradients would carry no grad_fn (d²/dq dq_in silently missing)."""
+    b, t, hq, hkv, d = 2, 3, 2, 1, 8
+    cos, sin = cos_sin(torch.arange(t, device=DEVICE)[None], d)
+    _, q, k = fused_qkv(b, t, hq, hkv, d, torch.float32)
+    w = torch.randn((hq + 2 * hkv) * d, 16, device=DEVICE, requires_grad=True)
+    x = torch.randn(b, t, 16, device=DEVICE, requires_grad=True)
+    q_out, k_out = rope(q, k, cos, sin)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(q_out.pow(2).sum() + k_out.sum(), q, create_graph=True)
+    q_out, k_out, v = rope_packed(x @ w.T, cos, sin, hq, hkv, d)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(q_out.pow(2).sum() + v.sum(), (x, w), create_graph=True)
+
+
 def test_reference_path_matches(monkeypatch):
     """CPU tensors outside the interpreter take the PyTorch path through the same autograd.Function."""
     monkeypatch.setattr(rope_mod, "use_triton", lambda *tensors: False)

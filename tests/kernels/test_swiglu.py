@@ -41,6 +41,10 @@ def test_aliasing_safety():
     checks.check_aliasing_safety(swiglu, swiglu_packed, "silu")
 
 
+def test_double_backward_raises():
+    checks.check_double_backward_raises(swiglu, swiglu_packed)
+
+
 def test_edges_and_errors():
     checks.check_edges_and_errors(swiglu, swiglu_packed)
 
