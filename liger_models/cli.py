@@ -1,4 +1,5 @@
-"""The ``liger-models`` command line: ``demo``, ``train`` (causal-LM fine-tuning) and ``train-medusa``.
+"""The ``liger-models`` command line: ``demo``, ``train`` (causal-LM fine-tuning), ``train-medusa``, ``init-model``
+and ``convert-native`` (Meta / Mistral native checkpoints → HF format).
 
 Several GPUs: launch the same command with ``torchrun --nproc-per-node N -m liger_models.cli ...`` (FSDP2).
 """
@@ -128,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Natively fused Llama-family models: training, Medusa heads and a demo. "
                     "Multi-GPU: torchrun --nproc-per-node N -m liger_models.cli <command> ... (FSDP2).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,train,train-medusa,init-model}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{demo,train,train-medusa,init-model,convert-native}")
 
     demo = sub.add_parser("demo", help="train a small Llama + Medusa heads on the bundled Shakespeare text",
                           description="With no --model: train a byte-level BPE tokenizer (2K vocab) on the bundled "
@@ -184,6 +186,22 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--base-loss-weight", type=_non_negative_float, default=None,
                         help="stage-2 weight of the base CE (default 1; stage 1 has none)")
     medusa.set_defaults(func=_run_medusa)
+
+    native = sub.add_parser("convert-native", help="convert a Meta Llama / Mistral native checkpoint to HF format",
+                            description="Read params.json + consolidated.NN.pth (Meta, model-parallel ranks merged) "
+                                        "or consolidated.safetensors (mistral-inference), permute q/k rows to HF's "
+                                        "rotate-half RoPE layout and write config.json + safetensors into OUT "
+                                        "(which must not exist or be empty). tokenizer.model is copied as it is.")
+    native.add_argument("src", metavar="SRC", help="native checkpoint directory (params.json + consolidated.*)")
+    native.add_argument("out", metavar="OUT", help="HF checkpoint directory to create")
+    native.add_argument("--family", default=None, choices=("llama", "mistral"),
+                        help="default: from params.json's keys")
+    native.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: the checkpoint's dtype")
+    native.add_argument("--rope-factor", type=_positive_float, default=None, metavar="FACTOR",
+                        help="llama3 rope factor for use_scaled_rope checkpoints whose params.json does not name it "
+                             "(default 8 as Llama 3.1; Llama 3.2 1B/3B need 32)")
+    native.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    native.set_defaults(func=_run_convert_native)
     return parser
 
 
@@ -224,6 +242,14 @@ def _run_init(args: argparse.Namespace) -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     out = init_model_dir(args.output_dir, args.preset, tokenizer_vocab=args.tokenizer_vocab, dtype=dtype,
                          device=args.device, seed=args.seed)
+    print(f"wrote {out}")
+
+
+def _run_convert_native(args: argparse.Namespace) -> None:
+    from liger_models.convert.native import native_to_hf
+
+    out = native_to_hf(args.src, args.out, family=args.family, dtype=args.dtype, rope_scaling_factor=args.rope_factor,
+                       max_shard_size=args.max_shard_size)
     print(f"wrote {out}")
 
 

@@ -194,10 +194,17 @@ def _plan_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
 
 def save_pretrained(model, directory: str | Path, *, max_shard_size: int | str = "5GB") -> None:
     """HF-format safetensors + config.json into ``directory``, atomically (see the module docstring)."""
+    state = {k: v.detach() for k, v in _expected_tensors(model).items()}
+    save_state_dict(state, model.config, directory, max_shard_size=max_shard_size)
+
+
+def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Path, *,
+                    max_shard_size: int | str = "5GB") -> None:
+    """``save_pretrained`` for tensors that are already HF-named (a tied ``lm_head.weight`` left out) and a config
+    with ``to_hf()``: checkpoint converters write through here without building a model."""
     from safetensors.torch import save_file
 
     directory = Path(directory).expanduser().absolute()
-    state = {k: v.detach() for k, v in _expected_tensors(model).items()}
     shards = _plan_shards(state, parse_size(max_shard_size))
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -216,7 +223,7 @@ def save_pretrained(model, directory: str | Path, *, max_shard_size: int | str =
             total = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        config = model.config.to_hf()
+        config = config.to_hf()
         dtype_key = "torch_dtype" if "torch_dtype" in config else "dtype"
         config[dtype_key] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
