@@ -72,9 +72,9 @@ def destroy_distributed(clean: bool = True) -> None:
     """Leave the process group (a no-op when running alone).
 
     ``clean`` (the run finished on this rank): first meet every other rank at a barrier, so no rank tears its
-    connections down while a peer still finishes its last collectives (a gloo rank was seen aborting at exit,
-    "terminate called without an active exception", once in a few dozen 2-process CPU runs). After an exception,
-    leave at once: a barrier could wait forever for a rank that died."""
+    connections down while a peer still finishes its last collectives. After an exception, leave at once: a barrier
+    could wait forever for a rank that died. Free every FSDP module first (run._in_process_group does): one that
+    outlives the group destroys its connections from whichever thread next collects garbage, and aborts the process."""
     if dist.is_initialized():
         if clean:
             dist.barrier()
