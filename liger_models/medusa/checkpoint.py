@@ -4,9 +4,10 @@ A heads directory holds `config.json` (`MedusaConfig.to_json_dict`) and `medusa_
 keys `{h}.{l}.linear.weight|bias` and, unless the lm_head is shared, `{h}.{L}.weight`. A stage-2 directory is the
 base model's HF checkpoint (its own `config.json` with the `medusa_*` fields merged in, as in the Medusa-2 format C
 config) plus the same heads file. Reading also accepts upstream's variants: the v0.1 `medusa_lm_head.pt`, a
-`medusa_head.` key prefix (Liger's example), and a config whose head count disagrees with the file (the released
-Vicuna v1.3 heads say 2 and hold 5: the file wins). Every file is written to a temporary name and renamed into
-place, so a failed save leaves the previous file intact.
+`medusa_head.` key prefix (Liger's example), a config whose head count disagrees with the file (the released
+Vicuna v1.3 heads say 2 and hold 5: the file wins) or that omits `medusa_num_layers` / `version` (the file
+decides), and upstream's aliased `[ResBlock(H)] * n` layers (each loaded as its own copy). Every file is written
+to a temporary name and renamed into place, so a failed save leaves the previous file intact.
 """
 
 from __future__ import annotations
@@ -103,14 +104,52 @@ def load_heads_state_dict(directory: str) -> dict[str, torch.Tensor]:
     bad = [k for k in sd if not _KEY.match(k)]
     if bad:
         raise ValueError(f"unexpected keys in Medusa heads file: {bad[:5]}")
-    return sd
+    return unshare(sd)
+
+
+def unshare(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`sd` with every tensor in its own storage (a copy for each one after the first that aliases another).
+
+    torch.save keeps aliasing, and upstream's `[ResBlock(H)] * n` (MEDUSA.md §1) saves one block under n layer
+    keys. Loaded as is (assign=True, same device and dtype), our layers would share storage: tied for good, each
+    optimizer step applied once per alias, and a safetensors save refused.
+    """
+    seen: set[tuple[torch.device, int]] = set()
+    out = {}
+    for key, tensor in sd.items():
+        storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        out[key] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out
+
+
+def file_layout(sd: dict[str, torch.Tensor]) -> tuple[int, int, bool]:
+    """(heads, ResBlocks per head, shared lm_head) as the tensors of a heads file lay them out."""
+    heads = 1 + max(int(_KEY.match(k).group(1)) for k in sd)
+    layers = len({int(m.group(2)) for k in sd if (m := _KEY.match(k)) and m.group(3).startswith("linear")})
+    shared = not any(_KEY.match(k).group(3) == "weight" for k in sd)
+    return heads, layers, shared
+
+
+def implied_by_file(raw: dict[str, Any], sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """MedusaConfig fields that `raw` (a config.json) leaves out and the heads file settles.
+
+    Without `medusa_num_layers` or `version` the config says nothing about them (a hand-written config, another
+    tool's), and the file has only one reading; TGI too picks its V1/V2 head by the keys it finds. A present value
+    that contradicts the file still raises in `config_from_state_dict`.
+    """
+    _, layers, shared = file_layout(sd)
+    implied: dict[str, Any] = {}
+    if "medusa_num_layers" not in raw:
+        implied["num_layers"] = layers
+    if "version" not in raw:
+        implied["share_lm_head"] = shared
+    return implied
 
 
 def config_from_state_dict(config: MedusaConfig, sd: dict[str, torch.Tensor]) -> MedusaConfig:
     """`config` with num_heads / num_layers / share_lm_head / sizes made consistent with the tensors on disk."""
-    heads = 1 + max(int(_KEY.match(k).group(1)) for k in sd)
-    layers = len({int(m.group(2)) for k in sd if (m := _KEY.match(k)) and m.group(3).startswith("linear")})
-    shared = not any(_KEY.match(k).group(3) == "weight" for k in sd)
+    heads, layers, shared = file_layout(sd)
     if heads != config.num_heads:
         warnings.warn(f"config.json says medusa_num_heads={config.num_heads} but the file holds {heads} heads; "
                       "using the file's count")
@@ -146,5 +185,5 @@ def load_heads(directory: str, base_lm_head: torch.nn.Linear | None = None, *, d
     """Load format-B (or v0.1) heads from `directory`; `base_lm_head` is required for shared-lm_head heads."""
     raw = read_json(os.path.join(directory, CONFIG_NAME))
     sd = load_heads_state_dict(directory)
-    config = config_from_state_dict(MedusaConfig.from_json_dict(raw), sd)
+    config = config_from_state_dict(MedusaConfig.from_json_dict(raw, **implied_by_file(raw, sd)), sd)
     return build_heads(config, sd, base_lm_head, dtype=dtype, device=device)

@@ -35,6 +35,8 @@ class ResBlock(nn.Module):
         nn.init.zeros_(self.linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Heads may be kept in another dtype than the base (fp32 heads on a bf16 base): the block runs in its own.
+        x = x.to(self.linear.weight.dtype)
         return x + F.silu(self.linear(x))
 
 
@@ -52,7 +54,10 @@ class MedusaHead(nn.Sequential):
                 z = block(z)
         if project is None:
             return z
-        return project(z, shared_weight if shared_weight is not None else self[-1].weight)
+        weight = shared_weight if shared_weight is not None else self[-1].weight
+        # z meets W in W's dtype: a GEMM (and the fused linear-CE) needs one dtype, and the shared base lm_head (or,
+        # with no ResBlocks, the hidden states) may differ from the heads' own dtype. A no-op when they agree.
+        return project(z.to(weight.dtype), weight)
 
 
 class MedusaHeads(nn.ModuleList):

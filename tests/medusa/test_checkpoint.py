@@ -185,3 +185,45 @@ def test_heads_only_dir_loads_base_from_base_model_name_or_path(tmp_path):
     loaded = MedusaModel.from_pretrained(str(tmp_path / "heads"))
     _assert_same_heads(model.heads, loaded.heads)
     assert torch.equal(loaded.heads.weight(0), model.base.lm_head.weight)
+
+
+@pytest.mark.parametrize("share,L,missing", [(False, 2, "medusa_num_layers"), (True, 2, "medusa_num_layers"),
+                                             (True, 1, "version"), (False, 1, "version")])
+def test_upstream_config_without_layers_or_version_follows_the_file(tmp_path, share, L, missing):
+    """A config.json written by hand or by another tool may omit `medusa_num_layers` or `version`: the heads file
+    then decides (as it does for the head count; TGI likewise picks V1/V2 by the keys it finds). Only a value that
+    is present and contradicts the file is an error (test_config_file_disagreement_raises)."""
+    model = _model(share, L)
+    model.save_pretrained(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop(missing, None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = MedusaModel.from_pretrained(str(tmp_path), base=model.base)
+    assert (loaded.config.num_layers, loaded.config.share_lm_head) == (L, share)
+    _assert_same_heads(model.heads, loaded.heads)
+
+
+def test_upstream_pt_with_shared_resblocks_loads_as_independent_layers(tmp_path):
+    """Upstream builds a head's layers as `[ResBlock(H)] * n` (one module n times, MEDUSA.md §1), and torch.save
+    keeps that aliasing: `{h}.0.linear.*` and `{h}.1.linear.*` are one tensor. Loaded as is, our layers would share
+    storage (each optimizer step applied twice to one tensor, the layers tied forever) and safetensors would refuse
+    to save them. Each layer must get its own copy, equal in value."""
+    K, L = 2, 2
+    sd = {}
+    for h in range(K):
+        block = {"linear.weight": torch.randn(H, H), "linear.bias": torch.randn(H)}
+        for l in range(L):
+            sd.update({f"{h}.{l}.{name}": t for name, t in block.items()})  # the same tensors under every layer
+        sd[f"{h}.{L}.weight"] = torch.randn(V, H)
+    torch.save(sd, tmp_path / "medusa_lm_head.pt")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"base_model_name_or_path": "lmsys/vicuna-7b-v1.3", "medusa_num_heads": K, "medusa_num_layers": L}))
+    loaded = MedusaModel.from_pretrained(str(tmp_path), base=make_base(V, H))
+    params = list(loaded.heads.parameters())
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    assert len(storages) == len(params), "loaded layers share storage"
+    for k, v in loaded.heads.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    loaded.save_pretrained(str(tmp_path / "out"))  # safetensors refuses aliased tensors
+    again = MedusaModel.from_pretrained(str(tmp_path / "out"), base=loaded.base)
+    _assert_same_heads(loaded.heads, again.heads)
