@@ -116,7 +116,8 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
                    help="checkpoint every N steps (always at the end; 0: only at the end)")
     p.add_argument("--keep-last", type=_positive, default=2, help="checkpoints to keep (default 2)")
     p.add_argument("--resume", default=None, metavar="auto|DIR",
-                   help="continue from a checkpoint directory, or 'auto' = the newest one in --output-dir if any")
+                   help="continue from a checkpoint directory (or the newest checkpoint of an earlier run's "
+                        "output directory), or 'auto' = the newest one in --output-dir if any")
     p.add_argument("--log-every", type=_positive, default=10, help="progress line every N steps (default 10)")
     p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")

@@ -162,10 +162,13 @@ def find_latest(root: str | os.PathLike) -> Path | None:
 
 
 def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path:
-    """``--resume auto`` → newest checkpoint of this run; else a checkpoint directory (or a checkpoints root)."""
+    """``--resume auto`` → newest checkpoint of this run; else a checkpoint directory, a checkpoints root, or an
+    earlier run's output directory (its newest checkpoint)."""
     target = Path(output_dir) / "checkpoints" if resume == "auto" else Path(resume)
     if (target / STATE_FILE).is_file():
         return target
+    if not list_checkpoints(target) and (target / "checkpoints").is_dir():
+        target = target / "checkpoints"
     latest = find_latest(target)
     if latest is None:
         raise FileNotFoundError(f"--resume {resume}: no complete checkpoint (with {STATE_FILE}) under {target}")

@@ -242,16 +242,20 @@ def _medusa_model(args, model_dir: Path, dtype, device, resume: Path | None):
     from liger_models import AutoLigerForCausalLM
     from liger_models.medusa import MedusaModel
 
-    if resume is not None and args.stage == 2:
-        return MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2)
-    base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
-    heads_dir = resume or args.init_heads
-    if heads_dir is not None:
-        medusa = MedusaModel.from_pretrained(str(heads_dir), base=base, dtype=dtype, device=device, stage=args.stage)
-        # The loss settings are this run's (stage 2 usually changes the schedule), not the saved heads'.
+    def with_this_runs_loss(medusa):
+        # The loss settings are this run's (stage 2 usually changes the schedule), not the saved heads', whether the
+        # heads come from --init-heads or from the checkpoint being resumed (which saved the same settings).
         medusa.config.heads_coefficient, medusa.config.decay_coefficient = args.lambda0, args.decay
         medusa.config.scheduler, medusa.config.base_loss_weight = args.schedule, args.base_loss_weight
         return medusa
+
+    if resume is not None and args.stage == 2:
+        return with_this_runs_loss(MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2))
+    base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
+    heads_dir = resume or args.init_heads
+    if heads_dir is not None:
+        return with_this_runs_loss(
+            MedusaModel.from_pretrained(str(heads_dir), base=base, dtype=dtype, device=device, stage=args.stage))
     return MedusaModel.from_base(
         base, stage=args.stage, num_heads=args.num_heads, num_layers=args.num_layers,
         share_lm_head=args.share_lm_head, base_model_name_or_path=_base_name(args.model),

@@ -108,6 +108,8 @@ def test_resolve_resume_errors_clearly(tmp_path):
     path = ckpt.save_checkpoint(tmp_path / "out" / "checkpoints", 4, _writer(4.0), {})
     assert ckpt.resolve_resume("auto", tmp_path / "out") == path
     assert ckpt.resolve_resume(str(path), tmp_path) == path
+    assert ckpt.resolve_resume(str(path.parent), tmp_path) == path  # the checkpoints root
+    assert ckpt.resolve_resume(str(tmp_path / "out"), tmp_path) == path  # an earlier run's --output-dir
 
 
 def test_rng_state_round_trip():
