@@ -10,6 +10,7 @@ Layout under ``<output_dir>/checkpoints``::
 A checkpoint is written into a hidden temporary directory, flushed to disk, and only then renamed to its final
 name; ``latest`` is replaced the same way. A crash or exception mid-save therefore leaves the previous checkpoint and
 ``latest`` untouched (the partial directory is removed, or ignored by :func:`find_latest` after a hard kill).
+Pruning (``keep_last``) renames a checkpoint out of the ``step_N`` names before deleting it, for the same reason.
 """
 
 from __future__ import annotations
@@ -121,8 +122,17 @@ def save_checkpoint(
     if keep_last:
         up_to_here = [p for p in list_checkpoints(root) if _step_of(p) <= step]
         for old in up_to_here[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     return final
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint so that no crash leaves it half there: renamed out of the step_N names first (a process
+    killed inside rmtree leaves a ``.pruned`` directory, which the next save deletes, never a step_N that lists as
+    complete with files missing)."""
+    doomed = checkpoint.with_name(f".{checkpoint.name}.{uuid.uuid4().hex}.pruned")
+    os.rename(checkpoint, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _step_of(path: Path) -> int:
@@ -131,11 +141,14 @@ def _step_of(path: Path) -> int:
 
 def _restore_interrupted_swaps(root: Path) -> None:
     """A process killed between a re-save's two renames leaves the previous copy as ``.step_N.<id>.old`` and no
-    ``step_N``: put it back, so the step is not lost (the new copy, still a .tmp, is incomplete by definition)."""
+    ``step_N``: put it back, so the step is not lost (the new copy, still a .tmp, is incomplete by definition).
+    A prune cut short (see :func:`_remove`) is finished."""
     for old in root.glob(".step_*.old"):
         final = root / old.name[1:].split(".")[0]
         if _STEP_DIR.match(final.name) and not final.exists() and (old / STATE_FILE).is_file():
             os.rename(old, final)
+    for doomed in root.glob(".step_*.pruned"):  # a prune cut short: finish it
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +102,26 @@ def test_writer_learns_the_final_directory(tmp_path):
     path = ckpt.save_checkpoint(tmp_path, 7, lambda tmp, final: seen.append((tmp, final)), {})
     (tmp, final), = seen
     assert final == path and tmp != path and tmp.parent == path.parent and not tmp.exists()
+
+
+def test_prune_cut_short_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    """A process killed while keep_last deletes an old checkpoint must not leave a step_N that lists as complete
+    with its model files gone; the next save finishes the deletion."""
+    root = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(root, 1, _writer(1.0), {})
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):  # the model file goes, then the process dies
+        (Path(path) / "model.pt").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(root, 2, _writer(2.0), {}, keep_last=1)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000002"]
+    ckpt.save_checkpoint(root, 3, _writer(3.0), {}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]
 
 
 def test_resolve_resume_errors_clearly(tmp_path):
