@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .gemma import LigerGemmaForCausalLM
-from .hub import read_config, snapshot
+from .hub import config_model_type, read_config, snapshot
 from .llama import LigerLlamaForCausalLM
 from .mistral import LigerMistralForCausalLM
 from .modules.causal_lm import LigerForCausalLM
@@ -36,14 +36,15 @@ class AutoLigerForCausalLM:
         raise TypeError("use AutoLigerForCausalLM.from_pretrained(path), .from_hub(repo_id) or .from_config(config)")
 
     @staticmethod
-    def from_pretrained(path: str | Path, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None) -> LigerForCausalLM:
-        return model_class(read_config(path).get("model_type")).from_pretrained(path, dtype=dtype, device=device)
+    def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | int | None = None) -> LigerForCausalLM:
+        model_type = config_model_type(read_config(path), path)
+        return model_class(model_type).from_pretrained(path, dtype=dtype, device=device)
 
     @staticmethod
     def from_hub(repo_id: str, revision: str | None = None, cache_dir: str | Path | None = None,
-                 local_files_only: bool = False, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> LigerForCausalLM:
+                 local_files_only: bool = False, dtype: torch.dtype | str | None = None,
+                 device: torch.device | str | int | None = None) -> LigerForCausalLM:
         path = snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
         return AutoLigerForCausalLM.from_pretrained(path, dtype=dtype, device=device)
 

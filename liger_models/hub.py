@@ -5,7 +5,10 @@ device, checks every tensor name and shape in the safetensors headers against th
 (missing, mis-shaped and unexpected tensors are named), then streams the shards one tensor at a time into the
 parameters (``copy_`` converts dtype and device), so host memory never holds more than one tensor of the checkpoint.
 Allowed differences from the model's state_dict: ``*.rotary_emb.inv_freq`` (stale buffers of old conversions) are
-skipped, and with tied embeddings ``lm_head.weight`` is optional and ignored (it is the embedding).
+skipped. With tied embeddings, as in transformers v5: a stored ``lm_head.weight`` equal to the embedding is skipped,
+one that differs unties the model (both are loaded, with a warning), and one stored without the embedding fills it.
+(Telling equal from different reads both tensors: the one place two checkpoint tensors are in memory at once.)
+dtype: None or "auto" = config.json's dtype, else the checkpoint's (HF v5 "auto"); a name ("bfloat16") or torch.dtype.
 
 Saving writes ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` above
 ``max_shard_size`` (tied head stored once), and config.json with the original keys; everything is written to a
@@ -21,6 +24,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +35,8 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
 # consolidated*.safetensors: Mistral repos' second copy of the weights for mistral-inference (never read here).
 IGNORE_PATTERNS = ["original/*", "*.pth", "*.bin", "*.gguf", "*.pt", "consolidated*.safetensors"]
 _SKIPPED = re.compile(r".*\.rotary_emb\.inv_freq$")
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_SAFE_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _OWN_OUTPUT = re.compile(rf"^(config\.json|{re.escape(SAFE_WEIGHTS)}|{re.escape(SAFE_INDEX)}|"
                          r"model-\d{5}-of-\d{5}\.safetensors)$")
 
@@ -38,6 +44,9 @@ _OWN_OUTPUT = re.compile(rf"^(config\.json|{re.escape(SAFE_WEIGHTS)}|{re.escape(
 def resolve_dir(path: str | Path) -> Path:
     """An existing checkpoint directory with a config.json, or a clear error."""
     path = Path(path).expanduser()
+    if path.is_file():  # e.g. .../model.safetensors: "does not exist" would be wrong
+        raise NotADirectoryError(f"{str(path)!r} is a file; pass the checkpoint directory that holds it "
+                                 f"({str(path.parent)!r})")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist (for a Hub repo use from_hub)")
     if not (path / "config.json").is_file():
@@ -46,9 +55,27 @@ def resolve_dir(path: str | Path) -> Path:
 
 
 def read_config(path: str | Path) -> dict:
-    """config.json of a checkpoint directory as a dict."""
-    with open(resolve_dir(path) / "config.json", encoding="utf-8") as f:
-        return json.load(f)
+    """config.json of a checkpoint directory as a dict (a clear error when it is not a JSON object)."""
+    file = resolve_dir(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(file)!r} is not a JSON object (got {type(raw).__name__})")
+    return raw
+
+
+def config_model_type(raw: dict, path: str | Path) -> str:
+    """config.json's ``model_type``, or an error that says what the directory holds instead."""
+    # Medusa heads (format B) carry medusa_* keys and no model_type; vLLM's layout says "medusa". A stage-2
+    # directory (base + heads) has the base's model_type and loads here as the base model.
+    if raw.get("model_type") == "medusa" or ("model_type" not in raw and "medusa_num_heads" in raw):
+        raise ValueError(f"{str(path)!r} holds Medusa heads, not a causal LM: load it with "
+                         "liger_models.medusa.MedusaModel.from_pretrained")
+    if not raw.get("model_type"):
+        raise ValueError(f"config.json in {str(path)!r} has no model_type, so the architecture is unknown")
+    return raw["model_type"]
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -58,12 +85,17 @@ def checkpoint_files(path: Path) -> list[Path]:
         return [path / SAFE_WEIGHTS]
     if (path / SAFE_INDEX).is_file():
         with open(path / SAFE_INDEX, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{SAFE_INDEX} in {str(path)!r} has no weight_map (tensor name -> shard file)")
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise FileNotFoundError(f"{SAFE_INDEX} in {str(path)!r} names missing shard files: {missing}")
         return [path / s for s in shards]
-    other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+    # from_hub never downloads pickles: a .bin repo arrives with at most its index (pytorch_model.bin.index.json).
+    other = [p.name for p in path.iterdir()
+             if p.suffix in (".bin", ".pt", ".pth") or p.name.endswith(".bin.index.json")]
     hint = f" (found {other}: only safetensors checkpoints are supported)" if other else ""
     raise FileNotFoundError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {str(path)!r}{hint}")
 
@@ -75,23 +107,62 @@ def _expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _check_headers(files: list[Path], expected: dict[str, torch.Tensor], tied: bool) -> None:
+def _tensor_files(files: list[Path]) -> dict[str, Path]:
+    """Every tensor name in the checkpoint and the file that holds it (headers only, no data)."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    return where
+
+
+def _read_tensor(where: dict[str, Path], name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
+
+
+def _tied_head_routes(config, where: dict[str, Path]) -> dict[str, str | None]:
+    """Where a stored ``lm_head.weight`` goes in a tied model (None: skipped), as transformers v5 decides.
+
+    Tied and both stored: equal, the head is a redundant copy; different, HF does NOT tie (it warns and loads both),
+    so neither do we: dropping it would silently change the logits. Only the head stored: it is the shared matrix.
+    """
+    if not config.tie_word_embeddings or HEAD not in where:
+        return {}
+    if EMBED not in where:
+        return {HEAD: EMBED}
+    # Two V×D tensors in host memory, once, and only for checkpoints that store the tied head twice.
+    if torch.equal(_read_tensor(where, HEAD), _read_tensor(where, EMBED)):
+        return {HEAD: None}
+    warnings.warn("tie_word_embeddings is true but the checkpoint stores a different lm_head.weight: loading an "
+                  "untied head, as transformers does (set tie_word_embeddings to false to silence this)", stacklevel=3)
+    config.tie_word_embeddings = False  # a fresh config of this load only
+    return {}
+
+
+def _check_headers(files: list[Path], expected: dict[str, torch.Tensor], routes: dict[str, str | None]) -> None:
     """Raise naming every missing, mis-shaped or unexpected tensor before any data is read."""
     from safetensors import safe_open
 
     seen, unexpected, misshaped = set(), [], []
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if _SKIPPED.match(name) or (tied and name == "lm_head.weight"):
+            for stored in f.keys():
+                name = routes.get(stored, stored)
+                if _SKIPPED.match(stored) or name is None:
                     continue
                 if name not in expected:
-                    unexpected.append(name)
+                    unexpected.append(stored)
                     continue
                 seen.add(name)
-                shape = tuple(f.get_slice(name).get_shape())
+                shape = tuple(f.get_slice(stored).get_shape())
                 if shape != tuple(expected[name].shape):
-                    misshaped.append(f"{name}: checkpoint {shape} vs model {tuple(expected[name].shape)} ({file.name})")
+                    misshaped.append(f"{stored}: checkpoint {shape} vs model {tuple(expected[name].shape)} "
+                                     f"({file.name})")
     missing = [n for n in expected if n not in seen]
     problems = []
     if "lm_head.weight" in missing:
@@ -107,33 +178,63 @@ def _check_headers(files: list[Path], expected: dict[str, torch.Tensor], tied: b
         raise ValueError("checkpoint does not match the model config: " + " | ".join(problems))
 
 
-def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None):
+def _checkpoint_dtype(files: list[Path]) -> torch.dtype | None:
+    """The first floating-point dtype stored in the checkpoint (what HF v5 "auto" falls back to)."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                dtype = _SAFE_DTYPES.get(f.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config, files: list[Path]) -> torch.dtype:
+    """The parameter dtype of a load: None / "auto" → config.json's, else the checkpoint's; names as in torch."""
+    source = f"dtype={dtype!r}"
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype, None)  # "bfloat16", "float16", … (HF accepts these names too)
+    elif dtype is None or dtype == "auto":
+        source = f"config.json's dtype {config.torch_dtype!r}"
+        dtype = config.dtype or _checkpoint_dtype(files) or torch.float32
+    # Without this check a string reached Module.to(), which reads it as a device ("Invalid device string").
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"cannot load parameters in {source}: need a floating-point torch.dtype, its name "
+                         "(e.g. 'bfloat16') or 'auto'")
+    return dtype
+
+
+def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | int | None = None):
     """Instantiate ``cls`` from an HF checkpoint directory (see the module docstring)."""
     from safetensors import safe_open
 
     path = resolve_dir(path)
     raw = read_config(path)
-    expected_type = cls.config_class.model_type
-    if raw.get("model_type") != expected_type:
+    model_type, expected_type = config_model_type(raw, path), cls.config_class.model_type
+    if model_type != expected_type:
         raise ValueError(f"{cls.__name__} loads model_type {expected_type!r}, but {str(path)!r} has "
-                         f"{raw.get('model_type')!r} (use AutoLigerForCausalLM)")
+                         f"{model_type!r} (use AutoLigerForCausalLM)")
     config = cls.config_class.from_hf(raw)
-    dtype = dtype or config.dtype or torch.float32
-    device = torch.device(device or "cpu")
     files = checkpoint_files(path)
+    dtype = resolve_dtype(dtype, config, files)
+    device = torch.device("cpu" if device is None else device)  # not `device or`: device 0 is cuda:0
+    routes = _tied_head_routes(config, _tensor_files(files))  # may untie config: before the model is built
     with torch.device("meta"):
         model = cls(config)
     model = model.to(dtype).to_empty(device=device)  # no data yet; cast on meta is free
     model.tie_weights()
     expected = _expected_tensors(model)
-    _check_headers(files, expected, config.tie_word_embeddings)
+    _check_headers(files, expected, routes)
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for stored in f.keys():
+                    name = routes.get(stored, stored)
                     if name in expected:
-                        expected[name].copy_(f.get_tensor(name))
+                        expected[name].copy_(f.get_tensor(stored))
     return model.eval()
 
 

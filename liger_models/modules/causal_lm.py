@@ -119,22 +119,23 @@ class LigerForCausalLM(nn.Module):
     def from_config(cls, config: LigerConfig, *, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> "LigerForCausalLM":
         """A randomly initialised model (HF init) in ``dtype`` on ``device``."""
-        with torch.device(device or "cpu"):
+        with torch.device("cpu" if device is None else device):  # not `device or`: device 0 is cuda:0
             model = cls(config)
         return model.to(dtype) if dtype is not None else model
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None) -> "LigerForCausalLM":
-        """Load an HF-format directory (config.json + safetensors); dtype defaults to the config's."""
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | int | None = None) -> "LigerForCausalLM":
+        """Load an HF-format directory (config.json + safetensors); dtype (None or "auto") defaults to the config's,
+        else the checkpoint's."""
         from liger_models.hub import load_pretrained
 
         return load_pretrained(path, cls, dtype=dtype, device=device)
 
     @classmethod
     def from_hub(cls, repo_id: str, revision: str | None = None, cache_dir: str | Path | None = None,
-                 local_files_only: bool = False, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> "LigerForCausalLM":
+                 local_files_only: bool = False, dtype: torch.dtype | str | None = None,
+                 device: torch.device | str | int | None = None) -> "LigerForCausalLM":
         """Download (or find in the HF cache) *.json, *.safetensors and tokenizer files, then ``from_pretrained``."""
         from liger_models.hub import snapshot
 

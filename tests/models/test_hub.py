@@ -249,3 +249,110 @@ def test_config_parsing_styles():
         GemmaConfig.from_hf({"model_type": "llama"})
     with pytest.raises(ValueError, match="unsupported model_type"):
         model_class("mamba")
+
+
+# ---- loading: dtype, device, tied heads, clear errors ------------------------------------------------------------
+def _set_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_dtype_auto_names_and_checkpoint_default(checkpoint):
+    model, path = checkpoint
+    model.to(torch.bfloat16).save_pretrained(path)  # config.json says bfloat16
+    dtypes = lambda m: {p.dtype for p in m.parameters()}  # noqa: E731
+    assert dtypes(AutoLigerForCausalLM.from_pretrained(path, dtype="auto")) == {torch.bfloat16}  # HF's spelling
+    assert dtypes(AutoLigerForCausalLM.from_pretrained(path, dtype="float16")) == {torch.float16}
+    for bad in ("float33", torch.int8):
+        with pytest.raises(ValueError, match="dtype"):
+            AutoLigerForCausalLM.from_pretrained(path, dtype=bad)
+    # No dtype in config.json: the checkpoint's own dtype (HF v5 "auto"), never a silent fp32 upcast.
+    _set_config(path, dtype=None, torch_dtype=None)
+    assert dtypes(AutoLigerForCausalLM.from_pretrained(path)) == {torch.bfloat16}
+
+
+def test_device_index_is_not_read_as_cpu(checkpoint):
+    _, path = checkpoint
+    config = LlamaConfig.tiny(num_hidden_layers=1)
+    if torch.cuda.is_available():
+        assert AutoLigerForCausalLM.from_pretrained(path, device=0).lm_head.weight.device == torch.device("cuda", 0)
+        assert AutoLigerForCausalLM.from_config(config, device=0).lm_head.weight.device == torch.device("cuda", 0)
+    else:  # device=0 means cuda:0 (as in torch.device(0)); a CPU build must refuse it, not load on the CPU
+        with pytest.raises((RuntimeError, AssertionError)):
+            AutoLigerForCausalLM.from_pretrained(path, device=0)
+        with pytest.raises((RuntimeError, AssertionError)):
+            AutoLigerForCausalLM.from_config(config, device=0)
+
+
+def _tied_qwen2(tmp_path, edit):
+    from liger_models import LigerQwen2ForCausalLM
+
+    model = LigerQwen2ForCausalLM.from_config(Qwen2Config.tiny(num_hidden_layers=1, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path)
+    _rewrite(tmp_path, edit)
+    return model
+
+
+@pytest.mark.parametrize("stored", ["equal", "different", "head_only"])
+def test_tied_config_with_a_stored_head_loads_like_hf(tmp_path, stored):
+    transformers = pytest.importorskip("transformers")
+    other = torch.randn(128, 64)
+
+    def edit(t):
+        embed = t["model.embed_tokens.weight"]
+        t["lm_head.weight"] = other if stored == "different" else embed.clone()
+        if stored == "head_only":
+            del t["model.embed_tokens.weight"]
+
+    _tied_qwen2(tmp_path, edit)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    if stored == "different":
+        with pytest.warns(UserWarning, match="untied head"):
+            ours = AutoLigerForCausalLM.from_pretrained(tmp_path)
+    else:
+        ours = AutoLigerForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(ours.lm_head.weight, hf.lm_head.weight)
+    assert torch.equal(ours.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == (stored != "different")
+    assert ours.config.tie_word_embeddings == (stored != "different")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"medusa_num_heads": 3, "medusa_num_layers": 1, "base_model_name_or_path": "org/base"}, "Medusa heads"),
+    ({"model_type": "medusa", "num_heads": 3}, "Medusa heads"),
+    ({"architectures": ["LlamaForCausalLM"]}, "no model_type"),
+    ([1, 2], "not a JSON object"),
+    ("{not json", "not valid JSON"),
+])
+def test_directories_that_are_not_causal_lm_checkpoints(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    for load in (AutoLigerForCausalLM.from_pretrained, LigerLlamaForCausalLM.from_pretrained):
+        with pytest.raises(ValueError, match=message):
+            load(tmp_path)
+
+
+def test_path_to_a_file_or_a_broken_index(checkpoint):
+    model, path = checkpoint
+    with pytest.raises(NotADirectoryError, match="is a file.*checkpoint directory"):
+        AutoLigerForCausalLM.from_pretrained(path / "model.safetensors")
+    model.save_pretrained(path, max_shard_size="20KB")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match="model.safetensors.index.json.*weight_map"):
+        AutoLigerForCausalLM.from_pretrained(path)
+
+
+def test_from_hub_on_a_bin_only_repo_says_why(tmp_path, checkpoint):
+    # from_hub never downloads pickles, so a sharded .bin repo arrives as config.json + the .bin index only.
+    _, path = checkpoint
+    repo = tmp_path / "bin_repo"
+    repo.mkdir()
+    (repo / "config.json").write_bytes((path / "config.json").read_bytes())
+    (repo / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"x": "pytorch_model-1.bin"}}))
+    cache = hub_cache(tmp_path / "hub", repo)
+    with pytest.raises(FileNotFoundError, match="only safetensors"):
+        AutoLigerForCausalLM.from_hub("org/tiny", cache_dir=cache, local_files_only=True)
