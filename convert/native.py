@@ -18,10 +18,17 @@ rope scaling with Llama 3.1's factor 8 (low 1, high 4, original 8192) unless par
 Llama 3.2 1B/3B use 32, which their params.json does not say (HF's converter picks it by version).
 
 A checkpoint without ``output.weight``, or whose ``output.weight`` equals the embedding bit for bit (Llama 3.2
-1B/3B ship such a copy), is written with tied embeddings. Nothing is downloaded: the native tokenizer files
-(``tokenizer.model``, ``tokenizer.model.v*``, ``tekken.json``) are copied as they are; building an HF
-``tokenizer.json`` from them is out of scope. So are MoE (Mixtral, Llama 4), vision and quantised checkpoints: their
-params.json keys are refused. The whole checkpoint is held in host memory once (shards are memory-mapped).
+1B/3B ship such a copy), is written with tied embeddings. Nothing is downloaded.
+
+Tokenizer: a Llama 3.x ``tokenizer.model`` in tiktoken's format (text lines "base64 rank", detected by its first
+line) becomes ``tokenizer.json`` + ``tokenizer_config.json`` (convert/tiktoken_tokenizer.py, which says what is
+built and from which of Meta's special-token lists); the file itself is kept as ``original/tokenizer.model`` and
+config.json's bos / eos ids are the tokenizer's. The special-token list is Llama 3.1's when params.json names
+``use_scaled_rope`` (3.1, 3.2, 3.3), else Llama 3's, unless the caller picks one. Every other tokenizer file
+(SentencePiece ``tokenizer.model`` of Llama 1/2 and Mistral, ``tokenizer.model.v*``, ``tekken.json``) is copied as it
+is; building an HF ``tokenizer.json`` from those is out of scope. So are MoE (Mixtral, Llama 4), vision and quantised
+checkpoints: their params.json keys are refused. The whole checkpoint is held in host memory once (shards are
+memory-mapped).
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from liger_models.convert.tiktoken_tokenizer import BOS, EOS, convert_tiktoken, is_tiktoken_file, save_hf_tokenizer
 from liger_models.hub import save_state_dict
 from liger_models.llama.config import LlamaConfig
 from liger_models.mistral.config import MistralConfig
@@ -351,13 +360,16 @@ def _check_out_dir(out: Path) -> None:
 
 
 def write_hf(state: dict[str, torch.Tensor], config: LigerConfig, out: Path, extra_files: list[Path],
-             max_shard_size: int | str) -> None:
-    """Weights, config.json and `extra_files` into a hidden sibling, renamed to `out` only once complete."""
+             max_shard_size: int | str, write_extra: Callable[[Path], None] | None = None) -> None:
+    """Weights, config.json, `extra_files` and whatever `write_extra(directory)` writes into a hidden sibling,
+    renamed to `out` only once complete."""
     staging = out.parent / f".{out.name}.native-{uuid.uuid4().hex[:8]}"
     try:
         save_state_dict(state, config, staging, max_shard_size=max_shard_size)
         for file in extra_files:
             shutil.copy2(file, staging / file.name)
+        if write_extra is not None:
+            write_extra(staging)
         if out.is_dir():
             out.rmdir()  # empty (checked): rename needs the name free on every platform
         os.rename(staging, out)
@@ -366,15 +378,41 @@ def write_hf(state: dict[str, torch.Tensor], config: LigerConfig, out: Path, ext
         raise
 
 
+def tiktoken_model(files: list[Path], family: str) -> Path | None:
+    """The Llama 3 tiktoken tokenizer.model among the tokenizer files, if any (SentencePiece ones are copied)."""
+    if family != "llama":
+        return None
+    return next((f for f in files if f.name == "tokenizer.model" and is_tiktoken_file(f)), None)
+
+
+def llama3_tokenizer_writer(model_file: Path, params: dict, config: LigerConfig,
+                            llama3_specials: str | None) -> Callable[[Path], None]:
+    """Convert the tiktoken tokenizer now (a bad file fails before anything is written), point config's bos / eos
+    at its ids, and return what writes it, with the original file under original/."""
+    # Llama 3.1+ params.json name use_scaled_rope, Llama 3's do not: the one key that tells their token lists apart.
+    version = llama3_specials or ("3.1" if "use_scaled_rope" in params else "3")
+    tokenizer, specials = convert_tiktoken(model_file, version=version, vocab_size=config.vocab_size)
+    config.bos_token_id, config.eos_token_id = specials[BOS], specials[EOS]
+
+    def write(directory: Path) -> None:
+        save_hf_tokenizer(tokenizer, directory, model_max_length=config.max_position_embeddings)
+        (directory / "original").mkdir()
+        shutil.copy2(model_file, directory / "original" / model_file.name)
+
+    return write
+
+
 def native_to_hf(src_dir: str | Path, out_dir: str | Path, *, family: str | None = None,
                  dtype: torch.dtype | str | None = None, rope_scaling_factor: float | None = None,
-                 max_shard_size: int | str = "5GB") -> Path:
+                 max_shard_size: int | str = "5GB", llama3_specials: str | None = None) -> Path:
     """Convert a Meta Llama or Mistral native checkpoint directory into an HF one (see the module docstring).
 
     family: "llama" or "mistral" (default: from params.json). dtype: torch dtype or "bf16" / "fp32" / "fp16"
     (default: the checkpoint's). rope_scaling_factor: the llama3 factor for use_scaled_rope checkpoints whose
-    params.json does not name it (default 8, Llama 3.1; Llama 3.2 1B/3B need 32). `out_dir` must not exist or be
-    empty; it appears only once complete. No transformers import; nothing is downloaded.
+    params.json does not name it (default 8, Llama 3.1; Llama 3.2 1B/3B need 32). llama3_specials: "3" or "3.1",
+    Meta's special-token list for a tiktoken tokenizer.model (default: "3.1" if params.json names use_scaled_rope,
+    else "3"). `out_dir` must not exist or be empty; it appears only once complete. No transformers import; nothing
+    is downloaded.
     """
     src, out = Path(src_dir).expanduser(), Path(out_dir).expanduser().absolute()
     if not src.is_dir():
@@ -394,5 +432,11 @@ def native_to_hf(src_dir: str | Path, out_dir: str | Path, *, family: str | None
     check_native_state(state, config)
     hf_state = to_hf_state_dict(state, config, dtype)
     tokenizers = sorted(p for p in src.iterdir() if p.is_file() and TOKENIZER_FILES.match(p.name))
-    write_hf(hf_state, config, out, tokenizers, max_shard_size)
+    tiktoken_file, write_tokenizer = tiktoken_model(tokenizers, family), None
+    if tiktoken_file is not None:
+        tokenizers.remove(tiktoken_file)
+        write_tokenizer = llama3_tokenizer_writer(tiktoken_file, params, config, llama3_specials)
+    elif llama3_specials is not None:
+        raise ValueError("llama3_specials is given but there is no tiktoken tokenizer.model to convert")
+    write_hf(hf_state, config, out, tokenizers, max_shard_size, write_tokenizer)
     return out

@@ -192,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Read params.json + consolidated.NN.pth (Meta, model-parallel ranks merged) "
                                         "or consolidated.safetensors (mistral-inference), permute q/k rows to HF's "
                                         "rotate-half RoPE layout and write config.json + safetensors into OUT "
-                                        "(which must not exist or be empty). tokenizer.model is copied as it is.")
+                                        "(which must not exist or be empty). A Llama 3 tokenizer.model in tiktoken "
+                                        "format becomes tokenizer.json + tokenizer_config.json (the file is kept "
+                                        "under original/); a SentencePiece tokenizer.model (Llama 1/2, Mistral) "
+                                        "and other tokenizer files are copied as they are.")
     native.add_argument("src", metavar="SRC", help="native checkpoint directory (params.json + consolidated.*)")
     native.add_argument("out", metavar="OUT", help="HF checkpoint directory to create")
     native.add_argument("--family", default=None, choices=("llama", "mistral"),
@@ -202,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="llama3 rope factor for use_scaled_rope checkpoints whose params.json does not name it "
                              "(default 8 as Llama 3.1; Llama 3.2 1B/3B need 32)")
     native.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    native.add_argument("--llama3-specials", default=None, choices=("3", "3.1"),
+                        help="Meta's special-token list for a tiktoken tokenizer.model (default: 3.1 if params.json "
+                             "names use_scaled_rope, else 3)")
     native.set_defaults(func=_run_convert_native)
     return parser
 
@@ -250,7 +256,7 @@ def _run_convert_native(args: argparse.Namespace) -> None:
     from liger_models.convert.native import native_to_hf
 
     out = native_to_hf(args.src, args.out, family=args.family, dtype=args.dtype, rope_scaling_factor=args.rope_factor,
-                       max_shard_size=args.max_shard_size)
+                       max_shard_size=args.max_shard_size, llama3_specials=args.llama3_specials)
     print(f"wrote {out}")
 
 
