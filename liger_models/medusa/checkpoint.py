@@ -171,11 +171,11 @@ def build_heads(config: MedusaConfig, sd: dict[str, torch.Tensor], base_lm_head:
         if base_lm_head is None:
             raise ValueError("these Medusa heads share the base lm_head (version 2): pass the base model")
         dtype = dtype or base_lm_head.weight.dtype
-        device = device or base_lm_head.weight.device
+        device = base_lm_head.weight.device if device is None else device
         if not config.vocab_size:
             config = dataclasses.replace(config, vocab_size=base_lm_head.weight.shape[0])
     heads = MedusaHeads(config, base_lm_head if config.share_lm_head else None, device="meta", dtype=dtype)
-    sd = {k: v.to(device=device or "cpu", dtype=dtype or v.dtype) for k, v in sd.items()}
+    sd = {k: v.to(device="cpu" if device is None else device, dtype=dtype or v.dtype) for k, v in sd.items()}
     heads.load_state_dict(sd, strict=True, assign=True)
     return heads
 

@@ -80,7 +80,7 @@ class MedusaHeads(nn.ModuleList):
                 raise ValueError(f"base lm_head weight is {tuple(base_lm_head.weight.shape)}, config expects {(V, H)}")
             if getattr(base_lm_head, "bias", None) is not None:
                 raise ValueError("Medusa heads expect a bias-free base lm_head")
-            device = device or base_lm_head.weight.device
+            device = base_lm_head.weight.device if device is None else device
             dtype = dtype or base_lm_head.weight.dtype
         elif config.share_lm_head:
             raise ValueError("share_lm_head=True needs the base model's lm_head")

@@ -123,8 +123,9 @@ class MedusaModel(nn.Module):
             save_heads(self.heads, directory)
 
     @classmethod
-    def from_pretrained(cls, directory: str, base: nn.Module | None = None, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None, *, stage: int | None = None) -> "MedusaModel":
+    def from_pretrained(cls, directory: str, base: nn.Module | None = None, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | int | None = None, *,
+                        stage: int | None = None) -> "MedusaModel":
         """Load heads (format B, v0.1, vLLM layout) or a stage-2 directory (base + heads).
 
         base: the base model; when None it is loaded from the directory (stage 2) or from the config's
@@ -138,9 +139,14 @@ class MedusaModel(nn.Module):
             if vllm:
                 raise ValueError("a vLLM-layout Medusa checkpoint holds no base model: pass base=")
             base = _load_base(directory if full else raw.get("base_model_name_or_path", ""), dtype, device)
-        # The heads live beside the base: same dtype and device unless asked otherwise.
+        # The heads live beside the base: same dtype and device unless asked otherwise ("auto" too, as for the
+        # causal-LM loaders; `device or` would read device 0 as "not given").
+        if isinstance(dtype, str):
+            dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch.dtype, its name or 'auto', got {dtype!r}")
         dtype = dtype or base.lm_head.weight.dtype
-        device = device or base.lm_head.weight.device
+        device = base.lm_head.weight.device if device is None else torch.device(device)
         if vllm:
             from liger_models.convert.medusa import load_vllm  # convert sits above medusa: imported on use
 

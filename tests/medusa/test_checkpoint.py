@@ -227,3 +227,19 @@ def test_upstream_pt_with_shared_resblocks_loads_as_independent_layers(tmp_path)
     loaded.save_pretrained(str(tmp_path / "out"))  # safetensors refuses aliased tensors
     again = MedusaModel.from_pretrained(str(tmp_path / "out"), base=loaded.base)
     _assert_same_heads(loaded.heads, again.heads)
+
+
+def test_from_pretrained_takes_dtype_names_and_device_index(tmp_path):
+    """dtype 'auto' (the base's), a dtype name, and device 0 as cuda:0 (never read as "not given"), as the causal-LM
+    loaders take them."""
+    base = make_base(V, H, torch.float32)
+    MedusaModel.from_base(base, num_heads=2).save_pretrained(str(tmp_path))
+    assert MedusaModel.from_pretrained(str(tmp_path), base=base, dtype="auto").heads[0][0].linear.weight.dtype == \
+        torch.float32
+    heads = MedusaModel.from_pretrained(str(tmp_path), base=base, dtype="bfloat16").heads
+    assert {p.dtype for p in heads.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="floating-point"):
+        MedusaModel.from_pretrained(str(tmp_path), base=base, dtype="int64")
+    if not torch.cuda.is_available():  # device 0 is cuda:0: on a CPU-only machine that must fail, not load on the CPU
+        with pytest.raises((RuntimeError, AssertionError, AttributeError)):
+            MedusaModel.from_pretrained(str(tmp_path), base=base, device=0)
