@@ -78,6 +78,11 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--chat-template", default="auto", choices=("auto", "model", "simple"),
                    help="chat JSONL rendering: the model's jinja template, or the documented role-tagged one "
                         "(auto: the model's when it has one); loss on assistant turns only")
+    p.add_argument("--data-cache", default=None, metavar="DIR",
+                   help="keep the tokenized, packed data here and reuse it when data, tokenizer, chat template and "
+                        "--seq-len are unchanged (default OUTPUT_DIR/.data_cache)")
+    p.add_argument("--no-data-cache", action="store_true",
+                   help="tokenize the data every run and write no cache (under torchrun every rank tokenizes)")
     p.add_argument("--seq-len", type=_seq_len, default=1024, help="tokens per packed sequence (default 1024)")
     p.add_argument("--batch-size", type=_positive, default=8, help="sequences per micro-batch per GPU (default 8)")
     p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per optimizer step (default 1)")

@@ -21,6 +21,18 @@ Chat rendering
     (role tags are plain text; ``{eos}`` is the tokenizer's end-of-sequence token when it has one). The loss covers
     each assistant ``{content}{eos}``. ``template="auto"`` picks "model" when jinja2 and a template exist.
 
+Tokenizing
+    Documents are streamed from the files and encoded a chunk at a time (about ENCODE_CHUNK_CHARS characters) with
+    ``Tokenizer.encode_batch``, which runs on every core in Rust; each chunk becomes int32 ids and a bool loss mask
+    (numpy), so no token passes through a Python list for long. The result is bit-identical to encoding documents
+    one by one (tests/train/test_data.py keeps that reference). ``build_dataset(..., cache_dir=DIR)`` keeps the
+    packed windows on disk (data_cache.py) and loads them when nothing they depend on changed; the training recipes
+    cache under ``<output_dir>/.data_cache`` and, under torchrun, only rank 0 tokenizes.
+
+    Measured 2026-11-30 on a 2-core CPU: tiny Shakespeare as 375k JSONL paragraphs, 19.9M tokens (the demo's 2048-token
+    BPE), seq_len 1024 — one document at a time: 50 s, peak RSS +2.0 GB; batched: 17 s, +0.87 GB; cache hit
+    (238 MB file, hashing the 63 MB corpus, checksum and memory-map): 0.2 s.
+
 Packing
     Documents (BOS/EOS added the way the model's tokenizer does) are concatenated into one stream and cut into
     windows of ``seq_len`` tokens; a document may continue into the next window. ``position_ids`` restart at 0 at
@@ -37,23 +49,32 @@ Batches
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from liger_models.modules.loss import shift_labels
+from liger_models.train import data_cache
+from liger_models.train.packing import (IGNORE_INDEX, PackedDataset, batch_to, check_has_targets,
+                                           pack_arrays, pack_documents)
 
-IGNORE_INDEX = -100
 SIMPLE_ROLES = ("system", "user", "assistant")
 # What a chat template's strftime_now() sees: a fixed day (the one Llama 3.1's template itself falls back to), so a
 # resumed or repeated run tokenizes its data exactly as the first did.
 CHAT_TEMPLATE_DATE = datetime.datetime(2024, 7, 26)
+# Packing lives in packing.py; its names stay importable from here, where the rest of the pipeline is.
+__all__ = ["IGNORE_INDEX", "BatchStream", "Document", "PackedDataset", "SpecialTokens", "batch_to", "build_dataset",
+           "check_has_targets", "iter_documents", "load_documents", "pack_arrays", "pack_documents",
+           "read_special_tokens", "save_tokenizer", "tokenize_chunk", "tokenize_document", "train_bpe_tokenizer"]
+# Text per encode_batch call (see _chunks): 1 MiB is as fast as 4 MiB on the measured corpus, with less memory.
+ENCODE_CHUNK_CHARS = 1 << 20
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -248,22 +269,24 @@ def _render_chat(messages: Sequence[dict], special: SpecialTokens, renderer, whe
         raise ValueError(f"{where}: {exc}") from None
 
 
-def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
-                   chat_template: str = "auto") -> list[Document]:
-    """Read ``.txt`` / ``.jsonl`` files into documents (see the module docstring for the formats)."""
+def iter_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
+                   chat_template: str = "auto") -> Iterator[Document]:
+    """Read ``.txt`` / ``.jsonl`` files into documents one at a time (formats: module docstring), so a corpus is
+    never held in memory as a whole; blank plain texts are left out (nothing to learn)."""
     if chat_template not in ("auto", "model", "simple"):
         raise ValueError(f"chat_template must be auto|model|simple, got {chat_template!r}")
     use_model = chat_template == "model" or (chat_template == "auto" and special.chat_template is not None)
     if use_model and special.chat_template is None:
         raise ValueError("--chat-template model: the tokenizer_config.json has no chat_template")
     renderer = None
-    docs: list[Document] = []
     for raw in paths:
         path = Path(raw)
         if not path.is_file():
             raise FileNotFoundError(f"data file not found: {path}")
         if path.suffix == ".txt":
-            docs.append(Document(path.read_text(encoding="utf-8")))
+            doc = Document(path.read_text(encoding="utf-8"))
+            if doc.text.strip():
+                yield doc
             continue
         if path.suffix != ".jsonl":
             raise ValueError(f"unsupported data file {path}: expected .txt or .jsonl")
@@ -280,95 +303,107 @@ def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
                     _check_messages(row["messages"], where)
                     if use_model:
                         renderer = renderer or _jinja_renderer(special.chat_template, special)
-                    docs.append(_render_chat(row["messages"], special, renderer, where))
+                    yield _render_chat(row["messages"], special, renderer, where)
                 elif isinstance(row, dict) and isinstance(row.get("text"), str):
-                    docs.append(Document(row["text"]))
+                    if row["text"].strip():
+                        yield Document(row["text"])
                 else:
                     raise ValueError(f'{where}: expected {{"text": ...}} or {{"messages": [...]}}')
-    docs = [d for d in docs if d.spans is not None or d.text.strip()]  # blank plain texts: nothing to learn
+
+
+def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
+                   chat_template: str = "auto") -> list[Document]:
+    """All documents of ``paths`` as a list (see :func:`iter_documents`); raises when there are none."""
+    docs = list(iter_documents(paths, special, chat_template))
     if not docs:
         raise ValueError(f"no documents in {[str(p) for p in paths]}")
     return docs
 
 
-def tokenize_document(doc: Document, tokenizer: Tokenizer, special: SpecialTokens) -> tuple[list[int], list[bool]]:
-    """Token ids and a per-token "has loss" mask; EOS is appended to plain documents when the tokenizer has one."""
-    enc = tokenizer.encode(doc.text, add_special_tokens=not doc.template_bos)
-    ids = list(enc.ids)
-    if doc.spans is None:
-        mask = [True] * len(ids)
-        if special.eos_id is not None and (not ids or ids[-1] != special.eos_id):
-            ids.append(special.eos_id)
-            mask.append(True)
-        return ids, mask
+def _encode_batch(docs: Sequence[Document], tokenizer: Tokenizer) -> list:
+    """Encodings of ``docs`` in order, computed in parallel by ``encode_batch``. Texts a chat template already
+    opened with BOS are encoded without the post-processor's special tokens (one batch per setting)."""
+    encodings = [None] * len(docs)
+    for template_bos in (False, True):
+        where = [i for i, d in enumerate(docs) if d.template_bos == template_bos]
+        if where:
+            batch = tokenizer.encode_batch([docs[i].text for i in where], add_special_tokens=not template_bos)
+            for i, enc in zip(where, batch):
+                encodings[i] = enc
+    return encodings
+
+
+def _plain_tokens(enc, eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    # Every token has loss; EOS closes the document unless the post-processor already put one there.
+    ids = np.asarray(enc.ids, dtype=np.int32)
+    if eos_id is not None and (ids.size == 0 or ids[-1] != eos_id):
+        ids = np.append(ids, np.int32(eos_id))
+    return ids, np.ones(ids.size, dtype=bool)
+
+
+def _chat_tokens(enc, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     # A token has loss when its first character lies in an assistant span; tokens the post-processor added
     # (offsets (0, 0), special mask 1) never do.
-    mask = []
-    for (start, end), is_special in zip(enc.offsets, enc.special_tokens_mask):
-        inside = not is_special and end > start and any(a <= start < b for a, b in doc.spans)
-        mask.append(inside)
-    return ids, mask
+    ids = np.asarray(enc.ids, dtype=np.int32)
+    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    start, end = offsets[:, 0], offsets[:, 1]
+    in_span = np.zeros(ids.size, dtype=bool)
+    for a, b in spans:
+        in_span |= (a <= start) & (start < b)
+    added = np.asarray(enc.special_tokens_mask, dtype=bool)
+    return ids, in_span & ~added & (end > start)
+
+
+def tokenize_chunk(docs: Sequence[Document], tokenizer: Tokenizer,
+                   special: SpecialTokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``docs`` tokenized and concatenated: int32 ids, a bool "has loss" mask, and each document's token count.
+    EOS is appended to plain documents when the tokenizer has one."""
+    per_doc = [_plain_tokens(enc, special.eos_id) if doc.spans is None else _chat_tokens(enc, doc.spans)
+               for doc, enc in zip(docs, _encode_batch(docs, tokenizer))]
+    lengths = np.array([ids.size for ids, _ in per_doc], dtype=np.int64)
+    if not per_doc:
+        return np.zeros(0, np.int32), np.zeros(0, bool), lengths
+    return np.concatenate([i for i, _ in per_doc]), np.concatenate([m for _, m in per_doc]), lengths
+
+
+def tokenize_document(doc: Document, tokenizer: Tokenizer, special: SpecialTokens) -> tuple[list[int], list[bool]]:
+    """One document's token ids and "has loss" mask as lists (:func:`tokenize_chunk` of one)."""
+    ids, mask, _ = tokenize_chunk([doc], tokenizer, special)
+    return ids.tolist(), mask.tolist()
+
+
+def _chunks(docs: Iterable[Document], max_chars: int) -> Iterator[list[Document]]:
+    # Enough documents per encode_batch call to keep every core busy, few enough that the chunk's Encodings
+    # (offsets, token strings: ~100 bytes a token in Rust) stay small.
+    chunk, chars = [], 0
+    for doc in docs:
+        chunk.append(doc)
+        chars += len(doc.text)
+        if chars >= max_chars:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Packing
+# Building a dataset
 
 
-class PackedDataset:
-    """Fixed-length windows: ``input_ids``, ``labels`` (HF-aligned, -100 = no loss) and ``position_ids``, (N, T)."""
-
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor):
-        assert input_ids.shape == labels.shape == position_ids.shape and input_ids.dim() == 2
-        self.input_ids, self.labels, self.position_ids = input_ids, labels, position_ids
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.input_ids.shape[1]
-
-    def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {
-            "input_ids": self.input_ids[indices].long(),
-            "labels": self.labels[indices].long(),
-            "position_ids": self.position_ids[indices].long(),
-        }
-
-
-def batch_to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A batch's tensors on ``device`` (non-blocking; tensors already there are returned as they are)."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def pack_documents(tokenized: Sequence[tuple[list[int], list[bool]]], seq_len: int, pad_id: int = 0) -> PackedDataset:
-    """Concatenate tokenized documents and cut them into ``seq_len`` windows (module docstring)."""
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
-    pieces = [(ids, mask) for ids, mask in tokenized if ids]
-    if not pieces:
-        raise ValueError("the data produced no tokens")
-    ids = torch.cat([torch.tensor(i, dtype=torch.int64) for i, _ in pieces])
-    has_loss = torch.cat([torch.tensor(m, dtype=torch.bool) for _, m in pieces])
-    lengths = torch.tensor([len(i) for i, _ in pieces])
-    doc_start = torch.zeros(len(ids), dtype=torch.bool)
-    doc_start[torch.cumsum(lengths, 0)[:-1]] = True
-    doc_start[0] = True
-    n_windows = -(-len(ids) // seq_len)
-    pad = n_windows * seq_len - len(ids)
-    if pad:
-        ids = torch.cat([ids, torch.full((pad,), pad_id, dtype=torch.int64)])
-        has_loss = torch.cat([has_loss, torch.zeros(pad, dtype=torch.bool)])
-        doc_start = torch.cat([doc_start, torch.tensor([True] + [False] * (pad - 1))])
-    doc_start = doc_start.view(n_windows, seq_len).clone()
-    doc_start[:, 0] = True
-    # position = distance to the latest document (or window) start in the same row.
-    idx = torch.arange(seq_len).expand(n_windows, seq_len)
-    last_start = torch.cummax(torch.where(doc_start, idx, torch.zeros_like(idx)), dim=1).values
-    position_ids = (idx - last_start).to(torch.int32)
-    ids = ids.view(n_windows, seq_len)
-    labels = torch.where(has_loss.view(n_windows, seq_len), ids, torch.full_like(ids, IGNORE_INDEX))
-    return PackedDataset(ids.to(torch.int32), labels.to(torch.int32), position_ids)
+def _tokenize_and_pack(paths, tokenizer: Tokenizer, special: SpecialTokens, seq_len: int,
+                       chat_template: str) -> PackedDataset:
+    """Stream the documents, tokenize them a chunk at a time, pack once (module docstring, "Tokenizing")."""
+    id_parts, mask_parts, length_parts = [], [], []
+    for chunk in _chunks(iter_documents(paths, special, chat_template), ENCODE_CHUNK_CHARS):
+        ids, mask, lengths = tokenize_chunk(chunk, tokenizer, special)
+        id_parts.append(ids)
+        mask_parts.append(mask)
+        length_parts.append(lengths)
+    if not length_parts:
+        raise ValueError(f"no documents in {[str(p) for p in paths]}")
+    dataset = pack_arrays(id_parts, mask_parts, np.concatenate(length_parts), seq_len, special.pad_id)
+    check_has_targets(dataset)
+    return dataset
 
 
 def build_dataset(
@@ -377,22 +412,23 @@ def build_dataset(
     special: SpecialTokens,
     seq_len: int,
     chat_template: str = "auto",
+    cache_dir: str | os.PathLike | None = None,
 ) -> PackedDataset:
-    """Read, tokenize and pack ``paths`` into windows of ``seq_len`` tokens."""
-    docs = load_documents(paths, special, chat_template)
-    tokenized = [tokenize_document(d, tokenizer, special) for d in docs]
-    dataset = pack_documents(tokenized, seq_len, special.pad_id)
-    check_has_targets(dataset)
+    """Read, tokenize and pack ``paths`` into windows of ``seq_len`` tokens.
+
+    ``cache_dir``: keep the packed windows there and, when the same data, tokenizer, template and ``seq_len`` come
+    again, load them instead of tokenizing (data_cache.py: what the key covers, how files are checked)."""
+    if cache_dir is None:
+        return _tokenize_and_pack(paths, tokenizer, special, seq_len, chat_template)
+    key = data_cache.dataset_key(paths, tokenizer.to_str(), dataclasses.asdict(special), chat_template, seq_len)
+    path = Path(cache_dir) / f"{key}.safetensors"
+    tensors = data_cache.load(path, key)
+    if tensors is not None:
+        return PackedDataset(**tensors)
+    dataset = _tokenize_and_pack(paths, tokenizer, special, seq_len, chat_template)
+    data_cache.save(path, key, {"input_ids": dataset.input_ids, "labels": dataset.labels,
+                                "position_ids": dataset.position_ids})
     return dataset
-
-
-def check_has_targets(dataset: PackedDataset) -> None:
-    """Raise unless some token is a target of the causal loss: labelled, with the token before it in the same
-    document and window (a window's or a document's first token is never predicted)."""
-    targets = shift_labels(dataset.labels, 1, dataset.position_ids, IGNORE_INDEX)
-    if not bool((targets != IGNORE_INDEX).any()):
-        raise ValueError("the data has no token to train on (every label is masked, or sits where nothing "
-                         "predicts it: at a document's or window's start)")
 
 
 # ----------------------------------------------------------------------------------------------------------------

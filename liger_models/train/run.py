@@ -97,6 +97,8 @@ def check_options(args: argparse.Namespace) -> None:
     only after the model and the data, minutes for a large model."""
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # what init_distributed will find
     # Options that would otherwise be ignored without a word.
+    if getattr(args, "data_cache", None) and getattr(args, "no_data_cache", False):
+        raise ValueError("--data-cache DIR and --no-data-cache contradict each other; give one")
     if args.eval_every and not args.eval_data:
         raise ValueError("--eval-every needs --eval-data (the held-out files to evaluate on)")
     if getattr(args, "stage", 2) == 1 and args.base_loss_weight is not None:
@@ -127,6 +129,13 @@ def _setup(args: argparse.Namespace):
     return info, resume
 
 
+def data_cache_dir(args) -> Path | None:
+    """Where packed data is cached: ``--data-cache``, else ``<output_dir>/.data_cache``; None with --no-data-cache."""
+    if getattr(args, "no_data_cache", False):
+        return None
+    return Path(getattr(args, "data_cache", None) or Path(args.output_dir) / ".data_cache")
+
+
 def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> tuple[BatchStream, PackedDataset | None]:
     """The training stream and the packed eval data (None without --eval-data), tokenized alike."""
     from liger_models.hub import load_tokenizer
@@ -134,8 +143,19 @@ def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> tuple[Bat
     tokenizer = load_tokenizer(model_dir)
     special = read_special_tokens(tokenizer, model_dir)
 
+    cache = data_cache_dir(args)
+
     def packed(paths) -> PackedDataset:
-        dataset = build_dataset(paths, tokenizer, special, args.seq_len, args.chat_template)
+        def build() -> PackedDataset:
+            return build_dataset(paths, tokenizer, special, args.seq_len, args.chat_template, cache_dir=cache)
+
+        if cache is not None and info.distributed:
+            # Rank 0 tokenizes and writes the cache; the others wait, then load what it wrote.
+            dataset = build() if info.is_main else None
+            D.barrier()
+            dataset = dataset if info.is_main else build()
+        else:
+            dataset = build()
         _check_vocab(dataset, vocab_size)
         return dataset
 

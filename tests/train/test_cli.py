@@ -208,6 +208,7 @@ def test_bad_numbers_are_rejected_by_the_parser(bad, message, capsys):
     (["--cuda-graph", "--activation-checkpointing"], "--activation-checkpointing"),
     (["--eval-every", "5"], "--eval-every needs --eval-data"),  # would silently never evaluate
     (["--stage", "1", "--base-loss-weight", "0.5"], "stage 2"),  # stage 1 has no base loss: silently ignored
+    (["--data-cache", "cache", "--no-data-cache"], "contradict"),
 ])
 def test_conflicting_options_fail_before_any_work(flags, problem, text_file, tmp_path, capsys, monkeypatch):
     """Options that cannot go together are refused before the model is loaded and the data tokenized (minutes

@@ -271,3 +271,83 @@ def test_chat_template_refusals_name_the_line(tokenizer, tmp_path, template, cha
     with pytest.raises(ValueError, match=match) as info:
         load_documents([data], special, "model" if template else "simple")
     assert "chat.jsonl:2" in str(info.value)
+
+
+# The per-document pipeline that batched tokenization replaced, kept as the reference it must match bit for bit.
+def _reference_tokenize(doc, tokenizer, special):
+    enc = tokenizer.encode(doc.text, add_special_tokens=not doc.template_bos)
+    ids = list(enc.ids)
+    if doc.spans is None:
+        mask = [True] * len(ids)
+        if special.eos_id is not None and (not ids or ids[-1] != special.eos_id):
+            ids.append(special.eos_id)
+            mask.append(True)
+        return ids, mask
+    mask = [not s and e > b and any(x <= b < y for x, y in doc.spans) for (b, e), s in
+            zip(enc.offsets, enc.special_tokens_mask)]
+    return ids, mask
+
+
+def _reference_pack(tokenized, seq_len, pad_id):
+    pieces = [(ids, mask) for ids, mask in tokenized if ids]
+    ids = torch.cat([torch.tensor(i, dtype=torch.int64) for i, _ in pieces])
+    has_loss = torch.cat([torch.tensor(m, dtype=torch.bool) for _, m in pieces])
+    lengths = torch.tensor([len(i) for i, _ in pieces])
+    doc_start = torch.zeros(len(ids), dtype=torch.bool)
+    doc_start[torch.cumsum(lengths, 0)[:-1]] = True
+    doc_start[0] = True
+    n_windows = -(-len(ids) // seq_len)
+    pad = n_windows * seq_len - len(ids)
+    if pad:
+        ids = torch.cat([ids, torch.full((pad,), pad_id, dtype=torch.int64)])
+        has_loss = torch.cat([has_loss, torch.zeros(pad, dtype=torch.bool)])
+        doc_start = torch.cat([doc_start, torch.tensor([True] + [False] * (pad - 1))])
+    doc_start = doc_start.view(n_windows, seq_len).clone()
+    doc_start[:, 0] = True
+    idx = torch.arange(seq_len).expand(n_windows, seq_len)
+    last_start = torch.cummax(torch.where(doc_start, idx, torch.zeros_like(idx)), dim=1).values
+    ids = ids.view(n_windows, seq_len)
+    labels = torch.where(has_loss.view(n_windows, seq_len), ids, torch.full_like(ids, -100))
+    return ids.to(torch.int32), labels.to(torch.int32), (idx - last_start).to(torch.int32)
+
+
+def _bos_tokenizer(tokenizer, tmp_path, template):
+    """A Llama-3-like tokenizer: its post-processor adds BOS (offsets (0, 0)), and its chat template writes BOS."""
+    from tokenizers import processors
+
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.add_special_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok, read_special_tokens(tok, tmp_path)
+
+
+@pytest.mark.parametrize("chat_template", ["model", "simple"])
+@pytest.mark.parametrize("seq_len", [7, 64])
+def test_batched_pipeline_is_bit_identical_to_per_document(tokenizer, tmp_path, monkeypatch, chat_template, seq_len):
+    import liger_models.train.data as data_module
+
+    tok, special = _bos_tokenizer(tokenizer, tmp_path, LLAMA3_LIKE)
+    assert special.adds_bos
+    (tmp_path / "plain.txt").write_text(shakespeare(3_000))
+    rows = [{"text": shakespeare(400)}, {"text": "  "}, {"text": "Café — naïve «ünïcödé» 🎭"},
+            {"messages": CHAT}, {"text": "x"}, {"messages": CHAT[1:3]}, {"text": shakespeare(50)}]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n\n")
+    paths = [tmp_path / "plain.txt", tmp_path / "mixed.jsonl", tmp_path / "plain.txt"]
+    docs = load_documents(paths, special, chat_template)
+    assert any(d.template_bos for d in docs) == (chat_template == "model")
+    expected = _reference_pack([_reference_tokenize(d, tok, special) for d in docs], seq_len, special.pad_id)
+    for chunk_chars in (1, 500, 1 << 22):  # one document per encode_batch call, a few, all at once
+        monkeypatch.setattr(data_module, "ENCODE_CHUNK_CHARS", chunk_chars)
+        ds = build_dataset(paths, tok, special, seq_len, chat_template)
+        for got, want in zip((ds.input_ids, ds.labels, ds.position_ids), expected):
+            assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
+
+
+def test_tokenize_document_matches_reference_without_eos(tokenizer):
+    special = read_special_tokens(tokenizer, None)  # no EOS known: nothing appended
+    doc = Document(shakespeare(300))
+    assert tokenize_document(doc, tokenizer, special) == _reference_tokenize(doc, tokenizer, special)
