@@ -190,9 +190,9 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
     in base forward calls).
     """
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T), "
-                         f"got {tuple(input_ids.shape)}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T) with T ≥ 1 (e.g. the BOS "
+                         f"id), got {tuple(input_ids.shape)}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < topk <= heads.config.vocab_size:

@@ -58,8 +58,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sam
              attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, T) prompt (left-padded when lengths differ; see the module docstring) → (B, T + n) tokens,
     n ≤ max_new_tokens. eos/pad default to the config's ids."""
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "
+                         f"{tuple(input_ids.shape)}")
     eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
     eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long,
                        device=input_ids.device)

@@ -208,5 +208,7 @@ def test_sampling_is_reproducible_and_bad_inputs_raise():
     assert torch.equal(a, b) and a.shape == (1, 14) and a.max() < V
     with pytest.raises(ValueError, match="one sequence"):
         medusa_generate(base, heads, prompt.repeat(2, 1), 4)
+    with pytest.raises(ValueError, match="T ≥ 1"):  # an empty prompt: nothing to continue (an IndexError before)
+        medusa_generate(base, heads, prompt[:, :0], 4)
     with pytest.raises(ValueError, match="temperature"):
         medusa_generate(base, heads, prompt, 4, temperature=-1.0)

@@ -100,6 +100,8 @@ def test_generate_sampling_and_eos():
     assert stopped[0, 4] == first and (stopped[0, 5:] == 0).all()
     with pytest.raises(ValueError, match="temperature"):
         model.generate(prompt, max_new_tokens=2, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="at least one token"):  # an IndexError before
+        model.generate(prompt[:, :0], max_new_tokens=2)
 
 
 def test_shift_labels_documents():
