@@ -54,6 +54,24 @@ def resolve_dir(path: str | Path) -> Path:
     return path
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_generation_config(path: Path) -> dict:
+    """generation_config.json of a checkpoint directory as a dict ({} when absent): HF's generate takes its stop
+    and pad ids from it (an instruct model's config.json often names only the end-of-text id, not end-of-turn)."""
+    file = path / GENERATION_CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(file)!r} is not a JSON object (got {type(raw).__name__})")
+    return raw
+
+
 def read_config(path: str | Path) -> dict:
     """config.json of a checkpoint directory as a dict (a clear error when it is not a JSON object)."""
     file = resolve_dir(path) / "config.json"
@@ -235,6 +253,7 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
                     name = routes.get(stored, stored)
                     if name in expected:
                         expected[name].copy_(f.get_tensor(stored))
+    model.generation_config = read_generation_config(path)
     return model.eval()
 
 
@@ -296,13 +315,15 @@ def _plan_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
 def save_pretrained(model, directory: str | Path, *, max_shard_size: int | str = "5GB") -> None:
     """HF-format safetensors + config.json into ``directory``, atomically (see the module docstring)."""
     state = {k: v.detach() for k, v in _expected_tensors(model).items()}
-    save_state_dict(state, model.config, directory, max_shard_size=max_shard_size)
+    save_state_dict(state, model.config, directory, max_shard_size=max_shard_size,
+                    generation_config=getattr(model, "generation_config", None))
 
 
 def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Path, *,
-                    max_shard_size: int | str = "5GB") -> None:
+                    max_shard_size: int | str = "5GB", generation_config: dict | None = None) -> None:
     """``save_pretrained`` for tensors that are already HF-named (a tied ``lm_head.weight`` left out) and a config
-    with ``to_hf()``: checkpoint converters write through here without building a model."""
+    with ``to_hf()``: checkpoint converters write through here without building a model. A non-empty
+    ``generation_config`` is written as generation_config.json (replacing one already in the directory)."""
     from safetensors.torch import save_file
 
     directory = Path(directory).expanduser().absolute()
@@ -328,9 +349,11 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
         dtype_key = "torch_dtype" if "torch_dtype" in config else "dtype"
         config[dtype_key] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if directory.exists():  # keep every entry but a previous save's own files
+        if generation_config:
+            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation_config, indent=2) + "\n", encoding="utf-8")
+        if directory.exists():  # keep every entry but a previous save's own files (and what this save replaces)
             for p in directory.iterdir():
-                if not _OWN_OUTPUT.match(p.name):
+                if not (_OWN_OUTPUT.match(p.name) or (tmp / p.name).exists()):
                     os.rename(p, tmp / p.name)
                     moved.append(p.name)
             os.rename(directory, old)

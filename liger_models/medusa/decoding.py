@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from liger_models.medusa.heads import MedusaHeads
+from liger_models.modules.generate import default_token_id
 
 TOPK = 10
 
@@ -203,8 +204,8 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root, masked by `valid`
     valid = buffers.retrieve_indices >= 0
     depth = buffers.retrieve_indices.shape[1] - 1
-    if eos_token_id is None:  # the config's, as plain generate does
-        eos_token_id = getattr(getattr(base, "config", None), "eos_token_id", None)
+    if eos_token_id is None and hasattr(base, "config"):  # generation_config.json's, else config.json's, as generate
+        eos_token_id = default_token_id(base, "eos_token_id")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     rotary = getattr(base.model, "rotary", None)
     regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2

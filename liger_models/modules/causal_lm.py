@@ -55,6 +55,9 @@ class LigerForCausalLM(nn.Module):
         if not isinstance(config, self.config_class):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
+        # The checkpoint's generation_config.json ({} if none; from_pretrained fills it, save_pretrained writes it
+        # back): generate takes its eos / pad ids from here before config.json's, as HF does.
+        self.generation_config: dict = {}
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()

@@ -37,6 +37,13 @@ def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: f
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def default_token_id(model, key: str):
+    """``key`` (eos_token_id, pad_token_id) as HF's generate defaults it: generation_config.json's value when it names
+    one (Llama 3 Instruct's lists <|eot_id|> there, its config.json only <|end_of_text|>), else config.json's."""
+    value = getattr(model, "generation_config", {}).get(key)
+    return value if value is not None else getattr(model.config, key, None)
+
+
 def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None,
                 eos: torch.Tensor) -> torch.Tensor | None:
     """The prompt's attention_mask: the given one, else (as HF infers it) input_ids != pad when an explicit pad id
@@ -61,10 +68,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sam
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "
                          f"{tuple(input_ids.shape)}")
-    eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
+    eos = default_token_id(model, "eos_token_id") if eos_token_id is None else eos_token_id
     eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long,
                        device=input_ids.device)
-    explicit_pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
+    explicit_pad = pad_token_id if pad_token_id is not None else default_token_id(model, "pad_token_id")
     mask = prompt_mask(input_ids, attention_mask, explicit_pad, eos)  # (B, T) or None
     positions = None if mask is None else (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)

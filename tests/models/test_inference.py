@@ -74,6 +74,29 @@ def test_generate_greedy_equals_hf(tmp_path):
     assert torch.equal(out, ref)
 
 
+def test_generate_stops_on_generation_config_eos_like_hf(tmp_path):
+    """An instruct checkpoint's generation_config.json lists the end-of-turn id that config.json does not: plain
+    generate, Medusa decoding and HF's generate all stop there by default; save_pretrained keeps the file."""
+    hf = build_hf(transformers.LlamaConfig, tie_word_embeddings=True, eos_token_id=2, pad_token_id=0)
+    prompt = torch.randint(3, 128, (1, 5))
+    free = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=[], pad_token_id=0)
+    stop = int(free[0, 5 + 3])  # the 4th generated token plays end-of-turn
+    hf.generation_config = transformers.GenerationConfig(eos_token_id=[2, stop], pad_token_id=0, do_sample=False)
+    path = save_hf(hf, tmp_path / "hf")
+    ref = hf.generate(prompt, max_new_tokens=8)
+    assert ref.shape[1] < free.shape[1] and int(ref[0, -1]) == stop
+    ours = LigerLlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert ours.generation_config["eos_token_id"] == [2, stop]
+    assert torch.equal(ours.generate(prompt, max_new_tokens=8), ref)
+    from liger_models.medusa import MedusaModel
+
+    medusa = MedusaModel.from_base(ours, num_heads=2)
+    assert torch.equal(medusa.generate(prompt, max_new_tokens=8), ref)
+    ours.save_pretrained(tmp_path / "ours")
+    again = LigerLlamaForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+    assert again.generation_config == ours.generation_config
+
+
 def test_generate_crossing_longrope_switch_equals_hf(tmp_path):
     """Phi3 generation that crosses original_max_position_embeddings recomputes the cache, as HF does."""
     half = 8
