@@ -75,6 +75,9 @@ class DecoderModel(nn.Module):
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) → hidden (B, T, H). position_ids restarting at 0 mark packed documents (no cache and no
         attention_mask, as in HF v5); attention_mask (B, past + T), 0 at padding, hides padded keys."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)} "
+                             "(a single sequence needs a batch dim: ids[None])")
         B, T = input_ids.shape
         past = cache.seq_length() if cache is not None else 0
         padding = key_padding(attention_mask, B, past + T)

@@ -125,6 +125,8 @@ def test_generate_sampling_and_eos():
         model.generate(prompt, max_new_tokens=2, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="at least one token"):  # an IndexError before
         model.generate(prompt[:, :0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="batch, seq_len"):  # "not enough values to unpack" before
+        model(prompt[0])
 
 
 def test_shift_labels_documents():
