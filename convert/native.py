@@ -24,11 +24,13 @@ Tokenizer: a Llama 3.x ``tokenizer.model`` in tiktoken's format (text lines "bas
 line) becomes ``tokenizer.json`` + ``tokenizer_config.json`` (convert/tiktoken_tokenizer.py, which says what is
 built and from which of Meta's special-token lists); the file itself is kept as ``original/tokenizer.model`` and
 config.json's bos / eos ids are the tokenizer's. The special-token list is Llama 3.1's when params.json names
-``use_scaled_rope`` (3.1, 3.2, 3.3), else Llama 3's, unless the caller picks one. Every other tokenizer file
-(SentencePiece ``tokenizer.model`` of Llama 1/2 and Mistral, ``tokenizer.model.v*``, ``tekken.json``) is copied as it
-is; building an HF ``tokenizer.json`` from those is out of scope. So are MoE (Mixtral, Llama 4), vision and quantised
-checkpoints: their params.json keys are refused. The whole checkpoint is held in host memory once (shards are
-memory-mapped).
+``use_scaled_rope`` (3.1, 3.2, 3.3), else Llama 3's, unless the caller picks one. A SentencePiece
+``tokenizer.model`` / ``tokenizer.model.vN`` (Llama 1/2, Mistral v0.1–v0.3; a file that parses as a ModelProto) is
+converted the same way by convert/sentencepiece_tokenizer.py (the highest ``vN`` when there are several; all of
+them are kept under ``original/``); one that is not a BPE model with byte fallback is refused. Every other tokenizer
+file (``tekken.json``, or a ``tokenizer.model`` that is neither format) is copied as it is. MoE (Mixtral, Llama 4),
+vision and quantised checkpoints are out of scope: their params.json keys are refused. The whole checkpoint is held
+in host memory once (shards are memory-mapped).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from liger_models.convert import sentencepiece_tokenizer as spt
 from liger_models.convert.tiktoken_tokenizer import BOS, EOS, convert_tiktoken, is_tiktoken_file, save_hf_tokenizer
 from liger_models.hub import save_state_dict
 from liger_models.llama.config import LlamaConfig
@@ -379,7 +382,7 @@ def write_hf(state: dict[str, torch.Tensor], config: LigerConfig, out: Path, ext
 
 
 def tiktoken_model(files: list[Path], family: str) -> Path | None:
-    """The Llama 3 tiktoken tokenizer.model among the tokenizer files, if any (SentencePiece ones are copied)."""
+    """The Llama 3 tiktoken tokenizer.model among the tokenizer files, if any."""
     if family != "llama":
         return None
     return next((f for f in files if f.name == "tokenizer.model" and is_tiktoken_file(f)), None)
@@ -400,6 +403,53 @@ def llama3_tokenizer_writer(model_file: Path, params: dict, config: LigerConfig,
         shutil.copy2(model_file, directory / "original" / model_file.name)
 
     return write
+
+
+def sentencepiece_models(files: list[Path]) -> list[Path]:
+    """The SentencePiece tokenizer.model / tokenizer.model.vN files among the tokenizer files."""
+    return [f for f in files if f.name.startswith("tokenizer.model") and spt.is_sentencepiece_file(f)]
+
+
+def _model_version(path: Path) -> int:
+    # tokenizer.model → 0, tokenizer.model.v3 → 3: Mistral names each later vocabulary by its version.
+    return int(path.suffix[2:]) if path.suffix.startswith(".v") else 0
+
+
+def sentencepiece_tokenizer_writer(model_files: list[Path], config: LigerConfig) -> Callable[[Path], None]:
+    """Convert the newest SentencePiece model now (an unsupported one fails before anything is written), point
+    config's bos / eos at its ids, and return what writes it, with every SentencePiece file under original/."""
+    newest = max(model_files, key=_model_version)
+    tokenizer, model = spt.convert_sentencepiece(newest, vocab_size=config.vocab_size)
+    if model.piece(model.bos_id) is not None:
+        config.bos_token_id = model.bos_id
+    if model.piece(model.eos_id) is not None:
+        config.eos_token_id = model.eos_id
+
+    def write(directory: Path) -> None:
+        spt.save_hf_tokenizer(tokenizer, model, directory, model_max_length=config.max_position_embeddings)
+        (directory / "original").mkdir()
+        for file in model_files:
+            shutil.copy2(file, directory / "original" / file.name)
+
+    return write
+
+
+def tokenizer_writer(tokenizers: list[Path], family: str, params: dict, config: LigerConfig,
+                     llama3_specials: str | None) -> Callable[[Path], None] | None:
+    """What converts the tokenizer, if a file is convertible; the files it takes are removed from `tokenizers`
+    (the list of files copied as they are)."""
+    tiktoken_file = tiktoken_model(tokenizers, family)
+    if tiktoken_file is not None:
+        tokenizers.remove(tiktoken_file)
+        return llama3_tokenizer_writer(tiktoken_file, params, config, llama3_specials)
+    if llama3_specials is not None:
+        raise ValueError("llama3_specials is given but there is no tiktoken tokenizer.model to convert")
+    model_files = sentencepiece_models(tokenizers)
+    if not model_files:
+        return None
+    for file in model_files:
+        tokenizers.remove(file)
+    return sentencepiece_tokenizer_writer(model_files, config)
 
 
 def native_to_hf(src_dir: str | Path, out_dir: str | Path, *, family: str | None = None,
@@ -432,11 +482,6 @@ def native_to_hf(src_dir: str | Path, out_dir: str | Path, *, family: str | None
     check_native_state(state, config)
     hf_state = to_hf_state_dict(state, config, dtype)
     tokenizers = sorted(p for p in src.iterdir() if p.is_file() and TOKENIZER_FILES.match(p.name))
-    tiktoken_file, write_tokenizer = tiktoken_model(tokenizers, family), None
-    if tiktoken_file is not None:
-        tokenizers.remove(tiktoken_file)
-        write_tokenizer = llama3_tokenizer_writer(tiktoken_file, params, config, llama3_specials)
-    elif llama3_specials is not None:
-        raise ValueError("llama3_specials is given but there is no tiktoken tokenizer.model to convert")
+    write_tokenizer = tokenizer_writer(tokenizers, family, params, config, llama3_specials)
     write_hf(hf_state, config, out, tokenizers, max_shard_size, write_tokenizer)
     return out

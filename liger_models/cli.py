@@ -198,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "or consolidated.safetensors (mistral-inference), permute q/k rows to HF's "
                                         "rotate-half RoPE layout and write config.json + safetensors into OUT "
                                         "(which must not exist or be empty). A Llama 3 tokenizer.model in tiktoken "
-                                        "format becomes tokenizer.json + tokenizer_config.json (the file is kept "
-                                        "under original/); a SentencePiece tokenizer.model (Llama 1/2, Mistral) "
-                                        "and other tokenizer files are copied as they are.")
+                                        "format or a SentencePiece BPE tokenizer.model[.vN] (Llama 1/2, Mistral) "
+                                        "becomes tokenizer.json + tokenizer_config.json (the file is kept under "
+                                        "original/); other tokenizer files (tekken.json) are copied as they are.")
     native.add_argument("src", metavar="SRC", help="native checkpoint directory (params.json + consolidated.*)")
     native.add_argument("out", metavar="OUT", help="HF checkpoint directory to create")
     native.add_argument("--family", default=None, choices=("llama", "mistral"),

@@ -247,6 +247,7 @@ def test_native_forced_list_and_cli(tmp_path, ranks_file, capsys):
 
 def test_native_sentencepiece_file_is_copied_as_is(tmp_path):
     src = llama3_native(tmp_path / "native", None, 300)
+    # A truncated ModelProto: neither format, so copied (a complete one is converted: test_sentencepiece.py).
     blob = b"\x0a\x0b\x0a\x05<unk>\x15\x00\x00\x00\x00\x18\x02 tokens 1"
     (src / "tokenizer.model").write_bytes(blob)
     out = native_to_hf(src, tmp_path / "hf")
