@@ -57,31 +57,27 @@ def resolve_dir(path: str | Path) -> Path:
 GENERATION_CONFIG = "generation_config.json"
 
 
+def _read_json_object(file: Path) -> dict:
+    """A JSON file that must hold an object, with errors naming the file."""
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(file)!r} is not a JSON object (got {type(raw).__name__})")
+    return raw
+
+
 def read_generation_config(path: Path) -> dict:
     """generation_config.json of a checkpoint directory as a dict ({} when absent): HF's generate takes its stop
     and pad ids from it (an instruct model's config.json often names only the end-of-text id, not end-of-turn)."""
     file = path / GENERATION_CONFIG
-    if not file.is_file():
-        return {}
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{str(file)!r} is not a JSON object (got {type(raw).__name__})")
-    return raw
+    return _read_json_object(file) if file.is_file() else {}
 
 
 def read_config(path: str | Path) -> dict:
     """config.json of a checkpoint directory as a dict (a clear error when it is not a JSON object)."""
-    file = resolve_dir(path) / "config.json"
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{str(file)!r} is not a JSON object (got {type(raw).__name__})")
-    return raw
+    return _read_json_object(resolve_dir(path) / "config.json")
 
 
 def config_model_type(raw: dict, path: str | Path) -> str:

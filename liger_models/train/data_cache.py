@@ -27,6 +27,8 @@ import tokenizers
 import torch
 from safetensors.torch import save_file
 
+from liger_models.train.checkpointing import fsync_dir
+
 FORMAT_VERSION = 1
 TENSORS = ("input_ids", "labels", "position_ids")
 _BLOCK = 1 << 20  # bytes read at a time when hashing a data file
@@ -70,20 +72,6 @@ def _data_digest(arrays: Sequence[np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the directory entry is on disk (not possible on every platform).
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save(path: Path, key: str, tensors: dict[str, torch.Tensor]) -> None:
     """Write ``tensors`` (int32, the names in TENSORS) as ``path`` atomically: temp file, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +86,7 @@ def save(path: Path, key: str, tensors: dict[str, torch.Tensor]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
