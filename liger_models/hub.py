@@ -139,13 +139,16 @@ def _read_tensor(where: dict[str, Path], name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def _tied_head_routes(config, where: dict[str, Path]) -> dict[str, str | None]:
+def _tied_head_routes(config, files: list[Path]) -> dict[str, str | None]:
     """Where a stored ``lm_head.weight`` goes in a tied model (None: skipped), as transformers v5 decides.
 
     Tied and both stored: equal, the head is a redundant copy; different, HF does NOT tie (it warns and loads both),
     so neither do we: dropping it would silently change the logits. Only the head stored: it is the shared matrix.
     """
-    if not config.tie_word_embeddings or HEAD not in where:
+    if not config.tie_word_embeddings:
+        return {}
+    where = _tensor_files(files)
+    if HEAD not in where:
         return {}
     if EMBED not in where:
         return {HEAD: EMBED}
@@ -205,19 +208,20 @@ def _checkpoint_dtype(files: list[Path]) -> torch.dtype | None:
     return None
 
 
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype argument: None or "auto" → None (the caller's default), else a floating-point torch.dtype or its
+    name ("bfloat16", as HF accepts); anything else raises (a string reaching Module.to() reads as a device)."""
+    if dtype is None or dtype == "auto":
+        return None
+    parsed = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(parsed, torch.dtype) or not parsed.is_floating_point:
+        raise ValueError(f"dtype={dtype!r}: need a floating-point torch.dtype, its name (e.g. 'bfloat16') or 'auto'")
+    return parsed
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, config, files: list[Path]) -> torch.dtype:
-    """The parameter dtype of a load: None / "auto" → config.json's, else the checkpoint's; names as in torch."""
-    source = f"dtype={dtype!r}"
-    if isinstance(dtype, str) and dtype != "auto":
-        dtype = getattr(torch, dtype, None)  # "bfloat16", "float16", … (HF accepts these names too)
-    elif dtype is None or dtype == "auto":
-        source = f"config.json's dtype {config.torch_dtype!r}"
-        dtype = config.dtype or _checkpoint_dtype(files) or torch.float32
-    # Without this check a string reached Module.to(), which reads it as a device ("Invalid device string").
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"cannot load parameters in {source}: need a floating-point torch.dtype, its name "
-                         "(e.g. 'bfloat16') or 'auto'")
-    return dtype
+    """The parameter dtype of a load: the one asked for, else config.json's, else the checkpoint's (HF v5 "auto")."""
+    return parse_dtype(dtype) or config.dtype or _checkpoint_dtype(files) or torch.float32
 
 
 def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = None,
@@ -235,7 +239,7 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
     files = checkpoint_files(path)
     dtype = resolve_dtype(dtype, config, files)
     device = torch.device("cpu" if device is None else device)  # not `device or`: device 0 is cuda:0
-    routes = _tied_head_routes(config, _tensor_files(files))  # may untie config: before the model is built
+    routes = _tied_head_routes(config, files)  # may untie config: before the model is built
     with torch.device("meta"):
         model = cls(config)
     model = model.to(dtype).to_empty(device=device)  # no data yet; cast on meta is free

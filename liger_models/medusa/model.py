@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from liger_models.hub import parse_dtype
 from liger_models.medusa.checkpoint import CONFIG_NAME, load_heads, read_json, save_heads
 from liger_models.medusa.config import MedusaConfig
 from liger_models.medusa.decoding import medusa_generate
@@ -141,11 +142,7 @@ class MedusaModel(nn.Module):
             base = _load_base(directory if full else raw.get("base_model_name_or_path", ""), dtype, device)
         # The heads live beside the base: same dtype and device unless asked otherwise ("auto" too, as for the
         # causal-LM loaders; `device or` would read device 0 as "not given").
-        if isinstance(dtype, str):
-            dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype must be a floating-point torch.dtype, its name or 'auto', got {dtype!r}")
-        dtype = dtype or base.lm_head.weight.dtype
+        dtype = parse_dtype(dtype) or base.lm_head.weight.dtype
         device = base.lm_head.weight.device if device is None else torch.device(device)
         if vllm:
             from liger_models.convert.medusa import load_vllm  # convert sits above medusa: imported on use

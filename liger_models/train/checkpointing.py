@@ -100,7 +100,7 @@ def save_checkpoint(
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    _restore_interrupted_swaps(root)
+    _finish_interrupted(root)
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()
@@ -140,10 +140,10 @@ def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
 
-def _restore_interrupted_swaps(root: Path) -> None:
-    """A process killed between a re-save's two renames leaves the previous copy as ``.step_N.<id>.old`` and no
-    ``step_N``: put it back, so the step is not lost (the new copy, still a .tmp, is incomplete by definition).
-    A prune cut short (see :func:`_remove`) is finished."""
+def _finish_interrupted(root: Path) -> None:
+    """Finish what a killed process left half done. Killed between a re-save's two renames, it leaves the previous
+    copy as ``.step_N.<id>.old`` and no ``step_N``: put it back, so the step is not lost (the new copy, still a
+    .tmp, is incomplete by definition). Killed mid-prune, it leaves a ``.pruned`` directory (:func:`_remove`)."""
     for old in root.glob(".step_*.old"):
         final = root / old.name[1:].split(".")[0]
         if _STEP_DIR.match(final.name) and not final.exists() and (old / STATE_FILE).is_file():
@@ -165,7 +165,7 @@ def find_latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``root`` (``latest`` if valid, else the highest step), or None."""
     root = Path(root)
     if root.is_dir():
-        _restore_interrupted_swaps(root)
+        _finish_interrupted(root)
     pointer = root / "latest"
     if pointer.is_file():
         candidate = root / pointer.read_text(encoding="utf-8").strip()
