@@ -51,6 +51,8 @@ run_part() {
       (cd benchmarks && python3 host_overhead.py --out "$OUT") ;;
     profiles)  # issue 6: one profiled step per family (Qwen and Gemma again after the session-2 changes)
       python3 benchmarks/profile_e2e.py --out "$OUT/profiles" --configs "${PROFILE_CONFIGS:-qwen2.5-1.5b,gemma-2b,mistral-7b-w4l,phi3-mini-w8l}" ;;
+    memory)  # issue 6: what is alive at the step's peak, by allocating line (allocator history replayed)
+      python3 benchmarks/memory_at_peak.py --out "$OUT" --configs "${MEMORY_CONFIGS:-mistral-7b-w4l,gemma-2b}" ;;
     e2e-small)  # tied lm_heads: no forward-time head step to measure, so graph capture only
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_small" --timeout 200 --providers "${E2E_SMALL_PROVIDERS:-ours,ours_graph}" \
         --configs llama-3.2-1b,qwen2.5-1.5b,gemma-2b ;;
