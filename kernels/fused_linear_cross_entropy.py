@@ -62,7 +62,7 @@ from ._launch import on_input_device
 from .cross_entropy import cross_entropy_reference
 
 # Tunables: bytes of logits scratch when grad_W's storage is not available (frozen W or bf16 accumulation),
-# and whether grad_W's storage serves as the scratch when it is larger.
+# and whether grad_W's storage serves as the scratch when it holds at least as many rows.
 LOGITS_BUDGET_BYTES = 256 << 20
 GRAD_WEIGHT_AS_SCRATCH = True
 # Whether the scratch is split in two so that one chunk's CE pass (memory-bound Triton, a side CUDA stream) runs
@@ -178,11 +178,12 @@ def _scratch(n: int, h: torch.Tensor, vocab: int, grad_w: torch.Tensor | None, u
              cap_rows: int | None) -> tuple[list[torch.Tensor], int]:
     """The logits buffers of the chunk loop and the rows each holds: one buffer, or two halves when the CE pass
     is overlapped (OVERLAP_CE) and there is more than one chunk. Storage: grad_W's (H rows of V) when allowed and
-    larger than the budget, else a new budget-sized tensor; never more than cap_rows rows."""
+    at least the budget (equal chunks without a second V·H-sized buffer: Mistral's V 32768 at H 4096 and a 256 MiB
+    budget are exactly equal), else a new budget-sized tensor; never more than cap_rows rows."""
     budget_rows = max(1, LOGITS_BUDGET_BYTES // (vocab * h.element_size()))
     if cap_rows is not None:
         budget_rows = min(budget_rows, cap_rows)
-    storage = grad_w.view(-1) if use_grad_w and h.shape[1] > budget_rows else None
+    storage = grad_w.view(-1) if use_grad_w and h.shape[1] >= budget_rows else None
     capacity = h.shape[1] if storage is not None else budget_rows
     count = 2 if OVERLAP_CE and n > capacity and capacity >= 2 else 1
     rows = min(n, capacity // count)

@@ -170,6 +170,19 @@ def test_accumulator_becoming_grad(monkeypatch, vocab, opts):
     assert casts[0].untyped_storage().nbytes() == -(-vocab // 2) * H * 4  # ≤ grad_W's bytes + one row
 
 
+@pytest.mark.parametrize("budget_rows,shared", [(H, True), (H - 1, True), (H + 1, False)])
+def test_scratch_in_grad_w_when_it_holds_the_budget(monkeypatch, budget_rows, shared):
+    """grad_W's storage (H rows of V) is the logits scratch whenever it holds at least the budget's rows: an
+    equal-sized second buffer would only add V·H bytes to the peak (Mistral: V 32768, H 4096, 256 MiB budget)."""
+    vocab, n = 37, 3 * H
+    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", budget_rows * vocab * 2)
+    h = torch.randn(n, H, device=DEVICE, dtype=torch.bfloat16)
+    grad_w = torch.empty(vocab, H, device=DEVICE, dtype=torch.bfloat16)
+    (buffer,), rows = flce_mod._scratch(n, h, vocab, grad_w, True, None)
+    assert (buffer.untyped_storage().data_ptr() == grad_w.untyped_storage().data_ptr()) == shared
+    assert rows == (H if shared else budget_rows)
+
+
 @pytest.mark.parametrize("size", [1, 7, 8, 1000, 4099])
 def test_cast_into_grad_in_place(size):
     """The doubling copies give exactly (bit for bit) the rounding of the concatenated halves."""
