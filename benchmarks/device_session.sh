@@ -62,6 +62,9 @@ run_part() {
     e2e-capped)  # Gemma-2B's step with linear-CE's scratch capped at 512 MiB (the accumulator becomes grad_W)
       LIGER_TUNE=fused_linear_cross_entropy.MAX_SCRATCH_BYTES=$((512 << 20)) python3 benchmarks/bench_e2e.py \
         --out "$OUT/e2e_capped" --timeout 200 --providers ours,ours_graph --configs gemma-2b ;;
+    e2e-cublaslt)  # the same steps with every GEMM through cuBLASLt's heuristics (torch's env switch) instead of cuBLAS
+      TORCH_BLAS_PREFER_CUBLASLT=1 python3 benchmarks/bench_e2e.py --out "$OUT/e2e_cublaslt" --timeout 200 \
+        --providers ours --configs "${CUBLASLT_CONFIGS:-llama-3.2-1b,mistral-7b-w4l}" ;;
     e2e-wide)
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_wide" --timeout 200 --providers $E2E_PROVIDERS \
         --configs llama-3-8b-w8l,mistral-7b-w4l,phi3-mini-w8l ;;
