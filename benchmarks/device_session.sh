@@ -62,6 +62,8 @@ run_part() {
     e2e-capped)  # Gemma-2B's step with linear-CE's scratch capped at 512 MiB (the accumulator becomes grad_W)
       LIGER_TUNE=fused_linear_cross_entropy.MAX_SCRATCH_BYTES=$((512 << 20)) python3 benchmarks/bench_e2e.py \
         --out "$OUT/e2e_capped" --timeout 200 --providers ours,ours_graph --configs gemma-2b ;;
+    gemm-shapes)  # every GEMM of a step at the e2e shapes, as used and in variants (split halves, fp32 split-K)
+      python3 benchmarks/bench_gemm_shapes.py --out "$OUT" ;;
     e2e-cublaslt)  # the same steps with every GEMM through cuBLASLt's heuristics (torch's env switch) instead of cuBLAS
       TORCH_BLAS_PREFER_CUBLASLT=1 python3 benchmarks/bench_e2e.py --out "$OUT/e2e_cublaslt" --timeout 200 \
         --providers ours --configs "${CUBLASLT_CONFIGS:-llama-3.2-1b,mistral-7b-w4l}" ;;
