@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import torch
 from safetensors.torch import load_file
@@ -100,7 +101,8 @@ def load_vllm(directory: str, base_lm_head: torch.nn.Linear | None = None, *, dt
 
     With `original_lm_head`, the heads share `base_lm_head`, which must equal the stored `lm_heads.0.weight`
     (when omitted, a bias-free Linear holding the stored weight stands in for it). ResBlock biases absent from the
-    file (vLLM's usual bias-free layout, `medusa_fc_bias` false) load as zeros: what a bias-free Linear computes.
+    file (vLLM's usual bias-free layout, `medusa_fc_bias` false) load as zeros: what a bias-free Linear computes;
+    biases stored without `medusa_fc_bias: true` are dropped with a warning, as vLLM never reads them.
     """
     raw = read_json(os.path.join(directory, CONFIG_NAME))
     if raw.get("model_type") != "medusa":
@@ -109,6 +111,14 @@ def load_vllm(directory: str, base_lm_head: torch.nn.Linear | None = None, *, dt
     num_layers = int(raw.get("num_hidden_layers", raw.get("medusa_num_layers", 1)))
     original = bool(raw.get("original_lm_head", False))
     sd, shared = vllm_to_medusa_state_dict(load_file(os.path.join(directory, VLLM_WEIGHTS_NAME)), num_layers, original)
+    biases = [k for k in sd if k.endswith(".linear.bias")]
+    if biases and not raw.get("medusa_fc_bias", False):
+        # vLLM builds bias-free Linears without the flag and skips keys that match no parameter: what it serves
+        # ignores these biases, so the heads loaded here must too.
+        warnings.warn(f"{directory}: ResBlock biases stored but medusa_fc_bias is not true; vLLM ignores them, so they "
+                      "are dropped (set medusa_fc_bias to true to use them)", stacklevel=2)
+        for key in biases:
+            del sd[key]
     for key in [k for k in sd if k.endswith(".linear.weight")]:
         sd.setdefault(key.removesuffix("weight") + "bias", sd[key].new_zeros(sd[key].shape[0]))
     if original:

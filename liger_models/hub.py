@@ -31,7 +31,9 @@ import torch
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
+# *.jinja: chat_template.jinja and additional_chat_templates/*.jinja, where transformers now saves chat templates
+# (no longer in tokenizer_config.json).
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 # consolidated*.safetensors: Mistral repos' second copy of the weights for mistral-inference (never read here).
 IGNORE_PATTERNS = ["original/*", "*.pth", "*.bin", "*.gguf", "*.pt", "consolidated*.safetensors"]
 _SKIPPED = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -259,7 +261,8 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
 
 def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path | None = None,
              local_files_only: bool = False) -> Path:
-    """Local snapshot directory of a Hub repo (only *.json, *.safetensors and tokenizer files are fetched).
+    """Local snapshot directory of a Hub repo (only *.json, *.safetensors, tokenizer and chat-template files are
+    fetched).
 
     Honours ``HF_HUB_OFFLINE`` / ``local_files_only`` (cache only, refs resolved from ``refs/``) and ``cache_dir``.
     An existing local directory (e.g. an already downloaded snapshot) is returned as it is.
@@ -326,7 +329,9 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
     ``generation_config`` is written as generation_config.json (replacing one already in the directory)."""
     from safetensors.torch import save_file
 
-    directory = Path(directory).expanduser().absolute()
+    # resolve(), not absolute(): a symlinked output directory is saved into its target (the swap below would
+    # otherwise replace the link with a new directory beside it, on the link's filesystem).
+    directory = Path(directory).expanduser().resolve()
     shards = _plan_shards(state, parse_size(max_shard_size))
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -356,8 +361,11 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
                 if not (_OWN_OUTPUT.match(p.name) or (tmp / p.name).exists()):
                     os.rename(p, tmp / p.name)
                     moved.append(p.name)
+            in_it = os.path.samefile(".", directory)  # the working directory: follow it into the new one below
             os.rename(directory, old)
             os.rename(tmp, directory)
+            if in_it:  # else the process stays in the deleted old directory, where every relative path fails
+                os.chdir(directory)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, directory)

@@ -243,3 +243,26 @@ def test_from_pretrained_takes_dtype_names_and_device_index(tmp_path):
     if not torch.cuda.is_available():  # device 0 is cuda:0: on a CPU-only machine that must fail, not load on the CPU
         with pytest.raises((RuntimeError, AssertionError, AttributeError)):
             MedusaModel.from_pretrained(str(tmp_path), base=base, device=0)
+
+
+@pytest.mark.parametrize("fc_bias", [None, False])
+def test_vllm_biases_without_medusa_fc_bias_are_ignored_as_vllm_does(tmp_path, fc_bias):
+    """vLLM builds its ResBlock Linears with a bias only when `medusa_fc_bias` is true and skips checkpoint keys that
+    match no parameter: bias tensors stored without the flag (an older export, another converter) do not take part in
+    what vLLM serves. load_vllm must read the file as vLLM does, with a warning, not load a different model."""
+    model = _model(False, 1)
+    save_vllm(model.heads, str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("medusa_fc_bias")
+    if fc_bias is not None:
+        cfg["medusa_fc_bias"] = fc_bias
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match="medusa_fc_bias"):
+        heads = load_vllm(str(tmp_path))
+    x = torch.randn(4, H)
+    got = heads.logits(x)
+    for h in range(3):  # vLLM's bias-free ResidualBlock
+        y = x.double()
+        y = y + torch.nn.functional.silu(y @ sd[f"blocks.{h}.layers.0.weight"].double().T)
+        torch.testing.assert_close(got[h].double(), y @ sd[f"lm_heads.{h}.weight"].double().T, rtol=1e-5, atol=1e-5)

@@ -356,3 +356,39 @@ def test_from_hub_on_a_bin_only_repo_says_why(tmp_path, checkpoint):
     cache = hub_cache(tmp_path / "hub", repo)
     with pytest.raises(FileNotFoundError, match="only safetensors"):
         AutoLigerForCausalLM.from_hub("org/tiny", cache_dir=cache, local_files_only=True)
+
+
+def test_save_through_a_symlinked_directory_writes_into_its_target(checkpoint):
+    # An output directory that is a symlink (to another disk, say) must receive the checkpoint; the swap must not
+    # replace the link with a new directory beside it and leave the target holding the previous save.
+    model, path = checkpoint
+    link = path.parent / "out"
+    link.symlink_to(path, target_is_directory=True)
+    other = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny(num_hidden_layers=1))
+    other.save_pretrained(link)
+    assert link.is_symlink()
+    loaded = AutoLigerForCausalLM.from_pretrained(path)
+    assert torch.equal(loaded.lm_head.weight, other.lm_head.weight)
+    assert (path / "tokenizer.json").is_file()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt", "out"]  # no stale temporary entries
+
+
+def test_hub_download_keeps_the_chat_template_file():
+    # Recent transformers (v5 included) saves a tokenizer's chat template as chat_template.jinja (+ named ones under
+    # additional_chat_templates/), no longer inside tokenizer_config.json: a snapshot without them has no chat format.
+    from huggingface_hub.utils import filter_repo_objects
+
+    repo = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "additional_chat_templates/tool_use.jinja"]
+    fetched = set(filter_repo_objects(repo, allow_patterns=hub.ALLOW_PATTERNS, ignore_patterns=hub.IGNORE_PATTERNS))
+    assert fetched == set(repo)
+
+
+def test_save_into_the_working_directory_keeps_it_usable(checkpoint, monkeypatch):
+    # save_pretrained(".") swaps the directory: the process must not be left in the deleted old one, where every
+    # relative path (the tokenizer saved next, a log file) fails with FileNotFoundError.
+    model, path = checkpoint
+    monkeypatch.chdir(path)
+    model.save_pretrained(".")
+    assert os.getcwd() == str(path.resolve())
+    assert sorted(os.listdir(".")) == ["config.json", "model.safetensors", "tokenizer.json"]
