@@ -105,7 +105,8 @@ def _token_text(value) -> str | None:
 
 
 def read_special_tokens(tokenizer: Tokenizer, model_dir: str | os.PathLike | None) -> SpecialTokens:
-    """BOS/EOS and the chat template from ``tokenizer_config.json`` (falling back to ``config.json``'s ids)."""
+    """BOS/EOS from ``tokenizer_config.json`` (falling back to ``config.json``'s ids) and the chat template from
+    ``chat_template.jinja`` or ``tokenizer_config.json``."""
     tok_cfg, model_cfg = {}, {}
     if model_dir is not None:
         for name, target in (("tokenizer_config.json", tok_cfg), ("config.json", model_cfg)):
@@ -127,10 +128,26 @@ def read_special_tokens(tokenizer: Tokenizer, model_dir: str | os.PathLike | Non
     special.adds_bos = special.bos_id is not None and bool(probe) and probe[0] == special.bos_id
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    files = _chat_template_files(model_dir)
+    if files:  # as transformers does: template files win over tokenizer_config.json's entry
+        template = files
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
     special.chat_template = template if isinstance(template, str) else None
     return special
+
+
+def _chat_template_files(model_dir: str | os.PathLike | None) -> dict[str, str]:
+    """Chat templates saved as files, where transformers v5 writes them (and no longer in tokenizer_config.json):
+    chat_template.jinja is "default", additional_chat_templates/<name>.jinja the named ones."""
+    if model_dir is None:
+        return {}
+    root = Path(model_dir)
+    files = {path.stem: path for path in sorted((root / "additional_chat_templates").glob("*.jinja"))}
+    if (root / "chat_template.jinja").is_file():
+        files["default"] = root / "chat_template.jinja"
+    return {name: path.read_text(encoding="utf-8") for name, path in files.items()}
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048, eos_token: str = "<|endoftext|>") -> Tokenizer:

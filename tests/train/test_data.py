@@ -81,6 +81,31 @@ def test_chat_simple_template_masks_all_but_assistant(tokenizer, tmp_path):
     assert "Who" not in _loss_text(tokenizer, ids, mask) and "bard" not in _loss_text(tokenizer, ids, mask)
 
 
+@pytest.mark.parametrize("config_template", [None, "{{ 'stale' }}"])
+def test_chat_template_read_from_the_files_transformers_saves(tokenizer, tmp_path, config_template):
+    """transformers v5 saves the template as chat_template.jinja (not in tokenizer_config.json), and a template file
+    wins over a tokenizer_config.json entry: we read what AutoTokenizer reads."""
+    import transformers
+
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.to_str()), eos_token=EOS)
+    fast.chat_template = LLAMA3_LIKE
+    fast.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").is_file()
+    if config_template is not None:
+        cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": config_template}))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).chat_template == LLAMA3_LIKE
+    assert read_special_tokens(tokenizer, tmp_path).chat_template == LLAMA3_LIKE
+
+
+def test_named_chat_template_files(tokenizer, tmp_path):
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ 'tools' }}")
+    assert read_special_tokens(tokenizer, tmp_path).chat_template == "{{ 'tools' }}"  # no default: the first named
+    (tmp_path / "chat_template.jinja").write_text(LLAMA3_LIKE)
+    assert read_special_tokens(tokenizer, tmp_path).chat_template == LLAMA3_LIKE
+
+
 def test_chat_model_template_via_jinja(tokenizer, tmp_path):
     tok = Tokenizer.from_str(tokenizer.to_str())
     tok.add_special_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
