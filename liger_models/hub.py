@@ -332,6 +332,11 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
     # resolve(), not absolute(): a symlinked output directory is saved into its target (the swap below would
     # otherwise replace the link with a new directory beside it, on the link's filesystem).
     directory = Path(directory).expanduser().resolve()
+    if directory.is_dir() and os.path.ismount(directory):
+        # The checkpoint is staged beside the directory and swapped in by rename, which a mount point (a container
+        # volume's root) refuses with EBUSY after all the writing: say so before writing anything.
+        raise ValueError(f"{directory} is a mount point, which cannot be replaced atomically; save into a "
+                         "subdirectory of it instead")
     shards = _plan_shards(state, parse_size(max_shard_size))
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"

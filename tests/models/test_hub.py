@@ -373,6 +373,20 @@ def test_save_through_a_symlinked_directory_writes_into_its_target(checkpoint):
     assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt", "out"]  # no stale temporary entries
 
 
+def test_save_into_a_mount_point_is_refused_before_writing(checkpoint, monkeypatch):
+    # A container volume's root cannot be renamed (EBUSY): the swap would fail only after every shard was written.
+    model, path = checkpoint
+    before = sorted(p.name for p in path.iterdir())
+    is_mount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == os.fspath(path) or is_mount(p))
+    with pytest.raises(ValueError, match="mount point.*subdirectory"):
+        model.save_pretrained(path)
+    assert sorted(p.name for p in path.iterdir()) == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]  # nothing staged beside it
+    model.save_pretrained(path / "inside")  # a subdirectory of the volume works
+    assert (path / "inside" / "config.json").is_file()
+
+
 def test_hub_download_keeps_the_chat_template_file():
     # Recent transformers (v5 included) saves a tokenizer's chat template as chat_template.jinja (+ named ones under
     # additional_chat_templates/), no longer inside tokenizer_config.json: a snapshot without them has no chat format.
