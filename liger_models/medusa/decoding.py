@@ -73,6 +73,10 @@ def default_medusa_choices(num_heads: int) -> list[tuple[int, ...]]:
 def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int = TOPK,
                             device: torch.device | str | None = None) -> MedusaBuffers:
     """Tree mask, node → candidate indices, node depths and root-to-leaf paths for `medusa_choices`."""
+    # Medusa v0.1's dense widths (e.g. [1, 7, 6]) would otherwise fail with "'int' object is not iterable".
+    if any(isinstance(c, int) for c in medusa_choices):
+        raise ValueError(f"medusa_choices must be rank paths such as [(0,), (0, 1)], got {list(medusa_choices)[:4]}; "
+                         "for a dense spec of per-head widths use dense_medusa_choices(widths)")
     choices = sorted({tuple(c) for c in medusa_choices}, key=lambda c: (len(c), c))
     if not choices or any(len(c) == 0 for c in choices):
         raise ValueError("medusa_choices must be a non-empty list of non-empty rank paths")

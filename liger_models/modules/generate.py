@@ -3,8 +3,9 @@
 Prompts of different lengths come left-padded with an ``attention_mask`` (HF convention); without one, as HF does,
 the mask is inferred from an explicit pad_token_id (argument or config) found in the prompt, unless it is an EOS id.
 Then, like HF, positions are cumsum(mask) − 1 (0 at padding) and padded keys are hidden; unpadded rows get exactly
-the tokens they get alone. A row that emitted an EOS token is filled with ``pad_token_id`` (else its first EOS id)
-until every row is done or ``max_new_tokens`` is reached.
+the tokens they get alone. A row that emitted an EOS token is filled with the pad id (argument, else
+generation_config's or config's, as HF; else its first EOS id) until every row is done or ``max_new_tokens`` is
+reached.
 When the rotary table for cached positions would change (longrope crossing original_max_position_embeddings), the
 cache is dropped and the whole sequence is recomputed, as HF's Phi3 does.
 """
@@ -25,7 +26,7 @@ def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: f
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
     logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
+    if top_k and top_k < logits.shape[-1]:  # None or 0: no top-k filtering (HF's convention for 0)
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
@@ -74,7 +75,11 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sam
     explicit_pad = pad_token_id if pad_token_id is not None else default_token_id(model, "pad_token_id")
     mask = prompt_mask(input_ids, attention_mask, explicit_pad, eos)  # (B, T) or None
     positions = None if mask is None else (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule
-    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+    # Finished rows get the pad id (argument, else generation_config's / config's, as HF), else the first EOS. A
+    # config pad outside the vocabulary (some configs say -1) could not be fed back, so it counts as none.
+    if explicit_pad is not None and not 0 <= explicit_pad < model.config.vocab_size:
+        explicit_pad = None
+    pad = explicit_pad if explicit_pad is not None else (int(eos[0]) if len(eos) else 0)
     rotary = model.model.rotary
     capacity = input_ids.shape[1] + max_new_tokens
 

@@ -39,7 +39,8 @@ def test_dense_and_default_choices():
 
 
 @pytest.mark.parametrize("choices,match", [([(0, 0, 0)], "only 2 Medusa heads"), ([(0,), (10,)], r"\[0, 10\)"),
-                                           ([(0,), (1, 0)], "parent"), ([], "non-empty")])
+                                           ([(0,), (1, 0)], "parent"), ([], "non-empty"),
+                                           ([1, 2], "dense_medusa_choices")])  # v0.1's dense widths
 def test_bad_choices_raise(choices, match):
     with pytest.raises(ValueError, match=match):
         generate_medusa_buffers(choices, num_heads=2)

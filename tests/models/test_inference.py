@@ -261,3 +261,27 @@ def test_logits_to_keep_like_hf(tmp_path):
         assert torch.equal(ours(ids, num_logits_to_keep=2).logits, ours(ids, logits_to_keep=2).logits)
     with pytest.raises(ValueError, match="not both"):
         ours(ids, num_logits_to_keep=2, logits_to_keep=2)
+
+
+def test_generate_fills_finished_rows_with_the_config_pad_like_hf(tmp_path):
+    """Without a pad_token_id argument, a finished row is filled with the config's pad id (HF's default), not EOS."""
+    hf = build_hf(transformers.LlamaConfig, tie_word_embeddings=True)  # pad 0, eos 2
+    ours = LigerLlamaForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
+    for _ in range(20):  # a prompt pair whose second row does not also emit the first row's first token
+        prompt = torch.randint(3, 128, (2, 5))
+        free = ours.generate(prompt, max_new_tokens=4, eos_token_id=[])
+        stop = int(free[0, 5])
+        if stop not in free[1, 5:].tolist():
+            break
+    ref = hf.generate(prompt, max_new_tokens=4, do_sample=False, eos_token_id=stop)
+    assert ref.shape[1] == 9 and (ref[0, 6:] == 0).all()
+    assert torch.equal(ours.generate(prompt, max_new_tokens=4, eos_token_id=stop), ref)
+
+
+def test_generate_top_k_zero_disables_top_k_like_hf():
+    """top_k=0 means no top-k filtering (HF's convention), not a crash."""
+    model = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny())
+    prompt = torch.randint(3, 128, (2, 4))
+    kwargs = dict(max_new_tokens=4, do_sample=True, eos_token_id=[])
+    out = model.generate(prompt, top_k=0, generator=torch.Generator().manual_seed(3), **kwargs)
+    assert torch.equal(out, model.generate(prompt, top_k=None, generator=torch.Generator().manual_seed(3), **kwargs))
