@@ -83,7 +83,10 @@ def save_heads(heads: MedusaHeads, directory: str, *, merge_config: bool = False
         fields["base_model_name_or_path"] = base_model_name_or_path
     path = os.path.join(directory, CONFIG_NAME)
     if merge_config:
-        merged = read_json(path)
+        # A base loaded from a stage-2 directory writes that config's medusa_* / version fields back (extra config
+        # keys): drop them, or one these heads' config omits would stay (a stale "version": "2" declares copied heads
+        # shared, and the directory no longer loads).
+        merged = {k: v for k, v in read_json(path).items() if k != "version" and not k.startswith("medusa_")}
         # The base's own hidden_size / vocab_size are already there and are the same numbers.
         merged.update({k: v for k, v in fields.items() if k not in ("hidden_size", "vocab_size")})
         save_json(path, merged)

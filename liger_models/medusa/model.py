@@ -99,12 +99,23 @@ class MedusaModel(nn.Module):
 
     def param_groups(self, lr: float, head_lr_multiplier: float = 4.0,
                      weight_decay: float = 0.0) -> list[dict[str, Any]]:
-        """Optimizer groups: every head parameter (biases included) at lr × multiplier; base params in stage 2."""
-        groups = [{"name": "medusa_heads", "params": [p for p in self.heads.parameters() if p.requires_grad],
-                   "lr": lr * head_lr_multiplier, "weight_decay": weight_decay}]
+        """Optimizer groups: every head parameter (biases included) at lr × multiplier; base params in stage 2.
+
+        weight_decay is on matrices only: with it, each group's 1-D tensors (the heads' biases, the base's norm
+        weights) go to a "<name>_no_decay" sibling at the same lr (train/optim.py's `split_no_decay` layout).
+        """
+        parts = [("medusa_heads", self.heads, lr * head_lr_multiplier)]
         if self.stage == 2:
-            groups.append({"name": "base", "params": [p for p in self.base.parameters() if p.requires_grad],
-                           "lr": lr, "weight_decay": weight_decay})
+            parts.append(("base", self.base, lr))
+        groups = []
+        for name, module, group_lr in parts:
+            params = [p for p in module.parameters() if p.requires_grad]
+            flat = [p for p in params if p.dim() < 2] if weight_decay else []
+            matrices = [p for p in params if p.dim() >= 2] if flat else params
+            if matrices or not flat:
+                groups.append({"name": name, "params": matrices, "lr": group_lr, "weight_decay": weight_decay})
+            if flat:
+                groups.append({"name": f"{name}_no_decay", "params": flat, "lr": group_lr, "weight_decay": 0.0})
         return groups
 
     def save_pretrained(self, directory: str, *, location: str | None = None) -> None:

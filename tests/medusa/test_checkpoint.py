@@ -177,6 +177,24 @@ def test_stage2_saves_full_base_in_hf_format(tmp_path, share):
     assert torch.equal(hf.model.layers[0].mlp.down_proj.weight, model.base.model.layers[0].mlp.down_proj.weight)
 
 
+def test_stage2_save_on_a_base_from_a_stage2_checkpoint_keeps_no_stale_medusa_fields(tmp_path):
+    """A base loaded from a stage-2 directory keeps that config's medusa_* / version fields (as extra config keys) and
+    writes them back in its own config.json. New heads saved over it must leave only their own: a stale
+    `"version": "2"` declared copied heads shared (the checkpoint no longer loaded, nor resumed), a stale
+    `medusa_base_loss_weight` replaced the w0 these heads were trained with."""
+    old = MedusaModel.from_base(make_base(V, H), stage=2, num_heads=3, share_lm_head=True, base_loss_weight=0.5)
+    old.save_pretrained(str(tmp_path / "old"))
+    base = MedusaModel.from_pretrained(str(tmp_path / "old")).base
+    new = MedusaModel.from_base(base, stage=2, num_heads=2, share_lm_head=False)
+    new.save_pretrained(str(tmp_path / "new"))
+    cfg = json.loads((tmp_path / "new" / "config.json").read_text())
+    assert "version" not in cfg and "medusa_base_loss_weight" not in cfg and cfg["medusa_num_heads"] == 2
+    loaded = MedusaModel.from_pretrained(str(tmp_path / "new"))
+    assert not loaded.config.share_lm_head and loaded.config.base_loss_weight is None
+    new.heads.config.base_model_name_or_path = str(tmp_path / "new")
+    _assert_same_heads(new.heads, loaded.heads)
+
+
 def test_heads_only_dir_loads_base_from_base_model_name_or_path(tmp_path):
     model = _model(True, 1)
     model.base.save_pretrained(str(tmp_path / "base"))

@@ -45,7 +45,7 @@ def test_stage1_base_runs_without_autograd_graph():
 
 def test_param_groups_heads_at_4x_with_biases_and_base_in_stage2():
     model = MedusaModel.from_base(make_base(V, H), stage=2, num_heads=2, num_layers=2)
-    groups = model.param_groups(1e-3, weight_decay=0.1)
+    groups = model.param_groups(1e-3)
     heads, base = groups
     assert heads["lr"] == pytest.approx(4e-3) and base["lr"] == pytest.approx(1e-3)
     head_ids = {id(p) for p in heads["params"]}
@@ -53,6 +53,23 @@ def test_param_groups_heads_at_4x_with_biases_and_base_in_stage2():
     assert all(id(b.linear.bias) in head_ids for k in range(2) for b in model.heads.resblocks(k))
     assert {id(p) for p in base["params"]} == {id(p) for p in model.base.parameters()}
     assert len(MedusaModel.from_base(make_base(V, H), stage=1, num_heads=2).param_groups(1e-3)) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_param_groups_weight_decay_on_matrices_only(stage):
+    """Weight decay shrinks what it touches towards 0: never the heads' ResBlock biases nor the base's RMSNorm weights
+    (MEDUSA.md §7). The 1-D tensors keep their group's lr (heads × 4) in a no-decay sibling."""
+    model = MedusaModel.from_base(make_base(V, H), stage=stage, num_heads=2, num_layers=2)
+    groups = model.param_groups(1e-3, weight_decay=0.1)
+    for g in groups:
+        assert g["weight_decay"] == 0 or all(p.dim() >= 2 for p in g["params"]), g["name"]
+    lr_of = {id(p): g["lr"] for g in groups for p in g["params"]}
+    decayed = {id(p) for g in groups if g["weight_decay"] for p in g["params"]}
+    assert len(lr_of) == sum(len(g["params"]) for g in groups)  # each parameter in one group
+    assert {i for i in lr_of if lr_of[i] == pytest.approx(4e-3)} == {id(p) for p in model.heads.parameters()}
+    trained = [*model.heads.parameters(), *(model.base.parameters() if stage == 2 else ())]
+    assert set(lr_of) == {id(p) for p in trained}
+    assert decayed == {id(p) for p in trained if p.dim() >= 2}
 
 
 def test_stage2_trains_base_and_shared_head_is_not_pushed_by_heads():
