@@ -73,7 +73,7 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
                    help="held-out .txt/.jsonl files: loss (and head accuracy) on them in eval.jsonl, every "
                         "--eval-every steps and at the end")
     p.add_argument("--eval-every", type=_non_negative, default=0, help="evaluate every N steps (0: only at the end)")
-    p.add_argument("--eval-batches", type=_positive, default=20,
+    p.add_argument("--eval-batches", type=_positive, default=None,  # None: TrainConfig.eval_batches
                    help="eval micro-batches per process and evaluation, the same ones each time (default 20)")
     p.add_argument("--chat-template", default="auto", choices=("auto", "model", "simple"),
                    help="chat JSONL rendering: the model's jinja template, or the documented role-tagged one "

@@ -138,12 +138,14 @@ def build_adamw(
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1) -> float:
-    """LR multiplier at optimizer step ``step`` (0-based): linear ramp over ``warmup_steps``, then cosine to
-    ``min_lr_ratio`` at ``max_steps``."""
+    """LR multiplier at optimizer step ``step`` (0-based): linear ramp over ``warmup_steps`` (1/warmup_steps at step
+    0, the peak at the warmup's last step), then cosine to ``min_lr_ratio`` at the last step, ``max_steps - 1``."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
-    span = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
+    # The cosine starts at the step that is at the peak (the warmup's last, else step 0) and ends at the last step
+    # that runs: measured from step warmup_steps to max_steps, the peak came twice and the floor never.
+    start = max(warmup_steps - 1, 0)
+    progress = min(1.0, (step - start) / max(1, max_steps - 1 - start))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

@@ -101,6 +101,11 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError("--data-cache DIR and --no-data-cache contradict each other; give one")
     if args.eval_every and not args.eval_data:
         raise ValueError("--eval-every needs --eval-data (the held-out files to evaluate on)")
+    if args.eval_batches is not None and not args.eval_data:
+        raise ValueError("--eval-batches needs --eval-data (the held-out files to evaluate on)")
+    if args.warmup_steps is not None and args.warmup_steps > args.max_steps:
+        raise ValueError(f"--warmup-steps {args.warmup_steps} is longer than --max-steps {args.max_steps}: the "
+                         "learning rate would never reach --lr")
     if getattr(args, "stage", 2) == 1 and args.base_loss_weight is not None:
         raise ValueError("--base-loss-weight is for stage 2 only: stage 1 freezes the base and drops its loss")
     if args.optimizer_in_backward:
@@ -173,7 +178,7 @@ def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
                          max_grad_norm=args.max_grad_norm, log_every=args.log_every, save_every=args.save_every,
                          keep_last=args.keep_last, quiet=args.quiet,
                          optimizer_in_backward=args.optimizer_in_backward, cuda_graph=args.cuda_graph,
-                         eval_every=args.eval_every, eval_batches=args.eval_batches)
+                         eval_every=args.eval_every, eval_batches=args.eval_batches or TrainConfig.eval_batches)
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     trainer = Trainer(model, task, stream, optimizer, scheduler, config, info, export, run_args, eval_data)
     if resume is not None:

@@ -366,8 +366,18 @@ class Trainer:
         """Restore optimizer, scheduler, data position, RNG and step from ``ckpt_dir`` (the model's weights were
         already loaded from its files by the caller). Every rank calls this."""
         state = ckpt.load_trainer_state(ckpt_dir)
+        if int(state["step"]) > self.config.max_steps:
+            raise ValueError(f"--max-steps {self.config.max_steps} is below the step of the checkpoint resumed "
+                             f"({ckpt_dir}: step {state['step']}); give at least that many to continue")
+        # This run's settings (--lr, --weight-decay, betas): the saved optimizer groups and scheduler base_lrs carry
+        # the checkpoint's, which would silently replace them (the schedule's shape is this run's already).
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        base_lrs = list(self.scheduler.base_lrs)
         D.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
+        self.scheduler.base_lrs = base_lrs
         # The lr of the first resumed step is this run's schedule at the restored step: the very value the checkpoint
         # saved when the schedule is unchanged, and the longer schedule's when a finished run is extended
         # (--max-steps raised), instead of the saved value from the old schedule's end.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -207,6 +208,8 @@ def test_bad_numbers_are_rejected_by_the_parser(bad, message, capsys):
     (["--cuda-graph", "--device", "cpu"], "a CPU device"),
     (["--cuda-graph", "--activation-checkpointing"], "--activation-checkpointing"),
     (["--eval-every", "5"], "--eval-every needs --eval-data"),  # would silently never evaluate
+    (["--eval-batches", "5"], "--eval-batches needs --eval-data"),  # the same
+    (["--max-steps", "10", "--warmup-steps", "20"], "--warmup-steps 20"),  # the LR would never reach --lr
     (["--stage", "1", "--base-loss-weight", "0.5"], "stage 2"),  # stage 1 has no base loss: silently ignored
     (["--data-cache", "cache", "--no-data-cache"], "contradict"),
 ])
@@ -223,3 +226,57 @@ def test_conflicting_options_fail_before_any_work(flags, problem, text_file, tmp
     for command in ("train", "train-medusa") if "--stage" not in flags else ("train-medusa",):
         code = main([command, "--model", "m", "--data", str(text_file), "--output-dir", str(tmp_path), *flags])
         assert code == 2 and problem in capsys.readouterr().err
+
+
+def _train(model_dir, data, out, *extra) -> int:
+    return main(["train", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--seq-len", "32",
+                 "--batch-size", "2", "--dtype", "fp32", "--quiet", *extra])
+
+
+def _logged_lrs(out) -> list[float]:
+    return [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _cosine(progress: float, floor: float = 0.1) -> float:
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@pytest.mark.parametrize("warmup, factors", [
+    ("2", [0.5, 1.0, _cosine(1 / 4), _cosine(2 / 4), _cosine(3 / 4), 0.1]),
+    ("0", [1.0, *(_cosine(k / 5) for k in range(1, 5)), 0.1]),
+])
+def test_lr_schedule_starts_above_zero_and_ends_at_the_floor(warmup, factors, tiny_model_dir, text_file, tmp_path):
+    """--min-lr-ratio is the final LR / peak LR: the last of --max-steps steps trains at the floor (it trained a
+    quarter of the way up the 6-step cosine: the floor fell on a step max_steps + 1 that never runs, and the peak was
+    used twice, by the warmup's last step and the cosine's first); the warmup's first step trains at peak / warmup,
+    not 0."""
+    assert _train(tiny_model_dir, text_file, tmp_path, "--max-steps", "6", "--save-every", "0", "--lr", "1e-3",
+                  "--warmup-steps", warmup, "--min-lr-ratio", "0.1") == 0
+    assert _logged_lrs(tmp_path) == pytest.approx([1e-3 * f for f in factors], rel=1e-9, abs=0)
+
+
+def test_resume_takes_this_runs_optimizer_settings(tiny_model_dir, text_file, tmp_path):
+    """A resumed run trains at its own --lr, --weight-decay, --beta1/--beta2, as it follows its own --max-steps: the
+    optimizer's and the scheduler's state dicts carry the checkpoint's, which silently replaced them."""
+    from liger_models.train.optim import warmup_cosine_factor
+
+    common = ("--save-every", "0", "--warmup-steps", "1")
+    assert _train(tiny_model_dir, text_file, tmp_path, *common, "--max-steps", "3", "--lr", "3e-3") == 0
+    assert _train(tiny_model_dir, text_file, tmp_path, *common, "--max-steps", "5", "--lr", "1e-3",
+                  "--weight-decay", "0.25", "--beta2", "0.99", "--resume", "auto") == 0
+    assert _logged_lrs(tmp_path)[3:] == pytest.approx([1e-3 * warmup_cosine_factor(s, 1, 5) for s in (3, 4)])
+    state = torch.load(tmp_path / "checkpoints" / "step_000005" / "trainer_state.pt", weights_only=True)
+    groups = {g["name"]: g for g in state["optimizer"]["param_groups"]}
+    assert groups["decay"]["weight_decay"] == 0.25 and groups["no_decay"]["weight_decay"] == 0.0
+    assert all(tuple(g["betas"]) == (0.9, 0.99) for g in groups.values())
+    assert state["scheduler"]["base_lrs"] == [1e-3, 1e-3]
+
+
+def test_resume_past_max_steps_fails_clearly(tiny_model_dir, text_file, tmp_path, capsys):
+    """--max-steps below the checkpoint's step cannot be honoured: an error, not a run that does nothing, says
+    "done: 4 steps" and exits 0."""
+    assert _train(tiny_model_dir, text_file, tmp_path, "--max-steps", "4", "--save-every", "0") == 0
+    capsys.readouterr()
+    assert _train(tiny_model_dir, text_file, tmp_path, "--max-steps", "2", "--resume", "auto") == 2
+    assert "--max-steps 2" in capsys.readouterr().err
+    assert _train(tiny_model_dir, text_file, tmp_path, "--max-steps", "4", "--resume", "auto") == 0  # finished: fine
