@@ -8,8 +8,9 @@ Documents
 
 Chat rendering
     ``template="model"`` renders the model's own ``chat_template`` from ``tokenizer_config.json`` with jinja2 (the
-    sandboxed environment HF uses: loop controls, a ``tojson`` that keeps non-ASCII text, ``raise_exception``;
-    ``strftime_now`` renders the fixed CHAT_TEMPLATE_DATE, so the tokens never depend on the day they are built).
+    sandboxed environment HF uses: loop controls, ``{% generation %}`` blocks, ``tools`` and ``documents`` None, a
+    ``tojson`` that keeps non-ASCII text, ``raise_exception``; ``strftime_now`` renders the fixed CHAT_TEMPLATE_DATE,
+    so the tokens never depend on the day they are built).
     Assistant spans are found by rendering growing prefixes of the conversation: the text between
     ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i+1])`` is turn i, so the loss
     covers the assistant's content plus the template's end-of-turn marker and nothing the user wrote. A template
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -219,9 +221,23 @@ def render_simple(messages: Sequence[dict], special: SpecialTokens) -> Document:
 def _jinja_renderer(template: str, special: SpecialTokens):
     try:
         import jinja2
+        import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as exc:  # pragma: no cover - jinja2 ships with torch
         raise RuntimeError("the model's chat template needs jinja2; use --chat-template simple") from exc
+
+    class Generation(jinja2.ext.Extension):
+        # HF's {% generation %}...{% endgeneration %} marks assistant text for its own masks; the spans here come
+        # from prefix renders, so the block only renders its body (as HF does), instead of failing to compile.
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -232,7 +248,8 @@ def _jinja_renderer(template: str, special: SpecialTokens):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", Generation])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
@@ -246,6 +263,8 @@ def _jinja_renderer(template: str, special: SpecialTokens):
         try:
             return compiled.render(
                 messages=list(messages),
+                tools=None,  # as HF passes them: a template testing `tools is not none` sees no tools
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=special.bos_text,
                 eos_token=special.eos_text,
@@ -295,37 +314,47 @@ def iter_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
     use_model = chat_template == "model" or (chat_template == "auto" and special.chat_template is not None)
     if use_model and special.chat_template is None:
         raise ValueError("--chat-template model: the tokenizer_config.json has no chat_template")
-    renderer = None
+    renderer = functools.cache(lambda: _jinja_renderer(special.chat_template, special))  # compiled once, if needed
     for raw in paths:
         path = Path(raw)
         if not path.is_file():
             raise FileNotFoundError(f"data file not found: {path}")
-        if path.suffix == ".txt":
-            doc = Document(path.read_text(encoding="utf-8"))
-            if doc.text.strip():
-                yield doc
-            continue
-        if path.suffix != ".jsonl":
+        if path.suffix not in (".txt", ".jsonl"):
             raise ValueError(f"unsupported data file {path}: expected .txt or .jsonl")
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
-                if isinstance(row, dict) and "messages" in row:
-                    _check_messages(row["messages"], where)
-                    if use_model:
-                        renderer = renderer or _jinja_renderer(special.chat_template, special)
-                    yield _render_chat(row["messages"], special, renderer, where)
-                elif isinstance(row, dict) and isinstance(row.get("text"), str):
-                    if row["text"].strip():
-                        yield Document(row["text"])
-                else:
-                    raise ValueError(f'{where}: expected {{"text": ...}} or {{"messages": [...]}}')
+        try:
+            yield from _file_documents(path, special, renderer if use_model else None)
+        except UnicodeDecodeError as exc:  # name the file: the bare error says neither which file nor what to do
+            raise ValueError(f"{path} is not UTF-8 text ({exc.reason}); convert it to UTF-8") from None
+
+
+def _file_documents(path: Path, special: SpecialTokens, renderer) -> Iterator[Document]:
+    """The documents of one .txt / .jsonl file (see :func:`iter_documents`); ``renderer()`` gives the model's chat
+    template renderer, or renderer is None for the simple template."""
+    # utf-8-sig: a BOM that Windows tools write at a file's start is an encoding mark, not text to train on.
+    if path.suffix == ".txt":
+        doc = Document(path.read_text(encoding="utf-8-sig"))
+        if doc.text.strip():
+            yield doc
+        return
+    with path.open(encoding="utf-8-sig") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+            # A null field is an absent one: a mixed dataset exported by pandas / HF datasets writes every
+            # column on every row ({"text": ..., "messages": null}).
+            if isinstance(row, dict) and row.get("messages") is not None:
+                _check_messages(row["messages"], where)
+                yield _render_chat(row["messages"], special, renderer and renderer(), where)
+            elif isinstance(row, dict) and isinstance(row.get("text"), str):
+                if row["text"].strip():
+                    yield Document(row["text"])
+            else:
+                raise ValueError(f'{where}: expected {{"text": ...}} or {{"messages": [...]}}')
 
 
 def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
@@ -491,3 +520,4 @@ class BatchStream:
                 f"{len(self.dataset)} (different data, tokenizer or --seq-len?)"
             )
         self.seed, self.consumed = state["seed"], state["consumed"]
+        self._epoch, self._perm = -1, None  # the cached permutation may be another seed's

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from liger_models.train.checkpointing import fsync_dir
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a UTF-8 BOM starting a data file is not text; chat templates see tools=None as in HF
 TENSORS = ("input_ids", "labels", "position_ids")
 _BLOCK = 1 << 20  # bytes read at a time when hashing a data file
 _MAX_HEADER = 1 << 20  # a header of three tensors is a few hundred bytes; more means the file is not ours

@@ -376,3 +376,84 @@ def test_tokenize_document_matches_reference_without_eos(tokenizer):
     special = read_special_tokens(tokenizer, None)  # no EOS known: nothing appended
     doc = Document(shakespeare(300))
     assert tokenize_document(doc, tokenizer, special) == _reference_tokenize(doc, tokenizer, special)
+
+
+def test_utf8_bom_at_file_start_is_not_text(tokenizer, tmp_path):
+    """Windows tools (Notepad, PowerShell) start UTF-8 files with a BOM: it is an encoding mark, not a character to
+    train on (a .txt file trained the model to emit U+FEFF) nor a JSON error on line 1 of a .jsonl file."""
+    special = read_special_tokens(tokenizer, None)
+    (tmp_path / "bom.txt").write_bytes("\ufeffTo be".encode("utf-8"))
+    (tmp_path / "bom.jsonl").write_bytes(("\ufeff" + json.dumps({"text": "or not"}) + "\n").encode("utf-8"))
+    docs = load_documents([tmp_path / "bom.txt", tmp_path / "bom.jsonl"], special)
+    assert [d.text for d in docs] == ["To be", "or not"]
+
+
+@pytest.mark.parametrize("name", ["latin1.txt", "latin1.jsonl"])
+def test_a_file_that_is_not_utf8_is_named(tokenizer, tmp_path, name):
+    special = read_special_tokens(tokenizer, None)
+    text = "Fair Verona, où nous plaçons notre scène"
+    data = tmp_path / name
+    data.write_bytes((json.dumps({"text": text}, ensure_ascii=False) if name.endswith("jsonl") else text)
+                     .encode("latin-1"))
+    with pytest.raises(ValueError, match=f"{name} is not UTF-8 text.*convert it to UTF-8"):
+        load_documents([data], special)
+
+
+def test_jsonl_text_rows_with_null_messages(tokenizer, tmp_path):
+    """A mixed dataset exported by pandas / HF datasets writes every column on every row: a plain row carries
+    "messages": null (and a chat row "text": null). Each row is what its non-null field says."""
+    special = read_special_tokens(tokenizer, None)
+    data = tmp_path / "mixed.jsonl"
+    data.write_text(json.dumps({"text": "To be", "messages": None}) + "\n"
+                    + json.dumps({"text": None, "messages": CHAT[1:3]}) + "\n")
+    plain, chat = load_documents([data], special, "simple")
+    assert plain.text == "To be" and plain.spans is None
+    assert chat.text.startswith("<|user|>\nWho goes there?") and chat.spans
+
+
+def test_batch_stream_load_state_dict_after_drawing():
+    """Loading a state into a stream that already drew batches (under another seed) continues the saved run
+    exactly: the cached epoch permutation of the old seed must not be reused."""
+    ds = _stream_dataset()
+    a = BatchStream(ds, 3, seed=7)
+    a.next_batch()
+    state, want = a.state_dict(), a.next_batch()["input_ids"]
+    b = BatchStream(ds, 3, seed=8)
+    b.next_batch()
+    b.load_state_dict(state)
+    assert torch.equal(b.next_batch()["input_ids"], want)
+
+
+def test_chat_template_sees_tools_and_documents_as_hf_passes_them(tokenizer, tmp_path):
+    """HF renders with tools=None and documents=None: a template testing ``tools is not none`` without an
+    ``is defined`` guard must not render its tool-use preamble into every conversation (an undefined is not none)."""
+    import transformers
+
+    template = ("{% if tools is not none %}Environment: ipython\n{% endif %}{% if documents is defined %}docs\n"
+                "{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    special = _model_template_special(tokenizer, tmp_path, template)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CHAT[1:3]}) + "\n")
+    [doc] = load_documents([data], special, "model")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.to_str()), eos_token=EOS)
+    fast.chat_template = template
+    assert doc.text == fast.apply_chat_template(CHAT[1:3], tokenize=False)
+
+
+def test_chat_template_with_generation_tags(tokenizer, tmp_path):
+    """HF's ``{% generation %}`` block (templates written for its assistant masks, e.g. TRL's training templates)
+    compiles and renders its body as HF does; the loss still covers exactly the assistant turns."""
+    import transformers
+
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
+                "{{ m['content'] }}" + EOS + "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    special = _model_template_special(tokenizer, tmp_path, template)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CHAT[1:]}) + "\n")
+    [doc] = load_documents([data], special, "model")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.to_str()), eos_token=EOS)
+    fast.chat_template = template
+    assert doc.text == fast.apply_chat_template(CHAT[1:], tokenize=False)
+    ids, mask = tokenize_document(doc, tokenizer, special)
+    assert _loss_text(tokenizer, ids, mask) == f"A friend, good sir.{EOS}The king is dead; long live the king.{EOS}"
