@@ -61,6 +61,16 @@ class FusedAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True,
                          capturable=capturable)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch takes each group's implementation flags from the saved state, and from them where the step count
+        # goes: torch.optim.AdamW's default (foreach) state would keep it on the CPU, where the kernel cannot read
+        # it for a CUDA parameter, and capturable=False would make a CUDA graph refuse this optimizer. The flags
+        # describe this optimizer, not the state: keep ours (the step count then moves to the parameters' device).
+        saved = state_dict["param_groups"]
+        groups = [{**g, **{k: live[k] for k in ("fused", "foreach", "capturable") if k in live}}
+                  for g, live in zip(saved, self.param_groups)] + saved[len(self.param_groups):]
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
     def _kernel_covers(self) -> bool:
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             return False  # AMP's GradScaler hands a fused optimizer its scale through these

@@ -117,5 +117,6 @@ def test_fsdp2_stage1_trains_heads_like_one_process(tiny_tied_model_dir, text_fi
         torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-4, atol=0)
     a = load_file(single.checkpoint / "medusa_lm_head.safetensors")
     b = load_file(tmp_path / "fsdp" / "checkpoints" / "step_000003" / "medusa_lm_head.safetensors")
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=key)
+    for key in a:  # AdamW's m / √v turns the gradients' last-bit differences (two ranks sum in another order) into
+        # up to ~1e-5 at the heads' lr (1.2e-2) where a gradient is near ε: 1e-5 failed about one run in seven
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4, msg=key)

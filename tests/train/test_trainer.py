@@ -210,6 +210,36 @@ def test_fused_adamw_takes_every_beta_torch_takes(monkeypatch):
         torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7, msg=str(betas))
 
 
+def test_fused_adamw_keeps_its_flags_when_loading_torch_adamw_state(monkeypatch):
+    """torch.optim.AdamW's default state (not fused, not capturable) loaded into FusedAdamW: torch would take the
+    saved groups' fused / capturable flags, and with them leave the step count on the CPU (the kernel raises on a
+    CUDA parameter) and make a capturable FusedAdamW refuse a CUDA graph. The optimizer keeps its own flags, and
+    continues exactly as torch's AdamW does."""
+    import copy
+
+    from liger_models.train.cuda_graph import GraphedStep
+    from liger_models.train.optim import FusedAdamW
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    w = torch.nn.Parameter(torch.randn(5, 3, generator=torch.Generator().manual_seed(0)))
+    ref = torch.nn.Parameter(w.detach().clone())
+    theirs = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, foreach=False)
+    ref.square().sum().backward()
+    theirs.step()
+    theirs.zero_grad(set_to_none=True)
+    w.data.copy_(ref.detach())
+    ours = FusedAdamW([w], lr=1e-2, weight_decay=0.1, capturable=True)
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))  # as from a checkpoint: no tensor shared with theirs
+    group = ours.param_groups[0]
+    assert group["fused"] is True and group["capturable"] is True, group
+    assert ours.state[w]["step"].device == w.device and ours.state[w]["step"].dtype == torch.float32
+    GraphedStep(lambda batch: None, ours)  # still a capturable optimizer
+    for p, opt in ((w, ours), (ref, theirs)):
+        p.square().sum().backward()
+        opt.step()
+    torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)
+
+
 class _Built(Exception):
     pass
 
