@@ -4,6 +4,7 @@ The variable must be set before anything imports triton, so it is set here, at c
 GPU-only tests carry ``@pytest.mark.gpu`` and are deselected by default (``pytest -m gpu`` runs them).
 """
 
+import hashlib
 import os
 import random
 
@@ -27,12 +28,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Fresh random inputs every run, replayable: every test and every shared (session / module) fixture draws from a
+# seed derived from this one and its own name, so LIGER_TEST_SEED=<printed value> rebuilds the same random models
+# in shared fixtures too (they are built before any test's own seeding, and once drew from an unseeded generator).
+SESSION_SEED = int(os.environ.get("LIGER_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def derived_seed(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{SESSION_SEED}:{name}".encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    if fixturedef.scope != "function":
+        torch.manual_seed(derived_seed(f"fixture {fixturedef.baseid} {fixturedef.argname}"))
+    yield
+
+
 @pytest.fixture(autouse=True)
-def _fresh_seed():
-    """Fresh random inputs every run; the seed is printed (shown on failure) and ``LIGER_TEST_SEED`` replays it."""
-    seed = int(os.environ.get("LIGER_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"LIGER_TEST_SEED={seed}")
-    torch.manual_seed(seed)
+def _fresh_seed(request):
+    """The seed is printed (shown on failure); ``LIGER_TEST_SEED`` replays it."""
+    print(f"LIGER_TEST_SEED={SESSION_SEED}")
+    torch.manual_seed(derived_seed(request.node.nodeid))
     yield
 
 
