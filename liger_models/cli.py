@@ -33,6 +33,10 @@ def _seq_len(value: str) -> int:
     return n
 
 
+# argparse names the type in its "invalid <name> value: 'abc'" message: "int", not the function's name.
+_positive.__name__ = _non_negative.__name__ = _seq_len.__name__ = "int"
+
+
 def _float_where(rule: str, holds):
     """An argparse type: a float for which ``holds`` is true, else the error "must be <rule>". NaN fails every
     comparison, so it is refused too."""
@@ -230,6 +234,9 @@ def _check_paths(args: argparse.Namespace) -> None:
         raise SystemExit(f"liger-models: error: --init-heads {init}: no such directory")
     if args.resume not in (None, "auto") and not Path(args.resume).is_dir():
         raise SystemExit(f"liger-models: error: --resume {args.resume}: no such directory (or use 'auto')")
+    # Refused now rather than after the model is loaded and the data tokenized (minutes for a large model).
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise SystemExit(f"liger-models: error: --output-dir {args.output_dir}: a file, not a directory")
 
 
 def _run_train(args: argparse.Namespace) -> None:
@@ -274,10 +281,19 @@ def _run_demo(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``liger-models`` console script."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "device", None) == "cuda":
+        import torch
+
+        # Checked before any work (the demo would first train a tokenizer and write its output directory).
+        if not torch.cuda.is_available():
+            print("liger-models: error: --device cuda was asked for but CUDA is not available", file=sys.stderr)
+            return 2
     try:
         args.func(args)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
-        # User errors (bad paths, data, arguments) get one clear line; LIGER_DEBUG=1 shows the traceback.
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, ValueError,
+            FloatingPointError) as exc:
+        # User errors (bad paths, data, arguments; a loss that diverged: "lower --lr?") get one clear line;
+        # LIGER_DEBUG=1 shows the traceback.
         if os.environ.get("LIGER_DEBUG"):
             raise
         print(f"liger-models: error: {exc}", file=sys.stderr)

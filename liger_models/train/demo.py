@@ -52,12 +52,15 @@ FULL_GPU = DemoSize(2048, 256, 4, 8, 2, 256, 32, 600, 200, 2e-3, 2e-3)
 QUICK = DemoSize(320, 64, 2, 4, 2, 32, 4, 8, 6, 3e-3, 1e-3, text_chars=60_000)
 
 
-def _prepare_output(out: Path) -> None:
+def _prepare_output(out: Path, keep: Path | None = None) -> None:
     if out.exists() and any(out.iterdir()):
         if not (out / MARKER).exists():
             raise FileExistsError(f"{out} exists and was not made by `liger-models demo`; pick another --output-dir")
+        # --model may be an earlier demo's pre-trained model, the "base model:" path it printed: not deleted.
+        kept = {keep.resolve(), *keep.resolve().parents} if keep is not None else set()
         for name in ("data", "base_init", "pretrain", "medusa"):
-            shutil.rmtree(out / name, ignore_errors=True)
+            if (out / name).resolve() not in kept:
+                shutil.rmtree(out / name, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).touch()
 
@@ -152,7 +155,9 @@ def run_demo(args: argparse.Namespace) -> dict:
     pretrain_steps = args.pretrain_steps if args.pretrain_steps is not None else size.pretrain_steps
     medusa_steps = args.medusa_steps or size.medusa_steps
     out = Path(args.output_dir)
-    _prepare_output(out)
+    if args.model is not None and not Path(args.model).is_dir():  # before an earlier demo's output is replaced
+        raise FileNotFoundError(f"--model {args.model}: no such directory")
+    _prepare_output(out, None if args.model is None else Path(args.model))
     text = bundled_text()[: size.text_chars]
     train_txt, eval_txt = _split_text(text, out)
     device = torch.device("cuda" if on_gpu else "cpu")

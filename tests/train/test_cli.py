@@ -280,3 +280,52 @@ def test_resume_past_max_steps_fails_clearly(tiny_model_dir, text_file, tmp_path
     assert _train(tiny_model_dir, text_file, tmp_path, "--max-steps", "2", "--resume", "auto") == 2
     assert "--max-steps 2" in capsys.readouterr().err
     assert _train(tiny_model_dir, text_file, tmp_path, "--max-steps", "4", "--resume", "auto") == 0  # finished: fine
+
+
+def test_device_cuda_without_cuda_fails_clearly(text_file, tmp_path, capsys, monkeypatch):
+    """--device cuda on a machine without CUDA: the one-line error and exit code 2 before any work, not a
+    RuntimeError traceback (train, train-medusa, demo: after training a tokenizer and writing its output directory;
+    init-model: torch's "not compiled with CUDA" AssertionError)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["train", "--model", "m", "--data", str(text_file)],
+                 ["train-medusa", "--model", "m", "--data", str(text_file)],
+                 ["demo", "--quick"], ["init-model"]):
+        out = tmp_path / argv[0]
+        assert main([*argv, "--output-dir", str(out), "--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+        assert not out.exists()
+
+
+def test_path_that_is_not_a_directory_fails_clearly(tiny_model_dir, text_file, tmp_path, capsys):
+    """A file where a directory belongs (--model, --output-dir) gets the one-line error, not a NotADirectoryError
+    traceback."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a directory")
+    for argv in (["train", "--model", str(tiny_model_dir), "--data", str(text_file), "--output-dir", str(a_file)],
+                 ["train", "--model", str(text_file), "--data", str(text_file), "--output-dir", str(tmp_path / "o")],
+                 ["demo", "--quick", "--output-dir", str(a_file)]):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code, err = exc.code, str(exc)
+        else:
+            err = capsys.readouterr().err
+        assert code not in (0, None) and "liger-models: error:" in err and "Traceback" not in err
+        assert a_file.read_text() == "not a directory"
+
+
+def test_diverged_loss_fails_clearly(tiny_model_dir, text_file, tmp_path, capsys):
+    """A loss that turns NaN stops the run with its "lower --lr?" advice as the one-line error and exit code 2,
+    not a FloatingPointError traceback."""
+    code = _train(tiny_model_dir, text_file, tmp_path, "--max-steps", "8", "--lr", "1e30", "--warmup-steps", "0",
+                  "--max-grad-norm", "0")
+    assert code == 2 and "lower --lr?" in capsys.readouterr().err
+
+
+def test_bad_integer_names_its_type(capsys):
+    """argparse names an integer option's type in its error: "int", not the checking function's name."""
+    for flag in ("--max-steps", "--eval-every", "--seq-len"):
+        with pytest.raises(SystemExit):
+            main(["train", "--model", "m", "--data", "d.txt", flag, "ten"])
+        err = capsys.readouterr().err
+        assert f"argument {flag}: invalid int value: 'ten'" in err, err

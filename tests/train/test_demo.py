@@ -40,3 +40,18 @@ def test_init_model_cli(tmp_path):
     assert config["num_hidden_layers"] == 4 and config["vocab_size"] == 300 and config["dtype"] == "bfloat16"
     assert (tmp_path / "m" / "tokenizer.json").is_file()
     assert main(["init-model", "--preset", "nope", "--output-dir", str(tmp_path / "x")]) == 2
+
+
+def test_demo_on_its_own_pretrained_model_keeps_it(tmp_path, capsys):
+    """`demo --model DIR` with the "base model:" path an earlier demo printed (inside the same --output-dir) trains
+    heads on it: replacing the earlier demo's output deleted that model before it was loaded. A --model that does
+    not exist is refused before the earlier output is touched."""
+    out = tmp_path / "demo"
+    first = run_demo(build_parser().parse_args(["demo", "--quick", "--output-dir", str(out), "--device", "cpu",
+                                                "--medusa-steps", "1"]))
+    base = first["model_dir"]
+    assert main(["demo", "--quick", "--output-dir", str(out), "--model", str(tmp_path / "nowhere")]) == 2
+    assert "--model" in capsys.readouterr().err and base.is_dir() and (out / "medusa").is_dir()
+    assert main(["demo", "--quick", "--output-dir", str(out), "--device", "cpu", "--model", str(base),
+                 "--medusa-steps", "1"]) == 0
+    assert (base / "config.json").is_file()
