@@ -138,7 +138,8 @@ def mean_denominator(valid: torch.Tensor, normalizer: float | torch.Tensor | Non
     if normalizer is None:
         denom = valid.sum().to(dtype)
     else:
-        denom = torch.as_tensor(normalizer, device=valid.device).to(dtype)
+        # 0-dim: a (1,)-shaped count would make the scale 1-D, which the row kernel reads as one scale per row
+        denom = torch.as_tensor(normalizer, device=valid.device).reshape(()).to(dtype)
     return torch.where(denom == 0, torch.ones_like(denom), denom)
 
 

@@ -11,6 +11,7 @@ specialises on, so that a cache hit runs the binary Triton itself would pick.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 
 import torch
@@ -48,12 +49,15 @@ def sm_count(device: torch.device) -> int:
 def on_input_device(fn):
     """Triton launches on the current CUDA device: switch to the input's (a cuda:1 tensor must not run on cuda:0)."""
 
+    first = next(iter(inspect.signature(fn).parameters))  # the input may be passed by name (logits=..., x=...)
+
     @functools.wraps(fn)
-    def wrapper(x: torch.Tensor, *args, **kwargs):
-        if not x.is_cuda or x.device.index == torch.cuda.current_device():
-            return fn(x, *args, **kwargs)
+    def wrapper(*args, **kwargs):
+        x = args[0] if args else kwargs.get(first)
+        if not isinstance(x, torch.Tensor) or not x.is_cuda or x.device.index == torch.cuda.current_device():
+            return fn(*args, **kwargs)  # (not a tensor: fn raises its own error about it)
         with torch.cuda.device(x.device):
-            return fn(x, *args, **kwargs)
+            return fn(*args, **kwargs)
 
     return wrapper
 

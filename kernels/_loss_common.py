@@ -3,6 +3,8 @@ gradient computed in the forward by backward's grad_output, and handing such gra
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -15,14 +17,23 @@ SCALE_PROGRAMS_PER_SM = 8  # scale_'s grid: enough resident programs to stream a
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def check_options(reduction: str, label_smoothing: float, softcap: float | None) -> None:
-    """Raise ValueError for an unknown reduction or an out-of-range smoothing / softcap."""
+def check_options(reduction: str, label_smoothing: float, softcap: float | None, z_loss: float = 0.0,
+                  normalizer: float | torch.Tensor | None = None) -> None:
+    """Raise ValueError for an unknown reduction, an out-of-range smoothing / softcap / z-loss, or a normaliser that
+    is not one number ≥ 0 (a tensor's value is not read: that would stall the GPU; only its size is checked)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+    if softcap is not None and not 0 < softcap < math.inf:  # inf: inf·tanh(x/inf) = inf·0, a NaN loss
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    if not 0.0 <= z_loss < math.inf:  # a negative z-loss rewards a growing log-partition without bound
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1:  # one count; a (1,)-shaped one is used as 0-dim (mean_denominator)
+            raise ValueError(f"normalizer must be one number, got a tensor of shape {tuple(normalizer.shape)}")
+    elif normalizer is not None and not 0 <= normalizer < math.inf:  # 0 is all-ignored: counts as 1, loss 0
+        raise ValueError(f"normalizer must be a finite count >= 0 or None, got {normalizer}")
 
 
 @triton.jit

@@ -140,7 +140,7 @@ def cross_entropy(
     bumped, so an autograd node that saved them (e.g. a torch.tanh before this loss) raises instead of silently
     using the gradient.
     """
-    check_options(reduction, label_smoothing, softcap)
+    check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
     if not logits.dtype.is_floating_point:
@@ -171,7 +171,7 @@ class CrossEntropyLoss(nn.Module):
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: float | None = None, reduction: str = "mean"):
         super().__init__()
-        check_options(reduction, label_smoothing, softcap)
+        check_options(reduction, label_smoothing, softcap, z_loss)
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
         self.softcap, self.reduction = softcap, reduction
 

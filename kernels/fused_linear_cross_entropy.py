@@ -443,7 +443,7 @@ def fused_linear_cross_entropy(
     is not ignore_index raises ValueError (the call waits for the check with its kernels queued, _labels.LabelCheck).
     max_scratch_bytes caps the logits scratch (default MAX_SCRATCH_BYTES, none): a lower peak for more chunks.
     """
-    check_options(reduction, label_smoothing, softcap)
+    check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not match")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -482,7 +482,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: float | None = None, reduction: str = "mean", loss_scale: float = 1.0):
         super().__init__()
-        check_options(reduction, label_smoothing, softcap)
+        check_options(reduction, label_smoothing, softcap, z_loss)
         self.opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
                          softcap=softcap, reduction=reduction, loss_scale=loss_scale)
 

@@ -159,6 +159,28 @@ def test_normaliser_tensor_and_number():
         torch.testing.assert_close(cross_entropy(logits, labels, normalizer=norm), total / 13)
 
 
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_one_element_normaliser_tensor(shape):
+    """A count of shape (1,) (an all-reduced tensor([n])) is the normaliser, not a per-row scale: it was read at
+    every row's offset (out of bounds: wrong gradients, a crash in the interpreter) and gave a (1,)-shaped loss."""
+    logits, labels = torch.randn(6, 67, device=DEVICE), _labels(6, 67)
+    loss, _ = _check(logits, labels, "mean", normalizer=torch.full(shape, 13.0, device=DEVICE))
+    assert loss.shape == ()
+
+
+@pytest.mark.parametrize("opts", [dict(normalizer=-4), dict(normalizer=float("nan")),
+                                  dict(normalizer=torch.tensor([3.0, 4.0])), dict(z_loss=-1e-4),
+                                  dict(z_loss=float("nan")), dict(softcap=float("inf"))])
+def test_bad_option_values_raise(opts):
+    """Values that gave a negative or NaN loss without a word (softcap=inf: inf·tanh(x/inf) is inf·0)."""
+    logits, labels = torch.randn(4, 67, device=DEVICE), _labels(4, 67)
+    with pytest.raises(ValueError, match=next(iter(opts))):
+        cross_entropy(logits, labels, **opts)
+    if "normalizer" not in opts:
+        with pytest.raises(ValueError, match=next(iter(opts))):
+            CrossEntropyLoss(**opts)
+
+
 @pytest.mark.parametrize("settings", SETTINGS)
 def test_confident_prediction_keeps_target_gradient(monkeypatch, settings):
     """A logit 30 above the rest in bf16: p_t − 1 ≈ −V·e⁻³⁰ must come out relative-accurate, not 0 (targets in
@@ -535,3 +557,15 @@ def test_gpu_bad_label_raises_with_the_kernel_already_queued():
     assert torch.equal(inter.detach(), logits)
     loss = cross_entropy(inter, labels, inplace_grad=True)
     torch.testing.assert_close(loss, cross_entropy_reference(logits, labels), rtol=1e-5, atol=0)
+
+
+def test_losses_take_their_inputs_by_keyword():
+    """The documented names work as keywords: the device wrapper took the first tensor positionally only
+    (cross_entropy(logits=..., labels=...) raised "missing 1 required positional argument: 'x'")."""
+    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    logits, labels = torch.randn(5, 37, device=DEVICE), torch.randint(0, 37, (5,), device=DEVICE)
+    assert torch.equal(cross_entropy(logits=logits, labels=labels), cross_entropy(logits, labels))
+    hidden, weight = torch.randn(5, 8, device=DEVICE), torch.randn(37, 8, device=DEVICE)
+    assert torch.equal(fused_linear_cross_entropy(hidden=hidden, weight=weight, labels=labels),
+                       fused_linear_cross_entropy(hidden, weight, labels))

@@ -285,6 +285,26 @@ def test_bad_arguments():
         fused_linear_cross_entropy(hidden, weight, labels, max_scratch_bytes=0)
 
 
+@pytest.mark.parametrize("opts", [dict(normalizer=-4), dict(normalizer=torch.tensor([3.0, 4.0])),
+                                  dict(z_loss=-1e-4), dict(softcap=float("inf"))])
+def test_bad_option_values_raise(opts):
+    """Values that gave a negative or NaN loss without a word."""
+    hidden, weight, _, labels = _inputs(67, torch.float32)
+    with pytest.raises(ValueError, match=next(iter(opts))):
+        fused_linear_cross_entropy(hidden, weight, labels, **opts)
+    if "normalizer" not in opts:
+        with pytest.raises(ValueError, match=next(iter(opts))):
+            FusedLinearCrossEntropyLoss(**opts)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_one_element_normaliser_tensor(chunked_once, reduction):
+    """A (1,)-shaped count is the normaliser (a 0-dim loss), not a per-row scale read out of bounds at every row."""
+    hidden, weight, bias, labels = _inputs(300, torch.float32, bias=True)
+    out, _ = _check(hidden, weight, bias, labels, reduction=reduction, normalizer=torch.tensor([40.0], device=DEVICE))
+    assert out.shape == ()
+
+
 def test_strided_hidden(chunked_once):
     """A (T, B, H) tensor seen as (B, T, H) (copied) and a row-strided slice of a wider buffer (used in place)."""
     hidden, weight, bias, labels = _inputs(300, torch.float32, bias=True)
