@@ -46,6 +46,10 @@ def init_model_dir(out: str | Path, preset: str = "demo", *, tokenizer_text: str
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    out = Path(out)
+    if (out / "config.json").exists() or any(out.glob("*.safetensors")):
+        # Random weights over a model directory would silently replace what may be a trained model.
+        raise FileExistsError(f"{out} already holds a model; pick another --output-dir (or delete it first)")
     text = tokenizer_text if tokenizer_text is not None else bundled_text()
     tokenizer = train_bpe_tokenizer(text.splitlines(), vocab_size=tokenizer_vocab, eos_token=EOS)
     fields = {"vocab_size": tokenizer.get_vocab_size(), **PRESETS[preset], **overrides}
@@ -53,7 +57,6 @@ def init_model_dir(out: str | Path, preset: str = "demo", *, tokenizer_text: str
         raise ValueError(f"vocab_size {fields['vocab_size']} < the tokenizer's {tokenizer.get_vocab_size()}")
     config = LlamaConfig(bos_token_id=None, eos_token_id=tokenizer.token_to_id(EOS), pad_token_id=None, **fields)
     torch.manual_seed(seed)
-    out = Path(out)
     model = LigerLlamaForCausalLM.from_config(config, device=device or "cpu").to(dtype)
     model.save_pretrained(out)
     save_tokenizer(tokenizer, out, eos_token=EOS)

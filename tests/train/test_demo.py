@@ -42,6 +42,16 @@ def test_init_model_cli(tmp_path):
     assert main(["init-model", "--preset", "nope", "--output-dir", str(tmp_path / "x")]) == 2
 
 
+def test_init_model_refuses_to_overwrite_a_model(tmp_path, capsys):
+    """Random weights must not silently replace a (possibly trained) model in the output directory."""
+    assert main(["init-model", "--output-dir", str(tmp_path / "m"), "--tokenizer-vocab", "300"]) == 0
+    before = (tmp_path / "m" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["init-model", "--output-dir", str(tmp_path / "m"), "--tokenizer-vocab", "300", "--seed", "1"]) == 2
+    assert "already holds a model" in capsys.readouterr().err
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
+
+
 def test_demo_on_its_own_pretrained_model_keeps_it(tmp_path, capsys):
     """`demo --model DIR` with the "base model:" path an earlier demo printed (inside the same --output-dir) trains
     heads on it: replacing the earlier demo's output deleted that model before it was loaded. A --model that does
