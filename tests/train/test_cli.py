@@ -111,13 +111,17 @@ def test_bad_paths_fail_clearly(argv, message, tiny_model_dir, text_file, tmp_pa
     for flag, value in zip(argv[::2], argv[1::2]):
         base[flag] = value
     full = ["train-medusa", "--output-dir", str(tmp_path / "out"), *[x for kv in base.items() for x in kv]]
-    try:
-        code = main(full)
-    except SystemExit as exc:
-        code, err = exc.code, str(exc)
-    else:
-        err = capsys.readouterr().err
+    code, err = _code_and_error(full, capsys)
     assert code not in (0, None) and message in err
+
+
+def _code_and_error(argv, capsys) -> tuple:
+    """(exit code, stderr) of the CLI, whether it returned the code or raised SystemExit with the message."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        return exc.code, str(exc)
+    return code, capsys.readouterr().err
 
 
 def test_bad_arguments_are_rejected(tiny_model_dir, text_file, capsys):
@@ -304,12 +308,7 @@ def test_path_that_is_not_a_directory_fails_clearly(tiny_model_dir, text_file, t
     for argv in (["train", "--model", str(tiny_model_dir), "--data", str(text_file), "--output-dir", str(a_file)],
                  ["train", "--model", str(text_file), "--data", str(text_file), "--output-dir", str(tmp_path / "o")],
                  ["demo", "--quick", "--output-dir", str(a_file)]):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code, err = exc.code, str(exc)
-        else:
-            err = capsys.readouterr().err
+        code, err = _code_and_error(argv, capsys)
         assert code not in (0, None) and "liger-models: error:" in err and "Traceback" not in err
         assert a_file.read_text() == "not a directory"
 
