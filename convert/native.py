@@ -3,9 +3,10 @@
 Inputs (one directory):
 - Meta Llama (facebookresearch/llama, llama3, llama-models): ``params.json`` and ``consolidated.NN.pth``, one file
   per model-parallel rank. Column-parallel weights (wq, wk, wv, w1, w3, output) are split on dim 0, row-parallel
-  ones (wo, w2) on dim 1, norms are replicated; ``tok_embeddings`` is split on dim 1 (Llama 1/2 ParallelEmbedding)
-  or on dim 0 (Llama 3 VocabParallelEmbedding), which the shard shapes tell apart. ``rope.freqs`` (Llama 1/2) is
-  dropped: it is recomputed from ``rope_theta``, as HF's converter does.
+  ones (wo, w2) on dim 1, norms are replicated (and so are wk / wv when there are more ranks than kv heads, each
+  kv head on n_ranks / n_kv_heads consecutive ranks: Llama 3.1 405B MP16); ``tok_embeddings`` is split on dim 1
+  (Llama 1/2 ParallelEmbedding) or on dim 0 (Llama 3 VocabParallelEmbedding), which the shard shapes tell apart.
+  ``rope.freqs`` (Llama 1/2) is dropped: it is recomputed from ``rope_theta``, as HF's converter does.
 - Mistral (mistral-inference): ``params.json`` and ``consolidated.safetensors`` (or several ``consolidated*``
   safetensors that split the keys, not the tensors); the tensor names are Meta's.
 
@@ -167,11 +168,11 @@ def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_native(files: list[Path], dim: int) -> dict[str, torch.Tensor]:
+def load_native(files: list[Path], dim: int, n_kv_heads: int | None = None) -> dict[str, torch.Tensor]:
     """One native state dict (Meta names) from safetensors files or model-parallel .pth ranks."""
     if files[0].suffix == ".safetensors":
         return _load_safetensors(files)
-    return merge_model_parallel([_load_pth(f) for f in files], dim, [f.name for f in files])
+    return merge_model_parallel([_load_pth(f) for f in files], dim, [f.name for f in files], n_kv_heads)
 
 
 # ---- model-parallel merge ----------------------------------------------------------------------------------
@@ -189,8 +190,28 @@ def split_dim(name: str, shard: torch.Tensor, dim: int, n: int) -> int | None:
     return _SPLIT_DIM[part]
 
 
-def _merge_one(name: str, parts: list[torch.Tensor], dim: int, shard_names: list[str]) -> torch.Tensor:
+def _kv_replicas(name: str, n: int, n_kv_heads: int | None) -> int:
+    """How many consecutive ranks hold the same kv heads: with more ranks than kv heads (Llama 3.1 405B MP16, 8 kv
+    heads), llama-models gives each kv head to n / n_kv_heads ranks (reshard_mp's repeat_qk_qv)."""
+    m = _LAYER_KEY.match(name)
+    if n_kv_heads is None or n <= n_kv_heads or not m or m.group(2) not in ("attention.wk", "attention.wv"):
+        return 1
+    if n % n_kv_heads:
+        raise ValueError(f"{n} model-parallel ranks cannot share {n_kv_heads} kv heads evenly ({name!r})")
+    return n // n_kv_heads
+
+
+def _merge_one(name: str, parts: list[torch.Tensor], dim: int, shard_names: list[str],
+               n_kv_heads: int | None = None) -> torch.Tensor:
     axis = split_dim(name, parts[0], dim, len(parts))
+    replicas = _kv_replicas(name, len(parts), n_kv_heads)
+    if replicas > 1:  # keep one rank of each group of replicas, which must agree
+        for start in range(0, len(parts), replicas):
+            group = parts[start:start + replicas]
+            if any(p.shape != group[0].shape or not torch.equal(p, group[0]) for p in group[1:]):
+                raise ValueError(f"replicated kv heads of {name!r} differ across model-parallel shards "
+                                 f"{shard_names[start:start + replicas]}")
+        parts, shard_names = parts[::replicas], shard_names[::replicas]
     shapes = [tuple(p.shape) for p in parts]
     if axis is None:
         if len(set(shapes)) > 1 or not all(torch.equal(parts[0], p) for p in parts[1:]):
@@ -204,9 +225,10 @@ def _merge_one(name: str, parts: list[torch.Tensor], dim: int, shard_names: list
     return torch.cat(parts, dim=axis)
 
 
-def merge_model_parallel(shards: list[dict[str, torch.Tensor]], dim: int,
-                         shard_names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Meta's consolidated.NN.pth ranks → one state dict (a single rank passes through unchanged)."""
+def merge_model_parallel(shards: list[dict[str, torch.Tensor]], dim: int, shard_names: list[str] | None = None,
+                         n_kv_heads: int | None = None) -> dict[str, torch.Tensor]:
+    """Meta's consolidated.NN.pth ranks → one state dict (a single rank passes through unchanged). `n_kv_heads`
+    (params.json's, or n_heads) tells replicated kv heads apart from split ones when there are more ranks."""
     shard_names = shard_names or [f"shard {i}" for i in range(len(shards))]
     if len(shards) == 1:
         return dict(shards[0])
@@ -214,7 +236,7 @@ def merge_model_parallel(shards: list[dict[str, torch.Tensor]], dim: int,
         if shard.keys() != shards[0].keys():
             diff = sorted(shards[0].keys() ^ shard.keys())
             raise ValueError(f"{name} and {shard_names[0]} hold different tensors: {diff[:10]}")
-    return {name: _merge_one(name, [s[name] for s in shards], dim, shard_names) for name in shards[0]}
+    return {name: _merge_one(name, [s[name] for s in shards], dim, shard_names, n_kv_heads) for name in shards[0]}
 
 
 # ---- config ------------------------------------------------------------------------------------------------
@@ -477,7 +499,7 @@ def native_to_hf(src_dir: str | Path, out_dir: str | Path, *, family: str | None
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r} (choose from {sorted(FAMILIES)})")
     check_params(params, family)
-    state = load_native(files, int(params["dim"]))
+    state = load_native(files, int(params["dim"]), int(params.get("n_kv_heads") or params["n_heads"]))
     config = native_config(params, state, family, rope_scaling_factor=rope_scaling_factor)
     check_native_state(state, config)
     hf_state = to_hf_state_dict(state, config, dtype)

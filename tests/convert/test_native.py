@@ -115,11 +115,16 @@ def random_native(p: dict, *, tied: bool = False) -> dict[str, torch.Tensor]:
     return w
 
 
-def meta_shards(w: dict, n: int, *, vocab_parallel: bool) -> list[dict[str, torch.Tensor]]:
+def meta_shards(w: dict, n: int, *, vocab_parallel: bool, kv_replicas: int = 1) -> list[dict[str, torch.Tensor]]:
     """Split as Meta's fairscale layers do: column-parallel on dim 0, row-parallel on dim 1, norms replicated;
-    the embedding on dim 1 (Llama 2 ParallelEmbedding) or dim 0 (Llama 3 VocabParallelEmbedding)."""
+    the embedding on dim 1 (Llama 2 ParallelEmbedding) or dim 0 (Llama 3 VocabParallelEmbedding). With more ranks
+    than kv heads, each kv head is held by `kv_replicas` consecutive ranks (llama-models' reshard_mp, 405B MP16)."""
     shards: list[dict] = [{} for _ in range(n)]
     for name, t in w.items():
+        if kv_replicas > 1 and (".attention.wk." in name or ".attention.wv." in name):
+            for rank, shard in enumerate(shards):
+                shard[name] = t.chunk(n // kv_replicas, 0)[rank // kv_replicas].clone()
+            continue
         if name == "output.weight" or any(f".{c}." in name for c in COLUMN_PARALLEL):
             dim = 0
         elif any(f".{r}." in name for r in ROW_PARALLEL):
@@ -134,10 +139,10 @@ def meta_shards(w: dict, n: int, *, vocab_parallel: bool) -> list[dict[str, torc
     return shards
 
 
-def write_meta(src, p, w, *, shards=1, vocab_parallel=True, extra=None):
+def write_meta(src, p, w, *, shards=1, vocab_parallel=True, extra=None, kv_replicas=1):
     src.mkdir(parents=True, exist_ok=True)
     (src / "params.json").write_text(json.dumps(p))
-    for rank, shard in enumerate(meta_shards(w, shards, vocab_parallel=vocab_parallel)):
+    for rank, shard in enumerate(meta_shards(w, shards, vocab_parallel=vocab_parallel, kv_replicas=kv_replicas)):
         shard.update(extra or {})
         torch.save(shard, src / f"consolidated.{rank:02d}.pth")
     return src
@@ -211,6 +216,20 @@ def test_llama31_scaled_rope_vocab_parallel(tmp_path, factor):
     ours, ids, ref = check_logits(out, LLAMA31, w, positions=positions, rope_factor=factor or 8.0)
     unscaled = native_forward(w, {**LLAMA31, "use_scaled_rope": False}, ids, positions)
     assert (unscaled - ref).abs().max() > 1e-3, "the test positions do not exercise the rope scaling"
+
+
+def test_more_ranks_than_kv_heads(tmp_path):
+    # Llama 3.1 405B MP16: 8 kv heads on 16 ranks, so ranks 2i and 2i+1 both hold kv head i (not 16 distinct heads).
+    w = random_native(LLAMA31)  # 4 heads, 2 kv heads
+    src = write_meta(tmp_path / "native", LLAMA31, w, shards=4, vocab_parallel=True, kv_replicas=2)
+    out = native_to_hf(src, tmp_path / "hf")
+    assert config_of(out)["num_key_value_heads"] == 2
+    check_logits(out, LLAMA31, w, with_hf=False)
+    rank1 = torch.load(src / "consolidated.01.pth")
+    rank1["layers.1.attention.wv.weight"] = rank1["layers.1.attention.wv.weight"] + 1  # replicas must agree
+    torch.save(rank1, src / "consolidated.01.pth")
+    with pytest.raises(ValueError, match=r"layers\.1\.attention\.wv\.weight"):
+        native_to_hf(src, tmp_path / "hf2")
 
 
 @pytest.mark.parametrize("output", ["absent", "copy"])
