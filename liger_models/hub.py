@@ -26,6 +26,7 @@ import shutil
 import uuid
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -123,39 +124,45 @@ def _expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _tensor_files(files: list[Path]) -> dict[str, Path]:
-    """Every tensor name in the checkpoint and the file that holds it (headers only, no data)."""
+class _Header(NamedTuple):
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: "BF16", "F32", ...
+
+
+def _read_headers(files: list[Path]) -> dict[str, _Header]:
+    """Every tensor of the checkpoint, in file order: its file, shape and dtype (headers only, no data). Read once
+    per load; the tied-head routing, the shape check and the dtype fallback all work from it."""
     from safetensors import safe_open
 
-    where: dict[str, Path] = {}
+    headers: dict[str, _Header] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            where.update(dict.fromkeys(f.keys(), file))
-    return where
+            for name in f.keys():
+                meta = f.get_slice(name)
+                headers[name] = _Header(file, tuple(meta.get_shape()), meta.get_dtype())
+    return headers
 
 
-def _read_tensor(where: dict[str, Path], name: str) -> torch.Tensor:
+def _read_tensor(headers: dict[str, _Header], name: str) -> torch.Tensor:
     from safetensors import safe_open
 
-    with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+    with safe_open(str(headers[name].file), framework="pt", device="cpu") as f:
         return f.get_tensor(name)
 
 
-def _tied_head_routes(config, files: list[Path]) -> dict[str, str | None]:
+def _tied_head_routes(config, headers: dict[str, _Header]) -> dict[str, str | None]:
     """Where a stored ``lm_head.weight`` goes in a tied model (None: skipped), as transformers v5 decides.
 
     Tied and both stored: equal, the head is a redundant copy; different, HF does NOT tie (it warns and loads both),
     so neither do we: dropping it would silently change the logits. Only the head stored: it is the shared matrix.
     """
-    if not config.tie_word_embeddings:
+    if not config.tie_word_embeddings or HEAD not in headers:
         return {}
-    where = _tensor_files(files)
-    if HEAD not in where:
-        return {}
-    if EMBED not in where:
+    if EMBED not in headers:
         return {HEAD: EMBED}
     # Two V×D tensors in host memory, once, and only for checkpoints that store the tied head twice.
-    if torch.equal(_read_tensor(where, HEAD), _read_tensor(where, EMBED)):
+    if torch.equal(_read_tensor(headers, HEAD), _read_tensor(headers, EMBED)):
         return {HEAD: None}
     warnings.warn("tie_word_embeddings is true but the checkpoint stores a different lm_head.weight: loading an "
                   "untied head, as transformers does (set tie_word_embeddings to false to silence this)", stacklevel=3)
@@ -163,25 +170,21 @@ def _tied_head_routes(config, files: list[Path]) -> dict[str, str | None]:
     return {}
 
 
-def _check_headers(files: list[Path], expected: dict[str, torch.Tensor], routes: dict[str, str | None]) -> None:
+def _check_headers(headers: dict[str, _Header], expected: dict[str, torch.Tensor],
+                   routes: dict[str, str | None]) -> None:
     """Raise naming every missing, mis-shaped or unexpected tensor before any data is read."""
-    from safetensors import safe_open
-
     seen, unexpected, misshaped = set(), [], []
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for stored in f.keys():
-                name = routes.get(stored, stored)
-                if _SKIPPED.match(stored) or name is None:
-                    continue
-                if name not in expected:
-                    unexpected.append(stored)
-                    continue
-                seen.add(name)
-                shape = tuple(f.get_slice(stored).get_shape())
-                if shape != tuple(expected[name].shape):
-                    misshaped.append(f"{stored}: checkpoint {shape} vs model {tuple(expected[name].shape)} "
-                                     f"({file.name})")
+    for stored, header in headers.items():
+        name = routes.get(stored, stored)
+        if _SKIPPED.match(stored) or name is None:
+            continue
+        if name not in expected:
+            unexpected.append(stored)
+            continue
+        seen.add(name)
+        if header.shape != tuple(expected[name].shape):
+            misshaped.append(f"{stored}: checkpoint {header.shape} vs model {tuple(expected[name].shape)} "
+                             f"({header.file.name})")
     missing = [n for n in expected if n not in seen]
     problems = []
     if "lm_head.weight" in missing:
@@ -197,17 +200,9 @@ def _check_headers(files: list[Path], expected: dict[str, torch.Tensor], routes:
         raise ValueError("checkpoint does not match the model config: " + " | ".join(problems))
 
 
-def _checkpoint_dtype(files: list[Path]) -> torch.dtype | None:
+def _checkpoint_dtype(headers: dict[str, _Header]) -> torch.dtype | None:
     """The first floating-point dtype stored in the checkpoint (what HF v5 "auto" falls back to)."""
-    from safetensors import safe_open
-
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                dtype = _SAFE_DTYPES.get(f.get_slice(name).get_dtype())
-                if dtype is not None:
-                    return dtype
-    return None
+    return next((_SAFE_DTYPES[h.dtype] for h in headers.values() if h.dtype in _SAFE_DTYPES), None)
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -221,9 +216,9 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return parsed
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, config, files: list[Path]) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str | None, config, headers: dict[str, _Header]) -> torch.dtype:
     """The parameter dtype of a load: the one asked for, else config.json's, else the checkpoint's (HF v5 "auto")."""
-    return parse_dtype(dtype) or config.dtype or _checkpoint_dtype(files) or torch.float32
+    return parse_dtype(dtype) or config.dtype or _checkpoint_dtype(headers) or torch.float32
 
 
 def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = None,
@@ -239,15 +234,16 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
                          f"{model_type!r} (use AutoLigerForCausalLM)")
     config = cls.config_class.from_hf(raw)
     files = checkpoint_files(path)
-    dtype = resolve_dtype(dtype, config, files)
+    headers = _read_headers(files)
+    dtype = resolve_dtype(dtype, config, headers)
     device = torch.device("cpu" if device is None else device)  # not `device or`: device 0 is cuda:0
-    routes = _tied_head_routes(config, files)  # may untie config: before the model is built
+    routes = _tied_head_routes(config, headers)  # may untie config: before the model is built
     with torch.device("meta"):
         model = cls(config)
     model = model.to(dtype).to_empty(device=device)  # no data yet; cast on meta is free
     model.tie_weights()
     expected = _expected_tensors(model)
-    _check_headers(files, expected, routes)
+    _check_headers(headers, expected, routes)
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:

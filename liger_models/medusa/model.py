@@ -102,7 +102,7 @@ class MedusaModel(nn.Module):
         """Optimizer groups: every head parameter (biases included) at lr × multiplier; base params in stage 2.
 
         weight_decay is on matrices only: with it, each group's 1-D tensors (the heads' biases, the base's norm
-        weights) go to a "<name>_no_decay" sibling at the same lr (train/optim.py's `split_no_decay` layout).
+        weights) go to a "<name>_no_decay" sibling at the same lr.
         """
         parts = [("medusa_heads", self.heads, lr * head_lr_multiplier)]
         if self.stage == 2:

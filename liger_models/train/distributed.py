@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from liger_models.train.optim import with_live_flags
+
 
 @dataclass
 class DistInfo:
@@ -184,9 +186,7 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
 
     Implementation flags (fused / foreach) follow the current optimizer, so a CUDA checkpoint resumes on CPU.
     """
-    current = optimizer.param_groups
-    groups = []
-    for saved, live in zip(state["param_groups"], current):
-        groups.append({**saved, **{k: live[k] for k in ("fused", "foreach", "capturable") if k in live}})
+    # set_optimizer_state_dict maps groups by position: saved groups beyond the live ones are dropped.
+    groups = with_live_flags(state["param_groups"], optimizer.param_groups)[: len(optimizer.param_groups)]
     state = {"state": state["state"], "param_groups": groups}
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

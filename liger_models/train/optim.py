@@ -29,22 +29,17 @@ def decay_param_groups(model: nn.Module, lr: float, weight_decay: float) -> list
     return [g for g in groups if g["params"]]
 
 
-def split_no_decay(param_groups: list[dict]) -> list[dict]:
-    """The groups with each decaying group's 1-D tensors (biases, norm weights) moved to a "<name>_no_decay" sibling
-    with the same settings but no weight decay, the rule :func:`decay_param_groups` applies. Groups without weight
-    decay stay as they are (so a run without it keeps its groups, and its checkpoints their layout)."""
-    out = []
-    for group in param_groups:
-        flat = [p for p in group["params"] if p.dim() < 2]
-        if not group.get("weight_decay") or not flat:
-            out.append(group)
-            continue
-        matrices = [p for p in group["params"] if p.dim() >= 2]
-        name = group.get("name", f"group{len(out)}")
-        if matrices:
-            out.append({**group, "params": matrices})
-        out.append({**group, "params": flat, "weight_decay": 0.0, "name": f"{name}_no_decay"})
-    return out
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable")
+
+
+def with_live_flags(saved_groups: list[dict], live_groups: list[dict]) -> list[dict]:
+    """Saved param groups carrying the live optimizer's implementation flags. torch takes the flags from the saved
+    state, and from them where each step count goes; they describe the optimizer, not the state (a CUDA
+    checkpoint resumes on CPU, torch's AdamW state loads into a capturable FusedAdamW). Extra saved groups are kept
+    for torch to refuse."""
+    merged = [{**saved, **{k: live[k] for k in IMPLEMENTATION_FLAGS if k in live}}
+              for saved, live in zip(saved_groups, live_groups)]
+    return merged + list(saved_groups[len(live_groups):])
 
 
 class FusedAdamW(torch.optim.AdamW):
@@ -62,13 +57,9 @@ class FusedAdamW(torch.optim.AdamW):
                          capturable=capturable)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        # torch takes each group's implementation flags from the saved state, and from them where the step count
-        # goes: torch.optim.AdamW's default (foreach) state would keep it on the CPU, where the kernel cannot read
-        # it for a CUDA parameter, and capturable=False would make a CUDA graph refuse this optimizer. The flags
-        # describe this optimizer, not the state: keep ours (the step count then moves to the parameters' device).
-        saved = state_dict["param_groups"]
-        groups = [{**g, **{k: live[k] for k in ("fused", "foreach", "capturable") if k in live}}
-                  for g, live in zip(saved, self.param_groups)] + saved[len(self.param_groups):]
+        # torch.optim.AdamW's default (foreach) state would keep the step count on the CPU, where the kernel cannot
+        # read it for a CUDA parameter, and capturable=False would make a CUDA graph refuse this optimizer.
+        groups = with_live_flags(state_dict["param_groups"], self.param_groups)
         super().load_state_dict({**state_dict, "param_groups": groups})
 
     def _kernel_covers(self) -> bool:

@@ -27,7 +27,7 @@ from torch import nn
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
 from liger_models.train.data import BatchStream, PackedDataset, build_dataset, read_special_tokens
-from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups, split_no_decay
+from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups
 from liger_models.train.trainer import (CausalLMTask, MedusaTask, TrainConfig, Trainer, refuse_cuda_graph_conflicts,
                                         refuse_in_backward_conflicts)
 
@@ -304,7 +304,7 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
         _prepare(medusa, medusa.base.model.layers, args, info, more_units=medusa.heads)
         lr = args.lr if args.lr is not None else (2.5e-4 if args.stage == 1 else 2e-5)
         # --weight-decay is on matrices only, as for the causal LM: not on the heads' biases nor the base's norms.
-        groups = split_no_decay(medusa.param_groups(lr, args.head_lr_multiplier, args.weight_decay))
+        groups = medusa.param_groups(lr, args.head_lr_multiplier, args.weight_decay)  # no decay on 1-D
 
         def export(directory: Path, full_state: dict | None, final: Path) -> None:
             target = medusa
