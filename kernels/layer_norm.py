@@ -57,6 +57,8 @@ def layer_norm(
     """LayerNorm over the last dim of ``x`` (any leading shape and strides); autograd-aware; output in x.dtype."""
     if not x.dtype.is_floating_point:
         raise TypeError(f"layer_norm needs a floating-point input, got {x.dtype}")
+    if not isinstance(weight, torch.Tensor):  # the kernels load it unconditionally (only the bias is optional)
+        raise TypeError(f"layer_norm needs a weight tensor, got {type(weight).__name__}")
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"layer_norm needs a non-empty last dimension, got shape {tuple(x.shape)}")
     for name, p in (("weight", weight), ("bias", bias)):

@@ -460,7 +460,8 @@ def add_rms_norm(
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with HF parameter name ``weight`` (ones for llama casting, zeros for gemma's offset form)."""
+    """RMSNorm with HF parameter name ``weight``, initialised to 1 − offset (ones for llama, zeros for gemma's
+    offset form) so that a fresh module scales x̂ by offset + w = 1 in any casting / offset pairing."""
 
     def __init__(
         self,
@@ -475,8 +476,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         if casting not in _CASTINGS:
             raise ValueError(f"casting must be one of {_CASTINGS}, got {casting!r}")
-        init = torch.zeros if casting == "gemma" else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, device=device, dtype=dtype))
         self.eps, self.offset, self.casting = eps, offset, casting
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

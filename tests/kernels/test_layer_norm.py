@@ -177,6 +177,12 @@ def test_bad_inputs():
         layer_norm(torch.ones(2, 8, dtype=torch.int32, device=DEVICE), torch.ones(8, device=DEVICE))
 
 
+def test_missing_weight_raises():
+    # weight is required (F.layer_norm's weight=None is not supported): a clear error, not a crash in the kernel
+    with pytest.raises(TypeError, match="weight"):
+        layer_norm(torch.randn(2, 8, device=DEVICE), None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(16384, 4096), (4096, 8192), (2048, 16384), (3000, 12000), (1024, 65536),
                                    (4095, 2047)])

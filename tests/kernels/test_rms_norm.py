@@ -231,6 +231,15 @@ def test_module(casting, offset):
     assert m.weight.grad is not None and m.weight.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("casting,offset", [*MODES, ("gemma", 0.0), ("llama", 1.0)])
+def test_fresh_module_has_unit_scale(casting, offset):
+    # A new RMSNorm scales x̂ by offset + w = 1 in every mode, not only in the two pairings the models use.
+    m = RMSNorm(33, eps=1e-5, offset=offset, casting=casting, device=DEVICE)
+    x = torch.randn(4, 33, device=DEVICE)
+    ones = torch.ones(33, dtype=torch.float64, device=DEVICE)
+    assert_matches(m(x), rms_norm_reference(x.double(), ones, 1e-5), name="y")
+
+
 def test_llama_forward_matches_hf_numerics_bitwise():
     # bf16 x and w: HF rounds x̂ to bf16 and multiplies in bf16; the kernel's fp32 product rounded once is the same.
     x, w = _inputs((8, 512), torch.bfloat16, "llama")
