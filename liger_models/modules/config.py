@@ -19,13 +19,16 @@ from typing import Any, ClassVar
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 _ROPE_REQUIRED = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "longrope": ("short_factor", "long_factor"),
+    "yarn": ("factor",),
 }
+# Rope types whose original_max_position_embeddings HF fills in (top-level key first, else max_position_embeddings).
+_ORIGINAL_LENGTH_TYPES = ("llama3", "longrope", "yarn")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "gelu": "gelu"}
 
@@ -195,6 +198,7 @@ class LigerConfig:
         rope = dict(rope)
         d["rope_theta"] = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
         prf = rope.pop("partial_rotary_factor", None)
+        d["_top_level_prf"] = "partial_rotary_factor" in d  # v5 Phi3 files keep it there too; so does to_hf()
         d["partial_rotary_factor"] = float(prf if prf is not None else d.get("partial_rotary_factor", 1.0))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
         rope_type = cls.rope_type_aliases.get(rope_type, rope_type)
@@ -202,7 +206,7 @@ class LigerConfig:
             d["rope_scaling"] = None
         else:
             rope["rope_type"] = rope_type
-            if rope_type in ("llama3", "longrope") and not rope.get("original_max_position_embeddings"):
+            if rope_type in _ORIGINAL_LENGTH_TYPES and not rope.get("original_max_position_embeddings"):
                 rope["original_max_position_embeddings"] = d.get("max_position_embeddings", cls.max_position_embeddings)
             d["rope_scaling"] = rope
         return d
@@ -220,7 +224,7 @@ class LigerConfig:
         for key in _ROPE_REQUIRED[rope_type]:
             if rope.get(key) is None:
                 raise ValueError(f"rope type {rope_type!r} needs rope_scaling[{key!r}]")
-        if rope_type in ("llama3", "longrope"):
+        if rope_type in _ORIGINAL_LENGTH_TYPES:
             if self.original_max_position_embeddings is not None:
                 rope["original_max_position_embeddings"] = self.original_max_position_embeddings
             rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
@@ -255,6 +259,8 @@ class LigerConfig:
             d["rope_parameters"] = {"rope_theta": self.rope_theta, **rope}
             if self.partial_rotary_factor != 1.0:
                 d["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+            if self.extra.get("_top_level_prf"):
+                d["partial_rotary_factor"] = self.partial_rotary_factor
         else:
             d["rope_theta"], d["rope_scaling"] = self.rope_theta, self.rope_scaling
             if self.partial_rotary_factor != 1.0:

@@ -1,4 +1,4 @@
-"""Rotary position embedding tables: the five HF RoPE variants, as cos/sin in fp32 for the fused rope kernel.
+"""Rotary position embedding tables: the six HF RoPE variants, as cos/sin in fp32 for the fused rope kernel.
 
 inv_freq (fp32, length R/2 where R = int(head_dim * partial_rotary_factor), θ = rope_theta):
   default   1 / θ^(2i/R)
@@ -8,6 +8,9 @@ inv_freq (fp32, length R/2 where R = int(head_dim * partial_rotary_factor), θ =
   longrope  1 / (ext_i · θ^(2i/R)), ext = long_factor if seq_len > L0 else short_factor; cos and sin are ALWAYS
             multiplied by attention_factor (given, else sqrt(1 + ln(factor)/ln L0) with factor = max_pos/L0 when
             absent, 1 when factor ≤ 1)
+  yarn      blend of 1/θ^(2i/R) (extrapolation) and 1/(factor·θ^(2i/R)) (interpolation) over a linear ramp between
+            the dims that turn beta_fast (32) and beta_slow (1) times in original_max_position_embeddings; cos and
+            sin are multiplied by attention_factor (given, else 0.1·ln(factor) + 1, or the mscale ratio)
 seq_len = max(position_ids) + 1 of the current call; it is used on device (torch.where), so there is no host sync.
 The tables follow HF v5 ``*RotaryEmbedding.forward``: freqs = pos[..., None] · inv_freq, emb = cat(freqs, freqs).
 Unlike HF's dynamic variant this is stateless: the table depends only on the current call's positions, which is the
@@ -41,6 +44,38 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(rope: dict) -> float:
+    """cos/sin multiplier of yarn (1.1386 for Qwen2.5's factor 4)."""
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor, mscale, mscale_all_dim = rope["factor"], rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:  # DeepSeek-style configs give both; the ratio is what HF uses then
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _yarn_inv_freq(theta: float, dim: int, rope: dict) -> torch.Tensor:
+    factor, original = rope["factor"], rope["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dim index whose wavelength fits `rotations` turns in `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(rope.get("beta_fast") or 32), dim_of(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies, unchanged); 0: interpolate (divided by factor)
+    powers = _powers(theta, dim, "cpu")
+    return 1.0 / (factor * powers) * (1 - keep) + 1.0 / powers * keep
+
+
 def longrope_attention_factor(config: LigerConfig) -> float:
     """cos/sin multiplier of longrope (1.190238 for Phi-3-mini-128k)."""
     rope = config.rope_scaling
@@ -61,13 +96,19 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = config.max_position_embeddings
         self.rope = dict(config.rope_scaling or {"rope_type": "default"})
         self.rope_type = self.rope["rope_type"]
-        self.attention_factor = longrope_attention_factor(config) if self.rope_type == "longrope" else 1.0
+        self.attention_factor = 1.0
+        if self.rope_type == "longrope":
+            self.attention_factor = longrope_attention_factor(config)
+        elif self.rope_type == "yarn":
+            self.attention_factor = yarn_attention_factor(self.rope)
         # Built on the CPU explicitly: a meta-device skeleton (torch.device("meta") context) must still get real tables.
         inv_freq = 1.0 / _powers(self.theta, self.dim, "cpu")
         if self.rope_type == "linear":
             inv_freq = inv_freq / self.rope["factor"]
         elif self.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, self.rope)
+        elif self.rope_type == "yarn":
+            inv_freq = _yarn_inv_freq(self.theta, self.dim, self.rope)
         elif self.rope_type == "longrope":
             base = _powers(self.theta, self.dim, "cpu")
             self._long = 1.0 / (torch.tensor(self.rope["long_factor"], dtype=torch.float32, device="cpu") * base)

@@ -36,6 +36,18 @@ class Phi3Config(LigerConfig):
         self.attention_bias = self.mlp_bias = False
         super().__post_init__()
 
+    def to_hf(self) -> dict:
+        d = super().to_hf()
+        rope = d.get("rope_scaling")
+        if isinstance(rope, dict) and rope.get("rope_type") == "longrope":
+            # transformers 4.x's Phi3Config accepts only exactly {type, short_factor, long_factor} here (Phi-3.5's
+            # shape). Every version reads original_max_position_embeddings from the top-level key, always written.
+            rope = dict(rope)
+            rope["type"] = rope.pop("rope_type")
+            rope.pop("original_max_position_embeddings", None)
+            d["rope_scaling"] = rope
+        return d
+
     @classmethod
     def tiny(cls, **overrides) -> "Phi3Config":
         """Tiny Phi3 (multi-head: Phi-3-mini has no GQA, but GQA is kept to exercise the Q|K|V split)."""

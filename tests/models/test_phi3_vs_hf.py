@@ -56,3 +56,22 @@ def test_partial_rotary_factor(tmp_path, v4_style):
     hf = build_hf(transformers.Phi3Config, partial_rotary_factor=0.5, pad_token_id=0)
     ours = check_parity(hf, save_hf(hf, tmp_path / "hf", v4_style=v4_style), seq_len=12, grads=False)
     assert ours.config.rotary_dim == ours.config.head_dim // 2
+    ours.save_pretrained(tmp_path / "ours")  # every key of the original config.json is written back
+    original = json.loads((tmp_path / "hf" / "config.json").read_text())
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert set(original) <= set(saved), f"keys dropped: {set(original) - set(saved)}"
+    assert saved["partial_rotary_factor"] == original["partial_rotary_factor"] == 0.5
+
+
+def test_v4_rope_scaling_is_written_back_as_it_came(tmp_path):
+    # transformers 4.x's Phi3Config rejects a rope_scaling that is not exactly {type, short_factor, long_factor}
+    # (Phi-3.5-mini's config.json shape); a checkpoint we save must stay loadable there.
+    hf = longrope_hf()
+    directory = save_hf(hf, tmp_path / "hf", v4_style=True)
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["rope_scaling"] = {k: cfg["rope_scaling"][k] for k in ("type", "short_factor", "long_factor")}
+    (directory / "config.json").write_text(json.dumps(cfg))
+    ours = check_parity(hf, directory, seq_len=ORIGINAL + 4, grads=False)
+    check_roundtrip(ours, tmp_path / "ours", seq_len=ORIGINAL + 4)
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert saved["rope_scaling"] == cfg["rope_scaling"]

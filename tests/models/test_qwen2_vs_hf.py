@@ -1,8 +1,13 @@
 """Qwen2 vs transformers: q/k/v biases, tied head (≤3B style), use_sliding_window / max_window_layers."""
 
+import math
+
+import pytest
+import torch
 import transformers
 
-from liger_models import LigerQwen2ForCausalLM
+from liger_models import LigerQwen2ForCausalLM, Qwen2Config
+from liger_models.modules import RotaryEmbedding
 
 from .parity import build_hf, check_parity, check_roundtrip, save_hf
 
@@ -27,3 +32,29 @@ def test_sliding_window_upper_layers(tmp_path):
     hf = build_hf(transformers.Qwen2Config, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     ours = check_parity(hf, save_hf(hf, tmp_path / "hf", v4_style=True), seq_len=18)
     assert [layer.self_attn.window for layer in ours.model.layers] == [None, 6]
+
+
+def test_yarn_rope_v4_config(tmp_path):
+    # Qwen2.5's documented long-context recipe adds {"type": "yarn", "factor": 4, "original_max_position_embeddings":
+    # 32768} to config.json (MODELS.md §2.3, §3.6); positions past the original length must rotate as HF's do.
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 1000000.0}
+    hf = build_hf(transformers.Qwen2Config, max_position_embeddings=32, rope_parameters=rope)
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf", v4_style=True), seq_len=20)
+    assert ours.config.rope_scaling["rope_type"] == "yarn"
+    assert abs(ours.model.rotary.attention_factor - (0.1 * math.log(4.0) + 1)) < 1e-12
+
+
+@pytest.mark.parametrize("extra", [{}, {"mscale": 1.0, "mscale_all_dim": 0.5}, {"attention_factor": 1.25},
+                                   {"beta_fast": 16, "beta_slow": 2, "truncate": False}],
+                         ids=["defaults", "mscale", "attention-factor", "betas-untruncated"])
+def test_yarn_tables_match_hf(extra):
+    rope = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+            **extra}
+    hf_cfg = transformers.Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
+                                      max_position_embeddings=128, rope_parameters=rope)
+    ours = RotaryEmbedding(Qwen2Config.from_hf(hf_cfg.to_dict()))
+    reference = transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding(hf_cfg)
+    pos = torch.arange(100)[None]
+    ref_cos, ref_sin = reference(torch.zeros(1, dtype=torch.float32), pos)
+    cos, sin = ours(pos)
+    assert torch.allclose(cos, ref_cos, atol=1e-6) and torch.allclose(sin, ref_sin, atol=1e-6)
