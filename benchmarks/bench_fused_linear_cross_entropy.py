@@ -9,7 +9,8 @@ accumulator (allowed on top of the 256 MiB budget) are in Result.extra. Floor: 6
 rate measured in the same run (8192³); Result.extra has each provider's effective TFLOP/s and its fraction of
 that rate. Two distributions: "random" (N(0,1) hidden, weight scaled to logits of std ≈2, uniform labels) and
 "peaked" (a shared direction gives each token a Zipf-like logit bias of up to +20, labels sampled from the
-softmax itself; CCE's gradient filtering only pays here). At the headline shapes this project also runs
+softmax itself; CCE's gradient filtering only pays here). At the headline shapes CCE also runs with its filter off
+(`cut-cross-entropy exact`, filter_eps=None: the same work as an fp32-accurate dW), and this project also runs
 without grad_W's storage as the logits scratch (token chunks from a 256 MiB or a 1 GiB budget instead):
 `liger-models budget256` / `liger-models budget1024`; under a 512 MiB scratch cap (`liger-models cap512`:
 MAX_SCRATCH_BYTES, the fp32 accumulator becoming grad_W in place; also at the Gemma-2B step's BT16384 H2048
@@ -87,10 +88,10 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
 
         return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)(w, h, y)
 
-    def cce(h, w, y):
+    def cce(h, w, y, filter_eps="auto"):
         from cut_cross_entropy import linear_cross_entropy
 
-        return linear_cross_entropy(h, w, y, ignore_index=IGNORE, reduction="mean")
+        return linear_cross_entropy(h, w, y, ignore_index=IGNORE, reduction="mean", filter_eps=filter_eps)
 
     out = {"liger-models": ours()}
     if variants:
@@ -108,6 +109,8 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))
     out["liger-kernel"] = step(liger)
     out["cut-cross-entropy"] = step(cce)
+    if variants:  # CCE without its gradient filter: every dlogits block kept, as an fp32-accurate dW needs
+        out["cut-cross-entropy exact"] = step(lambda h, w, y: cce(h, w, y, filter_eps=None))
     return out
 
 

@@ -47,6 +47,8 @@ run_part() {
       (cd benchmarks && python3 gpu_timeline.py --out "$OUT") ;;
     attention)  # SDPA backends at the e2e configs' attention shapes (which one a step should ask for)
       (cd benchmarks && python3 bench_attention.py --out "$OUT") ;;
+    ce-chunks)  # the CE row kernel at linear-CE's chunk shapes (1K-8K rows of 128K / 256K), lane sums on and off
+      (cd benchmarks && python3 ce_chunk_rows.py --out "$OUT") ;;
     host)  # host time per call of the small-shape autograd ops and the losses, with a cProfile of each loss call
       (cd benchmarks && python3 host_overhead.py --out "$OUT") ;;
     profiles)  # issue 6: one profiled step per family (Qwen and Gemma again after the session-2 changes)

@@ -24,7 +24,7 @@ first block of its pass 2 before the meeting, so that load's latency overlaps th
 Instructions matter as much as bytes (seventh session, `benchmarks/sass_report.py ce`): the loops issue ~12 (pass 1)
 + ~8 (pass 2) instructions per logit, down from ~38, because exp is one ex2.ftz, only the partial last block is
 masked, only the target's block pays for the target (a branch around whole blocks, which ptxas cannot if-convert
-into every block), the sums are reduced per thread (CE_LANE_SUMS; per block below 4096 rows), and the per-row
+into every block), the sums are reduced per thread (CE_LANE_SUMS), and the per-row
 constants of the gradient are folded once. With the call's host path out of the way (_labels.py; eighth session) the
 kernel runs 8192×128256 in 1.24-1.28 ms on the H200, beyond the read-twice floor: L2 serves about half of
 pass 2's re-reads; at 4096×256000 (512 KB rows) about a quarter, 1.35-1.36 ms.
@@ -60,10 +60,12 @@ CE_NUM_WARPS = 32
 CE_REVERSE_PASS2 = True
 CE_EVICTION_HINTS = True
 # Pass 1 keeps per-thread partial sums (reduced across threads once per row) instead of reducing every block, from
-# CE_LANE_SUMS_MIN_ROWS rows on. No shuffle or barrier in the loop, but 57 instead of 32 registers at 16384/32 (one
-# program per SM): 2.5-4.6% faster at 4K-16K rows, even at 32K, 6% slower at 2048 rows (eighth session).
+# CE_LANE_SUMS_MIN_ROWS rows on. No shuffle or barrier in the loop: 2.5-4.6% faster at 4K-16K rows (eighth session,
+# then 6% slower at 2048 rows at 57 registers). Under the register cap below they win at every row count: fifteenth
+# session (benchmarks/ce_chunk_rows.py, GPU ms), 2048×128256 0.359 → 0.337, 1024×128256 0.186 → 0.176, and on
+# split rows 2048×256000 0.991 → 0.694 (Gemma-2B's linear-CE chunks), 1024×256000 0.508 → 0.358.
 CE_LANE_SUMS = True
-CE_LANE_SUMS_MIN_ROWS = 4096
+CE_LANE_SUMS_MIN_ROWS = 0
 # ptxas's register cap per thread for the lane-sum body (maxnreg; None = its choice), on rows up to
 # CE_MAX_REGISTERS_COLS wide: at 16384/32 it compiles to 57 registers (one 1024-thread program per SM) and to 32 with
 # no spill under a cap of 32 (two per SM; sass_report.py). Ninth session, one H200 run: 8192×128256 1.282/1.301 →
