@@ -208,7 +208,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root, masked by `valid`
     valid = buffers.retrieve_indices >= 0
     depth = buffers.retrieve_indices.shape[1] - 1
-    if eos_token_id is None and hasattr(base, "config"):  # generation_config.json's, else config.json's, as generate
+    if eos_token_id is None and hasattr(base, "config"):  # the checkpoint's default, as generate takes it
         eos_token_id = default_token_id(base, "eos_token_id")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     rotary = getattr(base.model, "rotary", None)

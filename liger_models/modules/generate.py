@@ -3,9 +3,9 @@
 Prompts of different lengths come left-padded with an ``attention_mask`` (HF convention); without one, as HF does,
 the mask is inferred from an explicit pad_token_id (argument or config) found in the prompt, unless it is an EOS id.
 Then, like HF, positions are cumsum(mask) − 1 (0 at padding) and padded keys are hidden; unpadded rows get exactly
-the tokens they get alone. A row that emitted an EOS token is filled with the pad id (argument, else
-generation_config's or config's, as HF; else its first EOS id) until every row is done or ``max_new_tokens`` is
-reached.
+the tokens they get alone. A row that emitted an EOS token is filled with the pad id (argument, else the
+checkpoint's: generation_config.json's if it has that file, else config.json's, as HF; else its first EOS id) until
+every row is done or ``max_new_tokens`` is reached.
 When the rotary table for cached positions would change (longrope crossing original_max_position_embeddings), the
 cache is dropped and the whole sequence is recomputed, as HF's Phi3 does.
 """
@@ -39,10 +39,14 @@ def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: f
 
 
 def default_token_id(model, key: str):
-    """``key`` (eos_token_id, pad_token_id) as HF's generate defaults it: generation_config.json's value when it names
-    one (Llama 3 Instruct's lists <|eot_id|> there, its config.json only <|end_of_text|>), else config.json's."""
-    value = getattr(model, "generation_config", {}).get(key)
-    return value if value is not None else getattr(model.config, key, None)
+    """``key`` (eos_token_id, pad_token_id) as HF's generate defaults it. A checkpoint with a generation_config.json
+    takes the value from that file alone (Llama 3 Instruct's lists <|eot_id|> there, its config.json only
+    <|end_of_text|>): HF loads its GenerationConfig from the file and never looks at config.json's ids then, so a
+    key the file lacks is None (no EOS stop; pad = the first EOS). Without the file, config.json's value."""
+    generation_config = getattr(model, "generation_config", None) or {}
+    if generation_config:
+        return generation_config.get(key)
+    return getattr(model.config, key, None)
 
 
 def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None,

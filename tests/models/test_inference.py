@@ -97,6 +97,31 @@ def test_generate_stops_on_generation_config_eos_like_hf(tmp_path):
     assert again.generation_config == ours.generation_config
 
 
+@pytest.mark.parametrize("generation_keys", [("eos_token_id",), ()], ids=["eos-no-pad", "neither"])
+def test_generation_config_file_alone_sets_the_defaults_like_hf(tmp_path, generation_keys):
+    """With a generation_config.json, HF's generate never reads config.json's eos / pad ids: a file without
+    pad_token_id fills finished rows with the first EOS (not config.json's pad), one without eos_token_id does not
+    stop at config.json's EOS."""
+    hf = build_hf(transformers.LlamaConfig, tie_word_embeddings=True, pad_token_id=5)
+    for _ in range(50):  # prompts whose row 0 emits a token first that row 1 never emits: it plays EOS
+        prompt = torch.randint(6, 128, (2, 4))
+        free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                           eos_token_id=[], pad_token_id=5)[:, 4:]
+        eos = int(free[0, 0])
+        if eos not in free[1].tolist() and eos != 5:
+            break
+    else:
+        raise AssertionError("no prompt pair in 50 lets one row finish before the other")
+    hf.config.eos_token_id = eos
+    hf.generation_config = transformers.GenerationConfig(**{k: eos for k in generation_keys}, do_sample=False)
+    path = save_hf(hf, tmp_path / "hf")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ref = reloaded.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6)
+    ours = LigerLlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert ours.config.pad_token_id == 5 and ours.config.eos_token_id == eos
+    assert torch.equal(ours.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6), ref)
+
+
 def test_generate_crossing_longrope_switch_equals_hf(tmp_path):
     """Phi3 generation that crosses original_max_position_embeddings recomputes the cache, as HF does."""
     half = 8
