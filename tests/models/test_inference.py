@@ -169,9 +169,16 @@ def test_shift_labels_documents():
     {"rope_type": "dynamic", "factor": 2.0},
     {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 8},
-], ids=["default", "linear", "dynamic", "llama3"])
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 0.5},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "attention_factor": 1.25},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "beta_fast": 16, "beta_slow": 2,
+     "truncate": False},
+], ids=["default", "linear", "dynamic", "llama3", "yarn", "yarn-mscale", "yarn-attention-factor",
+        "yarn-betas-untruncated"])
 def test_rope_tables_match_hf(rope):
-    """cos/sin at positions beyond max_position_embeddings (dynamic kicks in) equal HF's rotary embedding."""
+    """cos/sin at positions beyond max_position_embeddings (dynamic kicks in) equal HF's rotary embedding; yarn's
+    ramp, attention factor and mscale ratio as HF computes them."""
     hf_rope = {"rope_type": "default", "rope_theta": 50000.0, **(rope or {})}
     hf_cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=16,
                                       rope_parameters=hf_rope)
