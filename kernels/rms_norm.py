@@ -416,6 +416,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, casting: str) -> None:
         raise ValueError(f"casting must be one of {_CASTINGS}, got {casting!r}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"rms_norm needs a floating-point input, got {x.dtype}")
+    if not isinstance(weight, torch.Tensor):  # the kernels always scale by it (no weight-free RMSNorm here)
+        raise TypeError(f"rms_norm needs a weight tensor, got {type(weight).__name__}")
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"rms_norm needs a non-empty last dimension, got shape {tuple(x.shape)}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:

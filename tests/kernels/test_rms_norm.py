@@ -274,6 +274,8 @@ def test_bad_inputs():
         add_rms_norm(x, torch.randn(2, 9, device=DEVICE), torch.ones(8, device=DEVICE))
     with pytest.raises(TypeError, match="floating-point"):
         rms_norm(torch.ones(2, 8, dtype=torch.int64, device=DEVICE), torch.ones(8, device=DEVICE))
+    with pytest.raises(TypeError, match="weight tensor"):
+        add_rms_norm(x, torch.randn_like(x), None)
 
 
 def test_launch_helpers_match_triton():
