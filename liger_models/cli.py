@@ -180,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                 lr_help="base learning rate; heads train at lr × --head-lr-multiplier (default: 2.5e-4 in stage 1, "
                         "i.e. heads at 1e-3; 2e-5 in stage 2)")
     medusa.add_argument("--stage", type=int, choices=(1, 2), default=1, help="1: heads only; 2: joint (default 1)")
-    medusa.add_argument("--num-heads", type=_positive, default=5, help="Medusa heads (default 5)")
-    medusa.add_argument("--num-layers", type=_non_negative, default=1, help="ResBlocks per head (default 1)")
-    medusa.add_argument("--share-lm-head", action="store_true",
+    # None when not given: heads loaded by --init-heads or --resume must then match only the options given.
+    medusa.add_argument("--num-heads", type=_positive, default=None, help="Medusa heads (default 5)")
+    medusa.add_argument("--num-layers", type=_non_negative, default=None, help="ResBlocks per head (default 1)")
+    medusa.add_argument("--share-lm-head", action="store_true", default=None,
                         help="project with the frozen base lm_head (Medusa 'version 2') instead of per-head copies")
     medusa.add_argument("--init-heads", default=None, metavar="DIR",
                         help="start from trained heads (e.g. stage 2 from a stage-1 checkpoint)")
@@ -222,21 +223,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_paths(args: argparse.Namespace) -> None:
+    # Raised as the errors main() reports in one line with exit code 2, as for every other user error.
     for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data or [])):
         for path in paths:
             p = Path(path)
             if not p.is_file():
-                raise SystemExit(f"liger-models: error: {flag} {path}: no such file")
+                raise FileNotFoundError(f"{flag} {path}: no such file")
             if p.suffix not in (".txt", ".jsonl"):
-                raise SystemExit(f"liger-models: error: {flag} {path}: expected a .txt or .jsonl file")
+                raise ValueError(f"{flag} {path}: expected a .txt or .jsonl file")
     init = getattr(args, "init_heads", None)
     if init is not None and not Path(init).is_dir():
-        raise SystemExit(f"liger-models: error: --init-heads {init}: no such directory")
+        raise FileNotFoundError(f"--init-heads {init}: no such directory")
     if args.resume not in (None, "auto") and not Path(args.resume).is_dir():
-        raise SystemExit(f"liger-models: error: --resume {args.resume}: no such directory (or use 'auto')")
+        raise FileNotFoundError(f"--resume {args.resume}: no such directory (or use 'auto')")
     # Refused now rather than after the model is loaded and the data tokenized (minutes for a large model).
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
-        raise SystemExit(f"liger-models: error: --output-dir {args.output_dir}: a file, not a directory")
+        raise NotADirectoryError(f"--output-dir {args.output_dir}: a file, not a directory")
 
 
 def _run_train(args: argparse.Namespace) -> None:

@@ -131,7 +131,33 @@ def _setup(args: argparse.Namespace):
                          "--resume auto, or choose another --output-dir")
     else:
         resume = None
+    if resume is not None:
+        _check_resume_kind(resume, args)
     return info, resume
+
+
+def _run_kind(stage: int | None) -> str:
+    return "liger-models train" if stage is None else f"liger-models train-medusa --stage {stage}"
+
+
+def _check_resume_kind(checkpoint: Path, args: argparse.Namespace) -> None:
+    """Refuse a checkpoint of another command or Medusa stage, told apart by its files: a Medusa checkpoint holds
+    a heads file, a stage-2 one a full model config beside it. Resumed across kinds, the optimizer state did not fit
+    (a traceback), or stage 1 dropped the stage-2 base without a word and overwrote the run's checkpoints."""
+    from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
+
+    checkpoint = Path(checkpoint)
+    if not any((checkpoint / name).is_file() for name in (HEADS_NAME, LEGACY_HEADS_NAME)):
+        found = None
+    else:
+        config = checkpoint / CONFIG_NAME
+        found = 2 if config.is_file() and "model_type" in read_json(str(config)) else 1
+    wanted = getattr(args, "stage", None)
+    if found != wanted:
+        hint = (f"; stage 2 starts from stage-1 heads with --init-heads {checkpoint} and another --output-dir"
+                if (found, wanted) == (1, 2) else "")
+        raise ValueError(f"--resume: {checkpoint} was written by `{_run_kind(found)}`, not `{_run_kind(wanted)}`: "
+                         f"resume it with that command, or choose another --output-dir{hint}")
 
 
 def data_cache_dir(args) -> Path | None:
@@ -274,16 +300,29 @@ def _medusa_model(args, model_dir: Path, dtype, device, resume: Path | None):
         medusa.config.scheduler, medusa.config.base_loss_weight = args.schedule, args.base_loss_weight
         return medusa
 
+    def loaded(medusa, source: str):
+        # The heads' shape is the file's: a shape option given that disagrees would be ignored without a word.
+        for flag, given, value in (("--num-heads", args.num_heads, medusa.config.num_heads),
+                                   ("--num-layers", args.num_layers, medusa.config.num_layers),
+                                   ("--share-lm-head", args.share_lm_head, medusa.config.share_lm_head)):
+            if given is not None and given != value:
+                shown = flag if isinstance(given, bool) else f"{flag} {given}"
+                raise ValueError(f"{shown} disagrees with the heads of {source} ({flag.lstrip('-')}: {value}); "
+                                 f"drop it, or train new heads without {source.split()[0]}")
+        return with_this_runs_loss(medusa)
+
     if resume is not None and args.stage == 2:
-        return with_this_runs_loss(MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2))
+        medusa = MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2)
+        return loaded(medusa, f"--resume {resume}")
     base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
     heads_dir = resume or args.init_heads
     if heads_dir is not None:
-        return with_this_runs_loss(
-            MedusaModel.from_pretrained(str(heads_dir), base=base, dtype=dtype, device=device, stage=args.stage))
+        medusa = MedusaModel.from_pretrained(str(heads_dir), base=base, dtype=dtype, device=device, stage=args.stage)
+        return loaded(medusa, f"--resume {heads_dir}" if resume else f"--init-heads {heads_dir}")
     return MedusaModel.from_base(
-        base, stage=args.stage, num_heads=args.num_heads, num_layers=args.num_layers,
-        share_lm_head=args.share_lm_head, base_model_name_or_path=_base_name(args.model),
+        base, stage=args.stage, num_heads=5 if args.num_heads is None else args.num_heads,
+        num_layers=1 if args.num_layers is None else args.num_layers,
+        share_lm_head=bool(args.share_lm_head), base_model_name_or_path=_base_name(args.model),
         heads_coefficient=args.lambda0, decay_coefficient=args.decay, scheduler=args.schedule,
         base_loss_weight=args.base_loss_weight,
     )

@@ -112,7 +112,8 @@ def test_bad_paths_fail_clearly(argv, message, tiny_model_dir, text_file, tmp_pa
         base[flag] = value
     full = ["train-medusa", "--output-dir", str(tmp_path / "out"), *[x for kv in base.items() for x in kv]]
     code, err = _code_and_error(full, capsys)
-    assert code not in (0, None) and message in err
+    # Exit code 2 as for every other user error (argparse's, main's): these exited 1.
+    assert code == 2 and message in err and err.startswith("liger-models: error: ")
 
 
 def _code_and_error(argv, capsys) -> tuple:
@@ -328,3 +329,51 @@ def test_bad_integer_names_its_type(capsys):
             main(["train", "--model", "m", "--data", "d.txt", flag, "ten"])
         err = capsys.readouterr().err
         assert f"argument {flag}: invalid int value: 'ten'" in err, err
+
+
+def _medusa(model_dir, data, out, *extra) -> list[str]:
+    return ["train-medusa", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--seq-len",
+            "32", "--batch-size", "2", "--max-steps", "2", "--num-heads", "2", "--quiet", *extra]
+
+
+def test_resume_of_another_kind_of_run_fails_clearly(tiny_model_dir, text_file, tmp_path, capsys):
+    """--resume of a checkpoint written by another command or Medusa stage gets the one-line error and leaves the
+    run's checkpoints alone: stage 2 on a stage-1 checkpoint was an optimizer-state traceback, and stage 1 on a
+    stage-2 checkpoint silently dropped the trained base and overwrote the run with heads only."""
+    runs = {"train": tmp_path / "lm", "1": tmp_path / "s1", "2": tmp_path / "s2"}
+    assert _train(tiny_model_dir, text_file, runs["train"], "--max-steps", "2") == 0
+    assert main(_medusa(tiny_model_dir, text_file, runs["1"])) == 0
+    assert main(_medusa(tiny_model_dir, text_file, runs["2"], "--stage", "2")) == 0
+    capsys.readouterr()
+    for made_by, out in runs.items():
+        before = sorted(p.name for p in (out / "checkpoints").iterdir())
+        for kind in runs:
+            if kind == made_by:
+                continue
+            if kind == "train":
+                argv = ["train", "--model", str(tiny_model_dir), "--data", str(text_file), "--output-dir", str(out),
+                        "--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--quiet"]
+            else:
+                argv = [*_medusa(tiny_model_dir, text_file, out, "--stage", kind), "--max-steps", "4"]
+            code, err = _code_and_error([*argv, "--resume", "auto"], capsys)
+            assert code == 2 and "was written by" in err and "Traceback" not in err, (made_by, kind, err)
+            assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
+def test_head_shape_options_that_disagree_with_loaded_heads_fail(tiny_model_dir, text_file, tmp_path, capsys):
+    """--num-heads, --num-layers and --share-lm-head given with --init-heads (or on resume) must match the heads
+    loaded: they were silently ignored, so a run asked for 3 heads trained the file's 2."""
+    heads = tmp_path / "s1" / "checkpoints" / "step_000002"
+    assert main(_medusa(tiny_model_dir, text_file, tmp_path / "s1")) == 0
+    capsys.readouterr()
+    for flags, problem in ((["--num-heads", "3"], "--num-heads 3"), (["--num-layers", "2"], "--num-layers 2"),
+                           (["--share-lm-head"], "--share-lm-head")):
+        argv = [*_medusa(tiny_model_dir, text_file, tmp_path / "s2", "--stage", "2"), "--init-heads", str(heads)]
+        code, err = _code_and_error([*argv, *flags], capsys)
+        assert code == 2 and problem in err and "--init-heads" in err, err
+        code, err = _code_and_error([*_medusa(tiny_model_dir, text_file, tmp_path / "s1"), "--max-steps", "3",
+                                     "--resume", "auto", *flags], capsys)
+        assert code == 2 and problem in err, err
+    # Options that agree with the heads are fine (the default --num-heads 5 is not "given").
+    argv = [*_medusa(tiny_model_dir, text_file, tmp_path / "s2", "--stage", "2"), "--init-heads", str(heads)]
+    assert main(argv) == 0
