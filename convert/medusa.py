@@ -126,7 +126,9 @@ def load_vllm(directory: str, base_lm_head: torch.nn.Linear | None = None, *, dt
             raise ValueError("original_lm_head is set but lm_heads.0.weight is missing")
         if base_lm_head is None:
             base_lm_head = torch.nn.Linear(shared.shape[1], shared.shape[0], bias=False, device="meta")
-            base_lm_head.weight = torch.nn.Parameter(shared.to(device=device or "cpu", dtype=dtype or shared.dtype),
+            # `device or` would read device 0 (cuda:0) as "not given" and leave this head on the CPU.
+            base_lm_head.weight = torch.nn.Parameter(shared.to(device="cpu" if device is None else device,
+                                                               dtype=dtype or shared.dtype),
                                                      requires_grad=False)
         else:  # compared at the lower of the two precisions: a bf16 base is the same lm_head as its fp32 export
             low = min(base_lm_head.weight.dtype, shared.dtype, key=lambda d: torch.finfo(d).bits)

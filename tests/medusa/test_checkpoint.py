@@ -284,3 +284,17 @@ def test_vllm_biases_without_medusa_fc_bias_are_ignored_as_vllm_does(tmp_path, f
         y = x.double()
         y = y + torch.nn.functional.silu(y @ sd[f"blocks.{h}.layers.0.weight"].double().T)
         torch.testing.assert_close(got[h].double(), y @ sd[f"lm_heads.{h}.weight"].double().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_vllm_standalone_shared_load_on_device_0(tmp_path):
+    """load_vllm without a base builds a stand-in lm_head from lm_heads.0.weight; device 0 is cuda:0 for it too (it
+    was read as "not given" and left on the CPU while the ResBlocks went to the GPU, so the heads could not run)."""
+    model = _model(True, 1)
+    save_vllm(model.heads, str(tmp_path))
+    heads = load_vllm(str(tmp_path), device=0)
+    assert {p.device for p in heads.parameters()} == {torch.device("cuda", 0)}
+    assert heads.weight(0).device == torch.device("cuda", 0)
+    x = torch.randn(4, H, device="cuda")
+    ref = load_vllm(str(tmp_path)).logits(x.cpu())
+    torch.testing.assert_close(heads.logits(x).cpu(), ref)
