@@ -27,7 +27,8 @@ Normalizer = float | torch.Tensor | Sequence[float | torch.Tensor] | None
 @model_output
 @dataclass
 class MedusaOutput:
-    """What `MedusaModel.forward` returns. Every tensor except `loss` is detached; nothing syncs with the host.
+    """What `MedusaModel.forward` returns. In training every tensor except `loss` is detached (the metrics); nothing
+    syncs with the host. The inference logits are not detached, as a plain model's logits are not.
 
     loss: the scalar to backward. base_loss: the base head's CE (None when its weight is 0, e.g. stage 1).
     head_losses: (K,) unweighted CE per head. head_top1 / head_top5 / head_count: (K,) int64 counts of targets whose
