@@ -24,7 +24,10 @@ unused pieces take part in no merge (SentencePiece's BPE never builds them from 
 The normalizer is the "legacy" Prepend + Replace pair, not a Metaspace pre-tokenizer: Metaspace does not prepend
 "▁" to a text that already starts with a space, SentencePiece does (" a" → "▁▁a"). One consequence, shared with
 HF's Llama 2 files: a text segment that follows an added token also gets a "▁" (SentencePiece never parses control
-tokens out of text, so only user-defined pieces, which Llama 2 and Mistral do not have, could see the difference).
+tokens out of text, so only user-defined pieces, which Llama 2 and Mistral do not have, could see the difference);
+likewise, with the dummy prefix, a text that starts with a user-defined piece gets no "▁" before it, and a
+user-defined piece containing "▁" only matches a literal "▁" (HF's normalizer runs per segment between added tokens,
+so the prefix cannot be placed as SentencePiece does). Without the dummy prefix, user-defined pieces match exactly.
 Only BPE models with byte fallback, no normalization table and Llama's whitespace settings (spaces kept as they
 are, escaped as "▁" before the word) are converted; anything else is refused rather than converted into a tokenizer
 that encodes differently. No chat template is written (Llama 2's and Mistral's differ and live outside the file).
@@ -258,10 +261,15 @@ def _added_tokens(model: SentencePieceModel):
     ones as plain added tokens (matched whole, as SentencePiece does), in id order."""
     from tokenizers import AddedToken
 
+    # SentencePiece finds user-defined pieces in the normalized text (where "▁▁" is two spaces). Without a dummy
+    # prefix the normalizer is Replace(" ", "▁") alone, which leaves the pieces' own text as is, so they can be
+    # matched after it; with one, HF would prepend "▁" to their text too, so they are matched in the raw text.
+    user_normalized = not model.add_dummy_prefix
     tokens = []
     for piece in model.pieces:
         if piece.type in (CONTROL, UNKNOWN, USER_DEFINED):
-            tokens.append(AddedToken(piece.text, special=piece.type != USER_DEFINED, normalized=False,
+            user = piece.type == USER_DEFINED
+            tokens.append(AddedToken(piece.text, special=not user, normalized=user and user_normalized,
                                      lstrip=False, rstrip=False, single_word=False))
     return tokens
 

@@ -14,9 +14,10 @@ llama-models' ``tokenizer.py``), and is restated here:
   ``<|step_id|>``; the published Llama 3.1/3.2 HF tokenizers keep ``<|reserved_special_token_2|>``, as here.
 
 The HF tokenizer is a byte-level BPE equivalent to tiktoken's: the vocabulary is each token's bytes in GPT-2's
-byte-to-unicode alphabet with its rank as id; the merges are recovered from the ranks (for each multi-byte token,
-the two pieces that BPE restricted to lower ranks builds it from, ordered by the token's rank; tiktoken merges the
-adjacent pair whose concatenation has the lowest rank, which is then always such a pair); ``ignore_merges`` mirrors
+byte-to-unicode alphabet with its rank as id; the merges are recovered from the ranks: tiktoken merges the adjacent
+pair whose concatenation has the lowest rank, so every split of a multi-byte token into two tokens is a merge,
+ordered by the token's rank (not only the split that BPE restricted to lower ranks finds: Llama 3's ranks join two
+trainings, and inside a longer pre-token a token can be built from another split). ``ignore_merges`` mirrors
 tiktoken taking a whole pre-token that is itself a token as is. Pre-tokenizer: Split with ``PAT_STR`` then ByteLevel
 (no prefix space, no regex of its own); ByteLevel decoder; a post-processor that prepends ``<|begin_of_text|>``.
 
@@ -131,34 +132,19 @@ def token_string(token: bytes) -> str:
     return "".join(table[b] for b in token)
 
 
-def bpe_pieces(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
-    """tiktoken's merge loop on `token`'s bytes using only tokens ranked below `max_rank`: repeatedly join the
-    adjacent pair whose concatenation has the lowest rank (leftmost on ties). For a token built by BPE training this
-    stops at the two pieces its last merge joined."""
-    parts = [token[i:i + 1] for i in range(len(token))]
-    while len(parts) > 1:
-        best, best_rank = -1, max_rank
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and rank < best_rank:
-                best, best_rank = i, rank
-        if best < 0:
-            break
-        parts[best:best + 2] = [parts[best] + parts[best + 1]]
-    return parts
-
-
 def recover_merges(ranks: dict[bytes, int]) -> tuple[list[tuple[str, str]], list[bytes]]:
-    """HF merges (byte-level strings) in the order of the merged tokens' ranks, and the tokens that no merge of two
-    lower-ranked tokens can build (kept in the vocabulary; reachable only as a whole pre-token)."""
+    """HF merges (byte-level strings): every split of a token into two tokens, in the order of the merged tokens'
+    ranks (a token's splits by position), and the tokens that have no such split (kept in the vocabulary; reachable
+    only as a whole pre-token). HF's BPE then joins the adjacent pair whose merged token ranks lowest, as tiktoken
+    does; only two different splits of one token overlapping in a word (p+q = q+r) could tie-break differently."""
     merges, unreachable = [], []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
         if len(token) == 1:
             continue
-        pieces = bpe_pieces(ranks, token, rank)
-        if len(pieces) == 2:
-            merges.append((token_string(pieces[0]), token_string(pieces[1])))
-        else:
+        splits = [(token[:cut], token[cut:]) for cut in range(1, len(token))
+                  if token[:cut] in ranks and token[cut:] in ranks]
+        merges.extend((token_string(left), token_string(right)) for left, right in splits)
+        if not splits:
             unreachable.append(token)
     return merges, unreachable
 

@@ -8,6 +8,7 @@ with Llama 2's trainer options, and sentencepiece's own encode / decode must agr
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,33 @@ def test_transformers_loads_it(converted, reference):
         ids = reference.encode(text, add_bos=True)
         assert tokenizer(text)["input_ids"] == ids
         assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def _retyped(data: bytes, texts: set[str], kind: int) -> bytes:
+    """The ModelProto `data` with the pieces `texts` given the type `kind` (every top-level field is a message)."""
+    out = b""
+    for number, value in spt._fields(data):
+        piece = spt._parse_piece(value) if number == 1 else None
+        if piece is not None and piece.text in texts:
+            value = (_len_field(1, piece.text.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", piece.score)
+                     + _varint(3 << 3) + _varint(kind))
+        out += _len_field(number, value)
+    return out
+
+
+def test_user_defined_whitespace_pieces_without_dummy_prefix(tmp_path):
+    # Gemma-like: no dummy prefix, "▁▁" user-defined while longer space runs are normal pieces. SentencePiece
+    # matches user-defined pieces in the normalized text (spaces already "▁") and never merges them further.
+    lines = SHAKESPEARE.read_text(encoding="utf-8").splitlines()[:3000] + ["a  b   c    d     e"] * 1000
+    path = tmp_path / "ws.model"
+    options = {**LLAMA_OPTIONS, "vocab_size": 1000, "add_dummy_prefix": False, "model_type": "bpe"}
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(path.with_suffix("")), **options)
+    path.write_bytes(_retyped(path.read_bytes(), {"▁▁"}, spt.USER_DEFINED))
+    reference = spm.SentencePieceProcessor(model_file=str(path))
+    assert reference.piece_to_id("▁▁▁") != reference.unk_id()
+    tokenizer, _ = spt.convert_sentencepiece(path)
+    for text in ("a  b", "a   b", "a    b", "x     y", "  ", "   "):
+        assert tokenizer.encode(text, add_special_tokens=False).ids == reference.encode(text)
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------

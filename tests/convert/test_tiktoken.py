@@ -102,7 +102,11 @@ def test_merges_and_vocab_are_the_trained_ones(trained):
     ranks = tt.read_ranks(ranks_file)
     merges, unreachable = tt.recover_merges(ranks)
     assert unreachable == []
-    assert merges == [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained_model["merges"]]
+    # Every split of a token is a merge; the trained ones are among them, in the trained order.
+    trained_merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained_model["merges"]]
+    assert [m for m in merges if m in set(trained_merges)] == trained_merges
+    vocab = {tt.token_string(t) for t in ranks}
+    assert len(set(merges)) == len(merges) and all(left + right in vocab for left, right in merges)
     assert {tt.token_string(t): r for t, r in ranks.items()} == trained_model["vocab"]
     assert any(len(t.decode("utf-8", "ignore")) < len(t) for t in ranks), "no multi-byte merges were trained"
 
@@ -124,6 +128,19 @@ def test_ids_match_tiktoken_on_all_of_shakespeare(converted, reference):
     ours = [e.ids for e in hf.encode_batch(chunks, add_special_tokens=False)]
     assert ours == reference.encode_batch(chunks, allowed_special="all")
     assert sum(map(len, ours)) < 0.4 * sum(map(len, chunks)), "the trained vocabulary barely merges"
+
+
+def test_tokens_built_from_other_splits(tmp_path):
+    # Llama 3's ranks join two BPE trainings, so a token can be built from a pair that no lower-ranked pieces make:
+    # "AUSE" (257) has no split into lower-ranked tokens, yet in "CAUSE" tiktoken joins "A" + "USE" (258) into it,
+    # as it joins any two adjacent pieces whose concatenation is a token. Every such split must be a merge.
+    ranks = {bytes([b]): b for b in range(256)} | {b"US": 256, b"AUSE": 257, b"USE": 258}
+    path = write_tiktoken_file(ranks, tmp_path / "tokenizer.model")
+    reference = tiktoken.Encoding("splits", pat_str=tt.PAT_STR, mergeable_ranks=ranks, special_tokens={})
+    tokenizer, _ = tt.convert_tiktoken(path)
+    for text in ("CAUSE", " BECAUSE", "AUSE", "USE CAUSES"):
+        assert tokenizer.encode(text, add_special_tokens=False).ids == reference.encode(text)
+    assert tokenizer.encode("CAUSE", add_special_tokens=False).tokens == ["C", "AUSE"]
 
 
 def test_layout_of_tokenizer_json(converted, ranks_file):
