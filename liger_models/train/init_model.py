@@ -47,9 +47,12 @@ def init_model_dir(out: str | Path, preset: str = "demo", *, tokenizer_text: str
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     out = Path(out)
-    if (out / "config.json").exists() or any(out.glob("*.safetensors")):
-        # Random weights over a model directory would silently replace what may be a trained model.
-        raise FileExistsError(f"{out} already holds a model; pick another --output-dir (or delete it first)")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out}: a file, not a directory; pick another --output-dir")
+    if any((out / name).exists() for name in ("config.json", "tokenizer.json")) or any(out.glob("*.safetensors")):
+        # Random weights or a fresh tokenizer over a model directory would silently replace what may be trained.
+        raise FileExistsError(f"{out} already holds a model or tokenizer; pick another --output-dir (or delete it "
+                              "first)")
     text = tokenizer_text if tokenizer_text is not None else bundled_text()
     tokenizer = train_bpe_tokenizer(text.splitlines(), vocab_size=tokenizer_vocab, eos_token=EOS)
     fields = {"vocab_size": tokenizer.get_vocab_size(), **PRESETS[preset], **overrides}

@@ -52,6 +52,20 @@ def test_init_model_refuses_to_overwrite_a_model(tmp_path, capsys):
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
 
 
+def test_init_model_refuses_a_tokenizer_dir_and_a_file(tmp_path, capsys):
+    """A directory holding only a tokenizer keeps it (init-model trained a new one over it); a file as the output
+    directory gets the one-line error, not a raw OS error."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    assert main(["init-model", "--output-dir", str(tmp_path / "tok"), "--tokenizer-vocab", "300"]) == 2
+    assert "already holds a model or tokenizer" in capsys.readouterr().err
+    assert (tmp_path / "tok" / "tokenizer.json").read_text() == "{}"
+    (tmp_path / "file").write_text("x")
+    assert main(["init-model", "--output-dir", str(tmp_path / "file"), "--tokenizer-vocab", "300"]) == 2
+    err = capsys.readouterr().err
+    assert "a file, not a directory" in err and "Errno" not in err
+
+
 def test_demo_on_its_own_pretrained_model_keeps_it(tmp_path, capsys):
     """`demo --model DIR` with the "base model:" path an earlier demo printed (inside the same --output-dir) trains
     heads on it: replacing the earlier demo's output deleted that model before it was loaded. A --model that does
