@@ -48,8 +48,9 @@ class FusedAdamW(torch.optim.AdamW):
     state (step as a 0-dim fp32 tensor on the parameter's device, exp_avg, exp_avg_sq) and state_dict, so
     checkpoints move freely between the two. Anything the kernel does not cover — a parameter that is not a plain
     contiguous CUDA tensor (an FSDP2 DTensor), a learning rate that is not a float or a 0-dim fp32 tensor on the
-    parameters' device, amsgrad / maximize, a β of 0, AMP's grad scaling — makes that step torch's own. A tensor
-    learning rate (cuda_graph.py turns each group's into one before a capture) is read by the kernel on the device."""
+    parameters' device, amsgrad / maximize / Adam's coupled decay, a β of 0, AMP's grad scaling — makes that step
+    torch's own. A tensor learning rate (cuda_graph.py turns each group's into one before a capture) is read by the
+    kernel on the device."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, capturable: bool = False):
@@ -68,6 +69,8 @@ class FusedAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
                 return False
+            if not group.get("decoupled_weight_decay", True):
+                return False  # torch's Adam L2 decay (a group or state_dict saying so): the kernel's is AdamW's
             if not all(0.0 < b < 1.0 for b in group["betas"]):
                 return False  # β = 0 is torch's to take (the kernel's bias correction needs ln β)
             lr = group["lr"]
@@ -89,12 +92,14 @@ class FusedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if not self._kernel_covers():
-            return super().step(closure)
+        # The closure makes this step's gradients: which path covers them can only be judged after it has run.
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._kernel_covers():
+            super().step()
+            return loss
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             todo = [p for p in group["params"] if p.grad is not None]

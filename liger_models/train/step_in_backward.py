@@ -32,6 +32,7 @@ gradients outside autograd's accumulation).
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Iterable
 
 import torch
@@ -48,7 +49,7 @@ class OptimizerInBackward:
         self.optimizer = optimizer
         self._group_of: dict[torch.Tensor, int] = {}  # torch.optim already refuses a parameter in two groups
         self._stepped: set[torch.Tensor] = set()  # updated this step; cleared when the step's backward ends
-        self._end_queued = False
+        self._end_queued: weakref.ref | None = None  # the end callback queued on the backward now running
         self._handles = []
         for i, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -67,15 +68,24 @@ class OptimizerInBackward:
 
     def _in_backward(self) -> None:
         """Called from inside a backward: clear the step's record once that backward ends."""
-        if not self._end_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._end_queued = True
+        self._forget_failed_backward()
+        if self._end_queued is None:
+            end = self._end_backward  # one bound method: autograd holds it, the weak reference watches it
+            torch.autograd.Variable._execution_engine.queue_callback(end)
+            self._end_queued = weakref.ref(end)
+
+    def _forget_failed_backward(self) -> None:
+        """A backward that raised never runs its end callback, but autograd drops it with the backward: the
+        updates it made are done (and stay so), so the next step must not count them as this step's."""
+        if self._end_queued is not None and self._end_queued() is None:
+            self._end_backward()
 
     def _end_backward(self) -> None:
         self._stepped.clear()
-        self._end_queued = False
+        self._end_queued = None
 
     def _update(self, p: torch.Tensor, when: str, grad: torch.Tensor | None = None) -> None:
+        self._forget_failed_backward()  # a forward's first update after a failed step
         if p in self._stepped:
             raise RuntimeError(
                 f"a parameter of shape {tuple(p.shape)} received a second gradient {when} after its update this "

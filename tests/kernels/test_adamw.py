@@ -149,6 +149,35 @@ def test_tensor_learning_rate_is_read_on_the_device():
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+def test_closure_gradients_decide_the_path():
+    """The closure makes the gradients, so whether the kernel covers the step is judged after it runs: a
+    non-contiguous parameter whose gradient only the closure creates is still torch's step."""
+    w = torch.nn.Parameter(torch.randn(5, 3, device=DEVICE).t())
+    ref = torch.nn.Parameter(w.detach().clone())
+    losses = []
+    for p, opt in ((w, FusedAdamW([w], lr=1e-2)), (ref, torch.optim.AdamW([ref], lr=1e-2, fused=True))):
+        def closure(p=p, opt=opt):
+            opt.zero_grad()
+            loss = p.square().sum()
+            loss.backward()
+            return loss
+        losses.append(opt.step(closure))
+    assert torch.equal(losses[0], losses[1]) and torch.equal(w, ref)
+
+
+def test_group_with_coupled_weight_decay_is_torchs():
+    """A group with decoupled_weight_decay=False (torch's Adam L2 decay, e.g. from an Adam state_dict) is not the
+    kernel's decoupled update: the step is torch's own, with torch's result."""
+    a = _model()
+    b = copy.deepcopy(a)
+    groups_a, groups_b = _groups(a, 1e-2), _groups(b, 1e-2)
+    groups_a[0]["decoupled_weight_decay"] = groups_b[0]["decoupled_weight_decay"] = False
+    _train(a, FusedAdamW(groups_a), 2)
+    _train(b, torch.optim.AdamW(groups_b, fused=True), 2)
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x, y)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 

@@ -83,6 +83,47 @@ def test_reentrant_checkpoint_raises():
         (checkpoint(lin, x, use_reentrant=True) + lin(x)).sum().backward()
 
 
+class _FailingBackward(torch.autograd.Function):
+    fail = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailingBackward.fail:
+            raise RuntimeError("backward failed")
+        return grad
+
+
+def test_backward_that_raises_leaves_the_next_step_working():
+    """A backward that raises after some parameters were stepped (an OOM the trainer skips) ends without its
+    end-of-backward callback: those updates stay done, once, and the next step runs as a normal one would."""
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    ref_a, ref_b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    ref_a.load_state_dict(a.state_dict())
+    ref_b.load_state_dict(b.state_dict())
+    OptimizerInBackward(torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1))
+    ref_opt = torch.optim.SGD([*ref_a.parameters(), *ref_b.parameters()], lr=0.1)
+    x = torch.randn(3, 4)
+    _FailingBackward.fail = True
+    with pytest.raises(RuntimeError, match="backward failed"):
+        b(_FailingBackward.apply(a(x))).sum().backward()
+    ref_b(ref_a(x)).sum().backward()
+    ref_a.zero_grad(set_to_none=True)  # only b (after the failing op) got its gradient and step
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+    _FailingBackward.fail = False
+    for _ in range(2):
+        b(_FailingBackward.apply(a(x))).sum().backward()
+        ref_b(ref_a(x)).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    for p, q in zip([*a.parameters(), *b.parameters()], [*ref_a.parameters(), *ref_b.parameters()]):
+        assert torch.equal(p, q) and p.grad is None
+
+
 def test_parameter_without_gradient_is_left_alone():
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
