@@ -4,7 +4,7 @@ profile_e2e.py put Gemma-2B's 8 CE passes (2048 rows × 256000, one per linear-C
 the kernel takes 1.28 ms for 4096 such rows in bench_cross_entropy.py: per row, almost twice as slow. This times
 the pass exactly as linear-CE's forward runs it (loss, lse and q written, the gradient written over the logits,
 scaled by a device scalar) at 256-8192 rows of 128256 and 256000 columns, GPU time with the host hidden, with the
-row-count switches of _ce_core (lane sums from CE_LANE_SUMS_MIN_ROWS rows) at their defaults and flipped.
+row kernel's pass-1 body at its default and forced each way (per-thread lane sums, per-block sums).
 
     python benchmarks/ce_chunk_rows.py [--out DIR]
 """
@@ -42,16 +42,19 @@ def main() -> None:
     import liger_models.kernels._ce_core as core
 
     copy = copy_bandwidth_gbs()
-    default_min = core.CE_LANE_SUMS_MIN_ROWS
+    tunables = ("CE_LANE_SUMS", "CE_LANE_SUMS_MIN_ROWS")
+    defaults = [getattr(core, name) for name in tunables]
     rows_out = []
     for vocab in VOCABS:
         for rows in ROWS:
             fn = ce_pass(rows, vocab)
             row = {"rows": rows, "vocab": vocab}
-            for name, min_rows in (("default", default_min), ("lane sums", 1), ("block sums", 1 << 40)):
-                core.CE_LANE_SUMS_MIN_ROWS = min_rows
+            for name, values in (("default", defaults), ("lane sums", (True, 0)), ("block sums", (False, 0))):
+                for tunable, value in zip(tunables, values):
+                    setattr(core, tunable, value)
                 row[name] = busy_gpu_ms(fn)
-            core.CE_LANE_SUMS_MIN_ROWS = default_min
+            for tunable, value in zip(tunables, defaults):
+                setattr(core, tunable, value)
             row["us_per_row"] = 1e3 * row["default"] / rows
             row["frac_copy"] = 4 * rows * vocab / (row["default"] * 1e-3) / 1e9 / copy  # read + write, 2 B each
             rows_out.append(row)

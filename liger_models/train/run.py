@@ -300,29 +300,31 @@ def _medusa_model(args, model_dir: Path, dtype, device, resume: Path | None):
         medusa.config.scheduler, medusa.config.base_loss_weight = args.schedule, args.base_loss_weight
         return medusa
 
-    def loaded(medusa, source: str):
+    # The head-shape options given (None: not given); fresh heads take MedusaConfig's defaults for the others.
+    shape = {k: v for k, v in (("num_heads", args.num_heads), ("num_layers", args.num_layers),
+                               ("share_lm_head", args.share_lm_head)) if v is not None}
+
+    def loaded(medusa, flag: str, directory):
         # The heads' shape is the file's: a shape option given that disagrees would be ignored without a word.
-        for flag, given, value in (("--num-heads", args.num_heads, medusa.config.num_heads),
-                                   ("--num-layers", args.num_layers, medusa.config.num_layers),
-                                   ("--share-lm-head", args.share_lm_head, medusa.config.share_lm_head)):
-            if given is not None and given != value:
-                shown = flag if isinstance(given, bool) else f"{flag} {given}"
-                raise ValueError(f"{shown} disagrees with the heads of {source} ({flag.lstrip('-')}: {value}); "
-                                 f"drop it, or train new heads without {source.split()[0]}")
+        for name, given in shape.items():
+            value = getattr(medusa.config, name)
+            if given != value:
+                option = "--" + name.replace("_", "-")
+                shown = option if isinstance(given, bool) else f"{option} {given}"
+                raise ValueError(f"{shown} disagrees with the heads of {flag} {directory} ({name}: {value}); "
+                                 f"drop it, or train new heads without {flag}")
         return with_this_runs_loss(medusa)
 
     if resume is not None and args.stage == 2:
         medusa = MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2)
-        return loaded(medusa, f"--resume {resume}")
+        return loaded(medusa, "--resume", resume)
     base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
     heads_dir = resume or args.init_heads
     if heads_dir is not None:
         medusa = MedusaModel.from_pretrained(str(heads_dir), base=base, dtype=dtype, device=device, stage=args.stage)
-        return loaded(medusa, f"--resume {heads_dir}" if resume else f"--init-heads {heads_dir}")
+        return loaded(medusa, "--resume" if resume else "--init-heads", heads_dir)
     return MedusaModel.from_base(
-        base, stage=args.stage, num_heads=5 if args.num_heads is None else args.num_heads,
-        num_layers=1 if args.num_layers is None else args.num_layers,
-        share_lm_head=bool(args.share_lm_head), base_model_name_or_path=_base_name(args.model),
+        base, stage=args.stage, **shape, base_model_name_or_path=_base_name(args.model),
         heads_coefficient=args.lambda0, decay_coefficient=args.decay, scheduler=args.schedule,
         base_loss_weight=args.base_loss_weight,
     )

@@ -85,7 +85,6 @@ class OptimizerInBackward:
         self._end_queued = None
 
     def _update(self, p: torch.Tensor, when: str, grad: torch.Tensor | None = None) -> None:
-        self._forget_failed_backward()  # a forward's first update after a failed step
         if p in self._stepped:
             raise RuntimeError(
                 f"a parameter of shape {tuple(p.shape)} received a second gradient {when} after its update this "
@@ -106,6 +105,7 @@ class OptimizerInBackward:
         if grad is None:  # linear-CE's backward ran: p's step belongs to this backward
             self._in_backward()
             return
+        self._forget_failed_backward()  # a forward's first update after a failed step (a backward's: _in_backward)
         self._update(p, "in the forward", grad)
 
     def _step_only(self, p: torch.Tensor) -> None:
