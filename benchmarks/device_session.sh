@@ -49,6 +49,8 @@ run_part() {
       (cd benchmarks && python3 bench_attention.py --out "$OUT") ;;
     ce-chunks)  # the CE row kernel at linear-CE's chunk shapes (1K-8K rows of 128K / 256K), lane sums on and off
       (cd benchmarks && python3 ce_chunk_rows.py --out "$OUT") ;;
+    scratch-cap)  # linear-CE at the e2e loss shapes under caps on its logits scratch: time, peak, kernels by name
+      (cd benchmarks && python3 flce_scratch_cap.py --out "$OUT") ;;
     host)  # host time per call of the small-shape autograd ops and the losses, with a cProfile of each loss call
       (cd benchmarks && python3 host_overhead.py --out "$OUT") ;;
     profiles)  # issue 6: one profiled step per family (Qwen and Gemma again after the session-2 changes)
@@ -61,9 +63,12 @@ run_part() {
     e2e-overlap)  # linear-CE with its CE pass overlapped on a side stream
       LIGER_TUNE=fused_linear_cross_entropy.OVERLAP_CE=True python3 benchmarks/bench_e2e.py \
         --out "$OUT/e2e_overlap" --timeout 200 --providers ours --configs llama-3.2-1b,qwen2.5-1.5b ;;
-    e2e-capped)  # Gemma-2B's step with linear-CE's scratch capped at 512 MiB (the accumulator becomes grad_W)
-      LIGER_TUNE=fused_linear_cross_entropy.MAX_SCRATCH_BYTES=$((512 << 20)) python3 benchmarks/bench_e2e.py \
-        --out "$OUT/e2e_capped" --timeout 200 --providers ours,ours_graph --configs gemma-2b ;;
+    e2e-capped)  # Gemma-2B's step with linear-CE's scratch capped (CAP_BYTES, default 512 MiB; the accumulator
+                 # becomes grad_W), and the same configs uncapped in the same call for the comparison
+      python3 benchmarks/bench_e2e.py --out "$OUT/e2e_uncapped" --timeout 200 --providers ours \
+        --configs "${CAPPED_CONFIGS:-gemma-2b}"
+      LIGER_TUNE=fused_linear_cross_entropy.MAX_SCRATCH_BYTES=${CAP_BYTES:-$((512 << 20))} python3 benchmarks/bench_e2e.py \
+        --out "$OUT/e2e_capped" --timeout 200 --providers ours --configs "${CAPPED_CONFIGS:-gemma-2b}" ;;
     gemm-shapes)  # every GEMM of a step at the e2e shapes, as used and in variants (split halves, fp32 split-K)
       python3 benchmarks/bench_gemm_shapes.py --out "$OUT" ;;
     e2e-cublaslt)  # the same steps with every GEMM through cuBLASLt's heuristics (torch's env switch) instead of cuBLAS

@@ -82,9 +82,10 @@ SINGLE_CHUNK_IN_ACCUMULATOR = True
 # chunks, the accumulator is two vocabulary halves whose first half's storage has exactly grad_W's bytes, and dW is
 # cast into that storage in place (_accumulator_becoming_grad), so the op's peak is the fp32 accumulator + the cap
 # instead of the accumulator + grad_W (4·V·H + cap bytes instead of 6·V·H for bf16). The price is more, smaller
-# chunks, each re-reading and re-writing the accumulator in two half-GEMMs. H200, ninth session: Gemma-2B's
-# 16K-token step with a 512 MiB cap peaks at 39.26 instead of 39.98 GiB, but its loss takes 124 instead of 84 ms
-# (16 chunks of 1024 rows instead of 8 of 2048; −6% tokens/s): a knob for fitting a batch, not a default.
+# chunks, each re-reading and re-writing the accumulator in two half-GEMMs. H200, sixteenth session
+# (benchmarks/flce_scratch_cap.py), Gemma-2B's loss (16384 × 2048 × 256000): 82.9 ms uncapped; a 1536-row cap
+# (750 MiB) 88.5 ms and 0.24 GiB less, 1024 rows 91.5 ms and 0.49 GiB less; its whole step 37.2k → 36.8k tok/s
+# at 40.0 → 39.7 GiB peak: a knob for fitting a batch, not a default.
 MAX_SCRATCH_BYTES: int | None = None
 
 
@@ -175,14 +176,17 @@ def _accumulate_dw(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, fi
 
 
 def _scratch(n: int, h: torch.Tensor, vocab: int, grad_w: torch.Tensor | None, use_grad_w: bool,
-             cap_rows: int | None) -> tuple[list[torch.Tensor], int]:
+             cap_rows: int | None, cap_is_size: bool = False) -> tuple[list[torch.Tensor], int]:
     """The logits buffers of the chunk loop and the rows each holds: one buffer, or two halves when the CE pass
     is overlapped (OVERLAP_CE) and there is more than one chunk. Storage: grad_W's (H rows of V) when allowed and
     at least the budget (equal chunks without a second V·H-sized buffer: Mistral's V 32768 at H 4096 and a 256 MiB
-    budget are exactly equal), else a new budget-sized tensor; never more than cap_rows rows."""
+    budget are exactly equal), else a new budget-sized tensor; never more than cap_rows rows. cap_is_size: the
+    scratch is cap_rows rows even above the budget (the accumulator becoming grad_W: the cap is the bytes the
+    caller gave the scratch; the budget's 524 rows at V 256000 would triple the chunks and their accumulator
+    passes)."""
     budget_rows = max(1, LOGITS_BUDGET_BYTES // (vocab * h.element_size()))
     if cap_rows is not None:
-        budget_rows = min(budget_rows, cap_rows)
+        budget_rows = cap_rows if cap_is_size else min(budget_rows, cap_rows)
     storage = grad_w.view(-1) if use_grad_w and h.shape[1] >= budget_rows else None
     capacity = h.shape[1] if storage is not None else budget_rows
     count = 2 if OVERLAP_CE and n > capacity and capacity >= 2 else 1
@@ -264,7 +268,8 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
         buffers, rows = [torch.empty(n, vocab, dtype=h.dtype, device=h.device)], n
     else:
         buffers, rows = _scratch(n, h, vocab, grad_w,
-                                 GRAD_WEIGHT_AS_SCRATCH and acc_w is not None and acc_w is not grad_w, cap_rows)
+                                 GRAD_WEIGHT_AS_SCRATCH and acc_w is not None and acc_w is not grad_w, cap_rows,
+                                 cap_is_size=in_place)
     side = _ce_stream(h.device) if len(buffers) == 2 and h.is_cuda else None
     main = torch.cuda.current_stream(h.device) if side is not None else None
 

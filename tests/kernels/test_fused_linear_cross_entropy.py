@@ -170,6 +170,22 @@ def test_accumulator_becoming_grad(monkeypatch, vocab, opts):
     assert casts[0].untyped_storage().nbytes() == -(-vocab // 2) * H * 4  # ≤ grad_W's bytes + one row
 
 
+def test_cap_above_budget_sizes_the_scratch(monkeypatch):
+    """A cap below H but above the logits budget (Gemma: 1536 rows against the budget's 524) is the scratch's
+    size when the accumulator becomes grad_W: chunks of cap rows, not of the smaller budget."""
+    _chunk(monkeypatch, "budget_scratch")
+    vocab = 300
+    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 4 * vocab * 2)
+    monkeypatch.setattr(flce_mod, "MAX_SCRATCH_BYTES", 6 * vocab * 2)
+    chunk_rows = []
+    ce_rows = flce_mod.ce_rows
+    monkeypatch.setattr(flce_mod, "ce_rows", lambda logits, *a, **k: (chunk_rows.append(logits.shape[0]),
+                                                                      ce_rows(logits, *a, **k)))
+    hidden, weight, bias, labels = _inputs(vocab, torch.bfloat16)
+    _check(hidden, weight, bias, labels)
+    assert chunk_rows == [6, 6, 2]
+
+
 @pytest.mark.parametrize("budget_rows,shared", [(H, True), (H - 1, True), (H + 1, False)])
 def test_scratch_in_grad_w_when_it_holds_the_budget(monkeypatch, budget_rows, shared):
     """grad_W's storage (H rows of V) is the logits scratch whenever it holds at least the budget's rows: an
