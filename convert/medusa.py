@@ -19,8 +19,8 @@ import warnings
 import torch
 from safetensors.torch import load_file
 
-from liger_models.medusa.checkpoint import (CONFIG_NAME, build_heads, config_from_state_dict, read_json, save_json,
-                                            save_tensors)
+from liger_models.medusa.checkpoint import (CONFIG_NAME, build_heads, config_from_state_dict, read_json,
+                                            refuse_model_directory, save_json, save_tensors)
 from liger_models.medusa.config import MedusaConfig
 from liger_models.medusa.heads import MedusaHeads
 
@@ -88,6 +88,7 @@ def vllm_config(config: MedusaConfig) -> dict:
 
 def save_vllm(heads: MedusaHeads, directory: str) -> None:
     """Export `heads` as a vLLM Medusa draft model directory (config.json + model.safetensors), atomically per file."""
+    refuse_model_directory(directory)
     config = heads.config
     shared = heads.weight(0) if config.share_lm_head else None
     tensors = medusa_to_vllm_state_dict(heads.state_dict(), config.num_layers, shared)

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
+import uuid
 import warnings
 from typing import Any, Callable
 
@@ -36,10 +36,15 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
     """Call `write(tmp_path)` on a temporary file next to `path`, then rename it over `path`."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     try:
+        # The file ends with the mode a plain write gives it (the umask's): mkstemp, and safetensors' own save, make
+        # it owner-only (0600), which the rename keeps, and the checkpoint was unreadable to any other account (a
+        # TGI / vLLM server's user, a teammate).
+        with open(tmp, "x"):
+            mode = os.stat(tmp).st_mode & 0o777
         write(tmp)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -77,11 +82,13 @@ def save_heads(heads: MedusaHeads, directory: str, *, merge_config: bool = False
     instead of writing the heads-only config. base_model_name_or_path overrides the config's value.
     """
     config = heads.config
+    path = os.path.join(directory, CONFIG_NAME)
+    if not merge_config:
+        refuse_model_directory(directory)
     save_tensors(os.path.join(directory, HEADS_NAME), heads.state_dict())
     fields = config.to_json_dict()
     if base_model_name_or_path is not None:
         fields["base_model_name_or_path"] = base_model_name_or_path
-    path = os.path.join(directory, CONFIG_NAME)
     if merge_config:
         # A base loaded from a stage-2 directory writes that config's medusa_* / version fields back (extra config
         # keys): drop them, or one these heads' config omits would stay (a stale "version": "2" declares copied heads
@@ -92,6 +99,16 @@ def save_heads(heads: MedusaHeads, directory: str, *, merge_config: bool = False
         save_json(path, merged)
     else:
         save_json(path, fields)
+
+
+def refuse_model_directory(directory: str) -> None:
+    """Raise a ValueError when `directory` holds a model (a base, a stage-2 checkpoint): a config.json with a
+    model_type other than vLLM's "medusa". A heads-only config.json written there would replace the model's, and
+    neither that model nor the heads would load."""
+    path = os.path.join(directory, CONFIG_NAME)
+    if os.path.exists(path) and read_json(path).get("model_type", "medusa") != "medusa":
+        raise ValueError(f"{directory} holds a model (its config.json has a model_type): save the heads into a "
+                         "directory of their own, or base and heads together as stage 2")
 
 
 def load_heads_state_dict(directory: str) -> dict[str, torch.Tensor]:
@@ -128,10 +145,25 @@ def unshare(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def file_layout(sd: dict[str, torch.Tensor]) -> tuple[int, int, bool]:
     """(heads, ResBlocks per head, shared lm_head) as the tensors of a heads file lay them out."""
+    check_tensors(sd)
     heads = 1 + max(int(_KEY.match(k).group(1)) for k in sd)
     layers = len({int(m.group(2)) for k in sd if (m := _KEY.match(k)) and m.group(3).startswith("linear")})
     shared = not any(_KEY.match(k).group(3) == "weight" for k in sd)
     return heads, layers, shared
+
+
+def check_tensors(sd: dict[str, torch.Tensor]) -> None:
+    """Raise a ValueError for a heads file that cannot hold heads: no tensors, empty ones (heads saved from sharded
+    parameters without gathering them, Liger-Kernel issue #309), or a weight / bias of the wrong rank."""
+    if not sd:
+        raise ValueError("the Medusa heads file holds no tensors")
+    empty = [k for k, v in sd.items() if v.numel() == 0]
+    if empty:
+        raise ValueError(f"the Medusa heads file holds empty tensors ({empty[:3]}): were the heads saved while "
+                         "sharded (FSDP) without gathering their parameters?")
+    bad = [f"{k} {tuple(v.shape)}" for k, v in sd.items() if v.dim() != (1 if k.endswith(".bias") else 2)]
+    if bad:
+        raise ValueError(f"the Medusa heads file has mis-shaped tensors: {bad[:3]} (biases are 1-D, weights 2-D)")
 
 
 def implied_by_file(raw: dict[str, Any], sd: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import liger_models.medusa.checkpoint as ckpt
 from liger_models.convert.medusa import load_vllm, save_vllm
@@ -298,3 +298,59 @@ def test_vllm_standalone_shared_load_on_device_0(tmp_path):
     x = torch.randn(4, H, device="cuda")
     ref = load_vllm(str(tmp_path)).logits(x.cpu())
     torch.testing.assert_close(heads.logits(x).cpu(), ref)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_saved_files_are_readable_like_any_other_file(tmp_path, stage):
+    """The atomic writes go through a temporary file; mkstemp makes it owner-only (0600), and the rename kept that
+    mode: config.json and medusa_lm_head.safetensors (and a vLLM export) were unreadable to any other account (a TGI
+    or vLLM server user, a teammate), while the base's files beside them followed the umask. Every file must get
+    the mode a plain write gives."""
+    old_umask = os.umask(0o022)
+    try:
+        model = _model(False, 1, stage=stage)
+        model.save_pretrained(str(tmp_path / "b"))
+        save_vllm(model.heads, str(tmp_path / "v"))
+    finally:
+        os.umask(old_umask)
+    for path in ("b/config.json", "b/medusa_lm_head.safetensors", "v/config.json", "v/model.safetensors"):
+        assert os.stat(tmp_path / path).st_mode & 0o777 == 0o644, path
+
+
+@pytest.mark.parametrize("case", ["empty tensors", "no tensors", "1-D weight"])
+def test_unusable_heads_file_raises_a_clear_error(tmp_path, case):
+    """Heads saved from sharded parameters without gathering them hold empty tensors (Liger-Kernel issue #309, FSDP
+    `use_orig_params`); a file can also hold no tensors at all or a mis-shaped one. Each gave an IndexError ('tuple
+    index out of range') or "max() arg is an empty sequence" from deep inside the loader."""
+    names = [f"{h}.{k}" for h in range(2) for k in ("0.linear.weight", "0.linear.bias", "1.weight")]
+    shapes = {"0.linear.weight": (H, H), "0.linear.bias": (H,), "1.weight": (V, H)}
+    sd = {n: torch.randn(shapes[n.split(".", 1)[1]]) for n in names}
+    if case == "empty tensors":
+        sd = {n: torch.empty(0) for n in names}
+    elif case == "no tensors":
+        sd = {}
+    else:
+        sd["1.0.linear.weight"] = torch.randn(H * H)
+    save_file(sd, tmp_path / "medusa_lm_head.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"base_model_name_or_path": "x", "medusa_num_heads": 2}))
+    with pytest.raises(ValueError, match="Medusa heads file"):
+        MedusaModel.from_pretrained(str(tmp_path), base=make_base(V, H))
+
+
+def test_heads_only_save_refuses_to_overwrite_a_models_config(tmp_path):
+    """A stage-1 save (or a vLLM export) writes a heads-only config.json. Into a directory that holds a model (the
+    base's own directory, a stage-2 checkpoint reloaded with stage=1), that replaced the model's config.json: the
+    model there could no longer be loaded, nor these heads with it. The save must refuse and leave the directory as
+    it was."""
+    model = _model(False, 1, stage=2)
+    model.save_pretrained(str(tmp_path))
+    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    heads_only = MedusaModel.from_pretrained(str(tmp_path), stage=1)
+    with pytest.raises(ValueError, match="holds a model"):
+        heads_only.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="holds a model"):  # a vLLM export's config.json alike
+        save_vllm(heads_only.heads, str(tmp_path))
+    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before
+    heads_only.save_pretrained(str(tmp_path / "heads"))  # a directory of its own, or one with heads, is fine
+    heads_only.save_pretrained(str(tmp_path / "heads"))
+    MedusaModel.from_pretrained(str(tmp_path))  # the stage-2 checkpoint still loads
