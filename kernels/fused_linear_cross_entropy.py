@@ -324,7 +324,7 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
 
 
 # id(weight) → (weak reference to it, consumer). Keyed by id: a WeakKeyDictionary would compare tensors with ==.
-_GRAD_CONSUMERS: dict[int, tuple[weakref.ref, Callable[[torch.Tensor | None], None]]] = {}
+_GRAD_CONSUMERS: dict[int, tuple[weakref.ref, Callable[[torch.Tensor | None, object], None]]] = {}
 
 
 def _consumer_of(weight: torch.Tensor):
@@ -332,7 +332,8 @@ def _consumer_of(weight: torch.Tensor):
     return entry[1] if entry is not None and entry[0]() is weight else None
 
 
-def consume_weight_grad(weight: torch.Tensor, fn: Callable[[torch.Tensor | None], None]) -> Callable[[], None]:
+def consume_weight_grad(weight: torch.Tensor,
+                        fn: Callable[[torch.Tensor | None, object], None]) -> Callable[[], None]:
     """Hand ``weight``'s gradient to ``fn`` inside the forward, the moment linear-CE has computed it, instead of
     returning it to autograd in backward. Returns a function that undoes this.
 
@@ -343,8 +344,10 @@ def consume_weight_grad(weight: torch.Tensor, fn: Callable[[torch.Tensor | None]
     Contract: (1) the weight gets its whole gradient from one such call per backward (not tied, not shared);
     (2) the loss reaches backward with gradient exactly 1 (``loss.backward()`` of a sum of such losses), checked
     in backward, which raises otherwise since the gradient was already spent; (3) reduction "mean" or "sum"
-    ("none" learns its per-token gradient only in backward and returns dW as usual). In backward, once the check
-    passed, ``fn(None)`` is called to say that this loss's backward ran.
+    ("none" learns its per-token gradient only in backward and returns dW as usual). The forward calls
+    ``fn(dW, node)``; in backward, once the check passed, ``fn(None, node)`` says that this loss's backward ran.
+    ``node`` is the loss's autograd node: weakly referenced, it tells a forward whose loss was dropped (dead) from
+    one whose loss may still be backpropagated (alive).
     """
     key = id(weight)
 
@@ -389,7 +392,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             ctx.consumer = _consumer_of(weight) if need[1] else None
             if ctx.consumer is not None:  # hand dW over now, so it need not live until backward
                 labels_ok.wait()  # never a dW from skipped CE passes (a bad label) into an optimizer step
-                ctx.consumer(grads[1])
+                ctx.consumer(grads[1], ctx)
                 grads = (grads[0], None, grads[2])
             ctx.grads = grads
             out = scaled_sum(loss, scale)
@@ -410,7 +413,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         else:
             if ctx.consumer is not None:
                 _check_unit_gradient(grad_out)
-                ctx.consumer(None)
+                ctx.consumer(None, ctx)
             grad_h, grad_w, grad_b = take_grads(ctx)
             for g in (grad_h, grad_w, grad_b):
                 if g is not None:

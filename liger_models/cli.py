@@ -232,13 +232,28 @@ def _check_paths(args: argparse.Namespace) -> None:
             if p.suffix not in (".txt", ".jsonl"):
                 raise ValueError(f"{flag} {path}: expected a .txt or .jsonl file")
     init = getattr(args, "init_heads", None)
-    if init is not None and not Path(init).is_dir():
-        raise FileNotFoundError(f"--init-heads {init}: no such directory")
+    if init is not None:
+        _check_heads_dir(Path(init))
     if args.resume not in (None, "auto") and not Path(args.resume).is_dir():
         raise FileNotFoundError(f"--resume {args.resume}: no such directory (or use 'auto')")
     # Refused now rather than after the model is loaded and the data tokenized (minutes for a large model).
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         raise NotADirectoryError(f"--output-dir {args.output_dir}: a file, not a directory")
+
+
+def _check_heads_dir(path: Path) -> None:
+    """--init-heads must hold Medusa heads: told now, by name, not after the base model has loaded (a base model's
+    own directory, the easy mistake, has a config.json but no heads file)."""
+    from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"--init-heads {path}: no such directory")
+    missing = [name for name in (CONFIG_NAME,) if not (path / name).is_file()]
+    if not any((path / name).is_file() for name in (HEADS_NAME, LEGACY_HEADS_NAME)):
+        missing.append(f"{HEADS_NAME} (or {LEGACY_HEADS_NAME})")
+    if missing:
+        raise FileNotFoundError(f"--init-heads {path}: no Medusa heads there (missing {' and '.join(missing)}); "
+                                "give a directory written by train-medusa, e.g. a stage-1 checkpoint")
 
 
 def _run_train(args: argparse.Namespace) -> None:

@@ -155,6 +155,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     pretrain_steps = args.pretrain_steps if args.pretrain_steps is not None else size.pretrain_steps
     medusa_steps = args.medusa_steps or size.medusa_steps
     out = Path(args.output_dir)
+    if args.model is not None and args.pretrain_steps is not None:  # it would be ignored without a word
+        raise ValueError("--pretrain-steps is for the demo's own pre-training, which --model skips; give one of them")
     if args.model is not None and not Path(args.model).is_dir():  # before an earlier demo's output is replaced
         raise FileNotFoundError(f"--model {args.model}: no such directory")
     _prepare_output(out, None if args.model is None else Path(args.model))

@@ -22,7 +22,9 @@ stepped right there (kernels' ``consume_weight_grad``), so no such V×H gradient
 Medusa forward only one head's dW exists at a time instead of all of them. Same update, same bits; the loss must be
 backpropagated with gradient 1 (linear-CE checks), and any forward run with gradients enabled is a training step
 for these weights (evaluate under ``torch.no_grad()``). A weight that gets a second gradient in the same step (a tied
-embedding, a shared head) raises instead of being stepped twice.
+embedding, a shared head) raises instead of being stepped twice. A forward whose loss never reaches backward (it
+raised later on, or its loss was dropped) leaves its update done, and the next forward starts a new step; while
+that loss is still alive (it may yet be backpropagated, with this one) the second forward raises before updating.
 
 What it rules out (checked by the trainer): gradient accumulation over micro-batches (the gradient is gone after
 each backward), clipping by the global gradient norm (no moment has all gradients), and FSDP (it writes sharded
@@ -49,6 +51,8 @@ class OptimizerInBackward:
         self.optimizer = optimizer
         self._group_of: dict[torch.Tensor, int] = {}  # torch.optim already refuses a parameter in two groups
         self._stepped: set[torch.Tensor] = set()  # updated this step; cleared when the step's backward ends
+        # stepped in a forward whose loss has not reached backward yet → weak reference to that loss's autograd node
+        self._awaiting: dict[torch.Tensor, weakref.ref] = {}
         self._end_queued: weakref.ref | None = None  # the end callback queued on the backward now running
         self._handles = []
         for i, group in enumerate(optimizer.param_groups):
@@ -82,6 +86,7 @@ class OptimizerInBackward:
 
     def _end_backward(self) -> None:
         self._stepped.clear()
+        self._awaiting.clear()
         self._end_queued = None
 
     def _update(self, p: torch.Tensor, when: str, grad: torch.Tensor | None = None) -> None:
@@ -101,12 +106,19 @@ class OptimizerInBackward:
             return
         self._update(p, "in backward")
 
-    def _on_forward_grad(self, p: torch.Tensor, grad: torch.Tensor | None) -> None:
+    def _on_forward_grad(self, p: torch.Tensor, grad: torch.Tensor | None, node: object) -> None:
         if grad is None:  # linear-CE's backward ran: p's step belongs to this backward
             self._in_backward()
             return
         self._forget_failed_backward()  # a forward's first update after a failed step (a backward's: _in_backward)
+        earlier = self._awaiting.get(p)
+        if earlier is not None and self._end_queued is None and earlier() is None:
+            # No backward since p's last update in a forward, and that forward's loss is gone: it never reached
+            # backward (it raised later on, or was dropped). Its update stays done; this forward is the next step's.
+            # A loss still alive may yet be backpropagated (with this one): _update refuses the second gradient.
+            self._stepped.discard(p)
         self._update(p, "in the forward", grad)
+        self._awaiting[p] = weakref.ref(node)
 
     def _step_only(self, p: torch.Tensor) -> None:
         groups = self.optimizer.param_groups

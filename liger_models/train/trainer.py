@@ -146,14 +146,16 @@ def refuse_in_backward_conflicts(grad_accum: int, max_grad_norm: float, distribu
 
 
 def refuse_cuda_graph_conflicts(cpu: bool, distributed: bool, in_backward: bool,
-                                activation_checkpointing: bool = False) -> None:
+                                activation_checkpointing: bool = False, schedule: str = "constant") -> None:
     """What --cuda-graph cannot go with (the Trainer checks it; run.py before loading anything)."""
     _refuse("--cuda-graph replays one process's whole step on one GPU",
             (cpu, "a CPU device"),
             (distributed, "FSDP (several processes)"),
             (in_backward, "--optimizer-in-backward"),
             (activation_checkpointing, "--activation-checkpointing (its recomputation saves and restores the RNG "
-                                       "state on the host inside the step)"))
+                                       "state on the host inside the step)"),
+            (schedule != "constant", f"the heads' loss-weight schedule {schedule!r} (it changes every step, and a "
+                                     "graph replays the weights it captured: use --schedule constant)"))
 
 
 def _to_float(norm: torch.Tensor) -> float:
@@ -183,7 +185,10 @@ class Trainer:
             self.in_backward = OptimizerInBackward(optimizer, in_forward=used_once)
         self.graphed = None
         if config.cuda_graph:
-            refuse_cuda_graph_conflicts(info.device.type != "cuda", info.distributed, config.optimizer_in_backward)
+            # A Medusa model's heads schedule (a causal LM's config has none): the step number is baked into the graph.
+            schedule = getattr(model.config, "scheduler", "constant")
+            refuse_cuda_graph_conflicts(info.device.type != "cuda", info.distributed, config.optimizer_in_backward,
+                                        schedule=schedule)
             vocab = model.config.vocab_size
             self.graphed = GraphedStep(self._graph_body, optimizer, warmup=GRAPH_WARMUP,
                                        label_keys={f"{j}.labels": (vocab, IGNORE_INDEX)

@@ -116,6 +116,24 @@ def test_bad_paths_fail_clearly(argv, message, tiny_model_dir, text_file, tmp_pa
     assert code == 2 and message in err and err.startswith("liger-models: error: ")
 
 
+@pytest.mark.parametrize("where", ["model", "empty"])
+def test_init_heads_without_heads_fails_before_loading_anything(where, tiny_model_dir, text_file, tmp_path, capsys,
+                                                                 monkeypatch):
+    """--init-heads naming the base model's directory (or an empty one) is refused by name, before the base model
+    is loaded (minutes for a large one), not with a bare file error after it."""
+    from liger_models import AutoLigerForCausalLM
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before --init-heads was checked")
+
+    monkeypatch.setattr(AutoLigerForCausalLM, "from_pretrained", no_loading)
+    (tmp_path / "empty").mkdir()
+    heads = tiny_model_dir if where == "model" else tmp_path / "empty"
+    code, err = _code_and_error(["train-medusa", "--model", str(tiny_model_dir), "--data", str(text_file),
+                                 "--output-dir", str(tmp_path / "out"), "--init-heads", str(heads)], capsys)
+    assert code == 2 and f"--init-heads {heads}: no Medusa heads" in err
+
+
 def _code_and_error(argv, capsys) -> tuple:
     """(exit code, stderr) of the CLI, whether it returned the code or raised SystemExit with the message."""
     try:

@@ -156,6 +156,22 @@ def test_trainer_refuses_what_a_graph_cannot_replay(command, flags, problem, tin
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("schedule", ["linear", "sine_0.5"])
+def test_trainer_itself_refuses_a_changing_heads_schedule(schedule, tiny_model_dir, tmp_path):
+    """A Trainer built directly (not through run.py) must refuse it too: the graph would replay the heads' loss
+    weights of the step it captured, for every later step."""
+    from liger_models.medusa import MedusaModel
+    from liger_models.train import distributed as D
+    from liger_models.train.trainer import MedusaTask, TrainConfig, Trainer
+
+    model = MedusaModel.from_base(AutoLigerForCausalLM.from_pretrained(tiny_model_dir), num_heads=2,
+                                  scheduler=schedule)
+    opt = torch.optim.AdamW(model.param_groups(1e-3), lr=1e-3)
+    cfg = TrainConfig(output_dir=str(tmp_path), max_steps=2, cuda_graph=True)
+    with pytest.raises(ValueError, match=f"schedule {schedule!r}"):
+        Trainer(model, MedusaTask(2), None, opt, None, cfg, D.DistInfo(), export=lambda d, s, f: None)
+
+
 def test_static_document_mask_takes_the_masked_path_with_the_same_result(tiny_model_dir, monkeypatch):
     """One document per row: normally no mask (plain causal attention); in the context the document mask, which
     must allow exactly the causal pairs, so the loss and gradients agree."""

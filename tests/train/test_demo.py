@@ -79,3 +79,15 @@ def test_demo_on_its_own_pretrained_model_keeps_it(tmp_path, capsys):
     assert main(["demo", "--quick", "--output-dir", str(out), "--device", "cpu", "--model", str(base),
                  "--medusa-steps", "1"]) == 0
     assert (base / "config.json").is_file()
+
+
+def test_demo_refuses_pretrain_steps_with_a_model(tmp_path, capsys):
+    """--model skips the demo's pre-training, so --pretrain-steps would be ignored without a word: refused before
+    anything is written."""
+    out = tmp_path / "demo"
+    model = tmp_path / "model"
+    model.mkdir()
+    assert main(["demo", "--quick", "--output-dir", str(out), "--model", str(model), "--pretrain-steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "--pretrain-steps" in err and "--model" in err
+    assert not out.exists()

@@ -256,3 +256,44 @@ def test_trainer_steps_head_weights_in_the_forward_on_the_kernel_path(tiny_model
     for name in sorted(p.name for p in normal.checkpoint.glob("*.safetensors")):
         a, b = load_file(normal.checkpoint / name), load_file(fused.checkpoint / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_forward_whose_backward_never_ran_leaves_the_next_step_working(tiny_model_dir):
+    """A forward that stepped the lm_head in the forward and then never reached backward (an OOM later in the
+    forward that the loop skips, an exception before backward): that update stays done, once, and the next step runs
+    as a normal one would, instead of raising 'second gradient' at every later step."""
+    normal, fused = _pair(tiny_model_dir)
+    opt_n, _ = _optimizer(normal)
+    opt_f, _ = _optimizer(fused)
+    OptimizerInBackward(opt_f, in_forward=[fused.lm_head.weight])
+    vocab = normal.config.vocab_size
+    first, second = torch.randint(0, vocab, (2, 2, 12))
+    normal(first, labels=first).loss.backward()
+    for p in normal.parameters():  # only the lm_head was stepped by the abandoned forward
+        if p is not normal.lm_head.weight:
+            p.grad = None
+    opt_n.step()
+    opt_n.zero_grad(set_to_none=True)
+    normal(second, labels=second).loss.backward()
+    opt_n.step()
+    opt_n.zero_grad(set_to_none=True)
+    abandoned = fused(first, labels=first).loss
+    del abandoned
+    fused(second, labels=second).loss.backward()
+    for (name, pn), pf in zip(normal.named_parameters(), fused.parameters()):
+        assert torch.equal(pn, pf) and pf.grad is None, name
+
+
+def test_second_forward_while_the_first_loss_lives_raises_before_stepping(tiny_model_dir):
+    """Two training forwards whose losses could be backpropagated together would step the lm_head twice for one
+    backward: the second forward is refused while the first loss is alive, before it updates anything."""
+    model = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
+    opt, _ = _optimizer(model)
+    OptimizerInBackward(opt, in_forward=[model.lm_head.weight])
+    ids = torch.randint(0, model.config.vocab_size, (2, 2, 12))
+    first = model(ids[0], labels=ids[0]).loss
+    after_first = model.lm_head.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="second gradient"):
+        model(ids[1], labels=ids[1])
+    assert torch.equal(model.lm_head.weight, after_first)
+    first.backward()  # the first step completes as usual

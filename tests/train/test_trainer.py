@@ -270,3 +270,50 @@ def test_weight_decay_is_on_matrices_only(command, extra, tiny_model_dir, text_f
             assert g["weight_decay"] == (0.5 if p.dim() >= 2 else 0.0), (g["name"], tuple(p.shape))
     if command == "train-medusa":  # the heads still train at 4× the base LR, biases included
         assert {g["lr"] for g in seen if g["name"].startswith("medusa_heads")} == {3e-3 * 4}
+
+
+class _UserTurnsOnly:
+    """A stream whose windows after the first ``labelled`` hold no target at all (a long user turn fills them)."""
+
+    batch_size, epoch = 2, 0.0
+
+    class dataset:
+        seq_len = 12
+
+    def __init__(self, labelled: int):
+        self.labelled = labelled
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 300, (self.batch_size, self.dataset.seq_len))
+        positions = torch.arange(self.dataset.seq_len).expand_as(ids).contiguous()
+        self.labelled -= 1
+        return {"input_ids": ids, "labels": ids if self.labelled >= 0 else torch.full_like(ids, -100),
+                "position_ids": positions}
+
+
+@pytest.mark.parametrize("kind", ["lm", "medusa2"])
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_step_without_any_target_is_a_finite_zero_gradient_step(kind, path, tiny_model_dir, tmp_path, monkeypatch):
+    """A global batch with no target: loss 0 (no 0/0), every weight and AdamW moment finite, and a normal AdamW
+    step with a zero gradient (as HF's Trainer also steps): moments decay, momentum moves the weights."""
+    from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if path == "reference" else "1")
+    model, task = _build(kind, tiny_model_dir)
+    groups = decay_param_groups(model, 1e-3, 0.1) if kind == "lm" else model.param_groups(1e-3, 4.0, 0.1)
+    opt = build_adamw(groups)
+    cfg = TrainConfig(output_dir=str(tmp_path), max_steps=3, grad_accum=2, quiet=True)
+    trainer = Trainer(model, task, _UserTurnsOnly(labelled=2), opt, build_scheduler(opt, 1, 3), cfg, D.DistInfo(),
+                      export=lambda d, s, f: None)
+    assert trainer.train_step()["targets"] > 0  # a real step first, so the moments are non-zero
+    before = [p.detach().clone() for p in trainer.params]
+    metrics = trainer.train_step()
+    assert metrics["loss"] == 0.0 and metrics["targets"] == 0 and metrics["grad_norm"] == 0.0
+    if kind != "lm":
+        assert metrics["head_loss"] == [0.0] * 3 and metrics["head_top1"] == [0.0] * 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for p in trainer.params:
+        state = opt.state[p]
+        assert float(state["step"]) == 2, "every parameter took both AdamW steps"
+        assert all(torch.isfinite(state[k]).all() for k in ("exp_avg", "exp_avg_sq"))
+    assert any(not torch.equal(p, b) for p, b in zip(trainer.params, before)), "the step was taken"
