@@ -357,6 +357,11 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         if generation_config:
             (tmp / GENERATION_CONFIG).write_text(json.dumps(generation_config, indent=2) + "\n", encoding="utf-8")
+        # safetensors (0.8) writes its files owner-only (0600): give the weights the mode config.json got from a
+        # plain write (the umask's), or a server running as another user (TGI, vLLM), or a teammate, cannot read them.
+        mode = (tmp / "config.json").stat().st_mode & 0o777
+        for fname in set(weight_map.values()):
+            os.chmod(tmp / fname, mode)
         if directory.exists():  # keep every entry but a previous save's own files (and what this save replaces)
             for p in directory.iterdir():
                 if not (_OWN_OUTPUT.match(p.name) or (tmp / p.name).exists()):

@@ -19,7 +19,7 @@ import torch
 from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_models.medusa.config import check_scheduler
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.modules import model_output, shift_labels
+from liger_models.modules import autocast_operands, model_output, shift_labels
 
 Normalizer = float | torch.Tensor | Sequence[float | torch.Tensor] | None
 
@@ -98,6 +98,7 @@ def _weighted_ce(hidden, weight, targets, scale: float, normalizer, ignore_index
     call. Not "scale 1, then × 0": linear-CE may hand dW to an optimizer step inside the forward (step_in_backward),
     before any later factor could reach it.
     """
+    hidden, weight = autocast_operands(hidden, weight)
     loss, rank = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, normalizer=normalizer,
                                             loss_scale=scale, return_target_rank=True)
     if scale == 0:

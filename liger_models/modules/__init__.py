@@ -5,11 +5,11 @@ from .cache import KVCache
 from .causal_lm import CausalLMOutput, LigerForCausalLM
 from .config import LigerConfig
 from .decoder import DecoderLayer, DecoderModel
-from .loss import shift_labels
+from .loss import autocast_operands, shift_labels
 from .mlp import GatedMLP
 from .output import model_output
 from .rope import RotaryEmbedding
 
 __all__ = ["Attention", "AttentionMask", "CausalLMOutput", "DecoderLayer", "DecoderModel", "GatedMLP", "KVCache",
-           "LigerConfig", "LigerForCausalLM", "RotaryEmbedding", "model_output", "shift_labels",
+           "LigerConfig", "LigerForCausalLM", "RotaryEmbedding", "autocast_operands", "model_output", "shift_labels",
            "static_document_mask"]

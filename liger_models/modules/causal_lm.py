@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from .config import LigerConfig
 from .decoder import DecoderModel
 from .generate import generate
 from .linear import pack_linears_
-from .loss import shift_labels
+from .loss import autocast_operands, shift_labels
 from .output import model_output
 
 
@@ -110,7 +110,8 @@ class LigerForCausalLM(nn.Module):
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
             targets = shift_labels(labels, 1, position_ids)  # (B, T)
-            loss = fused_linear_cross_entropy(hidden, self.lm_head.weight, targets, normalizer=normalizer)
+            hidden, weight = autocast_operands(hidden, self.lm_head.weight)
+            loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer)
             return CausalLMOutput(loss=loss, past_key_values=past_key_values)
         hidden = keep_positions(hidden, num_logits_to_keep, logits_to_keep)
         return CausalLMOutput(logits=self.lm_head(hidden), past_key_values=past_key_values)
@@ -145,8 +146,13 @@ class LigerForCausalLM(nn.Module):
         path = snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
         return cls.from_pretrained(path, dtype=dtype, device=device)
 
-    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB", **kwargs: Any) -> None:
-        """Write HF-format safetensors (+ index when sharded) and config.json, atomically."""
+    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB", *,
+                        safe_serialization: bool = True) -> None:
+        """Write HF-format safetensors (+ index when sharded) and config.json, atomically. safe_serialization is
+        accepted as transformers' callers pass it; only safetensors are written."""
         from liger_models.hub import save_pretrained
 
-        save_pretrained(self, directory, max_shard_size=max_shard_size, **kwargs)
+        if not safe_serialization:
+            raise ValueError("save_pretrained writes safetensors only (safe_serialization=False asks for "
+                             "pytorch_model.bin, which this library does not write)")
+        save_pretrained(self, directory, max_shard_size=max_shard_size)

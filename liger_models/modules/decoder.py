@@ -17,7 +17,7 @@ from liger_models.kernels.rms_norm import RMSNorm
 from .attention import Attention, AttentionMask, document_ids
 from .cache import KVCache
 from .config import LigerConfig
-from .fused import norm_linear
+from .fused import add_norm, norm_linear
 from .mlp import GatedMLP
 from .rope import RotaryEmbedding
 
@@ -99,4 +99,4 @@ class DecoderModel(nn.Module):
                 x, residual = layer(x, residual, cos, sin, mask, cache)
         if residual is None:
             return self.norm(x)
-        return self.norm(x, residual)[0]
+        return add_norm(self.norm, x, residual)[0]

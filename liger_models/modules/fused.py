@@ -123,13 +123,24 @@ def _fusable(x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and use_triton(x) and not torch.is_autocast_enabled(x.device.type)
 
 
+def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x + residual), x + residual`` with the sum in the wider of the two dtypes, as HF's ``residual + h``.
+
+    Under autocast a block's output x comes out of a bf16 GEMM while the stream (from the float32 embeddings) is
+    float32; the fused add would round the stream to x's dtype at every layer, HF keeps it in float32."""
+    if x.dtype != residual.dtype:
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
+    return norm(x, residual)
+
+
 @torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                 linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
     """``h, stream = norm(x [, residual]); return cat([l(h) for l in linears], -1), stream`` (stream = x without a
     residual), saving for backward only the stream and rstd where the fused path applies."""
     if not _fusable(x):
-        h, stream = (norm(x), x) if residual is None else norm(x, residual)
+        h, stream = (norm(x), x) if residual is None else add_norm(norm, x, residual)
         return packed_linear(h, linears), stream
     params = [lin.weight for lin in linears] + ([lin.bias for lin in linears] if linears[0].bias is not None else [])
     result = _NormLinear.apply(x, residual, norm.weight, float(norm.eps), float(norm.offset),

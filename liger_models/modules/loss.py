@@ -1,4 +1,5 @@
-"""Label shifting for causal-LM and Medusa losses, aware of packed-document boundaries."""
+"""Label shifting for causal-LM and Medusa losses, aware of packed-document boundaries; the LM head GEMM's
+operands under autocast."""
 
 from __future__ import annotations
 
@@ -25,3 +26,13 @@ def shift_labels(labels: torch.Tensor, shift: int, position_ids: torch.Tensor | 
         same_doc = position_ids[:, shift:] == position_ids[:, :-shift] + shift
         out[:, :-shift] = torch.where(same_doc, out[:, :-shift], ignore_index)
     return out
+
+
+def autocast_operands(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, weight) for a fused linear-CE head: under torch.autocast both in autocast's dtype, as nn.Linear's
+    GEMM would run (float32 parameters, bf16 activations: the fused op takes one dtype); else unchanged. The casts
+    are differentiable, so a float32 weight still gets its float32 gradient."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        return hidden.to(dtype), weight.to(dtype)
+    return hidden, weight

@@ -79,3 +79,34 @@ def test_from_pretrained_fp32_heads_on_bf16_base_trains_and_decodes(tmp_path, sh
             logits = model(ids).head_logits
         assert logits.shape == (2, 2, 9, V) and torch.isfinite(logits).all()
         base.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("share,stage", [(False, 2), (True, 1)])
+def test_autocast_over_float32_model_trains(monkeypatch, share, stage):
+    """AMP the usual way: float32 base and heads under torch.autocast. The ResBlocks' GEMMs come out in bf16 while
+    the lm_heads stay float32; the loss runs each head's GEMM in autocast's dtype (as nn.Linear would: not a float32
+    V×H GEMM per head), and every trained parameter gets its float32 gradient."""
+    import liger_models.medusa.loss as loss_mod
+
+    dtypes = []
+    fused = loss_mod.fused_linear_cross_entropy
+    monkeypatch.setattr(loss_mod, "fused_linear_cross_entropy",
+                        lambda h, w, *a, **k: (dtypes.append((h.dtype, w.dtype)), fused(h, w, *a, **k))[1])
+    base = make_base(V, H, torch.float32)
+    config = MedusaConfig.for_base(base, num_heads=3, share_lm_head=share)
+    heads = MedusaHeads(config, base.lm_head)
+    for p in heads.parameters():
+        p.data.add_(0.1 * torch.randn_like(p))
+    model = MedusaModel(base, heads, stage=stage)
+    ids, labels, pos = packed_batch(2, 11, V, packed=True)
+    exact = model(ids, labels, pos).loss.item()
+    dtypes.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels, pos)
+    out.loss.backward()
+    assert dtypes and set(dtypes) == {(torch.bfloat16, torch.bfloat16)}
+    assert out.loss.dtype == torch.float32 and abs(out.loss.item() - exact) <= 2e-2 * abs(exact)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trained
+    for name, p in trained:
+        assert p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), name

@@ -406,3 +406,30 @@ def test_save_into_the_working_directory_keeps_it_usable(checkpoint, monkeypatch
     model.save_pretrained(".")
     assert os.getcwd() == str(path.resolve())
     assert sorted(os.listdir(".")) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_saved_weights_are_readable_like_the_config(checkpoint, shard):
+    """safetensors writes its files owner-only (0600); the weights get the mode a plain write gives config.json,
+    so a server running as another user (TGI, vLLM) or a teammate can read the checkpoint."""
+    model, path = checkpoint
+    old = os.umask(0o022)
+    try:
+        model.save_pretrained(path, **({} if shard is None else {"max_shard_size": shard}))
+    finally:
+        os.umask(old)
+    weights = sorted(path.glob("*.safetensors"))
+    assert weights
+    for f in weights + [path / "config.json"]:
+        assert os.stat(f).st_mode & 0o777 == 0o644, f.name
+
+
+def test_save_pretrained_takes_transformers_safe_serialization(checkpoint):
+    """model.save_pretrained(d, safe_serialization=True), the usual transformers call, saves; False (a .bin) is
+    refused by name instead of an unexpected-keyword TypeError."""
+    model, path = checkpoint
+    model.save_pretrained(path / "again", safe_serialization=True)
+    assert (path / "again" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="safetensors only"):
+        model.save_pretrained(path / "bin", safe_serialization=False)
+    assert not (path / "bin").exists()
