@@ -7,6 +7,7 @@ tests every kernel without a GPU. A CUDA tensor never silently falls back to the
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -41,7 +42,8 @@ def row_view(x: torch.Tensor) -> torch.Tensor:
     """
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return x.reshape(-1, x.shape[-1])
+    # The row count spelled out: reshape(-1, 0) of a zero-width tensor is ambiguous and raises.
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def once_differentiable(backward):

@@ -37,10 +37,11 @@ def check_options(reduction: str, label_smoothing: float, softcap: float | None,
 
 
 @triton.jit
-def _scale_kernel(X, G, n, BLOCK: tl.constexpr):
+def _scale_kernel(X, G, n, n_cols, stride_row, BLOCK: tl.constexpr, ROW_STRIDED: tl.constexpr):
     # g is read on the device: grad_output == 1 (a plain loss.backward()) costs a launch and no traffic. A small
     # grid that strides over x: one program per 4096 elements made the no-op cost 0.18 ms at 8192×128256 (256K
     # programs to schedule; eighth session). A while loop: the interpreter cannot `for` to a runtime bound.
+    # ROW_STRIDED: x is (n / n_cols, n_cols) rows stride_row apart (an in-place gradient in a slice of wider logits).
     g = tl.load(G).to(tl.float32)
     if g != 1.0:
         start = tl.program_id(0).to(tl.int64) * BLOCK
@@ -48,6 +49,8 @@ def _scale_kernel(X, G, n, BLOCK: tl.constexpr):
         while start < n:
             offs = start + tl.arange(0, BLOCK)
             mask = offs < n
+            if ROW_STRIDED:
+                offs = (offs // n_cols) * stride_row + offs % n_cols
             x = tl.load(X + offs, mask=mask).to(tl.float32)
             tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
             start += step
@@ -95,9 +98,15 @@ def take_grads(ctx) -> tuple:
 
 
 def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """x *= g in place for a contiguous x and a 1-element device tensor g, skipping all traffic when g == 1."""
+    """x *= g in place for a 1-element device tensor g, skipping all traffic when g == 1; x contiguous, or 2-D with
+    a unit column stride (rows apart by their stride: cross_entropy's in-place gradient in a slice of the logits)."""
     n = x.numel()
-    if n:
-        launch(_scale_kernel, (min(cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * sm_count(x.device)),),
-               [x, g.reshape(1).float(), n], dict(BLOCK=SCALE_BLOCK, num_warps=8))
+    if not n:
+        return x
+    strided = not x.is_contiguous()
+    if strided and (x.dim() != 2 or x.stride(1) != 1):
+        raise ValueError(f"scale_ needs a contiguous or row-strided 2-D tensor, got strides {x.stride()}")
+    n_cols, stride_row = (x.shape[1], x.stride(0)) if strided else (1, 1)
+    launch(_scale_kernel, (min(cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * sm_count(x.device)),),
+           [x, g.reshape(1).float(), n, n_cols, stride_row], dict(BLOCK=SCALE_BLOCK, ROW_STRIDED=strided, num_warps=8))
     return x

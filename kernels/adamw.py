@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch
+from ._launch import cdiv, launch, on_input_device
 
 BLOCK = 4096  # elements per program: 16 per thread at 8 warps, two 16-byte loads of each bf16 tensor
 NUM_WARPS = 8
@@ -82,6 +82,7 @@ def _adamw_kernel(P, G, M, V, STEP, LR, n, lr, beta1, beta2, log_beta1, log_beta
     tl.store(V + offs, v.to(V.dtype.element_ty), mask=mask)
 
 
+@on_input_device  # a cuda:1 parameter must not run on the current cuda:0 (Triton launches there)
 def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, *,
                 lr: float | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
     """One AdamW update of ``p`` in place (with its moments ``m``, ``v``), given its gradient ``g`` and its
@@ -103,6 +104,12 @@ def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
         raise ValueError(f"a tensor lr must be a 0-dim float32 tensor on {p.device}, got {lr.dtype} on {lr.device}")
     n = p.numel()
     if n == 0:
+        return
+    if p.dtype == torch.float64:
+        # torch's AdamW (its fused kernel too) updates float64 in float64; this kernel's math (and its float
+        # arguments) are fp32, so float64 takes the reference: device ops, no host sync, capturable.
+        adamw_reference_(p, g, m, v, step, lr=lr.reshape(()).double() if on_device else lr, beta1=beta1, beta2=beta2,
+                         eps=eps, weight_decay=weight_decay)
         return
     launch(_adamw_kernel, (cdiv(n, BLOCK),),
            [p, g, m, v, step, lr if on_device else step, n, 0.0 if on_device else float(lr), float(beta1),

@@ -37,7 +37,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from ._dispatch import once_differentiable, row_view, use_triton
-from ._launch import cdiv, launch, pow2
+from ._launch import cdiv, launch, on_input_device, pow2
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 # Streaming tile: elements per program and per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
@@ -158,6 +158,7 @@ def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
     return (cdiv(n_rows, block_r) * cdiv(n_cols, block_c),), block_r, block_c, warps
 
 
+@on_input_device  # a cuda:1 input must not run on the current cuda:0 (Triton launches there)
 def gated_forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor, activation: str) -> None:
     """out2d = act(gate2d) · up2d for (rows, I) views with unit column stride (no autograd; used by fused layers)."""
     n_rows, n_cols = gate2d.shape
@@ -170,6 +171,7 @@ def gated_forward(gate2d: torch.Tensor, up2d: torch.Tensor, out2d: torch.Tensor,
            dict(ACT=ACTIVATIONS[activation], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps))
 
 
+@on_input_device
 def gated_backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str, product2d=None) -> None:
     """dgate2d, dup2d from dout2d, recomputing the activation; dgate2d/dup2d may alias gate2d/up2d (in place).
     With product2d, the same pass also writes the forward's act(gate2d)·up2d there (bit-identical to

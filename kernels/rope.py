@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import once_differentiable, use_triton
-from ._launch import launch, pow2
+from ._launch import launch, on_input_device, pow2
 
 # Tiling: _TOKENS_PER_PROGRAM tokens × all heads per program (heads in tiles of at most _HEAD_TILE elements per
 # half-rotation), _ELEMS_PER_THREAD elements per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
@@ -188,6 +188,7 @@ def _token_stride(x: torch.Tensor) -> int | None:
     return st if b == 1 or sb == t * st else None
 
 
+@on_input_device  # a cuda:1 input must not run on the current cuda:0 (Triton launches there)
 def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
     """Rotate q, k (B, T, H, D). Forward: in place (dst_q is q, dst_k is k). Backward: the transpose into fresh
     token-major dst_q, dst_k (pass-through tail included); q/k are then the incoming gradients, any strides."""

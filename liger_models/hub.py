@@ -277,8 +277,15 @@ def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise FileNotFoundError(f"Hub repo {repo_id!r} (revision {revision or 'main'}) not found: {e}") from e
     except LocalEntryNotFoundError as e:
-        raise FileNotFoundError(f"{repo_id!r} (revision {revision or 'main'}) is not in the local Hub cache "
-                                f"{str(cache_dir) if cache_dir else '(default)'} and downloads are disabled") from e
+        from huggingface_hub import constants
+
+        where = (f"{repo_id!r} (revision {revision or 'main'}) is not in the local Hub cache "
+                 f"{str(cache_dir) if cache_dir else '(default)'}")
+        if local_files_only or constants.HF_HUB_OFFLINE:
+            raise FileNotFoundError(f"{where} and downloads are disabled") from e
+        # Downloads were allowed: the Hub (or HF_ENDPOINT) could not be reached; say why, not "disabled".
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FileNotFoundError(f"{where} and could not reach the Hub to download it ({cause})") from e
     return resolve_dir(local)
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.modules.generate import default_token_id
+from liger_models.modules.generate import default_token_id, prompt_mask
 
 TOPK = 10
 
@@ -182,11 +182,28 @@ def _prefill(base: nn.Module, ids: torch.Tensor) -> tuple[PathCache, torch.Tenso
     return cache, hidden
 
 
+def check_unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None,
+                   eos: set[int]) -> None:
+    """Refuse a padded prompt. Plain generate hides padding (given by attention_mask or, as HF infers it, by the
+    pad id) with an attention mask; the path cache has no per-token mask, and for one sequence padding carries
+    nothing, so decoding it unmasked would silently give other tokens than plain greedy decoding."""
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=input_ids.device)
+    mask = prompt_mask(input_ids, attention_mask, pad_token_id, eos_ids)
+    if mask is None or bool(mask.all()):
+        return
+    where = (mask[0] == 0).nonzero().flatten().tolist()
+    source = "attention_mask is 0" if attention_mask is not None else f"the pad id {pad_token_id} occurs"
+    raise ValueError(f"medusa_generate decodes one unpadded sequence, but {source} at prompt positions {where[:8]} "
+                     "(plain generate would hide those tokens): strip the padding, or pass "
+                     "attention_mask=torch.ones_like(input_ids) if they are real text")
+
+
 @torch.no_grad()
 def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, max_new_tokens: int = 32, *,
                     medusa_choices: Sequence[Sequence[int]] | None = None, temperature: float = 0.0,
                     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, topk: int = TOPK,
-                    eos_token_id: int | Sequence[int] | None = None, generator: torch.Generator | None = None,
+                    eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                    attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
                     return_stats: bool = False):
     """(1, T) prompt → (1, T + n) tokens, n ≤ max_new_tokens, stopping after an EOS token.
 
@@ -194,6 +211,9 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     temperature 0 is greedy (identical output to plain greedy decoding); > 0 uses typical acceptance.
     return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
     in base forward calls).
+    The prompt must be unpadded: one that holds the pad id (argument, else the checkpoint's) is refused unless
+    attention_mask is all ones (those ids are then real text), since plain generate would hide them (see
+    `check_unpadded`).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T) with T ≥ 1 (e.g. the BOS "
@@ -211,6 +231,9 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     if eos_token_id is None and hasattr(base, "config"):  # the checkpoint's default, as generate takes it
         eos_token_id = default_token_id(base, "eos_token_id")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    if pad_token_id is None and hasattr(base, "config"):
+        pad_token_id = default_token_id(base, "pad_token_id")
+    check_unpadded(input_ids, attention_mask, pad_token_id, eos)
     rotary = getattr(base.model, "rotary", None)
     regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2
 

@@ -8,6 +8,14 @@ checkpoint's: generation_config.json's if it has that file, else config.json's, 
 every row is done or ``max_new_tokens`` is reached.
 When the rotary table for cached positions would change (longrope crossing original_max_position_embeddings), the
 cache is dropped and the whole sequence is recomputed, as HF's Phi3 does.
+
+Sampling settings left out (None) are taken as HF's generate takes them: from the checkpoint's
+generation_config.json (Llama 3 Instruct's says do_sample true, temperature 0.6, top_p 0.9, max_length 4096), else
+HF's global defaults (greedy; when sampling, temperature 1, top_k 50, no top-p). Arguments always win: pass
+do_sample=False for greedy, top_k=0 for no top-k. The length is max_new_tokens, else the file's max_new_tokens, else
+its max_length minus the prompt length (HF's rule), else 32 (ours; HF's global max_length 20 counts the prompt). The
+file's other settings (repetition_penalty, min_p, num_beams, …) are not implemented and are ignored. Sampling with
+generator=None draws from torch's global generator, as HF does: the same seed gives HF's tokens.
 """
 
 from __future__ import annotations
@@ -17,24 +25,46 @@ import torch
 from .cache import KVCache
 
 
-def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ids (B,) from last-position logits (B, V)."""
-    logits = logits.float()
-    if not do_sample:
-        return logits.argmax(-1)
+# HF's global defaults (GenerationConfig._get_default_generation_params) for what neither the caller nor the
+# checkpoint's generation_config.json sets; max_new_tokens is ours (HF's max_length 20 includes the prompt).
+SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+DEFAULT_MAX_NEW_TOKENS = 32
+# KV slots reserved up front for new tokens: a budget taken from a checkpoint's max_length (4096 or more) would
+# otherwise preallocate it all even when an EOS comes after a few tokens; past this the cache grows by doubling.
+PREALLOCATED_NEW_TOKENS = 1024
+
+
+def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None) -> torch.Tensor:
+    """(B, V) float logits with temperature, then top-k, then top-p applied as HF's warpers do (filtered: -inf)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: no top-k filtering), got {top_k}")
+    if top_p is not None and not 0 <= top_p <= 1:
+        raise ValueError(f"top_p must be in [0, 1], got {top_p}")
     logits = logits / temperature
     if top_k and top_k < logits.shape[-1]:  # None or 0: no top-k filtering (HF's convention for 0)
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # the mass before this token already exceeds top_p
+        # TopPLogitsWarper's exact rule and arithmetic: ascending order, drop a token when the mass of the tokens
+        # up to it (itself included) is <= 1 - top_p, always keep the most likely one. "The mass above it is
+        # > top_p" is the same set in exact arithmetic but keeps one token more when the sums meet exactly.
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
+    return logits
+
+
+def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (B,) from last-position logits (B, V): argmax, or a draw after ``warp_logits``."""
+    logits = logits.float()
+    if not do_sample:
+        return logits.argmax(-1)
+    probs = warp_logits(logits, temperature, top_k, top_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -63,16 +93,45 @@ def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pa
     return (input_ids != pad).long()
 
 
+def generation_setting(model, key: str, value):
+    """``value`` if given (not None), else generation_config.json's ``key`` if it sets one, else HF's default."""
+    if value is not None:
+        return value
+    from_file = (getattr(model, "generation_config", None) or {}).get(key)
+    return from_file if from_file is not None else SAMPLING_DEFAULTS[key]
+
+
+def new_token_budget(model, max_new_tokens: int | None, prompt_length: int) -> int:
+    """max_new_tokens if given, else generation_config.json's, else its max_length − prompt length (HF's rule;
+    an error when the prompt already fills it, as in HF), else DEFAULT_MAX_NEW_TOKENS."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    generation_config = getattr(model, "generation_config", None) or {}
+    if generation_config.get("max_new_tokens") is not None:
+        return generation_config["max_new_tokens"]
+    max_length = generation_config.get("max_length")
+    if max_length is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    if prompt_length >= max_length:
+        raise ValueError(f"the prompt has {prompt_length} tokens, but generation_config.json's max_length is "
+                         f"{max_length} (prompt included): pass max_new_tokens")
+    return max_length - prompt_length
+
+
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sample: bool = False,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, *, do_sample: bool | None = None,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, T) prompt (left-padded when lengths differ; see the module docstring) → (B, T + n) tokens,
-    n ≤ max_new_tokens. eos/pad default to the config's ids."""
+    n ≤ max_new_tokens. Settings left None come from generation_config.json, else HF's defaults (greedy unless the
+    file says do_sample); eos/pad default to the checkpoint's ids."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "
                          f"{tuple(input_ids.shape)}")
+    max_new_tokens = new_token_budget(model, max_new_tokens, input_ids.shape[1])
+    do_sample, temperature, top_k, top_p = (generation_setting(model, key, value) for key, value in (
+        ("do_sample", do_sample), ("temperature", temperature), ("top_k", top_k), ("top_p", top_p)))
     eos = default_token_id(model, "eos_token_id") if eos_token_id is None else eos_token_id
     eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long,
                        device=input_ids.device)
@@ -85,7 +144,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_sam
         explicit_pad = None
     pad = explicit_pad if explicit_pad is not None else (int(eos[0]) if len(eos) else 0)
     rotary = model.model.rotary
-    capacity = input_ids.shape[1] + max_new_tokens
+    capacity = input_ids.shape[1] + min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
 
     def prefill(tokens: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
         cache = KVCache(capacity)

@@ -248,3 +248,32 @@ def test_gpu_build_adamw_choice():
     assert type(build_adamw([{"params": params, "lr": 1e-3}])) is FusedAdamW
     opt = build_adamw([{"params": params, "lr": 1e-3}], kernel=False)
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]
+
+
+def test_float64_parameters_keep_float64_precision():
+    """torch's AdamW (fused included) updates a float64 parameter in float64. The kernel's math is fp32: on float64
+    tensors it cut every update to fp32 precision (~1e-7 relative) without a word; they take the float64 reference."""
+    for t, lr_on_device in ((1.0, False), (7.0, True)):
+        p, g, m, v = _state((3, 129), torch.float64)
+        ref = [x.clone() for x in (p, g, m, v)]
+        step = torch.tensor(t, device=DEVICE)
+        lr = torch.tensor([HYPER["lr"]], device=DEVICE) if lr_on_device else HYPER["lr"]
+        adamw_step_(p, g, m, v, step, **{**HYPER, "lr": lr})
+        adamw_reference_(*ref, step.double(), **{**HYPER, "lr": float(lr)})  # a tensor lr is fp32 by contract
+        for name, got, want in zip(("p", "m", "v"), (p, m, v), (ref[0], ref[2], ref[3])):
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15, msg=lambda s: f"{name} at t={t}: {s}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_step_on_another_device_than_the_current():
+    """A parameter on cuda:1 while cuda:0 is current: the kernel must run on the parameter's device."""
+    p, g, m, v = _state((3, 4097), torch.float32, device="cuda:1")
+    ref = [x.double() for x in (p, g, m, v)]
+    step = torch.tensor(3.0, device="cuda:1")
+    with torch.cuda.device(0):
+        adamw_step_(p, g, m, v, step, **HYPER)
+        torch.cuda.synchronize(1)
+    adamw_reference_(*ref, step.double(), **HYPER)
+    for got, want in zip((p, m, v), (ref[0], ref[2], ref[3])):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)

@@ -569,3 +569,17 @@ def test_losses_take_their_inputs_by_keyword():
     hidden, weight = torch.randn(5, 8, device=DEVICE), torch.randn(37, 8, device=DEVICE)
     assert torch.equal(fused_linear_cross_entropy(hidden=hidden, weight=weight, labels=labels),
                        fused_linear_cross_entropy(hidden, weight, labels))
+
+
+@pytest.mark.parametrize("grad_scale", [0.5, -1.0 / 3.0])
+def test_in_place_gradient_on_a_row_strided_view(grad_scale):
+    """inplace_grad=True on a slice of wider logits (a padded vocabulary cut to the real one): the gradient lives in
+    the slice, row stride and all. backward's grad_output scaling walked it as if it were contiguous (scaled the gap
+    and left the last rows' tails unscaled)."""
+    labels = _labels(6, 67)
+    wide = torch.randn(6, 80, device=DEVICE, requires_grad=True)
+    loss = cross_entropy((wide * 1.0)[:, 5:72], labels, inplace_grad=True)
+    (dx,) = torch.autograd.grad(loss, wide, torch.tensor(grad_scale, device=DEVICE))
+    x64 = wide.detach().double().requires_grad_()
+    (dx64,) = torch.autograd.grad(cross_entropy_reference(x64[:, 5:72], labels) * grad_scale, x64)
+    assert_matches(dx, dx64, name="dlogits")

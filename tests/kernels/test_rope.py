@@ -360,3 +360,26 @@ def test_gpu_above_int32_elements():
         assert_matches(k_out[:, sl], rk, name=f"k tokens {s}+")
         assert_matches(gq[:, sl], dq_ref, name=f"dq tokens {s}+")
         assert_matches(gk[:, sl], dk_ref, name=f"dk tokens {s}+")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_gpu_inputs_on_another_device_than_the_current():
+    """q, k, cos, sin on cuda:1 while cuda:0 is current: the launches must follow the inputs' device."""
+    b, t, hq, hkv, d = 2, 33, 4, 2, 64
+    with torch.cuda.device(0):
+        qkv = torch.randn(b, t, (hq + 2 * hkv) * d, device="cuda:1", requires_grad=True) * 1.0
+        cos, sin = cos_sin(torch.arange(t, device="cuda:1")[None].expand(b, t), d)
+        before = qkv.detach().clone()
+        q, k, v = rope_packed(qkv, cos, sin, hq, hkv, d)
+        dq, dk = torch.randn_like(q), torch.randn_like(k)
+        (dqkv,) = torch.autograd.grad((q, k), qkv, (dq, dk))
+        torch.cuda.synchronize(1)
+    q0 = before[..., : hq * d].unflatten(-1, (hq, d)).double().requires_grad_()
+    k0 = before[..., hq * d : (hq + hkv) * d].unflatten(-1, (hkv, d)).double().requires_grad_()
+    rq, rk = rope_reference(q0, k0, cos.double(), sin.double())
+    dq_ref, dk_ref = torch.autograd.grad((rq, rk), (q0, k0), (dq.double(), dk.double()))
+    assert_matches(q, rq, name="q")
+    assert_matches(k, rk, name="k")
+    assert_matches(dqkv[..., : hq * d].unflatten(-1, (hq, d)), dq_ref, name="dq")
+    assert_matches(dqkv[..., hq * d : (hq + hkv) * d].unflatten(-1, (hkv, d)), dk_ref, name="dk")

@@ -5,7 +5,7 @@ import torch
 
 from liger_models.kernels import gated_mlp as gm
 from liger_models.kernels.swiglu import swiglu, swiglu_packed
-from tests.helpers import BIG_MEMORY
+from tests.helpers import BIG_MEMORY, DEVICE
 from tests.kernels import gated_checks as checks
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -59,3 +59,43 @@ def test_gpu_llama3_8b_size():
 @BIG_MEMORY
 def test_gpu_above_int32_elements():
     checks.check_gpu_above_int32(swiglu_packed, "silu")
+
+
+@pytest.mark.parametrize("lead", [(3,), (2, 0), (2, 3)])
+def test_zero_width(lead):
+    """An intermediate size of 0 (empty gate/up, as eager silu(gate) * up takes them): empty output and gradients,
+    not a reshape error from viewing the rows as (-1, 0)."""
+    gate_up = torch.randn((*lead, 0), device=DEVICE, requires_grad=True) * 1.0
+    out = swiglu_packed(gate_up)
+    assert out.shape == (*lead, 0)
+    (d,) = torch.autograd.grad(out, gate_up, torch.ones_like(out))
+    assert d.shape == gate_up.shape
+    gate, up = (torch.randn((*lead, 0), device=DEVICE, requires_grad=True) for _ in range(2))
+    out = swiglu(gate, up)
+    assert out.shape == (*lead, 0)
+    assert [g.shape for g in torch.autograd.grad(out, (gate, up), torch.ones_like(out))] == [gate.shape] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("fused_layer", [False, True], ids=["autograd", "launchers"])
+def test_gpu_inputs_on_another_device_than_the_current(fused_layer):
+    """Tensors on cuda:1 while cuda:0 is current (a model split over GPUs): Triton launches on the current device,
+    so the kernels must switch to the inputs' device, as the norms and losses do."""
+    with torch.cuda.device(0):
+        gate_up = torch.randn(257, 2 * 300, device="cuda:1", requires_grad=True) * 1.0
+        dout = torch.randn(257, 300, device="cuda:1")
+        x = gate_up.detach().clone()  # the backward writes d(gate_up) over gate_up's own memory
+        ref = gm.gated_mlp_reference(x[:, :300], x[:, 300:], "silu")
+        if fused_layer:  # modules/fused.py calls the launchers directly
+            out, dgu = torch.empty_like(ref), torch.empty_like(x)
+            gm.gated_forward(x[:, :300], x[:, 300:], out, "silu")
+            gm.gated_backward(dout, x[:, :300], x[:, 300:], dgu[:, :300], dgu[:, 300:], "silu")
+        else:
+            out = swiglu_packed(gate_up)
+            (dgu,) = torch.autograd.grad(out, gate_up, dout)
+        torch.cuda.synchronize(1)
+        xr = x.clone().requires_grad_()
+        (dref,) = torch.autograd.grad(gm.gated_mlp_reference(xr[:, :300], xr[:, 300:], "silu"), xr, dout)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dgu, dref, rtol=1e-5, atol=1e-5)

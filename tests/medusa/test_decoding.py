@@ -201,7 +201,7 @@ def test_eos_stops_like_plain_greedy():
 def test_sampling_is_reproducible_and_bad_inputs_raise():
     base = make_base(V, H, torch.float64)
     heads = MedusaModel.from_base(base, num_heads=2).heads
-    prompt = torch.randint(0, V, (1, 4))
+    prompt = torch.randint(3, V, (1, 4))  # no pad id 0: a padded prompt is refused (test_decoding_padding.py)
     # EOS off: a sampled config EOS would end the sequence early (EOS handling has its own tests).
     sample = dict(temperature=0.8, eos_token_id=[])
     a = medusa_generate(base, heads, prompt, 10, **sample, generator=torch.Generator().manual_seed(1))

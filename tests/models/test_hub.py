@@ -68,6 +68,23 @@ def test_from_hub_errors(tmp_path, checkpoint):
         AutoLigerForCausalLM.from_pretrained(tmp_path / "nowhere")
 
 
+def test_from_hub_unreachable_is_not_reported_as_offline(tmp_path, monkeypatch):
+    # Downloads allowed but the Hub cannot be reached: the error says so (and why), not "downloads are disabled",
+    # which sent users looking for an HF_HUB_OFFLINE they never set.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(FileNotFoundError, match="could not reach the Hub") as info:
+        hub.snapshot("org/tiny", cache_dir=tmp_path / "empty")
+    assert "downloads are disabled" not in str(info.value)
+    assert "org/tiny" in str(info.value)
+    # Offline on purpose: still told that downloads are disabled.
+    with pytest.raises(FileNotFoundError, match="downloads are disabled"):
+        hub.snapshot("org/tiny", cache_dir=tmp_path / "empty", local_files_only=True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="downloads are disabled"):
+        hub.snapshot("org/tiny", cache_dir=tmp_path / "empty")
+
+
 def _rewrite(path, edit):
     tensors = load_file(str(path / "model.safetensors"))
     edit(tensors)

@@ -311,9 +311,12 @@ def test_generate_fills_finished_rows_with_the_config_pad_like_hf(tmp_path):
 
 
 def test_generate_top_k_zero_disables_top_k_like_hf():
-    """top_k=0 means no top-k filtering (HF's convention), not a crash."""
+    """top_k=0 means no top-k filtering (HF's convention), not a crash. (top_k=None is "not given": the checkpoint's
+    or HF's default 50; see test_generate_defaults.py.)"""
     model = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny())
     prompt = torch.randint(3, 128, (2, 4))
     kwargs = dict(max_new_tokens=4, do_sample=True, eos_token_id=[])
     out = model.generate(prompt, top_k=0, generator=torch.Generator().manual_seed(3), **kwargs)
-    assert torch.equal(out, model.generate(prompt, top_k=None, generator=torch.Generator().manual_seed(3), **kwargs))
+    everything = model.config.vocab_size  # keeps every token
+    assert torch.equal(out, model.generate(prompt, top_k=everything, generator=torch.Generator().manual_seed(3),
+                                           **kwargs))
