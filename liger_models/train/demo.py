@@ -123,7 +123,7 @@ def evaluate_heads(medusa, eval_txt: Path, model_dir: Path, seq_len: int, device
 def _sample(base, tokenizer, prompt: str, device: torch.device, n: int, seed: int) -> str:
     ids = torch.tensor([tokenizer.encode(prompt).ids], device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = base.generate(ids, max_new_tokens=n, do_sample=True, temperature=0.8, top_k=50, generator=gen)
+    out = base.generate(ids, max_new_tokens=n, do_sample=True, temperature=0.8, top_k=50, top_p=1.0, generator=gen)
     return tokenizer.decode(out[0].tolist())
 
 
@@ -134,7 +134,7 @@ def _medusa_speed(medusa, tokenizer, prompt: str, device: torch.device, n: int) 
     ids = torch.tensor([tokenizer.encode(prompt).ids], device=device)
     tokens, per_step = medusa_generate(medusa.base, medusa.heads, ids, max_new_tokens=n, eos_token_id=[],
                                        return_stats=True)
-    greedy = medusa.base.generate(ids, max_new_tokens=n, eos_token_id=[])
+    greedy = medusa.base.generate(ids, max_new_tokens=n, eos_token_id=[], do_sample=False)
     same = torch.equal(tokens[0], greedy[0, : tokens.shape[1]])
     return sum(per_step) / len(per_step), same
 
