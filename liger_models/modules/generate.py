@@ -68,12 +68,17 @@ def sample_next(logits: torch.Tensor, *, do_sample: bool = False, temperature: f
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def checkpoint_generation_config(model) -> dict:
+    """The model's generation_config.json as loaded ({} when the checkpoint has none)."""
+    return getattr(model, "generation_config", None) or {}
+
+
 def default_token_id(model, key: str):
     """``key`` (eos_token_id, pad_token_id) as HF's generate defaults it. A checkpoint with a generation_config.json
     takes the value from that file alone (Llama 3 Instruct's lists <|eot_id|> there, its config.json only
     <|end_of_text|>): HF loads its GenerationConfig from the file and never looks at config.json's ids then, so a
     key the file lacks is None (no EOS stop; pad = the first EOS). Without the file, config.json's value."""
-    generation_config = getattr(model, "generation_config", None) or {}
+    generation_config = checkpoint_generation_config(model)
     if generation_config:
         return generation_config.get(key)
     return getattr(model.config, key, None)
@@ -97,7 +102,7 @@ def generation_setting(model, key: str, value):
     """``value`` if given (not None), else generation_config.json's ``key`` if it sets one, else HF's default."""
     if value is not None:
         return value
-    from_file = (getattr(model, "generation_config", None) or {}).get(key)
+    from_file = checkpoint_generation_config(model).get(key)
     return from_file if from_file is not None else SAMPLING_DEFAULTS[key]
 
 
@@ -106,7 +111,7 @@ def new_token_budget(model, max_new_tokens: int | None, prompt_length: int) -> i
     an error when the prompt already fills it, as in HF), else DEFAULT_MAX_NEW_TOKENS."""
     if max_new_tokens is not None:
         return max_new_tokens
-    generation_config = getattr(model, "generation_config", None) or {}
+    generation_config = checkpoint_generation_config(model)
     if generation_config.get("max_new_tokens") is not None:
         return generation_config["max_new_tokens"]
     max_length = generation_config.get("max_length")
