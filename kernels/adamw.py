@@ -7,7 +7,8 @@ a 0-dim fp32 device tensor (already incremented for this step, as torch's fused 
     v ← β2·v + (1 − β2)·g²
     p ← p − (lr / (1 − β1ᵗ)) · m / (√v / √(1 − β2ᵗ) + ε)
 then p, m, v are rounded once to their own dtypes. 1 − βᵗ is formed on the device from t·ln β without cancelling
-(_one_minus_pow; no host sync for t).
+(_one_minus_pow; no host sync for t). 1 − β is formed on the host too: Triton hands float arguments to the
+kernel in fp32, and 1 − fp32(0.999) is 1.3e-5 off in relative terms (one rounding of the host's difference: 6e-8).
 
 Why a kernel of its own: torch's fused AdamW (multi_tensor_apply over 64K-element chunks) streamed at 2.3–2.7 TB/s
 in the H200 step profiles (BENCHMARKS.md: 17.1 ms of the 196 ms Llama-3-8B-width step for 2.8e9 bf16 parameters,
@@ -60,8 +61,8 @@ def _one_minus_pow(t, log_beta):
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, STEP, LR, n, lr, beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-                  LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(P, G, M, V, STEP, LR, n, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, log_beta1, log_beta2,
+                  eps, weight_decay, LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(P + offs, mask=mask).to(tl.float32)
@@ -74,8 +75,8 @@ def _adamw_kernel(P, G, M, V, STEP, LR, n, lr, beta1, beta2, log_beta1, log_beta
     bias1 = _one_minus_pow(t, log_beta1)
     bias2_sqrt = tl.sqrt(_one_minus_pow(t, log_beta2))
     p = p - lr * weight_decay * p
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
     p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
     tl.store(P + offs, p.to(P.dtype.element_ty), mask=mask)
     tl.store(M + offs, m.to(M.dtype.element_ty), mask=mask)
@@ -113,5 +114,5 @@ def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
         return
     launch(_adamw_kernel, (cdiv(n, BLOCK),),
            [p, g, m, v, step, lr if on_device else step, n, 0.0 if on_device else float(lr), float(beta1),
-            float(beta2), math.log(beta1), math.log(beta2), float(eps), float(weight_decay)],
+            float(beta2), 1.0 - beta1, 1.0 - beta2, math.log(beta1), math.log(beta2), float(eps), float(weight_decay)],
            dict(LR_ON_DEVICE=on_device, BLOCK=BLOCK, num_warps=NUM_WARPS))

@@ -106,7 +106,8 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
                         "weights; needs --max-grad-norm 0, --grad-accum 1, one process)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="after 3 eager steps, replay each whole step (forward, backward, AdamW) from one CUDA graph: "
-                        "no host overhead; fixed shapes, one GPU, no activation checkpointing")
+                        "no host overhead; fixed shapes, one GPU, no activation checkpointing, not with "
+                        "--optimizer-in-backward")
     p.add_argument("--adamw", default="liger", choices=("liger", "torch"),
                    help="AdamW's step on CUDA: this project's one-pass Triton kernel (FusedAdamW, default) or torch's "
                         "fused AdamW; same math, state and checkpoints")

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.modules.generate import default_token_id, prompt_mask
+from liger_models.modules.generate import default_token_id, new_token_budget, prompt_mask
 
 TOPK = 10
 
@@ -199,13 +199,14 @@ def check_unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
 
 
 @torch.no_grad()
-def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, max_new_tokens: int = 32, *,
+def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, max_new_tokens: int | None = None, *,
                     medusa_choices: Sequence[Sequence[int]] | None = None, temperature: float = 0.0,
                     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, topk: int = TOPK,
                     eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                     attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
                     return_stats: bool = False):
-    """(1, T) prompt → (1, T + n) tokens, n ≤ max_new_tokens, stopping after an EOS token.
+    """(1, T) prompt → (1, T + n) tokens, n ≤ max_new_tokens, stopping after an EOS token. max_new_tokens None
+    takes the checkpoint's generation_config.json as plain generate does (`new_token_budget`).
 
     base: a zoo causal LM (`.model(ids, position_ids, cache=...)`, `.lm_head`); heads: its Medusa heads.
     temperature 0 is greedy (identical output to plain greedy decoding); > 0 uses typical acceptance.
@@ -222,6 +223,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < topk <= heads.config.vocab_size:
         raise ValueError(f"topk must be in [1, vocab_size={heads.config.vocab_size}], got {topk}")
+    max_new_tokens = new_token_budget(base, max_new_tokens, input_ids.shape[1])
     device = input_ids.device
     choices = default_medusa_choices(heads.num_heads) if medusa_choices is None else medusa_choices
     buffers = generate_medusa_buffers(choices, heads.num_heads, topk, device)

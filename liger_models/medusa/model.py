@@ -93,7 +93,7 @@ class MedusaModel(nn.Module):
                            base_lm_head_weight=self.base.lm_head.weight, base_loss_weight=self.base_loss_weight,
                            head_scales=self.head_scales(step, max_steps), normalizer=normalizer)
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs: Any):
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any):
         """Medusa tree decoding with these heads (see `liger_models.medusa.decoding.medusa_generate`)."""
         return medusa_generate(self.base, self.heads, input_ids, max_new_tokens, **kwargs)
 

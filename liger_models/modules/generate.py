@@ -108,12 +108,15 @@ def generation_setting(model, key: str, value):
 
 def new_token_budget(model, max_new_tokens: int | None, prompt_length: int) -> int:
     """max_new_tokens if given, else generation_config.json's, else its max_length − prompt length (HF's rule;
-    an error when the prompt already fills it, as in HF), else DEFAULT_MAX_NEW_TOKENS."""
-    if max_new_tokens is not None:
-        return max_new_tokens
+    an error when the prompt already fills it, as in HF), else DEFAULT_MAX_NEW_TOKENS. A budget below 1 is an error,
+    as in HF (it would return the prompt unchanged and hide the mistake)."""
     generation_config = checkpoint_generation_config(model)
-    if generation_config.get("max_new_tokens") is not None:
-        return generation_config["max_new_tokens"]
+    for source, budget in (("max_new_tokens", max_new_tokens),
+                           ("generation_config.json's max_new_tokens", generation_config.get("max_new_tokens"))):
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise ValueError(f"{source} must be an integer ≥ 1, got {budget!r}")
+            return budget
     max_length = generation_config.get("max_length")
     if max_length is None:
         return DEFAULT_MAX_NEW_TOKENS

@@ -279,7 +279,10 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             if self.step == 0:  # a fresh run starts fresh logs (a resumed one's were trimmed in resume())
                 self.metrics_path.write_text("", encoding="utf-8")
-                self.eval_path.write_text("", encoding="utf-8")
+                if self.eval_set is not None:
+                    self.eval_path.write_text("", encoding="utf-8")
+                elif self.eval_path.is_file():  # a rerun without --eval-data leaves no stale eval log behind
+                    self.eval_path.unlink()
         tokens_per_step = self.stream.batch_size * self.stream.dataset.seq_len * cfg.grad_accum * self.info.world_size
         start = time.perf_counter()
         start_step = self.step

@@ -7,6 +7,8 @@ import transformers
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from liger_models import LigerLlamaForCausalLM, LlamaConfig
+from liger_models.medusa import MedusaModel
+from liger_models.medusa.decoding import medusa_generate
 from liger_models.modules.generate import sample_next
 
 from .parity import build_hf, save_hf
@@ -89,6 +91,18 @@ def test_generation_config_max_new_tokens_and_too_short_max_length(tmp_path):
     prompt = torch.randint(3, 128, (1, 5))
     assert torch.equal(ours.generate(prompt, eos_token_id=[]), hf.generate(prompt, eos_token_id=[]))
     assert ours.generate(prompt, eos_token_id=[]).shape[1] == 5 + 3  # max_new_tokens wins over max_length
+    heads = MedusaModel.from_base(ours, num_heads=2).heads  # Medusa decoding takes the same budget
+    assert medusa_generate(ours, heads, prompt, eos_token_id=[]).shape[1] == 5 + 3
+    for bad in (0, -2):  # HF refuses a budget below 1; returning the prompt unchanged would hide the mistake
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            hf.generate(prompt, max_new_tokens=bad)
+        with pytest.raises(ValueError, match="max_new_tokens must be an integer ≥ 1"):
+            ours.generate(prompt, max_new_tokens=bad)
+        with pytest.raises(ValueError, match="max_new_tokens must be an integer ≥ 1"):
+            medusa_generate(ours, heads, prompt, bad)
+    ours.generation_config["max_new_tokens"] = 0
+    with pytest.raises(ValueError, match="generation_config.json's max_new_tokens"):
+        ours.generate(prompt)
     ours.generation_config.pop("max_new_tokens")
     with pytest.raises(ValueError, match="max_new_tokens"):  # max_length 6 leaves no room after 6 prompt tokens
         ours.generate(torch.randint(3, 128, (1, 6)))

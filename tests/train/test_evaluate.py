@@ -34,6 +34,7 @@ def test_eval_loss_is_the_mean_over_the_eval_windows(tiny_model_dir, text_file, 
                                 *EVAL))
     plain = train_causal_lm(_args("train", tiny_model_dir, text_file, tmp_path / "b"))
     assert [m["loss"] for m in run.history] == [m["loss"] for m in plain.history]
+    assert not (tmp_path / "b" / "eval.jsonl").exists()  # no --eval-data: no (empty) eval log
     logged = [json.loads(line) for line in (tmp_path / "a" / "eval.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [2, 4, 6] and logged == run.evals
     assert logged[-1]["loss"] < logged[0]["loss"]  # the model learns something that carries over
