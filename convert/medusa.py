@@ -87,13 +87,15 @@ def vllm_config(config: MedusaConfig) -> dict:
 
 
 def save_vllm(heads: MedusaHeads, directory: str) -> None:
-    """Export `heads` as a vLLM Medusa draft model directory (config.json + model.safetensors), atomically per file."""
+    """Export `heads` as a vLLM Medusa draft model directory (config.json + model.safetensors). The weights are
+    complete before config.json replaces a previous export's, and replace theirs right after it, so a failed write of
+    either leaves that export as it was."""
     refuse_model_directory(directory)
     config = heads.config
     shared = heads.weight(0) if config.share_lm_head else None
     tensors = medusa_to_vllm_state_dict(heads.state_dict(), config.num_layers, shared)
-    save_tensors(os.path.join(directory, VLLM_WEIGHTS_NAME), tensors)
-    save_json(os.path.join(directory, CONFIG_NAME), vllm_config(config))
+    save_tensors(os.path.join(directory, VLLM_WEIGHTS_NAME), tensors,
+                 lambda: save_json(os.path.join(directory, CONFIG_NAME), vllm_config(config)))
 
 
 def load_vllm(directory: str, base_lm_head: torch.nn.Linear | None = None, *, dtype: torch.dtype | None = None,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import uuid
@@ -48,7 +49,7 @@ import torch
 
 from liger_models.convert import sentencepiece_tokenizer as spt
 from liger_models.convert.tiktoken_tokenizer import BOS, EOS, convert_tiktoken, is_tiktoken_file, save_hf_tokenizer
-from liger_models.hub import save_state_dict
+from liger_models.hub import parse_size, save_state_dict
 from liger_models.llama.config import LlamaConfig
 from liger_models.mistral.config import MistralConfig
 from liger_models.modules.config import LigerConfig
@@ -95,8 +96,11 @@ def read_params(src: Path) -> dict:
     path = src / "params.json"
     if not path.is_file():
         raise FileNotFoundError(f"no params.json in {str(src)!r} (not a Meta / Mistral native checkpoint)")
-    with open(path, encoding="utf-8") as f:
-        params = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            params = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # json's own message names no file
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(params, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(params).__name__}")
     return params
@@ -150,18 +154,30 @@ def check_params(params: dict, family: str) -> None:
 
 def _load_pth(path: Path) -> dict[str, torch.Tensor]:
     # mmap: a rank's tensors are paged in only when merged; weights_only: a checkpoint must not run code.
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (PermissionError, FileNotFoundError):
+        raise
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        # A truncated download is the usual cause (mmap of one gives a bare "[Errno 22] Invalid argument"); torch's
+        # message does not say which of the ranks it is.
+        raise ValueError(f"cannot read {path.name} (corrupt or truncated?): {e}") from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path.name} is not a flat state dict of tensors")
     return state
 
 
 def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        for name, tensor in load_file(str(file)).items():
+        try:
+            tensors = load_file(str(file))
+        except SafetensorError as e:  # its message names no file, and the large releases ship dozens
+            raise ValueError(f"cannot read {file.name} (corrupt or truncated?): {e}") from e
+        for name, tensor in tensors.items():
             if name in state:
                 raise ValueError(f"tensor {name!r} appears in more than one consolidated*.safetensors file")
             state[name] = tensor
@@ -486,7 +502,9 @@ def native_to_hf(src_dir: str | Path, out_dir: str | Path, *, family: str | None
     else "3"). `out_dir` must not exist or be empty; it appears only once complete. No transformers import; nothing
     is downloaded.
     """
-    src, out = Path(src_dir).expanduser(), Path(out_dir).expanduser().absolute()
+    # resolve(): a link to an empty directory is written through, as save_state_dict does (the link itself is no
+    # directory that rmdir / rename could replace: the conversion failed only after every tensor was written).
+    src, out = Path(src_dir).expanduser(), Path(out_dir).expanduser().resolve()
     if not src.is_dir():
         raise FileNotFoundError(f"native checkpoint directory {str(src)!r} does not exist")
     _check_out_dir(out)
@@ -494,6 +512,7 @@ def native_to_hf(src_dir: str | Path, out_dir: str | Path, *, family: str | None
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r} (choose from {sorted(DTYPES)})")
         dtype = DTYPES[dtype]
+    parse_size(max_shard_size)  # a typo ("5G") is told now, not after every shard has been read and converted
     params, files = read_params(src), weight_files(src)
     family = family or detect_family(params, files)
     if family not in FAMILIES:

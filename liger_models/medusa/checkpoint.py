@@ -63,10 +63,20 @@ def save_json(path: str, obj: dict[str, Any]) -> None:
     atomic_write(path, write)
 
 
-def save_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Atomically write a safetensors file (CPU copies, contiguous: safetensors rejects views sharing storage)."""
+def save_tensors(path: str, tensors: dict[str, torch.Tensor], before_rename: Callable[[], None] | None = None) -> None:
+    """Atomically write a safetensors file (CPU copies, contiguous: safetensors rejects views sharing storage).
+
+    before_rename: called once the file is complete under its temporary name, just before it replaces `path` (a
+    directory's config.json written there is never left describing the previous file: a failed write of either leaves
+    both old files in place)."""
     data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    atomic_write(path, lambda tmp: save_file(data, tmp, metadata={"format": "pt"}))
+
+    def write(tmp: str) -> None:
+        save_file(data, tmp, metadata={"format": "pt"})
+        if before_rename is not None:
+            before_rename()
+
+    atomic_write(path, write)
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -85,7 +95,6 @@ def save_heads(heads: MedusaHeads, directory: str, *, merge_config: bool = False
     path = os.path.join(directory, CONFIG_NAME)
     if not merge_config:
         refuse_model_directory(directory)
-    save_tensors(os.path.join(directory, HEADS_NAME), heads.state_dict())
     fields = config.to_json_dict()
     if base_model_name_or_path is not None:
         fields["base_model_name_or_path"] = base_model_name_or_path
@@ -95,10 +104,10 @@ def save_heads(heads: MedusaHeads, directory: str, *, merge_config: bool = False
         # shared, and the directory no longer loads).
         merged = {k: v for k, v in read_json(path).items() if k != "version" and not k.startswith("medusa_")}
         # The base's own hidden_size / vocab_size are already there and are the same numbers.
-        merged.update({k: v for k, v in fields.items() if k not in ("hidden_size", "vocab_size")})
-        save_json(path, merged)
-    else:
-        save_json(path, fields)
+        fields = {**merged, **{k: v for k, v in fields.items() if k not in ("hidden_size", "vocab_size")}}
+    # The config goes in once the weights are complete, and the weights right after it: a failure in either write
+    # leaves the previous heads with their own config (new weights under an old config may hold another head count).
+    save_tensors(os.path.join(directory, HEADS_NAME), heads.state_dict(), lambda: save_json(path, fields))
 
 
 def refuse_model_directory(directory: str) -> None:

@@ -9,7 +9,8 @@ Layout under ``<output_dir>/checkpoints``::
 
 A checkpoint is written into a hidden temporary directory, flushed to disk, and only then renamed to its final
 name; ``latest`` is replaced the same way. A crash or exception mid-save therefore leaves the previous checkpoint and
-``latest`` untouched (the partial directory is removed, or ignored by :func:`find_latest` after a hard kill).
+``latest`` untouched (the partial directory is removed; after a hard kill it is ignored by :func:`find_latest`
+and deleted by the next save).
 Pruning (``keep_last``) renames a checkpoint out of the ``step_N`` names before deleting it, for the same reason.
 """
 
@@ -101,6 +102,7 @@ def save_checkpoint(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _finish_interrupted(root)
+    _drop_temporaries(root)
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()
@@ -143,13 +145,35 @@ def _step_of(path: Path) -> int:
 def _finish_interrupted(root: Path) -> None:
     """Finish what a killed process left half done. Killed between a re-save's two renames, it leaves the previous
     copy as ``.step_N.<id>.old`` and no ``step_N``: put it back, so the step is not lost (the new copy, still a
-    .tmp, is incomplete by definition). Killed mid-prune, it leaves a ``.pruned`` directory (:func:`_remove`)."""
+    .tmp, is incomplete by definition). Killed after them, while deleting the old copy, it leaves a ``.old`` beside
+    the new ``step_N``: finish deleting it. Killed mid-prune, it leaves a ``.pruned`` directory (:func:`_remove`)."""
     for old in root.glob(".step_*.old"):
         final = root / old.name[1:].split(".")[0]
-        if _STEP_DIR.match(final.name) and not final.exists() and (old / STATE_FILE).is_file():
-            os.rename(old, final)
+        if not _STEP_DIR.match(final.name):
+            continue
+        if final.exists():
+            # Superseded: kept, it would hold a checkpoint's worth of disk forever, and once step_N is pruned the
+            # branch below would put this half-deleted copy back as a step_N that lists as complete.
+            shutil.rmtree(old, ignore_errors=True)
+        elif (old / STATE_FILE).is_file():
+            try:
+                os.rename(old, final)
+            except OSError:  # every rank looks at startup (find_latest): another one may have put it back first
+                if not final.exists():
+                    raise
     for doomed in root.glob(".step_*.pruned"):  # a prune cut short: finish it
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _drop_temporaries(root: Path) -> None:
+    """Delete what saves killed before their rename left (``.step_N.<id>.tmp`` directories, ``.latest.<id>.tmp``):
+    incomplete by definition, and each may be as large as a checkpoint. Only the writer calls this (one process
+    saves), so no save in flight loses its files."""
+    for tmp in root.glob(".*.tmp"):
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:

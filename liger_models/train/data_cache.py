@@ -9,7 +9,8 @@ what tokenizer.json holds, as loaded), the special tokens and chat template text
 Files are written to a temporary name, fsynced and renamed into place, so a reader sees a whole file or none. A
 file is trusted only when its header parses, its metadata names the same key, its tensors have the expected dtype,
 shapes and extents, the file has exactly the size they need, and the SHA-256 of the data matches the one stored
-with it; anything else is reported and rebuilt. Tensors of a hit are memory-mapped copy-on-write.
+with it; anything else is reported and rebuilt. Tensors of a hit are memory-mapped copy-on-write. A directory
+that cannot take the file is reported too, and the run goes on uncached.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Sequence
 import numpy as np
 import tokenizers
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from liger_models.train.checkpointing import fsync_dir
@@ -72,21 +74,33 @@ def _data_digest(arrays: Sequence[np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def save(path: Path, key: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` (int32, the names in TENSORS) as ``path`` atomically: temp file, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def save(path: Path, key: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """Write ``tensors`` (int32, the names in TENSORS) as ``path`` atomically: temp file, fsync, rename.
+
+    Returns whether it was written. The cache only saves time: a directory that cannot take the file (read-only,
+    full, a file in the way) is reported with a warning, and the caller goes on with the data it has just built
+    rather than losing the tokenizing it did (and the run) to a cache it does not need."""
     tensors = {name: tensors[name].contiguous() for name in TENSORS}
     metadata = {"key": key, "format": str(FORMAT_VERSION),
                 "sha256": _data_digest([tensors[name].numpy() for name in TENSORS])}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # unique: ranks may race
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata=metadata)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, SafetensorError) as exc:  # safetensors reports its own I/O errors as the latter
+        warnings.warn(f"data cache {path.parent} cannot take the tokenized data ({exc}); going on without "
+                      "caching it", stacklevel=2)
+        return False
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # the directory cannot be listed or written either: nothing was left there
+            pass
     fsync_dir(path.parent)
+    return True
 
 
 def _read_header(path: Path) -> tuple[dict, int]:

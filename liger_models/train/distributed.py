@@ -62,6 +62,11 @@ def init_distributed(device: str | None = None) -> DistInfo:
         raise RuntimeError("--device cuda was asked for but CUDA is not available")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda" and local_rank >= torch.cuda.device_count():
+        # Otherwise set_device fails with CUDA's "invalid device ordinal", which names neither cause.
+        raise RuntimeError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but this process sees "
+                           f"{torch.cuda.device_count()} GPU(s): launch at most that many processes per node "
+                           "(torchrun --nproc-per-node), or check CUDA_VISIBLE_DEVICES")
     dev = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
     if device_type == "cuda":
         torch.cuda.set_device(dev)

@@ -46,6 +46,11 @@ def pack_documents(tokenized: Sequence[tuple[Sequence[int], Sequence[bool]]], se
     ``seq_len`` windows (module docstring)."""
     ids = [np.asarray(i, dtype=np.int32) for i, _ in tokenized]
     masks = [np.asarray(m, dtype=bool) for _, m in tokenized]
+    for n, (i, m) in enumerate(zip(ids, masks)):
+        if i.shape != m.shape or i.ndim != 1:
+            # Unequal lengths that cancel out over the stream would shift every later label onto another token.
+            raise ValueError(f"document {n}: {i.shape} token ids but a loss mask of {m.shape}; they must be 1-D and "
+                             "of one length")
     lengths = np.array([i.size for i in ids], dtype=np.int64)
     return pack_arrays(ids, masks, lengths, seq_len, pad_id)
 
@@ -65,6 +70,10 @@ def pack_arrays(id_parts: list[np.ndarray], mask_parts: list[np.ndarray], length
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     lengths = lengths[lengths > 0]  # a document without tokens has no start
     total = int(lengths.sum())
+    sizes = sum(a.size for a in id_parts), sum(a.size for a in mask_parts)
+    if sizes != (total, total):
+        raise ValueError(f"{sizes[0]} token ids and {sizes[1]} loss-mask entries for documents of {total} tokens "
+                         "in all; the three must agree")
     if total == 0:
         raise ValueError("the data produced no tokens")
     n_windows = -(-total // seq_len)

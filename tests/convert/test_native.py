@@ -380,3 +380,42 @@ def test_conversion_does_not_import_transformers(tmp_path):
             "assert 'transformers' not in sys.modules, 'transformers was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["pth-rank", "safetensors-part", "params-json"])
+def test_unreadable_files_are_named(tmp_path, case):
+    # A truncated download: torch's / safetensors' / json's own messages name no file, and a release has many.
+    if case == "pth-rank":
+        src, bad = write_meta(tmp_path / "native", LLAMA2, random_native(LLAMA2), shards=2), "consolidated.01.pth"
+    elif case == "safetensors-part":
+        src = write_mistral(tmp_path / "native", MISTRAL, random_native(MISTRAL), files=2)
+        bad = "consolidated-00002-of-00002.safetensors"
+    else:
+        src, bad = write_mistral(tmp_path / "native", MISTRAL, random_native(MISTRAL)), "params.json"
+    data = (src / bad).read_bytes()
+    (src / bad).write_bytes(data[:torch.randint(1, len(data) // 2, ()).item()])
+    with pytest.raises(ValueError, match=bad.replace(".", r"\.")):
+        native_to_hf(src, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []
+
+
+def test_output_through_a_link_to_an_empty_directory(tmp_path):
+    # The link is what the user named; the converted checkpoint must land in its (empty) target, link kept.
+    w = random_native(MISTRAL)
+    src = write_mistral(tmp_path / "native", MISTRAL, w)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target", target_is_directory=True)
+    native_to_hf(src, tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "config.json").is_file()
+    assert leftovers(tmp_path) == []
+    check_logits(tmp_path / "link", MISTRAL, w, with_hf=False)
+
+
+def test_bad_shard_size_is_refused_before_reading_the_weights(tmp_path):
+    # The rank below would take minutes to read in a real checkpoint (and here cannot be read at all): the size
+    # typo must be the error, not something found after the whole checkpoint was loaded.
+    src = write_meta(tmp_path / "native", LLAMA2, random_native(LLAMA2), shards=2)
+    (src / "consolidated.01.pth").write_bytes(b"never read")
+    with pytest.raises(ValueError, match="cannot parse size '5G'"):
+        native_to_hf(src, tmp_path / "hf", max_shard_size="5G")
+    assert not (tmp_path / "hf").exists() and leftovers(tmp_path) == []

@@ -140,3 +140,62 @@ def test_rng_state_round_trip():
     ckpt.set_rng_state(state)
     b = (torch.rand(3), random.random())
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+def _hidden(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+def test_resave_killed_while_deleting_the_old_copy(tmp_path, monkeypatch):
+    """A re-save killed inside the old copy's deletion leaves a half-deleted ``.old`` beside the new step_N. It must
+    go at the next save: kept, it held a checkpoint's worth of disk forever, and once step_N was pruned the next
+    find_latest put it back as a step_N listed as complete without its model files."""
+    root = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(root, 4, _writer(4.0), {})
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):  # the model file goes, trainer_state.pt is still there
+        monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)  # the save's own clean-up then runs for real
+        (Path(path) / "model.pt").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(root, 4, _writer(44.0), {})
+    assert _model_value(root / "step_000004") == 44.0 and len(_hidden(root)) == 1  # the new copy is in place
+
+    ckpt.save_checkpoint(root, 5, _writer(5.0), {}, keep_last=1)  # prunes step 4
+    assert _hidden(root) == []
+    assert ckpt.find_latest(root) == root / "step_000005"
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000005"]
+
+
+def test_next_save_deletes_what_hard_killed_saves_left(tmp_path):
+    root = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(root, 1, _writer(1.0), {})
+    # Saves killed before their rename: a half-written checkpoint directory and a `latest` being replaced.
+    partial = root / f".step_000002.{random.getrandbits(32):08x}.tmp"
+    partial.mkdir()
+    torch.save({"w": torch.rand(1000)}, partial / "model.pt")
+    (root / ".latest.0123.tmp").write_text("step_000002")
+    assert ckpt.find_latest(root) == root / "step_000001" and partial.exists()  # a reader leaves them alone
+    ckpt.save_checkpoint(root, 2, _writer(2.0), {})
+    assert _hidden(root) == [] and _model_value(ckpt.find_latest(root)) == 2.0
+
+
+def test_ranks_restoring_an_interrupted_resave_together(tmp_path, monkeypatch):
+    """Every rank runs find_latest at startup: when another rank puts a re-save's ``.old`` back first, this one's
+    rename finds nothing to move, which must not fail the run."""
+    root = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(root, 3, _writer(3.0), {})
+    os.rename(root / "step_000003", root / ".step_000003.abc.old")
+    real_rename = os.rename
+
+    def other_rank_first(src, dst):
+        monkeypatch.setattr(ckpt.os, "rename", real_rename)
+        real_rename(src, dst)  # the other rank's rename, between this one's check and its own rename
+        real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", other_rank_first)
+    latest = ckpt.find_latest(root)
+    assert latest == root / "step_000003" and _model_value(latest) == 3.0

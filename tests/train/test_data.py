@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
 
 from liger_models.modules import shift_labels
 from liger_models.train.data import (BatchStream, Document, PackedDataset, build_dataset, check_has_targets,
-                                     load_documents, pack_documents, read_special_tokens, save_tokenizer,
-                                     tokenize_document, train_bpe_tokenizer)
+                                     load_documents, pack_arrays, pack_documents, read_special_tokens,
+                                     save_tokenizer, tokenize_document, train_bpe_tokenizer)
 
 from .conftest import EOS, shakespeare
 
@@ -51,6 +52,20 @@ def test_pack_rejects_bad_input():
         pack_documents([([1, 2], [True, True])], seq_len=1)
     with pytest.raises(ValueError, match="no tokens"):
         pack_documents([([], [])], seq_len=8)
+
+
+def test_pack_refuses_a_mask_of_another_length():
+    """A loss mask one entry too long on one document and one too short on another used to pack without a word,
+    every label after the first moved onto a neighbouring token."""
+    n = int(torch.randint(3, 9, ()))
+    a, b = torch.randint(0, 50, (n,)).tolist(), torch.randint(0, 50, (n,)).tolist()
+    with pytest.raises(ValueError, match="document 0"):
+        pack_documents([(a, [True] * (n + 1)), (b, [True] * (n - 1))], seq_len=4)
+    with pytest.raises(ValueError, match="document 1"):
+        pack_documents([(a, [True] * n), (b, [[True]] * n)], seq_len=4)
+    ids, mask = np.array(a + b, dtype=np.int32), np.ones(2 * n - 1, dtype=bool)
+    with pytest.raises(ValueError, match="loss-mask entries"):
+        pack_arrays([ids], [mask], np.array([n, n]), seq_len=4)
 
 
 def test_plain_text_documents_get_eos(tokenizer, tmp_path):

@@ -4,6 +4,7 @@ and the training recipes put it in <output_dir>/.data_cache (rank 0 writing it u
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import subprocess
@@ -217,3 +218,27 @@ def test_torchrun_rank0_tokenizes_and_the_other_loads(setup, model_dir, tmp_path
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["tokenized"] for r in ranks] == [1, 0]
     assert ranks[0]["sum"] == ranks[1]["sum"] and ranks[0]["shape"] == ranks[1]["shape"]
+
+
+@pytest.mark.parametrize("blocked", ["file_in_the_way", "disk_full"])
+def test_a_cache_that_cannot_be_written_costs_no_run(setup, tmp_path, monkeypatch, blocked):
+    """The cache only saves time: a --data-cache path that cannot take the file used to fail the run with a bare
+    OSError after all the tokenizing, the data built and in memory; now a warning, and the data as without a cache."""
+    tokenizer, special, paths = setup
+    if blocked == "file_in_the_way":
+        (tmp_path / "taken").write_text("not a directory")
+        cache = tmp_path / "taken" / "cache"
+    else:
+        cache = tmp_path / "full"
+
+        def no_space(tensors, filename, metadata=None):  # part of the file, then the disk is full
+            with open(filename, "wb") as f:
+                f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+
+        monkeypatch.setattr(data_cache, "save_file", no_space)
+    seq_len = int(torch.randint(8, 24, ()))
+    with pytest.warns(UserWarning, match="cannot take the tokenized data"):
+        got = build_dataset(paths, tokenizer, special, seq_len, "simple", cache_dir=cache)
+    _assert_same(got, build_dataset(paths, tokenizer, special, seq_len, "simple"))
+    assert not cache.exists() or list(cache.iterdir()) == []  # no temporary left behind

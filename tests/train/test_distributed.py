@@ -120,3 +120,18 @@ def test_fsdp2_stage1_trains_heads_like_one_process(tiny_tied_model_dir, text_fi
     for key in a:  # AdamW's m / √v turns the gradients' last-bit differences (two ranks sum in another order) into
         # up to ~1e-5 at the heads' lr (1.2e-2) where a gradient is near ε: 1e-5 failed about one run in seven
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4, msg=key)
+
+
+def test_more_processes_per_node_than_gpus_fails_clearly(monkeypatch):
+    """torchrun --nproc-per-node above the GPU count: CUDA's "invalid device ordinal" named neither cause."""
+    from liger_models.train import distributed as D
+
+    visible = int(torch.randint(1, 4, ()))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: pytest.fail(f"set_device({dev}) was reached"))
+    monkeypatch.setenv("WORLD_SIZE", str(visible + 2))
+    monkeypatch.setenv("RANK", str(visible + 1))
+    monkeypatch.setenv("LOCAL_RANK", str(visible + 1))
+    with pytest.raises(RuntimeError, match=f"LOCAL_RANK {visible + 1} .* sees {visible} GPU"):
+        D.init_distributed("cuda")
