@@ -66,6 +66,11 @@ def flops_per_token(cfg: dict, seq: int) -> float:
     return 6 * dense + n * 6 * seq * hq * d
 
 
+def liger_modules(model) -> list[str]:
+    """Names of the liger-kernel module classes in ``model`` (empty: its patch is not active)."""
+    return sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("liger_kernel")})
+
+
 def _build(provider: str, cfg: dict):
     import torch
 
@@ -82,8 +87,11 @@ def _build(provider: str, cfg: dict):
         getattr(lk, f"apply_liger_kernel_to_{cfg['model_type']}")()
     hf_cfg = transformers.AutoConfig.for_model(**cfg)
     hf_cfg._attn_implementation = "sdpa"
+    hf_cfg.use_cache = False  # training: no KV cache (its config default would build and fill one every forward)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+    if provider == "hf_liger" and not liger_modules(model):
+        raise RuntimeError("liger-kernel's patch is not active: no liger_kernel module in the model")
     if provider == "hf_compile":
         model = torch.compile(model)
     return model
@@ -112,7 +120,9 @@ def training_step(name: str, provider: str, n_batches: int):
 
         # an untied lm_head is stepped inside the forward, where linear-CE has its gradient
         OptimizerInBackward(opt, in_forward=CausalLMTask.loss_weights_used_once(model))
-    ids = torch.randint(0, cfg["vocab_size"], (n_batches, batch, seq), device="cuda")
+    # the same tokens for every provider: a generator of its own, not the one each model's init consumed
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, cfg["vocab_size"], (n_batches, batch, seq), device="cuda", generator=gen)
 
     def train_on(tokens):
         loss = model(input_ids=tokens, labels=tokens).loss
@@ -137,7 +147,9 @@ def _worker(name: str, provider: str) -> dict:
 
     tuned = apply_tunables() if provider.startswith("ours") else {}
     cfg, batch, seq = CONFIGS[name]
-    _, _, _, step = training_step(name, provider, WARMUP + STEPS)
+    model, _, _, step = training_step(name, provider, WARMUP + STEPS)
+    forward = type(getattr(model, "_orig_mod", model)).forward
+    patched = dict(liger_modules=liger_modules(model), forward=f"{forward.__module__}.{forward.__qualname__}")
     for i in range(WARMUP):
         step(i)
     torch.cuda.synchronize()
@@ -149,9 +161,9 @@ def _worker(name: str, provider: str) -> dict:
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     tok_s = STEPS * batch * seq / dt
+    mfu = tok_s * flops_per_token(cfg, seq) / (H200_BF16_PEAK_TFLOPS * 1e12)
     return dict(config=name, provider=provider, tokens_per_s=tok_s, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                reserved_gib=torch.cuda.memory_reserved() / 2**30,
-                loss=float(loss), tuned=tuned, mfu=tok_s * flops_per_token(cfg, seq) / (H200_BF16_PEAK_TFLOPS * 1e12))
+                reserved_gib=torch.cuda.memory_reserved() / 2**30, loss=float(loss), tuned=tuned, **patched, mfu=mfu)
 
 
 def _load_rows(path: str) -> list[dict]:

@@ -91,6 +91,8 @@ def _baseline(provider: str, lm_head: str, stage: int):
     cfg._attn_implementation = "sdpa"
     with torch.device(DEVICE):
         base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if provider == "liger-style" and not any(type(m).__module__.startswith("liger_kernel") for m in base.modules()):
+        raise RuntimeError("liger-kernel's patch is not active: no liger_kernel module in the model")
     base.requires_grad_(stage == 2)
     heads = MedusaHeads(MedusaConfig(num_heads=NUM_HEADS, share_lm_head=lm_head == "shared",
                                      hidden_size=MODEL["hidden_size"], vocab_size=MODEL["vocab_size"]), base.lm_head)
@@ -125,7 +127,8 @@ def _measure(loss_fn, opt, B: int, T: int, in_backward: bool) -> dict:
     import torch
 
     steps = STEPS if B * T < 32768 else LONG_STEPS
-    ids = torch.randint(0, MODEL["vocab_size"], (WARMUP + steps, B, T), device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)  # the same tokens for every provider
+    ids = torch.randint(0, MODEL["vocab_size"], (WARMUP + steps, B, T), device=DEVICE, generator=gen)
 
     def step(i):
         loss_fn(ids[i]).backward()
@@ -180,6 +183,7 @@ def worker(spec: dict) -> None:
             print(json.dumps(row), file=sys.stderr, flush=True)
         if in_backward:
             hooks.remove()
+            del hooks  # it holds the optimizer, and through it this stage's parameters and state
         del holder, opt, loss_fn
         gc.collect()
         torch.cuda.empty_cache()

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="With no --model: train a byte-level BPE tokenizer (2K vocab) on the bundled "
                                       "tiny-Shakespeare text, pre-train a small Llama-architecture model on it, then "
                                       "train Medusa heads (stage 1) and print their accuracies, a sample and where the "
-                                      "checkpoints are. A few minutes on a CPU, less on a GPU.")
+                                      "checkpoints are. About a minute on 2 CPU cores, less on a GPU.")
     demo.add_argument("--output-dir", default="runs/demo", help="where everything is written (default runs/demo)")
     demo.add_argument("--model", default=None, help="skip pre-training: train heads on this model directory")
     demo.add_argument("--quick", action="store_true", help="a tiny model and a few steps (seconds; for tests)")

@@ -83,11 +83,17 @@ class _GatedDown(torch.autograd.Function):
         act = torch.empty((gu2d.shape[0], half), dtype=gu2d.dtype, device=gu2d.device)
         if act.numel():
             gated_forward(gu2d[:, :half], gu2d[:, half:], act, activation)
-        out = torch.mm(act, weight.t()) if bias is None else torch.addmm(bias, act, weight.t())
+        # Written straight into the (..., H) result: a .view of a 2-D product would make the layer's output a view,
+        # which FSDP2 warns about (an in-place op on it would drop its pre-backward hook).
+        out = torch.empty((*gate_up.shape[:-1], weight.shape[0]), dtype=act.dtype, device=act.device)
+        if bias is None:
+            torch.mm(act, weight.t(), out=out.view(-1, weight.shape[0]))
+        else:
+            torch.addmm(bias, act, weight.t(), out=out.view(-1, weight.shape[0]))
         ctx.inplace = owns_memory(gate_up, gu2d, 2 * half)
         ctx.save_for_backward(gu2d, weight)
         ctx.activation, ctx.has_bias, ctx.shape = activation, bias is not None, gate_up.shape
-        return out.view(*gate_up.shape[:-1], weight.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, dout):
