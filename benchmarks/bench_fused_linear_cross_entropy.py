@@ -10,8 +10,8 @@ rate measured in the same run (8192³); Result.extra has each provider's effecti
 that rate. Two distributions: "random" (N(0,1) hidden, weight scaled to logits of std ≈2, uniform labels) and
 "peaked" (a shared direction gives each token a Zipf-like logit bias of up to +20, labels sampled from the
 softmax itself; CCE's gradient filtering only pays here). At the headline shapes CCE also runs with its filter off
-(`cut-cross-entropy exact`, filter_eps=None, bf16 accumulation; and `cut-cross-entropy cce_exact`, CCE's documented
-exact impl: no filter, fp32/Kahan accumulation of dE and dC, as an fp32-accurate dW needs), and this project also runs
+(`cut-cross-entropy exact`, filter_eps=None: every block's work, though its dE / dC still accumulate in bf16 —
+25.1.1 has no fp32-accumulating variant), and this project also runs
 without grad_W's storage as the logits scratch (token chunks from a 256 MiB or a 1 GiB budget instead):
 `liger-models budget256` / `liger-models budget1024`; under a 512 MiB scratch cap (`liger-models cap512`:
 MAX_SCRATCH_BYTES, the fp32 accumulator becoming grad_W in place; also at the Gemma-2B step's BT16384 H2048
@@ -90,10 +90,10 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
 
         return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)(w, h, y)
 
-    def cce(h, w, y, filter_eps="auto", impl="cce"):
+    def cce(h, w, y, filter_eps="auto"):
         from cut_cross_entropy import linear_cross_entropy
 
-        return linear_cross_entropy(h, w, y, ignore_index=IGNORE, reduction="mean", filter_eps=filter_eps, impl=impl)
+        return linear_cross_entropy(h, w, y, ignore_index=IGNORE, reduction="mean", filter_eps=filter_eps)
 
     out = {"liger-models": ours()}
     if variants:
@@ -111,10 +111,8 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))
     out["liger-kernel"] = step(liger)
     out["cut-cross-entropy"] = step(cce)
-    if variants:  # CCE without its gradient filter: every dlogits block kept, as an fp32-accurate dW needs
+    if variants:  # CCE without its gradient filter: every dlogits block computed, the work an exact dW needs
         out["cut-cross-entropy exact"] = step(lambda h, w, y: cce(h, w, y, filter_eps=None))
-        # CCE's own documented exact variant: no filter and fp32 (Kahan) accumulation of both gradients
-        out["cut-cross-entropy cce_exact"] = step(lambda h, w, y: cce(h, w, y, impl="cce_exact"))
     return out
 
 
