@@ -44,8 +44,11 @@ class AutoLigerForCausalLM:
     @staticmethod
     def from_hub(repo_id: str, revision: str | None = None, cache_dir: str | Path | None = None,
                  local_files_only: bool = False, dtype: torch.dtype | str | None = None,
-                 device: torch.device | str | int | None = None) -> LigerForCausalLM:
-        path = snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+                 device: torch.device | str | int | None = None,
+                 token: str | bool | None = None) -> LigerForCausalLM:
+        """``from_pretrained`` on the Hub snapshot; ``token`` (else HF_TOKEN / the stored login) for gated repos."""
+        path = snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                        token=token)
         return AutoLigerForCausalLM.from_pretrained(path, dtype=dtype, device=device)
 
     @staticmethod

@@ -101,8 +101,7 @@ def checkpoint_files(path: Path) -> list[Path]:
     if (path / SAFE_WEIGHTS).is_file():
         return [path / SAFE_WEIGHTS]
     if (path / SAFE_INDEX).is_file():
-        with open(path / SAFE_INDEX, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+        weight_map = _read_json_object(path / SAFE_INDEX).get("weight_map")  # a bad file is named, not a traceback
         if not isinstance(weight_map, dict):
             raise ValueError(f"{SAFE_INDEX} in {str(path)!r} has no weight_map (tensor name -> shard file)")
         shards = sorted(set(weight_map.values()))
@@ -133,15 +132,30 @@ class _Header(NamedTuple):
 def _read_headers(files: list[Path]) -> dict[str, _Header]:
     """Every tensor of the checkpoint, in file order: its file, shape and dtype (headers only, no data). Read once
     per load; the tied-head routing, the shape check and the dtype fallback all work from it."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     headers: dict[str, _Header] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                meta = f.get_slice(name)
-                headers[name] = _Header(file, tuple(meta.get_shape()), meta.get_dtype())
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    meta = f.get_slice(name)
+                    headers[name] = _Header(file, tuple(meta.get_shape()), meta.get_dtype())
+        except SafetensorError as e:  # safetensors' own message names neither the file nor the likely cause
+            raise ValueError(_unreadable_weights(file, e)) from e
     return headers
+
+
+def _unreadable_weights(file: Path, error: Exception) -> str:
+    """Why a safetensors file cannot be opened, in words: a repo cloned without git-lfs holds small text pointers
+    instead of the weights; a copied or interrupted download is cut short."""
+    with open(file, "rb") as f:
+        head = f.read(64)
+    if head.startswith(b"version https://git-lfs"):
+        return (f"{str(file)!r} is a Git LFS pointer, not the weights (the repo was cloned without git-lfs): run "
+                "`git lfs pull` in it, or load the repo with from_hub")
+    return (f"{str(file)!r} is not a readable safetensors file ({file.stat().st_size} bytes; truncated or "
+            f"interrupted download?): {error}")
 
 
 def _read_tensor(headers: dict[str, _Header], name: str) -> torch.Tensor:
@@ -243,7 +257,17 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
     model = model.to(dtype).to_empty(device=device)  # no data yet; cast on meta is free
     model.tie_weights()
     expected = _expected_tensors(model)
-    _check_headers(headers, expected, routes)
+    try:
+        _check_headers(headers, expected, routes)
+    except ValueError as e:
+        # GPTQ / AWQ / bitsandbytes / fp8 repos store packed weights and scales: name that, not 100 shape errors. Only
+        # on a mismatch: a merged model that kept a stale quantization_config over plain weights still loads.
+        quant = raw.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else quant
+            raise ValueError(f"{str(path)!r} holds a quantized checkpoint (quantization_config: {method}), which "
+                             f"is not supported: load the unquantized (bf16/fp16/fp32) weights instead ({e})") from e
+        raise
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -256,29 +280,46 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
 
 
 def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path | None = None,
-             local_files_only: bool = False) -> Path:
+             local_files_only: bool = False, token: str | bool | None = None) -> Path:
     """Local snapshot directory of a Hub repo (only *.json, *.safetensors, tokenizer and chat-template files are
     fetched).
 
     Honours ``HF_HUB_OFFLINE`` / ``local_files_only`` (cache only, refs resolved from ``refs/``) and ``cache_dir``.
+    ``token`` is passed to huggingface_hub (None: ``HF_TOKEN`` or the stored login), for gated and private repos.
     An existing local directory (e.g. an already downloaded snapshot) is returned as it is.
     """
     if Path(repo_id).expanduser().is_dir():
         return resolve_dir(repo_id)
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, \
-        RevisionNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, \
+        RepositoryNotFoundError, RevisionNotFoundError
 
+    login = "pass token= or set HF_TOKEN (or run `hf auth login`)"
     try:
         local = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
-                                  allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
-    except HFValidationError as e:
-        raise ValueError(f"invalid Hub repo id {repo_id!r}: {e}") from e
+                                  allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS, token=token)
+    except HFValidationError as e:  # most often a mistyped local path, which huggingface_hub reads as a repo id
+        raise ValueError(f"{repo_id!r} is not an existing local directory, and is an invalid Hub repo id: {e}") from e
+    except GatedRepoError as e:  # a subclass of RepositoryNotFoundError: "not found" would send users to the spelling
+        raise PermissionError(f"Hub repo {repo_id!r} is gated: accept its terms at https://huggingface.co/{repo_id} "
+                              f"with your account, then {login}. ({str(e).splitlines()[0] if str(e) else ''})") from e
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-        raise FileNotFoundError(f"Hub repo {repo_id!r} (revision {revision or 'main'}) not found: {e}") from e
+        raise FileNotFoundError(f"Hub repo {repo_id!r} (revision {revision or 'main'}) not found (if it is private, "
+                                f"{login}): {e}") from e
+    except HfHubHTTPError as e:
+        if getattr(getattr(e, "response", None), "status_code", None) != 401:
+            raise
+        raise PermissionError(f"the Hub refused the credentials for {repo_id!r} (HTTP 401: an invalid or expired "
+                              f"token?); {login} with a valid token") from e
     except LocalEntryNotFoundError as e:
-        from huggingface_hub import constants
+        from huggingface_hub import constants, errors
 
+        # huggingface_hub ≥ 1.x knows, from its cached file listing, that an interrupted download left files out: its
+        # message names them. "Not in the cache" would be wrong (the snapshot is there, partly).
+        incomplete = getattr(errors, "IncompleteSnapshotError", None)
+        if incomplete is not None and isinstance(e, incomplete):
+            raise FileNotFoundError(f"the cached snapshot of {repo_id!r} (revision {revision or 'main'}) is an "
+                                    f"interrupted download: {e}") from e
         where = (f"{repo_id!r} (revision {revision or 'main'}) is not in the local Hub cache "
                  f"{str(cache_dir) if cache_dir else '(default)'}")
         if local_files_only or constants.HF_HUB_OFFLINE:

@@ -139,11 +139,14 @@ class LigerForCausalLM(nn.Module):
     @classmethod
     def from_hub(cls, repo_id: str, revision: str | None = None, cache_dir: str | Path | None = None,
                  local_files_only: bool = False, dtype: torch.dtype | str | None = None,
-                 device: torch.device | str | int | None = None) -> "LigerForCausalLM":
-        """Download (or find in the HF cache) *.json, *.safetensors and tokenizer files, then ``from_pretrained``."""
+                 device: torch.device | str | int | None = None,
+                 token: str | bool | None = None) -> "LigerForCausalLM":
+        """Download (or find in the HF cache) *.json, *.safetensors and tokenizer files, then ``from_pretrained``;
+        ``token`` (else HF_TOKEN / the stored login) for gated repos."""
         from liger_models.hub import snapshot
 
-        path = snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+        path = snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                        token=token)
         return cls.from_pretrained(path, dtype=dtype, device=device)
 
     def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB", *,

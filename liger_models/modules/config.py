@@ -178,7 +178,7 @@ class LigerConfig:
     @classmethod
     def _normalise_hf(cls, d: dict) -> dict:
         """Map HF spellings onto fields: dtype, rope dicts (v4 and v5), family defaults for absent keys."""
-        if "dtype" in d and "torch_dtype" not in d:
+        if "dtype" in d:  # transformers v5's name; it wins over a stale torch_dtype saved beside it, as there
             d["torch_dtype"] = d["dtype"]
         d["_dtype_key"] = "dtype" if "dtype" in d else "torch_dtype"
         d.pop("dtype", None)

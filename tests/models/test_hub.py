@@ -5,6 +5,7 @@ import os
 
 import huggingface_hub
 import pytest
+import transformers
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -288,6 +289,10 @@ def test_dtype_auto_names_and_checkpoint_default(checkpoint):
     for bad in ("float33", torch.int8):
         with pytest.raises(ValueError, match="dtype"):
             AutoLigerForCausalLM.from_pretrained(path, dtype=bad)
+    # v5's "dtype" beside a stale v4 "torch_dtype" (configs edited across versions): "dtype" wins, as in transformers.
+    _set_config(path, dtype="float16", torch_dtype="float32")
+    assert dtypes(AutoLigerForCausalLM.from_pretrained(path)) == {torch.float16}
+    assert transformers.AutoConfig.from_pretrained(path).dtype == torch.float16
     # No dtype in config.json: the checkpoint's own dtype (HF v5 "auto"), never a silent fp32 upcast.
     _set_config(path, dtype=None, torch_dtype=None)
     assert dtypes(AutoLigerForCausalLM.from_pretrained(path)) == {torch.bfloat16}
@@ -450,3 +455,115 @@ def test_save_pretrained_takes_transformers_safe_serialization(checkpoint):
     with pytest.raises(ValueError, match="safetensors only"):
         model.save_pretrained(path / "bin", safe_serialization=False)
     assert not (path / "bin").exists()
+
+
+# ---- real-world failure modes: gated repos, git clones without LFS, cut-short files, quantized repos --------------
+def _hub_error(cls, message, status=None):
+    """A huggingface_hub HTTP error as snapshot_download raises it, built without any network response."""
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.response = None if status is None else type("Response", (), {"status_code": status})()
+    return err
+
+
+def test_from_hub_passes_the_token_and_names_auth_failures(checkpoint, monkeypatch):
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    _, path = checkpoint
+    calls, raised = [], []
+
+    def fake_download(repo_id, **kwargs):  # stands in for the Hub: records the call, then fails or returns the dir
+        calls.append(kwargs)
+        if raised:
+            raise raised.pop()
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    secret = f"hf_{os.urandom(8).hex()}"
+    AutoLigerForCausalLM.from_hub("meta-llama/Tiny", token=secret)
+    assert calls[-1]["token"] == secret  # a gated repo needs it; HF_TOKEN stays the default (None)
+    LigerLlamaForCausalLM.from_hub("meta-llama/Tiny", token=secret[::-1])  # the family classes take it too
+    assert calls[-1]["token"] == secret[::-1]
+    # Gated (a RepositoryNotFoundError subclass): it was reported as "not found", sending users to check the spelling.
+    raised.append(_hub_error(GatedRepoError, "Access to model meta-llama/Tiny is restricted.", 403))
+    with pytest.raises(PermissionError, match=r"gated.*huggingface.co/meta-llama/Tiny.*HF_TOKEN") as info:
+        hub.snapshot("meta-llama/Tiny")
+    assert "not found" not in str(info.value)
+    raised.append(_hub_error(HfHubHTTPError, "Invalid credentials in Authorization header", 401))
+    with pytest.raises(PermissionError, match="HTTP 401.*token"):
+        hub.snapshot("meta-llama/Tiny", token="hf_expired")
+    raised.append(_hub_error(RepositoryNotFoundError, "Repository Not Found", 404))
+    with pytest.raises(FileNotFoundError, match="not found.*private.*HF_TOKEN"):
+        hub.snapshot("org/private")
+    raised.append(_hub_error(HfHubHTTPError, "Internal Server Error", 500))  # other HTTP errors pass unchanged
+    with pytest.raises(HfHubHTTPError, match="Internal Server Error"):
+        hub.snapshot("org/tiny")
+
+
+def test_a_mistyped_local_path_is_not_called_only_a_bad_repo_id(tmp_path):
+    for typo in (tmp_path / "ckpt_typo", "./out/ckpt", "~/no-such-dir-here"):
+        with pytest.raises(ValueError, match="not an existing local directory"):
+            AutoLigerForCausalLM.from_hub(str(typo), cache_dir=tmp_path / "hub", local_files_only=True)
+
+
+def test_unreadable_weight_files_are_named(checkpoint):
+    model, path = checkpoint
+    model.save_pretrained(path, max_shard_size="20KB")
+    shards = sorted(path.glob("model-*.safetensors"))
+    victim = shards[torch.randint(len(shards), ()).item()]
+    data = victim.read_bytes()
+    # `git clone` without git-lfs leaves ~130-byte text pointers where the weights should be.
+    victim.write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{os.urandom(32).hex()}\n"
+                      f"size {len(data)}\n")
+    with pytest.raises(ValueError, match=f"{victim.name}.*Git LFS pointer.*git lfs pull"):
+        AutoLigerForCausalLM.from_pretrained(path)
+    # An interrupted copy: cut anywhere past the first byte.
+    victim.write_bytes(data[:torch.randint(1, len(data) - 1, ()).item()])
+    with pytest.raises(ValueError, match=f"{victim.name}.*not a readable safetensors file.*truncated"):
+        AutoLigerForCausalLM.from_pretrained(path)
+    victim.write_bytes(data)
+    AutoLigerForCausalLM.from_pretrained(path)  # restored: loads again
+    index = path / "model.safetensors.index.json"
+    for broken, message in (("{\"weight_map\": {", "not valid JSON"), ("[]", "not a JSON object")):
+        index.write_text(broken)  # these raised a bare JSONDecodeError / AttributeError that named no file
+        with pytest.raises(ValueError, match=f"model.safetensors.index.json.*{message}"):
+            AutoLigerForCausalLM.from_pretrained(path)
+
+
+def test_a_quantized_checkpoint_is_named_as_such(checkpoint):
+    model, path = checkpoint
+    rows = torch.randint(1, 500, ()).item()
+
+    def bnb_4bit(t):  # what bitsandbytes stores: packed uint8 rows and per-block scales beside each weight
+        t["model.layers.0.mlp.down_proj.weight"] = torch.randint(0, 255, (rows, 1), dtype=torch.uint8)
+        t["model.layers.0.mlp.down_proj.weight.absmax"] = torch.rand(rows)
+
+    _rewrite(path, bnb_4bit)
+    _set_config(path, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ValueError, match="quantized checkpoint.*bitsandbytes.*unquantized") as info:
+        AutoLigerForCausalLM.from_pretrained(path)
+    assert "down_proj.weight.absmax" in str(info.value)  # the details are kept
+    # A stale quantization_config over plain weights (left by some merges) does not block loading.
+    model.save_pretrained(path)
+    _set_config(path, quantization_config={"quant_method": "gptq", "bits": 4})
+    loaded = AutoLigerForCausalLM.from_pretrained(path)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_an_interrupted_download_in_the_cache_is_named(tmp_path, checkpoint):
+    # huggingface_hub caches the repo's file listing (trees/<commit>.json) and can tell a partial snapshot from a
+    # missing one; the partial one was reported as "not in the local Hub cache".
+    model, path = checkpoint
+    model.save_pretrained(path, max_shard_size="20KB")
+    cache = hub_cache(tmp_path / "hub", path)
+    repo_dir, snap = cache / "models--org--tiny", cache / "models--org--tiny" / "snapshots" / REVISION
+    files = {p.name: {"size": p.stat().st_size, "blob_id": os.urandom(20).hex()} for p in snap.iterdir()}
+    (repo_dir / "trees").mkdir()
+    (repo_dir / "trees" / f"{REVISION}.json").write_text(json.dumps({"format_version": 1, "files": files}))
+    AutoLigerForCausalLM.from_hub("org/tiny", cache_dir=cache, local_files_only=True)  # complete: loads
+    shards = sorted(snap.glob("model-*.safetensors"))
+    lost = shards[torch.randint(len(shards), ()).item()]
+    lost.unlink()  # the download stopped before this shard
+    with pytest.raises(FileNotFoundError, match=f"interrupted download.*{lost.name}") as info:
+        AutoLigerForCausalLM.from_hub("org/tiny", cache_dir=cache, local_files_only=True)
+    assert "not in the local Hub cache" not in str(info.value)
