@@ -10,6 +10,7 @@ axolotl fork's names (`medusa_heads_coefficient`, `medusa_decay_coefficient`, `m
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -25,7 +26,8 @@ class MedusaConfig:
     share_lm_head: the heads project with the base model's (frozen) `lm_head` instead of their own copies.
     hidden_size / vocab_size: the base model's; `MedusaConfig.for_base` fills them in.
     heads_coefficient (λ0), decay_coefficient, scheduler: head k's loss weight is λ0 · decay^k · sched(step).
-    base_loss_weight: w0 of the base CE term; None means 0 in stage 1 and 1 in stage 2.
+    base_loss_weight: w0 of the base CE term in stage 2; None means 1. Stage 1 always drops the term (w0 = 0): its
+    base is frozen and runs without autograd, so the term would only cost a V×H pass.
     """
 
     num_heads: int = 5
@@ -47,6 +49,14 @@ class MedusaConfig:
         if self.num_layers == 0 and self.share_lm_head:
             raise ValueError("share_lm_head with num_layers=0 leaves the heads nothing to train")
         check_scheduler(self.scheduler)
+        # A NaN or infinite weight (e.g. from a hand-edited config.json) would make every loss NaN with no error; a
+        # negative one would train a head to miss. The CLI refuses both; so does a config built any other way.
+        for name in ("heads_coefficient", "decay_coefficient", "base_loss_weight"):
+            value = getattr(self, name)
+            if value is None and name == "base_loss_weight":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                raise ValueError(f"MedusaConfig.{name} must be a finite number >= 0, got {value!r}")
 
     @classmethod
     def for_base(cls, base: Any, **overrides: Any) -> "MedusaConfig":

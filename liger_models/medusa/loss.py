@@ -11,6 +11,7 @@ per-head top-1 / top-5 counts. Weights and schedules follow the axolotl Medusa-2
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -78,15 +79,35 @@ def medusa_target_counts(labels: torch.Tensor, num_heads: int, position_ids: tor
                         for s in range(1, num_heads + 2)])
 
 
-def _term_normalizer(normalizer: Normalizer, i: int, targets: torch.Tensor, ignore_index: int):
+def _term_normalizers(normalizer: Normalizer, num_terms: int) -> list | None:
+    """One normalizer per term (index 0 the base head), or None (each term's mean over its own targets).
+
+    A single number serves every term, and so does a one-element tensor: an all-reduced count is often shaped (1,),
+    and indexing it per term would fail at head 1. A sequence must have exactly one entry per term: a (K,) list of
+    the heads' counts without the base's would otherwise silently give head k the count of head k + 1.
+    """
+    if normalizer is None:
+        return None
+    if isinstance(normalizer, numbers.Real):
+        return [normalizer] * num_terms
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() == 1:
+            return [normalizer.reshape(())] * num_terms
+        if normalizer.dim() != 1 or normalizer.shape[0] != num_terms:
+            raise ValueError(f"normalizer of shape {tuple(normalizer.shape)}: expected one count or {num_terms} "
+                             f"per-term counts (the base head's first, then each Medusa head's)")
+        return list(normalizer.unbind())
+    per_term = list(normalizer)
+    if len(per_term) != num_terms:
+        raise ValueError(f"{len(per_term)} normalizers: expected one count or {num_terms} per-term counts "
+                         f"(the base head's first, then each Medusa head's)")
+    return per_term
+
+
+def _term_normalizer(normalizers: list | None, i: int, targets: torch.Tensor, ignore_index: int):
     """Term i's normalizer, clamped to ≥ 1: a term without targets (short sequences, late heads, an empty global
     count) then gives 0 instead of 0/0."""
-    if normalizer is None:
-        n = (targets != ignore_index).sum()
-    elif isinstance(normalizer, (int, float)) or isinstance(normalizer, torch.Tensor) and normalizer.dim() == 0:
-        n = normalizer
-    else:
-        n = normalizer[i]
+    n = (targets != ignore_index).sum() if normalizers is None else normalizers[i]
     return n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
 
 
@@ -115,14 +136,16 @@ def medusa_loss(hidden: torch.Tensor, heads: MedusaHeads, labels: torch.Tensor, 
     """The combined Medusa loss on the base's final hidden states `hidden` (B, T, H); labels (B, T) HF-aligned.
 
     head_scales: λ_k·sched(step) per head. base_loss_weight: w0 (the base term is skipped when 0).
-    normalizer: None (mean over each term's local non-ignored targets), one number / 0-dim tensor for every term,
-    or a (K+1,) sequence / tensor of per-term counts (index 0 the base head), e.g. from `medusa_target_counts`.
+    normalizer: None (mean over each term's local non-ignored targets), one number / one-element tensor for every
+    term, or a (K+1,) sequence / tensor of per-term counts (index 0 the base head), e.g. from `medusa_target_counts`
+    (in stage 1 too, where entry 0 goes unused); any other length raises a ValueError.
     """
     K = heads.num_heads
     if len(head_scales) != K:
         raise ValueError(f"{len(head_scales)} head scales for {K} Medusa heads")
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match hidden states {tuple(hidden.shape[:-1])}")
+    normalizers = _term_normalizers(normalizer, K + 1)
     total = None
     base_loss = None
     if base_loss_weight != 0:
@@ -130,11 +153,11 @@ def medusa_loss(hidden: torch.Tensor, heads: MedusaHeads, labels: torch.Tensor, 
             raise ValueError("a base loss weight needs the base lm_head weight")
         targets = shift_labels(labels, 1, position_ids, ignore_index)
         total, base_loss, _ = _weighted_ce(hidden, base_lm_head_weight, targets, base_loss_weight,
-                                           _term_normalizer(normalizer, 0, targets, ignore_index), ignore_index)
+                                           _term_normalizer(normalizers, 0, targets, ignore_index), ignore_index)
     losses, top1, top5, count = [], [], [], []
     for k in range(K):
         targets = shift_labels(labels, k + 2, position_ids, ignore_index)  # head k+1 predicts t + k + 2
-        n = _term_normalizer(normalizer, k + 1, targets, ignore_index)
+        n = _term_normalizer(normalizers, k + 1, targets, ignore_index)
         weighted, ce, rank = heads.run(k, hidden, lambda z, w: _weighted_ce(z, w, targets, head_scales[k], n,
                                                                              ignore_index))
         total = weighted if total is None else total + weighted

@@ -62,7 +62,7 @@ class MedusaModel(nn.Module):
 
     @property
     def base_loss_weight(self) -> float:
-        """w0: the config's, else 0 in stage 1 and 1 in stage 2."""
+        """w0: 0 in stage 1 (whatever the config says: the base is frozen); in stage 2 the config's, else 1."""
         if self.config.base_loss_weight is not None:
             return float(self.config.base_loss_weight) if self.stage == 2 else 0.0
         return 1.0 if self.stage == 2 else 0.0

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from liger_models.medusa import MedusaConfig, MedusaHeads, MedusaModel, medusa_loss
 from tests.helpers import assert_matches, rel_l2
@@ -110,3 +111,18 @@ def test_autocast_over_float32_model_trains(monkeypatch, share, stage):
     assert trained
     for name, p in trained:
         assert p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), name
+
+
+def test_fp32_heads_inference_logits_on_bf16_base():
+    """Inference: own-projection fp32 heads turn the base's bf16 hidden states into fp32 logits that match a float64
+    materialised reference on those same hidden states to fp32 precision; the base logits stay the base's bf16."""
+    model = _fp32_heads_on_bf16_base(share=False)
+    ids, _, pos = packed_batch(2, 7, V, packed=True)
+    with torch.no_grad():
+        out = model(ids, position_ids=pos)
+        hidden64 = model.base.model(ids, position_ids=pos).double()
+    assert out.logits.dtype == torch.bfloat16 and out.head_logits.dtype == torch.float32
+    sd64 = {k: v.double() for k, v in model.heads.state_dict().items()}
+    for k in range(3):
+        z = hidden64 + F.silu(hidden64 @ sd64[f"{k}.0.linear.weight"].t() + sd64[f"{k}.0.linear.bias"])
+        assert_matches(out.head_logits[k], z @ sd64[f"{k}.1.weight"].t(), name=f"head {k} logits")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from liger_models.medusa import MedusaModel
+from tests.helpers import assert_matches
 from tests.medusa._common import make_base, packed_batch
 
 V, H = 37, 16
@@ -84,3 +85,23 @@ def test_stage2_trains_base_and_shared_head_is_not_pushed_by_heads():
     model(ids, labels=labels).loss.backward()
     assert model.base.lm_head.weight.grad is None
     assert model.base.model.layers[0].mlp.down_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_sgd_step_moves_heads_at_4x_lr_and_decays_matrices_only(stage):
+    """What the groups do in an optimizer step, not just how they are labelled: plain SGD (update = lr·(g + wd·p))
+    moves every head tensor, biases included, at 4·lr, the base (stage 2) at lr, and decays only ≥2-D tensors."""
+    lr, wd = 0.05, 0.3
+    model = MedusaModel.from_base(make_base(V, H), stage=stage, num_heads=2, num_layers=2)
+    ids, labels, pos = packed_batch(2, 10, V, packed=True)
+    model(ids, labels=labels, position_ids=pos).loss.backward()
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None}
+    torch.optim.SGD(model.param_groups(lr, weight_decay=wd), lr=lr).step()
+    assert {n.split(".")[0] for n in before} == ({"heads", "base"} if stage == 2 else {"heads"})
+    for n, p in model.named_parameters():
+        if n not in before:
+            continue
+        p0, g = before[n]
+        step_lr = 4 * lr if n.startswith("heads.") else lr
+        expected = p0.double() - step_lr * (g.double() + (wd * p0.double() if p.dim() >= 2 else 0))
+        assert_matches(p.detach(), expected, name=n)
