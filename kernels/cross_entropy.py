@@ -141,6 +141,8 @@ def cross_entropy(
     using the gradient.
     """
     check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
+    if logits.dim() == 0 or logits.shape[-1] == 0:  # else an IndexError or a reshape error far from the cause
+        raise ValueError(f"logits must be (..., V) with a vocabulary of V >= 1, got shape {tuple(logits.shape)}")
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
     if not logits.dtype.is_floating_point:

@@ -452,10 +452,12 @@ def fused_linear_cross_entropy(
     max_scratch_bytes caps the logits scratch (default MAX_SCRATCH_BYTES, none): a lower peak for more chunks.
     """
     check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
+    if hidden.dim() == 0:  # else an IndexError from hidden.shape[-1]
+        raise ValueError("hidden must be (..., H), got a 0-dim tensor")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not match")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be (V, {hidden.shape[-1]}), got {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:  # V = 0: a division by 0
+        raise ValueError(f"weight must be (V, {hidden.shape[-1]}) with V >= 1, got {tuple(weight.shape)}")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}

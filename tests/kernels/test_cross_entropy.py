@@ -350,6 +350,18 @@ def test_custom_ignore_index_and_bad_options():
         cross_entropy(logits, labels[:-1])
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_logits_without_a_vocabulary_raise(requires_grad):
+    """A 0-dim logits tensor and an empty vocabulary are caller errors: before, an IndexError and a reshape error from
+    deep inside the call (every label of a V = 0 vocabulary is ignored or bad, so there is no loss to give)."""
+    with pytest.raises(ValueError, match=r"logits must be \(\.\.\., V\) .*got shape \(\)"):
+        cross_entropy(torch.randn((), device=DEVICE, requires_grad=requires_grad),
+                      torch.zeros((), dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"V >= 1, got shape \(3, 0\)"):
+        cross_entropy(torch.randn(3, 0, device=DEVICE, requires_grad=requires_grad),
+                      torch.full((3,), IGNORE, device=DEVICE))
+
+
 def test_strided_logits():
     """A transposed view (copied) and a row-strided slice (used in place through its row stride)."""
     labels = _labels(6, 67)

@@ -299,6 +299,11 @@ def test_bad_arguments():
         fused_linear_cross_entropy(hidden, weight, labels, accum_dtype=torch.float16)
     with pytest.raises(ValueError, match="max_scratch_bytes"):
         fused_linear_cross_entropy(hidden, weight, labels, max_scratch_bytes=0)
+    # a 0-dim hidden and an empty vocabulary: before, an IndexError and a ZeroDivisionError from the chunk sizing
+    with pytest.raises(ValueError, match="hidden must be"):
+        fused_linear_cross_entropy(hidden[0, 0, 0], weight, labels[0, 0])
+    with pytest.raises(ValueError, match=r"weight must be \(V, 8\) with V >= 1, got \(0, 8\)"):
+        fused_linear_cross_entropy(hidden, weight[:0], torch.full_like(labels, IGNORE))
 
 
 @pytest.mark.parametrize("opts", [dict(normalizer=-4), dict(normalizer=torch.tensor([3.0, 4.0])),
