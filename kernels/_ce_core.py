@@ -114,7 +114,8 @@ def _stats_block(x, m, s, sum_x, rank, x_t, t_off, offs, mask, softcap,
                  MASKED: tl.constexpr, TARGET: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                  WITH_RANK: tl.constexpr):
     """Pass 1 over one block: fold fp32 logits x (lanes × columns) into per-lane running maxima m and sums
-    s = Σ_{j≠t} e^{x_j − m}, Σx and #{x_j > x_t}, all reduced along axis 1 only. A lane is one thread's 16 bytes,
+    s = Σ_{j≠t} e^{x_j − m}, Σx and the target's rank #{j: x_j > x_t, or x_j = x_t and j < t} (argmax's rule: the
+    first of tied logits wins), all reduced along axis 1 only. A lane is one thread's 16 bytes,
     so the loop needs no shuffle and no barrier (see LANE in _ce_kernel). Per-element work only where needed: the
     mask in the MASKED (last, partial) block, the target's exclusion (column t_off of offs) in a TARGET block."""
     if HAS_SOFTCAP:
@@ -128,8 +129,8 @@ def _stats_block(x, m, s, sum_x, rank, x_t, t_off, offs, mask, softcap,
     s = s * _exp(m - m_new) + tl.sum(e, 1)
     if HAS_SMOOTHING:
         sum_x += tl.sum(tl.where(mask, x, 0.0) if MASKED else x, 1)
-    if WITH_RANK:
-        rank += tl.sum((x > x_t).to(tl.int32), 1)
+    if WITH_RANK:  # above the target, or tied with it at a lower column (t_off: the target's column - the block's)
+        rank += tl.sum(((x > x_t) | ((x == x_t) & (offs < t_off))).to(tl.int32), 1)
     return m_new, s, sum_x, rank
 
 
@@ -177,7 +178,7 @@ def _row_stats(X, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap
                HAS_SMOOTHING: tl.constexpr, LANES: tl.constexpr, BLOCK_V: tl.constexpr, EVICT_PASS1: tl.constexpr,
                KEEP_FROM: tl.constexpr, EVICT_HEAD: tl.constexpr):
     """Pass 1 over the whole blocks [seg_start, seg_end) of the row (and its partial last block when `last`):
-    the merged (max, Σ_{j≠t} e^{x−max}, Σx, #{x_j > x_t}), the running max started at x_t."""
+    the merged (max, Σ_{j≠t} e^{x−max}, Σx, the target's rank), the running max started at x_t."""
     FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V  # columns in whole blocks: no mask there
     # Per-lane partials (LANES of them), merged once after the loops.
     m = tl.zeros([LANES], tl.float32) + x_t
@@ -192,13 +193,13 @@ def _row_stats(X, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap
         start = seg_start + b
         if (start != t_start) & (start < seg_end):
             x = tl.load(X + start + lanes, eviction_policy=EVICT_HEAD).to(tl.float32)
-            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, lanes, None, softcap,
+            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - start, lanes, None, softcap,
                                              False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
     for b in range(KEEP_FROM, SEGMENT, BLOCK_V):
         start = seg_start + b
         if (start != t_start) & (start < seg_end):
             x = tl.load(X + start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
-            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, 0, lanes, None, softcap,
+            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - start, lanes, None, softcap,
                                              False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
     if (t_start >= seg_start) & (t_start < seg_end):
         x = tl.load(X + t_start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)

@@ -91,14 +91,18 @@ MAX_SCRATCH_BYTES: int | None = None
 
 def target_rank_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                           softcap: float | None = None) -> torch.Tensor:
-    """int32 ranks of labels' shape: entries with a logit strictly above the target's; -1 where ignored."""
+    """int32 ranks of labels' shape: entries with a logit above the target's, or equal to it at a lower index
+    (argmax's rule: of tied logits the first wins, so all-equal logits rank only column 0 first); -1 where
+    ignored."""
     x = logits.reshape(-1, logits.shape[-1]).float()
     if softcap is not None:
         x = softcap * torch.tanh(x / softcap)
     flat = labels.reshape(-1)
     valid = flat != ignore_index
     target = x.gather(-1, torch.where(valid, flat, 0)[:, None])
-    rank = (x > target).sum(-1).to(torch.int32)
+    index = torch.where(valid, flat, 0)[:, None]
+    before = torch.arange(x.shape[-1], device=x.device) < index
+    rank = ((x > target) | ((x == target) & before)).sum(-1).to(torch.int32)
     return torch.where(valid, rank, torch.full_like(rank, -1)).reshape(labels.shape)
 
 
@@ -445,9 +449,9 @@ def fused_linear_cross_entropy(
     """Cross-entropy of hidden (..., H) · weight (V, H)ᵀ (+ bias (V,)) against labels (...), never holding N×V.
 
     Returns the loss (0-dim fp32; fp32 of labels' shape for reduction="none") times loss_scale, and with
-    return_target_rank=True also int32 ranks of labels' shape (logits strictly above the target's: 0 = top-1
-    correct; -1 at ignored positions). A weight with requires_grad=False gets no dW work; dW is accumulated in
-    accum_dtype (float32, or the weight's dtype) and returned in the weight's dtype. A label outside [0, V) that
+    return_target_rank=True also int32 ranks of labels' shape (logits above the target's, ties at a lower index
+    included as argmax breaks them: 0 = top-1 correct; -1 at ignored positions). A weight with requires_grad=False
+    gets no dW work; dW is accumulated in accum_dtype (float32, or the weight's dtype) and returned in the weight's dtype. A label outside [0, V) that
     is not ignore_index raises ValueError (the call waits for the check with its kernels queued, _labels.LabelCheck).
     max_scratch_bytes caps the logits scratch (default MAX_SCRATCH_BYTES, none): a lower peak for more chunks.
     """

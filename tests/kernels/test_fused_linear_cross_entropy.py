@@ -16,6 +16,7 @@ from liger_models.kernels.fused_linear_cross_entropy import (
     consume_weight_grad,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
+    target_rank_reference,
 )
 from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_, rel_l2
 
@@ -249,6 +250,32 @@ def test_target_rank(chunked_once, monkeypatch, dtype, reduction, split_cols):
     weight2[labels[0, 1]] = hidden[0, 1] * 10
     _, rank2 = fused_linear_cross_entropy(hidden, weight2, labels, return_target_rank=True)
     assert rank2[0, 1] == 0
+
+
+@pytest.mark.parametrize("split_cols", [None, 200])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_target_rank_breaks_ties_like_argmax(chunked_once, monkeypatch, reduction, split_cols):
+    """Tied logits rank as argmax breaks them, the first wins: a row of equal logits (a dead head at a zero hidden
+    state) ranks its target at its own index, not first (strictly-above counting made such a head 100% top-1). Ties
+    across 128-column blocks and, with split_cols, across the programs that share a row."""
+    monkeypatch.setattr(_ce_core, "CE_BLOCK_V", 128)
+    monkeypatch.setattr(_ce_core, "CE_SPLIT_COLS", split_cols)
+    monkeypatch.setattr(_ce_core, "CE_SPLIT_MIN_COLS", 0)
+    vocab = 517
+    hidden, weight, _, labels = _inputs(vocab, torch.float32)
+    hidden[1] = 0.0  # batch row 1: every logit exactly 0
+    twins = torch.randperm(vocab, device=DEVICE)[:2 * T].view(2, T)  # T columns, each tied with another one
+    weight[twins[1]] = weight[twins[0]]
+    labels[0] = twins.max(0).values  # batch row 0 targets the later twin of each pair
+    labels[0, 3] = IGNORE
+    hidden.requires_grad_()
+    _, rank = fused_linear_cross_entropy(hidden, weight, labels, return_target_rank=True, reduction=reduction)
+    logits = (hidden.detach() @ weight.t()).float()
+    want = target_rank_reference(logits, labels, IGNORE)
+    assert torch.equal(rank, want)
+    valid = labels[1] != IGNORE
+    assert torch.equal(rank[1][valid], labels[1][valid].to(torch.int32))  # all tied: the target's own index
+    assert (rank[0][labels[0] != IGNORE] > 0).all()  # a later twin never ranks first
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
