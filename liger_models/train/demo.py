@@ -8,7 +8,7 @@
    token k+1 ahead; chance is 1/vocab), a sampled continuation, and Medusa tree decoding's tokens per base-model
    forward (greedy, so its output equals plain greedy decoding).
 
-CPU: about 1 minute on 2 idle cores (the PyTorch reference path, fp32). GPU: the Triton kernels in bf16, with more steps.
+CPU: about 1 minute on 2 idle cores (the PyTorch reference path, fp32). GPU: the Triton kernels in bf16, more steps.
 `--quick` shrinks everything to seconds (used by the tests). `--model DIR` skips steps 1–2.
 """
 
