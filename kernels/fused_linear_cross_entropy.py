@@ -453,7 +453,8 @@ def fused_linear_cross_entropy(
     included as argmax breaks them: 0 = top-1 correct; -1 at ignored positions). A weight with requires_grad=False
     gets no dW work; dW is accumulated in accum_dtype (float32, or the weight's dtype) and returned in the weight's
     dtype. A label outside [0, V) that is not ignore_index raises ValueError (the call waits for the check with its
-    kernels queued, _labels.LabelCheck). max_scratch_bytes caps the logits scratch (default MAX_SCRATCH_BYTES, none): a lower peak for more chunks.
+    kernels queued, _labels.LabelCheck). max_scratch_bytes caps the logits scratch (default MAX_SCRATCH_BYTES,
+    none): a lower peak for more chunks.
     """
     check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
     if hidden.dim() == 0:  # else an IndexError from hidden.shape[-1]
