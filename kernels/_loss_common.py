@@ -20,7 +20,8 @@ _REDUCTIONS = ("mean", "sum", "none")
 def check_options(reduction: str, label_smoothing: float, softcap: float | None, z_loss: float = 0.0,
                   normalizer: float | torch.Tensor | None = None) -> None:
     """Raise ValueError for an unknown reduction, an out-of-range smoothing / softcap / z-loss, or a normaliser that
-    is not one number ≥ 0 (a tensor's value is not read: that would stall the GPU; only its size is checked)."""
+    is not one number ≥ 0 (a tensor's value is not read: that would stall the GPU; only its size is checked) or comes
+    with a reduction other than "mean"."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -34,6 +35,9 @@ def check_options(reduction: str, label_smoothing: float, softcap: float | None,
             raise ValueError(f"normalizer must be one number, got a tensor of shape {tuple(normalizer.shape)}")
     elif normalizer is not None and not 0 <= normalizer < math.inf:  # 0 is all-ignored: counts as 1, loss 0
         raise ValueError(f"normalizer must be a finite count >= 0 or None, got {normalizer}")
+    if normalizer is not None and reduction != "mean":  # it divides the mean's sum; anywhere else it went unused
+        raise ValueError(f"normalizer divides reduction='mean''s sum; with reduction={reduction!r} it would be "
+                         "ignored (pass reduction='mean', or divide the result yourself)")
 
 
 @triton.jit

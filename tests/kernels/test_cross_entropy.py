@@ -176,6 +176,9 @@ def test_bad_option_values_raise(opts):
     logits, labels = torch.randn(4, 67, device=DEVICE), _labels(4, 67)
     with pytest.raises(ValueError, match=next(iter(opts))):
         cross_entropy(logits, labels, **opts)
+    for reduction in ("sum", "none"):  # a normaliser there was silently unused
+        with pytest.raises(ValueError, match="normalizer divides"):
+            cross_entropy(logits, labels, reduction=reduction, normalizer=torch.tensor(13.0, device=DEVICE))
     if "normalizer" not in opts:
         with pytest.raises(ValueError, match=next(iter(opts))):
             CrossEntropyLoss(**opts)
