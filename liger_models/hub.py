@@ -232,7 +232,11 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def resolve_dtype(dtype: torch.dtype | str | None, config, headers: dict[str, _Header]) -> torch.dtype:
     """The parameter dtype of a load: the one asked for, else config.json's, else the checkpoint's (HF v5 "auto")."""
-    return parse_dtype(dtype) or config.dtype or _checkpoint_dtype(headers) or torch.float32
+    chosen = parse_dtype(dtype) or config.dtype or _checkpoint_dtype(headers) or torch.float32
+    if not chosen.is_floating_point:  # config.json's "int8" (a quantized export) would fail deep in Module.to
+        raise ValueError(f"config.json's dtype {chosen} is not a floating-point type: pass dtype= (e.g. "
+                         "torch.bfloat16) to load the weights in one")
+    return chosen
 
 
 def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = None,

@@ -293,6 +293,10 @@ def test_dtype_auto_names_and_checkpoint_default(checkpoint):
     _set_config(path, dtype="float16", torch_dtype="float32")
     assert dtypes(AutoLigerForCausalLM.from_pretrained(path)) == {torch.float16}
     assert transformers.AutoConfig.from_pretrained(path).dtype == torch.float16
+    _set_config(path, dtype="int8")  # a non-float config dtype: named, and dtype= still loads (a TypeError before)
+    with pytest.raises(ValueError, match="not a floating-point type"):
+        AutoLigerForCausalLM.from_pretrained(path)
+    assert dtypes(AutoLigerForCausalLM.from_pretrained(path, dtype=torch.bfloat16)) == {torch.bfloat16}
     # No dtype in config.json: the checkpoint's own dtype (HF v5 "auto"), never a silent fp32 upcast.
     _set_config(path, dtype=None, torch_dtype=None)
     assert dtypes(AutoLigerForCausalLM.from_pretrained(path)) == {torch.bfloat16}
