@@ -32,8 +32,11 @@ def test_autocast_loss_and_float32_residual_stream_like_hf(tmp_path, config_cls,
         loss = ours(ids, labels=ids).loss
         hf_loss = hf(ids, labels=ids, use_cache=False).loss
     assert hidden.dtype == hf_hidden.dtype == torch.float32
-    err, hf_err = ((h.detach().double().cpu() - exact_hidden).abs().max().item() for h in (hidden, hf_hidden))
-    assert err <= 2 * hf_err, f"hidden states differ from float64 HF by {err:.3e} (HF under autocast: {hf_err:.3e})"
+    # The relative L2 error, not the largest element's: that one hangs on single rounding flips (our / HF's ratio
+    # reached 2.04 in one GPU run where the L2 ratio stays ≤ 1.09 over 30 seeds on the H200 and the CPU).
+    err, hf_err = ((h.detach().double().cpu() - exact_hidden).norm().item() / exact_hidden.norm().item()
+                   for h in (hidden, hf_hidden))
+    assert err <= 1.25 * hf_err, f"hidden states differ from float64 HF by {err:.3e} (HF under autocast: {hf_err:.3e})"
     loss_err, hf_loss_err = abs(loss.item() - exact_loss), abs(hf_loss.item() - exact_loss)
     assert loss_err <= max(2 * hf_loss_err, 1e-4 * exact_loss), (loss.item(), hf_loss.item(), exact_loss)
     loss.backward()
