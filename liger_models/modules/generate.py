@@ -20,6 +20,8 @@ generator=None draws from torch's global generator, as HF does: the same seed gi
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .cache import KVCache
@@ -114,9 +116,9 @@ def new_token_budget(model, max_new_tokens: int | None, prompt_length: int) -> i
     for source, budget in (("max_new_tokens", max_new_tokens),
                            ("generation_config.json's max_new_tokens", generation_config.get("max_new_tokens"))):
         if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:  # numpy ints pass
                 raise ValueError(f"{source} must be an integer ≥ 1, got {budget!r}")
-            return budget
+            return int(budget)
     max_length = generation_config.get("max_length")
     if max_length is None:
         return DEFAULT_MAX_NEW_TOKENS

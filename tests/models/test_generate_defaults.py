@@ -1,6 +1,7 @@
 """generate's sampling defaults and filters as HF's generate applies them: generation_config.json's do_sample /
 temperature / top_k / top_p / max_new_tokens / max_length, HF's global top_k = 50, and TopPLogitsWarper's boundary."""
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -93,6 +94,7 @@ def test_generation_config_max_new_tokens_and_too_short_max_length(tmp_path):
     assert ours.generate(prompt, eos_token_id=[]).shape[1] == 5 + 3  # max_new_tokens wins over max_length
     heads = MedusaModel.from_base(ours, num_heads=2).heads  # Medusa decoding takes the same budget
     assert medusa_generate(ours, heads, prompt, eos_token_id=[]).shape[1] == 5 + 3
+    assert ours.generate(prompt, np.int64(2), eos_token_id=[]).shape[1] == 5 + 2  # a numpy count is a count
     for bad in (0, -2):  # HF refuses a budget below 1; returning the prompt unchanged would hide the mistake
         with pytest.raises(ValueError, match="max_new_tokens"):
             hf.generate(prompt, max_new_tokens=bad)
