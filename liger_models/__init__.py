@@ -1,10 +1,11 @@
 """liger-models: natively fused Llama-family modeling files.
 
 ``AutoLigerForCausalLM.from_pretrained(path)`` loads any supported HF checkpoint by its config.json ``model_type``;
-``Liger<Family>ForCausalLM`` and ``<Family>Config`` are the per-family classes.
+``Liger<Family>ForCausalLM`` and ``<Family>Config`` are the per-family classes; ``MODEL_CLASSES`` / ``model_class``
+are the registry by ``model_type``.
 """
 
-from .auto import AutoLigerForCausalLM
+from .auto import MODEL_CLASSES, AutoLigerForCausalLM, model_class
 from .gemma import GemmaConfig, LigerGemmaForCausalLM
 from .hub import load_tokenizer
 from .llama import LigerLlamaForCausalLM, LlamaConfig
@@ -23,8 +24,10 @@ __all__ = [
     "LigerPhi3ForCausalLM",
     "LigerQwen2ForCausalLM",
     "LlamaConfig",
+    "MODEL_CLASSES",
     "MistralConfig",
     "Phi3Config",
     "Qwen2Config",
     "load_tokenizer",
+    "model_class",
 ]

@@ -571,3 +571,15 @@ def test_an_interrupted_download_in_the_cache_is_named(tmp_path, checkpoint):
     with pytest.raises(FileNotFoundError, match=f"interrupted download.*{lost.name}") as info:
         AutoLigerForCausalLM.from_hub("org/tiny", cache_dir=cache, local_files_only=True)
     assert "not in the local Hub cache" not in str(info.value)
+
+
+def test_registry_by_model_type_is_public():
+    """ARCHITECTURE.md's public API includes the registry by model_type: every family there, each class its own."""
+    import liger_models
+
+    assert set(liger_models.MODEL_CLASSES) == {"llama", "mistral", "qwen2", "gemma", "phi3"}
+    for model_type, cls in liger_models.MODEL_CLASSES.items():
+        assert liger_models.model_class(model_type) is cls and cls.config_class.model_type == model_type
+        assert getattr(liger_models, cls.__name__) is cls
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        liger_models.model_class("gpt2")
