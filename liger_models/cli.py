@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     native.add_argument("out", metavar="OUT", help="HF checkpoint directory to create")
     native.add_argument("--family", default=None, choices=("llama", "mistral"),
                         help="default: from params.json's keys")
-    native.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default: the checkpoint's dtype")
+    native.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"),
+                        help="default: the checkpoint's dtype")
     native.add_argument("--rope-factor", type=_positive_float, default=None, metavar="FACTOR",
                         help="llama3 rope factor for use_scaled_rope checkpoints whose params.json does not name it "
                              "(default 8 as Llama 3.1; Llama 3.2 1B/3B need 32)")

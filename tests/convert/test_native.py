@@ -369,6 +369,9 @@ def test_cli_convert_native(tmp_path, capsys):
     assert main(["convert-native", str(src), str(tmp_path / "hf"), "--family", "mistral", "--dtype", "fp32"]) == 0
     assert "wrote" in capsys.readouterr().out
     check_logits(tmp_path / "hf", MISTRAL, w, with_hf=False)
+    assert main(["convert-native", str(src), str(tmp_path / "hf16"), "--dtype", "fp16"]) == 0  # as the API takes
+    config = config_of(tmp_path / "hf16")
+    assert config.get("dtype", config.get("torch_dtype")) == "float16"
     assert main(["convert-native", str(tmp_path / "nowhere"), str(tmp_path / "hf2")]) == 2
     assert "does not exist" in capsys.readouterr().err and not (tmp_path / "hf2").exists()
 
