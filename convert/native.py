@@ -36,7 +36,6 @@ in host memory once (shards are memory-mapped).
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
@@ -49,7 +48,7 @@ import torch
 
 from liger_models.convert import sentencepiece_tokenizer as spt
 from liger_models.convert.tiktoken_tokenizer import BOS, EOS, convert_tiktoken, is_tiktoken_file, save_hf_tokenizer
-from liger_models.hub import parse_size, save_state_dict
+from liger_models.hub import parse_size, read_json_object, save_state_dict
 from liger_models.llama.config import LlamaConfig
 from liger_models.mistral.config import MistralConfig
 from liger_models.modules.config import LigerConfig
@@ -96,14 +95,7 @@ def read_params(src: Path) -> dict:
     path = src / "params.json"
     if not path.is_file():
         raise FileNotFoundError(f"no params.json in {str(src)!r} (not a Meta / Mistral native checkpoint)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            params = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # json's own message names no file
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(params, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(params).__name__}")
-    return params
+    return read_json_object(path)  # json's own errors name no file
 
 
 def weight_files(src: Path) -> list[Path]:

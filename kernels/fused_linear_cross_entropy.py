@@ -99,8 +99,8 @@ def target_rank_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_ind
         x = softcap * torch.tanh(x / softcap)
     flat = labels.reshape(-1)
     valid = flat != ignore_index
-    target = x.gather(-1, torch.where(valid, flat, 0)[:, None])
     index = torch.where(valid, flat, 0)[:, None]
+    target = x.gather(-1, index)
     before = torch.arange(x.shape[-1], device=x.device) < index
     rank = ((x > target) | ((x == target) & before)).sum(-1).to(torch.int32)
     return torch.where(valid, rank, torch.full_like(rank, -1)).reshape(labels.shape)

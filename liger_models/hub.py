@@ -60,11 +60,11 @@ def resolve_dir(path: str | Path) -> Path:
 GENERATION_CONFIG = "generation_config.json"
 
 
-def _read_json_object(file: Path) -> dict:
+def read_json_object(file: Path) -> dict:
     """A JSON file that must hold an object, with errors naming the file."""
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"{str(file)!r} is not a JSON object (got {type(raw).__name__})")
@@ -75,12 +75,12 @@ def read_generation_config(path: Path) -> dict:
     """generation_config.json of a checkpoint directory as a dict ({} when absent): HF's generate takes its stop
     and pad ids from it (an instruct model's config.json often names only the end-of-text id, not end-of-turn)."""
     file = path / GENERATION_CONFIG
-    return _read_json_object(file) if file.is_file() else {}
+    return read_json_object(file) if file.is_file() else {}
 
 
 def read_config(path: str | Path) -> dict:
     """config.json of a checkpoint directory as a dict (a clear error when it is not a JSON object)."""
-    return _read_json_object(resolve_dir(path) / "config.json")
+    return read_json_object(resolve_dir(path) / "config.json")
 
 
 def config_model_type(raw: dict, path: str | Path) -> str:
@@ -101,7 +101,7 @@ def checkpoint_files(path: Path) -> list[Path]:
     if (path / SAFE_WEIGHTS).is_file():
         return [path / SAFE_WEIGHTS]
     if (path / SAFE_INDEX).is_file():
-        weight_map = _read_json_object(path / SAFE_INDEX).get("weight_map")  # a bad file is named, not a traceback
+        weight_map = read_json_object(path / SAFE_INDEX).get("weight_map")  # a bad file is named, not a traceback
         if not isinstance(weight_map, dict):
             raise ValueError(f"{SAFE_INDEX} in {str(path)!r} has no weight_map (tensor name -> shard file)")
         shards = sorted(set(weight_map.values()))
@@ -294,7 +294,7 @@ def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path
     """
     if Path(repo_id).expanduser().is_dir():
         return resolve_dir(repo_id)
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, errors, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, \
         RepositoryNotFoundError, RevisionNotFoundError
 
@@ -316,8 +316,6 @@ def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path
         raise PermissionError(f"the Hub refused the credentials for {repo_id!r} (HTTP 401: an invalid or expired "
                               f"token?); {login} with a valid token") from e
     except LocalEntryNotFoundError as e:
-        from huggingface_hub import constants, errors
-
         # huggingface_hub ≥ 1.x knows, from its cached file listing, that an interrupted download left files out: its
         # message names them. "Not in the cache" would be wrong (the snapshot is there, partly).
         incomplete = getattr(errors, "IncompleteSnapshotError", None)

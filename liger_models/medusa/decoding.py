@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.modules.generate import default_token_id, new_token_budget, prompt_mask
+from liger_models.modules.generate import default_token_id, eos_token_ids, new_token_budget, prompt_mask
 
 TOPK = 10
 
@@ -230,10 +230,8 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root, masked by `valid`
     valid = buffers.retrieve_indices >= 0
     depth = buffers.retrieve_indices.shape[1] - 1
-    if eos_token_id is None and hasattr(base, "config"):  # the checkpoint's default, as generate takes it
-        eos_token_id = default_token_id(base, "eos_token_id")
-    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    if pad_token_id is None and hasattr(base, "config"):
+    eos = set(eos_token_ids(base, eos_token_id))  # the checkpoint's default, as generate takes it
+    if pad_token_id is None:
         pad_token_id = default_token_id(base, "pad_token_id")
     check_unpadded(input_ids, attention_mask, pad_token_id, eos)
     rotary = getattr(base.model, "rotary", None)

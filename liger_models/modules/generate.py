@@ -83,7 +83,13 @@ def default_token_id(model, key: str):
     generation_config = checkpoint_generation_config(model)
     if generation_config:
         return generation_config.get(key)
-    return getattr(model.config, key, None)
+    return getattr(getattr(model, "config", None), key, None)
+
+
+def eos_token_ids(model, eos_token_id: int | list[int] | None) -> list[int]:
+    """The stop ids: the argument (one id or several), else the checkpoint's default (`default_token_id`)."""
+    eos = default_token_id(model, "eos_token_id") if eos_token_id is None else eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None,
@@ -142,9 +148,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     max_new_tokens = new_token_budget(model, max_new_tokens, input_ids.shape[1])
     do_sample, temperature, top_k, top_p = (generation_setting(model, key, value) for key, value in (
         ("do_sample", do_sample), ("temperature", temperature), ("top_k", top_k), ("top_p", top_p)))
-    eos = default_token_id(model, "eos_token_id") if eos_token_id is None else eos_token_id
-    eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long,
-                       device=input_ids.device)
+    eos = torch.tensor(eos_token_ids(model, eos_token_id), dtype=torch.long, device=input_ids.device)
     explicit_pad = pad_token_id if pad_token_id is not None else default_token_id(model, "pad_token_id")
     mask = prompt_mask(input_ids, attention_mask, explicit_pad, eos)  # (B, T) or None
     positions = None if mask is None else (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule
