@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.utils.checkpoint import checkpoint
@@ -179,11 +178,6 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         if isinstance(group.get("lr"), torch.Tensor):
             group["lr"] = float(group["lr"])
     return state
-
-
-def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Load a full state dict into a (possibly sharded) model; every rank passes the same full ``state``."""
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

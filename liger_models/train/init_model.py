@@ -49,7 +49,8 @@ def init_model_dir(out: str | Path, preset: str = "demo", *, tokenizer_text: str
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out}: a file, not a directory; pick another --output-dir")
-    if any((out / name).exists() for name in ("config.json", "tokenizer.json")) or any(out.glob("*.safetensors")):
+    written = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    if any((out / name).exists() for name in written) or any(out.glob("*.safetensors*")):
         # Random weights or a fresh tokenizer over a model directory would silently replace what may be trained.
         raise FileExistsError(f"{out} already holds a model or tokenizer; pick another --output-dir (or delete it "
                               "first)")

@@ -60,6 +60,11 @@ def test_init_model_refuses_a_tokenizer_dir_and_a_file(tmp_path, capsys):
     assert main(["init-model", "--output-dir", str(tmp_path / "tok"), "--tokenizer-vocab", "300"]) == 2
     assert "already holds a model or tokenizer" in capsys.readouterr().err
     assert (tmp_path / "tok" / "tokenizer.json").read_text() == "{}"
+    (tmp_path / "tok_config").mkdir()  # a tokenizer_config.json alone (its chat template, say) is kept too
+    (tmp_path / "tok_config" / "tokenizer_config.json").write_text("{}")
+    assert main(["init-model", "--output-dir", str(tmp_path / "tok_config"), "--tokenizer-vocab", "300"]) == 2
+    assert "already holds a model or tokenizer" in capsys.readouterr().err
+    assert (tmp_path / "tok_config" / "tokenizer_config.json").read_text() == "{}"
     (tmp_path / "file").write_text("x")
     assert main(["init-model", "--output-dir", str(tmp_path / "file"), "--tokenizer-vocab", "300"]) == 2
     err = capsys.readouterr().err
