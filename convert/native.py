@@ -450,10 +450,9 @@ def sentencepiece_tokenizer_writer(model_files: list[Path], config: LigerConfig)
     config's bos / eos at its ids, and return what writes it, with every SentencePiece file under original/."""
     newest = max(model_files, key=_model_version)
     tokenizer, model = spt.convert_sentencepiece(newest, vocab_size=config.vocab_size)
-    if model.piece(model.bos_id) is not None:
-        config.bos_token_id = model.bos_id
-    if model.piece(model.eos_id) is not None:
-        config.eos_token_id = model.eos_id
+    # A model without a BOS / EOS piece has none: the Llama 2 defaults (1 / 2) would name ordinary pieces.
+    config.bos_token_id = model.bos_id if model.piece(model.bos_id) is not None else None
+    config.eos_token_id = model.eos_id if model.piece(model.eos_id) is not None else None
 
     def write(directory: Path) -> None:
         spt.save_hf_tokenizer(tokenizer, model, directory, model_max_length=config.max_position_embeddings)

@@ -285,3 +285,18 @@ def test_native_refuses_unigram_and_a_too_small_embedding(tmp_path, model_file, 
     with pytest.raises(ValueError, match="Unigram"):
         native_to_hf(src, tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["native"]
+
+
+def test_native_without_bos_or_eos_leaves_them_unset(tmp_path):
+    """A SentencePiece model without BOS / EOS pieces (bos_id / eos_id -1) gives a config.json without those ids:
+    the Llama 2 defaults (1, 2) would name pieces that are not BOS / EOS (here 1 is an ordinary piece)."""
+    model_file = train(tmp_path / "nobos.model", model_type="bpe", bos_id=-1, eos_id=-1)
+    reference = spm.SentencePieceProcessor(model_file=str(model_file))
+    params, w = _with_vocab(LLAMA2, 2000)
+    src = write_meta(tmp_path / "native", params, w, shards=1, vocab_parallel=False)
+    (src / "tokenizer.model").write_bytes(model_file.read_bytes())
+    out = native_to_hf(src, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    tokenizer = load_tokenizer(out)
+    assert [tokenizer.encode(t).ids for t in SAMPLES] == [reference.encode(t) for t in SAMPLES]
