@@ -113,7 +113,17 @@ def load_vllm(directory: str, base_lm_head: torch.nn.Linear | None = None, *, dt
     num_heads = int(raw.get("num_heads", raw.get("medusa_num_heads", 1)))  # vLLM maps medusa_num_* onto these
     num_layers = int(raw.get("num_hidden_layers", raw.get("medusa_num_layers", 1)))
     original = bool(raw.get("original_lm_head", False))
-    sd, shared = vllm_to_medusa_state_dict(load_file(os.path.join(directory, VLLM_WEIGHTS_NAME)), num_layers, original)
+    tensors = load_file(os.path.join(directory, VLLM_WEIGHTS_NAME))
+    truncated = raw.get("truncated_vocab_size")
+    if truncated is not None and "vocab_size" in raw and int(truncated) < int(raw["vocab_size"]):
+        # vLLM's heads then score only a subset of the vocabulary and map it back through token_map, leaving every
+        # other token at -inf; MedusaHeads score the whole vocabulary, which would be a different draft model.
+        raise ValueError(f"{directory}: heads over a truncated vocabulary (truncated_vocab_size {truncated} < "
+                         f"vocab_size {raw['vocab_size']}, token_map) are not supported; export full-vocabulary heads")
+    # vLLM reads token_map only for a truncated vocabulary and ignores it otherwise; so does this loader.
+    tensors.pop("token_map", None)
+    tensors.pop("medusa_heads.token_map", None)
+    sd, shared = vllm_to_medusa_state_dict(tensors, num_layers, original)
     biases = [k for k in sd if k.endswith(".linear.bias")]
     if biases and not raw.get("medusa_fc_bias", False):
         # vLLM builds bias-free Linears without the flag and skips keys that match no parameter: what it serves

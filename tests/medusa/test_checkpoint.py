@@ -354,3 +354,17 @@ def test_heads_only_save_refuses_to_overwrite_a_models_config(tmp_path):
     heads_only.save_pretrained(str(tmp_path / "heads"))  # a directory of its own, or one with heads, is fine
     heads_only.save_pretrained(str(tmp_path / "heads"))
     MedusaModel.from_pretrained(str(tmp_path))  # the stage-2 checkpoint still loads
+
+
+def test_vllm_token_map_ignored_unless_the_vocabulary_is_truncated(tmp_path):
+    """vLLM reads `token_map` only when truncated_vocab_size < vocab_size: a full-vocabulary export carrying one
+    loads as vLLM serves it; truncated heads (a subset of the vocabulary mapped back) are refused by name."""
+    model = _model(False, 1)
+    save_vllm(model.heads, str(tmp_path))
+    sd = load_file(tmp_path / "model.safetensors")
+    save_file({**sd, "token_map": torch.arange(V)}, tmp_path / "model.safetensors")
+    _assert_same_heads(load_vllm(str(tmp_path)), model.heads)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "truncated_vocab_size": V - 5}))
+    with pytest.raises(ValueError, match="truncated vocabulary"):
+        load_vllm(str(tmp_path))
