@@ -31,6 +31,10 @@ so the prefix cannot be placed as SentencePiece does). Without the dummy prefix,
 Only BPE models with byte fallback, no normalization table and Llama's whitespace settings (spaces kept as they
 are, escaped as "▁" before the word) are converted; anything else is refused rather than converted into a tokenizer
 that encodes differently. No chat template is written (Llama 2's and Mistral's differ and live outside the file).
+Decoding gives SentencePiece's text for any ids that encode text; ids that no text encodes differ as in HF's files:
+a run of byte pieces that is not valid UTF-8 becomes one U+FFFD per byte (tokenizers' ByteFallback decoder, which
+no JSON decoder can change; SentencePiece replaces only the invalid bytes), and the unknown piece is skipped
+(SentencePiece writes " ⁇ ").
 """
 
 from __future__ import annotations
