@@ -158,6 +158,16 @@ def refuse_cuda_graph_conflicts(cpu: bool, distributed: bool, in_backward: bool,
                                      "graph replays the weights it captured: use --schedule constant)"))
 
 
+def _log_record(line: str) -> dict | None:
+    """A metrics / eval log line as a dict, or None for a blank or torn one: a job killed (or out of disk) while
+    appending leaves a partial last line, which must not make the run impossible to resume."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
 def _to_float(norm: torch.Tensor) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
@@ -400,5 +410,5 @@ class Trainer:
             if self.info.is_main and path.is_file():
                 # Drop what was logged after the checkpoint: it is about to be recomputed.
                 lines = path.read_text(encoding="utf-8").splitlines()
-                kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= self.step]
+                kept = [ln for ln in lines if (record := _log_record(ln)) is not None and record["step"] <= self.step]
                 ckpt.write_text_atomic(path, "".join(ln + "\n" for ln in kept))
