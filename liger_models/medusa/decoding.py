@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.modules.generate import default_token_id, eos_token_ids, new_token_budget, prompt_mask
+from liger_models.modules.generate import (check_input_ids, default_token_id, eos_token_ids, new_token_budget,
+                                           prompt_mask, token_id_list)
 
 TOPK = 10
 
@@ -219,8 +220,15 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T) with T ≥ 1 (e.g. the BOS "
                          f"id), got {tuple(input_ids.shape)}")
-    if temperature < 0:
+    if not temperature >= 0:  # not `< 0`: NaN would pass and fail later as NaN probabilities in multinomial
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    vocab_size = base.config.vocab_size
+    if (heads.config.hidden_size, heads.config.vocab_size) != (base.config.hidden_size, vocab_size):
+        # MedusaModel refuses such a pair; called directly, heads for a smaller vocabulary ran silently (they never
+        # propose the base's last ids) and a wider base failed inside a head's GEMM.
+        raise ValueError(f"Medusa heads are for hidden/vocab {(heads.config.hidden_size, heads.config.vocab_size)}, "
+                         f"the base model has {(base.config.hidden_size, vocab_size)}")
+    check_input_ids(input_ids, vocab_size)
     if not 0 < topk <= heads.config.vocab_size:
         raise ValueError(f"topk must be in [1, vocab_size={heads.config.vocab_size}], got {topk}")
     max_new_tokens = new_token_budget(base, max_new_tokens, input_ids.shape[1])
@@ -233,6 +241,8 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     eos = set(eos_token_ids(base, eos_token_id))  # the checkpoint's default, as generate takes it
     if pad_token_id is None:
         pad_token_id = default_token_id(base, "pad_token_id")
+    if pad_token_id is not None:  # a numpy / tensor scalar, as generate takes it
+        (pad_token_id,) = token_id_list(pad_token_id, "pad_token_id")
     check_unpadded(input_ids, attention_mask, pad_token_id, eos)
     rotary = getattr(base.model, "rotary", None)
     regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2

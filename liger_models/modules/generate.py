@@ -39,7 +39,7 @@ PREALLOCATED_NEW_TOKENS = 1024
 def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None) -> torch.Tensor:
     """(B, V) float logits with temperature, then top-k, then top-p applied as HF's warpers do (filtered: -inf)."""
-    if temperature <= 0:
+    if not temperature > 0:  # not `<= 0`: NaN would pass and fail later as NaN probabilities in multinomial
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0: no top-k filtering), got {top_k}")
@@ -86,10 +86,34 @@ def default_token_id(model, key: str):
     return getattr(getattr(model, "config", None), key, None)
 
 
+def token_id_list(ids, name: str) -> list[int]:
+    """One id or several as a list of ints. Like HF's generate, a numpy integer or a (0-d) tensor is accepted too
+    (e.g. an id read back from a tensor of tokens); anything not integral is named."""
+    flat = torch.as_tensor(ids).flatten()
+    if flat.numel() == 0:  # [] (no stop ids) becomes a float tensor: not an error
+        return []
+    if flat.is_floating_point() or flat.is_complex() or flat.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer token id or a list of them, got {ids!r}")
+    return [int(i) for i in flat.tolist()]
+
+
 def eos_token_ids(model, eos_token_id: int | list[int] | None) -> list[int]:
     """The stop ids: the argument (one id or several), else the checkpoint's default (`default_token_id`)."""
     eos = default_token_id(model, "eos_token_id") if eos_token_id is None else eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return [] if eos is None else token_id_list(eos, "eos_token_id")
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse ids the embedding cannot look up: on the CPU an IndexError deep inside the model, on CUDA a
+    device-side assert that leaves the process's CUDA context unusable (e.g. a tokenizer with added tokens and
+    an embedding that was never resized)."""
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids hold token id {bad}, outside the model's vocabulary [0, vocab_size={vocab_size})"
+                         " (a tokenizer that does not match the checkpoint, or a pad id such as -100 / -1?)")
 
 
 def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None,
@@ -145,11 +169,14 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "
                          f"{tuple(input_ids.shape)}")
+    check_input_ids(input_ids, model.config.vocab_size)
     max_new_tokens = new_token_budget(model, max_new_tokens, input_ids.shape[1])
     do_sample, temperature, top_k, top_p = (generation_setting(model, key, value) for key, value in (
         ("do_sample", do_sample), ("temperature", temperature), ("top_k", top_k), ("top_p", top_p)))
     eos = torch.tensor(eos_token_ids(model, eos_token_id), dtype=torch.long, device=input_ids.device)
     explicit_pad = pad_token_id if pad_token_id is not None else default_token_id(model, "pad_token_id")
+    if explicit_pad is not None:  # a numpy / tensor scalar, as HF accepts, becomes the int the code below needs
+        (explicit_pad,) = token_id_list(explicit_pad, "pad_token_id")
     mask = prompt_mask(input_ids, attention_mask, explicit_pad, eos)  # (B, T) or None
     positions = None if mask is None else (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule
     # Finished rows get the pad id (argument, else generation_config's / config's, as HF), else the first EOS. A
