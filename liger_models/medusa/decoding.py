@@ -210,7 +210,9 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     takes the checkpoint's generation_config.json as plain generate does (`new_token_budget`).
 
     base: a zoo causal LM (`.model(ids, position_ids, cache=...)`, `.lm_head`); heads: its Medusa heads.
-    temperature 0 is greedy (identical output to plain greedy decoding); > 0 uses typical acceptance.
+    temperature 0 is greedy (identical output to plain greedy decoding); > 0 uses typical acceptance. Unlike the
+    budget, the default stays greedy whatever generation_config.json says: typical acceptance is not the sampling
+    (do_sample / top_p / top_k) that file describes, so its sampling settings are not applied here.
     return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
     in base forward calls).
     The prompt must be unpadded: one that holds the pad id (argument, else the checkpoint's) is refused unless
