@@ -54,11 +54,16 @@ def check_packed(fn, activation: str, lead: tuple, width: int, dtype: torch.dtyp
 
 
 def check_unpacked(fn, activation: str, layout: str, dtype: torch.dtype) -> None:
-    """gate/up as halves of a fused output, separate tensors, transposed views, or row-strided views."""
+    """gate/up as halves of a fused output, separate tensors, transposed views, row-strided views, or one of each
+    ("mixed": gate a half of a fused output, up a tensor of its own, so their row strides differ)."""
     rows, width = 6, 37
     if layout == "halves":
         gu = activation_input((2, 3, 2 * width), dtype, leaf=False)
         gate, up, params = gu[..., :width], gu[..., width:], (gu,)
+    elif layout == "mixed":  # both intermediates: the gradients go in place, each with its own row stride
+        gu = activation_input((rows, 2 * width), dtype, leaf=False)
+        gate, up = gu[:, :width], activation_input((rows, width), dtype, leaf=False)
+        params = (gu, up)
     elif layout == "separate":
         gate, up = (activation_input((rows, width), dtype, leaf=False) for _ in range(2))
         params = (gate, up)
@@ -77,6 +82,11 @@ def check_unpacked(fn, activation: str, layout: str, dtype: torch.dtype) -> None
         dgate, dup = grads[0][..., :width], grads[0][..., width:]
     elif layout == "separate":
         dgate, dup = grads
+    elif layout == "mixed":
+        dgate, dup = grads[0][:, :width], grads[1]
+        assert (grads[0][:, width:] == 0).all(), "gradient leaked into the unused half"
+        # In place, or fresh contiguous gradients would share one row stride and the case would test nothing new.
+        assert dup.data_ptr() == up.data_ptr(), "up's gradient was expected over up's own memory"
     elif layout == "transposed":
         dgate, dup = grads[0].t(), grads[1].t()
     else:

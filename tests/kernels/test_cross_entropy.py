@@ -206,6 +206,20 @@ def test_confident_prediction_keeps_target_gradient(monkeypatch, settings):
     torch.testing.assert_close(loss.double(), -torch.log1p(-q64).sum(), rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize("vocab", [1, 2, 5])
+@pytest.mark.parametrize("opts", [dict(label_smoothing=1.0), dict(label_smoothing=0.6, z_loss=0.1, softcap=2.0)])
+def test_tiny_vocabulary_strong_options(vocab, opts):
+    """Every option's term at full weight. The cases above (V ≥ 67, ε ≤ 0.2, z ≤ 1e-2) leave a gradient term like
+    ε/V, vs ε/(V − 1) of the other smoothing convention, below fp32 tolerance (ε·(1/(V−1) − 1/V)·scale ≤ 2e-6
+    there); V = 1 and 2 are the vocabularies where such terms are largest. sum, incoming gradient 1: the gradient
+    is O(1), so assert_matches' floor of 1 on the scale loosens nothing."""
+    logits = torch.randn(6, vocab, device=DEVICE) * 2
+    labels = torch.randint(0, vocab, (6,), device=DEVICE)
+    labels[2] = IGNORE
+    _, dx = _check(logits, labels, "sum", grad_scale=1.0, **opts)
+    assert torch.equal(dx[2], torch.zeros_like(dx[2])), "an ignored row's gradient must be exactly 0"
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored(reduction):
     logits = torch.randn(4, 67, device=DEVICE, requires_grad=True)
@@ -347,6 +361,12 @@ def test_custom_ignore_index_and_bad_options():
     labels = _labels(5, 67)
     labels[2] = -1
     _check(logits, labels, "mean", ignore_index=-1)
+    # A vocabulary id as ignore_index (a pad token's, as some trainers pass it): rows labelled 0 are ignored, not
+    # trained on; a kernel that took "ignored" to mean "negative" passes the check above but not this one.
+    labels = _labels(5, 67)
+    labels[1], labels[2] = 0, 5  # rows 0 and 1 ignored (no -100 left: with ignore_index=0 it is a bad label)
+    loss, dx = _check(logits, labels, "sum", ignore_index=0, label_smoothing=0.1)
+    assert torch.equal(dx[:2], torch.zeros_like(dx[:2]))
     with pytest.raises(ValueError, match="reduction"):
         cross_entropy(logits, labels, reduction="avg")
     with pytest.raises(ValueError, match="do not match"):

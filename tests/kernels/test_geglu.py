@@ -28,7 +28,7 @@ def test_packed(lead, width, leaf, dtype, approximate):
 
 @pytest.mark.parametrize("approximate", list(APPROX))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["halves", "separate", "transposed", "row_strided"])
+@pytest.mark.parametrize("layout", ["halves", "separate", "transposed", "row_strided", "mixed"])
 def test_unpacked_strided(layout, dtype, approximate):
     checks.check_unpacked(_fns(approximate)[0], APPROX[approximate], layout, dtype)
 

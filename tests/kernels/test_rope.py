@@ -13,8 +13,11 @@ from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (B, T, Hq, Hkv, D, R): Llama-like GQA, partial rotary with a non-power-of-two half (6), a 256-wide head with
-# R = 64 (Phi-4-mini-like partial_rotary_factor), MHA with one token, MQA.
-CONFIGS = [(2, 5, 4, 2, 16, 16), (2, 3, 3, 1, 16, 12), (1, 2, 2, 2, 256, 64), (3, 1, 3, 3, 8, 8), (1, 4, 5, 1, 32, 32)]
+# R = 64 (Phi-4-mini-like partial_rotary_factor), MHA with one token, MQA, and GQA with a kv head count that is not
+# a power of two (Phi-3-medium's 10 of 40 in small): k's head tile then has masked heads that q's mask would let
+# through (a k write past its heads lands in v, which the checks require untouched).
+CONFIGS = [(2, 5, 4, 2, 16, 16), (2, 3, 3, 1, 16, 12), (1, 2, 2, 2, 256, 64), (3, 1, 3, 3, 8, 8), (1, 4, 5, 1, 32, 32),
+           (2, 3, 6, 3, 8, 8)]
 
 
 def fused_qkv(b, t, hq, hkv, d, dtype):

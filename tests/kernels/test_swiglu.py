@@ -19,7 +19,7 @@ def test_packed(lead, width, leaf, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", ["halves", "separate", "transposed", "row_strided"])
+@pytest.mark.parametrize("layout", ["halves", "separate", "transposed", "row_strided", "mixed"])
 def test_unpacked_strided(layout, dtype):
     checks.check_unpacked(swiglu, "silu", layout, dtype)
 
