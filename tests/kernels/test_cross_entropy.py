@@ -58,7 +58,9 @@ def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
     (dxe,) = torch.autograd.grad(cross_entropy_reference(xe, labels, reduction=reduction, **opts), xe, g)
     assert loss.dtype == torch.float32 and loss.shape == loss64.shape
     assert dx.dtype == logits.dtype and dx.shape == logits.shape
-    assert_matches(loss, loss64, name="loss")
+    # The loss is lse − x_t (and the option terms) formed from O(1) logits: its fp32 error is absolute, so a loss
+    # near 0 (a confident prediction) is checked at scale 1; the gradient at its own scale (1/N for the mean).
+    assert_matches(loss, loss64, name="loss", scale_floor=1.0)
     assert_matches(dx, dx64, eager=dxe, name="dlogits")
     return loss, dx
 
