@@ -9,6 +9,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # GPU tests that hold tens of GiB. `pytest -m gpu -n 4 --dist loadgroup` gives them all to one worker, so they run one
 # at a time instead of four such tests together running the GPU out of memory.
 BIG_MEMORY = pytest.mark.xdist_group("gpu_big_memory")
+# Tests that run the Triton kernels on CPU tensors through Triton's interpreter (what CI checks). On a machine with a
+# GPU tests/conftest.py leaves TRITON_INTERPRET off (triton reads it once, at import), so CPU tensors take the PyTorch
+# reference path there and these tests' premise is gone: the same paths run compiled in the `pytest -m gpu` tests.
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton interpreter on CPU tensors: off on a "
+                                      "machine with a GPU (the kernels run compiled in `pytest -m gpu`)")
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

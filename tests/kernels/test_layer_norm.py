@@ -64,7 +64,12 @@ def test_hidden_size_one_is_exact(dtype):
     dy = torch.randn_like(y)
     dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
     assert torch.equal(y, b.detach().expand(5, 1))
-    assert (dx == 0).all() and (dw == 0).all()
+    if DEVICE == "cpu":
+        assert (dx == 0).all() and (dw == 0).all()
+    else:  # compiled, g − mean(g) may contract to fma(dy, w, −mean): the product's rounding error, times rstd
+        g = (dy * w.detach()).float().abs().max().item()
+        bound = 2.0 ** -22 * g * (1e-5) ** -0.5
+        assert dx.float().abs().max() <= bound and dw.float().abs().max() <= bound
     assert_matches(db, dy.double().sum(0), name="db")
 
 

@@ -295,7 +295,7 @@ def test_llama_forward_matches_hf_numerics_bitwise():
 
 def test_reference_path_when_not_interpreting(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    x, w = _inputs((3, 33), torch.float32, "gemma")
+    x, w = (t.cpu() for t in _inputs((3, 33), torch.float32, "gemma"))  # CPU tensors on a GPU machine too
     xr = x.clone().requires_grad_()
     y = rms_norm(xr, w, offset=1.0, casting="gemma")
     assert torch.equal(y, rms_norm_reference(x, w, 1e-6, 1.0, "gemma"))

@@ -16,7 +16,7 @@ import liger_models.kernels
 from liger_models.kernels._dispatch import use_triton
 from liger_models.medusa import (MedusaConfig, MedusaHeads, MedusaModel, medusa_head_weights, medusa_loss,
                                  medusa_target_counts, schedule_factor)
-from tests.helpers import assert_matches, rel_l2
+from tests.helpers import INTERPRETER_ONLY, assert_matches, rel_l2
 from tests.medusa._common import IGNORE, float64_copies, make_base, packed_batch, reference_loss, reference_targets
 
 V, H = 37, 16
@@ -93,6 +93,7 @@ def test_tied_embeddings(share):
     _check(model, ids, labels, pos)
 
 
+@INTERPRETER_ONLY
 def test_with_triton_interpreter(interpreted_kernels):
     """The same check with every kernel (fused linear-CE included) running as Triton code in the interpreter."""
     assert use_triton(torch.empty(1))

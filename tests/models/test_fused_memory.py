@@ -16,7 +16,7 @@ from liger_models.modules.attention import AttentionMask
 from liger_models.modules.decoder import DecoderLayer
 from liger_models.modules.fused import gated_down, norm_linear
 from liger_models.modules.rope import RotaryEmbedding
-from tests.helpers import assert_matches
+from tests.helpers import INTERPRETER_ONLY, assert_matches
 
 
 def _grads64(fn, tensors):
@@ -86,6 +86,7 @@ def test_gated_down_matches_reference(activation, bias):
         assert_matches(t.grad, g, name="grad")
 
 
+@INTERPRETER_ONLY
 def test_decoder_layer_saves_only_the_minimum():
     """Per token: the two residual streams, q|k|v, the attention output, gate|up; plus per-row scalars."""
     cfg = LlamaConfig.tiny(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2)

@@ -8,6 +8,7 @@ import torch
 from liger_models import AutoLigerForCausalLM
 from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups
 from liger_models.train.step_in_backward import OptimizerInBackward
+from tests.helpers import INTERPRETER_ONLY
 
 
 def _pair(model_dir):
@@ -189,6 +190,7 @@ def _medusa_pair(model_dir, stage, scheduler="constant"):
     return pair
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("stage, scheduler", [(1, "constant"), (2, "constant"), (2, "linear")])
 def test_medusa_weights_stepped_in_the_forward_bit_identical(stage, scheduler, tiny_model_dir):
     """Triton path (interpreter): each head's lm_head copy (and in stage 2 the untied base lm_head) is updated
@@ -218,6 +220,7 @@ def test_medusa_weights_stepped_in_the_forward_bit_identical(stage, scheduler, t
     hooks.remove()
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("tied, loss_factor, problem", [
     (True, 1, "second gradient in backward"),  # the embedding's gradient arrives after the tied weight's update
     (False, 2, "backpropagated with gradient 1"),  # the dW handed over in the forward missed the factor 2
@@ -258,6 +261,7 @@ def test_trainer_steps_head_weights_in_the_forward_on_the_kernel_path(tiny_model
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
+@INTERPRETER_ONLY
 def test_forward_whose_backward_never_ran_leaves_the_next_step_working(tiny_model_dir):
     """A forward that stepped the lm_head in the forward and then never reached backward (an OOM later in the
     forward that the loop skips, an exception before backward): that update stays done, once, and the next step runs
@@ -284,6 +288,7 @@ def test_forward_whose_backward_never_ran_leaves_the_next_step_working(tiny_mode
         assert torch.equal(pn, pf) and pf.grad is None, name
 
 
+@INTERPRETER_ONLY
 def test_second_forward_while_the_first_loss_lives_raises_before_stepping(tiny_model_dir):
     """Two training forwards whose losses could be backpropagated together would step the lm_head twice for one
     backward: the second forward is refused while the first loss is alive, before it updates anything."""

@@ -19,6 +19,7 @@ from liger_models.train.data import BatchStream, build_dataset, read_special_tok
 from liger_models.train.run import train_causal_lm, train_medusa
 from liger_models.train.optim import warmup_cosine_factor
 from liger_models.train.trainer import CausalLMTask, MedusaTask, TrainConfig, Trainer
+from tests.helpers import INTERPRETER_ONLY
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
@@ -210,6 +211,7 @@ def test_fused_adamw_takes_every_beta_torch_takes(monkeypatch):
         torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7, msg=str(betas))
 
 
+@INTERPRETER_ONLY
 def test_fused_adamw_keeps_its_flags_when_loading_torch_adamw_state(monkeypatch):
     """torch.optim.AdamW's default state (not fused, not capturable) loaded into FusedAdamW: torch would take the
     saved groups' fused / capturable flags, and with them leave the step count on the CPU (the kernel raises on a
@@ -292,7 +294,7 @@ class _UserTurnsOnly:
 
 
 @pytest.mark.parametrize("kind", ["lm", "medusa2"])
-@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("path", ["reference", pytest.param("triton", marks=INTERPRETER_ONLY)])
 def test_step_without_any_target_is_a_finite_zero_gradient_step(kind, path, tiny_model_dir, tmp_path, monkeypatch):
     """A global batch with no target: loss 0 (no 0/0), every weight and AdamW moment finite, and a normal AdamW
     step with a zero gradient (as HF's Trainer also steps): moments decay, momentum moves the weights."""
