@@ -193,10 +193,16 @@ def hf_spelling(cfg: dict) -> dict:
     "longrope". transformers 5.x renames "su" only after it has copied the top-level
     original_max_position_embeddings into the rope dict (which it does for "longrope" alone), so it fails on the
     file Microsoft first published (KeyError: missing original_max_position_embeddings); earlier releases read it.
+    Gemma v1's activation is spelled "gelu_pytorch_tanh", the tanh approximation the family was trained with and
+    the one transformers 5.24 and this project read from the legacy "gelu" with or without a hidden_activation key:
+    under transformers 5.17 our logits for gemma-1.1's pair of keys ("gelu" and "gelu_pytorch_tanh") were 1.1e-4
+    from its float64 run, ten times its float32 error, so the reference would depend on the installed version.
     """
     rope = cfg.get("rope_scaling")
     if rope and rope.get("type") == "su":
         cfg = {**cfg, "rope_scaling": {**rope, "type": "longrope"}}
+    if cfg["model_type"] == "gemma":
+        cfg = {**cfg, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
     return cfg
 
 
