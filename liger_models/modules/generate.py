@@ -109,7 +109,9 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     an embedding that was never resized)."""
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-    low, high = int(input_ids.min()), int(input_ids.max())
+    if input_ids.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync, not two
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"input_ids hold token id {bad}, outside the model's vocabulary [0, vocab_size={vocab_size})"
