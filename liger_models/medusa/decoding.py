@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.modules.generate import (check_input_ids, default_token_id, eos_token_ids, new_token_budget,
-                                           prompt_mask, token_id_list)
+from liger_models.modules.generate import (check_input_ids, eos_token_ids, new_token_budget, pad_token,
+                                           prompt_mask)
 
 TOPK = 10
 
@@ -241,10 +241,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     valid = buffers.retrieve_indices >= 0
     depth = buffers.retrieve_indices.shape[1] - 1
     eos = set(eos_token_ids(base, eos_token_id))  # the checkpoint's default, as generate takes it
-    if pad_token_id is None:
-        pad_token_id = default_token_id(base, "pad_token_id")
-    if pad_token_id is not None:  # a numpy / tensor scalar, as generate takes it
-        (pad_token_id,) = token_id_list(pad_token_id, "pad_token_id")
+    pad_token_id = pad_token(base, pad_token_id)  # the checkpoint's default, as generate takes it
     check_unpadded(input_ids, attention_mask, pad_token_id, eos)
     rotary = getattr(base.model, "rotary", None)
     regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2

@@ -86,15 +86,28 @@ def default_token_id(model, key: str):
     return getattr(getattr(model, "config", None), key, None)
 
 
+def _integral(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def token_id_list(ids, name: str) -> list[int]:
     """One id or several as a list of ints. Like HF's generate, a numpy integer or a (0-d) tensor is accepted too
     (e.g. an id read back from a tensor of tokens); anything not integral is named."""
     flat = torch.as_tensor(ids).flatten()
     if flat.numel() == 0:  # [] (no stop ids) becomes a float tensor: not an error
         return []
-    if flat.is_floating_point() or flat.is_complex() or flat.dtype == torch.bool:
+    if not _integral(flat):
         raise ValueError(f"{name} must be an integer token id or a list of them, got {ids!r}")
     return [int(i) for i in flat.tolist()]
+
+
+def pad_token(model, pad_token_id) -> int | None:
+    """The pad id: the argument (an int, numpy or tensor scalar), else the checkpoint's default; None if neither."""
+    pad = default_token_id(model, "pad_token_id") if pad_token_id is None else pad_token_id
+    if pad is None:
+        return None
+    (pad,) = token_id_list(pad, "pad_token_id")
+    return pad
 
 
 def eos_token_ids(model, eos_token_id: int | list[int] | None) -> list[int]:
@@ -107,7 +120,7 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """Refuse ids the embedding cannot look up: on the CPU an IndexError deep inside the model, on CUDA a
     device-side assert that leaves the process's CUDA context unusable (e.g. a tokenizer with added tokens and
     an embedding that was never resized)."""
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+    if not _integral(input_ids):
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
     if input_ids.numel() == 0:
         return
@@ -176,9 +189,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     do_sample, temperature, top_k, top_p = (generation_setting(model, key, value) for key, value in (
         ("do_sample", do_sample), ("temperature", temperature), ("top_k", top_k), ("top_p", top_p)))
     eos = torch.tensor(eos_token_ids(model, eos_token_id), dtype=torch.long, device=input_ids.device)
-    explicit_pad = pad_token_id if pad_token_id is not None else default_token_id(model, "pad_token_id")
-    if explicit_pad is not None:  # a numpy / tensor scalar, as HF accepts, becomes the int the code below needs
-        (explicit_pad,) = token_id_list(explicit_pad, "pad_token_id")
+    explicit_pad = pad_token(model, pad_token_id)
     mask = prompt_mask(input_ids, attention_mask, explicit_pad, eos)  # (B, T) or None
     positions = None if mask is None else (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule
     # Finished rows get the pad id (argument, else generation_config's / config's, as HF), else the first EOS. A
