@@ -79,6 +79,8 @@ run_part() {
         --configs llama-3-8b-w8l,mistral-7b-w4l,phi3-mini-w8l ;;
     medusa)  # quick sweep: this project (linear-CE's one-chunk mode is the default since the fifth session) and peers
       python3 benchmarks/bench_medusa.py --quick --out "$OUT" --providers liger-models,liger-models-inbwd,liger-style ;;
+    medusa-decoding)  # batch-1 decoding: plain greedy vs Medusa tree steps vs HF generate, 8B and 1B shapes
+      python3 benchmarks/bench_medusa_decoding.py --out "$OUT" ;;
     multi-gpu)  # issue 7, on nvidia-h200-x2; all three jobs take ~12 min, so one call runs a subset (fine-tuning
                 # was measured on 2026-11-29; MULTI_GPU_JOBS=finetune for it alone)
       python3 benchmarks/multi_gpu.py --out "$OUT" --jobs "${MULTI_GPU_JOBS:-medusa-stage1,medusa-stage2}" ;;

@@ -1,0 +1,165 @@
+"""Decoding speed, batch 1: plain greedy `generate` vs Medusa tree decoding (`medusa_generate`), and HF's generate.
+
+What Medusa buys is fewer base-model forward calls: each step verifies a tree of candidates in one call and emits
+the accepted ones plus the base's own next token. Whether that is faster depends on what a step costs compared with
+one plain decoding step, so this script measures both on the same random-weight model:
+  greedy ms/token   plain greedy decoding (`model.generate`, KV cache), per new token
+  medusa ms/step    one tree step (heads' top-k, the verification call, acceptance, KV cache update), per step
+  break-even        medusa ms/step ÷ greedy ms/token: the tokens a step must emit to tie with plain decoding
+  speedup @ a       a × greedy ms/token ÷ medusa ms/step, at a tokens per step (trained Medusa-1 heads on Vicuna-7B
+                    emit ~2.5–3.0 per step with the 63-node tree, MEDUSA.md §4)
+Random heads accept almost nothing, so their own tokens/step is reported but is not the point. HF transformers'
+`generate` on the same weights is the peer for plain decoding (the tokens must be identical, and are checked).
+
+Each time is the median of REPS wall-clock runs (CUDA synchronised), with the prefill taken out by subtracting a run
+that stops after the first step.
+
+    python benchmarks/bench_medusa_decoding.py --out DIR [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
+LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                  tie_word_embeddings=True)
+CONFIGS = {"llama-3-8b": LLAMA3_8B, "llama-3.2-1b": LLAMA32_1B}
+PROMPT_LENS = (128, 2048)
+NEW_TOKENS = 64
+NUM_HEADS = 5
+REPS = 3
+ACCEPTANCE = (2.0, 2.5, 3.0)
+DEVICE = "cuda"
+
+
+def _wall_ms(fn, *args, **kwargs) -> float:
+    import torch
+
+    times = []
+    for _ in range(REPS):
+        sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _hf_model(cfg: dict, state: dict):
+    import torch
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device(DEVICE):
+        hf = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16)
+    hf.load_state_dict(state, strict=False)  # a tied lm_head is absent from ours and rebuilt by HF
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def measure(name: str, cfg: dict, quick: bool) -> list[dict]:
+    import torch
+
+    from liger_models.llama.config import LlamaConfig
+    from liger_models.llama.modeling import LigerLlamaForCausalLM
+    from liger_models.medusa import MedusaModel
+    from liger_models.medusa.decoding import medusa_generate
+
+    torch.manual_seed(0)
+    base = LigerLlamaForCausalLM.from_config(LlamaConfig.from_hf(dict(cfg)), dtype=torch.bfloat16, device=DEVICE)
+    base.eval()
+    lens = PROMPT_LENS[:1] if quick else PROMPT_LENS
+    prompts = {n: torch.randint(0, cfg["vocab_size"], (1, n), device=DEVICE) for n in lens}
+    greedy, greedy_ms = {}, {}
+    with torch.no_grad():
+        for n, ids in prompts.items():
+            greedy[n] = base.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+            full = _wall_ms(base.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+            first = _wall_ms(base.generate, ids, max_new_tokens=1, eos_token_id=[])
+            greedy_ms[n] = (full - first) / (NEW_TOKENS - 1)
+    rows = []
+    for lm_head in ("copy", "shared"):
+        medusa = MedusaModel.from_base(base, stage=1, num_heads=NUM_HEADS, share_lm_head=lm_head == "shared")
+        medusa.heads.to(device=DEVICE, dtype=torch.bfloat16)
+        for module in medusa.heads.modules():  # trained-like blocks: a non-zero W, so the heads' proposals differ
+            if isinstance(module, torch.nn.Linear) and module.weight.shape[0] == module.weight.shape[1]:
+                torch.nn.init.normal_(module.weight, std=0.02)
+        for n, ids in prompts.items():
+            with torch.no_grad():
+                out, steps = medusa_generate(base, medusa.heads, ids, NEW_TOKENS, eos_token_id=[], return_stats=True)
+                full = _wall_ms(medusa_generate, base, medusa.heads, ids, NEW_TOKENS, eos_token_id=[])
+                first = _wall_ms(medusa_generate, base, medusa.heads, ids, steps[0], eos_token_id=[])
+            step_ms = (full - first) / max(len(steps) - 1, 1)
+            rows.append(dict(config=name, lm_head=lm_head, prompt_len=n, new_tokens=NEW_TOKENS,
+                             greedy_ms_per_token=greedy_ms[n], medusa_ms_per_step=step_ms, medusa_steps=len(steps),
+                             medusa_tokens_per_step=sum(steps) / len(steps),
+                             medusa_equals_greedy=torch.equal(out, greedy[n]),
+                             break_even_tokens_per_step=step_ms / greedy_ms[n],
+                             speedup_at={str(a): a * greedy_ms[n] / step_ms for a in ACCEPTANCE}))
+        del medusa
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    try:
+        state = base.state_dict()
+        hf = _hf_model(cfg, state)
+        del state
+        with torch.no_grad():
+            for prompt_len, ids in prompts.items():
+                kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+                same = torch.equal(hf.generate(ids, **kw), greedy[prompt_len])
+                full = _wall_ms(hf.generate, ids, **kw)
+                kw1 = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
+                first = _wall_ms(hf.generate, ids, **kw1)
+                for r in rows:
+                    if r["prompt_len"] == prompt_len:
+                        r["hf_ms_per_token"] = (full - first) / (NEW_TOKENS - 1)
+                        r["hf_tokens_equal_ours"] = same
+        del hf
+    except Exception as e:  # noqa: BLE001 - the peer is optional; our numbers stand without it
+        for r in rows:
+            r["hf_error"] = repr(e)[:300]
+    del base
+    torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| config | lm_head | prompt | HF ms/token | greedy ms/token | medusa ms/step | break-even tok/step | "
+            + " | ".join(f"speedup @{a}" for a in ACCEPTANCE) + " | random heads tok/step |")
+    lines = [head, "|" + "---|" * (8 + len(ACCEPTANCE))]
+    for r in rows:
+        hf = f"{r['hf_ms_per_token']:.2f}" if "hf_ms_per_token" in r else "—"
+        lines.append(f"| {r['config']} | {r['lm_head']} | {r['prompt_len']} | {hf} | {r['greedy_ms_per_token']:.2f} | "
+                     f"{r['medusa_ms_per_step']:.2f} | {r['break_even_tokens_per_step']:.2f} | "
+                     + " | ".join(f"{r['speedup_at'][str(a)]:.2f}×" for a in ACCEPTANCE)
+                     + f" | {r['medusa_tokens_per_step']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = harness.parse_args(__doc__.splitlines()[0])
+    names = ["llama-3-8b"] if args.quick else list(CONFIGS)
+    rows = []
+    for name in names:
+        rows += measure(name, CONFIGS[name], args.quick)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_medusa_decoding.json"), "w") as f:
+        json.dump({"env": harness.environment(), "meta": dict(new_tokens=NEW_TOKENS, num_heads=NUM_HEADS, reps=REPS),
+                   "results": rows}, f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
