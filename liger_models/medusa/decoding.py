@@ -18,12 +18,11 @@ when longrope switches, recomputes the whole sequence (modules/generate.py). A v
 positions with the table of its last one, so a step whose tree would span two tables verifies the root alone, and
 a longrope switch re-prefills the committed tokens, as plain greedy does: the greedy output stays identical.
 
-Verification layout. The reference runs the (1 + N) tree nodes as one sequence with a tree attention mask
-(`MedusaBuffers.tree_mask`). Our base models' attention takes no custom mask (only causal / window / packed
-documents), so the base instead runs the P root-to-leaf paths as a batch of P rows of length depth + 1 on top of a
-shared prefix KV cache (`PathCache`): each row attends causally to the prefix and to its own path, which is exactly
-what the tree mask allows. It is correct and simple; it costs P·(depth+1) tokens of compute instead of 1 + N, plus
-an expanded copy of the prefix K/V per step, so it is a reference implementation, not a fast server.
+Verification layout. As in the reference implementation, the 1 + N tree nodes run as one sequence on top of the
+KV cache with a tree attention mask (each node sees the cache, its ancestors and itself; `DecoderModel`'s
+tree_mask) at positions past + depth; the accepted path's keys and values are then moved down to the committed
+positions (`KVCache.keep`) and the rest of the tree is dropped. One verification call costs 1 + N tokens of
+compute, and nothing prefix-sized is copied.
 """
 
 from __future__ import annotations
@@ -36,8 +35,9 @@ import torch
 from torch import nn
 
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.modules.generate import (check_input_ids, eos_token_ids, new_token_budget, pad_token,
-                                           prompt_mask)
+from liger_models.modules.cache import KVCache
+from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_ids, eos_token_ids,
+                                           new_token_budget, pad_token, prompt_mask)
 
 TOPK = 10
 
@@ -107,44 +107,6 @@ def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: 
     return MedusaBuffers(*(t.to(device) for t in (mask, indices, positions, retrieve)))
 
 
-class PathCache:
-    """A prefix KV cache shared by a batch of candidate rows (the `update` / `seq_length` API of our KVCache).
-
-    Each forward call sees the committed prefix expanded to its batch, then its own new keys; `commit(row, n)`
-    appends row `row`'s first `n` new tokens to the prefix (and drops the rest).
-    """
-
-    def __init__(self) -> None:
-        self._prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._length = 0
-
-    def seq_length(self) -> int:
-        return self._length
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._pending[layer_idx] = (k, v)
-        if self._length == 0:
-            return k, v
-        pk, pv = (t[:, :, : self._length].expand(k.shape[0], -1, -1, -1) for t in self._prefix[layer_idx])
-        return torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)  # (B, Hkv, prefix + T, D)
-
-    def commit(self, row: int, n: int) -> None:
-        for layer_idx, (k, v) in self._pending.items():
-            new = [t[row: row + 1, :, :n] for t in (k, v)]
-            if layer_idx not in self._prefix or self._prefix[layer_idx][0].shape[2] < self._length + n:
-                size = max(2 * self._length, self._length + n, 64)
-                grown = [t.new_empty(1, t.shape[1], size, t.shape[3]) for t in new]
-                if layer_idx in self._prefix:
-                    for g, old in zip(grown, self._prefix[layer_idx]):
-                        g[:, :, : self._length] = old[:, :, : self._length]
-                self._prefix[layer_idx] = (grown[0], grown[1])
-            for buf, t in zip(self._prefix[layer_idx], new):
-                buf[:, :, self._length: self._length + n] = t
-        self._length += n
-        self._pending.clear()
-
-
 def _accept(paths: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor, temperature: float,
             posterior_threshold: float, posterior_alpha: float) -> tuple[int, int]:
     """(best row, accepted length) for candidate rows `paths` (P, D+1) given base logits (P, D+1, V)."""
@@ -175,11 +137,10 @@ def _next_root(logits: torch.Tensor, temperature: float, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _prefill(base: nn.Module, ids: torch.Tensor) -> tuple[PathCache, torch.Tensor]:
+def _prefill(base: nn.Module, ids: torch.Tensor, capacity: int) -> tuple[KVCache, torch.Tensor]:
     """A fresh cache holding ids (1, T), and the base's last hidden state (1, H)."""
-    cache = PathCache()
+    cache = KVCache(capacity)
     hidden = base.model(ids, cache=cache)[:, -1]
-    cache.commit(0, ids.shape[1])
     return cache, hidden
 
 
@@ -246,7 +207,10 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     rotary = getattr(base.model, "rotary", None)
     regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2
 
-    cache, hidden = _prefill(base, input_ids)
+    # Room for the prompt, the budget (up to generate's preallocation; the cache grows past it) and one tree.
+    capacity = input_ids.shape[1] + min(max_new_tokens, PREALLOCATED_NEW_TOKENS) + len(buffers.tree_indices)
+    cache, hidden = _prefill(base, input_ids, capacity)
+    next_logits = base.lm_head(hidden)  # (1, V): the base's prediction after the last committed token
     cached_regime = regime(input_ids.shape[1])
     tokens = [input_ids[0]]
     emitted, per_step = 0, []
@@ -254,20 +218,23 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
         length = cache.seq_length()
         if regime(length) != cached_regime:  # longrope switched: recompute the sequence, as generate does
             cached_regime = regime(length)
-            cache, hidden = _prefill(base, torch.cat(tokens)[None])
-        root = _next_root(base.lm_head(hidden), temperature, generator)  # (1,)
+            cache, hidden = _prefill(base, torch.cat(tokens)[None], capacity)
+            next_logits = base.lm_head(hidden)
+        root = _next_root(next_logits, temperature, generator)  # (1,)
         if table_key(length + depth + 1) != table_key(length):  # the tree would span two rotary tables: root alone
-            out = base.model(root[None], cache=cache)  # (1, 1, H)
-            step_tokens, row, n = root, 0, 0
+            hidden = base.model(root[None], cache=cache)[:, 0]  # (1, H)
+            step_tokens, next_logits = root, base.lm_head(hidden)
         else:
             proposals = heads.logits(hidden)[:depth, 0].topk(topk, dim=-1).indices  # (D, topk)
-            flat = torch.cat([root, proposals.flatten()])
-            paths = flat[buffers.tree_indices][path_nodes]  # (P, D+1) token ids, root first
-            out = base.model(paths, cache=cache)  # (P, D+1, H)
-            row, n = _accept(paths, valid, base.lm_head(out), temperature, posterior_threshold, posterior_alpha)
-            step_tokens = paths[row, : n + 1]
-        cache.commit(row, n + 1)
-        hidden = out[row: row + 1, n]
+            tree = torch.cat([root, proposals.flatten()])[buffers.tree_indices]  # (1+N,) node tokens
+            out = base.model(tree[None], (length + buffers.tree_position_ids)[None], cache=cache,
+                             tree_mask=buffers.tree_mask)[0]  # (1+N, H)
+            logits = base.lm_head(out)  # (1+N, V)
+            row, n = _accept(tree[path_nodes], valid, logits[path_nodes], temperature, posterior_threshold,
+                             posterior_alpha)
+            nodes = path_nodes[row, : n + 1]  # the accepted path, root first
+            cache.keep(length, nodes)
+            step_tokens, hidden, next_logits = tree[nodes], out[nodes[-1:]], logits[nodes[-1:]]
         step_tokens = step_tokens[: max_new_tokens - emitted]
         stop = [i for i, t in enumerate(step_tokens.tolist()) if t in eos]
         if stop:

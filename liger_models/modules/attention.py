@@ -69,10 +69,14 @@ class AttentionMask:
     """Which keys each query sees in one forward call; the masks each layer needs are built once and shared."""
 
     def __init__(self, q_len: int, past: int, documents: torch.Tensor | None, device: torch.device,
-                 padding: torch.Tensor | None = None) -> None:
-        """padding: (B, past + q_len) bool, True for real tokens (HF's 2D attention_mask), or None."""
+                 padding: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """padding: (B, past + q_len) bool, True for real tokens (HF's 2D attention_mask), or None.
+        tree: (mask (q_len, q_len) bool, depth (q_len,) long) for a call whose new tokens form a tree (Medusa's
+        verification): new token i sees the whole cache and the new tokens j with mask[i, j] (its ancestors and
+        itself) instead of those before it; a new token's position is past + depth, which is what a window counts."""
         self.q_len, self.past, self.kv_len = q_len, past, past + q_len
         self.documents, self.padding, self.device = documents, padding, device
+        self.tree = tree
         self._masks: dict = {}
 
     @property
@@ -84,12 +88,19 @@ class AttentionMask:
         return None
 
     def needs_mask(self, window: int | None) -> bool:
-        return self.batch is not None or (window is not None and window < self.kv_len)
+        return self.batch is not None or self.tree is not None or (window is not None and window < self.kv_len)
 
     def _allowed(self, q_idx, kv_idx, window: int | None, b=None):
-        ok = kv_idx <= q_idx + self.past
+        if self.tree is None:
+            ok = kv_idx <= q_idx + self.past
+            q_pos, kv_pos = q_idx + self.past, kv_idx
+        else:
+            mask, depth = self.tree
+            cached, new = kv_idx < self.past, (kv_idx - self.past).clamp(min=0)
+            ok = cached | mask[q_idx, new]
+            q_pos, kv_pos = self.past + depth[q_idx], torch.where(cached, kv_idx, self.past + depth[new])
         if window is not None:
-            ok = ok & (q_idx + self.past - kv_idx < window)
+            ok = ok & (q_pos - kv_pos < window)
         if self.documents is not None:
             ok = ok & (self.documents[b, q_idx] == self.documents[b, kv_idx])
         if self.padding is not None:

@@ -29,3 +29,17 @@ class KVCache:
         keys[:, :, length:end], values[:, :, length:end] = k, v
         self._layers[layer_idx] = (keys, values, end)
         return keys[:, :, :end], values[:, :, :end]
+
+    def keep(self, start: int, indices: torch.Tensor) -> None:
+        """Of the entries from ``start`` on, keep those at ``start + indices``, in that order, and drop the rest.
+
+        Speculative decoding appends a whole tree of candidates, then keeps the accepted path (``indices`` into
+        the tree, root first); the next call then sees exactly the committed tokens."""
+        n = len(indices)
+        for layer_idx, (keys, values, length) in self._layers.items():
+            if start + n > length:
+                raise ValueError(f"keep({start}, {n} entries) past the {length} cached")
+            src = indices.to(keys.device) + start
+            # Advanced indexing reads into a new tensor first, so overlapping source and destination are safe.
+            keys[:, :, start: start + n], values[:, :, start: start + n] = keys[:, :, src], values[:, :, src]
+            self._layers[layer_idx] = (keys, values, start + n)

@@ -72,25 +72,36 @@ class DecoderModel(nn.Module):
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None, *,
+                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) → hidden (B, T, H). position_ids restarting at 0 mark packed documents (no cache and no
-        attention_mask, as in HF v5); attention_mask (B, past + T), 0 at padding, hides padded keys."""
+        attention_mask, as in HF v5); attention_mask (B, past + T), 0 at padding, hides padded keys.
+
+        tree_mask (T, T) bool: the new tokens form a tree (speculative decoding's candidates, verified in one call):
+        token i sees the whole cache and the new tokens j where tree_mask[i, j] (its ancestors and itself), not
+        simply those before it; position_ids (1, T) must then give each token's position, past + its depth."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)} "
                              "(a single sequence needs a batch dim: ids[None])")
         B, T = input_ids.shape
         past = cache.seq_length() if cache is not None else 0
         padding = key_padding(attention_mask, B, past + T)
+        tree = None
+        if tree_mask is not None:
+            if position_ids is None or tuple(tree_mask.shape) != (T, T) or padding is not None:
+                raise ValueError(f"tree_mask must be ({T}, {T}) for {T} new tokens, with their position_ids and "
+                                 "without padding")
+            tree = (tree_mask.to(device=input_ids.device, dtype=torch.bool), position_ids[0] - past)
         documents = None
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=input_ids.device)[None]  # (1, T)
-        elif cache is None and attention_mask is None:
+        elif cache is None and attention_mask is None and tree is None:
             documents = document_ids(position_ids.expand(B, T))
         x = self.embed_tokens(input_ids)  # (B, T, H)
         if self.config.scale_embeddings:  # √H rounded to the activation dtype first, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(position_ids)  # (B or 1, T, R) fp32
-        mask = AttentionMask(T, past, documents, input_ids.device, padding)
+        mask = AttentionMask(T, past, documents, input_ids.device, padding, tree)
         residual = None
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:

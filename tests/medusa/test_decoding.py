@@ -1,4 +1,5 @@
-"""Tree decoding: buffers, the shared-prefix path cache, acceptance rules, and greedy output == plain greedy output."""
+"""Tree decoding: buffers, tree-masked verification on the KV cache, acceptance rules, and greedy output == plain
+greedy output."""
 
 from types import SimpleNamespace
 
@@ -7,8 +8,9 @@ import torch
 from torch import nn
 
 from liger_models.medusa import MedusaConfig, MedusaHeads, MedusaModel
-from liger_models.medusa.decoding import (PathCache, _accept, default_medusa_choices, dense_medusa_choices,
+from liger_models.medusa.decoding import (_accept, default_medusa_choices, dense_medusa_choices,
                                           generate_medusa_buffers, medusa_generate)
+from liger_models.modules.cache import KVCache
 from tests.medusa._common import make_base
 
 V, H = 37, 16
@@ -70,19 +72,61 @@ def test_typical_acceptance_extremes_and_tie_break():
     assert _accept(paths, valid, logits, 0.7, 0.0, 0.3)[0] == int(logp.sum(1).argmax())
 
 
-def test_path_cache_matches_full_forward():
-    base = make_base(V, H, torch.float64, layers=2)
-    prefix, rows = torch.randint(0, V, (1, 5)), torch.randint(0, V, (3, 4))
-    cache = PathCache()
+def _window_base(window: int | None):
+    """A 2-layer float64 Mistral (sliding window `window`; None: plain causal)."""
+    from liger_models.mistral.config import MistralConfig
+    from liger_models.mistral.modeling import LigerMistralForCausalLM
+
+    config = MistralConfig.tiny(vocab_size=V, sliding_window=window, initializer_range=0.3)
+    return LigerMistralForCausalLM.from_config(config, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("window", [None, 3, 5])
+def test_tree_verification_equals_each_path_run_alone(window):
+    # Every tree node's hidden state from one tree-masked call on top of the cache == running the prefix followed by
+    # the node's root-to-node path as a plain sequence (windows count positions by depth, not by node index).
+    base = _window_base(window)
+    choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
+    b = generate_medusa_buffers(choices, num_heads=3, topk=3)
+    prefix, tree = torch.randint(0, V, (1, 7)), torch.randint(0, V, (len(b.tree_indices),))
+    poisoned = torch.full((1, len(tree), base.config.hidden_size), float("nan"), dtype=torch.float64)
+    cache = KVCache()
     base.model(prefix, cache=cache)
-    cache.commit(0, 5)
-    base.model(rows, cache=cache)
-    cache.commit(1, 3)
+    poisoned.copy_(base.model(tree[None], (7 + b.tree_position_ids)[None], cache=cache, tree_mask=b.tree_mask))
+    assert cache.seq_length() == 7 + len(tree)
+    ancestors = b.tree_mask.nonzero()  # (node, ancestor-or-self) pairs, ancestors in depth order
+    for node in range(len(tree)):
+        path = ancestors[ancestors[:, 0] == node, 1]
+        full = base.model(torch.cat([prefix, tree[path][None]], 1))
+        torch.testing.assert_close(poisoned[0, node], full[0, -1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_kept_path_continues_like_the_plain_sequence(window):
+    base = _window_base(window)
+    b = generate_medusa_buffers(dense_medusa_choices([3, 2, 2]), num_heads=3, topk=3)
+    prefix, tree = torch.randint(0, V, (1, 6)), torch.randint(0, V, (len(b.tree_indices),))
+    cache = KVCache()
+    base.model(prefix, cache=cache)
+    base.model(tree[None], (6 + b.tree_position_ids)[None], cache=cache, tree_mask=b.tree_mask)
+    nodes = b.retrieve_indices[torch.randint(0, len(b.retrieve_indices), ())][:3]  # root + 2 accepted
+    cache.keep(6, nodes)
+    assert cache.seq_length() == 9
     more = torch.randint(0, V, (1, 2))
     out = base.model(more, cache=cache)
-    full = base.model(torch.cat([prefix, rows[1:2, :3], more], 1))
-    assert cache.seq_length() == 8  # the last call is not committed
+    full = base.model(torch.cat([prefix, tree[nodes][None], more], 1))
     torch.testing.assert_close(out, full[:, -2:], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="past the"):
+        cache.keep(9, torch.arange(5))
+
+
+def test_tree_mask_needs_positions_and_its_shape():
+    base = make_base(V, H, torch.float64)
+    ids = torch.randint(0, V, (1, 3))
+    with pytest.raises(ValueError, match="tree_mask"):
+        base.model(ids, tree_mask=torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="tree_mask"):
+        base.model(ids, torch.arange(3)[None], tree_mask=torch.ones(2, 2, dtype=torch.bool))
 
 
 class CounterBase(nn.Module):
@@ -95,7 +139,7 @@ class CounterBase(nn.Module):
         self.config = SimpleNamespace(hidden_size=n, vocab_size=n)
         self.lm_head = nn.Linear(n, n, bias=False, dtype=torch.float64)
         self.lm_head.weight.data = torch.eye(n, dtype=torch.float64)[perm].t().contiguous()  # W[perm[i], i] = 1
-        self.model = lambda ids, position_ids=None, cache=None: nn.functional.one_hot(ids, n).double()
+        self.model = lambda ids, position_ids=None, cache=None, **_: nn.functional.one_hot(ids, n).double()
 
     def greedy(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         out = ids[0].tolist()
