@@ -8,11 +8,13 @@ one plain decoding step, so this script measures both on the same random-weight 
   break-even        medusa ms/step ÷ greedy ms/token: the tokens a step must emit to tie with plain decoding
   speedup @ a       a × greedy ms/token ÷ medusa ms/step, at a tokens per step (trained Medusa-1 heads on Vicuna-7B
                     emit ~2.5–3.0 per step with the 63-node tree, MEDUSA.md §4)
-Random heads accept almost nothing, so their own tokens/step is reported but is not the point. HF transformers'
-`generate` on the same weights is the peer for plain decoding (the tokens must be identical, and are checked).
+Random heads accept almost nothing, so their own tokens/step is reported but is not the point. Each of ours runs
+eagerly and with `cuda_graph=True` (every decoding call replayed as a CUDA graph). HF transformers' `generate`
+(eager, dynamic cache) on the same weights is the peer for plain decoding; whether its tokens, the graphed ones and
+greedy Medusa's equal our eager greedy tokens is recorded (bf16: a near-tie may flip).
 
-Each time is the median of REPS wall-clock runs (CUDA synchronised), with the prefill taken out by subtracting a run
-that stops after the first step.
+Each time is the median of REPS wall-clock runs (CUDA synchronised) at two budgets, SHORT_TOKENS and NEW_TOKENS; the
+difference over the extra tokens (or steps) leaves out the prefill and the one graph capture per call.
 
     python benchmarks/bench_medusa_decoding.py --out DIR [--quick]
 """
@@ -36,7 +38,8 @@ LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidde
                   tie_word_embeddings=True)
 CONFIGS = {"llama-3-8b": LLAMA3_8B, "llama-3.2-1b": LLAMA32_1B}
 PROMPT_LENS = (128, 2048)
-NEW_TOKENS = 64
+NEW_TOKENS = 80
+SHORT_TOKENS = 16
 NUM_HEADS = 5
 REPS = 3
 ACCEPTANCE = (2.0, 2.5, 3.0)
@@ -70,6 +73,12 @@ def _hf_model(cfg: dict, state: dict):
     return hf.eval()
 
 
+def _per_unit_ms(run, units) -> float:
+    """ms per token (or per step) in steady state: two budgets, so the prefill and any capture cancel out."""
+    short, long = (_wall_ms(run, n) for n in (SHORT_TOKENS, NEW_TOKENS))
+    return (long - short) / (units(NEW_TOKENS) - units(SHORT_TOKENS))
+
+
 def measure(name: str, cfg: dict, quick: bool) -> list[dict]:
     import torch
 
@@ -87,9 +96,11 @@ def measure(name: str, cfg: dict, quick: bool) -> list[dict]:
     with torch.no_grad():
         for n, ids in prompts.items():
             greedy[n] = base.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
-            full = _wall_ms(base.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
-            first = _wall_ms(base.generate, ids, max_new_tokens=1, eos_token_id=[])
-            greedy_ms[n] = (full - first) / (NEW_TOKENS - 1)
+            for graph in (False, True):
+                run = lambda k: base.generate(ids, max_new_tokens=k, eos_token_id=[], cuda_graph=graph)  # noqa: E731
+                greedy_ms[n, graph] = _per_unit_ms(run, lambda k: k)
+            greedy[n, True] = torch.equal(base.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[],
+                                                        cuda_graph=True), greedy[n])
     rows = []
     for lm_head in ("copy", "shared"):
         medusa = MedusaModel.from_base(base, stage=1, num_heads=NUM_HEADS, share_lm_head=lm_head == "shared")
@@ -98,18 +109,23 @@ def measure(name: str, cfg: dict, quick: bool) -> list[dict]:
             if isinstance(module, torch.nn.Linear) and module.weight.shape[0] == module.weight.shape[1]:
                 torch.nn.init.normal_(module.weight, std=0.02)
         for n, ids in prompts.items():
-            with torch.no_grad():
-                out, steps = medusa_generate(base, medusa.heads, ids, NEW_TOKENS, eos_token_id=[], return_stats=True)
-                full = _wall_ms(medusa_generate, base, medusa.heads, ids, NEW_TOKENS, eos_token_id=[])
-                first = _wall_ms(medusa_generate, base, medusa.heads, ids, steps[0], eos_token_id=[])
-            step_ms = (full - first) / max(len(steps) - 1, 1)
-            rows.append(dict(config=name, lm_head=lm_head, prompt_len=n, new_tokens=NEW_TOKENS,
-                             greedy_ms_per_token=greedy_ms[n], medusa_ms_per_step=step_ms, medusa_steps=len(steps),
-                             medusa_tokens_per_step=sum(steps) / len(steps),
-                             medusa_equals_greedy=torch.equal(out, greedy[n]),
-                             break_even_tokens_per_step=step_ms / greedy_ms[n],
-                             speedup_at={str(a): a * greedy_ms[n] / step_ms for a in ACCEPTANCE}))
-        del medusa
+            for graph in (False, True):
+                with torch.no_grad():
+                    def run(k, stats=False):
+                        return medusa_generate(base, medusa.heads, ids, k, eos_token_id=[], return_stats=stats,
+                                               cuda_graph=graph)
+
+                    out, steps = run(NEW_TOKENS, True)
+                    step_ms = _per_unit_ms(run, lambda k: len(run(k, True)[1]))
+                ms = greedy_ms[n, graph]
+                rows.append(dict(config=name, lm_head=lm_head, cuda_graph=graph, prompt_len=n, new_tokens=NEW_TOKENS,
+                                 greedy_ms_per_token=ms, medusa_ms_per_step=step_ms, medusa_steps=len(steps),
+                                 medusa_tokens_per_step=sum(steps) / len(steps),
+                                 medusa_equals_greedy=torch.equal(out, greedy[n]),
+                                 greedy_graphed_equals_eager=greedy[n, True],
+                                 break_even_tokens_per_step=step_ms / ms,
+                                 speedup_at={str(a): a * ms / step_ms for a in ACCEPTANCE}))
+        medusa = None  # frees the heads before the next ones (a plain del would orphan the closures' name)
         torch.cuda.empty_cache() if DEVICE == "cuda" else None
     try:
         state = base.state_dict()
@@ -117,31 +133,33 @@ def measure(name: str, cfg: dict, quick: bool) -> list[dict]:
         del state
         with torch.no_grad():
             for prompt_len, ids in prompts.items():
-                kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-                same = torch.equal(hf.generate(ids, **kw), greedy[prompt_len])
-                full = _wall_ms(hf.generate, ids, **kw)
-                kw1 = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
-                first = _wall_ms(hf.generate, ids, **kw1)
+                same = torch.equal(hf.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                               do_sample=False), greedy[prompt_len])
+
+                def run(k):
+                    return hf.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False)
+
+                hf_ms = _per_unit_ms(run, lambda k: k)
                 for r in rows:
                     if r["prompt_len"] == prompt_len:
-                        r["hf_ms_per_token"] = (full - first) / (NEW_TOKENS - 1)
-                        r["hf_tokens_equal_ours"] = same
-        del hf
+                        r["hf_ms_per_token"], r["hf_tokens_equal_ours"] = hf_ms, same
+        hf = None
     except Exception as e:  # noqa: BLE001 - the peer is optional; our numbers stand without it
         for r in rows:
             r["hf_error"] = repr(e)[:300]
-    del base
+    base = None
     torch.cuda.empty_cache() if DEVICE == "cuda" else None
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| config | lm_head | prompt | HF ms/token | greedy ms/token | medusa ms/step | break-even tok/step | "
-            + " | ".join(f"speedup @{a}" for a in ACCEPTANCE) + " | random heads tok/step |")
-    lines = [head, "|" + "---|" * (8 + len(ACCEPTANCE))]
+    head = ("| config | lm_head | CUDA graph | prompt | HF ms/token | greedy ms/token | medusa ms/step | "
+            "break-even tok/step | " + " | ".join(f"speedup @{a}" for a in ACCEPTANCE) + " | random heads tok/step |")
+    lines = [head, "|" + "---|" * (9 + len(ACCEPTANCE))]
     for r in rows:
         hf = f"{r['hf_ms_per_token']:.2f}" if "hf_ms_per_token" in r else "—"
-        lines.append(f"| {r['config']} | {r['lm_head']} | {r['prompt_len']} | {hf} | {r['greedy_ms_per_token']:.2f} | "
+        lines.append(f"| {r['config']} | {r['lm_head']} | {'yes' if r['cuda_graph'] else 'no'} | {r['prompt_len']} | "
+                     f"{hf} | {r['greedy_ms_per_token']:.2f} | "
                      f"{r['medusa_ms_per_step']:.2f} | {r['break_even_tokens_per_step']:.2f} | "
                      + " | ".join(f"{r['speedup_at'][str(a)]:.2f}×" for a in ACCEPTANCE)
                      + f" | {r['medusa_tokens_per_step']:.2f} |")

@@ -36,6 +36,7 @@ from torch import nn
 
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.modules.cache import KVCache
+from liger_models.modules.graphed_decoding import GraphedCall, StaticKVCache
 from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_ids, eos_token_ids,
                                            new_token_budget, pad_token, prompt_mask)
 
@@ -137,11 +138,49 @@ def _next_root(logits: torch.Tensor, temperature: float, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _prefill(base: nn.Module, ids: torch.Tensor, capacity: int) -> tuple[KVCache, torch.Tensor]:
-    """A fresh cache holding ids (1, T), and the base's last hidden state (1, H)."""
-    cache = KVCache(capacity)
-    hidden = base.model(ids, cache=cache)[:, -1]
-    return cache, hidden
+class _BaseCalls:
+    """The base model's calls in one decoding run: the prefill, one token, the tree. Eager on a KVCache, or (cuda_graph)
+    the last two replayed as CUDA graphs on a static cache of ``capacity`` slots (modules/graphed_decoding.py)."""
+
+    def __init__(self, base: nn.Module, buffers: MedusaBuffers, capacity: int, cuda_graph: bool) -> None:
+        self.base, self.buffers, self.capacity = base, buffers, capacity
+        self.cache: KVCache | StaticKVCache | None = None
+        self.graphs = None
+        if cuda_graph:
+            static = StaticKVCache(capacity)
+            pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+            one = GraphedCall(base, static, 1, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+                              pool=pool)
+            tree = GraphedCall(base, static, 1, buffers.tree_mask, buffers.tree_position_ids, pool=pool)
+            self.graphs = (one, tree)
+
+    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh cache holding ids (1, T); the base's last hidden state (1, H) and its logits (1, V)."""
+        cache = KVCache(self.capacity)
+        hidden = self.base.model(ids, cache=cache)[:, -1]
+        if self.graphs is not None:
+            self.graphs[0].cache.load(cache)
+            cache = self.graphs[0].cache
+        self.cache = cache
+        return hidden, self.base.lm_head(hidden)
+
+    def one(self, token: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """token (1,) at position `length`: its hidden state (1, H) and logits (1, V)."""
+        if self.graphs is not None:
+            hidden, logits = self.graphs[0](token[None], length, length)
+            return hidden[:, 0].clone(), logits[:, 0].clone()  # the next replay overwrites the graph's outputs
+        hidden = self.base.model(token[None], cache=self.cache)[:, 0]
+        return hidden, self.base.lm_head(hidden)
+
+    def tree(self, tokens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree's node tokens (1+N,) after `length` committed ones: hidden states (1+N, H) and logits (1+N, V),
+        valid until the next call."""
+        positions = (length + self.buffers.tree_position_ids)[None]
+        if self.graphs is not None:
+            hidden, logits = self.graphs[1](tokens[None], positions, length)
+            return hidden[0], logits[0]
+        hidden = self.base.model(tokens[None], positions, cache=self.cache, tree_mask=self.buffers.tree_mask)[0]
+        return hidden, self.base.lm_head(hidden)
 
 
 def check_unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None,
@@ -166,7 +205,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
                     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, topk: int = TOPK,
                     eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                     attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                    return_stats: bool = False):
+                    return_stats: bool = False, cuda_graph: bool = False):
     """(1, T) prompt → (1, T + n) tokens, n ≤ max_new_tokens, stopping after an EOS token. max_new_tokens None
     takes the checkpoint's generation_config.json as plain generate does (`new_token_budget`).
 
@@ -176,6 +215,9 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     (do_sample / top_p / top_k) that file describes, so its sampling settings are not applied here.
     return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
     in base forward calls).
+    cuda_graph: replay the verification call (and the rare one-token call) as CUDA graphs over a static cache of
+    T + max_new_tokens + tree slots (modules/graphed_decoding.py): the same tokens without the host's per-kernel
+    cost, which otherwise bounds a batch-1 step.
     The prompt must be unpadded: one that holds the pad id (argument, else the checkpoint's) is refused unless
     attention_mask is all ones (those ids are then real text), since plain generate would hide them (see
     `check_unpadded`).
@@ -207,34 +249,33 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     rotary = getattr(base.model, "rotary", None)
     regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2
 
-    # Room for the prompt, the budget (up to generate's preallocation; the cache grows past it) and one tree.
-    capacity = input_ids.shape[1] + min(max_new_tokens, PREALLOCATED_NEW_TOKENS) + len(buffers.tree_indices)
-    cache, hidden = _prefill(base, input_ids, capacity)
-    next_logits = base.lm_head(hidden)  # (1, V): the base's prediction after the last committed token
-    cached_regime = regime(input_ids.shape[1])
+    # Room for the prompt, the budget and one tree (eagerly: the budget up to generate's preallocation, past which
+    # the cache grows; a static cache cannot grow).
+    budget = max_new_tokens if cuda_graph else min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
+    calls = _BaseCalls(base, buffers, input_ids.shape[1] + budget + len(buffers.tree_indices), cuda_graph)
+    hidden, next_logits = calls.prefill(input_ids)  # next_logits: the base's prediction after the last token
+    length = input_ids.shape[1]  # committed tokens
+    cached_regime = regime(length)
     tokens = [input_ids[0]]
     emitted, per_step = 0, []
     while emitted < max_new_tokens:
-        length = cache.seq_length()
         if regime(length) != cached_regime:  # longrope switched: recompute the sequence, as generate does
             cached_regime = regime(length)
-            cache, hidden = _prefill(base, torch.cat(tokens)[None], capacity)
-            next_logits = base.lm_head(hidden)
+            hidden, next_logits = calls.prefill(torch.cat(tokens)[None])
         root = _next_root(next_logits, temperature, generator)  # (1,)
         if table_key(length + depth + 1) != table_key(length):  # the tree would span two rotary tables: root alone
-            hidden = base.model(root[None], cache=cache)[:, 0]  # (1, H)
-            step_tokens, next_logits = root, base.lm_head(hidden)
+            hidden, next_logits = calls.one(root, length)
+            step_tokens = root
         else:
             proposals = heads.logits(hidden)[:depth, 0].topk(topk, dim=-1).indices  # (D, topk)
             tree = torch.cat([root, proposals.flatten()])[buffers.tree_indices]  # (1+N,) node tokens
-            out = base.model(tree[None], (length + buffers.tree_position_ids)[None], cache=cache,
-                             tree_mask=buffers.tree_mask)[0]  # (1+N, H)
-            logits = base.lm_head(out)  # (1+N, V)
+            out, logits = calls.tree(tree, length)
             row, n = _accept(tree[path_nodes], valid, logits[path_nodes], temperature, posterior_threshold,
                              posterior_alpha)
             nodes = path_nodes[row, : n + 1]  # the accepted path, root first
-            cache.keep(length, nodes)
+            calls.cache.keep(length, nodes)
             step_tokens, hidden, next_logits = tree[nodes], out[nodes[-1:]], logits[nodes[-1:]]
+        length += len(step_tokens)
         step_tokens = step_tokens[: max_new_tokens - emitted]
         stop = [i for i, t in enumerate(step_tokens.tolist()) if t in eos]
         if stop:

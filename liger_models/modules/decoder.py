@@ -97,11 +97,17 @@ class DecoderModel(nn.Module):
             position_ids = torch.arange(past, past + T, device=input_ids.device)[None]  # (1, T)
         elif cache is None and attention_mask is None and tree is None:
             documents = document_ids(position_ids.expand(B, T))
+        return self.run(input_ids, position_ids, AttentionMask(T, past, documents, input_ids.device, padding, tree),
+                        cache)
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: AttentionMask,
+            cache: KVCache | None = None) -> torch.Tensor:
+        """The stack on given positions and attention mask (``forward`` builds them; a CUDA-graphed decoding call
+        passes masks computed on the device, modules/graphed_decoding.py)."""
         x = self.embed_tokens(input_ids)  # (B, T, H)
         if self.config.scale_embeddings:  # √H rounded to the activation dtype first, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(position_ids)  # (B or 1, T, R) fp32
-        mask = AttentionMask(T, past, documents, input_ids.device, padding, tree)
         residual = None
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:

@@ -177,10 +177,16 @@ def new_token_budget(model, max_new_tokens: int | None, prompt_length: int) -> i
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, *, do_sample: bool | None = None,
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-             attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+             attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
+             cuda_graph: bool = False) -> torch.Tensor:
     """(B, T) prompt (left-padded when lengths differ; see the module docstring) → (B, T + n) tokens,
     n ≤ max_new_tokens. Settings left None come from generation_config.json, else HF's defaults (greedy unless the
-    file says do_sample); eos/pad default to the checkpoint's ids."""
+    file says do_sample); eos/pad default to the checkpoint's ids.
+
+    cuda_graph: after the (eager) prefill, replay each one-token step as a CUDA graph over a static cache of
+    T + max_new_tokens slots (modules/graphed_decoding.py): the same tokens without the host's per-kernel cost
+    (at batch 1 the step is otherwise host-bound), at the price of one capture per call and the whole budget's
+    cache allocated up front."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "
                          f"{tuple(input_ids.shape)}")
@@ -207,6 +213,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
         return out.logits[:, -1], cache
 
     logits, cache = prefill(input_ids)
+    graphed = None
+    if cuda_graph:
+        graphed = _graphed_step(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, mask)
+        graphed.cache.load(cache)
     regime = rotary.regime(input_ids.shape[1])
     tokens, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
@@ -223,8 +233,26 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
         if rotary.regime(tokens.shape[1]) != regime:
             regime = rotary.regime(tokens.shape[1])
             logits, cache = prefill(tokens)
+            if graphed is not None:
+                graphed.cache.load(cache)
+        elif graphed is not None:  # the new token sits at slot T − 1; its position is that, or HF's with padding
+            slot = tokens.shape[1] - 1
+            logits = graphed(nxt[:, None], slot if positions is None else positions[:, -1:], slot)[1][:, -1]
         else:
             out = model(nxt[:, None], num_logits_to_keep=1, past_key_values=cache, use_cache=True,
                         attention_mask=mask, position_ids=None if positions is None else positions[:, -1:])
             logits = out.logits[:, -1]
     return tokens
+
+
+def _graphed_step(model, batch: int, capacity: int, mask: torch.Tensor | None):
+    """One-token decoding steps replayed as a CUDA graph, over a static cache of ``capacity`` slots."""
+    from .graphed_decoding import GraphedCall, StaticKVCache
+
+    device = model.lm_head.weight.device
+    valid = None
+    if mask is not None:  # left padding: the prompt's padded slots stay hidden; generated tokens are all real
+        valid = torch.ones(mask.shape[0], capacity, dtype=torch.bool, device=device)
+        valid[:, : mask.shape[1]] = mask.bool()
+    return GraphedCall(model, StaticKVCache(capacity), batch, torch.ones(1, 1, dtype=torch.bool),
+                       torch.zeros(1, dtype=torch.long), valid)

@@ -1,0 +1,171 @@
+"""Decoding calls replayed as CUDA graphs: a static KV cache and attention masks computed on the device.
+
+Decoding a few tokens per call is host-bound: a Llama-3.2-1B call runs ~210 kernels whose GPU time is ~1.1 ms on an
+H200, while issuing them from Python takes 10-20 ms. A CUDA graph replays all of a call's kernels from one launch.
+It replays fixed shapes and fixed addresses, so here
+  - the cache is preallocated at ``capacity`` slots (``StaticKVCache``); a call writes its T tokens at slots
+    start … start + T − 1 through a device index, and attends over all ``capacity`` slots under a mask;
+  - the mask (``DeviceMask``) is computed inside the graph from device tensors: ``start`` (the first slot of the
+    call), ``valid`` (B, capacity) (False at left padding) and the call's fixed (T, T) pattern among its own
+    tokens (causal for one token; a Medusa tree's ancestor mask), so every replay sees its own step's keys;
+  - a sliding window counts slots, as AttentionMask does (a tree token's slot is start + its depth).
+``GraphedCall`` runs a call eagerly once (compiling the kernels and writing that step's keys), captures it, and
+from then on copies the inputs into its static buffers and replays. The prefill stays eager (``KVCache``) and is
+copied into the static cache with ``StaticKVCache.load``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import FLEX_MIN_LEN
+from .cache import KVCache
+
+# False: every GraphedCall runs eagerly (same static cache and device masks, any device); the CPU tests set it.
+CAPTURE = True
+
+
+class StaticKVCache:
+    """KVCache's ``update`` over preallocated (B, Hkv, capacity, D) buffers, written at the slots in ``slots``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.buffer: torch.Tensor | None = None  # (L, 2, B, Hkv, capacity, D): every layer's keys and values
+        self.slots: torch.Tensor | None = None  # (T,) long: where the running call's tokens go
+
+    def load(self, cache: KVCache) -> None:
+        """Copy a dynamic cache's entries (slots 0 … its length − 1) in, allocating the buffers on first use."""
+        length = cache.seq_length()
+        if length > self.capacity:
+            raise ValueError(f"{length} cached tokens do not fit a static cache of {self.capacity} slots")
+        if not self.layers:
+            self._allocate([(k, v) for k, v, _ in cache._layers.values()], list(cache._layers))
+        for layer_idx, (keys, values, _) in cache._layers.items():
+            for static, t in zip(self.layers[layer_idx], (keys, values)):
+                static[:, :, :length] = t[:, :, :length]
+
+    def _allocate(self, like: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int]) -> None:
+        # One (L, 2, B, Hkv, capacity, D) buffer, so `keep` moves every layer's accepted entries with one gather
+        # instead of two per layer. Zeros: a masked slot still meets the softmax, and garbage there could be NaN
+        # (NaN · 0 = NaN).
+        shapes = {(*t.shape[:2], t.shape[3], t.dtype, t.device) for pair in like for t in pair}
+        if len(shapes) != 1:
+            raise ValueError(f"a static cache needs every layer's keys and values in one shape, got {shapes}")
+        k = like[0][0]
+        self.buffer = k.new_zeros(len(like), 2, k.shape[0], k.shape[1], self.capacity, k.shape[3])
+        self.layers = {i: (self.buffer[j, 0], self.buffer[j, 1]) for j, i in enumerate(indices)}
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.layers[layer_idx]
+        keys.index_copy_(2, self.slots, k)
+        values.index_copy_(2, self.slots, v)
+        return keys, values
+
+    def keep(self, start: int, indices: torch.Tensor) -> None:
+        """Of the slots from ``start`` on, keep those at ``start + indices`` packed from ``start`` (KVCache.keep)."""
+        n = len(indices)
+        if start + n > self.capacity:
+            raise ValueError(f"keep({start}, {n} entries) past the {self.capacity} slots")
+        if self.buffer is not None:  # advanced indexing gathers into a new tensor first: overlap is safe
+            self.buffer[..., start: start + n, :] = self.buffer[..., indices + start, :]
+
+
+class DeviceMask:
+    """AttentionMask's interface (q_len, past, needs_mask, boolean) for a captured call: which of the ``capacity``
+    slots each of the call's T tokens sees, computed from device tensors at every replay."""
+
+    def __init__(self, start: torch.Tensor, pattern: torch.Tensor, depth: torch.Tensor, capacity: int,
+                 valid: torch.Tensor | None) -> None:
+        self.start, self.pattern, self.depth, self.valid = start, pattern, depth, valid
+        self.q_len, self.capacity = pattern.shape[0], capacity
+        self.past = None  # never read: needs_mask is always True
+        self._masks: dict = {}
+
+    def needs_mask(self, window: int | None) -> bool:
+        return True
+
+    def boolean(self, window: int | None) -> torch.Tensor:
+        """(B or 1, 1, T, capacity) True where attention is allowed."""
+        if window not in self._masks:
+            q = torch.arange(self.q_len, device=self.start.device)[:, None]  # (T, 1)
+            slot = torch.arange(self.capacity, device=self.start.device)[None, :]  # (1, S)
+            offset = slot - self.start
+            new = (offset >= 0) & (offset < self.q_len)
+            own = offset.clamp(0, self.q_len - 1)
+            ok = (offset < 0) | (new & self.pattern[q, own])  # (T, S): earlier slots, and the call's pattern
+            if window is not None:
+                key_slot = torch.where(new, self.start + self.depth[own], slot)
+                ok = ok & (self.start + self.depth[q] - key_slot < window)
+            ok = ok[None] if self.valid is None else ok[None] & (self.valid[:, None, :] | new[None])
+            self._masks[window] = ok[:, None]
+        return self._masks[window]
+
+
+class GraphedCall:
+    """``model`` (a zoo causal LM) on T new tokens per row at slots start …, replayed as a CUDA graph.
+
+    pattern (T, T) bool: which of the call's own tokens each sees (``torch.ones(1, 1)`` for one decoding step; a
+    tree's ancestor mask); depth (T,): each token's slot offset (0 … T − 1 for a chain, the depth in a tree).
+    valid: (B, capacity) bool, False at padded slots, or None. Returns (hidden (B, T, H), logits (B, T, V)) in
+    static tensors that the next call overwrites.
+    """
+
+    def __init__(self, model: nn.Module, cache: StaticKVCache, batch: int, pattern: torch.Tensor,
+                 depth: torch.Tensor, valid: torch.Tensor | None = None, pool=None) -> None:
+        device = model.lm_head.weight.device
+        graphed = CAPTURE
+        if graphed and device.type != "cuda":
+            raise ValueError(f"CUDA-graph decoding needs the model on a CUDA device, not {device}")
+        T = pattern.shape[0]
+        if T >= FLEX_MIN_LEN:
+            raise ValueError(f"a graphed call takes fewer than {FLEX_MIN_LEN} tokens, got {T}")
+        self.model, self.cache, self.pool = model, cache, pool
+        self.ids = torch.zeros(batch, T, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, T, dtype=torch.long, device=device)
+        self.start = torch.zeros((), dtype=torch.long, device=device)
+        self.pattern, self.depth = pattern.to(device, torch.bool), depth.to(device, torch.long)
+        self.valid, self.graphed = valid, graphed
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.slots = self.start + self.depth_slots
+        mask = DeviceMask(self.start, self.pattern, self.depth, self.cache.capacity, self.valid)
+        hidden = self.model.model.run(self.ids, self.positions, mask, self.cache)
+        return hidden, self.model.lm_head(hidden)
+
+    @property
+    def depth_slots(self) -> torch.Tensor:
+        """Slot offsets of the call's tokens: 0 … T − 1 (a tree is written in node order, compacted later)."""
+        return torch.arange(self.pattern.shape[0], device=self.start.device)
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor | int, start: int) -> tuple[torch.Tensor, ...]:
+        """ids (B, T); positions (B, T) or one int for every token (a single decoding step); start: first slot."""
+        if start + self.ids.shape[1] > self.cache.capacity:
+            raise ValueError(f"slots {start} … {start + self.ids.shape[1] - 1} pass the static cache's "
+                             f"{self.cache.capacity}")
+        self.ids.copy_(ids)
+        if isinstance(positions, int):
+            self.positions.fill_(positions)
+        else:
+            self.positions.copy_(positions)
+        self.start.fill_(start)
+        if not self.graphed:
+            return self._run()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.outputs
+        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # compiles the kernels and writes this step's keys
+            self._run()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs = self._run()
+        self.graph = graph
+        graph.replay()  # capturing records the kernels without running them
+        return self.outputs
