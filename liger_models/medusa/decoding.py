@@ -267,7 +267,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
             hidden, next_logits = calls.one(root, length)
             step_tokens = root
         else:
-            proposals = heads.logits(hidden)[:depth, 0].topk(topk, dim=-1).indices  # (D, topk)
+            proposals = heads.logits(hidden, depth)[:, 0].topk(topk, dim=-1).indices  # (D, topk)
             tree = torch.cat([root, proposals.flatten()])[buffers.tree_indices]  # (1+N,) node tokens
             out, logits = calls.tree(tree, length)
             row, n = _accept(tree[path_nodes], valid, logits[path_nodes], temperature, posterior_threshold,

@@ -90,3 +90,17 @@ def test_shared_lm_head_logits_use_the_base_projection():
     logits = heads.logits(hidden)
     for k, z in enumerate(heads(hidden)):
         assert_matches(logits[k], z.double() @ base.lm_head.weight.double().t(), name="shared logits")
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_logits_of_the_first_heads(share):
+    # Decoding asks only for the heads its tree reaches; those equal the full call's, shared head or own copies.
+    _, heads = _heads(share, 1, K=4)
+    for p in heads.parameters():
+        p.data.normal_()
+    hidden = torch.randn(2, 16)
+    first = heads.logits(hidden, 2)
+    assert first.shape == (2, 2, 37)
+    assert_matches(first, heads.logits(hidden)[:2], name="first heads' logits")
+    with pytest.raises(ValueError, match="expect 16"):
+        heads.logits(torch.randn(2, 8), 2)
