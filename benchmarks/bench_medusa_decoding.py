@@ -11,7 +11,9 @@ one plain decoding step, so this script measures both on the same random-weight 
 Random heads accept almost nothing, so their own tokens/step is reported but is not the point. Each of ours runs
 eagerly and with `cuda_graph=True` (every decoding call replayed as a CUDA graph). HF transformers' `generate`
 (eager, dynamic cache) on the same weights is the peer for plain decoding; whether its tokens, the graphed ones and
-greedy Medusa's equal our eager greedy tokens is recorded (bf16: a near-tie may flip).
+greedy Medusa's equal our eager greedy tokens is recorded, but says little here: random bf16 weights give near-tied
+logits, so any change of kernel flips some argmax (tests/models/test_graphed_decoding.py checks tokens in fp32).
+graph_setup_ms: what a `cuda_graph=True` call pays once (static cache, warm-up step, capture).
 
 Each time is the median of REPS wall-clock runs (CUDA synchronised) at two budgets, SHORT_TOKENS and NEW_TOKENS; the
 difference over the extra tokens (or steps) leaves out the prefill and the one graph capture per call.
@@ -101,6 +103,10 @@ def measure(name: str, cfg: dict, quick: bool) -> list[dict]:
                 greedy_ms[n, graph] = _per_unit_ms(run, lambda k: k)
             greedy[n, True] = torch.equal(base.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[],
                                                         cuda_graph=True), greedy[n])
+            # What one call pays to set the graph up (static cache, eager warm-up step, capture): two new tokens
+            # graphed minus eager, i.e. one graphed step's setup instead of one eager step.
+            greedy[n, "setup"] = (_wall_ms(base.generate, ids, max_new_tokens=2, eos_token_id=[], cuda_graph=True)
+                                  - _wall_ms(base.generate, ids, max_new_tokens=2, eos_token_id=[]))
     rows = []
     for lm_head in ("copy", "shared"):
         medusa = MedusaModel.from_base(base, stage=1, num_heads=NUM_HEADS, share_lm_head=lm_head == "shared")
@@ -122,7 +128,7 @@ def measure(name: str, cfg: dict, quick: bool) -> list[dict]:
                                  greedy_ms_per_token=ms, medusa_ms_per_step=step_ms, medusa_steps=len(steps),
                                  medusa_tokens_per_step=sum(steps) / len(steps),
                                  medusa_equals_greedy=torch.equal(out, greedy[n]),
-                                 greedy_graphed_equals_eager=greedy[n, True],
+                                 greedy_graphed_equals_eager=greedy[n, True], graph_setup_ms=greedy[n, "setup"],
                                  break_even_tokens_per_step=step_ms / ms,
                                  speedup_at={str(a): a * ms / step_ms for a in ACCEPTANCE}))
         medusa = None  # frees the heads before the next ones (a plain del would orphan the closures' name)

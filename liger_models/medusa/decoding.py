@@ -22,7 +22,9 @@ Verification layout. As in the reference implementation, the 1 + N tree nodes ru
 KV cache with a tree attention mask (each node sees the cache, its ancestors and itself; `DecoderModel`'s
 tree_mask) at positions past + depth; the accepted path's keys and values are then moved down to the committed
 positions (`KVCache.keep`) and the rest of the tree is dropped. One verification call costs 1 + N tokens of
-compute, and nothing prefix-sized is copied.
+compute, and nothing prefix-sized is copied. With cuda_graph=True the verification call (and the one-token call)
+replays as a CUDA graph over a static cache (modules/graphed_decoding.py); the heads, the candidates and the
+acceptance still run eagerly, one host sync per step.
 """
 
 from __future__ import annotations
@@ -139,8 +141,9 @@ def _next_root(logits: torch.Tensor, temperature: float, generator: torch.Genera
 
 
 class _BaseCalls:
-    """The base model's calls in one decoding run: the prefill, one token, the tree. Eager on a KVCache, or (cuda_graph)
-    the last two replayed as CUDA graphs on a static cache of ``capacity`` slots (modules/graphed_decoding.py)."""
+    """The base model's calls in one decoding run: the prefill, one token, the tree. Eager on a KVCache, or
+    (cuda_graph) the last two replayed as CUDA graphs on a static cache of ``capacity`` slots
+    (modules/graphed_decoding.py)."""
 
     def __init__(self, base: nn.Module, buffers: MedusaBuffers, capacity: int, cuda_graph: bool) -> None:
         self.base, self.buffers, self.capacity = base, buffers, capacity
@@ -156,7 +159,7 @@ class _BaseCalls:
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh cache holding ids (1, T); the base's last hidden state (1, H) and its logits (1, V)."""
-        cache = KVCache(self.capacity)
+        cache = KVCache(0 if self.graphs is not None else self.capacity)  # graphed: copied into the static one
         hidden = self.base.model(ids, cache=cache)[:, -1]
         if self.graphs is not None:
             self.graphs[0].cache.load(cache)

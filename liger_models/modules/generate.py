@@ -8,6 +8,8 @@ checkpoint's: generation_config.json's if it has that file, else config.json's, 
 every row is done or ``max_new_tokens`` is reached.
 When the rotary table for cached positions would change (longrope crossing original_max_position_embeddings), the
 cache is dropped and the whole sequence is recomputed, as HF's Phi3 does.
+``cuda_graph=True`` replays every one-token step as a CUDA graph (modules/graphed_decoding.py): a batch-1 step is
+otherwise bound by the host issuing ~200 kernels (Llama-3.2-1B on an H200: 10.9 → 1.4 ms per token).
 
 Sampling settings left out (None) are taken as HF's generate takes them: from the checkpoint's
 generation_config.json (Llama 3 Instruct's says do_sample true, temperature 0.6, top_p 0.9, max_length 4096), else
@@ -207,15 +209,16 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     capacity = input_ids.shape[1] + min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
 
     def prefill(tokens: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
-        cache = KVCache(capacity)
+        cache = KVCache(0 if graphed is not None else capacity)  # graphed: copied into the static cache
         out = model(tokens, num_logits_to_keep=1, past_key_values=cache, use_cache=True, attention_mask=mask,
                     position_ids=positions)
         return out.logits[:, -1], cache
 
-    logits, cache = prefill(input_ids)
     graphed = None
-    if cuda_graph:
+    if cuda_graph:  # before the prefill: a model off CUDA is refused before any work
         graphed = _graphed_step(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, mask)
+    logits, cache = prefill(input_ids)
+    if graphed is not None:
         graphed.cache.load(cache)
     regime = rotary.regime(input_ids.shape[1])
     tokens, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
