@@ -150,11 +150,11 @@ class _BaseCalls:
         self.cache: KVCache | StaticKVCache | None = None
         self.graphs = None
         if cuda_graph:
+            # Each graph keeps its own memory pool: they replay in any order, so one's outputs must never be
+            # memory the other may reuse.
             static = StaticKVCache(capacity)
-            pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
-            one = GraphedCall(base, static, 1, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
-                              pool=pool)
-            tree = GraphedCall(base, static, 1, buffers.tree_mask, buffers.tree_position_ids, pool=pool)
+            one = GraphedCall(base, static, 1, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
+            tree = GraphedCall(base, static, 1, buffers.tree_mask, buffers.tree_position_ids)
             self.graphs = (one, tree)
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,8 +219,8 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
     in base forward calls).
     cuda_graph: replay the verification call (and the rare one-token call) as CUDA graphs over a static cache of
-    T + max_new_tokens + tree slots (modules/graphed_decoding.py): the same tokens without the host's per-kernel
-    cost, which otherwise bounds a batch-1 step.
+    T + max_new_tokens + tree slots (modules/graphed_decoding.py), without the host's per-kernel cost, which
+    otherwise bounds a batch-1 step (in bf16 a near-tied argmax may flip, as with generate's cuda_graph).
     The prompt must be unpadded: one that holds the pad id (argument, else the checkpoint's) is refused unless
     attention_mask is all ones (those ids are then real text), since plain generate would hide them (see
     `check_unpadded`).

@@ -77,6 +77,7 @@ class AttentionMask:
         self.q_len, self.past, self.kv_len = q_len, past, past + q_len
         self.documents, self.padding, self.device = documents, padding, device
         self.tree = tree
+        self.supports_flex = True  # `block` can build a flex_attention BlockMask (a graphed call's mask cannot)
         self._masks: dict = {}
 
     @property
@@ -141,7 +142,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         if mask.q_len == 1:  # one new token sees the whole cache
             return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
-    elif flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN):
+    elif mask.supports_flex and (flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN)):
         return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask.block(window), scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.boolean(window), scale=scale, enable_gqa=gqa)
 

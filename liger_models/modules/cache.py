@@ -37,9 +37,18 @@ class KVCache:
         the tree, root first); the next call then sees exactly the committed tokens."""
         n = len(indices)
         for layer_idx, (keys, values, length) in self._layers.items():
-            if start + n > length:
-                raise ValueError(f"keep({start}, {n} entries) past the {length} cached")
+            check_kept(start, indices, length)
             src = indices.to(keys.device) + start
             # Advanced indexing reads into a new tensor first, so overlapping source and destination are safe.
             keys[:, :, start: start + n], values[:, :, start: start + n] = keys[:, :, src], values[:, :, src]
             self._layers[layer_idx] = (keys, values, start + n)
+
+
+def check_kept(start: int, indices: torch.Tensor, filled: int) -> None:
+    """Refuse keeping entries outside start … filled − 1: past them the buffer holds stale or unwritten memory, and
+    a negative index would wrap around to committed entries (one host read; a speculative step makes one anyway)."""
+    if len(indices) == 0:
+        return
+    low, high = (int(v) for v in torch.stack(torch.aminmax(indices)).tolist())
+    if low < 0 or start + high >= filled or start + len(indices) > filled:
+        raise ValueError(f"keep({start}, indices {low} … {high}) reaches outside the {filled} filled entries")

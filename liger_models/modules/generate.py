@@ -186,9 +186,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     file says do_sample); eos/pad default to the checkpoint's ids.
 
     cuda_graph: after the (eager) prefill, replay each one-token step as a CUDA graph over a static cache of
-    T + max_new_tokens slots (modules/graphed_decoding.py): the same tokens without the host's per-kernel cost
-    (at batch 1 the step is otherwise host-bound), at the price of one capture per call and the whole budget's
-    cache allocated up front."""
+    T + max_new_tokens slots (modules/graphed_decoding.py), without the host's per-kernel cost (at batch 1 the step
+    is otherwise host-bound), at the price of one capture per call and the whole budget's cache allocated up front.
+    The same computation: in fp32 the same tokens; in bf16 the masked attention over the static cache rounds apart
+    from the eager kernel's, so a near-tied argmax may flip."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "
                          f"{tuple(input_ids.shape)}")

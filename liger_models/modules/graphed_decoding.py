@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .attention import FLEX_MIN_LEN
-from .cache import KVCache
+from .cache import KVCache, check_kept
 
 # False: every GraphedCall runs eagerly (same static cache and device masks, any device); the CPU tests set it.
 CAPTURE = True
@@ -66,8 +66,7 @@ class StaticKVCache:
     def keep(self, start: int, indices: torch.Tensor) -> None:
         """Of the slots from ``start`` on, keep those at ``start + indices`` packed from ``start`` (KVCache.keep)."""
         n = len(indices)
-        if start + n > self.capacity:
-            raise ValueError(f"keep({start}, {n} entries) past the {self.capacity} slots")
+        check_kept(start, indices, self.capacity)
         if self.buffer is not None:  # advanced indexing gathers into a new tensor first: overlap is safe
             self.buffer[..., start: start + n, :] = self.buffer[..., indices + start, :]
 
@@ -81,6 +80,7 @@ class DeviceMask:
         self.start, self.pattern, self.depth, self.valid = start, pattern, depth, valid
         self.q_len, self.capacity = pattern.shape[0], capacity
         self.past = None  # never read: needs_mask is always True
+        self.supports_flex = False  # the mask is a tensor computed in the graph, not a flex BlockMask
         self._masks: dict = {}
 
     def needs_mask(self, window: int | None) -> bool:
@@ -113,7 +113,7 @@ class GraphedCall:
     """
 
     def __init__(self, model: nn.Module, cache: StaticKVCache, batch: int, pattern: torch.Tensor,
-                 depth: torch.Tensor, valid: torch.Tensor | None = None, pool=None) -> None:
+                 depth: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         device = model.lm_head.weight.device
         graphed = CAPTURE
         if graphed and device.type != "cuda":
@@ -121,7 +121,7 @@ class GraphedCall:
         T = pattern.shape[0]
         if T >= FLEX_MIN_LEN:
             raise ValueError(f"a graphed call takes fewer than {FLEX_MIN_LEN} tokens, got {T}")
-        self.model, self.cache, self.pool = model, cache, pool
+        self.model, self.cache = model, cache
         self.ids = torch.zeros(batch, T, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, T, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
@@ -155,17 +155,21 @@ class GraphedCall:
         self.start.fill_(start)
         if not self.graphed:
             return self._run()
-        if self.graph is not None:
-            self.graph.replay()
+        # Everything on the model's device, which need not be the current one: a capture records only the work
+        # queued on its own stream, and torch would create that stream on the current device.
+        with torch.cuda.device(self.ids.device):
+            if self.graph is not None:
+                self.graph.replay()
+                return self.outputs
+            side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):  # compiles the kernels and writes this step's keys
+                self._run()
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                self.outputs = self._run()
+            current.wait_stream(side)
+            self.graph = graph
+            graph.replay()  # capturing records the kernels without running them
             return self.outputs
-        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # compiles the kernels and writes this step's keys
-            self._run()
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs = self._run()
-        self.graph = graph
-        graph.replay()  # capturing records the kernels without running them
-        return self.outputs

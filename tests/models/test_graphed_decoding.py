@@ -5,11 +5,18 @@ device tensors and the reloads after a longrope switch are all checked there; ca
 tests at the end.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from liger_models import LigerMistralForCausalLM, MistralConfig
+from liger_models.gemma.config import GemmaConfig
+from liger_models.gemma.modeling import LigerGemmaForCausalLM
 from liger_models.medusa import MedusaModel
+from liger_models.medusa.decoding import dense_medusa_choices, generate_medusa_buffers, medusa_generate
+from liger_models.qwen2.config import Qwen2Config
+from liger_models.qwen2.modeling import LigerQwen2ForCausalLM
 from liger_models.modules import graphed_decoding
 from liger_models.modules.attention import AttentionMask
 from liger_models.modules.cache import KVCache
@@ -74,10 +81,84 @@ def test_medusa_graphed_equals_plain_greedy(eager_graphs, kind):
         model.heads[k][0].linear.bias.data.zero_()
     prompt = torch.randint(3, 50, (1, 6))
     plain = base.generate(prompt, max_new_tokens=10, eos_token_id=[])  # past the rotary switch at 12 positions
-    eager, steps = model.generate(prompt, max_new_tokens=10, eos_token_id=[], return_stats=True)
-    graphed, graphed_steps = model.generate(prompt, max_new_tokens=10, eos_token_id=[], return_stats=True,
-                                            cuda_graph=True)
+    kw = dict(max_new_tokens=10, eos_token_id=[], return_stats=True, medusa_choices=dense_medusa_choices([2, 2, 1]))
+    eager, steps = model.generate(prompt, **kw)
+    graphed, graphed_steps = model.generate(prompt, cuda_graph=True, **kw)
     assert torch.equal(eager, plain) and torch.equal(graphed, plain) and graphed_steps == steps
+
+
+@pytest.mark.parametrize("family", ["gemma", "qwen2-layer-windows"])
+@pytest.mark.parametrize("new_tokens", [1, 2, 9])
+def test_generate_graphed_other_families(eager_graphs, family, new_tokens):
+    # Gemma's scaled embeddings and Qwen2's qkv bias with a window on some layers only; budgets of 1 (no graphed
+    # step at all) and 2 (exactly one).
+    if family == "gemma":
+        model = LigerGemmaForCausalLM.from_config(GemmaConfig.tiny(initializer_range=0.3), dtype=torch.float64)
+    else:
+        cfg = Qwen2Config.tiny(initializer_range=0.3, use_sliding_window=True, sliding_window=3, max_window_layers=1)
+        model = LigerQwen2ForCausalLM.from_config(cfg, dtype=torch.float64)
+    ids, mask = left_padded(3, 7, [0, 2, 6])
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[])
+    graphed = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=[], cuda_graph=True)
+    assert torch.equal(graphed, plain)
+
+
+class OracleHeads:
+    """Stand-in Medusa heads that know the base's greedy continuation `plain`: at the position whose hidden state
+    they are given, head k ranks the true token k + 2 ahead at a random rank below widths[k], so trees are accepted
+    deep and along any branch (every node of the tree gets moved by `keep` at some step)."""
+
+    def __init__(self, base, plain: torch.Tensor, widths: list[int]):
+        V = base.config.vocab_size
+        self.config = SimpleNamespace(hidden_size=base.config.hidden_size, vocab_size=V)
+        self.num_heads, self.widths, self.plain = len(widths), widths, plain[0]
+        with torch.no_grad():
+            self.states = base.model(plain)[0]  # (T, H): the state after each token of the continuation
+
+    def logits(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
+        at = int((self.states - hidden).abs().sum(-1).argmin())  # which position this hidden state is
+        out = torch.randn(num_heads, 1, self.config.vocab_size, dtype=torch.float64)
+        for k in range(num_heads):
+            if at + 2 + k < len(self.plain):
+                order = out[k, 0].argsort(descending=True)
+                true, other = int(self.plain[at + 2 + k]), int(order[torch.randint(0, self.widths[k], ())])
+                out[k, 0, true], out[k, 0, other] = out[k, 0, other].clone(), out[k, 0, true].clone()
+        return out
+
+
+@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("graphed", [False, True])
+def test_medusa_deep_acceptance_on_any_branch(eager_graphs, window, graphed):
+    # Window 2 cuts inside a depth-3 tree; the accepted path is a random branch, moved down by KVCache.keep (eager)
+    # or StaticKVCache.keep (graphed).
+    base = _mistral(window)
+    prompt = torch.randint(3, 128, (1, 5))
+    plain = base.generate(prompt, max_new_tokens=18, eos_token_id=[])
+    widths = [3, 2, 2]
+    out, steps = medusa_generate(base, OracleHeads(base, plain, widths), prompt, 18, eos_token_id=[], topk=3,
+                                 medusa_choices=dense_medusa_choices(widths), return_stats=True, cuda_graph=graphed)
+    assert torch.equal(out, plain)
+    assert sum(steps) == 18 and max(steps) == 4 and len(steps) <= 6  # 4 tokens a step wherever the future is known
+
+
+@pytest.mark.parametrize("window", [None, 1, 2, 5])
+@pytest.mark.parametrize("past", [0, 4, 9])
+def test_device_mask_equals_the_host_mask_for_a_tree(window, past):
+    b = generate_medusa_buffers(dense_medusa_choices([3, 2, 2]), num_heads=3, topk=3)
+    T = len(b.tree_indices)
+    host = AttentionMask(T, past, None, torch.device("cpu"), None, (b.tree_mask, b.tree_position_ids))
+    dev = DeviceMask(torch.tensor(past), b.tree_mask, b.tree_position_ids, past + T + 5, None).boolean(window)
+    assert torch.equal(dev[..., : past + T], host.boolean(window)) and not dev[..., past + T:].any()
+
+
+def test_graphed_call_never_takes_the_flex_path(eager_graphs):
+    # flex="always" (a test knob) must not reach a mask that is a tensor computed in the graph.
+    model = _mistral(None)
+    for layer in model.model.layers:
+        layer.self_attn.flex = "always"
+    prompt = torch.randint(3, 128, (1, 5))
+    plain = model.generate(prompt, max_new_tokens=4, eos_token_id=[])
+    assert torch.equal(model.generate(prompt, max_new_tokens=4, eos_token_id=[], cuda_graph=True), plain)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -104,8 +185,22 @@ def test_static_cache_refuses_what_does_not_fit():
     for layer_idx, (keys, values) in static.layers.items():
         assert torch.equal(keys[:, :, :6], cache._layers[layer_idx][0][:, :, :6])
         assert not keys[:, :, 6:].any() and not values[:, :, 6:].any()  # masked slots still meet the softmax
-    with pytest.raises(ValueError, match="past the"):
-        static.keep(6, torch.arange(3))
+    for bad in (torch.arange(3), torch.tensor([0, 2])):  # past the slots; one node past them
+        with pytest.raises(ValueError, match="outside the 8"):
+            static.keep(6, bad)
+
+
+def test_keep_refuses_entries_outside_the_filled_ones():
+    # A tree of 5 entries after 5 committed ones: node 6 would read a stale slot of the preallocated buffer, a
+    # negative index a committed entry.
+    cache = KVCache(capacity=32)
+    k = torch.randn(1, 1, 10, 4)
+    cache.update(0, k, k)
+    for bad in (torch.tensor([0, 6]), torch.tensor([0, -1]), torch.arange(6)):
+        with pytest.raises(ValueError, match="outside the 10"):
+            cache.keep(5, bad)
+    cache.keep(5, torch.tensor([0, 4]))
+    assert cache.seq_length() == 7 and torch.equal(cache._layers[0][0][:, :, 6], k[:, :, 9])
 
 
 def test_graphed_call_refuses_a_cpu_model_and_slots_past_the_cache(eager_graphs, monkeypatch):
@@ -141,3 +236,28 @@ def test_medusa_cuda_graph_equals_plain_greedy_on_gpu():
     plain = base.generate(prompt, max_new_tokens=40, eos_token_id=[])
     graphed, steps = model.generate(prompt, max_new_tokens=40, eos_token_id=[], return_stats=True, cuda_graph=True)
     assert torch.equal(graphed, plain) and sum(steps) == 40
+
+
+@pytest.mark.gpu
+def test_graphed_step_in_bf16_is_as_accurate_as_the_eager_step():
+    # bf16 tokens may differ at near-ties (the masked attention over the static cache rounds apart from the eager
+    # kernel's); the logits must not be less accurate: against an fp32 run of the same weights, step after step.
+    import copy
+
+    from tests.helpers import assert_matches
+
+    ref_model = _mistral(6, torch.float32, "cuda")
+    model = copy.deepcopy(ref_model).to(torch.bfloat16)
+    prompt = torch.randint(3, 128, (1, 9), device="cuda")
+    ref_cache, cache = KVCache(), KVCache()
+    ref_model(prompt, past_key_values=ref_cache, use_cache=True)
+    model(prompt, past_key_values=cache, use_cache=True)
+    static = StaticKVCache(40)
+    static.load(cache)
+    call = GraphedCall(model, static, 1, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
+    for slot in range(9, 30):
+        token = torch.randint(3, 128, (1, 1), device="cuda")
+        ref = ref_model(token, past_key_values=ref_cache, use_cache=True).logits[:, -1]
+        eager = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+        graphed = call(token, slot, slot)[1][:, -1]
+        assert_matches(graphed, ref, eager=eager, name=f"logits at slot {slot}")
