@@ -238,17 +238,19 @@ def test_medusa_cuda_graph_equals_plain_greedy_on_gpu():
     assert torch.equal(graphed, plain) and sum(steps) == 40
 
 
-@pytest.mark.gpu
-def test_graphed_step_in_bf16_is_as_accurate_as_the_eager_step():
+def _bf16_steps_as_accurate_as_eager(device: str) -> None:
     # bf16 tokens may differ at near-ties (the masked attention over the static cache rounds apart from the eager
-    # kernel's); the logits must not be less accurate: against an fp32 run of the same weights, step after step.
+    # kernel's); the logits must not be less accurate, step after step, than the eager step's. Reference: the same
+    # bf16-rounded weights in fp32 arithmetic (unrounded weights would measure the weights' rounding instead). A
+    # whole bf16 model sits 1-4% (relative L2) from that reference, so the bound is relative to the eager step's
+    # error, as KERNELS.md §3 bounds a kernel against eager PyTorch: at most 2× it (a rounding's worth at least).
     import copy
 
-    from tests.helpers import assert_matches
+    from tests.helpers import rel_l2
 
-    ref_model = _mistral(6, torch.float32, "cuda")
-    model = copy.deepcopy(ref_model).to(torch.bfloat16)
-    prompt = torch.randint(3, 128, (1, 9), device="cuda")
+    model = _mistral(6, torch.float32, device).to(torch.bfloat16)
+    ref_model = copy.deepcopy(model).float()
+    prompt = torch.randint(3, 128, (1, 9), device=device)
     ref_cache, cache = KVCache(), KVCache()
     ref_model(prompt, past_key_values=ref_cache, use_cache=True)
     model(prompt, past_key_values=cache, use_cache=True)
@@ -256,8 +258,18 @@ def test_graphed_step_in_bf16_is_as_accurate_as_the_eager_step():
     static.load(cache)
     call = GraphedCall(model, static, 1, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
     for slot in range(9, 30):
-        token = torch.randint(3, 128, (1, 1), device="cuda")
+        token = torch.randint(3, 128, (1, 1), device=device)
         ref = ref_model(token, past_key_values=ref_cache, use_cache=True).logits[:, -1]
         eager = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
         graphed = call(token, slot, slot)[1][:, -1]
-        assert_matches(graphed, ref, eager=eager, name=f"logits at slot {slot}")
+        err, eager_err = rel_l2(graphed, ref), rel_l2(eager, ref)
+        assert not graphed.isnan().any() and err <= max(2 * eager_err, 4e-3), (slot, err, eager_err)
+
+
+def test_static_path_in_bf16_is_as_accurate_as_the_eager_step(eager_graphs):
+    _bf16_steps_as_accurate_as_eager("cpu")
+
+
+@pytest.mark.gpu
+def test_graphed_step_in_bf16_is_as_accurate_as_the_eager_step():
+    _bf16_steps_as_accurate_as_eager("cuda")
