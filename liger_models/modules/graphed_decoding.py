@@ -72,8 +72,8 @@ class StaticKVCache:
 
 
 class DeviceMask:
-    """AttentionMask's interface (q_len, past, needs_mask, boolean) for a captured call: which of the ``capacity``
-    slots each of the call's T tokens sees, computed from device tensors at every replay."""
+    """AttentionMask's interface (q_len, past, needs_mask, boolean, supports_flex) for a captured call: which of the
+    ``capacity`` slots each of the call's T tokens sees, computed from device tensors at every replay."""
 
     def __init__(self, start: torch.Tensor, pattern: torch.Tensor, depth: torch.Tensor, capacity: int,
                  valid: torch.Tensor | None) -> None:
@@ -106,9 +106,10 @@ class DeviceMask:
 class GraphedCall:
     """``model`` (a zoo causal LM) on T new tokens per row at slots start …, replayed as a CUDA graph.
 
-    pattern (T, T) bool: which of the call's own tokens each sees (``torch.ones(1, 1)`` for one decoding step; a
-    tree's ancestor mask); depth (T,): each token's slot offset (0 … T − 1 for a chain, the depth in a tree).
-    valid: (B, capacity) bool, False at padded slots, or None. Returns (hidden (B, T, H), logits (B, T, V)) in
+    The T tokens are written to slots start … start + T − 1 in order. pattern (T, T) bool: which of the call's own
+    tokens each sees (``torch.ones(1, 1)`` for one decoding step; a tree's ancestor mask); depth (T,): how far past
+    the first slot each token sits in the sequence, which is what a sliding window counts (0 for one step; the node
+    depth in a tree). valid: (B, capacity) bool, False at padded slots, or None. Returns (hidden (B, T, H), logits (B, T, V)) in
     static tensors that the next call overwrites.
     """
 
@@ -126,20 +127,16 @@ class GraphedCall:
         self.positions = torch.zeros(batch, T, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.pattern, self.depth = pattern.to(device, torch.bool), depth.to(device, torch.long)
+        self.offsets = torch.arange(T, device=device)  # slot of each token after the first
         self.valid, self.graphed = valid, graphed
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.cache.slots = self.start + self.depth_slots
+        self.cache.slots = self.start + self.offsets
         mask = DeviceMask(self.start, self.pattern, self.depth, self.cache.capacity, self.valid)
         hidden = self.model.model.run(self.ids, self.positions, mask, self.cache)
         return hidden, self.model.lm_head(hidden)
-
-    @property
-    def depth_slots(self) -> torch.Tensor:
-        """Slot offsets of the call's tokens: 0 … T − 1 (a tree is written in node order, compacted later)."""
-        return torch.arange(self.pattern.shape[0], device=self.start.device)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor | int, start: int) -> tuple[torch.Tensor, ...]:
