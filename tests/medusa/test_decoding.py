@@ -116,7 +116,7 @@ def test_kept_path_continues_like_the_plain_sequence(window):
     out = base.model(more, cache=cache)
     full = base.model(torch.cat([prefix, tree[nodes][None], more], 1))
     torch.testing.assert_close(out, full[:, -2:], rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match="past the"):
+    with pytest.raises(ValueError, match="outside the 11 filled"):  # 9 kept + the 2 more
         cache.keep(9, torch.arange(5))
 
 
