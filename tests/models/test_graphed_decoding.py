@@ -114,9 +114,14 @@ class OracleHeads:
         self.num_heads, self.widths, self.plain = len(widths), widths, plain[0]
         with torch.no_grad():
             self.states = base.model(plain)[0]  # (T, H): the state after each token of the continuation
+        self.at = -1
 
     def logits(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
-        at = int((self.states - hidden).abs().sum(-1).argmin())  # which position this hidden state is
+        # Which position this hidden state is: the nearest state past the previous call's (with a sliding window,
+        # a repeating text repeats states exactly, and the earliest match after the last one is the true one).
+        later = self.states[self.at + 1:]
+        self.at += 1 + int((later - hidden).abs().sum(-1).argmin())
+        at = self.at
         out = torch.randn(num_heads, 1, self.config.vocab_size, dtype=torch.float64)
         for k in range(num_heads):
             if at + 2 + k < len(self.plain):
