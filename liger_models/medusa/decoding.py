@@ -153,7 +153,7 @@ class _BaseCalls:
             # Each graph keeps its own memory pool: they replay in any order, so one's outputs must never be
             # memory the other may reuse.
             static = StaticKVCache(capacity)
-            one = GraphedCall(base, static, 1, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
+            one = GraphedCall.one_token(base, static, 1)
             tree = GraphedCall(base, static, 1, buffers.tree_mask, buffers.tree_position_ids)
             self.graphs = (one, tree)
 

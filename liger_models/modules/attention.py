@@ -68,16 +68,21 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
 class AttentionMask:
     """Which keys each query sees in one forward call; the masks each layer needs are built once and shared."""
 
-    def __init__(self, q_len: int, past: int, documents: torch.Tensor | None, device: torch.device,
-                 padding: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(self, q_len: int, past: int | torch.Tensor, documents: torch.Tensor | None, device: torch.device,
+                 padding: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 capacity: int | None = None) -> None:
         """padding: (B, past + q_len) bool, True for real tokens (HF's 2D attention_mask), or None.
         tree: (mask (q_len, q_len) bool, depth (q_len,) long) for a call whose new tokens form a tree (Medusa's
         verification): new token i sees the whole cache and the new tokens j with mask[i, j] (its ancestors and
-        itself) instead of those before it; a new token's position is past + depth, which is what a window counts."""
-        self.q_len, self.past, self.kv_len = q_len, past, past + q_len
+        itself) instead of those before it; a new token's position is past + depth, which is what a window counts.
+        capacity: the keys are a static cache's ``capacity`` slots (a CUDA-graphed call, modules/graphed_decoding.py)
+        and ``past`` a 0-dim device tensor, so the mask is computed on the device at every replay; slots past the
+        call's tokens are hidden, and padding is (B, capacity). Such a mask is never a flex BlockMask."""
+        self.q_len, self.past = q_len, past
+        self.kv_len = past + q_len if capacity is None else capacity
         self.documents, self.padding, self.device = documents, padding, device
         self.tree = tree
-        self.supports_flex = True  # `block` can build a flex_attention BlockMask (a graphed call's mask cannot)
+        self.supports_flex = capacity is None  # whether `block` can build a flex_attention BlockMask
         self._masks: dict = {}
 
     @property
@@ -97,8 +102,9 @@ class AttentionMask:
             q_pos, kv_pos = q_idx + self.past, kv_idx
         else:
             mask, depth = self.tree
-            cached, new = kv_idx < self.past, (kv_idx - self.past).clamp(min=0)
-            ok = cached | mask[q_idx, new]
+            offset = kv_idx - self.past
+            cached, new = offset < 0, offset.clamp(0, self.q_len - 1)
+            ok = cached | ((offset < self.q_len) & mask[q_idx, new])  # a static cache's later slots are hidden
             q_pos, kv_pos = self.past + depth[q_idx], torch.where(cached, kv_idx, self.past + depth[new])
         if window is not None:
             ok = ok & (q_pos - kv_pos < window)
@@ -109,7 +115,7 @@ class AttentionMask:
         return ok
 
     def boolean(self, window: int | None) -> torch.Tensor:
-        """(B or 1, 1, T, past + T) True where attention is allowed."""
+        """(B or 1, 1, T, past + T or capacity) True where attention is allowed."""
         if ("bool", window) not in self._masks:
             q_idx = torch.arange(self.q_len, device=self.device)[None, :, None]  # (1, T, 1)
             kv_idx = torch.arange(self.kv_len, device=self.device)[None, None, :]  # (1, 1, S)

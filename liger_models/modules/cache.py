@@ -35,10 +35,12 @@ class KVCache:
 
         Speculative decoding appends a whole tree of candidates, then keeps the accepted path (``indices`` into
         the tree, root first); the next call then sees exactly the committed tokens."""
+        if not self._layers:
+            return
         n = len(indices)
-        for layer_idx, (keys, values, length) in self._layers.items():
-            check_kept(start, indices, length)
-            src = indices.to(keys.device) + start
+        check_kept(start, indices, self.seq_length())  # every layer holds as many: one check (a host read)
+        src = indices.to(self._layers[0][0].device) + start
+        for layer_idx, (keys, values, _) in self._layers.items():
             # Advanced indexing reads into a new tensor first, so overlapping source and destination are safe.
             keys[:, :, start: start + n], values[:, :, start: start + n] = keys[:, :, src], values[:, :, src]
             self._layers[layer_idx] = (keys, values, start + n)

@@ -258,5 +258,4 @@ def _graphed_step(model, batch: int, capacity: int, mask: torch.Tensor | None):
     if mask is not None:  # left padding: the prompt's padded slots stay hidden; generated tokens are all real
         valid = torch.ones(mask.shape[0], capacity, dtype=torch.bool, device=device)
         valid[:, : mask.shape[1]] = mask.bool()
-    return GraphedCall(model, StaticKVCache(capacity), batch, torch.ones(1, 1, dtype=torch.bool),
-                       torch.zeros(1, dtype=torch.long), valid)
+    return GraphedCall.one_token(model, StaticKVCache(capacity), batch, valid)

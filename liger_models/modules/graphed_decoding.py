@@ -5,9 +5,10 @@ H200, while issuing them from Python takes 10-20 ms. A CUDA graph replays all of
 It replays fixed shapes and fixed addresses, so here
   - the cache is preallocated at ``capacity`` slots (``StaticKVCache``); a call writes its T tokens at slots
     start … start + T − 1 through a device index, and attends over all ``capacity`` slots under a mask;
-  - the mask (``DeviceMask``) is computed inside the graph from device tensors: ``start`` (the first slot of the
-    call), ``valid`` (B, capacity) (False at left padding) and the call's fixed (T, T) pattern among its own
-    tokens (causal for one token; a Medusa tree's ancestor mask), so every replay sees its own step's keys;
+  - the mask (``device_mask``: AttentionMask's rule) is computed inside the graph from device tensors: ``start``
+    (the first slot of the call), ``valid`` (B, capacity) (False at left padding) and the call's fixed (T, T)
+    pattern among its own tokens (causal for one token; a Medusa tree's ancestor mask), so every replay sees its
+    own step's keys;
   - a sliding window counts slots, as AttentionMask does (a tree token's slot is start + its depth).
 ``GraphedCall`` runs a call eagerly once (compiling the kernels and writing that step's keys), captures it, and
 from then on copies the inputs into its static buffers and replays. The prefill stays eager (``KVCache``) and is
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import FLEX_MIN_LEN
+from .attention import FLEX_MIN_LEN, AttentionMask
 from .cache import KVCache, check_kept
 
 # False: every GraphedCall runs eagerly (same static cache and device masks, any device); the CPU tests set it.
@@ -71,36 +72,11 @@ class StaticKVCache:
             self.buffer[..., start: start + n, :] = self.buffer[..., indices + start, :]
 
 
-class DeviceMask:
-    """AttentionMask's interface (q_len, past, needs_mask, boolean, supports_flex) for a captured call: which of the
-    ``capacity`` slots each of the call's T tokens sees, computed from device tensors at every replay."""
-
-    def __init__(self, start: torch.Tensor, pattern: torch.Tensor, depth: torch.Tensor, capacity: int,
-                 valid: torch.Tensor | None) -> None:
-        self.start, self.pattern, self.depth, self.valid = start, pattern, depth, valid
-        self.q_len, self.capacity = pattern.shape[0], capacity
-        self.past = None  # never read: needs_mask is always True
-        self.supports_flex = False  # the mask is a tensor computed in the graph, not a flex BlockMask
-        self._masks: dict = {}
-
-    def needs_mask(self, window: int | None) -> bool:
-        return True
-
-    def boolean(self, window: int | None) -> torch.Tensor:
-        """(B or 1, 1, T, capacity) True where attention is allowed."""
-        if window not in self._masks:
-            q = torch.arange(self.q_len, device=self.start.device)[:, None]  # (T, 1)
-            slot = torch.arange(self.capacity, device=self.start.device)[None, :]  # (1, S)
-            offset = slot - self.start
-            new = (offset >= 0) & (offset < self.q_len)
-            own = offset.clamp(0, self.q_len - 1)
-            ok = (offset < 0) | (new & self.pattern[q, own])  # (T, S): earlier slots, and the call's pattern
-            if window is not None:
-                key_slot = torch.where(new, self.start + self.depth[own], slot)
-                ok = ok & (self.start + self.depth[q] - key_slot < window)
-            ok = ok[None] if self.valid is None else ok[None] & (self.valid[:, None, :] | new[None])
-            self._masks[window] = ok[:, None]
-        return self._masks[window]
+def device_mask(start: torch.Tensor, pattern: torch.Tensor, depth: torch.Tensor, capacity: int,
+                valid: torch.Tensor | None) -> AttentionMask:
+    """Which of the ``capacity`` slots each of a captured call's T tokens sees: AttentionMask's rule with the first
+    slot ``start`` a device tensor, so every replay computes its own step's mask."""
+    return AttentionMask(pattern.shape[0], start, None, start.device, valid, (pattern, depth), capacity=capacity)
 
 
 class GraphedCall:
@@ -132,9 +108,15 @@ class GraphedCall:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @classmethod
+    def one_token(cls, model: nn.Module, cache: StaticKVCache, batch: int,
+                  valid: torch.Tensor | None = None) -> "GraphedCall":
+        """A call of one new token per row: one decoding step."""
+        return cls(model, cache, batch, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long), valid)
+
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache.slots = self.start + self.offsets
-        mask = DeviceMask(self.start, self.pattern, self.depth, self.cache.capacity, self.valid)
+        mask = device_mask(self.start, self.pattern, self.depth, self.cache.capacity, self.valid)
         hidden = self.model.model.run(self.ids, self.positions, mask, self.cache)
         return hidden, self.model.lm_head(hidden)
 

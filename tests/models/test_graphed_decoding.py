@@ -20,7 +20,7 @@ from liger_models.qwen2.modeling import LigerQwen2ForCausalLM
 from liger_models.modules import graphed_decoding
 from liger_models.modules.attention import AttentionMask
 from liger_models.modules.cache import KVCache
-from liger_models.modules.graphed_decoding import DeviceMask, GraphedCall, StaticKVCache
+from liger_models.modules.graphed_decoding import GraphedCall, StaticKVCache, device_mask
 from tests.medusa.test_decoding import _rotary_switch_base
 from tests.models.test_inference import left_padded
 
@@ -152,7 +152,7 @@ def test_device_mask_equals_the_host_mask_for_a_tree(window, past):
     b = generate_medusa_buffers(dense_medusa_choices([3, 2, 2]), num_heads=3, topk=3)
     T = len(b.tree_indices)
     host = AttentionMask(T, past, None, torch.device("cpu"), None, (b.tree_mask, b.tree_position_ids))
-    dev = DeviceMask(torch.tensor(past), b.tree_mask, b.tree_position_ids, past + T + 5, None).boolean(window)
+    dev = device_mask(torch.tensor(past), b.tree_mask, b.tree_position_ids, past + T + 5, None).boolean(window)
     assert torch.equal(dev[..., : past + T], host.boolean(window)) and not dev[..., past + T:].any()
 
 
@@ -172,7 +172,7 @@ def test_device_mask_equals_the_host_mask(window):
     # later slots are never visible.
     padding = torch.rand(2, 16) > 0.3
     start = torch.tensor(9)
-    dev = DeviceMask(start, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long), 16, padding)
+    dev = device_mask(start, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long), 16, padding)
     host = AttentionMask(1, 9, None, torch.device("cpu"), padding[:, :10])
     got = dev.boolean(window)
     assert got.shape == (2, 1, 1, 16)
