@@ -85,8 +85,8 @@ class GraphedCall:
     The T tokens are written to slots start … start + T − 1 in order. pattern (T, T) bool: which of the call's own
     tokens each sees (``torch.ones(1, 1)`` for one decoding step; a tree's ancestor mask); depth (T,): how far past
     the first slot each token sits in the sequence, which is what a sliding window counts (0 for one step; the node
-    depth in a tree). valid: (B, capacity) bool, False at padded slots, or None. Returns (hidden (B, T, H), logits (B, T, V)) in
-    static tensors that the next call overwrites.
+    depth in a tree). valid: (B, capacity) bool, False at padded slots, or None. Returns (hidden (B, T, H),
+    logits (B, T, V)) in static tensors that the next call overwrites.
     """
 
     def __init__(self, model: nn.Module, cache: StaticKVCache, batch: int, pattern: torch.Tensor,
