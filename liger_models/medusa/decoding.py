@@ -22,9 +22,11 @@ Verification layout. As in the reference implementation, the 1 + N tree nodes ru
 KV cache with a tree attention mask (each node sees the cache, its ancestors and itself; `DecoderModel`'s
 tree_mask) at positions past + depth; the accepted path's keys and values are then moved down to the committed
 positions (`KVCache.keep`) and the rest of the tree is dropped. One verification call costs 1 + N tokens of
-compute, and nothing prefix-sized is copied. With cuda_graph=True the verification call (and the one-token call)
-replays as a CUDA graph over a static cache (modules/graphed_decoding.py); the heads, the candidates and the
-acceptance still run eagerly, one host sync per step.
+compute, and nothing prefix-sized is copied.
+
+cuda_graph=True: greedy steps replay whole as one CUDA graph each (heads, candidates, verification, acceptance,
+compaction; medusa/graphed_step.py), one host read per step; with sampling only the verification call (and the
+one-token call) replays as a graph over a static cache (modules/graphed_decoding.py), the rest runs eagerly.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from liger_models.medusa.graphed_step import GraphedGreedySteps
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.modules.cache import KVCache
 from liger_models.modules.graphed_decoding import GraphedCall, StaticKVCache
@@ -186,6 +189,46 @@ class _BaseCalls:
         return hidden, self.base.lm_head(hidden)
 
 
+class _Steps:
+    """Medusa steps with the acceptance on the host: the state is the base's last hidden state and logits; the
+    base's calls are eager or graphed (`_BaseCalls`). Greedy graphed decoding uses `GraphedGreedySteps` instead,
+    with the same methods."""
+
+    def __init__(self, base: nn.Module, heads: MedusaHeads, buffers: MedusaBuffers, capacity: int, cuda_graph: bool,
+                 topk: int, temperature: float, posterior_threshold: float, posterior_alpha: float,
+                 generator: torch.Generator | None) -> None:
+        self.calls = _BaseCalls(base, buffers, capacity, cuda_graph)
+        self.heads, self.buffers, self.topk, self.generator = heads, buffers, topk, generator
+        self.acceptance = (temperature, posterior_threshold, posterior_alpha)
+        self.path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root …
+        self.valid = buffers.retrieve_indices >= 0  # … and is masked here
+        self.hidden = self.next_logits = None  # the base's last hidden state (1, H) and its prediction (1, V)
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        self.hidden, self.next_logits = self.calls.prefill(ids)
+
+    def _root(self) -> torch.Tensor:
+        return _next_root(self.next_logits, self.acceptance[0], self.generator)  # (1,)
+
+    def root_only(self, length: int) -> list[int]:
+        """Emit the root alone, at position ``length``."""
+        root = self._root()
+        self.hidden, self.next_logits = self.calls.one(root, length)
+        return root.tolist()
+
+    def tree(self, length: int) -> list[int]:
+        """One Medusa step after ``length`` committed tokens: the root and the accepted candidates."""
+        root, depth = self._root(), self.path_nodes.shape[1] - 1
+        proposals = self.heads.logits(self.hidden, depth)[:, 0].topk(self.topk, dim=-1).indices  # (D, topk)
+        tree = torch.cat([root, proposals.flatten()])[self.buffers.tree_indices]  # (1+N,) node tokens
+        out, logits = self.calls.tree(tree, length)
+        row, n = _accept(tree[self.path_nodes], self.valid, logits[self.path_nodes], *self.acceptance)
+        nodes = self.path_nodes[row, : n + 1]  # the accepted path, root first
+        self.calls.cache.keep(length, nodes)
+        self.hidden, self.next_logits = out[nodes[-1:]], logits[nodes[-1:]]
+        return tree[nodes].tolist()
+
+
 def check_unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None,
                    eos: set[int]) -> None:
     """Refuse a padded prompt. Plain generate hides padding (given by attention_mask or, as HF infers it, by the
@@ -218,9 +261,10 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     (do_sample / top_p / top_k) that file describes, so its sampling settings are not applied here.
     return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
     in base forward calls).
-    cuda_graph: replay the verification call (and the rare one-token call) as CUDA graphs over a static cache of
-    T + max_new_tokens + tree slots (modules/graphed_decoding.py), without the host's per-kernel cost, which
-    otherwise bounds a batch-1 step (in bf16 a near-tied argmax may flip, as with generate's cuda_graph).
+    cuda_graph: replay CUDA graphs over a static cache of T + max_new_tokens + tree slots, without the host's
+    per-kernel cost, which otherwise bounds a batch-1 step: greedy, each whole step is one graph
+    (medusa/graphed_step.py); sampling, the verification call (and the rare one-token call). In bf16 a near-tied
+    argmax may flip, as with generate's cuda_graph.
     The prompt must be unpadded: one that holds the pad id (argument, else the checkpoint's) is refused unless
     attention_mask is all ones (those ids are then real text), since plain generate would hide them (see
     `check_unpadded`).
@@ -243,8 +287,6 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     device = input_ids.device
     choices = default_medusa_choices(heads.num_heads) if medusa_choices is None else medusa_choices
     buffers = generate_medusa_buffers(choices, heads.num_heads, topk, device)
-    path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root, masked by `valid`
-    valid = buffers.retrieve_indices >= 0
     depth = buffers.retrieve_indices.shape[1] - 1
     eos = set(eos_token_ids(base, eos_token_id))  # the checkpoint's default, as generate takes it
     pad_token_id = pad_token(base, pad_token_id)  # the checkpoint's default, as generate takes it
@@ -255,38 +297,39 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     # Room for the prompt, the budget and one tree (eagerly: the budget up to generate's preallocation, past which
     # the cache grows; a static cache cannot grow).
     budget = max_new_tokens if cuda_graph else min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
-    calls = _BaseCalls(base, buffers, input_ids.shape[1] + budget + len(buffers.tree_indices), cuda_graph)
-    hidden, next_logits = calls.prefill(input_ids)  # next_logits: the base's prediction after the last token
+    capacity = input_ids.shape[1] + budget + len(buffers.tree_indices)
+    if cuda_graph and temperature == 0:
+        steps = GraphedGreedySteps(base, heads, buffers, topk, capacity)
+    else:
+        steps = _Steps(base, heads, buffers, capacity, cuda_graph, topk, temperature, posterior_threshold,
+                       posterior_alpha, generator)
+    steps.prefill(input_ids)
     length = input_ids.shape[1]  # committed tokens
     cached_regime = regime(length)
-    tokens = [input_ids[0]]
-    emitted, per_step = 0, []
-    while emitted < max_new_tokens:
+    new_tokens: list[int] = []
+    per_step = []
+    while len(new_tokens) < max_new_tokens:
         if regime(length) != cached_regime:  # longrope switched: recompute the sequence, as generate does
             cached_regime = regime(length)
-            hidden, next_logits = calls.prefill(torch.cat(tokens)[None])
-        root = _next_root(next_logits, temperature, generator)  # (1,)
+            steps.prefill(_joined(input_ids, new_tokens))
         if table_key(length + depth + 1) != table_key(length):  # the tree would span two rotary tables: root alone
-            hidden, next_logits = calls.one(root, length)
-            step_tokens = root
+            step_tokens = steps.root_only(length)
         else:
-            proposals = heads.logits(hidden, depth)[:, 0].topk(topk, dim=-1).indices  # (D, topk)
-            tree = torch.cat([root, proposals.flatten()])[buffers.tree_indices]  # (1+N,) node tokens
-            out, logits = calls.tree(tree, length)
-            row, n = _accept(tree[path_nodes], valid, logits[path_nodes], temperature, posterior_threshold,
-                             posterior_alpha)
-            nodes = path_nodes[row, : n + 1]  # the accepted path, root first
-            calls.cache.keep(length, nodes)
-            step_tokens, hidden, next_logits = tree[nodes], out[nodes[-1:]], logits[nodes[-1:]]
+            step_tokens = steps.tree(length)
         length += len(step_tokens)
-        step_tokens = step_tokens[: max_new_tokens - emitted]
-        stop = [i for i, t in enumerate(step_tokens.tolist()) if t in eos]
+        step_tokens = step_tokens[: max_new_tokens - len(new_tokens)]
+        stop = [i for i, t in enumerate(step_tokens) if t in eos]
         if stop:
             step_tokens = step_tokens[: stop[0] + 1]
-        tokens.append(step_tokens)
-        emitted += len(step_tokens)
+        new_tokens += step_tokens
         per_step.append(len(step_tokens))
         if stop:
             break
-    result = torch.cat(tokens)[None]
+    result = _joined(input_ids, new_tokens)
     return (result, per_step) if return_stats else result
+
+
+def _joined(input_ids: torch.Tensor, new_tokens: list[int]) -> torch.Tensor:
+    """The (1, T + n) sequence: the prompt, then the new tokens (int64, as the model's ids)."""
+    new = torch.tensor(new_tokens, dtype=torch.long, device=input_ids.device)
+    return torch.cat([input_ids[0], new])[None]

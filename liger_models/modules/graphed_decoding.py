@@ -17,6 +17,8 @@ copied into the static cache with ``StaticKVCache.load``.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
@@ -70,6 +72,12 @@ class StaticKVCache:
         check_kept(start, indices, self.capacity)
         if self.buffer is not None:  # advanced indexing gathers into a new tensor first: overlap is safe
             self.buffer[..., start: start + n, :] = self.buffer[..., indices + start, :]
+
+    def keep_on_device(self, start: torch.Tensor, indices: torch.Tensor, packed: torch.Tensor) -> None:
+        """``keep`` with ``start`` a device scalar, for a captured call: no host read, so no bounds check either
+        (the caller's indices must lie in the slots it wrote). packed: ``arange(len(indices))`` on the device."""
+        moved = self.buffer.index_select(-2, start + indices)  # a new tensor: overlapping slots are safe
+        self.buffer.index_copy_(-2, start + packed, moved)
 
 
 def device_mask(start: torch.Tensor, pattern: torch.Tensor, depth: torch.Tensor, capacity: int,
@@ -134,21 +142,28 @@ class GraphedCall:
         self.start.fill_(start)
         if not self.graphed:
             return self._run()
-        # Everything on the model's device, which need not be the current one: a capture records only the work
-        # queued on its own stream, and torch would create that stream on the current device.
+        if self.graph is None:  # the warm-up writes this step's keys; the replay writes the same again
+            self.graph, self.outputs = warm_up_and_capture(self._run, self.ids.device)
         with torch.cuda.device(self.ids.device):
-            if self.graph is not None:
-                self.graph.replay()
-                return self.outputs
-            side, current = torch.cuda.Stream(), torch.cuda.current_stream()
-            side.wait_stream(current)
-            with torch.cuda.stream(side):  # compiles the kernels and writes this step's keys
-                self._run()
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                self.outputs = self._run()
-            current.wait_stream(side)
-            self.graph = graph
-            graph.replay()  # capturing records the kernels without running them
-            return self.outputs
+            self.graph.replay()
+        return self.outputs
+
+
+def warm_up_and_capture(run: Callable[[], Any], device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Run ``run`` once eagerly, with all its effects (compiling the kernels, allocating what it allocates on first
+    use), then capture it as a CUDA graph, which records the kernels without running them. Returns the graph, not
+    yet replayed, and what the captured call returned: tensors in the graph's memory that every replay rewrites.
+
+    Everything happens on ``device``, which need not be the current one: a capture records only the work queued on
+    its own stream, and torch would create that stream on the current device."""
+    with torch.cuda.device(device):
+        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            run()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            outputs = run()
+        current.wait_stream(side)
+    return graph, outputs

@@ -135,7 +135,8 @@ class OracleHeads:
 @pytest.mark.parametrize("graphed", [False, True])
 def test_medusa_deep_acceptance_on_any_branch(eager_graphs, window, graphed):
     # Window 2 cuts inside a depth-3 tree; the accepted path is a random branch, moved down by KVCache.keep (eager)
-    # or StaticKVCache.keep (graphed).
+    # or, graphed, by the whole greedy step on the device (medusa/graphed_step.py). These heads keep host state
+    # between calls; DeviceOracleHeads below is their capturable twin for the GPU.
     base = _mistral(window)
     prompt = torch.randint(3, 128, (1, 5))
     plain = base.generate(prompt, max_new_tokens=18, eos_token_id=[])
@@ -144,6 +145,53 @@ def test_medusa_deep_acceptance_on_any_branch(eager_graphs, window, graphed):
                                  medusa_choices=dense_medusa_choices(widths), return_stats=True, cuda_graph=graphed)
     assert torch.equal(out, plain)
     assert sum(steps) == 18 and max(steps) == 4 and len(steps) <= 6  # 4 tokens a step wherever the future is known
+
+
+class DeviceOracleHeads:
+    """OracleHeads in device ops only, so a captured Medusa step can call them: the position is the continuation's
+    state nearest the given one (a state repeated under a sliding window has the same greedy future), and each
+    head's logits are a fixed random row with the true token swapped to a random rank below the head's width."""
+
+    def __init__(self, base, plain: torch.Tensor, widths: list[int]):
+        V, T, K = base.config.vocab_size, plain.shape[1], len(widths)
+        self.config = SimpleNamespace(hidden_size=base.config.hidden_size, vocab_size=V)
+        self.num_heads = K
+        with torch.no_grad():
+            self.states = base.model(plain)[0]  # (T, H)
+        table = torch.randn(T, K, V, dtype=torch.float64)
+        for at in range(T):
+            for k in range(K):
+                if at + 2 + k < T:
+                    order = table[at, k].argsort(descending=True)
+                    true, other = int(plain[0, at + 2 + k]), int(order[torch.randint(0, widths[k], ())])
+                    table[at, k, true], table[at, k, other] = table[at, k, other].clone(), table[at, k, true].clone()
+        self.table = table.to(plain.device)
+
+    def logits(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
+        at = (self.states - hidden).abs().sum(-1).argmin().view(1)
+        return self.table.index_select(0, at)[0, :num_heads, None]  # (K, 1, V)
+
+
+def _deep_acceptance_is_plain_greedy(window: int | None, dtype, device: str) -> None:
+    base = _mistral(window, dtype, device)
+    prompt = torch.randint(3, 128, (1, 5), device=device)
+    plain = base.generate(prompt, max_new_tokens=18, eos_token_id=[])
+    widths = [3, 2, 2]
+    out, steps = medusa_generate(base, DeviceOracleHeads(base, plain, widths), prompt, 18, eos_token_id=[], topk=3,
+                                 medusa_choices=dense_medusa_choices(widths), return_stats=True, cuda_graph=True)
+    assert torch.equal(out, plain)
+    assert sum(steps) == 18 and max(steps) == 4 and len(steps) <= 6
+
+
+def test_device_oracle_heads_accept_deep_on_the_cpu(eager_graphs):
+    # The GPU test's heads themselves (a wrong oracle would make that test pass or fail for the wrong reason).
+    _deep_acceptance_is_plain_greedy(2, torch.float64, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 2])
+def test_graphed_greedy_step_accepts_deep_on_any_branch_on_gpu(window):
+    _deep_acceptance_is_plain_greedy(window, torch.float32, "cuda")
 
 
 @pytest.mark.parametrize("window", [None, 1, 2, 5])
@@ -232,15 +280,25 @@ def test_generate_cuda_graph_equals_eager_on_gpu(window):
 
 
 @pytest.mark.gpu
-def test_medusa_cuda_graph_equals_plain_greedy_on_gpu():
-    base = _mistral(8, torch.float32, "cuda")
-    model = MedusaModel.from_base(base, num_heads=3).cuda()
+@pytest.mark.parametrize("kind", [None, "shared", "longrope", "dynamic"])
+def test_medusa_cuda_graph_equals_plain_greedy_on_gpu(kind):
+    # Greedy: whole steps captured (medusa/graphed_step.py), with the one-token graph where the rotary table
+    # changes and a re-prefill at longrope's switch; sampling: the verification call alone is captured.
+    if kind in ("longrope", "dynamic"):
+        base = _rotary_switch_base(kind, seed=2).to("cuda", torch.float32)
+    else:
+        base = _mistral(8, torch.float32, "cuda")
+    model = MedusaModel.from_base(base, num_heads=3, share_lm_head=kind == "shared").cuda()
     for k in range(3):
         model.heads[k][0].linear.bias.data.zero_()
-    prompt = torch.randint(3, 128, (1, 6), device="cuda")
+    prompt = torch.randint(3, 50, (1, 6), device="cuda")
     plain = base.generate(prompt, max_new_tokens=40, eos_token_id=[])
     graphed, steps = model.generate(prompt, max_new_tokens=40, eos_token_id=[], return_stats=True, cuda_graph=True)
     assert torch.equal(graphed, plain) and sum(steps) == 40
+    kw = dict(max_new_tokens=12, eos_token_id=[], temperature=0.7)
+    sampled = [model.generate(prompt, generator=torch.Generator("cuda").manual_seed(5), cuda_graph=graph, **kw)
+               for graph in (False, True)]
+    assert torch.equal(*sampled)
 
 
 def _bf16_steps_as_accurate_as_eager(device: str) -> None:

@@ -1,0 +1,108 @@
+"""Greedy Medusa steps replayed whole as one CUDA graph: heads, candidates, verification, acceptance, compaction.
+
+With ``cuda_graph=True`` the base's verification call already replays as a graph (modules/graphed_decoding.py),
+but the rest of a step still ran eagerly: the heads' ResBlocks and projection, top-k, the tree's gather, the
+acceptance (argmax, compare, cumprod) and the cache compaction are ~40 launches and two host reads per step, the
+bulk of what a graphed step costs beyond a plain one on a small model. For greedy acceptance everything a step
+needs is on the device, so here the whole step is one graph:
+
+  state (on the device, static):  hidden (1, H) the last committed token's final hidden state; root (1,) the base's
+                                  argmax after it; length () the committed token count, set by the host each step
+  one replay:                     proposals = heads' top-k on hidden → node tokens → the tree-masked base call at
+                                  slots length … → each path's accepted prefix (the first longest) → its keys and
+                                  values packed down to slots length … → result = (n, path tokens) and the new
+                                  hidden / root (those after the last accepted node)
+
+The host reads ``result`` (one device-to-host copy per step) to extend the output, stop at EOS and check the rotary
+table; the tokens are exactly those of the eager greedy path (``decoding._Steps``), which are plain greedy decoding's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liger_models.medusa.heads import MedusaHeads
+from liger_models.modules.cache import KVCache
+from liger_models.modules.graphed_decoding import GraphedCall, StaticKVCache, device_mask, warm_up_and_capture
+
+
+class GraphedGreedySteps:
+    """Greedy Medusa decoding steps of ``base`` with ``heads`` over a static cache of ``capacity`` slots, each tree
+    step one CUDA graph replay (``graphed_decoding.CAPTURE`` off: the same work eagerly, for the CPU tests).
+
+    buffers: the tree (``decoding.MedusaBuffers``). Methods as ``decoding._Steps``: ``prefill(ids)``,
+    ``root_only(length)`` and ``tree(length)``, the last two returning the step's tokens."""
+
+    def __init__(self, base: nn.Module, heads: MedusaHeads, buffers, topk: int, capacity: int) -> None:
+        device = base.lm_head.weight.device
+        self.base, self.heads, self.buffers, self.topk = base, heads, buffers, topk
+        self.cache = StaticKVCache(capacity)
+        self.one_token = GraphedCall.one_token(base, self.cache, 1)  # a step whose tree would span two rotary tables
+        self.graphed = self.one_token.graphed
+        self.depth = buffers.retrieve_indices.shape[1] - 1
+        self.path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root …
+        self.path_valid = buffers.retrieve_indices[:, 1:] >= 0  # … and is never accepted
+        self.slot_offsets = torch.arange(len(buffers.tree_indices), device=device)
+        self.packed = torch.arange(self.depth + 1, device=device)
+        self.hidden: torch.Tensor | None = None  # (1, H), allocated by the first prefill
+        self.root = torch.zeros(1, dtype=torch.long, device=device)
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.result = torch.zeros(self.depth + 2, dtype=torch.long, device=device)  # n, then the path's D+1 tokens
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def prefill(self, ids: torch.Tensor) -> None:
+        """The base on ids (1, T) from an empty cache (eagerly), copied into the static cache; the state after it."""
+        cache = KVCache()
+        hidden = self.base.model(ids, cache=cache)[:, -1]
+        self.cache.load(cache)
+        self._set_state(hidden, self.base.lm_head(hidden))
+
+    def _set_state(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.hidden is None:
+            self.hidden = torch.empty_like(hidden)  # the graph reads this tensor: it is refilled, never replaced
+        self.hidden.copy_(hidden)
+        self.root.copy_(logits.argmax(-1))
+
+    def root_only(self, length: int) -> list[int]:
+        """Emit the root alone at slot ``length`` (one-token graphed call) and move the state past it."""
+        root = self.root.clone()
+        hidden, logits = self.one_token(root[None], length, length)
+        self._set_state(hidden[:, 0], logits[:, 0])
+        return root.tolist()
+
+    def tree(self, length: int) -> list[int]:
+        """One Medusa step after ``length`` committed tokens: the root and the accepted candidates."""
+        self.length.fill_(length)
+        if not self.graphed:
+            self._step()
+        elif self.graph is None:  # the warm-up is this step; the capture only records it
+            self.graph, _ = warm_up_and_capture(self._step, self.root.device)
+        else:
+            with torch.cuda.device(self.root.device):
+                self.graph.replay()
+        n, *tokens = self.result.tolist()  # the step's one host read
+        return tokens[: n + 1]
+
+    def _step(self) -> None:
+        buffers, nodes_of = self.buffers, self.path_nodes
+        proposals = self.heads.logits(self.hidden, self.depth)[:, 0].topk(self.topk, dim=-1).indices  # (D, topk)
+        tree = torch.cat([self.root, proposals.flatten()])[buffers.tree_indices]  # (1+N,) node tokens
+        self.cache.slots = self.length + self.slot_offsets
+        mask = device_mask(self.length, buffers.tree_mask, buffers.tree_position_ids, self.cache.capacity, None)
+        positions = (self.length + buffers.tree_position_ids)[None]
+        out = self.base.model.run(tree[None], positions, mask, self.cache)[0]  # (1+N, H)
+        predicted = self.base.lm_head(out).argmax(-1)  # (1+N,): the base's token after each node
+        # Greedy acceptance, as decoding._accept: a candidate counts while it equals the base's token after its
+        # parent; the first path of maximal accepted length wins (argmax returns the first maximum).
+        ok = (tree[nodes_of[:, 1:]] == predicted[nodes_of[:, :-1]]) & self.path_valid
+        accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (P,)
+        row = accepted.argmax().view(1)
+        nodes = nodes_of.index_select(0, row)[0]  # (D+1,) the winning path, root first
+        n = accepted.index_select(0, row)  # (1,)
+        self.cache.keep_on_device(self.length, nodes, self.packed)  # slots past length + n are never attended
+        last = nodes.index_select(0, n)  # (1,) the last accepted node
+        self.result.copy_(torch.cat([n, tree[nodes]]))
+        self.hidden.copy_(out.index_select(0, last))
+        self.root.copy_(predicted.index_select(0, last))
+
