@@ -9,7 +9,8 @@ reads kv head h // (Hq/Hkv)). Which keys a query at absolute index i may see:
                                              which would then leak into real rows through the padded values)
 Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast path; no mask tensor); on CUDA for
 long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
-tensor); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill).
+tensor); a speculative tree's verification call (inference), kernels/decode_attention.py (the keys split over
+programs); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from liger_models.kernels.decode_attention import decode_attention
 from liger_models.kernels.rope import rope_packed
 
 from .cache import KVCache
@@ -143,6 +145,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     flex: "auto" (CUDA and T ≥ FLEX_MIN_LEN when a mask is needed), "always" or "never" (tests pick the path).
     """
     gqa = q.shape[1] != k.shape[1]
+    if mask.tree is not None and not (torch.is_grad_enabled() and q.requires_grad):
+        # A speculative tree: tens of queries over the whole cache, where SDPA's kernels do not split the keys.
+        return decode_attention(q, k, v, mask.boolean(window), scale)
     if not mask.needs_mask(window):
         if mask.past == 0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

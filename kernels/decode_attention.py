@@ -1,0 +1,186 @@
+"""Attention of a few new tokens over a long KV cache under any mask, split over the keys (forward only, decoding).
+
+Math, for query head h (kv head g = h // G, G = Hq / Hkv, as HF's repeat_kv), token t and keys j < S:
+  s_j = scale · q_{h,t} · k_{g,j}        over the keys j with mask[b, t, j] (every other key: −∞)
+  out_{h,t} = Σ_j softmax(s)_j · v_{g,j}
+Numerics as flash attention: the dot products accumulate in fp32 from the input dtype, the softmax is fp32 (fp64
+for fp64 inputs), and the probabilities meet V in V's dtype (fp32 inputs use IEEE fp32 dots, not TF32, so an fp32
+model matches SDPA's math within rounding).
+
+Why a kernel: a Medusa step verifies its tree of ~45 candidates in one call over the whole cache. For that many
+queries SDPA takes a prefill kernel whose programs cover (head, query block) pairs only: 32 programs on a
+132-SM H200, each walking all 2K+ keys. Llama-3-8B's tree attention took 89 µs per layer, 2.9 ms of a 9 ms step
+(benchmarks/profile_decode.py), against 8 µs per layer for a one-token step, where cuDNN splits the keys. Here the
+keys are split as in flash-decoding:
+  1. ``_split_kernel``, programs (batch × kv head, block of the G·T query rows of that kv head, key chunk): an
+     online softmax over the chunk; writes the chunk's normalised output and its log-sum-exp (fp32). One kv head's
+     G query heads share every K/V tile it loads (GQA reads K/V once, not G times). A key tile no row may see is
+     skipped after reading its mask: a static cache's unfilled slots cost their mask bytes only.
+  2. ``_merge_kernel``, one program per (batch, head, token): out = Σ_chunks exp(lse_c − lse) · out_c.
+The mask is AttentionMask's boolean tensor (B or 1, 1, T, S), so the rules (causality, trees, windows, padding)
+live in one place (liger_models/modules/attention.py).
+
+Loops with runtime bounds are `while` loops (see rms_norm.py: Triton 3.6's interpreter and NumPy ≥ 2.4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import interpreting, use_triton
+from ._launch import cdiv, on_input_device, pow2, sm_count
+
+BLOCK_N = 64  # keys per tile
+PROGRAMS_PER_SM = 2  # key chunks are sized so that the split kernel has about this many programs per SM
+
+
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """PyTorch reference: q (B, Hq, T, D), k / v (B, Hkv, S, D), mask (B or 1, 1, T, S) bool → (B, Hq, T, D).
+    Math in fp32 (float64 stays float64); the output in q's dtype."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.to(acc).repeat_interleave(group, dim=1) for t in (k, v))
+    scores = (q.to(acc) @ k.transpose(-1, -2)) * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ v).to(q.dtype)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32 (fp64 for fp64). UPCAST: multiply in fp32 instead, for Triton 3.6's interpreter,
+    whose bf16 tl.dot returns garbage; bf16 products are exact in fp32, so the values are the same."""
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _split_kernel(Q, K, V, MASK, O_PART, LSE_PART,
+                  stride_q_b, stride_q_h, stride_q_t, stride_k_b, stride_k_h, stride_k_s,
+                  stride_v_b, stride_v_h, stride_v_s, stride_mask_b, stride_mask_t,
+                  num_kv_heads, q_len, kv_len, chunk, num_splits, head_dim, scale,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr, ACC: tl.constexpr):
+    pid_bg, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, g = pid_bg // num_kv_heads, pid_bg % num_kv_heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # over this kv head's GROUP query heads × q_len tokens
+    row_ok = rows < GROUP * q_len
+    head, t = g * GROUP + rows // q_len, rows % q_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(Q + b.to(tl.int64) * stride_q_b + head[:, None].to(tl.int64) * stride_q_h
+                + t[:, None] * stride_q_t + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    K += b.to(tl.int64) * stride_k_b + g.to(tl.int64) * stride_k_h
+    V += b.to(tl.int64) * stride_v_b + g.to(tl.int64) * stride_v_h
+    MASK += b.to(tl.int64) * stride_mask_b + t[:, None].to(tl.int64) * stride_mask_t
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
+    l_i = tl.zeros((BLOCK_M,), ACC)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), ACC)
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+    n0 = start
+    while n0 < end:
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        allowed = tl.load(MASK + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0) != 0
+        seen_col = tl.max(allowed.to(tl.int32), axis=0) > 0  # keys some row of this block may see
+        if tl.max(seen_col.to(tl.int32), axis=0) > 0:
+            # Keys no row sees are not read: their values meet a probability of 0, and 0 · NaN would be NaN.
+            kv_mask = seen_col[:, None] & d_ok[None, :]
+            k = tl.load(K + cols[:, None].to(tl.int64) * stride_k_s + d[None, :], mask=kv_mask, other=0.0)
+            s = _dot(q, tl.trans(k), IEEE, UPCAST)
+            s = tl.where(allowed, s.to(ACC) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: no NaN
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + cols[:, None].to(tl.int64) * stride_v_s + d[None, :], mask=kv_mask, other=0.0)
+            pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
+            acc = acc * alpha[:, None] + pv.to(ACC)
+            m_i = m_new
+        n0 += BLOCK_N
+    seen = l_i > 0
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    # Partials: (B, Hq, T, splits, D) and (B, Hq, T, splits), rows in (b, head, t) order.
+    part = ((b * (num_kv_heads * GROUP) + head).to(tl.int64) * q_len + t) * num_splits + split
+    tl.store(O_PART + part[:, None] * head_dim + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE_PART + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(O_PART, LSE_PART, OUT, num_heads, q_len, num_splits, head_dim,
+                  stride_out_b, stride_out_h, stride_out_t,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)  # (b, head, t)
+    b, rest = row // (num_heads * q_len), row % (num_heads * q_len)
+    head, t = rest // q_len, rest % q_len
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok, d_ok = s < num_splits, d < head_dim
+    base = row.to(tl.int64) * num_splits
+    lse = tl.load(LSE_PART + base + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    weight = tl.exp(lse - top)  # chunks with no visible key weigh 0 (every row sees at least itself)
+    weight = weight / tl.sum(weight, axis=0)
+    part = tl.load(O_PART + (base + s[:, None]) * head_dim + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                   other=0.0)
+    out = tl.sum(weight[:, None] * part, axis=0)
+    tl.store(OUT + b.to(tl.int64) * stride_out_b + head.to(tl.int64) * stride_out_h + t * stride_out_t + d,
+             out.to(OUT.dtype.element_ty), mask=d_ok)
+
+
+def _splits(programs: int, kv_len: int, device: torch.device) -> tuple[int, int]:
+    """(number of key chunks, keys per chunk): enough programs to fill the GPU, chunks a whole number of tiles."""
+    tiles = cdiv(kv_len, BLOCK_N)
+    splits = max(1, min(tiles, cdiv(PROGRAMS_PER_SM * sm_count(device), programs)))
+    chunk = cdiv(tiles, splits) * BLOCK_N
+    return cdiv(kv_len, chunk), chunk
+
+
+@on_input_device
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale, keys allowed by mask) v, no autograd: q (B, Hq, T, D), k / v (B, Hkv, S, D) with
+    Hq a multiple of Hkv and unit stride in D, mask (B or 1, 1, T, S) bool (every row allowing at least one key)
+    → (B, Hq, T, D) in q's dtype. CPU tensors take the reference unless Triton is interpreting."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hq % Hkv or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit k {tuple(k.shape)} / v {tuple(v.shape)}")
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:] != (1, T, S) or mask.shape[0] not in (1, B):
+        raise ValueError(f"decode_attention: mask must be bool (B or 1, 1, {T}, {S}), got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+    if not use_triton(q, k, v, mask):
+        return decode_attention_reference(q, k, v, mask, scale)
+    q, k, v, mask = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, mask))
+    mask = mask.view(torch.uint8)  # same bytes; Triton loads them as integers
+    group = Hq // Hkv
+    block_d = pow2(D)
+    block_m = min(64 if block_d <= 128 else 32, max(16, pow2(group * T)))
+    row_blocks = cdiv(group * T, block_m)
+    splits, chunk = _splits(B * Hkv * row_blocks, S, q.device)
+    acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (the CPU tests' models)
+    o_part = torch.empty(B, Hq, T, splits, D, dtype=acc, device=q.device)
+    lse_part = torch.empty(B, Hq, T, splits, dtype=acc, device=q.device)
+    _split_kernel[(B * Hkv, row_blocks, splits)](
+        q, k, v, mask, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2),
+        Hkv, T, S, chunk, splits, D, scale,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
+        UPCAST=interpreting() and q.element_size() < 4,
+        ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=4)
+    out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
+    _merge_kernel[(B * Hq * T,)](o_part, lse_part, out, Hq, T, splits, D, out.stride(0), out.stride(1),
+                                 out.stride(2), BLOCK_S=pow2(splits), BLOCK_D=block_d, num_warps=1)
+    return out
