@@ -174,13 +174,15 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     args = harness.parse_args(__doc__.splitlines()[0])
+    tuned = harness.apply_tunables()
     names = ["llama-3-8b"] if args.quick else list(CONFIGS)
     rows = []
     for name in names:
         rows += measure(name, CONFIGS[name], args.quick)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_medusa_decoding.json"), "w") as f:
-        json.dump({"env": harness.environment(), "meta": dict(new_tokens=NEW_TOKENS, num_heads=NUM_HEADS, reps=REPS),
+        meta = dict(new_tokens=NEW_TOKENS, num_heads=NUM_HEADS, reps=REPS, tuned=tuned)
+        json.dump({"env": harness.environment(), "meta": meta,
                    "results": rows}, f, indent=1)
     print(table(rows))
 

@@ -102,7 +102,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     cfg = CONFIGS[args.config]
     torch.manual_seed(0)
-    model = LigerLlamaForCausalLM.from_config(LlamaConfig.from_hf(dict(cfg)), dtype=torch.bfloat16, device="cuda").eval()
+    config = LlamaConfig.from_hf(dict(cfg))
+    model = LigerLlamaForCausalLM.from_config(config, dtype=torch.bfloat16, device="cuda").eval()
     ids = torch.randint(0, cfg["vocab_size"], (1, args.prompt), device="cuda")
     rows = []
     with torch.no_grad():

@@ -32,8 +32,12 @@ import triton.language as tl
 from ._dispatch import interpreting, use_triton
 from ._launch import cdiv, on_input_device, pow2, sm_count
 
+# Schedule (benchmarks/bench_decode_attention.py times the alternatives; LIGER_TUNE sets them there).
 BLOCK_N = 64  # keys per tile
+BLOCK_M_MAX = 64  # query rows per program (halved for heads wider than 128: the fp32 accumulator is BLOCK_M × D)
+NUM_WARPS = 4
 PROGRAMS_PER_SM = 2  # key chunks are sized so that the split kernel has about this many programs per SM
+MIN_QUERIES = 1  # calls with fewer new tokens take SDPA (liger_models/modules/attention.py)
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -166,7 +170,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     mask = mask.view(torch.uint8)  # same bytes; Triton loads them as integers
     group = Hq // Hkv
     block_d = pow2(D)
-    block_m = min(64 if block_d <= 128 else 32, max(16, pow2(group * T)))
+    block_m = min(BLOCK_M_MAX if block_d <= 128 else BLOCK_M_MAX // 2, max(16, pow2(group * T)))
     row_blocks = cdiv(group * T, block_m)
     splits, chunk = _splits(B * Hkv * row_blocks, S, q.device)
     acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (the CPU tests' models)
@@ -179,7 +183,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         Hkv, T, S, chunk, splits, D, scale,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
         UPCAST=interpreting() and q.element_size() < 4,
-        ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=4)
+        ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=NUM_WARPS)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     _merge_kernel[(B * Hq * T,)](o_part, lse_part, out, Hq, T, splits, D, out.stride(0), out.stride(1),
                                  out.stride(2), BLOCK_S=pow2(splits), BLOCK_D=block_d, num_warps=1)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_models.kernels.decode_attention import decode_attention
+from liger_models.kernels import decode_attention as decode_attention_kernels
 from liger_models.kernels.rope import rope_packed
 
 from .cache import KVCache
@@ -145,9 +145,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     flex: "auto" (CUDA and T ≥ FLEX_MIN_LEN when a mask is needed), "always" or "never" (tests pick the path).
     """
     gqa = q.shape[1] != k.shape[1]
-    if mask.tree is not None and not (torch.is_grad_enabled() and q.requires_grad):
-        # A speculative tree: tens of queries over the whole cache, where SDPA's kernels do not split the keys.
-        return decode_attention(q, k, v, mask.boolean(window), scale)
+    if (mask.tree is not None and mask.q_len >= decode_attention_kernels.MIN_QUERIES
+            and not (torch.is_grad_enabled() and q.requires_grad)):
+        # A speculative tree (or a graphed decoding call): tens of queries over the whole cache, where SDPA's
+        # kernels do not split the keys.
+        return decode_attention_kernels.decode_attention(q, k, v, mask.boolean(window), scale)
     if not mask.needs_mask(window):
         if mask.past == 0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
