@@ -84,7 +84,8 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
                         "(auto: the model's when it has one); loss on assistant turns only")
     p.add_argument("--data-cache", default=None, metavar="DIR",
                    help="keep the tokenized, packed data here and reuse it when data, tokenizer, chat template and "
-                        "--seq-len are unchanged (default OUTPUT_DIR/.data_cache)")
+                        "--seq-len are unchanged (default OUTPUT_DIR/.data_cache; one file per such setting, never "
+                        "deleted automatically: remove the directory to reclaim space)")
     p.add_argument("--no-data-cache", action="store_true",
                    help="tokenize the data every run and write no cache (under torchrun every rank tokenizes)")
     p.add_argument("--seq-len", type=_seq_len, default=1024, help="tokens per packed sequence (default 1024)")

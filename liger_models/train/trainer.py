@@ -118,6 +118,22 @@ class MedusaTask:
         return out.loss, stats
 
 
+def json_line(record: dict) -> str:
+    """One line of a metrics file in strict JSON: a non-finite number (a diverged loss, an accuracy over no tokens)
+    becomes null. Python's default writes NaN / Infinity, which jq, JavaScript and other strict readers refuse."""
+
+    def strict(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, (list, tuple)):
+            return [strict(v) for v in value]
+        if isinstance(value, dict):
+            return {k: strict(v) for k, v in value.items()}
+        return value
+
+    return json.dumps(strict(record), allow_nan=False) + "\n"
+
+
 def _memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -303,11 +319,11 @@ class Trainer:
             m["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
             m["mem_gib"] = _memory_gib(self.info.device)
             m["elapsed_s"] = time.perf_counter() - start
-            if not math.isfinite(m["loss"]):
-                raise FloatingPointError(f"loss is {m['loss']} at step {self.step}; stopping (lower --lr?)")
             self.history.append(m)
             if self.info.is_main:
-                self._log(m, start_step)
+                self._log(m, start_step)  # a diverged step too: its line is what a user looks for
+            if not math.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {self.step}; stopping (lower --lr?)")
             if self.eval_set is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0)
                                               or self.step == cfg.max_steps):
                 self.evaluate()
@@ -324,7 +340,7 @@ class Trainer:
         self.evals.append(m)
         if self.info.is_main:
             with self.eval_path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(m) + "\n")
+                f.write(json_line(m))
             if not self.config.quiet:
                 end = "\n" if sys.stderr.isatty() else ""  # below the progress line, which ends without one
                 print(end + " | ".join([f"eval at step {self.step}", *self._loss_parts(m)]), file=sys.stderr,
@@ -341,7 +357,7 @@ class Trainer:
 
     def _log(self, m: dict, start_step: int) -> None:
         with self.metrics_path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(m) + "\n")
+            f.write(json_line(m))
         cfg = self.config
         if cfg.quiet or not (self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.step == 1):
             return

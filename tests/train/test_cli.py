@@ -338,6 +338,19 @@ def test_diverged_loss_fails_clearly(tiny_model_dir, text_file, tmp_path, capsys
     code = _train(tiny_model_dir, text_file, tmp_path, "--max-steps", "8", "--lr", "1e30", "--warmup-steps", "0",
                   "--max-grad-norm", "0")
     assert code == 2 and "lower --lr?" in capsys.readouterr().err
+    # The diverged step is logged too, in strict JSON (null, not NaN, which strict readers refuse).
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1], parse_constant=lambda name: pytest.fail(f"non-JSON constant {name} in metrics"))
+    assert last["loss"] is None and last["step"] == len(lines)
+
+
+def test_metrics_lines_are_strict_json():
+    from liger_models.train.trainer import json_line
+
+    line = json_line({"loss": float("nan"), "head_top1": [0.5, float("inf")], "nested": {"x": -float("inf")}, "n": 3})
+    assert line.endswith("\n") and "\n" not in line[:-1]
+    assert json.loads(line, parse_constant=lambda name: pytest.fail(name)) == {
+        "loss": None, "head_top1": [0.5, None], "nested": {"x": None}, "n": 3}
 
 
 def test_bad_integer_names_its_type(capsys):
