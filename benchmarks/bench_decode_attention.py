@@ -82,6 +82,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a schedule that does not compile (resources) is just out
                 err, ok, us = repr(e)[:200], False, float("inf")
             row["ours"][f"{block_m},{warps},{per_sm}"] = dict(us=us, err=err, ok=ok)
+        da.BLOCK_M_MAX, da.NUM_WARPS, da.PROGRAMS_PER_SM = (int(x) for x in default.split(","))
         rows.append(row)
         best = min(row["ours"].items(), key=lambda kv: kv[1]["us"] if kv[1]["ok"] else float("inf"))
         print(f"{name}: SDPA {row['sdpa_us']:.1f} us (err {sdpa_err:.1e}); ours best {best[0]} "
@@ -89,6 +90,8 @@ def main() -> None:
               f"{[s for s, r in row['ours'].items() if not r['ok']]}")
     # The schedule with the least summed time over the tree cases, among those correct everywhere.
     correct = [s for s in rows[0]["ours"] if all(r["ours"][s]["ok"] for r in rows)]
+    if not correct:
+        raise SystemExit("no schedule of decode_attention is correct at every shape: see the failing schedules above")
     trees = [r for r in rows if r["tree"]]
     best = min(correct, key=lambda s: sum(r["ours"][s]["us"] for r in trees))
     one_token_sdpa = all(r["sdpa_us"] < r["ours"][best]["us"] for r in rows if not r["tree"])

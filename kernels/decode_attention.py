@@ -49,6 +49,7 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     k, v = (t.to(acc).repeat_interleave(group, dim=1) for t in (k, v))
     scores = (q.to(acc) @ k.transpose(-1, -2)) * scale
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    probs = probs.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # a row that sees no key: 0, as SDPA
     return (probs @ v).to(q.dtype)
 
 
@@ -134,11 +135,12 @@ def _merge_kernel(O_PART, LSE_PART, OUT, num_heads, q_len, num_splits, head_dim,
     base = row.to(tl.int64) * num_splits
     lse = tl.load(LSE_PART + base + s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, axis=0)
-    weight = tl.exp(lse - top)  # chunks with no visible key weigh 0 (every row sees at least itself)
-    weight = weight / tl.sum(weight, axis=0)
+    # Chunks with no visible key weigh 0; a row that sees no key at all gets 0, as SDPA gives it (not NaN).
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)))
+    total = tl.sum(weight, axis=0)
     part = tl.load(O_PART + (base + s[:, None]) * head_dim + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                    other=0.0)
-    out = tl.sum(weight[:, None] * part, axis=0)
+    out = tl.sum(weight[:, None] * part, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(OUT + b.to(tl.int64) * stride_out_b + head.to(tl.int64) * stride_out_h + t * stride_out_t + d,
              out.to(OUT.dtype.element_ty), mask=d_ok)
 
@@ -151,12 +153,21 @@ def _splits(programs: int, kv_len: int, device: torch.device) -> tuple[int, int]
     return cdiv(kv_len, chunk), chunk
 
 
+def runs_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors go through the Triton kernels: CUDA tensors in fp32 / bf16 / fp16 (Triton 3.6 fails to
+    lower this kernel's fp64 dots on the GPU; fp64 models there keep SDPA), and CPU tensors under the interpreter
+    (fp64 included: the CPU tests' models)."""
+    if not use_triton(*tensors):
+        return False
+    return not tensors[0].is_cuda or tensors[0].dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 @on_input_device
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """softmax(q kᵀ · scale, keys allowed by mask) v, no autograd: q (B, Hq, T, D), k / v (B, Hkv, S, D) with
-    Hq a multiple of Hkv and unit stride in D, mask (B or 1, 1, T, S) bool (every row allowing at least one key)
-    → (B, Hq, T, D) in q's dtype. CPU tensors take the reference unless Triton is interpreting."""
+    Hq a multiple of Hkv, mask (B or 1, 1, T, S) bool → (B, Hq, T, D) in q's dtype (0 for a row that sees no key).
+    Tensors ``runs_kernel`` refuses take the reference."""
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if Hq % Hkv or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
@@ -164,12 +175,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:] != (1, T, S) or mask.shape[0] not in (1, B):
         raise ValueError(f"decode_attention: mask must be bool (B or 1, 1, {T}, {S}), got {mask.dtype} "
                          f"{tuple(mask.shape)}")
-    if not use_triton(q, k, v, mask):
+    if not runs_kernel(q, k, v, mask):
         return decode_attention_reference(q, k, v, mask, scale)
     q, k, v, mask = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, mask))
     mask = mask.view(torch.uint8)  # same bytes; Triton loads them as integers
     group = Hq // Hkv
-    block_d = pow2(D)
+    block_d = max(16, pow2(D))  # a 16-bit tl.dot needs K ≥ 16 on the GPU
     block_m = min(BLOCK_M_MAX if block_d <= 128 else BLOCK_M_MAX // 2, max(16, pow2(group * T)))
     row_blocks = cdiv(group * T, block_m)
     splits, chunk = _splits(B * Hkv * row_blocks, S, q.device)

@@ -73,6 +73,9 @@ class GraphedGreedySteps:
 
     def tree(self, length: int) -> list[int]:
         """One Medusa step after ``length`` committed tokens: the root and the accepted candidates."""
+        if length + len(self.slot_offsets) > self.cache.capacity:  # inside the graph it would be a device assert
+            raise ValueError(f"a tree at slots {length} … {length + len(self.slot_offsets) - 1} passes the static "
+                             f"cache's {self.cache.capacity}")
         self.length.fill_(length)
         if not self.graphed:
             self._step()

@@ -146,7 +146,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     """
     gqa = q.shape[1] != k.shape[1]
     if (mask.tree is not None and mask.q_len >= decode_attention_kernels.MIN_QUERIES
-            and not (torch.is_grad_enabled() and q.requires_grad)):
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and decode_attention_kernels.runs_kernel(q, k, v)):
         # A speculative tree (or a graphed decoding call): tens of queries over the whole cache, where SDPA's
         # kernels do not split the keys.
         return decode_attention_kernels.decode_attention(q, k, v, mask.boolean(window), scale)

@@ -70,6 +70,17 @@ def test_every_row_sees_only_its_keys():
     assert torch.equal(decode_attention(q, k, v, mask, scale), decode_attention(q, k2, v2, mask, scale))
 
 
+def test_a_row_that_sees_no_key_is_zero():
+    # SDPA gives such a row 0; the split kernel's merge must not turn it into NaN (0 / 0).
+    q, k, v = _inputs(2, 4, 2, 3, 140, 8, torch.bfloat16)  # head_dim 8: below a 16-bit dot's minimum K
+    mask = _mask(2, 3, 140, 100, 2)
+    mask[1, 0, 2] = False
+    out = decode_attention(q, k, v, mask, 0.3)
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), mask, 0.3)
+    assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2])) and not ref[1, :, 2].any()
+    assert_matches(out, ref, eager=_eager(q, k, v, mask, 0.3))
+
+
 def test_bad_shapes_raise():
     q, k, v = _inputs(1, 4, 3, 2, 10, 8, torch.float32)
     with pytest.raises(ValueError, match="does not fit"):

@@ -15,6 +15,7 @@ from liger_models.gemma.config import GemmaConfig
 from liger_models.gemma.modeling import LigerGemmaForCausalLM
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.decoding import dense_medusa_choices, generate_medusa_buffers, medusa_generate
+from liger_models.medusa.graphed_step import GraphedGreedySteps
 from liger_models.qwen2.config import Qwen2Config
 from liger_models.qwen2.modeling import LigerQwen2ForCausalLM
 from liger_models.modules import graphed_decoding
@@ -181,6 +182,17 @@ def _deep_acceptance_is_plain_greedy(window: int | None, dtype, device: str) -> 
                                  medusa_choices=dense_medusa_choices(widths), return_stats=True, cuda_graph=True)
     assert torch.equal(out, plain)
     assert sum(steps) == 18 and max(steps) == 4 and len(steps) <= 6
+
+
+def test_graphed_greedy_step_refuses_a_tree_past_the_cache(eager_graphs):
+    # Inside a graph a slot past the cache would be a device-side assert that ends the process's CUDA context.
+    base = _mistral(None)
+    heads = MedusaModel.from_base(base, num_heads=2).heads
+    steps = GraphedGreedySteps(base, heads, generate_medusa_buffers(dense_medusa_choices([2, 1]), 2, 3), 3, 8)
+    steps.prefill(torch.randint(3, 50, (1, 3)))
+    assert 1 <= len(steps.tree(3)) <= 3  # slots 3 … 7: the 5 nodes fit exactly
+    with pytest.raises(ValueError, match="passes the static cache's 8"):
+        steps.tree(4)
 
 
 def test_device_oracle_heads_accept_deep_on_the_cpu(eager_graphs):
