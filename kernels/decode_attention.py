@@ -13,10 +13,13 @@ queries SDPA takes a prefill kernel whose programs cover (head, query block) pai
 (benchmarks/profile_decode.py), against 8 µs per layer for a one-token step, where cuDNN splits the keys. Here the
 keys are split as in flash-decoding:
   1. ``_split_kernel``, programs (batch × kv head, block of the G·T query rows of that kv head, key chunk): an
-     online softmax over the chunk; writes the chunk's normalised output and its log-sum-exp (fp32). One kv head's
-     G query heads share every K/V tile it loads (GQA reads K/V once, not G times). A key tile no row may see is
-     skipped after reading its mask: a static cache's unfilled slots cost their mask bytes only.
+     online softmax over the chunk; writes the chunk's normalised output and its log-sum-exp (fp32). The rows of a
+     program come from all G query heads of its kv head, so GQA reads a K/V tile once per block of BLOCK_M rows,
+     not once per query head. A key tile no row may see is skipped after reading its mask: a static cache's
+     unfilled slots cost their mask bytes only.
   2. ``_merge_kernel``, one program per (batch, head, token): out = Σ_chunks exp(lse_c − lse) · out_c.
+Measured on an H200 in bf16 (benchmarks/bench_decode_attention.py, one layer, 45 tree nodes, Hq 32 / Hkv 8, D 128):
+9.2 / 20.9 / 54.7 µs with 128 / 2K / 8K cached tokens, against SDPA's 21.5 / 94.2 / 323.4 µs.
 The mask is AttentionMask's boolean tensor (B or 1, 1, T, S), so the rules (causality, trees, windows, padding)
 live in one place (liger_models/modules/attention.py).
 
