@@ -31,8 +31,6 @@ one-token call) replays as a graph over a static cache (modules/graphed_decoding
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -40,77 +38,16 @@ from torch import nn
 
 from liger_models.medusa.graphed_step import GraphedGreedySteps
 from liger_models.medusa.heads import MedusaHeads
+from liger_models.medusa.tree import (TOPK, MedusaBuffers, candidate_tokens, default_medusa_choices,
+                                     dense_medusa_choices, generate_medusa_buffers)
 from liger_models.modules.cache import KVCache
 from liger_models.modules.graphed_decoding import GraphedCall, StaticKVCache
 from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_ids, eos_token_ids,
                                            new_token_budget, pad_token, prompt_mask)
 
-TOPK = 10
-
-
-@dataclass
-class MedusaBuffers:
-    """The tree laid out for verification (`generate_medusa_buffers`).
-
-    tree_mask: (1+N, 1+N) bool, node i may attend to node j (root and ancestors, itself included).
-    tree_indices: (1+N,) index of each node's token in the flat candidate vector [root, head1 top-k, head2 top-k, …].
-    tree_position_ids: (1+N,) depth of each node (root 0).
-    retrieve_indices: (P, depth+1) tree-node indices of each root-to-leaf path, padded with -1.
-    """
-
-    tree_mask: torch.Tensor
-    tree_indices: torch.Tensor
-    tree_position_ids: torch.Tensor
-    retrieve_indices: torch.Tensor
-
-
-def dense_medusa_choices(widths: Sequence[int]) -> list[tuple[int, ...]]:
-    """The Cartesian tree of `widths` (e.g. [4, 2, 1]: head 1's top-4, each followed by head 2's top-2, …)."""
-    out: list[tuple[int, ...]] = []
-    for depth in range(1, len(widths) + 1):
-        out.extend(itertools.product(*(range(w) for w in widths[:depth])))
-    return out
-
-
-def default_medusa_choices(num_heads: int) -> list[tuple[int, ...]]:
-    """A 44-node (for ≥ 4 heads) tree: top-4 from head 1, top-2 from heads 2 and 3, top-1 from head 4."""
-    return dense_medusa_choices([4, 2, 2, 1][:num_heads])
-
-
-def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int = TOPK,
-                            device: torch.device | str | None = None) -> MedusaBuffers:
-    """Tree mask, node → candidate indices, node depths and root-to-leaf paths for `medusa_choices`."""
-    # Medusa v0.1's dense widths (e.g. [1, 7, 6]) would otherwise fail with "'int' object is not iterable".
-    if any(isinstance(c, int) for c in medusa_choices):
-        raise ValueError(f"medusa_choices must be rank paths such as [(0,), (0, 1)], got {list(medusa_choices)[:4]}; "
-                         "for a dense spec of per-head widths use dense_medusa_choices(widths)")
-    choices = sorted({tuple(c) for c in medusa_choices}, key=lambda c: (len(c), c))
-    if not choices or any(len(c) == 0 for c in choices):
-        raise ValueError("medusa_choices must be a non-empty list of non-empty rank paths")
-    depth = max(len(c) for c in choices)
-    if depth > num_heads:
-        raise ValueError(f"medusa_choices reach depth {depth} but the model has only {num_heads} Medusa heads")
-    if any(r < 0 or r >= topk for c in choices for r in c):
-        raise ValueError(f"every rank in medusa_choices must be in [0, {topk})")
-    node = {c: i + 1 for i, c in enumerate(choices)}  # node 0 is the root
-    missing = [c for c in choices if len(c) > 1 and c[:-1] not in node]
-    if missing:
-        raise ValueError(f"medusa_choices must contain every path's parent; missing parents of {missing[:3]}")
-    n = len(choices) + 1
-    mask = torch.eye(n, dtype=torch.bool)
-    mask[:, 0] = True
-    indices = torch.zeros(n, dtype=torch.long)
-    positions = torch.zeros(n, dtype=torch.long)
-    for c, i in node.items():
-        for d in range(1, len(c)):
-            mask[i, node[c[:d]]] = True
-        indices[i] = 1 + topk * (len(c) - 1) + c[-1]
-        positions[i] = len(c)
-    leaves = [c for c in choices if not any(o[:len(c)] == c and len(o) > len(c) for o in choices)]
-    retrieve = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
-    for p, c in enumerate(leaves):
-        retrieve[p, : len(c) + 1] = torch.tensor([0] + [node[c[:d]] for d in range(1, len(c) + 1)])
-    return MedusaBuffers(*(t.to(device) for t in (mask, indices, positions, retrieve)))
+# The tree's layout lives in tree.py; its names stay importable from here, where decoding has always offered them.
+__all__ = ["TOPK", "MedusaBuffers", "check_unpadded", "default_medusa_choices", "dense_medusa_choices",
+           "generate_medusa_buffers", "medusa_generate"]
 
 
 def _accept(paths: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor, temperature: float,
@@ -200,8 +137,6 @@ class _Steps:
         self.calls = _BaseCalls(base, buffers, capacity, cuda_graph)
         self.heads, self.buffers, self.topk, self.generator = heads, buffers, topk, generator
         self.acceptance = (temperature, posterior_threshold, posterior_alpha)
-        self.path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root …
-        self.valid = buffers.retrieve_indices >= 0  # … and is masked here
         self.hidden = self.next_logits = None  # the base's last hidden state (1, H) and its prediction (1, V)
 
     def prefill(self, ids: torch.Tensor) -> None:
@@ -218,12 +153,11 @@ class _Steps:
 
     def tree(self, length: int) -> list[int]:
         """One Medusa step after ``length`` committed tokens: the root and the accepted candidates."""
-        root, depth = self._root(), self.path_nodes.shape[1] - 1
-        proposals = self.heads.logits(self.hidden, depth)[:, 0].topk(self.topk, dim=-1).indices  # (D, topk)
-        tree = torch.cat([root, proposals.flatten()])[self.buffers.tree_indices]  # (1+N,) node tokens
+        paths = self.buffers.path_nodes
+        tree = candidate_tokens(self.heads, self.hidden, self._root(), self.buffers, self.topk)  # (1+N,)
         out, logits = self.calls.tree(tree, length)
-        row, n = _accept(tree[self.path_nodes], self.valid, logits[self.path_nodes], *self.acceptance)
-        nodes = self.path_nodes[row, : n + 1]  # the accepted path, root first
+        row, n = _accept(tree[paths], self.buffers.path_valid, logits[paths], *self.acceptance)
+        nodes = paths[row, : n + 1]  # the accepted path, root first
         self.calls.cache.keep(length, nodes)
         self.hidden, self.next_logits = out[nodes[-1:]], logits[nodes[-1:]]
         return tree[nodes].tolist()
@@ -287,7 +221,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     device = input_ids.device
     choices = default_medusa_choices(heads.num_heads) if medusa_choices is None else medusa_choices
     buffers = generate_medusa_buffers(choices, heads.num_heads, topk, device)
-    depth = buffers.retrieve_indices.shape[1] - 1
+    depth = buffers.depth
     eos = set(eos_token_ids(base, eos_token_id))  # the checkpoint's default, as generate takes it
     pad_token_id = pad_token(base, pad_token_id)  # the checkpoint's default, as generate takes it
     check_unpadded(input_ids, attention_mask, pad_token_id, eos)

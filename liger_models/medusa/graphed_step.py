@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from liger_models.medusa.heads import MedusaHeads
+from liger_models.medusa.tree import MedusaBuffers, candidate_tokens
 from liger_models.modules.cache import KVCache
 from liger_models.modules.graphed_decoding import GraphedCall, StaticKVCache, device_mask, warm_up_and_capture
 
@@ -31,24 +32,21 @@ class GraphedGreedySteps:
     """Greedy Medusa decoding steps of ``base`` with ``heads`` over a static cache of ``capacity`` slots, each tree
     step one CUDA graph replay (``graphed_decoding.CAPTURE`` off: the same work eagerly, for the CPU tests).
 
-    buffers: the tree (``decoding.MedusaBuffers``). Methods as ``decoding._Steps``: ``prefill(ids)``,
+    buffers: the tree (``tree.MedusaBuffers``). Methods as ``decoding._Steps``: ``prefill(ids)``,
     ``root_only(length)`` and ``tree(length)``, the last two returning the step's tokens."""
 
-    def __init__(self, base: nn.Module, heads: MedusaHeads, buffers, topk: int, capacity: int) -> None:
+    def __init__(self, base: nn.Module, heads: MedusaHeads, buffers: MedusaBuffers, topk: int, capacity: int) -> None:
         device = base.lm_head.weight.device
         self.base, self.heads, self.buffers, self.topk = base, heads, buffers, topk
         self.cache = StaticKVCache(capacity)
         self.one_token = GraphedCall.one_token(base, self.cache, 1)  # a step whose tree would span two rotary tables
         self.graphed = self.one_token.graphed
-        self.depth = buffers.retrieve_indices.shape[1] - 1
-        self.path_nodes = buffers.retrieve_indices.clamp(min=0)  # (P, D+1); padding repeats the root …
-        self.path_valid = buffers.retrieve_indices[:, 1:] >= 0  # … and is never accepted
         self.slot_offsets = torch.arange(len(buffers.tree_indices), device=device)
-        self.packed = torch.arange(self.depth + 1, device=device)
+        self.packed = torch.arange(buffers.depth + 1, device=device)
         self.hidden: torch.Tensor | None = None  # (1, H), allocated by the first prefill
         self.root = torch.zeros(1, dtype=torch.long, device=device)
         self.length = torch.zeros((), dtype=torch.long, device=device)
-        self.result = torch.zeros(self.depth + 2, dtype=torch.long, device=device)  # n, then the path's D+1 tokens
+        self.result = torch.zeros(buffers.depth + 2, dtype=torch.long, device=device)  # n, then the path's D+1 tokens
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def prefill(self, ids: torch.Tensor) -> None:
@@ -88,9 +86,8 @@ class GraphedGreedySteps:
         return tokens[: n + 1]
 
     def _step(self) -> None:
-        buffers, nodes_of = self.buffers, self.path_nodes
-        proposals = self.heads.logits(self.hidden, self.depth)[:, 0].topk(self.topk, dim=-1).indices  # (D, topk)
-        tree = torch.cat([self.root, proposals.flatten()])[buffers.tree_indices]  # (1+N,) node tokens
+        buffers, nodes_of = self.buffers, self.buffers.path_nodes
+        tree = candidate_tokens(self.heads, self.hidden, self.root, buffers, self.topk)  # (1+N,)
         self.cache.slots = self.length + self.slot_offsets
         mask = device_mask(self.length, buffers.tree_mask, buffers.tree_position_ids, self.cache.capacity, None)
         positions = (self.length + buffers.tree_position_ids)[None]
@@ -98,7 +95,7 @@ class GraphedGreedySteps:
         predicted = self.base.lm_head(out).argmax(-1)  # (1+N,): the base's token after each node
         # Greedy acceptance, as decoding._accept: a candidate counts while it equals the base's token after its
         # parent; the first path of maximal accepted length wins (argmax returns the first maximum).
-        ok = (tree[nodes_of[:, 1:]] == predicted[nodes_of[:, :-1]]) & self.path_valid
+        ok = (tree[nodes_of[:, 1:]] == predicted[nodes_of[:, :-1]]) & buffers.path_valid[:, 1:]
         accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (P,)
         row = accepted.argmax().view(1)
         nodes = nodes_of.index_select(0, row)[0]  # (D+1,) the winning path, root first

@@ -1,0 +1,101 @@
+"""A Medusa candidate tree laid out for verification, and the candidate tokens a step puts in it.
+
+`medusa_choices` is a tree of rank paths: (0, 1) = head 1's rank 0, then head 2's rank 1. Node 0 is the root (the
+base model's own next token); every other node is one choice. Decoding (decoding.py, graphed_step.py) fills the
+nodes from the heads' top-k and verifies them in one tree-masked call.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from liger_models.medusa.heads import MedusaHeads
+
+TOPK = 10
+
+
+@dataclass
+class MedusaBuffers:
+    """The tree laid out for verification (`generate_medusa_buffers`).
+
+    tree_mask: (1+N, 1+N) bool, node i may attend to node j (root and ancestors, itself included).
+    tree_indices: (1+N,) index of each node's token in the flat candidate vector [root, head1 top-k, head2 top-k, …].
+    tree_position_ids: (1+N,) depth of each node (root 0).
+    retrieve_indices: (P, depth+1) tree-node indices of each root-to-leaf path, padded with -1.
+    Derived: path_nodes, retrieve_indices with the padding pointing at the root (so it can index), and path_valid
+    (P, depth+1), False at the padding (never accepted); depth, the deepest path's node count past the root.
+    """
+
+    tree_mask: torch.Tensor
+    tree_indices: torch.Tensor
+    tree_position_ids: torch.Tensor
+    retrieve_indices: torch.Tensor
+    path_nodes: torch.Tensor = field(init=False)
+    path_valid: torch.Tensor = field(init=False)
+    depth: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.path_nodes = self.retrieve_indices.clamp(min=0)
+        self.path_valid = self.retrieve_indices >= 0
+        self.depth = self.retrieve_indices.shape[1] - 1
+
+
+def dense_medusa_choices(widths: Sequence[int]) -> list[tuple[int, ...]]:
+    """The Cartesian tree of `widths` (e.g. [4, 2, 1]: head 1's top-4, each followed by head 2's top-2, …)."""
+    out: list[tuple[int, ...]] = []
+    for depth in range(1, len(widths) + 1):
+        out.extend(itertools.product(*(range(w) for w in widths[:depth])))
+    return out
+
+
+def default_medusa_choices(num_heads: int) -> list[tuple[int, ...]]:
+    """A 44-node (for ≥ 4 heads) tree: top-4 from head 1, top-2 from heads 2 and 3, top-1 from head 4."""
+    return dense_medusa_choices([4, 2, 2, 1][:num_heads])
+
+
+def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int = TOPK,
+                            device: torch.device | str | None = None) -> MedusaBuffers:
+    """Tree mask, node → candidate indices, node depths and root-to-leaf paths for `medusa_choices`."""
+    # Medusa v0.1's dense widths (e.g. [1, 7, 6]) would otherwise fail with "'int' object is not iterable".
+    if any(isinstance(c, int) for c in medusa_choices):
+        raise ValueError(f"medusa_choices must be rank paths such as [(0,), (0, 1)], got {list(medusa_choices)[:4]}; "
+                         "for a dense spec of per-head widths use dense_medusa_choices(widths)")
+    choices = sorted({tuple(c) for c in medusa_choices}, key=lambda c: (len(c), c))
+    if not choices or any(len(c) == 0 for c in choices):
+        raise ValueError("medusa_choices must be a non-empty list of non-empty rank paths")
+    depth = max(len(c) for c in choices)
+    if depth > num_heads:
+        raise ValueError(f"medusa_choices reach depth {depth} but the model has only {num_heads} Medusa heads")
+    if any(r < 0 or r >= topk for c in choices for r in c):
+        raise ValueError(f"every rank in medusa_choices must be in [0, {topk})")
+    node = {c: i + 1 for i, c in enumerate(choices)}  # node 0 is the root
+    missing = [c for c in choices if len(c) > 1 and c[:-1] not in node]
+    if missing:
+        raise ValueError(f"medusa_choices must contain every path's parent; missing parents of {missing[:3]}")
+    n = len(choices) + 1
+    mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True
+    indices = torch.zeros(n, dtype=torch.long)
+    positions = torch.zeros(n, dtype=torch.long)
+    for c, i in node.items():
+        for d in range(1, len(c)):
+            mask[i, node[c[:d]]] = True
+        indices[i] = 1 + topk * (len(c) - 1) + c[-1]
+        positions[i] = len(c)
+    leaves = [c for c in choices if not any(o[:len(c)] == c and len(o) > len(c) for o in choices)]
+    retrieve = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
+    for p, c in enumerate(leaves):
+        retrieve[p, : len(c) + 1] = torch.tensor([0] + [node[c[:d]] for d in range(1, len(c) + 1)])
+    return MedusaBuffers(*(t.to(device) for t in (mask, indices, positions, retrieve)))
+
+
+def candidate_tokens(heads: MedusaHeads, hidden: torch.Tensor, root: torch.Tensor, buffers: MedusaBuffers,
+                     topk: int) -> torch.Tensor:
+    """(1+N,) node tokens: the root (1,), then each node's rank from the top-k of the head at its depth, which
+    reads the base's last hidden state (1, H)."""
+    proposals = heads.logits(hidden, buffers.depth)[:, 0].topk(topk, dim=-1).indices  # (D, topk)
+    return torch.cat([root, proposals.flatten()])[buffers.tree_indices]
