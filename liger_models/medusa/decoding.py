@@ -1,7 +1,7 @@
 """Medusa tree decoding: candidates from the heads' top-k, verification by the base model, greedy/typical acceptance.
 
 One step (batch size 1, as in the reference implementation):
-  1. The root is the base model's own next token (argmax, or a sample when temperature > 0); head d (1-based)
+  1. The root is the base model's own next token (argmax, or drawn when temperature > 0); head d (1-based)
      proposes its top-k tokens for the position d steps after the root.
   2. `medusa_choices` is a tree of rank paths: (0, 1) = head 1's rank 0, then head 2's rank 1. Every root-to-leaf
      path of the tree is one candidate continuation.
@@ -9,7 +9,8 @@ One step (batch size 1, as in the reference implementation):
      greedy (temperature 0): a token is accepted iff it is the base's argmax after the tokens before it — the output
      is then token for token what plain greedy decoding of the base produces;
      typical (temperature > 0): accepted iff p_base(x) > min(ε, δ·exp(−H(p_base))) (posterior_threshold ε,
-     posterior_alpha δ; not distribution-preserving), ties on length broken by the summed log-probability.
+     posterior_alpha δ; not distribution-preserving), ties on length broken by the summed log-probability
+     (medusa/acceptance.py).
   4. The step emits root + accepted tokens; the base's prediction after the last accepted token is the next root.
 
 Rotary tables that depend on the sequence length (longrope's switch at original_max_position_embeddings, dynamic
@@ -24,9 +25,9 @@ tree_mask) at positions past + depth; the accepted path's keys and values are th
 positions (`KVCache.keep`) and the rest of the tree is dropped. One verification call costs 1 + N tokens of
 compute, and nothing prefix-sized is copied.
 
-cuda_graph=True: greedy steps replay whole as one CUDA graph each (heads, candidates, verification, acceptance,
-compaction; medusa/graphed_step.py), one host read per step; with sampling only the verification call (and the
-one-token call) replays as a graph over a static cache (modules/graphed_decoding.py), the rest runs eagerly.
+cuda_graph=True: every step replays whole as one CUDA graph (heads, candidates, verification, acceptance, compaction,
+the next root's draw; medusa/graphed_step.py) over a static cache, one host read per step, for greedy and typical
+acceptance alike; the draws follow the eager path's, so a seeded generator gives the same tokens either way.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from liger_models.medusa.graphed_step import GraphedGreedySteps
+from liger_models.medusa.acceptance import accept, draw
+from liger_models.medusa.graphed_step import GraphedSteps
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.tree import (TOPK, MedusaBuffers, candidate_tokens, default_medusa_choices,
                                      dense_medusa_choices, generate_medusa_buffers)
 from liger_models.modules.cache import KVCache
-from liger_models.modules.graphed_decoding import GraphedCall, StaticKVCache
 from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_ids, eos_token_ids,
                                            new_token_budget, pad_token, prompt_mask)
 
@@ -50,116 +51,46 @@ __all__ = ["TOPK", "MedusaBuffers", "check_unpadded", "default_medusa_choices", 
            "generate_medusa_buffers", "medusa_generate"]
 
 
-def _accept(paths: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor, temperature: float,
-            posterior_threshold: float, posterior_alpha: float) -> tuple[int, int]:
-    """(best row, accepted length) for candidate rows `paths` (P, D+1) given base logits (P, D+1, V)."""
-    cand = paths[:, 1:]
-    if temperature == 0:
-        ok = cand == logits[:, :-1].argmax(-1)
-        score = None
-    else:
-        logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # (P, D, V)
-        entropy = -(logp.exp() * logp).sum(-1)
-        threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
-        cand_logp = logp.gather(-1, cand[..., None].clamp(min=0)).squeeze(-1)
-        ok = cand_logp.exp() > threshold
-        score = cand_logp
-    accepted = torch.cumprod((ok & valid[:, 1:]).long(), dim=1)  # (P, D)
-    lengths = accepted.sum(1)
-    n = int(lengths.max())
-    if score is None or n == 0:
-        return int(torch.argmax(lengths)), n  # first row of maximal length
-    total = (score * accepted).sum(1).masked_fill(lengths != n, float("-inf"))
-    return int(torch.argmax(total)), n
-
-
-def _next_root(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-class _BaseCalls:
-    """The base model's calls in one decoding run: the prefill, one token, the tree. Eager on a KVCache, or
-    (cuda_graph) the last two replayed as CUDA graphs on a static cache of ``capacity`` slots
-    (modules/graphed_decoding.py)."""
-
-    def __init__(self, base: nn.Module, buffers: MedusaBuffers, capacity: int, cuda_graph: bool) -> None:
-        self.base, self.buffers, self.capacity = base, buffers, capacity
-        self.cache: KVCache | StaticKVCache | None = None
-        self.graphs = None
-        if cuda_graph:
-            # Each graph keeps its own memory pool: they replay in any order, so one's outputs must never be
-            # memory the other may reuse.
-            static = StaticKVCache(capacity)
-            one = GraphedCall.one_token(base, static, 1)
-            tree = GraphedCall(base, static, 1, buffers.tree_mask, buffers.tree_position_ids)
-            self.graphs = (one, tree)
-
-    def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fresh cache holding ids (1, T); the base's last hidden state (1, H) and its logits (1, V)."""
-        cache = KVCache(0 if self.graphs is not None else self.capacity)  # graphed: copied into the static one
-        hidden = self.base.model(ids, cache=cache)[:, -1]
-        if self.graphs is not None:
-            self.graphs[0].cache.load(cache)
-            cache = self.graphs[0].cache
-        self.cache = cache
-        return hidden, self.base.lm_head(hidden)
-
-    def one(self, token: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """token (1,) at position `length`: its hidden state (1, H) and logits (1, V)."""
-        if self.graphs is not None:
-            hidden, logits = self.graphs[0](token[None], length, length)
-            return hidden[:, 0].clone(), logits[:, 0].clone()  # the next replay overwrites the graph's outputs
-        hidden = self.base.model(token[None], cache=self.cache)[:, 0]
-        return hidden, self.base.lm_head(hidden)
-
-    def tree(self, tokens: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tree's node tokens (1+N,) after `length` committed ones: hidden states (1+N, H) and logits (1+N, V),
-        valid until the next call."""
-        positions = (length + self.buffers.tree_position_ids)[None]
-        if self.graphs is not None:
-            hidden, logits = self.graphs[1](tokens[None], positions, length)
-            return hidden[0], logits[0]
-        hidden = self.base.model(tokens[None], positions, cache=self.cache, tree_mask=self.buffers.tree_mask)[0]
-        return hidden, self.base.lm_head(hidden)
-
-
 class _Steps:
-    """Medusa steps with the acceptance on the host: the state is the base's last hidden state and logits; the
-    base's calls are eager or graphed (`_BaseCalls`). Greedy graphed decoding uses `GraphedGreedySteps` instead,
-    with the same methods."""
+    """Medusa steps run eagerly on a KVCache, the acceptance's result read by the host. The state is the base's last
+    hidden state (1, H) and the next root (1,), drawn when the state is set, as ``GraphedSteps`` (cuda_graph=True)
+    draws it, so both consume a generator in the same order."""
 
-    def __init__(self, base: nn.Module, heads: MedusaHeads, buffers: MedusaBuffers, capacity: int, cuda_graph: bool,
-                 topk: int, temperature: float, posterior_threshold: float, posterior_alpha: float,
-                 generator: torch.Generator | None) -> None:
-        self.calls = _BaseCalls(base, buffers, capacity, cuda_graph)
-        self.heads, self.buffers, self.topk, self.generator = heads, buffers, topk, generator
-        self.acceptance = (temperature, posterior_threshold, posterior_alpha)
-        self.hidden = self.next_logits = None  # the base's last hidden state (1, H) and its prediction (1, V)
+    def __init__(self, base: nn.Module, heads: MedusaHeads, buffers: MedusaBuffers, topk: int, capacity: int,
+                 acceptance: tuple[float, float, float], generator: torch.Generator | None) -> None:
+        self.base, self.heads, self.buffers, self.topk, self.capacity = base, heads, buffers, topk, capacity
+        self.acceptance, self.generator = acceptance, generator
+        self.cache: KVCache | None = None
+        self.hidden = self.root = None
 
     def prefill(self, ids: torch.Tensor) -> None:
-        self.hidden, self.next_logits = self.calls.prefill(ids)
+        """A fresh cache holding ids (1, T); the state after them."""
+        self.cache = KVCache(self.capacity)
+        self._set_state(self.base.model(ids, cache=self.cache)[:, -1])
 
-    def _root(self) -> torch.Tensor:
-        return _next_root(self.next_logits, self.acceptance[0], self.generator)  # (1,)
+    def _set_state(self, hidden: torch.Tensor, logits: torch.Tensor | None = None) -> None:
+        """hidden (1, H) and, if known, the base's logits there (1, V)."""
+        self.hidden = hidden
+        logits = self.base.lm_head(hidden) if logits is None else logits
+        self.root = draw(logits, self.acceptance[0], self.generator)
 
     def root_only(self, length: int) -> list[int]:
         """Emit the root alone, at position ``length``."""
-        root = self._root()
-        self.hidden, self.next_logits = self.calls.one(root, length)
+        root = self.root
+        self._set_state(self.base.model(root[None], cache=self.cache)[:, 0])
         return root.tolist()
 
     def tree(self, length: int) -> list[int]:
         """One Medusa step after ``length`` committed tokens: the root and the accepted candidates."""
-        paths = self.buffers.path_nodes
-        tree = candidate_tokens(self.heads, self.hidden, self._root(), self.buffers, self.topk)  # (1+N,)
-        out, logits = self.calls.tree(tree, length)
-        row, n = _accept(tree[paths], self.buffers.path_valid, logits[paths], *self.acceptance)
-        nodes = paths[row, : n + 1]  # the accepted path, root first
-        self.calls.cache.keep(length, nodes)
-        self.hidden, self.next_logits = out[nodes[-1:]], logits[nodes[-1:]]
+        buffers = self.buffers
+        tree = candidate_tokens(self.heads, self.hidden, self.root, buffers, self.topk)  # (1+N,)
+        positions = (length + buffers.tree_position_ids)[None]
+        out = self.base.model(tree[None], positions, cache=self.cache, tree_mask=buffers.tree_mask)[0]  # (1+N, H)
+        logits = self.base.lm_head(out)  # (1+N, V)
+        row, n = accept(tree, logits, buffers.path_nodes, buffers.path_valid, *self.acceptance)
+        nodes = buffers.path_nodes[int(row), : int(n) + 1]  # the accepted path, root first
+        self.cache.keep(length, nodes)
+        self._set_state(out[nodes[-1:]], logits[nodes[-1:]])
         return tree[nodes].tolist()
 
 
@@ -195,10 +126,10 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     (do_sample / top_p / top_k) that file describes, so its sampling settings are not applied here.
     return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
     in base forward calls).
-    cuda_graph: replay CUDA graphs over a static cache of T + max_new_tokens + tree slots, without the host's
-    per-kernel cost, which otherwise bounds a batch-1 step: greedy, each whole step is one graph
-    (medusa/graphed_step.py); sampling, the verification call (and the rare one-token call). In bf16 a near-tied
-    argmax may flip, as with generate's cuda_graph.
+    generator: the draws' (temperature > 0), on the model's device; None takes the device's default.
+    cuda_graph: replay each whole step as one CUDA graph over a static cache of T + max_new_tokens + tree slots
+    (medusa/graphed_step.py), without the host's per-kernel cost, which otherwise bounds a batch-1 step. In bf16 a
+    near-tied argmax may flip, as with generate's cuda_graph.
     The prompt must be unpadded: one that holds the pad id (argument, else the checkpoint's) is refused unless
     attention_mask is all ones (those ids are then real text), since plain generate would hide them (see
     `check_unpadded`).
@@ -215,6 +146,9 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
         raise ValueError(f"Medusa heads are for hidden/vocab {(heads.config.hidden_size, heads.config.vocab_size)}, "
                          f"the base model has {(base.config.hidden_size, vocab_size)}")
     check_input_ids(input_ids, vocab_size)
+    if temperature > 0 and generator is not None and generator.device.type != input_ids.device.type:
+        raise ValueError(f"the generator is on {generator.device}, the model's tokens on {input_ids.device}: draws "
+                         "happen on the model's device (torch.Generator(device=...))")
     if not 0 < topk <= heads.config.vocab_size:
         raise ValueError(f"topk must be in [1, vocab_size={heads.config.vocab_size}], got {topk}")
     max_new_tokens = new_token_budget(base, max_new_tokens, input_ids.shape[1])
@@ -232,11 +166,8 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     # the cache grows; a static cache cannot grow).
     budget = max_new_tokens if cuda_graph else min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
     capacity = input_ids.shape[1] + budget + len(buffers.tree_indices)
-    if cuda_graph and temperature == 0:
-        steps = GraphedGreedySteps(base, heads, buffers, topk, capacity)
-    else:
-        steps = _Steps(base, heads, buffers, capacity, cuda_graph, topk, temperature, posterior_threshold,
-                       posterior_alpha, generator)
+    steps = (GraphedSteps if cuda_graph else _Steps)(base, heads, buffers, topk, capacity,
+                                                     (temperature, posterior_threshold, posterior_alpha), generator)
     steps.prefill(input_ids)
     length = input_ids.shape[1]  # committed tokens
     cached_regime = regime(length)

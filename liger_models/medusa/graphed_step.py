@@ -1,20 +1,21 @@
-"""Greedy Medusa steps replayed whole as one CUDA graph: heads, candidates, verification, acceptance, compaction.
+"""Medusa steps replayed whole as one CUDA graph each: heads, candidates, verification, acceptance, compaction.
 
-With ``cuda_graph=True`` the base's verification call already replays as a graph (modules/graphed_decoding.py),
-but the rest of a step still ran eagerly: the heads' ResBlocks and projection, top-k, the tree's gather, the
-acceptance (argmax, compare, cumprod) and the cache compaction are ~40 launches and two host reads per step, the
-bulk of what a graphed step costs beyond a plain one on a small model. For greedy acceptance everything a step
-needs is on the device, so here the whole step is one graph:
+Run eagerly, a batch-1 step is bounded by the host: besides the base's calls, the heads' ResBlocks and projection,
+top-k, the tree's gather, the acceptance and the cache compaction are ~40 launches and a few host reads. Every
+input a step needs is on the device, so here the whole step is one graph, for greedy and for typical acceptance:
 
   state (on the device, static):  hidden (1, H) the last committed token's final hidden state; root (1,) the base's
-                                  argmax after it; length () the committed token count, set by the host each step
+                                  next token after it (argmax, or drawn from the generator); length () the committed
+                                  token count, set by the host each step
   one replay:                     proposals = heads' top-k on hidden → node tokens → the tree-masked base call at
-                                  slots length … → each path's accepted prefix (the first longest) → its keys and
-                                  values packed down to slots length … → result = (n, path tokens) and the new
-                                  hidden / root (those after the last accepted node)
+                                  slots length … → the winning path and its accepted prefix (acceptance.accept) →
+                                  its keys and values packed down to slots length … → result = (n, path tokens) and
+                                  the new hidden / root (those after the last accepted node)
 
 The host reads ``result`` (one device-to-host copy per step) to extend the output, stop at EOS and check the rotary
-table; the tokens are exactly those of the eager greedy path (``decoding._Steps``), which are plain greedy decoding's.
+table. The step's ops are those of the eager path (``decoding._Steps``) and the draws come from the same generator in
+the same order (a graph replay advances a registered generator as the eager kernels would), so the tokens match it:
+greedy, they are plain greedy decoding's.
 """
 
 from __future__ import annotations
@@ -22,22 +23,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from liger_models.medusa.acceptance import accept, draw
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.tree import MedusaBuffers, candidate_tokens
 from liger_models.modules.cache import KVCache
 from liger_models.modules.graphed_decoding import GraphedCall, StaticKVCache, device_mask, warm_up_and_capture
 
 
-class GraphedGreedySteps:
-    """Greedy Medusa decoding steps of ``base`` with ``heads`` over a static cache of ``capacity`` slots, each tree
-    step one CUDA graph replay (``graphed_decoding.CAPTURE`` off: the same work eagerly, for the CPU tests).
+class GraphedSteps:
+    """Medusa decoding steps of ``base`` with ``heads`` over a static cache of ``capacity`` slots, each tree step one
+    CUDA graph replay (``graphed_decoding.CAPTURE`` off: the same work eagerly, for the CPU tests).
 
-    buffers: the tree (``tree.MedusaBuffers``). Methods as ``decoding._Steps``: ``prefill(ids)``,
-    ``root_only(length)`` and ``tree(length)``, the last two returning the step's tokens."""
+    buffers: the tree (``tree.MedusaBuffers``); acceptance: (temperature, posterior_threshold, posterior_alpha) as
+    ``acceptance.accept`` takes them; generator: the draws' (None: the device's default). Methods as
+    ``decoding._Steps``: ``prefill(ids)``, ``root_only(length)`` and ``tree(length)``, the last two returning the
+    step's tokens."""
 
-    def __init__(self, base: nn.Module, heads: MedusaHeads, buffers: MedusaBuffers, topk: int, capacity: int) -> None:
+    def __init__(self, base: nn.Module, heads: MedusaHeads, buffers: MedusaBuffers, topk: int, capacity: int,
+                 acceptance: tuple[float, float, float], generator: torch.Generator | None) -> None:
         device = base.lm_head.weight.device
         self.base, self.heads, self.buffers, self.topk = base, heads, buffers, topk
+        self.acceptance, self.generator = acceptance, generator
         self.cache = StaticKVCache(capacity)
         self.one_token = GraphedCall.one_token(base, self.cache, 1)  # a step whose tree would span two rotary tables
         self.graphed = self.one_token.graphed
@@ -60,7 +66,7 @@ class GraphedGreedySteps:
         if self.hidden is None:
             self.hidden = torch.empty_like(hidden)  # the graph reads this tensor: it is refilled, never replaced
         self.hidden.copy_(hidden)
-        self.root.copy_(logits.argmax(-1))
+        self.root.copy_(draw(logits, self.acceptance[0], self.generator))
 
     def root_only(self, length: int) -> list[int]:
         """Emit the root alone at slot ``length`` (one-token graphed call) and move the state past it."""
@@ -78,7 +84,7 @@ class GraphedGreedySteps:
         if not self.graphed:
             self._step()
         elif self.graph is None:  # the warm-up is this step; the capture only records it
-            self.graph, _ = warm_up_and_capture(self._step, self.root.device)
+            self.graph, _ = warm_up_and_capture(self._step, self.root.device, self.generator)
         else:
             with torch.cuda.device(self.root.device):
                 self.graph.replay()
@@ -92,17 +98,11 @@ class GraphedGreedySteps:
         mask = device_mask(self.length, buffers.tree_mask, buffers.tree_position_ids, self.cache.capacity, None)
         positions = (self.length + buffers.tree_position_ids)[None]
         out = self.base.model.run(tree[None], positions, mask, self.cache)[0]  # (1+N, H)
-        predicted = self.base.lm_head(out).argmax(-1)  # (1+N,): the base's token after each node
-        # Greedy acceptance, as decoding._accept: a candidate counts while it equals the base's token after its
-        # parent; the first path of maximal accepted length wins (argmax returns the first maximum).
-        ok = (tree[nodes_of[:, 1:]] == predicted[nodes_of[:, :-1]]) & buffers.path_valid[:, 1:]
-        accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (P,)
-        row = accepted.argmax().view(1)
+        logits = self.base.lm_head(out)  # (1+N, V): the base's logits after each node
+        row, n = accept(tree, logits, nodes_of, buffers.path_valid, *self.acceptance)
         nodes = nodes_of.index_select(0, row)[0]  # (D+1,) the winning path, root first
-        n = accepted.index_select(0, row)  # (1,)
         self.cache.keep_on_device(self.length, nodes, self.packed)  # slots past length + n are never attended
         last = nodes.index_select(0, n)  # (1,) the last accepted node
         self.result.copy_(torch.cat([n, tree[nodes]]))
         self.hidden.copy_(out.index_select(0, last))
-        self.root.copy_(predicted.index_select(0, last))
-
+        self.root.copy_(draw(logits.index_select(0, last), self.acceptance[0], self.generator))

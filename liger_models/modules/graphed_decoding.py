@@ -149,10 +149,13 @@ class GraphedCall:
         return self.outputs
 
 
-def warm_up_and_capture(run: Callable[[], Any], device: torch.device) -> tuple[torch.cuda.CUDAGraph, Any]:
+def warm_up_and_capture(run: Callable[[], Any], device: torch.device,
+                        generator: torch.Generator | None = None) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Run ``run`` once eagerly, with all its effects (compiling the kernels, allocating what it allocates on first
     use), then capture it as a CUDA graph, which records the kernels without running them. Returns the graph, not
     yet replayed, and what the captured call returned: tensors in the graph's memory that every replay rewrites.
+    generator: one that ``run`` draws from besides the device's default (which torch registers itself); each replay
+    then advances it as the eager run does, so replays draw fresh numbers in the eager order.
 
     Everything happens on ``device``, which need not be the current one: a capture records only the work queued on
     its own stream, and torch would create that stream on the current device."""
@@ -163,6 +166,8 @@ def warm_up_and_capture(run: Callable[[], Any], device: torch.device) -> tuple[t
             run()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
         with torch.cuda.graph(graph, stream=side):
             outputs = run()
         current.wait_stream(side)

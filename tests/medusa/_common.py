@@ -89,3 +89,16 @@ def float64_copies(base: nn.Module, heads: nn.Module):
     base64 = copy.deepcopy(base).cpu().double()
     sd64 = {k: v.detach().cpu().double().requires_grad_() for k, v in heads.state_dict().items()}
     return base64, sd64
+
+
+def accept_paths(paths: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor, temperature: float,
+                 posterior_threshold: float, posterior_alpha: float) -> tuple[int, int]:
+    """acceptance.accept on candidate rows given path by path: tokens paths (P, D+1), the base's logits after each
+    position (P, D+1, V). The rows become a tree whose paths share no node (node p·(D+1) + d), which the rule
+    reads the same way, since a node's acceptance depends only on its parent's logits and its own token."""
+    from liger_models.medusa.acceptance import accept
+
+    nodes = torch.arange(paths.numel()).view(paths.shape)
+    row, n = accept(paths.flatten(), logits.flatten(0, 1), nodes, valid, temperature, posterior_threshold,
+                    posterior_alpha)
+    return int(row), int(n)

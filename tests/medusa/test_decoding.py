@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from liger_models.medusa import MedusaConfig, MedusaHeads, MedusaModel
-from liger_models.medusa.decoding import (_accept, default_medusa_choices, dense_medusa_choices,
+from liger_models.medusa.decoding import (default_medusa_choices, dense_medusa_choices,
                                           generate_medusa_buffers, medusa_generate)
 from liger_models.modules.cache import KVCache
-from tests.medusa._common import make_base
+from tests.medusa._common import accept_paths as _accept, make_base
 
 V, H = 37, 16
 
@@ -257,3 +257,33 @@ def test_sampling_is_reproducible_and_bad_inputs_raise():
         medusa_generate(base, heads, prompt[:, :0], 4)
     with pytest.raises(ValueError, match="temperature"):
         medusa_generate(base, heads, prompt, 4, temperature=-1.0)
+
+
+def test_draw_follows_softmax_at_the_temperature():
+    # The exponential race (acceptance.draw) against softmax(logits / T): 60000 draws of a 6-token row, every
+    # frequency within 5 standard deviations; a token of probability 0 is never drawn; argmax at T = 0.
+    from liger_models.medusa.acceptance import draw
+
+    logits = torch.linspace(-2, 2, 6, dtype=torch.float64)[torch.randperm(6)] + 0.3 * torch.randn(6)
+    logits[4] = float("-inf")  # spread apart, so that T = 1 is distinguishable from T = 0.6
+    temperature, draws = 0.6, 60000
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    tokens = draw(logits.expand(draws, 6), temperature, generator)
+    freq = torch.bincount(tokens, minlength=6).double() / draws
+    p = torch.softmax(logits / temperature, -1)
+    assert (freq - p).abs().max() <= 5 * (p * (1 - p) / draws).sqrt().max() + 1e-12 and freq[4] == 0
+    wrong_t = torch.softmax(logits / 1.0, -1)  # the temperature is applied: T = 1 would be far off
+    assert (freq - wrong_t).abs().max() > 10 * (p * (1 - p) / draws).sqrt().max()
+    assert torch.equal(draw(logits.expand(3, 6), 0.0, None), logits.argmax().expand(3))
+    again = draw(logits.expand(draws, 6), temperature, torch.Generator().manual_seed(generator.initial_seed()))
+    assert torch.equal(again, tokens)  # the generator alone decides the draws
+
+
+def test_a_generator_on_another_device_is_refused():
+    base = make_base(V, H, torch.float64)
+    heads = MedusaModel.from_base(base, num_heads=2).heads
+    prompt = torch.randint(3, V, (1, 4))
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))  # a CUDA generator, which a CPU machine cannot build
+    with pytest.raises(ValueError, match="generator is on cuda:0"):
+        medusa_generate(base, heads, prompt, 4, temperature=0.7, generator=on_gpu)
+    assert medusa_generate(base, heads, prompt, 4, generator=on_gpu).shape == (1, 8)  # greedy draws nothing

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from liger_models.medusa import MedusaConfig, MedusaModel
-from liger_models.medusa.decoding import _accept
 from tests.helpers import assert_matches
-from tests.medusa._common import make_base, packed_batch
+from tests.medusa._common import accept_paths as _accept, make_base, packed_batch
 
 V, H = 37, 16
 

@@ -15,7 +15,7 @@ from liger_models.gemma.config import GemmaConfig
 from liger_models.gemma.modeling import LigerGemmaForCausalLM
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.decoding import dense_medusa_choices, generate_medusa_buffers, medusa_generate
-from liger_models.medusa.graphed_step import GraphedGreedySteps
+from liger_models.medusa.graphed_step import GraphedSteps
 from liger_models.qwen2.config import Qwen2Config
 from liger_models.qwen2.modeling import LigerQwen2ForCausalLM
 from liger_models.modules import graphed_decoding
@@ -86,6 +86,26 @@ def test_medusa_graphed_equals_plain_greedy(eager_graphs, kind):
     eager, steps = model.generate(prompt, **kw)
     graphed, graphed_steps = model.generate(prompt, cuda_graph=True, **kw)
     assert torch.equal(eager, plain) and torch.equal(graphed, plain) and graphed_steps == steps
+
+
+@pytest.mark.parametrize("kind", [None, "longrope", "dynamic"])
+def test_medusa_graphed_sampling_equals_eager(eager_graphs, kind):
+    # Typical acceptance in the graphed step: the same acceptance code and the same draws in the same order (the
+    # root is drawn when the state is set, in both), so a seeded generator gives the eager tokens and step sizes,
+    # across longrope's re-prefill and the root-only steps at a rotary table change too.
+    base = _mistral(4) if kind is None else _rotary_switch_base(kind, seed=3)
+    model = MedusaModel.from_base(base, num_heads=3)
+    for k in range(3):
+        model.heads[k][0].linear.bias.data.zero_()
+    prompt = torch.randint(3, 50, (1, 6))
+    kw = dict(max_new_tokens=16, eos_token_id=[], temperature=0.8, return_stats=True,
+              medusa_choices=dense_medusa_choices([2, 2, 1]))
+    eager, steps = model.generate(prompt, generator=torch.Generator().manual_seed(7), **kw)
+    graphed, graphed_steps = model.generate(prompt, generator=torch.Generator().manual_seed(7), cuda_graph=True, **kw)
+    assert torch.equal(graphed, eager) and graphed_steps == steps
+    assert max(steps) > 1  # some tree was accepted past its root
+    greedy = model.generate(prompt, max_new_tokens=16, eos_token_id=[])
+    assert not torch.equal(eager, greedy)  # the draws were really random
 
 
 @pytest.mark.parametrize("family", ["gemma", "qwen2-layer-windows"])
@@ -188,7 +208,8 @@ def test_graphed_greedy_step_refuses_a_tree_past_the_cache(eager_graphs):
     # Inside a graph a slot past the cache would be a device-side assert that ends the process's CUDA context.
     base = _mistral(None)
     heads = MedusaModel.from_base(base, num_heads=2).heads
-    steps = GraphedGreedySteps(base, heads, generate_medusa_buffers(dense_medusa_choices([2, 1]), 2, 3), 3, 8)
+    buffers = generate_medusa_buffers(dense_medusa_choices([2, 1]), 2, 3)
+    steps = GraphedSteps(base, heads, buffers, 3, 8, (0.0, 0.09, 0.3), None)
     steps.prefill(torch.randint(3, 50, (1, 3)))
     assert 1 <= len(steps.tree(3)) <= 3  # slots 3 … 7: the 5 nodes fit exactly
     with pytest.raises(ValueError, match="passes the static cache's 8"):
@@ -294,8 +315,9 @@ def test_generate_cuda_graph_equals_eager_on_gpu(window):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", [None, "shared", "longrope", "dynamic"])
 def test_medusa_cuda_graph_equals_plain_greedy_on_gpu(kind):
-    # Greedy: whole steps captured (medusa/graphed_step.py), with the one-token graph where the rotary table
-    # changes and a re-prefill at longrope's switch; sampling: the verification call alone is captured.
+    # Whole steps captured (medusa/graphed_step.py), greedy and sampling, with the one-token graph where the rotary
+    # table changes and a re-prefill at longrope's switch. Sampling draws from a registered generator (or the
+    # default one) inside the replays, in the eager order: the same seed gives the same tokens.
     if kind in ("longrope", "dynamic"):
         base = _rotary_switch_base(kind, seed=2).to("cuda", torch.float32)
     else:
@@ -307,10 +329,16 @@ def test_medusa_cuda_graph_equals_plain_greedy_on_gpu(kind):
     plain = base.generate(prompt, max_new_tokens=40, eos_token_id=[])
     graphed, steps = model.generate(prompt, max_new_tokens=40, eos_token_id=[], return_stats=True, cuda_graph=True)
     assert torch.equal(graphed, plain) and sum(steps) == 40
-    kw = dict(max_new_tokens=12, eos_token_id=[], temperature=0.7)
+    kw = dict(max_new_tokens=30, eos_token_id=[], temperature=0.7, return_stats=True)
     sampled = [model.generate(prompt, generator=torch.Generator("cuda").manual_seed(5), cuda_graph=graph, **kw)
                for graph in (False, True)]
-    assert torch.equal(*sampled)
+    assert torch.equal(sampled[0][0], sampled[1][0]) and sampled[0][1] == sampled[1][1]
+    assert max(sampled[1][1]) > 1 and len(sampled[1][1]) > 3  # trees accepted, in replays after the capture
+    defaults = []
+    for graph in (False, True):
+        torch.cuda.manual_seed(6)
+        defaults.append(model.generate(prompt, cuda_graph=graph, **kw)[0])
+    assert torch.equal(*defaults) and not torch.equal(defaults[0], sampled[0][0])
 
 
 def _bf16_steps_as_accurate_as_eager(device: str) -> None:
