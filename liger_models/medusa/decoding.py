@@ -137,7 +137,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T) with T ≥ 1 (e.g. the BOS "
                          f"id), got {tuple(input_ids.shape)}")
-    if not temperature >= 0:  # not `< 0`: NaN would pass and fail later as NaN probabilities in multinomial
+    if not temperature >= 0:  # not `< 0`: NaN would pass, and every draw would be argmax over NaN
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     vocab_size = base.config.vocab_size
     if (heads.config.hidden_size, heads.config.vocab_size) != (base.config.hidden_size, vocab_size):
