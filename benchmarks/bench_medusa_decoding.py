@@ -16,6 +16,8 @@ eagerly and with `cuda_graph=True` (every decoding call replayed as a CUDA graph
 greedy Medusa's equal our eager greedy tokens is recorded, but says little here: random bf16 weights give near-tied
 logits, so any change of kernel flips some argmax (tests/models/test_graphed_decoding.py checks tokens in fp32).
 graph_setup_ms: what a `cuda_graph=True` call pays once (static cache, warm-up step, capture).
+greedy_graphed_stop_ids_ms_per_token: graphed plain decoding with a stop id that never comes (the loop then watches
+for finished rows; the other plain columns decode with no stop ids).
 
 Each time is the median of REPS wall-clock runs (CUDA synchronised) at two budgets, SHORT_TOKENS and NEW_TOKENS; the
 difference over the extra tokens (or steps) leaves out the prefill and the one graph capture per call.
@@ -107,6 +109,13 @@ def measure(name: str, cfg: dict, quick: bool) -> list[dict]:
                 greedy_ms[n, graph] = _per_unit_ms(run, lambda k: k)
             greedy[n, True] = torch.equal(base.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[],
                                                         cuda_graph=True), greedy[n])
+            # With stop ids the loop must learn when every row has finished (generate.FinishWatch); the last id
+            # of the vocabulary as the stop id, which these random weights do not emit here (checked).
+            stop = [cfg["vocab_size"] - 1]
+            full = base.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=stop, cuda_graph=True)
+            if full.shape[1] == n + NEW_TOKENS:
+                run = lambda k: base.generate(ids, max_new_tokens=k, eos_token_id=stop, cuda_graph=True)  # noqa: E731
+                greedy_ms[n, "stop ids"] = _per_unit_ms(run, lambda k: k)
             # What one call pays to set the graph up (static cache, eager warm-up step, capture): two new tokens
             # graphed minus eager, i.e. one graphed step's setup instead of one eager step.
             greedy[n, "setup"] = (_wall_ms(base.generate, ids, max_new_tokens=2, eos_token_id=[], cuda_graph=True)
@@ -133,6 +142,7 @@ def measure(name: str, cfg: dict, quick: bool) -> list[dict]:
                              medusa_steps=len(steps), medusa_tokens_per_step=sum(steps) / len(steps),
                              medusa_equals_greedy=torch.equal(out, greedy[n]),
                              greedy_graphed_equals_eager=greedy[n, True], graph_setup_ms=greedy[n, "setup"],
+                             greedy_graphed_stop_ids_ms_per_token=greedy_ms.get((n, "stop ids")),
                              break_even_tokens_per_step=step_ms / ms,
                              speedup_at={str(a): a * ms / step_ms for a in ACCEPTANCE}))
         medusa = None  # frees the heads before the next ones (a plain del would orphan the closures' name)

@@ -23,6 +23,7 @@ generator=None draws from torch's global generator, as HF does: the same seed gi
 from __future__ import annotations
 
 import numbers
+from collections import deque
 
 import torch
 
@@ -223,6 +224,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
         graphed.cache.load(cache)
     regime = rotary.regime(input_ids.shape[1])
     tokens, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    watch = FinishWatch(max_new_tokens, graphed is not None and graphed.graphed)
     for step in range(max_new_tokens):
         nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                           generator=generator)
@@ -231,9 +233,14 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
         if mask is not None:  # the new token is real in every row (HF keeps finished rows' pads visible too)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
-        done = done | torch.isin(nxt, eos)
-        if step == max_new_tokens - 1 or bool(done.all()):
+        if step == max_new_tokens - 1:
             break
+        if len(eos):  # without stop ids no row ever finishes: nothing to read back
+            done = done | torch.isin(nxt, eos)
+            finished = watch.finished_at(step, done)
+            if finished is not None:  # steps queued past it (graphed) only added pads: cut them
+                tokens = tokens[:, : input_ids.shape[1] + finished + 1].contiguous()
+                break
         if rotary.regime(tokens.shape[1]) != regime:
             regime = rotary.regime(tokens.shape[1])
             logits, cache = prefill(tokens)
@@ -247,6 +254,45 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
                         attention_mask=mask, position_ids=None if positions is None else positions[:, -1:])
             logits = out.logits[:, -1]
     return tokens
+
+
+class FinishWatch:
+    """When every row has finished, learnt without stalling the GPU.
+
+    Eagerly the host is the bottleneck, so it reads ``done.all()`` at every step. With graph replays it is the
+    other way round: a step takes the GPU longer (Llama-3.2-1B on an H200: ~1.3 ms) than the host needs to queue the
+    next one, and a read per step drains that queue: the GPU then idles while Python goes round the loop (1.50 ms
+    per token against 1.30 ms of kernels, benchmarks/profile_decode.py). So here each step's ``done.all()`` is
+    copied to pinned memory without waiting, and the host looks only at steps whose copies have landed, blocking
+    only when LOOKAHEAD steps are in flight: at most that many steps run past the last EOS, and their tokens (pads
+    and the like) are cut by the caller."""
+
+    LOOKAHEAD = 4
+
+    def __init__(self, steps: int, asynchronous: bool) -> None:
+        self.asynchronous = asynchronous
+        if asynchronous:
+            self.flags = torch.zeros(steps, dtype=torch.bool, pin_memory=True)
+            self.pending: deque[tuple[int, torch.cuda.Event]] = deque()
+
+    def finished_at(self, step: int, done: torch.Tensor) -> int | None:
+        """The first step known to have finished every row (done (B,) after ``step``); None while none is."""
+        if not self.asynchronous:
+            return step if bool(done.all()) else None
+        self.flags[step].copy_(done.all(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((step, event))
+        while self.pending:
+            oldest, landed = self.pending[0]
+            if len(self.pending) > self.LOOKAHEAD:
+                landed.synchronize()
+            elif not landed.query():
+                return None
+            self.pending.popleft()
+            if bool(self.flags[oldest]):
+                return oldest
+        return None
 
 
 def _graphed_step(model, batch: int, capacity: int, mask: torch.Tensor | None):

@@ -313,6 +313,32 @@ def test_generate_cuda_graph_equals_eager_on_gpu(window):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_generate_cuda_graph_stops_where_eager_stops_on_gpu(do_sample):
+    # Replays are queued ahead of the host's look at which rows finished (generate.FinishWatch): steps queued past
+    # the last row's EOS must be cut, one row stopping early must not stop the others, and (sampling) the draws
+    # must stay in the eager order, whichever step the host noticed the end at.
+    model = _mistral(3, torch.float32, "cuda")
+    ids, mask = left_padded(3, 8, [0, 2, 5])
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(attention_mask=mask, max_new_tokens=40, do_sample=do_sample, temperature=0.9, top_k=0, top_p=0.95)
+
+    def run(graph, **more):
+        torch.cuda.manual_seed(11)
+        return model.generate(ids, cuda_graph=graph, **kw, **more)
+
+    free = run(False, eos_token_id=[])
+    assert torch.equal(run(True, eos_token_id=[]), free) and free.shape[1] == 8 + 40
+    one_row = int(free[1, 8 + 3])  # row 1 stops at step 3 (or earlier); the others need not
+    assert torch.equal(run(True, eos_token_id=one_row, pad_token_id=0), run(False, eos_token_id=one_row,
+                                                                             pad_token_id=0))
+    every_row = sorted({int(t) for t in free[:, 8 + 6]})  # every row stops by step 6: the call ends there
+    eager = run(False, eos_token_id=every_row, pad_token_id=0)
+    graphed = run(True, eos_token_id=every_row, pad_token_id=0)
+    assert torch.equal(graphed, eager) and eager.shape[1] <= 8 + 7 and graphed.is_contiguous()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", [None, "shared", "longrope", "dynamic"])
 def test_medusa_cuda_graph_equals_plain_greedy_on_gpu(kind):
     # Whole steps captured (medusa/graphed_step.py), greedy and sampling, with the one-token graph where the rotary
