@@ -8,7 +8,7 @@ Per token means the difference between two budgets (SHORT and --tokens), so the 
 drop out; graphed Medusa steps with random heads emit one token each, so for them it is per step.
 
     python benchmarks/profile_decode.py --out DIR [--config llama-3.2-1b] [--prompt 128] [--tokens 40]
-        [--providers ours,graphed,medusa-copy,medusa-shared,hf]
+        [--providers ours,graphed,graphed-stop,medusa-copy,medusa-shared,hf]
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--providers", default="ours,hf",
-                    help="any of ours (eager), graphed (cuda_graph), medusa-copy / medusa-shared (graphed greedy "
-                         "Medusa steps, random heads: one token a step), hf")
+                    help="any of ours (eager), graphed (cuda_graph), graphed-stop (cuda_graph with a stop id that "
+                         "random weights do not emit: finished rows watched), medusa-copy / medusa-shared (graphed "
+                         "greedy Medusa steps, random heads: one token a step), hf")
     args = ap.parse_args()
     import torch
 
@@ -108,9 +109,10 @@ def main() -> None:
     rows = []
     with torch.no_grad():
         for provider in args.providers.split(","):
-            if provider in ("ours", "graphed"):
-                graph = provider == "graphed"
-                run = lambda n, g=graph: model.generate(ids, max_new_tokens=n, eos_token_id=[], cuda_graph=g)  # noqa
+            if provider in ("ours", "graphed", "graphed-stop"):
+                graph, stop = provider != "ours", [cfg["vocab_size"] - 1] if provider == "graphed-stop" else []
+                run = lambda n, g=graph, e=stop: model.generate(ids, max_new_tokens=n, eos_token_id=e,  # noqa
+                                                                 cuda_graph=g)
             elif provider.startswith("medusa-"):
                 medusa = MedusaModel.from_base(model, num_heads=NUM_HEADS, share_lm_head=provider == "medusa-shared")
                 medusa.heads.to(device="cuda", dtype=torch.bfloat16)

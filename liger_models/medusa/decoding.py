@@ -80,8 +80,9 @@ class _Steps:
         self._set_state(self.base.model(root[None], cache=self.cache)[:, 0])
         return root.tolist()
 
-    def tree(self, length: int) -> list[int]:
-        """One Medusa step after ``length`` committed tokens: the root and the accepted candidates."""
+    def tree(self, length: int, ahead: bool = False) -> list[int]:
+        """One Medusa step after ``length`` committed tokens: the root and the accepted candidates (``ahead``:
+        see ``GraphedSteps.tree``; eagerly nothing is gained by it)."""
         buffers = self.buffers
         tree = candidate_tokens(self.heads, self.hidden, self.root, buffers, self.topk)  # (1+N,)
         positions = (length + buffers.tree_position_ids)[None]
@@ -180,7 +181,13 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
         if table_key(length + depth + 1) != table_key(length):  # the tree would span two rotary tables: root alone
             step_tokens = steps.root_only(length)
         else:
-            step_tokens = steps.tree(length)
+            # Whether the next call is surely a tree step too (the budget not spent, no re-prefill, no root-only
+            # step: regime and table are monotone in the length): a graphed one is then launched before this one's
+            # tokens are read.
+            furthest = length + depth + 1  # where the next step can start at the latest
+            ahead = (len(new_tokens) + depth + 1 < max_new_tokens and regime(furthest) == cached_regime
+                     and table_key(furthest + depth + 1) == table_key(length))
+            step_tokens = steps.tree(length, ahead)
         length += len(step_tokens)
         step_tokens = step_tokens[: max_new_tokens - len(new_tokens)]
         stop = [i for i, t in enumerate(step_tokens) if t in eos]

@@ -54,9 +54,15 @@ class GraphedSteps:
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.result = torch.zeros(buffers.depth + 2, dtype=torch.long, device=device)  # n, then the path's D+1 tokens
         self.graph: torch.cuda.CUDAGraph | None = None
+        # Replayed steps copy their result here, two in turn: one step may be queued behind the one being read.
+        self.landing = [torch.zeros_like(self.result, device="cpu", pin_memory=True) for _ in range(2)
+                        ] if self.graphed else []
+        self.launches = 0
+        self.queued: tuple[int, object] | None = None  # (start slot, handle) of a step launched ahead
 
     def prefill(self, ids: torch.Tensor) -> None:
         """The base on ids (1, T) from an empty cache (eagerly), copied into the static cache; the state after it."""
+        self._refuse_queued("prefill")
         cache = KVCache()
         hidden = self.base.model(ids, cache=cache)[:, -1]
         self.cache.load(cache)
@@ -70,26 +76,69 @@ class GraphedSteps:
 
     def root_only(self, length: int) -> list[int]:
         """Emit the root alone at slot ``length`` (one-token graphed call) and move the state past it."""
+        self._refuse_queued("root_only")
         root = self.root.clone()
         hidden, logits = self.one_token(root[None], length, length)
         self._set_state(hidden[:, 0], logits[:, 0])
         return root.tolist()
 
-    def tree(self, length: int) -> list[int]:
-        """One Medusa step after ``length`` committed tokens: the root and the accepted candidates."""
-        if length + len(self.slot_offsets) > self.cache.capacity:  # inside the graph it would be a device assert
-            raise ValueError(f"a tree at slots {length} … {length + len(self.slot_offsets) - 1} passes the static "
-                             f"cache's {self.cache.capacity}")
-        self.length.fill_(length)
+    def tree(self, length: int, ahead: bool = False) -> list[int]:
+        """One Medusa step after ``length`` committed tokens: the root and the accepted candidates.
+
+        ahead: the caller's next call is a tree step too (after this step's tokens), unless it stops. That step is
+        then launched before this one's tokens are read, from the state this one leaves on the device, so the GPU
+        goes from one step to the next while the host reads (a host read per step otherwise leaves the GPU idle for
+        the host's turn of the loop). The caller must not call ``prefill`` or ``root_only`` next."""
+        tree_size, capacity = len(self.slot_offsets), self.cache.capacity
+        if self.queued is not None:
+            start, current = self.queued
+            if start != length:
+                raise RuntimeError(f"the step launched ahead starts at slot {start}, not {length}")
+            self.queued = None
+        else:
+            if length + tree_size > capacity:  # inside the graph it would be a device assert
+                raise ValueError(f"a tree at slots {length} … {length + tree_size - 1} passes the static cache's "
+                                 f"{capacity}")
+            self.length.fill_(length)
+            current = self._launch()
+        # The next step starts at most depth + 1 slots further; past the cache it must not be launched blindly.
+        launch_next = ahead and length + self.buffers.depth + 1 + tree_size <= capacity
+        following = self._launch() if launch_next else None
+        n, *tokens = self._read(current)
+        if following is not None:
+            self.queued = (length + n + 1, following)
+        return tokens[: n + 1]
+
+    def _launch(self) -> object:
+        """Run one step (the graph's warm-up and capture the first time, a replay after) from the state on the
+        device, without waiting for it; a handle for ``_read``."""
         if not self.graphed:
             self._step()
-        elif self.graph is None:  # the warm-up is this step; the capture only records it
+            return self.result.clone()  # a step launched after this one overwrites ``result``
+        captured_now = self.graph is None
+        if captured_now:  # the warm-up is this step; the capture only records it
             self.graph, _ = warm_up_and_capture(self._step, self.root.device, self.generator)
-        else:
-            with torch.cuda.device(self.root.device):
+        landing = self.landing[self.launches % 2]
+        self.launches += 1
+        with torch.cuda.device(self.root.device):
+            if not captured_now:
                 self.graph.replay()
-        n, *tokens = self.result.tolist()  # the step's one host read
-        return tokens[: n + 1]
+            landing.copy_(self.result, non_blocking=True)  # queued before any later step rewrites ``result``
+            landed = torch.cuda.Event()
+            landed.record()
+        return landing, landed
+
+    def _read(self, handle: object) -> list[int]:
+        """(n, the path's D+1 tokens) of a launched step: the one host read per step."""
+        if not self.graphed:
+            return handle.tolist()
+        landing, landed = handle
+        landed.synchronize()
+        return landing.tolist()
+
+    def _refuse_queued(self, call: str) -> None:
+        if self.queued is not None:  # that step has moved the state on: this call would run on the wrong one
+            raise RuntimeError(f"{call} after a tree step launched ahead")
 
     def _step(self) -> None:
         buffers, nodes_of = self.buffers, self.buffers.path_nodes
@@ -106,3 +155,4 @@ class GraphedSteps:
         self.result.copy_(torch.cat([n, tree[nodes]]))
         self.hidden.copy_(out.index_select(0, last))
         self.root.copy_(draw(logits.index_select(0, last), self.acceptance[0], self.generator))
+        self.length += n[0] + 1  # where a step launched ahead starts, without the host
