@@ -8,7 +8,7 @@ Per token means the difference between two budgets (SHORT and --tokens), so the 
 drop out; graphed Medusa steps with random heads emit one token each, so for them it is per step.
 
     python benchmarks/profile_decode.py --out DIR [--config llama-3.2-1b] [--prompt 128] [--tokens 40]
-        [--providers ours,graphed,graphed-stop,medusa-copy,medusa-shared,hf]
+        [--providers ours,graphed,graphed-stop,medusa-copy,medusa-copy-sync,medusa-shared,medusa-shared-sync,hf]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_medusa_decoding import CONFIGS, NUM_HEADS, _hf_model  # noqa: E402
 
 SHORT = 8
+REPS = 5  # wall-clock differences, median
 
 
 def _kernel_totals(prof) -> tuple[float, int, dict[str, list[float]]]:
@@ -58,7 +59,7 @@ def profile(name: str, generate, tokens: int, out: str) -> dict:
 
     generate(tokens)  # warm-up: compiles, allocator
     extra = tokens - SHORT
-    wall = statistics.median(_wall_ms(generate, tokens) - _wall_ms(generate, SHORT) for _ in range(3))
+    wall = statistics.median(_wall_ms(generate, tokens) - _wall_ms(generate, SHORT) for _ in range(REPS))
     pr = cProfile.Profile()
     pr.enable()
     generate(tokens)
@@ -92,13 +93,14 @@ def main() -> None:
     ap.add_argument("--providers", default="ours,hf",
                     help="any of ours (eager), graphed (cuda_graph), graphed-stop (cuda_graph with a stop id that "
                          "random weights do not emit: finished rows watched), medusa-copy / medusa-shared (graphed "
-                         "greedy Medusa steps, random heads: one token a step), hf")
+                         "greedy Medusa steps, random heads: one token a step; with -sync: each step read before the "
+                         "next is launched), hf")
     args = ap.parse_args()
     import torch
 
     from liger_models.llama.config import LlamaConfig
     from liger_models.llama.modeling import LigerLlamaForCausalLM
-    from liger_models.medusa import MedusaModel
+    from liger_models.medusa import MedusaModel, decoding
 
     os.makedirs(args.out, exist_ok=True)
     cfg = CONFIGS[args.config]
@@ -114,8 +116,10 @@ def main() -> None:
                 run = lambda n, g=graph, e=stop: model.generate(ids, max_new_tokens=n, eos_token_id=e,  # noqa
                                                                  cuda_graph=g)
             elif provider.startswith("medusa-"):
-                medusa = MedusaModel.from_base(model, num_heads=NUM_HEADS, share_lm_head=provider == "medusa-shared")
+                shared = provider.startswith("medusa-shared")
+                medusa = MedusaModel.from_base(model, num_heads=NUM_HEADS, share_lm_head=shared)
                 medusa.heads.to(device="cuda", dtype=torch.bfloat16)
+                decoding.LAUNCH_AHEAD = not provider.endswith("-sync")
                 run = lambda n, m=medusa: m.generate(ids, max_new_tokens=n, eos_token_id=[], cuda_graph=True)  # noqa
             else:
                 hf = _hf_model(cfg, model.state_dict())

@@ -46,6 +46,10 @@ from liger_models.modules.cache import KVCache
 from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_ids, eos_token_ids,
                                            new_token_budget, pad_token, prompt_mask)
 
+# Graphed steps launch the next step before reading this one's tokens when the next is certain (GraphedSteps.tree);
+# False reads every step before the next is launched (benchmarks/profile_decode.py compares the two).
+LAUNCH_AHEAD = True
+
 # The tree's layout lives in tree.py; its names stay importable from here, where decoding has always offered them.
 __all__ = ["TOPK", "MedusaBuffers", "check_unpadded", "default_medusa_choices", "dense_medusa_choices",
            "generate_medusa_buffers", "medusa_generate"]
@@ -185,8 +189,8 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
             # step: regime and table are monotone in the length): a graphed one is then launched before this one's
             # tokens are read.
             furthest = length + depth + 1  # where the next step can start at the latest
-            ahead = (len(new_tokens) + depth + 1 < max_new_tokens and regime(furthest) == cached_regime
-                     and table_key(furthest + depth + 1) == table_key(length))
+            ahead = (LAUNCH_AHEAD and len(new_tokens) + depth + 1 < max_new_tokens
+                     and regime(furthest) == cached_regime and table_key(furthest + depth + 1) == table_key(length))
             step_tokens = steps.tree(length, ahead)
         length += len(step_tokens)
         step_tokens = step_tokens[: max_new_tokens - len(new_tokens)]
