@@ -9,7 +9,7 @@ every row is done or ``max_new_tokens`` is reached.
 When the rotary table for cached positions would change (longrope crossing original_max_position_embeddings), the
 cache is dropped and the whole sequence is recomputed, as HF's Phi3 does.
 ``cuda_graph=True`` replays every one-token step as a CUDA graph (modules/graphed_decoding.py): a batch-1 step is
-otherwise bound by the host issuing ~200 kernels (Llama-3.2-1B on an H200: 11–16 → 1.3–1.8 ms per token).
+otherwise bound by the host issuing ~200 kernels (Llama-3.2-1B on an H200: 11–16 → 1.2–1.3 ms per token).
 
 Sampling settings left out (None) are taken as HF's generate takes them: from the checkpoint's
 generation_config.json (Llama 3 Instruct's says do_sample true, temperature 0.6, top_p 0.9, max_length 4096), else
