@@ -45,7 +45,9 @@ def accept(tokens: torch.Tensor, logits: torch.Tensor, path_nodes: torch.Tensor,
         # Per node, not per path position: a node is the parent on several paths (the default tree: 45 nodes,
         # 16 paths × 4 positions), and each row is V floats.
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, V)
-        entropy = -(logp.exp() * logp).sum(-1)
+        # p·log p is 0 at p = 0: a -inf logit (a masked token) would otherwise make the entropy NaN (0 · -inf) and
+        # reject every candidate after that node.
+        entropy = -torch.where(torch.isneginf(logp), 0.0, logp.exp() * logp).sum(-1)
         threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)  # (N,)
         candidate_logp = logp[parents, candidates]  # (P, D)
         ok = candidate_logp.exp() > threshold[parents]

@@ -43,7 +43,8 @@ class GraphedSteps:
                  acceptance: tuple[float, float, float], generator: torch.Generator | None) -> None:
         device = base.lm_head.weight.device
         self.base, self.heads, self.buffers, self.topk = base, heads, buffers, topk
-        self.acceptance, self.generator = acceptance, generator
+        # Greedy steps draw nothing: a generator (on whatever device) must not be registered with the graph.
+        self.acceptance, self.generator = acceptance, generator if acceptance[0] > 0 else None
         self.cache = StaticKVCache(capacity)
         self.one_token = GraphedCall.one_token(base, self.cache, 1)  # a step whose tree would span two rotary tables
         self.graphed = self.one_token.graphed

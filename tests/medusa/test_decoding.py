@@ -61,6 +61,14 @@ def test_greedy_acceptance_picks_longest_prefix():
     assert _accept(paths, valid, logits, 0.0, 0.09, 0.3) == (1, 2)
 
 
+def test_typical_acceptance_after_a_masked_token():
+    # A -inf logit (a token the base can never emit) holds no probability mass: the entropy must ignore it rather
+    # than become NaN (0 · -inf), which would reject every candidate after that node. Finite -1e4 is the control.
+    for masked in (float("-inf"), -1e4):
+        logits = torch.tensor([[[0.0, 10.0, masked], [0.0, 0.0, 0.0]]])
+        assert _accept(torch.tensor([[0, 1]]), torch.ones(1, 2, dtype=torch.bool), logits, 1.0, 0.09, 0.3) == (0, 1)
+
+
 def test_typical_acceptance_extremes_and_tie_break():
     logits = torch.randn(3, 4, 9)
     paths = torch.randint(0, 9, (3, 4))
