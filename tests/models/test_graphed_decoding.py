@@ -391,6 +391,9 @@ def test_medusa_cuda_graph_equals_plain_greedy_on_gpu(kind):
     plain = base.generate(prompt, max_new_tokens=40, eos_token_id=[])
     graphed, steps = model.generate(prompt, max_new_tokens=40, eos_token_id=[], return_stats=True, cuda_graph=True)
     assert torch.equal(graphed, plain) and sum(steps) == 40
+    # Greedy draws nothing: a generator on another device is ignored, never registered with the graph.
+    assert torch.equal(model.generate(prompt, max_new_tokens=40, eos_token_id=[], cuda_graph=True,
+                                      generator=torch.Generator()), plain)
     kw = dict(max_new_tokens=30, eos_token_id=[], temperature=0.7, return_stats=True)
     sampled = [model.generate(prompt, generator=torch.Generator("cuda").manual_seed(5), cuda_graph=graph, **kw)
                for graph in (False, True)]
