@@ -220,15 +220,14 @@ def test_graphed_greedy_step_refuses_a_tree_past_the_cache(eager_graphs):
 def test_graphed_steps_launched_ahead_give_the_same_tokens(eager_graphs):
     # A step launched before the previous one's tokens are read starts from the state that step left on the device
     # (its length included); the caller may only follow it with that tree step, at the slot it starts at.
-    base = _mistral(None)
-    model = MedusaModel.from_base(base, num_heads=2)
-    for k in range(2):
-        model.heads[k][0].linear.bias.data.zero_()
+    base = _mistral(None).requires_grad_(False)  # as medusa_generate runs it (no_grad)
     buffers = generate_medusa_buffers(dense_medusa_choices([2, 2]), 2, 3)
     prompt = torch.randint(3, 50, (1, 3))
+    plain = base.generate(prompt, max_new_tokens=30, eos_token_id=[])
+    heads = DeviceOracleHeads(base, plain, [2, 2])  # they know the continuation: trees are accepted
     tokens = {}
     for ahead in (False, True):
-        steps = GraphedSteps(base, model.heads, buffers, 3, 40, (0.0, 0.09, 0.3), None)
+        steps = GraphedSteps(base, heads, buffers, 3, 40, (0.0, 0.09, 0.3), None)
         steps.prefill(prompt)
         length, out = 3, []
         for _ in range(5):
@@ -242,9 +241,10 @@ def test_graphed_steps_launched_ahead_give_the_same_tokens(eager_graphs):
             with pytest.raises(RuntimeError, match=f"starts at slot {length}, not {length + 1}"):
                 steps.tree(length + 1)
             assert steps.tree(length)  # the queued step, still usable
-    assert tokens[True] == tokens[False] and max(len(t) for t in tokens[True]) > 1
+    assert tokens[True] == tokens[False] and min(len(t) for t in tokens[True]) == 3
+    assert sum(tokens[True], []) == plain[0, 3: 3 + 15].tolist()
     # Through medusa_generate: an EOS ends the call while a step is queued behind it.
-    plain = base.generate(prompt, max_new_tokens=14, eos_token_id=[])
+    model = MedusaModel.from_base(base, num_heads=2)
     eos = int(plain[0, 3 + 8])
     kw = dict(max_new_tokens=14, eos_token_id=eos, medusa_choices=dense_medusa_choices([2, 2]), topk=3)
     stopped = plain[:, : 3 + int((plain[0, 3:] == eos).nonzero()[0]) + 1]
