@@ -6,14 +6,15 @@ input a step needs is on the device, so here the whole step is one graph, for gr
 
   state (on the device, static):  hidden (1, H) the last committed token's final hidden state; root (1,) the base's
                                   next token after it (argmax, or drawn from the generator); length () the committed
-                                  token count, set by the host each step
+                                  token count, set by the host after a prefill or a root-only step
   one replay:                     proposals = heads' top-k on hidden → node tokens → the tree-masked base call at
                                   slots length … → the winning path and its accepted prefix (acceptance.accept) →
-                                  its keys and values packed down to slots length … → result = (n, path tokens) and
-                                  the new hidden / root (those after the last accepted node)
+                                  its keys and values packed down to slots length … → result = (n, path tokens), the
+                                  new hidden / root (those after the last accepted node) and length += n + 1
 
-The host reads ``result`` (one device-to-host copy per step) to extend the output, stop at EOS and check the rotary
-table. The step's ops are those of the eager path (``decoding._Steps``) and the draws come from the same generator in
+The host reads ``result`` (one device-to-host copy per step, into pinned memory) to extend the output, stop at EOS
+and check the rotary table; since a replay needs nothing from the host, the next one can be queued before that read
+(``tree(..., ahead=True)``). The step's ops are those of the eager path (``decoding._Steps``) and the draws come from the same generator in
 the same order (a graph replay advances a registered generator as the eager kernels would), so the tokens match it:
 greedy, they are plain greedy decoding's.
 """
