@@ -14,9 +14,9 @@ input a step needs is on the device, so here the whole step is one graph, for gr
 
 The host reads ``result`` (one device-to-host copy per step, into pinned memory) to extend the output, stop at EOS
 and check the rotary table; since a replay needs nothing from the host, the next one can be queued before that read
-(``tree(..., ahead=True)``). The step's ops are those of the eager path (``decoding._Steps``) and the draws come from the same generator in
-the same order (a graph replay advances a registered generator as the eager kernels would), so the tokens match it:
-greedy, they are plain greedy decoding's.
+(``tree(..., ahead=True)``). The step's ops are those of the eager path (``decoding._Steps``) and the draws come
+from the same generator in the same order (a graph replay advances a registered generator as the eager kernels
+would), so the tokens match it: greedy, they are plain greedy decoding's.
 """
 
 from __future__ import annotations
