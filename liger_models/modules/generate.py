@@ -264,8 +264,8 @@ class FinishWatch:
     next one, and a read per step drains that queue: the GPU then idles while Python goes round the loop (1.50 ms
     per token against 1.30 ms of kernels, benchmarks/profile_decode.py). So here each step's ``done.all()`` is
     copied to pinned memory without waiting, and the host looks only at steps whose copies have landed, blocking
-    only when LOOKAHEAD steps are in flight: at most that many steps run past the last EOS, and their tokens (pads
-    and the like) are cut by the caller."""
+    only when LOOKAHEAD steps are in flight: at most that many steps run past the last EOS, and their tokens (all
+    pads) are cut by the caller."""
 
     LOOKAHEAD = 4
 
@@ -281,7 +281,7 @@ class FinishWatch:
             return step if bool(done.all()) else None
         self.flags[step].copy_(done.all(), non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(done.device))  # the model's GPU, which need not be the current one
         self.pending.append((step, event))
         while self.pending:
             oldest, landed = self.pending[0]
