@@ -138,7 +138,7 @@ def _merge_kernel(O_PART, LSE_PART, OUT, num_rows, num_heads, q_len, num_splits,
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, head, t) rows
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    row_ok = rows < num_rows
+    row_ok, d_ok = rows < num_rows, d < head_dim
     row_s_ok = row_ok[:, None] & (s < num_splits)[None, :]
     where_s = rows.to(tl.int64)[:, None] * num_splits + s[None, :]  # (row, chunk) index into LSE_PART
     lse = tl.load(LSE_PART + where_s, mask=row_s_ok, other=float("-inf"))
@@ -147,13 +147,12 @@ def _merge_kernel(O_PART, LSE_PART, OUT, num_rows, num_heads, q_len, num_splits,
     weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)[:, None]))
     total = tl.sum(weight, axis=1)
     part = tl.load(O_PART + where_s[:, :, None] * head_dim + d[None, None, :],
-                   mask=row_s_ok[:, :, None] & (d < head_dim)[None, None, :], other=0.0)
+                   mask=row_s_ok[:, :, None] & d_ok[None, None, :], other=0.0)
     out = tl.sum(weight[:, :, None] * part, axis=1) / tl.where(total > 0, total, 1.0)[:, None]
     b, rest = rows // (num_heads * q_len), rows % (num_heads * q_len)
     head, t = rest // q_len, rest % q_len
     where = b.to(tl.int64) * stride_out_b + head.to(tl.int64) * stride_out_h + t * stride_out_t
-    tl.store(OUT + where[:, None] + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None] & (d < head_dim)[None, :])
+    tl.store(OUT + where[:, None] + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _splits(programs: int, kv_len: int, device: torch.device) -> tuple[int, int]:

@@ -224,7 +224,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
         graphed.cache.load(cache)
     regime = rotary.regime(input_ids.shape[1])
     tokens, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    watch = FinishWatch(max_new_tokens, graphed is not None and graphed.graphed)
+    # Asynchronous only where it pays: graph replays that can stop early (no pinned flags without stop ids).
+    watch = FinishWatch(max_new_tokens, graphed is not None and graphed.graphed and len(eos) > 0)
     for step in range(max_new_tokens):
         nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                           generator=generator)
