@@ -1,5 +1,6 @@
-"""The ``liger-models`` command line: ``demo``, ``train`` (causal-LM fine-tuning), ``train-medusa``, ``init-model``
-and ``convert-native`` (Meta / Mistral native checkpoints → HF format).
+"""The ``liger-models`` command line: ``demo``, ``train`` (causal-LM fine-tuning), ``train-medusa``, ``generate``
+(plain or Medusa decoding of prompts, timed), ``init-model`` and ``convert-native`` (Meta / Mistral native
+checkpoints → HF format).
 
 Several GPUs: launch the same command with ``torchrun --nproc-per-node N -m liger_models.cli ...`` (FSDP2).
 """
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Multi-GPU: torchrun --nproc-per-node N -m liger_models.cli <command> ... (FSDP2).",
     )
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{demo,train,train-medusa,init-model,convert-native}")
+                                metavar="{demo,train,train-medusa,generate,init-model,convert-native}")
 
     demo = sub.add_parser("demo", help="train a small Llama + Medusa heads on the bundled Shakespeare text",
                           description="With no --model: train a byte-level BPE tokenizer (2K vocab) on the bundled "
@@ -200,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stage-2 weight of the base CE (default 1; stage 1 has none)")
     medusa.set_defaults(func=_run_medusa)
 
+    _add_generate(sub)
+
     native = sub.add_parser("convert-native", help="convert a Meta Llama / Mistral native checkpoint to HF format",
                             description="Read params.json + consolidated.NN.pth (Meta, model-parallel ranks merged) "
                                         "or consolidated.safetensors (mistral-inference), permute q/k rows to HF's "
@@ -225,6 +228,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_generate(sub) -> None:
+    gen = sub.add_parser("generate", help="decode prompts with a model, plain or with Medusa heads, timed",
+                         description="Print each prompt's continuation (stdout) and its tokens/s (stderr). With "
+                                     "--medusa: Medusa tree decoding (greedy, output identical to plain greedy "
+                                     "decoding; --temperature > 0: typical acceptance) and its tokens per "
+                                     "base-model forward. On CUDA each step is one CUDA-graph replay.")
+    gen.add_argument("--model", default=None, help="model directory or Hub repo id (default: the base that "
+                                                   "--medusa's config names, or the stage-2 directory itself)")
+    gen.add_argument("--medusa", default=None, metavar="DIR",
+                     help="Medusa heads (a train-medusa checkpoint, Medusa/TGI or vLLM format) or a stage-2 dir")
+    gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several)")
+    gen.add_argument("--prompt-file", action="append", default=None, metavar="FILE",
+                     help="a UTF-8 file whose whole text is one prompt (repeat for several)")
+    gen.add_argument("--chat", action="store_true", help="each prompt is a user turn, rendered with the chat template")
+    gen.add_argument("--system", default=None, help="--chat: a system turn before each prompt")
+    gen.add_argument("--chat-template", default="auto", choices=("auto", "model", "simple"),
+                     help="--chat: the model's jinja template or the simple one (default auto, as training)")
+    gen.add_argument("--max-new-tokens", type=_positive, default=None,
+                     help="default: generation_config.json's budget, else 32")
+    gen.add_argument("--greedy", action="store_true", help="argmax decoding whatever generation_config.json says")
+    gen.add_argument("--temperature", type=_positive_float, default=None,
+                     help="sample at this temperature (with --medusa: typical acceptance)")
+    gen.add_argument("--top-k", type=_non_negative, default=None, help="plain decoding: top-k cut (0: none)")
+    gen.add_argument("--top-p", type=_float_where("in (0, 1]", lambda x: 0 < x <= 1), default=None,
+                     help="plain decoding: nucleus cut")
+    gen.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
+    gen.add_argument("--compare", action="store_true",
+                     help="with --medusa: also time plain decoding of each prompt (and check greedy tokens match)")
+    gen.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                     help="default: the checkpoint's dtype")
+    gen.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: CUDA when available")
+    gen.add_argument("--no-cuda-graph", action="store_true", help="on CUDA, run every step eagerly")
+    gen.set_defaults(func=_run_generate)
+
+
 def _check_paths(args: argparse.Namespace) -> None:
     # Raised as the errors main() reports in one line with exit code 2, as for every other user error.
     for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data or [])):
@@ -236,7 +274,7 @@ def _check_paths(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag} {path}: expected a .txt or .jsonl file")
     init = getattr(args, "init_heads", None)
     if init is not None:
-        _check_heads_dir(Path(init))
+        _check_heads_dir(Path(init), "--init-heads")
     if args.resume not in (None, "auto") and not Path(args.resume).is_dir():
         raise FileNotFoundError(f"--resume {args.resume}: no such directory (or use 'auto')")
     # Refused now rather than after the model is loaded and the data tokenized (minutes for a large model).
@@ -244,18 +282,18 @@ def _check_paths(args: argparse.Namespace) -> None:
         raise NotADirectoryError(f"--output-dir {args.output_dir}: a file, not a directory")
 
 
-def _check_heads_dir(path: Path) -> None:
-    """--init-heads must hold Medusa heads: told now, by name, not after the base model has loaded (a base model's
-    own directory, the easy mistake, has a config.json but no heads file)."""
+def _check_heads_dir(path: Path, flag: str) -> None:
+    """--init-heads / --medusa must hold Medusa heads: told now, by name, not after the base model has loaded (a
+    base model's own directory, the easy mistake, has a config.json but no heads file)."""
     from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME
 
     if not path.is_dir():
-        raise FileNotFoundError(f"--init-heads {path}: no such directory")
+        raise FileNotFoundError(f"{flag} {path}: no such directory")
     missing = [name for name in (CONFIG_NAME,) if not (path / name).is_file()]
     if not any((path / name).is_file() for name in (HEADS_NAME, LEGACY_HEADS_NAME)):
         missing.append(f"{HEADS_NAME} (or {LEGACY_HEADS_NAME})")
     if missing:
-        raise FileNotFoundError(f"--init-heads {path}: no Medusa heads there (missing {' and '.join(missing)}); "
+        raise FileNotFoundError(f"{flag} {path}: no Medusa heads there (missing {' and '.join(missing)}); "
                                 "give a directory written by train-medusa, e.g. a stage-1 checkpoint")
 
 
@@ -290,6 +328,19 @@ def _run_convert_native(args: argparse.Namespace) -> None:
     out = native_to_hf(args.src, args.out, family=args.family, dtype=args.dtype, rope_scaling_factor=args.rope_factor,
                        max_shard_size=args.max_shard_size, llama3_specials=args.llama3_specials)
     print(f"wrote {out}")
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    from liger_models.generate_text import run_generate
+
+    if args.greedy and args.temperature is not None:
+        raise ValueError("--greedy and --temperature contradict each other: give one")
+    for path in args.prompt_file or []:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--prompt-file {path}: no such file")
+    if args.medusa is not None:
+        _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
+    run_generate(args)
 
 
 def _run_demo(args: argparse.Namespace) -> None:

@@ -305,15 +305,36 @@ def _render_chat(messages: Sequence[dict], special: SpecialTokens, renderer, whe
         raise ValueError(f"{where}: {exc}") from None
 
 
-def iter_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
-                   chat_template: str = "auto") -> Iterator[Document]:
-    """Read ``.txt`` / ``.jsonl`` files into documents one at a time (formats: module docstring), so a corpus is
-    never held in memory as a whole; blank plain texts are left out (nothing to learn)."""
+def _uses_model_template(chat_template: str, special: SpecialTokens) -> bool:
+    """Whether ``chat_template`` (auto | model | simple) renders with the model's jinja template."""
     if chat_template not in ("auto", "model", "simple"):
         raise ValueError(f"chat_template must be auto|model|simple, got {chat_template!r}")
     use_model = chat_template == "model" or (chat_template == "auto" and special.chat_template is not None)
     if use_model and special.chat_template is None:
         raise ValueError("--chat-template model: the tokenizer_config.json has no chat_template")
+    return use_model
+
+
+def render_generation_prompt(messages: Sequence[dict], special: SpecialTokens,
+                             chat_template: str = "auto") -> Document:
+    """A conversation that ends where the assistant's reply starts, rendered as training renders chat documents
+    (the same template choice), so a trained model is prompted in the format it learned: the model's template with
+    ``add_generation_prompt``, or the simple template's turns followed by the ``<|assistant|>`` tag. No spans."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"message {i} needs string 'role' and 'content' fields, got {m!r}")
+    if _uses_model_template(chat_template, special):
+        text = _jinja_renderer(special.chat_template, special)(messages, True)
+        return Document(text, None, template_bos=bool(special.bos_text) and text.startswith(special.bos_text))
+    opened = render_simple(list(messages) + [{"role": "assistant", "content": ""}], special).text
+    return Document(opened[: opened.rindex("<|assistant|>\n") + len("<|assistant|>\n")], None)
+
+
+def iter_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
+                   chat_template: str = "auto") -> Iterator[Document]:
+    """Read ``.txt`` / ``.jsonl`` files into documents one at a time (formats: module docstring), so a corpus is
+    never held in memory as a whole; blank plain texts are left out (nothing to learn)."""
+    use_model = _uses_model_template(chat_template, special)
     renderer = functools.cache(lambda: _jinja_renderer(special.chat_template, special))  # compiled once, if needed
     for raw in paths:
         path = Path(raw)

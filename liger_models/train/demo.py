@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +215,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     print(f"Medusa heads: {result.checkpoint}  (Medusa/TGI format: config.json + medusa_lm_head.safetensors)")
     logs = [str(p) for p in (out / "pretrain" / "metrics.jsonl", out / "medusa" / "metrics.jsonl") if p.is_file()]
     print(f"metrics:      {', '.join(logs)}")
+    print(f"decode:       liger-models generate --medusa {shlex.quote(str(result.checkpoint))} --prompt 'ROMEO:' "
+          "--compare")
     print(f"total time:   {time.perf_counter() - t0:.0f}s")
     return {"before": before, "after": after, "tokens_per_step": speed, "lossless": lossless,
             "model_dir": model_dir, "heads_dir": result.checkpoint, "sample": sample}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -25,6 +26,13 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     heads = MedusaModel.from_pretrained(str(result["heads_dir"]))  # the base is found via base_model_name_or_path
     assert heads.config.num_heads == 3
     assert json.loads((result["heads_dir"] / "config.json").read_text())["medusa_num_heads"] == 3
+    # The decode command it prints runs as printed: Medusa decoding of its prompt beside plain decoding.
+    command = next(line for line in printed.splitlines() if line.startswith("decode:"))
+    argv = shlex.split(command.removeprefix("decode:"))
+    assert argv[:2] == ["liger-models", "generate"] and str(result["heads_dir"]) in argv
+    assert main([*argv[1:], "--device", "cpu", "--max-new-tokens", "6"]) == 0
+    decoded = capsys.readouterr().err
+    assert "[medusa]" in decoded and "identical tokens: True" in decoded
 
     # Running again into the same directory replaces the previous demo; a foreign directory is refused.
     (tmp_path / "mine").mkdir()

@@ -1,0 +1,211 @@
+"""The ``liger-models generate`` command: prompts in, text out, through plain decoding or Medusa tree decoding,
+with the time each took.
+
+Loading: ``--model`` is a model directory or Hub id; ``--medusa`` a heads directory (Medusa/TGI format, v0.1 or
+vLLM layout) or a stage-2 directory (base + heads). Without ``--model`` the base comes from the heads' directory
+(stage 2) or from their config's ``base_model_name_or_path``. The tokenizer is the model's ``tokenizer.json``, else
+the one train-medusa copies next to the heads.
+
+Prompts: each ``--prompt`` / ``--prompt-file`` is decoded on its own (Medusa decodes one sequence at a time).
+Plain text is encoded as training encodes a plain document (the tokenizer's post-processor adds BOS where it
+does); with ``--chat`` each prompt is one user turn (after ``--system``), rendered with the chat template training
+uses (``render_generation_prompt``), so a model fine-tuned here is prompted in the format it learned.
+
+Settings: plain decoding takes what is not given from the checkpoint's generation_config.json, as HF's generate does
+(``--greedy`` forces argmax); Medusa decoding is greedy unless ``--temperature`` > 0 (typical acceptance). On CUDA
+every step replays as one CUDA graph (``--no-cuda-graph`` runs eagerly), after an untimed warm-up call that
+compiles the kernels. ``--compare`` also runs plain decoding on each prompt, so Medusa's speed-up is measured on
+the same machine, and, when both are greedy, checks that the tokens are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+WARM_UP_TOKENS = 4  # enough for the prefill, a graph capture and a few steps to compile every kernel once
+
+
+@dataclass
+class Decoded:
+    """One prompt's result: the continuation (prompt excluded), its token ids and the wall time of the call."""
+
+    text: str
+    new_ids: list[int]
+    seconds: float
+    tokens_per_step: float | None = None  # Medusa: tokens emitted per base-model forward (1.0 = plain decoding)
+
+
+@dataclass
+class PromptResult:
+    prompt: str
+    prompt_ids: list[int]
+    decoded: Decoded  # Medusa's when --medusa is given, else plain decoding's
+    plain: Decoded | None = None  # --compare: plain decoding of the same prompt
+
+
+def _medusa_base_source(medusa_dir: Path) -> tuple[str, bool]:
+    """(where the base model lives, whether it is medusa_dir itself) for a heads directory given alone."""
+    from liger_models.medusa.checkpoint import CONFIG_NAME, read_json
+
+    raw = read_json(medusa_dir / CONFIG_NAME)
+    if "model_type" in raw and raw["model_type"] != "medusa":  # a stage-2 directory: the full base is there
+        return str(medusa_dir), True
+    base = raw.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"--medusa {medusa_dir}: its config.json names no base_model_name_or_path; pass --model")
+    return base, False
+
+
+def load_models(model: str | None, medusa: str | None, dtype: torch.dtype | None, device: torch.device):
+    """(base model, Medusa heads or None, the directory holding tokenizer.json)."""
+    from liger_models import AutoLigerForCausalLM
+    from liger_models.medusa import MedusaModel
+    from liger_models.train.run import resolve_model_dir
+
+    if model is None and medusa is None:
+        raise ValueError("give --model, --medusa or both")
+    medusa_dir = None if medusa is None else Path(medusa).expanduser()
+    if model is not None:
+        model_dir = resolve_model_dir(model)
+    else:
+        source, local = _medusa_base_source(medusa_dir)
+        model_dir = medusa_dir if local else resolve_model_dir(source)
+    base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
+    base.eval()
+    heads = None
+    if medusa_dir is not None:
+        heads = MedusaModel.from_pretrained(str(medusa_dir), base=base).heads.eval()
+    tokenizer_dir = next((d for d in (model_dir, medusa_dir) if d is not None and (d / "tokenizer.json").is_file()),
+                         None)
+    if tokenizer_dir is None:
+        raise FileNotFoundError(f"no tokenizer.json in {model_dir}" + (f" or {medusa_dir}" if medusa_dir else ""))
+    return base, heads, tokenizer_dir
+
+
+def encode_prompt(text: str, tokenizer, special, *, chat: bool, system: str | None = None,
+                  chat_template: str = "auto") -> list[int]:
+    """The prompt's token ids, as training would encode it (module docstring)."""
+    from liger_models.train.data import render_generation_prompt
+
+    if not chat:
+        ids = tokenizer.encode(text).ids
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        doc = render_generation_prompt(messages, special, chat_template)
+        ids = tokenizer.encode(doc.text, add_special_tokens=not doc.template_bos).ids
+    if not ids:  # an empty text with no BOS to add: generate needs one token to start from
+        raise ValueError(f"the prompt {text!r} encodes to no tokens (the tokenizer adds no BOS): give some text")
+    return ids
+
+
+def _timed(run, device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - start
+
+
+def decode(base, heads, ids: torch.Tensor, *, max_new_tokens: int | None, sampling: dict, seed: int,
+           cuda_graph: bool, tokenizer) -> Decoded:
+    """One call of plain (heads None) or Medusa decoding on a (1, T) prompt, timed."""
+    from liger_models.medusa.decoding import medusa_generate
+
+    generator = torch.Generator(device=ids.device).manual_seed(seed)
+    if heads is None:
+        out, seconds = _timed(lambda: base.generate(ids, max_new_tokens, generator=generator, cuda_graph=cuda_graph,
+                                                    **sampling), ids.device)
+        per_step = None
+    else:
+        (out, steps), seconds = _timed(lambda: medusa_generate(
+            base, heads, ids, max_new_tokens, generator=generator, cuda_graph=cuda_graph, return_stats=True,
+            **sampling), ids.device)
+        per_step = sum(steps) / len(steps) if steps else None
+    new_ids = out[0, ids.shape[1]:].tolist()
+    return Decoded(tokenizer.decode(new_ids, skip_special_tokens=True), new_ids, seconds, per_step)
+
+
+def sampling_settings(args: argparse.Namespace, medusa: bool) -> tuple[dict, dict]:
+    """(settings for the decoding asked for, settings for --compare's plain decoding) from the CLI options."""
+    if medusa:
+        if args.top_k is not None or args.top_p is not None:
+            raise ValueError("--top-k / --top-p apply to plain decoding only: Medusa samples with typical acceptance "
+                             "(--temperature > 0)")
+        temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
+        # --compare: plain decoding at the same temperature, without top-k / top-p cuts.
+        plain = (dict(do_sample=False) if temperature == 0 else
+                 dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0))
+        return dict(temperature=temperature), plain
+    if args.greedy:
+        return dict(do_sample=False), {}
+    given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    settings = {key: value for key, value in given.items() if value is not None}
+    if args.temperature is not None:  # a temperature means sampling, as HF's generate reads one (0 is refused)
+        settings["do_sample"] = True
+    return settings, {}
+
+
+def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptResult]:
+    """The command: load, encode each prompt, decode (and --compare), print the text to ``out`` (stdout) and the
+    timings to ``log`` (stderr)."""
+    out, log = out or sys.stdout, log or sys.stderr  # looked up now: a caller (or a test) may have replaced them
+    from liger_models.hub import load_tokenizer, parse_dtype
+    from liger_models.train.data import read_special_tokens
+
+    prompts = list(args.prompt or []) + [Path(f).read_text(encoding="utf-8") for f in args.prompt_file or []]
+    if not prompts:
+        raise ValueError("give at least one --prompt or --prompt-file")
+    if args.compare and args.medusa is None:
+        raise ValueError("--compare measures Medusa decoding against plain decoding: give --medusa")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda_graph = device.type == "cuda" and not args.no_cuda_graph
+    sampling, plain_sampling = sampling_settings(args, args.medusa is not None)
+    dtype = parse_dtype({"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.dtype])
+    base, heads, tokenizer_dir = load_models(args.model, args.medusa, dtype, device)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    special = read_special_tokens(tokenizer, tokenizer_dir)
+    encoded = [encode_prompt(p, tokenizer, special, chat=args.chat, system=args.system,
+                             chat_template=args.chat_template) for p in prompts]
+    call = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, cuda_graph=cuda_graph, tokenizer=tokenizer)
+    if device.type == "cuda":  # compile every kernel once, outside the timed calls
+        warm = torch.tensor([encoded[0]], device=device)
+        decode(base, heads, warm, **{**call, "max_new_tokens": WARM_UP_TOKENS}, sampling=sampling)
+        if args.compare:
+            decode(base, None, warm, **{**call, "max_new_tokens": WARM_UP_TOKENS}, sampling=plain_sampling)
+    results = []
+    for prompt, ids in zip(prompts, encoded):
+        tensor = torch.tensor([ids], device=device)
+        result = PromptResult(prompt, ids, decode(base, heads, tensor, **call, sampling=sampling))
+        if args.compare:
+            result.plain = decode(base, None, tensor, **call, sampling=plain_sampling)
+        print(result.decoded.text, file=out, flush=True)
+        print(_summary(result, medusa=heads is not None, greedy=plain_sampling.get("do_sample") is False),
+              file=log, flush=True)
+        results.append(result)
+    return results
+
+
+def _rate(d: Decoded) -> str:
+    return f"{len(d.new_ids)} new tokens in {d.seconds:.2f} s ({len(d.new_ids) / max(d.seconds, 1e-9):.1f} tokens/s)"
+
+
+def _summary(result: PromptResult, *, medusa: bool, greedy: bool) -> str:
+    d = result.decoded
+    line = f"[{'medusa' if medusa else 'plain'}] {len(result.prompt_ids)}-token prompt, {_rate(d)}"
+    if d.tokens_per_step is not None:
+        line += f", {d.tokens_per_step:.2f} tokens per base-model forward"
+    if result.plain is not None:
+        p = result.plain
+        speedup = (len(d.new_ids) / max(d.seconds, 1e-9)) / max(len(p.new_ids) / max(p.seconds, 1e-9), 1e-9)
+        line += f"\n[plain]  same prompt, {_rate(p)}: Medusa {speedup:.2f}× the tokens/s"
+        if greedy:
+            line += f"; identical tokens: {d.new_ids == p.new_ids}"
+    return line
