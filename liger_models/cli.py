@@ -1,6 +1,6 @@
 """The ``liger-models`` command line: ``demo``, ``train`` (causal-LM fine-tuning), ``train-medusa``, ``generate``
-(plain or Medusa decoding of prompts, timed), ``init-model`` and ``convert-native`` (Meta / Mistral native
-checkpoints → HF format).
+(plain or Medusa decoding of prompts, timed), ``calibrate-tree`` (a Medusa tree fitted to trained heads),
+``init-model`` and ``convert-native`` (Meta / Mistral native checkpoints → HF format).
 
 Several GPUs: launch the same command with ``torchrun --nproc-per-node N -m liger_models.cli ...`` (FSDP2).
 """
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "Multi-GPU: torchrun --nproc-per-node N -m liger_models.cli <command> ... (FSDP2).",
     )
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{demo,train,train-medusa,generate,init-model,convert-native}")
+                                metavar="{demo,train,train-medusa,generate,calibrate-tree,init-model,convert-native}")
 
     demo = sub.add_parser("demo", help="train a small Llama + Medusa heads on the bundled Shakespeare text",
                           description="With no --model: train a byte-level BPE tokenizer (2K vocab) on the bundled "
@@ -256,11 +256,36 @@ def _add_generate(sub) -> None:
     gen.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
     gen.add_argument("--compare", action="store_true",
                      help="with --medusa: also time plain decoding of each prompt (and check greedy tokens match)")
-    gen.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
-                     help="default: the checkpoint's dtype")
-    gen.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: CUDA when available")
-    gen.add_argument("--no-cuda-graph", action="store_true", help="on CUDA, run every step eagerly")
+    gen.add_argument("--default-tree", action="store_true",
+                     help="with --medusa: verify the default tree even where calibrate-tree saved one")
+    _add_loading(gen)
     gen.set_defaults(func=_run_generate)
+
+    fit = sub.add_parser("calibrate-tree", help="fit a Medusa tree to trained heads (saved next to them)",
+                         description="Greedy-decode prompts from the data, measure where each head's top-10 holds the "
+                                     "base model's tokens, and keep the --size choices that would have been accepted "
+                                     "most often. Writes medusa_choices.json into --medusa, which generate and "
+                                     "MedusaModel.generate then use.")
+    fit.add_argument("--medusa", required=True, metavar="DIR", help="the heads directory (written into)")
+    fit.add_argument("--model", default=None, help="the base (default: the one the heads' config names)")
+    fit.add_argument("--data", required=True, nargs="+", metavar="FILE",
+                     help="held-out .txt/.jsonl files like the text the heads will decode")
+    fit.add_argument("--prompts", type=_positive, default=32, help="prompts to decode (default 32)")
+    fit.add_argument("--prompt-tokens", type=_positive, default=64, help="plain-text prompt length (default 64)")
+    fit.add_argument("--new-tokens", type=_positive, default=128, help="greedy tokens per prompt (default 128)")
+    fit.add_argument("--size", type=_positive, default=63,
+                     help="the tree's choices, root excluded (default 63, as Medusa's shipped trees)")
+    fit.add_argument("--chat-template", default="auto", choices=("auto", "model", "simple"),
+                     help="for chat .jsonl, as in training (default auto)")
+    _add_loading(fit)
+    fit.set_defaults(func=_run_calibrate)
+
+
+def _add_loading(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="default: the checkpoint's dtype")
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: CUDA when available")
+    p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA, decode every step eagerly")
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -331,7 +356,7 @@ def _run_convert_native(args: argparse.Namespace) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    from liger_models.generate_text import run_generate
+    from liger_models.decoding_commands import run_generate
 
     if args.greedy and args.temperature is not None:
         raise ValueError("--greedy and --temperature contradict each other: give one")
@@ -341,6 +366,16 @@ def _run_generate(args: argparse.Namespace) -> None:
     if args.medusa is not None:
         _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
     run_generate(args)
+
+
+def _run_calibrate(args: argparse.Namespace) -> None:
+    from liger_models.decoding_commands import run_calibrate
+
+    for path in args.data:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--data {path}: no such file")
+    _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
+    run_calibrate(args)
 
 
 def _run_demo(args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from liger_models.hub import parse_dtype
+from liger_models.medusa.calibrate import load_medusa_choices
 from liger_models.medusa.checkpoint import CONFIG_NAME, load_heads, read_json, save_heads
 from liger_models.medusa.config import MedusaConfig
 from liger_models.medusa.decoding import medusa_generate
@@ -51,6 +52,9 @@ class MedusaModel(nn.Module):
         self.heads = heads
         self.config = cfg
         self.stage = stage
+        # The tree `generate` verifies: a calibrated one loaded from medusa_choices.json (medusa/calibrate.py), else
+        # None for decoding's default. Not saved by save_pretrained: it was fitted to the weights it was loaded with.
+        self.medusa_choices: list[tuple[int, ...]] | None = None
         # Stage 1 trains nothing of the base; stage 2 trains all of it.
         base.requires_grad_(stage == 2)
 
@@ -94,7 +98,10 @@ class MedusaModel(nn.Module):
                            head_scales=self.head_scales(step, max_steps), normalizer=normalizer)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any):
-        """Medusa tree decoding with these heads (see `liger_models.medusa.decoding.medusa_generate`)."""
+        """Medusa tree decoding with these heads (see `liger_models.medusa.decoding.medusa_generate`), with the
+        calibrated tree when one was loaded and no ``medusa_choices`` is given."""
+        if kwargs.get("medusa_choices") is None:
+            kwargs["medusa_choices"] = self.medusa_choices
         return medusa_generate(self.base, self.heads, input_ids, max_new_tokens, **kwargs)
 
     def param_groups(self, lr: float, head_lr_multiplier: float = 4.0,
@@ -138,7 +145,8 @@ class MedusaModel(nn.Module):
     def from_pretrained(cls, directory: str, base: nn.Module | None = None, dtype: torch.dtype | str | None = None,
                         device: torch.device | str | int | None = None, *,
                         stage: int | None = None) -> "MedusaModel":
-        """Load heads (format B, v0.1, vLLM layout) or a stage-2 directory (base + heads).
+        """Load heads (format B, v0.1, vLLM layout) or a stage-2 directory (base + heads), and the calibrated tree
+        (`medusa_choices.json`, medusa/calibrate.py) when the directory holds one.
 
         base: the base model; when None it is loaded from the directory (stage 2) or from the config's
         `base_model_name_or_path` (a local directory or a Hub id). stage defaults to 2 for a directory that holds
@@ -161,7 +169,9 @@ class MedusaModel(nn.Module):
             heads = load_vllm(directory, base.lm_head, dtype=dtype, device=device)
         else:
             heads = load_heads(directory, base.lm_head, dtype=dtype, device=device)
-        return cls(base, heads, stage=stage or (2 if full else 1))
+        model = cls(base, heads, stage=stage or (2 if full else 1))
+        model.medusa_choices = load_medusa_choices(directory, heads.num_heads)
+        return model
 
 
 def _load_base(name_or_path: str, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Module:

@@ -8,6 +8,7 @@ nodes from the heads' top-k and verifies them in one tree-masked call.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -16,6 +17,7 @@ import torch
 from liger_models.medusa.heads import MedusaHeads
 
 TOPK = 10
+MISS = -1  # in a rank path: the token was not in the head's top-k
 
 
 @dataclass
@@ -55,6 +57,42 @@ def dense_medusa_choices(widths: Sequence[int]) -> list[tuple[int, ...]]:
 def default_medusa_choices(num_heads: int) -> list[tuple[int, ...]]:
     """A 44-node (for ≥ 4 heads) tree: top-4 from head 1, top-2 from heads 2 and 3, top-1 from head 4."""
     return dense_medusa_choices([4, 2, 2, 1][:num_heads])
+
+
+def prefix_counts(rank_paths: torch.Tensor) -> Counter:
+    """How many rows of ``rank_paths`` (N, D) start with each choice. Row p holds, for a step whose last committed
+    position is p, the rank of the token each head had to propose within its top-k (MISS where it was not there), so
+    a choice (r1, …, rd) would have been accepted at p iff the row starts with it (greedy acceptance)."""
+    counts: Counter = Counter()
+    for row in rank_paths.tolist():
+        path: tuple[int, ...] = ()
+        for rank in row:
+            if rank == MISS:
+                break
+            path += (rank,)
+            counts[path] += 1
+    return counts
+
+
+def tree_from_rank_paths(rank_paths: torch.Tensor, size: int) -> list[tuple[int, ...]]:
+    """The tree of at most ``size`` choices that accepts the most tokens on ``rank_paths`` (`prefix_counts`).
+
+    A step accepts one token for every choice in the tree that its row starts with, so a tree's mean accepted length
+    is the sum of its choices' counts / N, and the best tree holds the ``size`` most-counted choices: a choice never
+    counts more than its parent, and ties go to the shorter one, so those choices always form a tree. This measures
+    acceptance jointly over the heads, where the Medusa paper's construction multiplies per-head accuracies as if
+    they were independent. Choices no row reached are left out (an empty count gives the one-node tree (0,))."""
+    if size < 1:
+        raise ValueError(f"a Medusa tree needs at least one choice, got size {size}")
+    counts = prefix_counts(rank_paths)
+    best = sorted(counts, key=lambda c: (-counts[c], len(c), c))[:size]
+    return sorted(best, key=lambda c: (len(c), c)) or [(0,)]
+
+
+def mean_accepted(medusa_choices: Sequence[Sequence[int]], rank_paths: torch.Tensor) -> float:
+    """The mean number of candidates (root excluded) a greedy step with this tree accepts on ``rank_paths``."""
+    counts = prefix_counts(rank_paths)
+    return sum(counts[tuple(c)] for c in {tuple(c) for c in medusa_choices}) / max(len(rank_paths), 1)
 
 
 def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int = TOPK,

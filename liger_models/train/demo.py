@@ -6,7 +6,8 @@
 3. Train 3 Medusa heads on it with the stage-1 recipe (`liger-models train-medusa --stage 1`: base frozen).
 4. Report, on the held-out text, each head's top-1 / top-5 accuracy before and after training (head k predicts the
    token k+1 ahead; chance is 1/vocab), a sampled continuation, and Medusa tree decoding's tokens per base-model
-   forward (greedy, so its output equals plain greedy decoding).
+   forward (greedy, so its output equals plain greedy decoding) with the default tree and with a tree fitted to the
+   trained heads on held-out text (`liger-models calibrate-tree`, saved next to them).
 
 CPU: about 1 minute on 2 idle cores (the PyTorch reference path, fp32). GPU: the Triton kernels in bf16, more steps.
 `--quick` shrinks everything to seconds (used by the tests). `--model DIR` skips steps 1–2.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from liger_models.medusa.tree import default_medusa_choices
 from liger_models.train.data import build_dataset, read_special_tokens
 from liger_models.train.init_model import bundled_text, init_model_dir
 
@@ -128,16 +130,33 @@ def _sample(base, tokenizer, prompt: str, device: torch.device, n: int, seed: in
     return tokenizer.decode(out[0].tolist())
 
 
-def _medusa_speed(medusa, tokenizer, prompt: str, device: torch.device, n: int) -> tuple[float, bool]:
-    """Mean tokens per base forward with Medusa tree decoding (greedy), and whether it equals plain greedy."""
+def _medusa_speed(medusa, tokenizer, prompt: str, device: torch.device, n: int,
+                  medusa_choices=None) -> tuple[float, bool]:
+    """Mean tokens per base forward with Medusa tree decoding (greedy; the default tree unless ``medusa_choices``),
+    and whether it equals plain greedy."""
     from liger_models.medusa.decoding import medusa_generate
 
     ids = torch.tensor([tokenizer.encode(prompt).ids], device=device)
     tokens, per_step = medusa_generate(medusa.base, medusa.heads, ids, max_new_tokens=n, eos_token_id=[],
-                                       return_stats=True)
+                                       return_stats=True, medusa_choices=medusa_choices)
     greedy = medusa.base.generate(ids, max_new_tokens=n, eos_token_id=[], do_sample=False)
     same = torch.equal(tokens[0], greedy[0, : tokens.shape[1]])
     return sum(per_step) / len(per_step), same
+
+
+def _fit_tree(medusa, tokenizer, model_dir: Path, eval_txt: Path, heads_dir: Path, quick: bool):
+    """A tree fitted to the trained heads on greedy continuations of held-out text (`liger-models calibrate-tree`),
+    saved next to them."""
+    from liger_models.decoding_commands import calibration_prompts
+    from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
+
+    special = read_special_tokens(tokenizer, model_dir)
+    prompts = calibration_prompts([eval_txt], tokenizer, special, count=4 if quick else 12, prompt_tokens=32)
+    device = medusa.base.lm_head.weight.device
+    calibration = calibrate_medusa_choices(medusa.base, medusa.heads, [torch.tensor(p, device=device) for p in prompts],
+                                           new_tokens=32 if quick else 64)
+    save_medusa_choices(heads_dir, calibration)
+    return calibration
 
 
 def _pct(values) -> str:
@@ -199,6 +218,10 @@ def run_demo(args: argparse.Namespace) -> dict:
     prompt = "ROMEO:\n"
     sample = _sample(medusa.base, tokenizer, prompt, device, 24 if args.quick else 60, args.seed)
     speed, lossless = _medusa_speed(medusa, tokenizer, prompt, device, 16 if args.quick else 48)
+    fitted = _fit_tree(medusa, tokenizer, model_dir, eval_txt, result.checkpoint, args.quick)
+    fitted_speed, fitted_lossless = _medusa_speed(medusa, tokenizer, prompt, device, 16 if args.quick else 48,
+                                                  fitted.medusa_choices)
+    nodes = len(default_medusa_choices(NUM_HEADS)) + 1
 
     vocab = medusa.config.vocab_size
     print("\n=== results (held-out text, %d target tokens) ===" % after["tokens"])
@@ -208,8 +231,9 @@ def run_demo(args: argparse.Namespace) -> dict:
     print(f"top-1 before training: {_pct(before['top1'])}")
     print(f"top-1 after training:  {_pct(after['top1'])}")
     print(f"top-5 after training:  {_pct(after['top5'])}")
-    print(f"Medusa tree decoding (greedy): {speed:.2f} tokens per base-model forward "
-          f"(1.00 = plain decoding); output identical to greedy decoding: {lossless}")
+    print(f"Medusa tree decoding (greedy), tokens per base-model forward (1.00 = plain decoding): {speed:.2f} with "
+          f"the default {nodes}-node tree, {fitted_speed:.2f} with a {len(fitted.medusa_choices) + 1}-node tree "
+          f"fitted to the heads (calibrate-tree); output identical to greedy decoding: {lossless and fitted_lossless}")
     print(f"\nsample (temperature 0.8):\n{sample}\n")
     print(f"base model:   {model_dir}")
     print(f"Medusa heads: {result.checkpoint}  (Medusa/TGI format: config.json + medusa_lm_head.safetensors)")
@@ -218,5 +242,6 @@ def run_demo(args: argparse.Namespace) -> dict:
     print(f"decode:       liger-models generate --medusa {shlex.quote(str(result.checkpoint))} --prompt 'ROMEO:' "
           "--compare")
     print(f"total time:   {time.perf_counter() - t0:.0f}s")
-    return {"before": before, "after": after, "tokens_per_step": speed, "lossless": lossless,
+    return {"before": before, "after": after, "tokens_per_step": speed, "lossless": lossless and fitted_lossless,
+            "fitted_tokens_per_step": fitted_speed, "fitted_tree": fitted.medusa_choices,
             "model_dir": model_dir, "heads_dir": result.checkpoint, "sample": sample}

@@ -22,7 +22,10 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
         assert text in printed
     assert len(result["after"]["top1"]) == 3 and all(0 <= a <= 1 for a in result["after"]["top5"])
     assert result["after"]["tokens"] > 0 and result["tokens_per_step"] >= 1.0
-    assert result["lossless"]  # greedy Medusa decoding reproduces greedy decoding
+    assert result["lossless"]  # greedy Medusa decoding reproduces greedy decoding, with either tree
+    assert result["fitted_tokens_per_step"] >= 1.0 and "fitted to the heads" in printed
+    saved = json.loads((result["heads_dir"] / "medusa_choices.json").read_text())["medusa_choices"]
+    assert [tuple(c) for c in saved] == result["fitted_tree"]
     heads = MedusaModel.from_pretrained(str(result["heads_dir"]))  # the base is found via base_model_name_or_path
     assert heads.config.num_heads == 3
     assert json.loads((result["heads_dir"] / "config.json").read_text())["medusa_num_heads"] == 3
@@ -32,7 +35,7 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert argv[:2] == ["liger-models", "generate"] and str(result["heads_dir"]) in argv
     assert main([*argv[1:], "--device", "cpu", "--max-new-tokens", "6"]) == 0
     decoded = capsys.readouterr().err
-    assert "[medusa]" in decoded and "identical tokens: True" in decoded
+    assert "[medusa]" in decoded and "calibrated tree" in decoded and "identical tokens: True" in decoded
 
     # Running again into the same directory replaces the previous demo; a foreign directory is refused.
     (tmp_path / "mine").mkdir()

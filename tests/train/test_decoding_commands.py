@@ -58,7 +58,7 @@ def test_plain_greedy_prints_what_generate_returns(tiny_model_dir, capsys):
 
 
 def test_medusa_alone_finds_its_base_and_matches_plain_greedy(tiny_model_dir, heads_dir, capsys):
-    from liger_models.generate_text import run_generate
+    from liger_models.decoding_commands import run_generate
     from liger_models.cli import build_parser
 
     args = build_parser().parse_args(["generate", "--device", "cpu", "--medusa", str(heads_dir), "--prompt",
@@ -73,7 +73,7 @@ def test_medusa_alone_finds_its_base_and_matches_plain_greedy(tiny_model_dir, he
 
 
 def test_medusa_sampling_is_seeded_and_typical(tiny_model_dir, heads_dir, capsys):
-    from liger_models.generate_text import run_generate
+    from liger_models.decoding_commands import run_generate
     from liger_models.cli import build_parser
 
     def run(seed: int):
@@ -91,7 +91,7 @@ def test_medusa_sampling_is_seeded_and_typical(tiny_model_dir, heads_dir, capsys
 
 
 def test_chat_prompts_are_rendered_as_training_renders_them(tiny_model_dir, tmp_path, capsys):
-    from liger_models.generate_text import encode_prompt
+    from liger_models.decoding_commands import encode_prompt
 
     tokenizer = load_tokenizer(tiny_model_dir)
     special = read_special_tokens(tokenizer, tiny_model_dir)
@@ -138,3 +138,45 @@ def test_bad_arguments_fail_clearly(argv, message, tiny_model_dir, heads_dir, tm
     prompt = [] if message == "at least one --prompt" else ["--prompt", "x"]
     code, out, err = _generate(["--model", str(tiny_model_dir), *prompt, *argv], capsys)
     assert code == 2 and err.startswith("liger-models: error: ") and message.format(**fill) in err and out == ""
+
+
+def test_calibrate_tree_then_generate_uses_it(tiny_model_dir, heads_dir, text_file, capsys):
+    from liger_models.medusa.calibrate import CHOICES_NAME
+
+    assert main(["calibrate-tree", "--device", "cpu", "--medusa", str(heads_dir), "--data", str(text_file),
+                 "--prompts", "3", "--new-tokens", "24", "--size", "7"]) == 0
+    err = capsys.readouterr().err
+    saved = json.loads((heads_dir / CHOICES_NAME).read_text())
+    assert 1 <= len(saved["medusa_choices"]) <= 7 and saved["positions"] > 0
+    assert f"{len(saved['medusa_choices']) + 1}-node tree fitted" in err and "tokens per base-model forward" in err
+    code, out, err = _generate(["--medusa", str(heads_dir), "--prompt", "ROMEO:", "--max-new-tokens", "8",
+                                "--compare"], capsys)
+    assert code == 0 and f"{len(saved['medusa_choices']) + 1}-node calibrated tree" in err
+    assert "identical tokens: True" in err  # greedy Medusa with any tree is greedy decoding
+    code, out, err = _generate(["--medusa", str(heads_dir), "--prompt", "ROMEO:", "--max-new-tokens", "8",
+                                "--default-tree"], capsys)
+    assert code == 0 and "default tree" in err
+
+
+def test_calibration_prompts_from_text_and_chat(tiny_model_dir, tmp_path):
+    from liger_models.decoding_commands import calibration_prompts
+    from liger_models.train.data import load_documents, render_generation_prompt
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    special = read_special_tokens(tokenizer, tiny_model_dir)
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question. " * 20, encoding="utf-8")
+    ids = tokenizer.encode(text.read_text()).ids
+    windows = calibration_prompts([text], tokenizer, special, count=1000, prompt_tokens=16)
+    assert windows == [ids[i: i + 16] for i in range(0, len(ids) - 15, 16)]  # every full window, EOS left out
+    picked = calibration_prompts([text], tokenizer, special, count=3, prompt_tokens=16)
+    assert picked == [windows[0], windows[round((len(windows) - 1) / 2)], windows[-1]]  # evenly spaced
+    chat = tmp_path / "c.jsonl"
+    turns = [{"role": "user", "content": "Speak."}, {"role": "assistant", "content": "Friends, Romans."}]
+    chat.write_text(json.dumps({"messages": turns}) + "\n", encoding="utf-8")
+    (prompt,) = calibration_prompts([chat], tokenizer, special, count=4, prompt_tokens=16)
+    # The conversation up to the assistant's first token: the generation prompt training rendered.
+    opened = render_generation_prompt(turns[:1], special).text
+    assert tokenizer.decode(prompt) == opened and load_documents([chat], special)[0].text.startswith(opened)
+    with pytest.raises(ValueError, match="no prompt of 4096 tokens"):
+        calibration_prompts([text], tokenizer, special, count=2, prompt_tokens=4096)

@@ -1,5 +1,8 @@
-"""The ``liger-models generate`` command: prompts in, text out, through plain decoding or Medusa tree decoding,
-with the time each took.
+"""The decoding commands of the CLI.
+
+``liger-models generate``: prompts in, text out, through plain decoding or Medusa tree decoding, with the time each
+took. ``liger-models calibrate-tree``: fit a Medusa tree to trained heads on prompts from a data file
+(medusa/calibrate.py) and save it next to them, where ``generate`` and ``MedusaModel.generate`` pick it up.
 
 Loading: ``--model`` is a model directory or Hub id; ``--medusa`` a heads directory (Medusa/TGI format, v0.1 or
 vLLM layout) or a stage-2 directory (base + heads). Without ``--model`` the base comes from the heads' directory
@@ -15,7 +18,12 @@ Settings: plain decoding takes what is not given from the checkpoint's generatio
 (``--greedy`` forces argmax); Medusa decoding is greedy unless ``--temperature`` > 0 (typical acceptance). On CUDA
 every step replays as one CUDA graph (``--no-cuda-graph`` runs eagerly), after an untimed warm-up call that
 compiles the kernels. ``--compare`` also runs plain decoding on each prompt, so Medusa's speed-up is measured on
-the same machine, and, when both are greedy, checks that the tokens are identical.
+the same machine, and, when both are greedy, checks that the tokens are identical. Medusa decoding verifies the
+calibrated tree when the heads' directory holds one (``--default-tree``: the default tree).
+
+Calibration prompts (``calibration_prompts``): a chat conversation gives its text up to the first assistant token
+(the generation prompt training rendered); plain text gives windows of ``--prompt-tokens`` tokens. ``--prompts`` of
+them, evenly spaced through the data, are decoded greedily for ``--new-tokens``.
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ def _medusa_base_source(medusa_dir: Path) -> tuple[str, bool]:
 
 
 def load_models(model: str | None, medusa: str | None, dtype: torch.dtype | None, device: torch.device):
-    """(base model, Medusa heads or None, the directory holding tokenizer.json)."""
+    """(base model, MedusaModel or None, the directory holding tokenizer.json)."""
     from liger_models import AutoLigerForCausalLM
     from liger_models.medusa import MedusaModel
     from liger_models.train.run import resolve_model_dir
@@ -78,14 +86,14 @@ def load_models(model: str | None, medusa: str | None, dtype: torch.dtype | None
         model_dir = medusa_dir if local else resolve_model_dir(source)
     base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
     base.eval()
-    heads = None
+    medusa_model = None
     if medusa_dir is not None:
-        heads = MedusaModel.from_pretrained(str(medusa_dir), base=base).heads.eval()
+        medusa_model = MedusaModel.from_pretrained(str(medusa_dir), base=base).eval()
     tokenizer_dir = next((d for d in (model_dir, medusa_dir) if d is not None and (d / "tokenizer.json").is_file()),
                          None)
     if tokenizer_dir is None:
         raise FileNotFoundError(f"no tokenizer.json in {model_dir}" + (f" or {medusa_dir}" if medusa_dir else ""))
-    return base, heads, tokenizer_dir
+    return base, medusa_model, tokenizer_dir
 
 
 def encode_prompt(text: str, tokenizer, special, *, chat: bool, system: str | None = None,
@@ -114,20 +122,20 @@ def _timed(run, device: torch.device):
     return out, time.perf_counter() - start
 
 
-def decode(base, heads, ids: torch.Tensor, *, max_new_tokens: int | None, sampling: dict, seed: int,
-           cuda_graph: bool, tokenizer) -> Decoded:
-    """One call of plain (heads None) or Medusa decoding on a (1, T) prompt, timed."""
-    from liger_models.medusa.decoding import medusa_generate
+def decode(model, ids: torch.Tensor, *, max_new_tokens: int | None, sampling: dict, seed: int, cuda_graph: bool,
+           tokenizer, medusa_choices=None) -> Decoded:
+    """One call of plain (``model`` a causal LM) or Medusa (a MedusaModel) decoding on a (1, T) prompt, timed."""
+    from liger_models.medusa import MedusaModel
 
     generator = torch.Generator(device=ids.device).manual_seed(seed)
-    if heads is None:
-        out, seconds = _timed(lambda: base.generate(ids, max_new_tokens, generator=generator, cuda_graph=cuda_graph,
-                                                    **sampling), ids.device)
+    if not isinstance(model, MedusaModel):
+        out, seconds = _timed(lambda: model.generate(ids, max_new_tokens, generator=generator, cuda_graph=cuda_graph,
+                                                     **sampling), ids.device)
         per_step = None
     else:
-        (out, steps), seconds = _timed(lambda: medusa_generate(
-            base, heads, ids, max_new_tokens, generator=generator, cuda_graph=cuda_graph, return_stats=True,
-            **sampling), ids.device)
+        (out, steps), seconds = _timed(lambda: model.generate(
+            ids, max_new_tokens, generator=generator, cuda_graph=cuda_graph, return_stats=True,
+            medusa_choices=medusa_choices, **sampling), ids.device)
         per_step = sum(steps) / len(steps) if steps else None
     new_ids = out[0, ids.shape[1]:].tolist()
     return Decoded(tokenizer.decode(new_ids, skip_special_tokens=True), new_ids, seconds, per_step)
@@ -153,44 +161,111 @@ def sampling_settings(args: argparse.Namespace, medusa: bool) -> tuple[dict, dic
     return settings, {}
 
 
+def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype | None]:
+    from liger_models.hub import parse_dtype
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return device, parse_dtype({"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.dtype])
+
+
+def _tokenizer(tokenizer_dir: Path):
+    from liger_models.hub import load_tokenizer
+    from liger_models.train.data import read_special_tokens
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    return tokenizer, read_special_tokens(tokenizer, tokenizer_dir)
+
+
 def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptResult]:
     """The command: load, encode each prompt, decode (and --compare), print the text to ``out`` (stdout) and the
     timings to ``log`` (stderr)."""
-    out, log = out or sys.stdout, log or sys.stderr  # looked up now: a caller (or a test) may have replaced them
-    from liger_models.hub import load_tokenizer, parse_dtype
-    from liger_models.train.data import read_special_tokens
+    from liger_models.medusa.tree import default_medusa_choices
 
+    out, log = out or sys.stdout, log or sys.stderr  # looked up now: a caller (or a test) may have replaced them
     prompts = list(args.prompt or []) + [Path(f).read_text(encoding="utf-8") for f in args.prompt_file or []]
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-file")
     if args.compare and args.medusa is None:
         raise ValueError("--compare measures Medusa decoding against plain decoding: give --medusa")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device, dtype = _device_and_dtype(args)
     cuda_graph = device.type == "cuda" and not args.no_cuda_graph
     sampling, plain_sampling = sampling_settings(args, args.medusa is not None)
-    dtype = parse_dtype({"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.dtype])
-    base, heads, tokenizer_dir = load_models(args.model, args.medusa, dtype, device)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    special = read_special_tokens(tokenizer, tokenizer_dir)
+    base, medusa, tokenizer_dir = load_models(args.model, args.medusa, dtype, device)
+    tokenizer, special = _tokenizer(tokenizer_dir)
     encoded = [encode_prompt(p, tokenizer, special, chat=args.chat, system=args.system,
                              chat_template=args.chat_template) for p in prompts]
+    model = base if medusa is None else medusa
+    choices = None
+    if medusa is not None:
+        choices = medusa.medusa_choices if not args.default_tree else None
+        choices = choices or default_medusa_choices(medusa.heads.num_heads)
+        tree = "calibrated" if choices is medusa.medusa_choices else "default"
+        print(f"[medusa] {len(choices) + 1}-node {tree} tree", file=log, flush=True)
     call = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, cuda_graph=cuda_graph, tokenizer=tokenizer)
     if device.type == "cuda":  # compile every kernel once, outside the timed calls
         warm = torch.tensor([encoded[0]], device=device)
-        decode(base, heads, warm, **{**call, "max_new_tokens": WARM_UP_TOKENS}, sampling=sampling)
+        decode(model, warm, **{**call, "max_new_tokens": WARM_UP_TOKENS}, sampling=sampling, medusa_choices=choices)
         if args.compare:
-            decode(base, None, warm, **{**call, "max_new_tokens": WARM_UP_TOKENS}, sampling=plain_sampling)
+            decode(base, warm, **{**call, "max_new_tokens": WARM_UP_TOKENS}, sampling=plain_sampling)
     results = []
     for prompt, ids in zip(prompts, encoded):
         tensor = torch.tensor([ids], device=device)
-        result = PromptResult(prompt, ids, decode(base, heads, tensor, **call, sampling=sampling))
+        result = PromptResult(prompt, ids, decode(model, tensor, **call, sampling=sampling, medusa_choices=choices))
         if args.compare:
-            result.plain = decode(base, None, tensor, **call, sampling=plain_sampling)
+            result.plain = decode(base, tensor, **call, sampling=plain_sampling)
         print(result.decoded.text, file=out, flush=True)
-        print(_summary(result, medusa=heads is not None, greedy=plain_sampling.get("do_sample") is False),
+        print(_summary(result, medusa=medusa is not None, greedy=plain_sampling.get("do_sample") is False),
               file=log, flush=True)
         results.append(result)
     return results
+
+
+def calibration_prompts(paths, tokenizer, special, *, count: int, prompt_tokens: int,
+                        chat_template: str = "auto") -> list[list[int]]:
+    """``count`` prompts evenly spaced through the data (module docstring), encoded as training encodes them."""
+    from liger_models.train.data import load_documents, tokenize_chunk
+
+    docs = load_documents(paths, special, chat_template)
+    ids, has_loss, lengths = tokenize_chunk(docs, tokenizer, special)
+    candidates, offset = [], 0
+    for doc, n in zip(docs, lengths.tolist()):
+        doc_ids, doc_loss = ids[offset: offset + n].tolist(), has_loss[offset: offset + n]
+        offset += n
+        if doc.spans is not None:  # chat: up to the first assistant token
+            if doc_loss.any():
+                candidates.append(doc_ids[: int(doc_loss.argmax())])
+            continue
+        if doc_ids and doc_ids[-1] == special.eos_id:  # the EOS tokenize_chunk closed the document with
+            doc_ids = doc_ids[:-1]
+        candidates += [doc_ids[i: i + prompt_tokens] for i in range(0, len(doc_ids) - prompt_tokens + 1, prompt_tokens)]
+    candidates = [c for c in candidates if c]
+    if not candidates:
+        raise ValueError(f"no prompt of {prompt_tokens} tokens in {[str(p) for p in paths]}: give more text or a "
+                         "smaller --prompt-tokens")
+    picks = torch.linspace(0, len(candidates) - 1, min(count, len(candidates))).round().long().unique().tolist()
+    return [candidates[i] for i in picks]
+
+
+def run_calibrate(args: argparse.Namespace, log=None):
+    """The calibrate-tree command: fit the tree, save it next to the heads, report what it gains."""
+    from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
+    from liger_models.medusa.tree import default_medusa_choices
+
+    log = log or sys.stderr
+    device, dtype = _device_and_dtype(args)
+    base, medusa, tokenizer_dir = load_models(args.model, args.medusa, dtype, device)
+    tokenizer, special = _tokenizer(tokenizer_dir)
+    prompts = calibration_prompts(args.data, tokenizer, special, count=args.prompts, prompt_tokens=args.prompt_tokens,
+                                  chat_template=args.chat_template)
+    calibration = calibrate_medusa_choices(
+        base, medusa.heads, [torch.tensor(p, device=device) for p in prompts], new_tokens=args.new_tokens,
+        size=args.size, cuda_graph=device.type == "cuda" and not args.no_cuda_graph)
+    path = save_medusa_choices(args.medusa, calibration)
+    print(f"a {len(calibration.medusa_choices) + 1}-node tree fitted on {calibration.positions} positions of "
+          f"{len(prompts)} greedy continuations: {calibration.tokens_per_step:.2f} tokens per base-model forward "
+          f"expected (the default {len(default_medusa_choices(medusa.heads.num_heads)) + 1}-node tree: "
+          f"{calibration.default_tokens_per_step:.2f})\nwrote {path}", file=log, flush=True)
+    return calibration
 
 
 def _rate(d: Decoded) -> str:

@@ -1,0 +1,115 @@
+"""A Medusa tree fitted to trained heads: measure where their top-k holds the base model's own greedy tokens, then
+keep the choices that would have been accepted most often (`tree.tree_from_rank_paths`).
+
+Why the base's greedy continuations and not the data: greedy acceptance compares each candidate with the base's
+argmax after the accepted tokens, so the rank a head must hit is that of the base's greedy token. Along a greedy
+continuation every token is that argmax, so a teacher-forced pass over it sees exactly what each decoding step
+would check (`rank_paths`). A step starting at any position is counted, where decoding starts steps only where the
+previous one ended: the same positions in a different mix.
+
+The tree is saved next to the heads as ``medusa_choices.json`` (a file the Medusa/TGI readers never look for), which
+`MedusaModel.from_pretrained` loads and `MedusaModel.generate` uses unless given ``medusa_choices``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from liger_models.medusa.checkpoint import read_json, save_json
+from liger_models.medusa.heads import MedusaHeads
+from liger_models.medusa.tree import (MISS, TOPK, default_medusa_choices, generate_medusa_buffers, mean_accepted,
+                                     tree_from_rank_paths)
+
+CHOICES_NAME = "medusa_choices.json"
+LOGITS_BUDGET_BYTES = 256 << 20  # heads' logits held at once while ranking (positions are chunked to fit)
+
+
+@torch.no_grad()
+def rank_paths(base: nn.Module, heads: MedusaHeads, sequence: torch.Tensor, start: int,
+               topk: int = TOPK) -> torch.Tensor:
+    """(N, K) int64: for each last committed position p from ``start`` − 1 on at which every head has a target, the
+    rank of token p + 1 + d in head d's top-k at p (d = 1 … K), MISS where it is not there.
+
+    sequence: (T,) token ids, greedy continuations of the base from ``start`` on (module docstring)."""
+    num_heads = heads.num_heads
+    first, end = max(start - 1, 0), sequence.shape[0] - 1 - num_heads
+    if end <= first:  # a continuation shorter than the heads reach (it ended at EOS): nothing to rank
+        return torch.zeros(0, num_heads, dtype=torch.long, device=sequence.device)
+    positions = torch.arange(first, end, device=sequence.device)
+    hidden = base.model(sequence[None])[0]  # (T, H)
+    targets = sequence[positions[:, None] + 1 + torch.arange(1, num_heads + 1, device=sequence.device)]  # (N, K)
+    chunk = max(1, LOGITS_BUDGET_BYTES // (num_heads * heads.config.vocab_size * 4))
+    ranks = []
+    for first in range(0, len(positions), chunk):
+        at = positions[first: first + chunk]
+        # The same top-k call as decoding's candidates (tree.candidate_tokens), so ties rank alike.
+        proposals = heads.logits(hidden[at], num_heads).topk(topk, dim=-1).indices  # (K, n, topk)
+        hit = proposals == targets[first: first + chunk].T[..., None]
+        ranks.append(torch.where(hit.any(-1), hit.int().argmax(-1), MISS).T)  # (n, K)
+    return torch.cat(ranks)
+
+
+@dataclass
+class Calibration:
+    """A fitted tree and what it is expected to gain: tokens per base-model forward = 1 + mean accepted."""
+
+    medusa_choices: list[tuple[int, ...]]
+    positions: int  # rank paths it was fitted on
+    tokens_per_step: float
+    default_tokens_per_step: float  # the default tree of as many heads, on the same paths
+
+    def to_json(self) -> dict:
+        return {"medusa_choices": [list(c) for c in self.medusa_choices], "positions": self.positions,
+                "tokens_per_step": round(self.tokens_per_step, 4),
+                "default_tokens_per_step": round(self.default_tokens_per_step, 4)}
+
+
+@torch.no_grad()
+def calibrate_medusa_choices(base: nn.Module, heads: MedusaHeads, prompts: Sequence[torch.Tensor], *,
+                             new_tokens: int = 128, size: int = 63, topk: int = TOPK,
+                             cuda_graph: bool = False) -> Calibration:
+    """Greedy-decode each (T,) prompt for up to ``new_tokens`` (stopping at the checkpoint's EOS), rank the heads
+    on the continuations and fit a tree of at most ``size`` choices."""
+    if not prompts:
+        raise ValueError("calibrating a Medusa tree needs at least one prompt")
+    paths = []
+    for prompt in prompts:
+        sequence = base.generate(prompt[None], new_tokens, do_sample=False, cuda_graph=cuda_graph)[0]
+        paths.append(rank_paths(base, heads, sequence, len(prompt), topk))
+    paths = torch.cat(paths).cpu()
+    if len(paths) == 0:
+        raise ValueError(f"the continuations were too short to rank {heads.num_heads} heads on: give longer "
+                         "--new-tokens or prompts whose continuation does not end at once")
+    choices = tree_from_rank_paths(paths, size)
+    default = default_medusa_choices(heads.num_heads)
+    return Calibration(choices, len(paths), 1 + mean_accepted(choices, paths), 1 + mean_accepted(default, paths))
+
+
+def save_medusa_choices(directory: str | os.PathLike, calibration: Calibration) -> str:
+    """Write ``medusa_choices.json`` into a heads directory (atomically); returns its path."""
+    path = os.path.join(directory, CHOICES_NAME)
+    save_json(path, calibration.to_json())
+    return path
+
+
+def load_medusa_choices(directory: str | os.PathLike, num_heads: int,
+                        topk: int = TOPK) -> list[tuple[int, ...]] | None:
+    """The tree saved in a heads directory, None when there is none; a file that does not fit these heads (another
+    head count, a rank past the top-k, a broken tree) is refused by name."""
+    path = os.path.join(directory, CHOICES_NAME)
+    if not os.path.isfile(path):
+        return None
+    raw = read_json(path).get("medusa_choices")
+    if not isinstance(raw, list) or not all(isinstance(c, list) and all(isinstance(r, int) for r in c) for c in raw):
+        raise ValueError(f"{path}: 'medusa_choices' must be a list of rank paths such as [[0], [0, 1]]")
+    choices = [tuple(c) for c in raw]
+    try:
+        generate_medusa_buffers(choices, num_heads, topk)
+    except ValueError as exc:
+        raise ValueError(f"{path} does not fit these heads: {exc}") from None
+    return choices

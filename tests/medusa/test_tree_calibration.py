@@ -1,0 +1,141 @@
+"""Medusa trees fitted to trained heads (medusa/calibrate.py, tree.tree_from_rank_paths): the rank paths predict
+exactly what greedy decoding accepts, the fitted tree is the best one of its size, and it travels with the heads."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from liger_models.medusa import MedusaModel
+from liger_models.medusa.calibrate import (CHOICES_NAME, calibrate_medusa_choices, load_medusa_choices, rank_paths,
+                                           save_medusa_choices)
+from liger_models.medusa.decoding import medusa_generate
+from liger_models.medusa.tree import MISS, default_medusa_choices, mean_accepted, prefix_counts, tree_from_rank_paths
+from tests.medusa._common import make_base
+
+V, H = 37, 16
+
+
+def _longest_in_tree(path: list[int], tree: set) -> int:
+    n = 0
+    while n < len(path) and path[n] != MISS and tuple(path[: n + 1]) in tree:
+        n += 1
+    return n
+
+
+def test_prefix_counts_stop_at_the_first_miss():
+    paths = torch.tensor([[0, 1, 2], [0, 1, MISS], [0, MISS, 0], [3, 0, 0]])
+    counts = prefix_counts(paths)
+    assert counts == {(0,): 3, (0, 1): 2, (0, 1, 2): 1, (3,): 1, (3, 0): 1, (3, 0, 0): 1}
+    assert mean_accepted([(0,), (0, 1), (3,)], paths) == (3 + 2 + 1) / 4
+
+
+def _closed(tree) -> bool:
+    return all(c[:-1] in tree for c in tree if len(c) > 1)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_the_fitted_tree_is_the_best_of_its_size(size):
+    # Brute force over every closed tree of at most `size` choices among those any path reaches.
+    paths = torch.randint(0, 3, (40, 3))
+    paths[torch.rand(40, 3) < 0.3] = MISS
+    fitted = tree_from_rank_paths(paths, size)
+    assert len(fitted) <= size and _closed(set(fitted)) and fitted == sorted(fitted, key=lambda c: (len(c), c))
+    counts = prefix_counts(paths)
+    best = max(sum(counts[c] for c in subset) for k in range(1, size + 1)
+               for subset in itertools.combinations(counts, k) if _closed(set(subset)))
+    assert sum(counts[c] for c in fitted) == best
+    assert mean_accepted(fitted, paths) == best / len(paths)
+
+
+def test_no_hits_give_the_one_node_tree_and_a_size_is_needed():
+    assert tree_from_rank_paths(torch.full((5, 2), MISS), 10) == [(0,)]
+    with pytest.raises(ValueError, match="at least one choice"):
+        tree_from_rank_paths(torch.zeros(2, 2, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("choices", ["default", "fitted"])
+def test_rank_paths_predict_every_greedy_step(choices):
+    # Decoding a greedy continuation, each step starting after position p accepts exactly the longest prefix of
+    # rank path p that lies in the tree: the paths measure what decoding checks.
+    base = make_base(V, H, torch.float64, layers=2)
+    heads = MedusaModel.from_base(base, num_heads=3).heads
+    prompt = torch.randint(3, V, (1, 5))
+    budget = 40
+    sequence = base.generate(prompt, budget, eos_token_id=[], do_sample=False)[0]
+    paths = rank_paths(base, heads, sequence, start=5)
+    assert paths.shape == (len(sequence) - 1 - 3 - 4, 3) and (paths >= MISS).all() and (paths < 10).all()
+    tree = default_medusa_choices(3) if choices == "default" else tree_from_rank_paths(paths, 12)
+    out, steps = medusa_generate(base, heads, prompt, budget, medusa_choices=tree, eos_token_id=[],
+                                 return_stats=True)
+    assert torch.equal(out[0], sequence)
+    last, checked, in_tree = 4, 0, set(map(tuple, tree))
+    for emitted in steps:
+        if last - 4 >= len(paths) or last + 1 + 3 + 1 > budget + 5:  # past the ranked positions or the budget's cut
+            break
+        assert emitted == 1 + _longest_in_tree(paths[last - 4].tolist(), in_tree)
+        last += emitted
+        checked += 1
+    assert checked >= 5
+
+
+def test_continuations_too_short_to_rank():
+    base = make_base(V, H, torch.float64)
+    heads = MedusaModel.from_base(base, num_heads=3).heads
+    for length in (1, 4, 7):  # last committed positions 3 … length − 5 (p + 1 + 3 heads must be a position): none
+        assert rank_paths(base, heads, torch.randint(0, V, (length,)), start=4).shape == (0, 3)
+    assert rank_paths(base, heads, torch.randint(0, V, (8,)), start=4).shape == (1, 3)
+    eos = int(base.generate(torch.tensor([[5, 6]]), 1, eos_token_id=[])[0, -1])  # every continuation ends at once
+    with pytest.raises(ValueError, match="too short"):
+        calibrate_medusa_choices(base, heads, [torch.tensor([5, 6])], new_tokens=1)
+    base.config.eos_token_id = eos
+    with pytest.raises(ValueError, match="too short"):
+        calibrate_medusa_choices(base, heads, [torch.tensor([5, 6])], new_tokens=30)
+
+
+def test_rank_paths_against_a_materialised_reference():
+    base = make_base(V, H, torch.float64)
+    heads = MedusaModel.from_base(base, num_heads=2).heads
+    sequence = torch.randint(0, V, (12,))
+    paths = rank_paths(base, heads, sequence, start=3, topk=4)
+    hidden = base.model(sequence[None])[0]
+    for row, p in enumerate(range(2, 12 - 1 - 2)):
+        for d in (1, 2):
+            order = heads.logits(hidden[p: p + 1], 2)[d - 1, 0].argsort(descending=True)[:4].tolist()
+            target = int(sequence[p + 1 + d])
+            assert int(paths[row, d - 1]) == (order.index(target) if target in order else MISS)
+
+
+def test_calibration_saves_a_tree_that_generate_uses(tmp_path, monkeypatch):
+    base = make_base(V, H, torch.float64)
+    base.config.eos_token_id = None  # a random model could end both continuations at once (tested above)
+    medusa = MedusaModel.from_base(base, num_heads=3)
+    prompts = [torch.randint(3, V, (n,)) for n in (4, 6)]
+    calibration = calibrate_medusa_choices(base, medusa.heads, prompts, new_tokens=20, size=9)
+    assert 1 <= len(calibration.medusa_choices) <= 9 and calibration.positions > 0
+    assert calibration.tokens_per_step >= 1.0 and calibration.default_tokens_per_step >= 1.0
+    medusa.save_pretrained(str(tmp_path))
+    assert MedusaModel.from_pretrained(str(tmp_path), base=base).medusa_choices is None  # none saved yet
+    save_medusa_choices(tmp_path, calibration)
+    loaded = MedusaModel.from_pretrained(str(tmp_path), base=base)
+    assert loaded.medusa_choices == calibration.medusa_choices
+    seen = []
+    monkeypatch.setattr("liger_models.medusa.model.medusa_generate", lambda *a, **k: seen.append(k["medusa_choices"]))
+    loaded.generate(prompts[0][None], 4)
+    loaded.generate(prompts[0][None], 4, medusa_choices=[(0,)])  # an explicit tree wins
+    assert seen == [calibration.medusa_choices, [(0,)]]
+
+
+@pytest.mark.parametrize("content, match", [({"medusa_choices": [[0], [0, 0, 0, 0]]}, "only 3 Medusa heads"),
+                                            ({"medusa_choices": [[0], [10]]}, r"\[0, 10\)"),
+                                            ({"medusa_choices": [[1, 0]]}, "parent"),
+                                            ({"medusa_choices": "[[0]]"}, "list of rank paths"),
+                                            ({}, "list of rank paths")])
+def test_a_tree_that_does_not_fit_is_refused_by_name(content, match, tmp_path):
+    (tmp_path / CHOICES_NAME).write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=match) as info:
+        load_medusa_choices(tmp_path, num_heads=3)
+    assert CHOICES_NAME in str(info.value)
