@@ -310,13 +310,18 @@ def _check_paths(args: argparse.Namespace) -> None:
 def _check_heads_dir(path: Path, flag: str) -> None:
     """--init-heads / --medusa must hold Medusa heads: told now, by name, not after the base model has loaded (a
     base model's own directory, the easy mistake, has a config.json but no heads file)."""
-    from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME
+    from liger_models.convert.medusa import VLLM_WEIGHTS_NAME
+    from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
 
     if not path.is_dir():
         raise FileNotFoundError(f"{flag} {path}: no such directory")
-    missing = [name for name in (CONFIG_NAME,) if not (path / name).is_file()]
-    if not any((path / name).is_file() for name in (HEADS_NAME, LEGACY_HEADS_NAME)):
-        missing.append(f"{HEADS_NAME} (or {LEGACY_HEADS_NAME})")
+    config = path / CONFIG_NAME
+    missing = [] if config.is_file() else [CONFIG_NAME]
+    # A vLLM-layout export keeps its heads in model.safetensors, as a base model does: its config says "medusa".
+    vllm = config.is_file() and read_json(str(config)).get("model_type") == "medusa"
+    files = (VLLM_WEIGHTS_NAME,) if vllm else (HEADS_NAME, LEGACY_HEADS_NAME)
+    if not any((path / name).is_file() for name in files):
+        missing.append(" (or ".join(files) + ")" * (len(files) - 1))
     if missing:
         raise FileNotFoundError(f"{flag} {path}: no Medusa heads there (missing {' and '.join(missing)}); "
                                 "give a directory written by train-medusa, e.g. a stage-1 checkpoint")

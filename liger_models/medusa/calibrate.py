@@ -79,7 +79,9 @@ def calibrate_medusa_choices(base: nn.Module, heads: MedusaHeads, prompts: Seque
         raise ValueError("calibrating a Medusa tree needs at least one prompt")
     paths = []
     for prompt in prompts:
-        sequence = base.generate(prompt[None], new_tokens, do_sample=False, cuda_graph=cuda_graph)[0]
+        # attention_mask: the prompt is text throughout, even where an id equals the pad id.
+        sequence = base.generate(prompt[None], new_tokens, do_sample=False, cuda_graph=cuda_graph,
+                                 attention_mask=torch.ones_like(prompt[None]))[0]
         paths.append(rank_paths(base, heads, sequence, len(prompt), topk))
     paths = torch.cat(paths).cpu()
     if len(paths) == 0:

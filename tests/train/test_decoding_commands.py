@@ -180,3 +180,44 @@ def test_calibration_prompts_from_text_and_chat(tiny_model_dir, tmp_path):
     assert tokenizer.decode(prompt) == opened and load_documents([chat], special)[0].text.startswith(opened)
     with pytest.raises(ValueError, match="no prompt of 4096 tokens"):
         calibration_prompts([text], tokenizer, special, count=2, prompt_tokens=4096)
+
+
+def test_vllm_layout_heads_decode_with_their_base(tiny_model_dir, heads_dir, tmp_path, capsys):
+    from liger_models.convert.medusa import save_vllm
+
+    medusa = MedusaModel.from_pretrained(str(heads_dir))
+    save_vllm(medusa.heads, str(tmp_path / "vllm"))
+    code, out, err = _generate(["--medusa", str(tmp_path / "vllm"), "--prompt", "ROMEO:", "--max-new-tokens", "6"],
+                               capsys)
+    assert code == 0 and "[medusa]" in err  # the export's config names the base
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    del config["base_model_name_or_path"]  # as vLLM's own Medusa configs: no base named
+    (tmp_path / "vllm" / "config.json").write_text(json.dumps(config))
+    code, out, err = _generate(["--medusa", str(tmp_path / "vllm"), "--prompt", "ROMEO:"], capsys)
+    assert code == 2 and "no base_model_name_or_path; pass --model" in err
+    code, out, err = _generate(["--model", str(tiny_model_dir), "--medusa", str(tmp_path / "vllm"), "--prompt",
+                                "ROMEO:", "--max-new-tokens", "6", "--compare"], capsys)
+    assert code == 0 and "identical tokens: True" in err
+    (tmp_path / "vllm" / "model.safetensors").unlink()
+    code, out, err = _generate(["--model", str(tiny_model_dir), "--medusa", str(tmp_path / "vllm"), "--prompt", "x"],
+                               capsys)
+    assert code == 2 and "missing model.safetensors" in err
+
+
+def test_a_prompt_holding_the_pad_id_is_text(tiny_model_dir, heads_dir, tmp_path, capsys):
+    # With a pad id of its own in config.json, generate would read that id in a prompt as padding (as HF infers it),
+    # and Medusa decoding would refuse the prompt; the command's prompts are one unpadded text each.
+    padded = tmp_path / "padded"
+    shutil.copytree(tiny_model_dir, padded)
+    config = json.loads((padded / "config.json").read_text())
+    tokenizer = load_tokenizer(padded)
+    prompt_ids = tokenizer.encode("ROMEO: what").ids
+    config["pad_token_id"] = prompt_ids[1]
+    (padded / "config.json").write_text(json.dumps(config))
+    code, out, err = _generate(["--model", str(padded), "--medusa", str(heads_dir), "--prompt", "ROMEO: what",
+                                "--max-new-tokens", "6", "--compare"], capsys)
+    assert code == 0 and "identical tokens: True" in err
+    base = AutoLigerForCausalLM.from_pretrained(padded)
+    ids = torch.tensor([prompt_ids])
+    expected = base.generate(ids, 6, do_sample=False, attention_mask=torch.ones_like(ids))[0, ids.shape[1]:]
+    assert out == tokenizer.decode(expected.tolist(), skip_special_tokens=True) + "\n"
