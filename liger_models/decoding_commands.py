@@ -17,9 +17,10 @@ uses (``render_generation_prompt``), so a model fine-tuned here is prompted in t
 Settings: plain decoding takes what is not given from the checkpoint's generation_config.json, as HF's generate does
 (``--greedy`` forces argmax); Medusa decoding is greedy unless ``--temperature`` > 0 (typical acceptance). On CUDA
 every step replays as one CUDA graph (``--no-cuda-graph`` runs eagerly), after an untimed warm-up call that
-compiles the kernels; a call's time includes its graph capture (15–60 ms on an H200), as a user's call would. ``--compare`` also runs plain decoding on each prompt, so Medusa's speed-up is measured on
-the same machine, and, when both are greedy, checks that the tokens are identical. Medusa decoding verifies the
-calibrated tree when the heads' directory holds one (``--default-tree``: the default tree).
+compiles the kernels; a call's time includes its graph capture (15–60 ms on an H200), as a user's call would.
+``--compare`` also runs plain decoding on each prompt, so Medusa's speed-up is measured on the same machine, and,
+when both are greedy, checks that the tokens are identical. Medusa decoding verifies the calibrated tree when the
+heads' directory holds one (``--default-tree``: the default tree).
 
 Calibration prompts (``calibration_prompts``): a chat conversation gives its text up to the first assistant token
 (the generation prompt training rendered); plain text gives windows of ``--prompt-tokens`` tokens. ``--prompts`` of
