@@ -9,9 +9,9 @@ no tree is scored on the text it was fitted to.
 
 Per tree (the default one, then fitted trees of SIZES choices): every measurement prompt decoded for NEW_TOKENS
 greedy tokens (no stop ids; CUDA graphs on CUDA), after one untimed warm-up call per tree. Reported: tokens per
-forward (new tokens ÷ steps), ms per new token (summed wall time ÷ summed tokens, each call CUDA-synchronised,
-graph capture included as in a user's call), and the speed-up over plain greedy decoding of the same prompts timed
-the same way. Every Medusa output is checked token for token against plain greedy decoding (`identical`; in bf16 a
+forward (new tokens ÷ steps; "expected": the same walked over the fitting paths), ms per new token (summed wall
+time ÷ summed tokens, each call CUDA-synchronised, graph capture included as in a user's call), and the speed-up
+over plain greedy decoding of the same prompts timed the same way. Every Medusa output is checked token for token against plain greedy decoding (`identical`; in bf16 a
 near-tied argmax may flip between the graphed tree and the plain step, so a False there is reported, not fatal).
 
     python benchmarks/bench_medusa_trees.py --out DIR [--quick] [--heads DIR --data held_out.txt]
@@ -86,7 +86,7 @@ def main() -> None:
     from liger_models.hub import load_tokenizer
     from liger_models.medusa import MedusaModel
     from liger_models.medusa.calibrate import rank_paths
-    from liger_models.medusa.tree import default_medusa_choices, mean_accepted, tree_from_rank_paths
+    from liger_models.medusa.tree import default_medusa_choices, tree_from_rank_paths, walk_tokens_per_step
     from liger_models.train.data import read_special_tokens
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -108,7 +108,8 @@ def main() -> None:
                              attention_mask=torch.ones_like(prompt[None]))[0]
 
     fit_prompts, measure_prompts = prompts_of(fit_file), prompts_of(measure_file)
-    paths = torch.cat([rank_paths(base, heads, greedy(p), len(p)) for p in fit_prompts]).cpu()
+    per_sequence = [rank_paths(base, heads, greedy(p), len(p)).cpu() for p in fit_prompts]
+    paths = torch.cat(per_sequence)
     trees = {"default": default_medusa_choices(heads.num_heads)}
     trees.update({f"fitted-{size}": tree_from_rank_paths(paths, size) for size in SIZES})
 
@@ -129,7 +130,7 @@ def main() -> None:
         ms = 1e3 * sum(s for _, s in calls) / tokens
         identical = all(torch.equal(o[0], ref) for ((o, _), _), (ref, _) in zip(calls, plain))
         rows.append(dict(tree=name, nodes=len(tree) + 1, tokens_per_forward=tokens / steps,
-                         expected_on_fit_paths=1 + mean_accepted(tree, paths), ms_per_token=ms,
+                         expected_on_fit_paths=walk_tokens_per_step(tree, per_sequence), ms_per_token=ms,
                          speedup_vs_plain=plain_ms / ms, identical=identical))
     result = dict(device=torch.cuda.get_device_name(device) if graph else "cpu", torch=torch.__version__,
                   dtype=str(dtype), heads=str(heads_dir), fit_positions=len(paths), prompts=len(measure_prompts),

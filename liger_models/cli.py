@@ -231,9 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="decode prompts with a model, plain or with Medusa heads, timed",
                          description="Print each prompt's continuation (stdout) and its tokens/s (stderr). With "
-                                     "--medusa: Medusa tree decoding (greedy, output identical to plain greedy "
-                                     "decoding; --temperature > 0: typical acceptance) and its tokens per "
-                                     "base-model forward. On CUDA each step is one CUDA-graph replay.")
+                                     "--medusa: Medusa tree decoding (greedy, the output of plain greedy decoding "
+                                     "up to bf16's near-tied argmaxes, which --compare checks; --temperature > 0: "
+                                     "typical acceptance) and its tokens per base-model forward. On CUDA each step "
+                                     "is one CUDA-graph replay.")
     gen.add_argument("--model", default=None, help="model directory or Hub repo id (default: the base that "
                                                    "--medusa's config names, or the stage-2 directory itself)")
     gen.add_argument("--medusa", default=None, metavar="DIR",
@@ -243,16 +244,17 @@ def _add_generate(sub) -> None:
                      help="a UTF-8 file whose whole text is one prompt (repeat for several)")
     gen.add_argument("--chat", action="store_true", help="each prompt is a user turn, rendered with the chat template")
     gen.add_argument("--system", default=None, help="--chat: a system turn before each prompt")
-    gen.add_argument("--chat-template", default="auto", choices=("auto", "model", "simple"),
+    gen.add_argument("--chat-template", default=None, choices=("auto", "model", "simple"),
                      help="--chat: the model's jinja template or the simple one (default auto, as training)")
     gen.add_argument("--max-new-tokens", type=_positive, default=None,
                      help="default: generation_config.json's budget, else 32")
     gen.add_argument("--greedy", action="store_true", help="argmax decoding whatever generation_config.json says")
     gen.add_argument("--temperature", type=_positive_float, default=None,
                      help="sample at this temperature (with --medusa: typical acceptance)")
-    gen.add_argument("--top-k", type=_non_negative, default=None, help="plain decoding: top-k cut (0: none)")
+    gen.add_argument("--top-k", type=_non_negative, default=None,
+                     help="plain decoding: sample from the top k (0: no cut)")
     gen.add_argument("--top-p", type=_float_where("in (0, 1]", lambda x: 0 < x <= 1), default=None,
-                     help="plain decoding: nucleus cut")
+                     help="plain decoding: sample from the nucleus")
     gen.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
     gen.add_argument("--compare", action="store_true",
                      help="with --medusa: also time plain decoding of each prompt (and check greedy tokens match)")
@@ -361,10 +363,9 @@ def _run_convert_native(args: argparse.Namespace) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    from liger_models.decoding_commands import run_generate
+    from liger_models.decoding_commands import check_generate_options, run_generate
 
-    if args.greedy and args.temperature is not None:
-        raise ValueError("--greedy and --temperature contradict each other: give one")
+    check_generate_options(args)
     for path in args.prompt_file or []:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--prompt-file {path}: no such file")

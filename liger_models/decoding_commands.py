@@ -59,22 +59,35 @@ class PromptResult:
 
 
 def _medusa_base_source(medusa_dir: Path) -> tuple[str, bool]:
-    """(where the base model lives, whether it is medusa_dir itself) for a heads directory given alone."""
+    """(where the base model lives, whether that is a local directory) for a heads directory given alone."""
     from liger_models.medusa.checkpoint import CONFIG_NAME, read_json
 
     raw = read_json(medusa_dir / CONFIG_NAME)
-    if "model_type" in raw and raw["model_type"] != "medusa":  # a stage-2 directory: the full base is there
+    if raw.get("model_type") not in (None, "", "medusa"):  # a stage-2 directory: the full base is there
         return str(medusa_dir), True
     base = raw.get("base_model_name_or_path")
     if not base:
         raise ValueError(f"--medusa {medusa_dir}: its config.json names no base_model_name_or_path; pass --model")
+    # As written (absolute, or relative to here), else relative to the heads (a run directory moved as a whole).
+    for candidate in (Path(base).expanduser(), medusa_dir / base):
+        if candidate.is_dir():
+            return str(candidate), True
+    if base.startswith((".", "/", "~")) or base.count("/") > 1:  # a path, not a Hub id: never a download
+        raise FileNotFoundError(f"--medusa {medusa_dir}: its config.json names the base {base!r}, which is not a "
+                                "directory here; pass --model")
     return base, False
 
 
-def load_models(model: str | None, medusa: str | None, dtype: torch.dtype | None, device: torch.device):
-    """(base model, MedusaModel or None, the directory holding tokenizer.json)."""
-    from liger_models import AutoLigerForCausalLM
-    from liger_models.medusa import MedusaModel
+@dataclass
+class Sources:
+    """Where a command's model, heads and tokenizer are, found before any weights load (a Hub id is fetched)."""
+
+    model_dir: Path
+    medusa_dir: Path | None
+    tokenizer_dir: Path
+
+
+def locate(model: str | None, medusa: str | None) -> Sources:
     from liger_models.train.run import resolve_model_dir
 
     if model is None and medusa is None:
@@ -84,17 +97,23 @@ def load_models(model: str | None, medusa: str | None, dtype: torch.dtype | None
         model_dir = resolve_model_dir(model)
     else:
         source, local = _medusa_base_source(medusa_dir)
-        model_dir = medusa_dir if local else resolve_model_dir(source)
-    base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
-    base.eval()
-    medusa_model = None
-    if medusa_dir is not None:
-        medusa_model = MedusaModel.from_pretrained(str(medusa_dir), base=base).eval()
-    tokenizer_dir = next((d for d in (model_dir, medusa_dir) if d is not None and (d / "tokenizer.json").is_file()),
-                         None)
+        model_dir = Path(source) if local else resolve_model_dir(source)
+    places = [model_dir] + ([medusa_dir] if medusa_dir not in (None, model_dir) else [])
+    tokenizer_dir = next((d for d in places if (d / "tokenizer.json").is_file()), None)
     if tokenizer_dir is None:
-        raise FileNotFoundError(f"no tokenizer.json in {model_dir}" + (f" or {medusa_dir}" if medusa_dir else ""))
-    return base, medusa_model, tokenizer_dir
+        raise FileNotFoundError(f"no tokenizer.json in {' or '.join(map(str, places))}")
+    return Sources(model_dir, medusa_dir, tokenizer_dir)
+
+
+def load_models(sources: Sources, dtype: torch.dtype | None, device: torch.device, *, load_tree: bool = True):
+    """(base model, MedusaModel or None), in eval mode; ``load_tree``: the heads' calibrated tree too."""
+    from liger_models import AutoLigerForCausalLM
+    from liger_models.medusa import MedusaModel
+
+    base = AutoLigerForCausalLM.from_pretrained(sources.model_dir, dtype=dtype, device=device).eval()
+    if sources.medusa_dir is None:
+        return base, None
+    return base, MedusaModel.from_pretrained(str(sources.medusa_dir), base=base, load_tree=load_tree).eval()
 
 
 def encode_prompt(text: str, tokenizer, special, *, chat: bool, system: str | None = None,
@@ -157,7 +176,7 @@ def sampling_settings(args: argparse.Namespace, medusa: bool) -> tuple[dict, dic
         return dict(do_sample=False), {}
     given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     settings = {key: value for key, value in given.items() if value is not None}
-    if args.temperature is not None:  # a temperature means sampling, as HF's generate reads one (0 is refused)
+    if settings:  # any of them asks for sampling (HF's generate would ignore them unless its config samples)
         settings["do_sample"] = True
     return settings, {}
 
@@ -177,30 +196,49 @@ def _tokenizer(tokenizer_dir: Path):
     return tokenizer, read_special_tokens(tokenizer, tokenizer_dir)
 
 
+def read_prompt_file(path: str) -> str:
+    """A prompt file's text, read as training reads a .txt document (UTF-8, a byte-order mark dropped)."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text ({exc.reason}); convert it to UTF-8") from None
+
+
+def check_generate_options(args: argparse.Namespace) -> None:
+    """Refuse options that would do nothing, before anything loads (each is a mistake worth a word)."""
+    if args.compare and args.medusa is None:
+        raise ValueError("--compare measures Medusa decoding against plain decoding: give --medusa")
+    if args.default_tree and args.medusa is None:
+        raise ValueError("--default-tree chooses Medusa's tree: give --medusa")
+    if not args.chat and (args.system is not None or args.chat_template is not None):
+        raise ValueError("--system and --chat-template shape chat prompts: add --chat")
+    if args.greedy and (args.temperature, args.top_k, args.top_p) != (None, None, None):
+        raise ValueError("--greedy contradicts --temperature / --top-k / --top-p: give one")
+
+
 def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptResult]:
     """The command: load, encode each prompt, decode (and --compare), print the text to ``out`` (stdout) and the
     timings to ``log`` (stderr)."""
     from liger_models.medusa.tree import default_medusa_choices
 
     out, log = out or sys.stdout, log or sys.stderr  # looked up now: a caller (or a test) may have replaced them
-    prompts = list(args.prompt or []) + [Path(f).read_text(encoding="utf-8") for f in args.prompt_file or []]
+    check_generate_options(args)
+    prompts = list(args.prompt or []) + [read_prompt_file(f) for f in args.prompt_file or []]
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-file")
-    if args.compare and args.medusa is None:
-        raise ValueError("--compare measures Medusa decoding against plain decoding: give --medusa")
     device, dtype = _device_and_dtype(args)
     cuda_graph = device.type == "cuda" and not args.no_cuda_graph
     sampling, plain_sampling = sampling_settings(args, args.medusa is not None)
-    base, medusa, tokenizer_dir = load_models(args.model, args.medusa, dtype, device)
-    tokenizer, special = _tokenizer(tokenizer_dir)
+    sources = locate(args.model, args.medusa)
+    tokenizer, special = _tokenizer(sources.tokenizer_dir)
     encoded = [encode_prompt(p, tokenizer, special, chat=args.chat, system=args.system,
-                             chat_template=args.chat_template) for p in prompts]
+                             chat_template=args.chat_template or "auto") for p in prompts]
+    base, medusa = load_models(sources, dtype, device, load_tree=not args.default_tree)
     model = base if medusa is None else medusa
     choices = None
     if medusa is not None:
-        choices = medusa.medusa_choices if not args.default_tree else None
-        choices = choices or default_medusa_choices(medusa.heads.num_heads)
-        tree = "calibrated" if choices is medusa.medusa_choices else "default"
+        choices = medusa.medusa_choices or default_medusa_choices(medusa.heads.num_heads)
+        tree = "default" if medusa.medusa_choices is None else "calibrated"
         print(f"[medusa] {len(choices) + 1}-node {tree} tree", file=log, flush=True)
     call = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, cuda_graph=cuda_graph, tokenizer=tokenizer)
     if device.type == "cuda":  # compile every kernel once, outside the timed calls
@@ -254,18 +292,25 @@ def run_calibrate(args: argparse.Namespace, log=None):
 
     log = log or sys.stderr
     device, dtype = _device_and_dtype(args)
-    base, medusa, tokenizer_dir = load_models(args.model, args.medusa, dtype, device)
-    tokenizer, special = _tokenizer(tokenizer_dir)
+    sources = locate(args.model, args.medusa)
+    tokenizer, special = _tokenizer(sources.tokenizer_dir)
+    # The data is read before the weights load, so a mistake there costs no model load.
     prompts = calibration_prompts(args.data, tokenizer, special, count=args.prompts, prompt_tokens=args.prompt_tokens,
                                   chat_template=args.chat_template)
+    # The tree already saved there (if any) is the one being replaced: not loaded, so a broken one is no obstacle.
+    base, medusa = load_models(sources, dtype, device, load_tree=False)
     calibration = calibrate_medusa_choices(
         base, medusa.heads, [torch.tensor(p, device=device) for p in prompts], new_tokens=args.new_tokens,
         size=args.size, cuda_graph=device.type == "cuda" and not args.no_cuda_graph)
-    path = save_medusa_choices(args.medusa, calibration)
-    print(f"a {len(calibration.medusa_choices) + 1}-node tree fitted on {calibration.positions} positions of "
-          f"{len(prompts)} greedy continuations: {calibration.tokens_per_step:.2f} tokens per base-model forward "
-          f"expected (the default {len(default_medusa_choices(medusa.heads.num_heads)) + 1}-node tree: "
-          f"{calibration.default_tokens_per_step:.2f})\nwrote {path}", file=log, flush=True)
+    path = save_medusa_choices(sources.medusa_dir, calibration)
+    default_nodes = len(default_medusa_choices(medusa.heads.num_heads)) + 1
+    if calibration.kept_default:
+        fitted = f"the default {default_nodes}-node tree kept (no fitted tree did better)"
+    else:
+        fitted = f"a {len(calibration.medusa_choices) + 1}-node tree"
+    print(f"{fitted}, from {calibration.positions} positions of {len(prompts)} greedy continuations: "
+          f"{calibration.tokens_per_step:.2f} tokens per base-model forward when decoding them (the default "
+          f"{default_nodes}-node tree: {calibration.default_tokens_per_step:.2f})\nwrote {path}", file=log, flush=True)
     return calibration
 
 

@@ -3,9 +3,11 @@ keep the choices that would have been accepted most often (`tree.tree_from_rank_
 
 Why the base's greedy continuations and not the data: greedy acceptance compares each candidate with the base's
 argmax after the accepted tokens, so the rank a head must hit is that of the base's greedy token. Along a greedy
-continuation every token is that argmax, so a teacher-forced pass over it sees exactly what each decoding step
-would check (`rank_paths`). A step starting at any position is counted, where decoding starts steps only where the
-previous one ended: the same positions in a different mix.
+continuation every token is that argmax, so a teacher-forced pass over it sees what each decoding step would check
+(`rank_paths`; exactly in fp32 / fp64, while in bf16 the cached and the full-sequence forward may round a near-tied
+argmax apart). The tree is fitted on every position (`tree_from_rank_paths`); it and the default tree are then
+scored as decoding runs, a step starting where the previous one ended (`walk_tokens_per_step`), and the default is
+kept when it does as well.
 
 The tree is saved next to the heads as ``medusa_choices.json`` (a file the Medusa/TGI readers never look for), which
 `MedusaModel.from_pretrained` loads and `MedusaModel.generate` uses unless given ``medusa_choices``.
@@ -22,8 +24,8 @@ from torch import nn
 
 from liger_models.medusa.checkpoint import read_json, save_json
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.medusa.tree import (MISS, TOPK, default_medusa_choices, generate_medusa_buffers, mean_accepted,
-                                     tree_from_rank_paths)
+from liger_models.medusa.tree import (MISS, TOPK, default_medusa_choices, generate_medusa_buffers,
+                                     tree_from_rank_paths, walk_tokens_per_step)
 
 CHOICES_NAME = "medusa_choices.json"
 LOGITS_BUDGET_BYTES = 256 << 20  # heads' logits held at once while ranking (positions are chunked to fit)
@@ -60,13 +62,14 @@ class Calibration:
 
     medusa_choices: list[tuple[int, ...]]
     positions: int  # rank paths it was fitted on
-    tokens_per_step: float
-    default_tokens_per_step: float  # the default tree of as many heads, on the same paths
+    tokens_per_step: float  # `walk_tokens_per_step` on those paths
+    default_tokens_per_step: float  # the default tree of as many heads, the same way
+    kept_default: bool = False  # the fitted tree walked no better than the default one, which was kept instead
 
     def to_json(self) -> dict:
         return {"medusa_choices": [list(c) for c in self.medusa_choices], "positions": self.positions,
                 "tokens_per_step": round(self.tokens_per_step, 4),
-                "default_tokens_per_step": round(self.default_tokens_per_step, 4)}
+                "default_tokens_per_step": round(self.default_tokens_per_step, 4), "kept_default": self.kept_default}
 
 
 @torch.no_grad()
@@ -74,22 +77,25 @@ def calibrate_medusa_choices(base: nn.Module, heads: MedusaHeads, prompts: Seque
                              new_tokens: int = 128, size: int = 63, topk: int = TOPK,
                              cuda_graph: bool = False) -> Calibration:
     """Greedy-decode each (T,) prompt for up to ``new_tokens`` (stopping at the checkpoint's EOS), rank the heads
-    on the continuations and fit a tree of at most ``size`` choices."""
+    on the continuations and fit a tree of at most ``size`` choices. Both it and the default tree are then scored
+    as decoding would run them (`walk_tokens_per_step`); when the default does at least as well, it is kept."""
     if not prompts:
         raise ValueError("calibrating a Medusa tree needs at least one prompt")
-    paths = []
+    per_sequence = []
     for prompt in prompts:
         # attention_mask: the prompt is text throughout, even where an id equals the pad id.
         sequence = base.generate(prompt[None], new_tokens, do_sample=False, cuda_graph=cuda_graph,
                                  attention_mask=torch.ones_like(prompt[None]))[0]
-        paths.append(rank_paths(base, heads, sequence, len(prompt), topk))
-    paths = torch.cat(paths).cpu()
+        per_sequence.append(rank_paths(base, heads, sequence, len(prompt), topk).cpu())
+    paths = torch.cat(per_sequence)
     if len(paths) == 0:
         raise ValueError(f"the continuations were too short to rank {heads.num_heads} heads on: give longer "
                          "--new-tokens or prompts whose continuation does not end at once")
-    choices = tree_from_rank_paths(paths, size)
-    default = default_medusa_choices(heads.num_heads)
-    return Calibration(choices, len(paths), 1 + mean_accepted(choices, paths), 1 + mean_accepted(default, paths))
+    fitted, default = tree_from_rank_paths(paths, size), default_medusa_choices(heads.num_heads)
+    fitted_score, default_score = (walk_tokens_per_step(tree, per_sequence) for tree in (fitted, default))
+    if default_score >= fitted_score and len(default) <= size:
+        return Calibration(default, len(paths), default_score, default_score, kept_default=True)
+    return Calibration(fitted, len(paths), fitted_score, default_score)
 
 
 def save_medusa_choices(directory: str | os.PathLike, calibration: Calibration) -> str:
@@ -101,12 +107,17 @@ def save_medusa_choices(directory: str | os.PathLike, calibration: Calibration) 
 
 def load_medusa_choices(directory: str | os.PathLike, num_heads: int,
                         topk: int = TOPK) -> list[tuple[int, ...]] | None:
-    """The tree saved in a heads directory, None when there is none; a file that does not fit these heads (another
-    head count, a rank past the top-k, a broken tree) is refused by name."""
+    """The tree saved in a heads directory (``{"medusa_choices": [...]}`` as saved, or a bare list of rank paths),
+    None when there is none; a file that does not fit these heads (another head count, a rank past the top-k, a
+    broken tree) or is not JSON is refused by name."""
     path = os.path.join(directory, CHOICES_NAME)
     if not os.path.isfile(path):
         return None
-    raw = read_json(path).get("medusa_choices")
+    try:
+        raw = read_json(path)
+    except (ValueError, UnicodeDecodeError) as exc:  # json's JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not JSON ({exc}); remove it or run calibrate-tree again") from None
+    raw = raw.get("medusa_choices") if isinstance(raw, dict) else raw  # a bare list, as Medusa's own trees are
     if not isinstance(raw, list) or not all(isinstance(c, list) and all(isinstance(r, int) for r in c) for c in raw):
         raise ValueError(f"{path}: 'medusa_choices' must be a list of rank paths such as [[0], [0, 1]]")
     choices = [tuple(c) for c in raw]

@@ -144,9 +144,10 @@ class MedusaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str, base: nn.Module | None = None, dtype: torch.dtype | str | None = None,
                         device: torch.device | str | int | None = None, *,
-                        stage: int | None = None) -> "MedusaModel":
+                        stage: int | None = None, load_tree: bool = True) -> "MedusaModel":
         """Load heads (format B, v0.1, vLLM layout) or a stage-2 directory (base + heads), and the calibrated tree
-        (`medusa_choices.json`, medusa/calibrate.py) when the directory holds one.
+        (`medusa_choices.json`, medusa/calibrate.py) when the directory holds one and ``load_tree`` (training, and
+        calibrating a new tree, have no use for it).
 
         base: the base model; when None it is loaded from the directory (stage 2) or from the config's
         `base_model_name_or_path` (a local directory or a Hub id). stage defaults to 2 for a directory that holds
@@ -154,7 +155,7 @@ class MedusaModel(nn.Module):
         """
         raw = read_json(os.path.join(directory, CONFIG_NAME))
         vllm = raw.get("model_type") == "medusa"
-        full = "model_type" in raw and not vllm
+        full = bool(raw.get("model_type")) and not vllm  # an empty model_type names no base
         if base is None:
             if vllm:
                 raise ValueError("a vLLM-layout Medusa checkpoint holds no base model: pass base=")
@@ -170,7 +171,8 @@ class MedusaModel(nn.Module):
         else:
             heads = load_heads(directory, base.lm_head, dtype=dtype, device=device)
         model = cls(base, heads, stage=stage or (2 if full else 1))
-        model.medusa_choices = load_medusa_choices(directory, heads.num_heads)
+        if load_tree:
+            model.medusa_choices = load_medusa_choices(directory, heads.num_heads)
         return model
 
 

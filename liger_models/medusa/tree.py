@@ -95,6 +95,28 @@ def mean_accepted(medusa_choices: Sequence[Sequence[int]], rank_paths: torch.Ten
     return sum(counts[tuple(c)] for c in {tuple(c) for c in medusa_choices}) / max(len(rank_paths), 1)
 
 
+def walk_tokens_per_step(medusa_choices: Sequence[Sequence[int]], paths_per_sequence: Sequence[torch.Tensor]) -> float:
+    """Tokens per base-model forward that greedy decoding with this tree emits on these rank paths: each sequence's
+    first step starts at its first row and every next one where the previous ended (1 + accepted rows on), as
+    decoding does. `mean_accepted` averages over every row instead, which overweights stretches where steps accept
+    much (decoding skips over them quickly), so it overstates the gain and can rank two trees the wrong way round."""
+    steps = [n for paths in paths_per_sequence for n in walk_steps(medusa_choices, paths)]
+    return sum(steps) / max(len(steps), 1)
+
+
+def walk_steps(medusa_choices: Sequence[Sequence[int]], rank_paths: torch.Tensor) -> list[int]:
+    """The tokens each greedy step emits (1 + accepted) along one sequence's rank paths, the first step at row 0."""
+    tree = {tuple(c) for c in medusa_choices}
+    rows, p, steps = rank_paths.tolist(), 0, []
+    while p < len(rows):
+        accepted = 0
+        while accepted < len(rows[p]) and rows[p][accepted] != MISS and tuple(rows[p][: accepted + 1]) in tree:
+            accepted += 1
+        steps.append(1 + accepted)
+        p += 1 + accepted
+    return steps
+
+
 def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int = TOPK,
                             device: torch.device | str | None = None) -> MedusaBuffers:
     """Tree mask, node → candidate indices, node depths and root-to-leaf paths for `medusa_choices`."""

@@ -232,8 +232,10 @@ def run_demo(args: argparse.Namespace) -> dict:
     print(f"top-1 after training:  {_pct(after['top1'])}")
     print(f"top-5 after training:  {_pct(after['top5'])}")
     print(f"Medusa tree decoding (greedy), tokens per base-model forward (1.00 = plain decoding): {speed:.2f} with "
-          f"the default {nodes}-node tree, {fitted_speed:.2f} with a {len(fitted.medusa_choices) + 1}-node tree "
-          f"fitted to the heads (calibrate-tree); output identical to greedy decoding: {lossless and fitted_lossless}")
+          f"the default {nodes}-node tree, {fitted_speed:.2f} with "
+          + ("it again (no tree fitted to the heads did better; calibrate-tree kept it)" if fitted.kept_default else
+             f"a {len(fitted.medusa_choices) + 1}-node tree fitted to the heads (calibrate-tree)")
+          + f"; output identical to greedy decoding: {lossless and fitted_lossless}")
     print(f"\nsample (temperature 0.8):\n{sample}\n")
     print(f"base model:   {model_dir}")
     print(f"Medusa heads: {result.checkpoint}  (Medusa/TGI format: config.json + medusa_lm_head.safetensors)")

@@ -316,12 +316,13 @@ def _medusa_model(args, model_dir: Path, dtype, device, resume: Path | None):
         return with_this_runs_loss(medusa)
 
     if resume is not None and args.stage == 2:
-        medusa = MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2)
+        medusa = MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2, load_tree=False)
         return loaded(medusa, "--resume", resume)
     base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
     heads_dir = resume or args.init_heads
     if heads_dir is not None:
-        medusa = MedusaModel.from_pretrained(str(heads_dir), base=base, dtype=dtype, device=device, stage=args.stage)
+        medusa = MedusaModel.from_pretrained(str(heads_dir), base=base, dtype=dtype, device=device,
+                                             stage=args.stage, load_tree=False)
         return loaded(medusa, "--resume" if resume else "--init-heads", heads_dir)
     return MedusaModel.from_base(
         base, stage=args.stage, **shape, base_model_name_or_path=_base_name(args.model),

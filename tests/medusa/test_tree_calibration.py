@@ -13,7 +13,8 @@ from liger_models.medusa import MedusaModel
 from liger_models.medusa.calibrate import (CHOICES_NAME, calibrate_medusa_choices, load_medusa_choices, rank_paths,
                                            save_medusa_choices)
 from liger_models.medusa.decoding import medusa_generate
-from liger_models.medusa.tree import MISS, default_medusa_choices, mean_accepted, prefix_counts, tree_from_rank_paths
+from liger_models.medusa.tree import (MISS, default_medusa_choices, mean_accepted, prefix_counts, tree_from_rank_paths,
+                                     walk_steps, walk_tokens_per_step)
 from tests.medusa._common import make_base
 
 V, H = 37, 16
@@ -80,6 +81,33 @@ def test_rank_paths_predict_every_greedy_step(choices):
         last += emitted
         checked += 1
     assert checked >= 5
+    # The walk over the paths is that decoding, step for step, up to where the ranked rows end.
+    walked = walk_steps(tree, paths)
+    assert walked[:-1] == steps[: len(walked) - 1] and walked[-1] <= steps[len(walked) - 1]
+    assert walk_tokens_per_step(tree, [paths]) == sum(walked) / len(walked)
+
+
+def test_the_walk_scores_what_the_row_mean_overstates():
+    # Rows 0-2 accept 2 tokens each, rows 3-9 none. Every-row mean: 1 + 6/10; decoding starts at row 0, emits 3
+    # tokens, lands on row 3, then emits one per step: 10 tokens in 8 steps.
+    paths = torch.full((10, 2), MISS)
+    paths[:3] = 0
+    assert 1 + mean_accepted([(0,), (0, 0)], paths) == pytest.approx(1.6)
+    assert walk_steps([(0,), (0, 0)], paths) == [3] + [1] * 7
+    assert walk_tokens_per_step([(0,), (0, 0)], [paths, paths[3:]]) == (10 + 7) / (8 + 7)
+
+
+def test_calibration_keeps_the_default_tree_when_it_does_better(monkeypatch):
+    base = make_base(V, H, torch.float64)
+    base.config.eos_token_id = None
+    heads = MedusaModel.from_base(base, num_heads=2).heads
+    prompts = [torch.randint(3, V, (5,))]
+    monkeypatch.setattr("liger_models.medusa.calibrate.tree_from_rank_paths", lambda paths, size: [(9,)])
+    kept = calibrate_medusa_choices(base, heads, prompts, new_tokens=24, size=20)  # rank 9 alone rarely hits
+    assert kept.kept_default and kept.medusa_choices == default_medusa_choices(2)
+    assert kept.tokens_per_step == kept.default_tokens_per_step >= 1.0
+    small = calibrate_medusa_choices(base, heads, prompts, new_tokens=24, size=1)  # the default does not fit in 1
+    assert not small.kept_default and small.medusa_choices == [(9,)]
 
 
 def test_continuations_too_short_to_rank():
@@ -129,13 +157,19 @@ def test_calibration_saves_a_tree_that_generate_uses(tmp_path, monkeypatch):
     assert seen == [calibration.medusa_choices, [(0,)]]
 
 
+def test_a_bare_list_of_choices_loads(tmp_path):
+    (tmp_path / CHOICES_NAME).write_text("[[0], [1], [0, 0]]")
+    assert load_medusa_choices(tmp_path, num_heads=2) == [(0,), (1,), (0, 0)]
+
+
 @pytest.mark.parametrize("content, match", [({"medusa_choices": [[0], [0, 0, 0, 0]]}, "only 3 Medusa heads"),
                                             ({"medusa_choices": [[0], [10]]}, r"\[0, 10\)"),
                                             ({"medusa_choices": [[1, 0]]}, "parent"),
                                             ({"medusa_choices": "[[0]]"}, "list of rank paths"),
-                                            ({}, "list of rank paths")])
+                                            ({}, "list of rank paths"),
+                                            ("[[0], [1]", "is not JSON")])
 def test_a_tree_that_does_not_fit_is_refused_by_name(content, match, tmp_path):
-    (tmp_path / CHOICES_NAME).write_text(json.dumps(content))
+    (tmp_path / CHOICES_NAME).write_text(content if isinstance(content, str) else json.dumps(content))
     with pytest.raises(ValueError, match=match) as info:
         load_medusa_choices(tmp_path, num_heads=3)
     assert CHOICES_NAME in str(info.value)

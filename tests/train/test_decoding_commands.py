@@ -129,6 +129,10 @@ def test_prompt_file_is_one_prompt(tiny_model_dir, tmp_path, capsys):
     (["--medusa", "{tmp}/nope"], "no such directory"),
     (["--compare"], "give --medusa"),
     (["--greedy", "--temperature", "0.5"], "contradict"),
+    (["--greedy", "--top-k", "5"], "contradict"),
+    (["--system", "Be brief."], "add --chat"),
+    (["--chat-template", "simple"], "add --chat"),
+    (["--default-tree"], "give --medusa"),
     (["--medusa", "{heads}", "--top-k", "5"], "plain decoding only"),
     (["--prompt-file", "{tmp}/missing.txt"], "--prompt-file"),
 ])
@@ -140,22 +144,125 @@ def test_bad_arguments_fail_clearly(argv, message, tiny_model_dir, heads_dir, tm
     assert code == 2 and err.startswith("liger-models: error: ") and message.format(**fill) in err and out == ""
 
 
-def test_calibrate_tree_then_generate_uses_it(tiny_model_dir, heads_dir, text_file, capsys):
-    from liger_models.medusa.calibrate import CHOICES_NAME
+def _trees_used(monkeypatch) -> list:
+    """Record the tree every Medusa decoding call verifies (MedusaModel.generate → medusa_generate)."""
+    import liger_models.medusa.model as model_module
 
-    assert main(["calibrate-tree", "--device", "cpu", "--medusa", str(heads_dir), "--data", str(text_file),
-                 "--prompts", "3", "--new-tokens", "24", "--size", "7"]) == 0
+    seen, real = [], model_module.medusa_generate
+    monkeypatch.setattr(model_module, "medusa_generate",
+                        lambda *a, **k: seen.append(k["medusa_choices"]) or real(*a, **k))
+    return seen
+
+
+def test_calibrate_tree_then_generate_uses_it(tiny_model_dir, heads_dir, text_file, capsys, monkeypatch):
+    from liger_models.medusa.calibrate import CHOICES_NAME
+    from liger_models.medusa.tree import default_medusa_choices
+
+    fit = ["calibrate-tree", "--device", "cpu", "--medusa", str(heads_dir), "--data", str(text_file), "--prompts", "3",
+           "--new-tokens", "24"]
+    assert main([*fit, "--size", "1"]) == 0
+    (single,) = json.loads((heads_dir / CHOICES_NAME).read_text())["medusa_choices"]
+    assert len(single) == 1 and 0 <= single[0] < 10  # --size 1: one choice at depth 1
+    assert main([*fit, "--size", "5"]) == 0
     err = capsys.readouterr().err
     saved = json.loads((heads_dir / CHOICES_NAME).read_text())
-    assert 1 <= len(saved["medusa_choices"]) <= 7 and saved["positions"] > 0
-    assert f"{len(saved['medusa_choices']) + 1}-node tree fitted" in err and "tokens per base-model forward" in err
+    tree = [tuple(c) for c in saved["medusa_choices"]]
+    assert saved["positions"] > 0 and "tokens per base-model forward when decoding them" in err
+    assert not saved["kept_default"]  # the default (12 choices) does not fit in 5
+    assert 1 <= len(tree) <= 5 and f"a {len(tree) + 1}-node tree" in err
+    seen = _trees_used(monkeypatch)
     code, out, err = _generate(["--medusa", str(heads_dir), "--prompt", "ROMEO:", "--max-new-tokens", "8",
                                 "--compare"], capsys)
-    assert code == 0 and f"{len(saved['medusa_choices']) + 1}-node calibrated tree" in err
-    assert "identical tokens: True" in err  # greedy Medusa with any tree is greedy decoding
+    assert code == 0 and f"{len(tree) + 1}-node calibrated tree" in err and seen == [tree]
+    assert "identical tokens: True" in err  # greedy Medusa with any tree is greedy decoding (fp32 here)
     code, out, err = _generate(["--medusa", str(heads_dir), "--prompt", "ROMEO:", "--max-new-tokens", "8",
                                 "--default-tree"], capsys)
-    assert code == 0 and "default tree" in err
+    assert code == 0 and "13-node default tree" in err and seen[-1] == default_medusa_choices(2)
+    # A broken tree file: refused by name when it would be used; --default-tree and calibrate-tree never read it.
+    (heads_dir / CHOICES_NAME).write_text('{"medusa_choices": [[0, 0, 0]]}')
+    code, out, err = _generate(["--medusa", str(heads_dir), "--prompt", "x", "--max-new-tokens", "2"], capsys)
+    assert code == 2 and CHOICES_NAME in err and "does not fit these heads" in err
+    code, out, err = _generate(["--medusa", str(heads_dir), "--prompt", "x", "--max-new-tokens", "2",
+                                "--default-tree"], capsys)
+    assert code == 0
+    assert main([*fit, "--size", "3"]) == 0 and len(json.loads((heads_dir / CHOICES_NAME).read_text())
+                                                     ["medusa_choices"]) <= 3
+
+
+def test_paths_given_with_a_tilde_or_relative_to_the_heads(tiny_model_dir, heads_dir, text_file, tmp_path, capsys,
+                                                            monkeypatch):
+    from liger_models.medusa.calibrate import CHOICES_NAME
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ is the heads' parent
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["calibrate-tree", "--device", "cpu", "--medusa=~/heads", "--data", str(text_file), "--prompts", "2",
+                 "--new-tokens", "16"]) == 0
+    assert (heads_dir / CHOICES_NAME).is_file() and not (elsewhere / "~").exists()
+    # The heads' config naming its base relative to the heads directory (a run directory moved as a whole).
+    moved = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, moved / "base")
+    shutil.copytree(heads_dir, moved / "heads")
+    config = json.loads((moved / "heads" / "config.json").read_text())
+    config["base_model_name_or_path"] = "../base"
+    (moved / "heads" / "config.json").write_text(json.dumps(config))
+    code, out, err = _generate(["--medusa", str(moved / "heads"), "--prompt", "x", "--max-new-tokens", "3"], capsys)
+    assert code == 0 and "[medusa]" in err
+    config["base_model_name_or_path"] = str(tmp_path / "gone")
+    (moved / "heads" / "config.json").write_text(json.dumps(config))
+    code, out, err = _generate(["--medusa", str(moved / "heads"), "--prompt", "x"], capsys)
+    assert code == 2 and "its config.json names the base" in err and "pass --model" in err
+
+
+def test_mistakes_are_caught_before_any_weights_load(tiny_model_dir, heads_dir, text_file, tmp_path, capsys,
+                                                     monkeypatch):
+    from liger_models import AutoLigerForCausalLM
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the mistake was found")
+
+    monkeypatch.setattr(AutoLigerForCausalLM, "from_pretrained", no_loading)
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "tokenizer.json").unlink()
+    code, out, err = _generate(["--model", str(bare), "--prompt", "x"], capsys)
+    assert code == 2 and f"no tokenizer.json in {bare}" in err
+    code, out, err = _generate(["--model", str(tiny_model_dir), "--chat", "--chat-template", "model", "--prompt", "x"],
+                               capsys)
+    assert code == 2 and "has no chat_template" in err
+    code = main(["calibrate-tree", "--device", "cpu", "--medusa", str(heads_dir), "--data", str(text_file),
+                 "--prompt-tokens", "100000"])
+    assert code == 2 and "no prompt of 100000 tokens" in capsys.readouterr().err
+
+
+def test_prompt_files_read_as_training_reads_text(tiny_model_dir, tmp_path, capsys):
+    with_bom = tmp_path / "bom.txt"
+    with_bom.write_text("ROMEO:", encoding="utf-8-sig")
+    code, out, err = _generate(["--model", str(tiny_model_dir), "--prompt-file", str(with_bom), "--max-new-tokens",
+                                "4", "--greedy"], capsys)
+    assert code == 0 and out == _greedy_reference(tiny_model_dir, "ROMEO:", 4)[1] + "\n"  # the mark is not text
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("Roméo".encode("latin-1"))
+    code, out, err = _generate(["--model", str(tiny_model_dir), "--prompt-file", str(latin)], capsys)
+    assert code == 2 and f"--prompt-file {latin} is not UTF-8 text" in err
+
+
+def test_sampling_options_mean_sampling():
+    from liger_models.cli import build_parser
+    from liger_models.decoding_commands import sampling_settings
+
+    def settings(*argv, medusa=False):
+        return sampling_settings(build_parser().parse_args(["generate", "--model", "m", *argv]), medusa)
+
+    assert settings() == ({}, {})  # the checkpoint's generation_config.json decides
+    assert settings("--top-k", "3") == ({"top_k": 3, "do_sample": True}, {})
+    assert settings("--top-p", "0.9", "--temperature", "0.7") == (
+        {"temperature": 0.7, "top_p": 0.9, "do_sample": True}, {})
+    assert settings("--greedy") == ({"do_sample": False}, {})
+    assert settings(medusa=True) == ({"temperature": 0.0}, {"do_sample": False})
+    assert settings("--temperature", "0.5", medusa=True) == (
+        {"temperature": 0.5}, {"do_sample": True, "temperature": 0.5, "top_k": 0, "top_p": 1.0})
 
 
 def test_calibration_prompts_from_text_and_chat(tiny_model_dir, tmp_path):
