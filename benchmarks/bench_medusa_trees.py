@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,16 +33,6 @@ SIZES = (8, 16, 32, 63, 96)
 NEW_TOKENS = 96
 PROMPTS = 12
 PROMPT_TOKENS = 48
-
-
-def _timed(fn, device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - start
 
 
 def _halves(text_file: Path, out: Path) -> tuple[Path, Path]:
@@ -82,7 +71,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads_dir, held_out = _trained_heads(args, out, device)
 
-    from liger_models.decoding_commands import calibration_prompts
+    from liger_models.decoding_commands import calibration_prompts, timed_call
     from liger_models.hub import load_tokenizer
     from liger_models.medusa import MedusaModel
     from liger_models.medusa.calibrate import rank_paths
@@ -114,7 +103,7 @@ def main() -> None:
     trees.update({f"fitted-{size}": tree_from_rank_paths(paths, size) for size in SIZES})
 
     greedy(measure_prompts[0])  # warm-up: kernels compiled, one capture
-    plain = [_timed(lambda: greedy(p), device) for p in measure_prompts]
+    plain = [timed_call(lambda: greedy(p), device) for p in measure_prompts]
     plain_ms = 1e3 * sum(s for _, s in plain) / (len(measure_prompts) * new_tokens)
     rows = []
     for name, tree in trees.items():
@@ -124,7 +113,7 @@ def main() -> None:
                                    attention_mask=torch.ones_like(prompt[None]))
 
         run(measure_prompts[0])  # warm-up
-        calls = [_timed(lambda: run(p), device) for p in measure_prompts]
+        calls = [timed_call(lambda: run(p), device) for p in measure_prompts]
         tokens = sum(sum(steps) for (_, steps), _ in calls)
         steps = sum(len(steps) for (_, steps), _ in calls)
         ms = 1e3 * sum(s for _, s in calls) / tokens

@@ -132,7 +132,8 @@ def encode_prompt(text: str, tokenizer, special, *, chat: bool, system: str | No
     return ids
 
 
-def _timed(run, device: torch.device):
+def timed_call(run, device: torch.device):
+    """(run(), its wall seconds), the device synchronised before and after so the time is the work's."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -151,10 +152,10 @@ def decode(model, ids: torch.Tensor, *, max_new_tokens: int | None, sampling: di
     # One unpadded prompt: every id is text, even one that equals the pad id (which generate would else hide).
     unpadded = dict(attention_mask=torch.ones_like(ids), generator=generator, cuda_graph=cuda_graph)
     if not isinstance(model, MedusaModel):
-        out, seconds = _timed(lambda: model.generate(ids, max_new_tokens, **unpadded, **sampling), ids.device)
+        out, seconds = timed_call(lambda: model.generate(ids, max_new_tokens, **unpadded, **sampling), ids.device)
         per_step = None
     else:
-        (out, steps), seconds = _timed(lambda: model.generate(
+        (out, steps), seconds = timed_call(lambda: model.generate(
             ids, max_new_tokens, **unpadded, return_stats=True, medusa_choices=medusa_choices, **sampling), ids.device)
         per_step = sum(steps) / len(steps) if steps else None
     new_ids = out[0, ids.shape[1]:].tolist()
