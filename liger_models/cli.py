@@ -402,10 +402,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         args.func(args)
-    except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, ValueError,
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, ValueError,
             FloatingPointError) as exc:
-        # User errors (bad paths, data, arguments; a loss that diverged: "lower --lr?") get one clear line;
-        # LIGER_DEBUG=1 shows the traceback.
+        # User errors (bad paths, data, arguments; a gated Hub repo or a directory not writable; a loss that
+        # diverged: "lower --lr?") get one clear line; LIGER_DEBUG=1 shows the traceback.
         if os.environ.get("LIGER_DEBUG"):
             raise
         print(f"liger-models: error: {exc}", file=sys.stderr)

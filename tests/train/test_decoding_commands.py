@@ -328,3 +328,14 @@ def test_a_prompt_holding_the_pad_id_is_text(tiny_model_dir, heads_dir, tmp_path
     ids = torch.tensor([prompt_ids])
     expected = base.generate(ids, 6, do_sample=False, attention_mask=torch.ones_like(ids))[0, ids.shape[1]:]
     assert out == tokenizer.decode(expected.tolist(), skip_special_tokens=True) + "\n"
+
+
+def test_a_gated_repo_is_one_line(capsys, monkeypatch):
+    # hub.snapshot turns a gated repo (or refused credentials) into a PermissionError that says what to do.
+    def gated(model, medusa):
+        raise PermissionError("Hub repo 'org/model' is gated: accept its terms at https://huggingface.co/org/model")
+
+    monkeypatch.setattr("liger_models.decoding_commands.locate", gated)
+    code, out, err = _generate(["--model", "org/model", "--prompt", "x"], capsys)
+    assert code == 2 and err == ("liger-models: error: Hub repo 'org/model' is gated: accept its terms at "
+                                 "https://huggingface.co/org/model\n")
