@@ -1,6 +1,6 @@
 """The ``liger-models`` command line: ``demo``, ``train`` (causal-LM fine-tuning), ``train-medusa``, ``generate``
-(plain or Medusa decoding of prompts, timed), ``calibrate-tree`` (a Medusa tree fitted to trained heads),
-``init-model`` and ``convert-native`` (Meta / Mistral native checkpoints → HF format).
+(plain or Medusa decoding of prompts, timed), ``chat`` (the same, interactively), ``calibrate-tree`` (a Medusa tree
+fitted to trained heads), ``init-model`` and ``convert-native`` (Meta / Mistral native checkpoints → HF format).
 
 Several GPUs: launch the same command with ``torchrun --nproc-per-node N -m liger_models.cli ...`` (FSDP2).
 """
@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Natively fused Llama-family models: training, Medusa heads and a demo. "
                     "Multi-GPU: torchrun --nproc-per-node N -m liger_models.cli <command> ... (FSDP2).",
     )
-    sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{demo,train,train-medusa,generate,calibrate-tree,init-model,convert-native}")
+    commands = "demo,train,train-medusa,generate,chat,calibrate-tree,init-model,convert-native"
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + commands + "}")
 
     demo = sub.add_parser("demo", help="train a small Llama + Medusa heads on the bundled Shakespeare text",
                           description="With no --model: train a byte-level BPE tokenizer (2K vocab) on the bundled "
@@ -228,6 +228,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_decoding(p: argparse.ArgumentParser, chat_only: bool) -> None:
+    """The options generate and chat share: what to load, the chat rendering, the sampling, the tree."""
+    p.add_argument("--model", default=None, help="model directory or Hub repo id (default: the base that "
+                                                 "--medusa's config names, or the stage-2 directory itself)")
+    p.add_argument("--medusa", default=None, metavar="DIR",
+                   help="Medusa heads (a train-medusa checkpoint, Medusa/TGI or vLLM format) or a stage-2 dir")
+    when = "" if chat_only else "--chat: "
+    p.add_argument("--system", default=None, help=f"{when}a system turn opening the conversation")
+    p.add_argument("--chat-template", default=None if not chat_only else "auto", choices=("auto", "model", "simple"),
+                   help=f"{when}the model's jinja template or the simple one (default auto, as training)")
+    p.add_argument("--max-new-tokens", type=_positive, default=None,
+                   help="default: generation_config.json's budget, else 32")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding whatever generation_config.json says")
+    p.add_argument("--temperature", type=_positive_float, default=None,
+                   help="sample at this temperature (with --medusa: typical acceptance)")
+    p.add_argument("--top-k", type=_non_negative, default=None,
+                   help="plain decoding: sample from the top k (0: no cut)")
+    p.add_argument("--top-p", type=_float_where("in (0, 1]", lambda x: 0 < x <= 1), default=None,
+                   help="plain decoding: sample from the nucleus")
+    p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
+    p.add_argument("--default-tree", action="store_true",
+                   help="with --medusa: verify the default tree even where calibrate-tree saved one")
+    _add_loading(p)
+
+
 def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="decode prompts with a model, plain or with Medusa heads, timed",
                          description="Print each prompt's continuation (stdout) and its tokens/s (stderr). With "
@@ -235,33 +260,22 @@ def _add_generate(sub) -> None:
                                      "up to bf16's near-tied argmaxes, which --compare checks; --temperature > 0: "
                                      "typical acceptance) and its tokens per base-model forward. On CUDA each step "
                                      "is one CUDA-graph replay.")
-    gen.add_argument("--model", default=None, help="model directory or Hub repo id (default: the base that "
-                                                   "--medusa's config names, or the stage-2 directory itself)")
-    gen.add_argument("--medusa", default=None, metavar="DIR",
-                     help="Medusa heads (a train-medusa checkpoint, Medusa/TGI or vLLM format) or a stage-2 dir")
     gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several)")
     gen.add_argument("--prompt-file", action="append", default=None, metavar="FILE",
                      help="a UTF-8 file whose whole text is one prompt (repeat for several)")
     gen.add_argument("--chat", action="store_true", help="each prompt is a user turn, rendered with the chat template")
-    gen.add_argument("--system", default=None, help="--chat: a system turn before each prompt")
-    gen.add_argument("--chat-template", default=None, choices=("auto", "model", "simple"),
-                     help="--chat: the model's jinja template or the simple one (default auto, as training)")
-    gen.add_argument("--max-new-tokens", type=_positive, default=None,
-                     help="default: generation_config.json's budget, else 32")
-    gen.add_argument("--greedy", action="store_true", help="argmax decoding whatever generation_config.json says")
-    gen.add_argument("--temperature", type=_positive_float, default=None,
-                     help="sample at this temperature (with --medusa: typical acceptance)")
-    gen.add_argument("--top-k", type=_non_negative, default=None,
-                     help="plain decoding: sample from the top k (0: no cut)")
-    gen.add_argument("--top-p", type=_float_where("in (0, 1]", lambda x: 0 < x <= 1), default=None,
-                     help="plain decoding: sample from the nucleus")
-    gen.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
     gen.add_argument("--compare", action="store_true",
                      help="with --medusa: also time plain decoding of each prompt (and check greedy tokens match)")
-    gen.add_argument("--default-tree", action="store_true",
-                     help="with --medusa: verify the default tree even where calibrate-tree saved one")
-    _add_loading(gen)
+    _add_decoding(gen, chat_only=False)
     gen.set_defaults(func=_run_generate)
+
+    chat = sub.add_parser("chat", help="a conversation in the terminal, plain or with Medusa heads",
+                          description="Read user turns line by line (stdin), answer each with the whole conversation "
+                                      "so far rendered by the chat template, and print each reply's tokens/s (and "
+                                      "Medusa's tokens per base-model forward) on stderr. /reset starts over; /exit "
+                                      "or Ctrl-D ends.")
+    _add_decoding(chat, chat_only=True)
+    chat.set_defaults(func=_run_chat)
 
     fit = sub.add_parser("calibrate-tree", help="fit a Medusa tree to trained heads (saved next to them)",
                          description="Greedy-decode prompts from the data, measure where each head's top-10 holds the "
@@ -372,6 +386,16 @@ def _run_generate(args: argparse.Namespace) -> None:
     if args.medusa is not None:
         _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
     run_generate(args)
+
+
+def _run_chat(args: argparse.Namespace) -> None:
+    from liger_models.chat_command import run_chat
+    from liger_models.decoding_commands import check_decoding_options
+
+    check_decoding_options(args)
+    if args.medusa is not None:
+        _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
+    run_chat(args)
 
 
 def _run_calibrate(args: argparse.Namespace) -> None:

@@ -119,17 +119,21 @@ def load_models(sources: Sources, dtype: torch.dtype | None, device: torch.devic
 def encode_prompt(text: str, tokenizer, special, *, chat: bool, system: str | None = None,
                   chat_template: str = "auto") -> list[int]:
     """The prompt's token ids, as training would encode it (module docstring)."""
-    from liger_models.train.data import render_generation_prompt
-
-    if not chat:
-        ids = tokenizer.encode(text).ids
-    else:
+    if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        doc = render_generation_prompt(messages, special, chat_template)
-        ids = tokenizer.encode(doc.text, add_special_tokens=not doc.template_bos).ids
+        return encode_conversation(messages, tokenizer, special, chat_template)
+    ids = tokenizer.encode(text).ids
     if not ids:  # an empty text with no BOS to add: generate needs one token to start from
         raise ValueError(f"the prompt {text!r} encodes to no tokens (the tokenizer adds no BOS): give some text")
     return ids
+
+
+def encode_conversation(messages: list[dict], tokenizer, special, chat_template: str = "auto") -> list[int]:
+    """A conversation's token ids up to where the assistant's reply starts, as training renders and encodes chat."""
+    from liger_models.train.data import render_generation_prompt
+
+    doc = render_generation_prompt(messages, special, chat_template)
+    return tokenizer.encode(doc.text, add_special_tokens=not doc.template_bos).ids
 
 
 def timed_call(run, device: torch.device):
@@ -189,7 +193,7 @@ def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dty
     return device, parse_dtype({"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.dtype])
 
 
-def _tokenizer(tokenizer_dir: Path):
+def tokenizer_and_specials(tokenizer_dir: Path):
     from liger_models.hub import load_tokenizer
     from liger_models.train.data import read_special_tokens
 
@@ -205,57 +209,87 @@ def read_prompt_file(path: str) -> str:
         raise ValueError(f"--prompt-file {path} is not UTF-8 text ({exc.reason}); convert it to UTF-8") from None
 
 
-def check_generate_options(args: argparse.Namespace) -> None:
-    """Refuse options that would do nothing, before anything loads (each is a mistake worth a word)."""
-    if args.compare and args.medusa is None:
-        raise ValueError("--compare measures Medusa decoding against plain decoding: give --medusa")
+def check_decoding_options(args: argparse.Namespace) -> None:
+    """Refuse the options (shared by generate and chat) that contradict each other or would do nothing, before
+    anything loads: each is a mistake worth a word."""
     if args.default_tree and args.medusa is None:
         raise ValueError("--default-tree chooses Medusa's tree: give --medusa")
-    if not args.chat and (args.system is not None or args.chat_template is not None):
-        raise ValueError("--system and --chat-template shape chat prompts: add --chat")
     if args.greedy and (args.temperature, args.top_k, args.top_p) != (None, None, None):
         raise ValueError("--greedy contradicts --temperature / --top-k / --top-p: give one")
+    sampling_settings(args, args.medusa is not None)  # refuses --top-k / --top-p with Medusa
 
 
-def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptResult]:
-    """The command: load, encode each prompt, decode (and --compare), print the text to ``out`` (stdout) and the
-    timings to ``log`` (stderr)."""
+def check_generate_options(args: argparse.Namespace) -> None:
+    check_decoding_options(args)
+    if args.compare and args.medusa is None:
+        raise ValueError("--compare measures Medusa decoding against plain decoding: give --medusa")
+    if not args.chat and (args.system is not None or args.chat_template is not None):
+        raise ValueError("--system and --chat-template shape chat prompts: add --chat")
+
+
+@dataclass
+class Decoder:
+    """A decoding command's loaded models and settings: decodes one prompt (token ids) at a time, timed."""
+
+    base: torch.nn.Module
+    medusa: torch.nn.Module | None  # a MedusaModel, or None for plain decoding
+    choices: list[tuple[int, ...]] | None  # the tree Medusa verifies
+    call: dict  # decode()'s max_new_tokens, seed, cuda_graph, tokenizer
+    sampling: dict
+    plain_sampling: dict  # --compare's plain decoding
+
+    def __call__(self, ids: list[int], *, plain: bool = False, max_new_tokens: int | None = None) -> Decoded:
+        tensor = torch.tensor([ids], device=self.base.lm_head.weight.device)
+        call = self.call if max_new_tokens is None else {**self.call, "max_new_tokens": max_new_tokens}
+        if plain or self.medusa is None:
+            return decode(self.base, tensor, **call, sampling=self.plain_sampling if plain else self.sampling)
+        return decode(self.medusa, tensor, **call, sampling=self.sampling, medusa_choices=self.choices)
+
+    def warm_up(self, ids: list[int], compare: bool = False) -> None:
+        """On CUDA, compile every kernel once (and capture once) outside the timed calls."""
+        if self.base.lm_head.weight.is_cuda:
+            self(ids, max_new_tokens=WARM_UP_TOKENS)
+            if compare:
+                self(ids, plain=True, max_new_tokens=WARM_UP_TOKENS)
+
+
+def open_decoder(args: argparse.Namespace, sources: Sources, tokenizer, log) -> Decoder:
+    """Load the models of ``sources`` as the command's options say and report the Medusa tree on ``log``."""
     from liger_models.medusa.tree import default_medusa_choices
 
-    out, log = out or sys.stdout, log or sys.stderr  # looked up now: a caller (or a test) may have replaced them
-    check_generate_options(args)
-    prompts = list(args.prompt or []) + [read_prompt_file(f) for f in args.prompt_file or []]
-    if not prompts:
-        raise ValueError("give at least one --prompt or --prompt-file")
     device, dtype = _device_and_dtype(args)
-    cuda_graph = device.type == "cuda" and not args.no_cuda_graph
     sampling, plain_sampling = sampling_settings(args, args.medusa is not None)
-    sources = locate(args.model, args.medusa)
-    tokenizer, special = _tokenizer(sources.tokenizer_dir)
-    encoded = [encode_prompt(p, tokenizer, special, chat=args.chat, system=args.system,
-                             chat_template=args.chat_template or "auto") for p in prompts]
     base, medusa = load_models(sources, dtype, device, load_tree=not args.default_tree)
-    model = base if medusa is None else medusa
     choices = None
     if medusa is not None:
         choices = medusa.medusa_choices or default_medusa_choices(medusa.heads.num_heads)
         tree = "default" if medusa.medusa_choices is None else "calibrated"
         print(f"[medusa] {len(choices) + 1}-node {tree} tree", file=log, flush=True)
-    call = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, cuda_graph=cuda_graph, tokenizer=tokenizer)
-    if device.type == "cuda":  # compile every kernel once, outside the timed calls
-        warm = torch.tensor([encoded[0]], device=device)
-        decode(model, warm, **{**call, "max_new_tokens": WARM_UP_TOKENS}, sampling=sampling, medusa_choices=choices)
-        if args.compare:
-            decode(base, warm, **{**call, "max_new_tokens": WARM_UP_TOKENS}, sampling=plain_sampling)
+    call = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, tokenizer=tokenizer,
+                cuda_graph=device.type == "cuda" and not args.no_cuda_graph)
+    return Decoder(base, medusa, choices, call, sampling, plain_sampling)
+
+
+def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptResult]:
+    """The command: load, encode each prompt, decode (and --compare), print the text to ``out`` (stdout) and the
+    timings to ``log`` (stderr)."""
+    out, log = out or sys.stdout, log or sys.stderr  # looked up now: a caller (or a test) may have replaced them
+    check_generate_options(args)
+    prompts = list(args.prompt or []) + [read_prompt_file(f) for f in args.prompt_file or []]
+    if not prompts:
+        raise ValueError("give at least one --prompt or --prompt-file")
+    sources = locate(args.model, args.medusa)
+    tokenizer, special = tokenizer_and_specials(sources.tokenizer_dir)
+    encoded = [encode_prompt(p, tokenizer, special, chat=args.chat, system=args.system,
+                             chat_template=args.chat_template or "auto") for p in prompts]
+    decoder = open_decoder(args, sources, tokenizer, log)
+    decoder.warm_up(encoded[0], args.compare)
     results = []
     for prompt, ids in zip(prompts, encoded):
-        tensor = torch.tensor([ids], device=device)
-        result = PromptResult(prompt, ids, decode(model, tensor, **call, sampling=sampling, medusa_choices=choices))
-        if args.compare:
-            result.plain = decode(base, tensor, **call, sampling=plain_sampling)
+        result = PromptResult(prompt, ids, decoder(ids), decoder(ids, plain=True) if args.compare else None)
         print(result.decoded.text, file=out, flush=True)
-        print(_summary(result, medusa=medusa is not None, greedy=plain_sampling.get("do_sample") is False),
-              file=log, flush=True)
+        print(_summary(result, medusa=decoder.medusa is not None,
+                       greedy=decoder.plain_sampling.get("do_sample") is False), file=log, flush=True)
         results.append(result)
     return results
 
@@ -294,7 +328,7 @@ def run_calibrate(args: argparse.Namespace, log=None):
     log = log or sys.stderr
     device, dtype = _device_and_dtype(args)
     sources = locate(args.model, args.medusa)
-    tokenizer, special = _tokenizer(sources.tokenizer_dir)
+    tokenizer, special = tokenizer_and_specials(sources.tokenizer_dir)
     # The data is read before the weights load, so a mistake there costs no model load.
     prompts = calibration_prompts(args.data, tokenizer, special, count=args.prompts, prompt_tokens=args.prompt_tokens,
                                   chat_template=args.chat_template)
@@ -315,19 +349,19 @@ def run_calibrate(args: argparse.Namespace, log=None):
     return calibration
 
 
-def _rate(d: Decoded) -> str:
+def describe_rate(d: Decoded) -> str:
     return f"{len(d.new_ids)} new tokens in {d.seconds:.2f} s ({len(d.new_ids) / max(d.seconds, 1e-9):.1f} tokens/s)"
 
 
 def _summary(result: PromptResult, *, medusa: bool, greedy: bool) -> str:
     d = result.decoded
-    line = f"[{'medusa' if medusa else 'plain'}] {len(result.prompt_ids)}-token prompt, {_rate(d)}"
+    line = f"[{'medusa' if medusa else 'plain'}] {len(result.prompt_ids)}-token prompt, {describe_rate(d)}"
     if d.tokens_per_step is not None:
         line += f", {d.tokens_per_step:.2f} tokens per base-model forward"
     if result.plain is not None:
         p = result.plain
         speedup = (len(d.new_ids) / max(d.seconds, 1e-9)) / max(len(p.new_ids) / max(p.seconds, 1e-9), 1e-9)
-        line += f"\n[plain]  same prompt, {_rate(p)}: Medusa {speedup:.2f}× the tokens/s"
+        line += f"\n[plain]  same prompt, {describe_rate(p)}: Medusa {speedup:.2f}× the tokens/s"
         if greedy:
             line += f"; identical tokens: {d.new_ids == p.new_ids}"
     return line

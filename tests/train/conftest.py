@@ -7,11 +7,14 @@ run the PyTorch reference path (TRITON_INTERPRET=0); kernels/_dispatch.py reads 
 from __future__ import annotations
 
 import importlib.resources
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from liger_models import LigerLlamaForCausalLM, LlamaConfig
+from liger_models import AutoLigerForCausalLM, LigerLlamaForCausalLM, LlamaConfig
+from liger_models.medusa import MedusaModel
 from liger_models.train.data import save_tokenizer, train_bpe_tokenizer
 
 EOS = "<|endoftext|>"
@@ -52,3 +55,19 @@ def text_file(tmp_path_factory) -> Path:
 def reference_path(monkeypatch):
     """Run models on the PyTorch reference path (fast on CPU)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def heads_dir(tiny_model_dir, tmp_path):
+    """Fresh random heads for the tiny model (2 heads), saved as train-medusa saves them (the base named in
+    config.json), with biases large enough that the heads' guesses differ from the base's."""
+    base = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
+    medusa = MedusaModel.from_base(base, num_heads=2)
+    for k in range(2):
+        torch.nn.init.normal_(medusa.heads[k][0].linear.bias, std=3.0)
+    out = tmp_path / "heads"
+    medusa.save_pretrained(str(out))
+    config = json.loads((out / "config.json").read_text())
+    config["base_model_name_or_path"] = str(tiny_model_dir)
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -44,7 +44,7 @@ def test_help_lists_commands_and_options(capsys):
                    "--decay", "--activation-checkpointing", "--resume", "--grad-accum", "--dtype"):
         assert option in out
     top = _help([], capsys)
-    assert "demo" in top and "train-medusa" in top and "generate" in top and "torchrun" in top
+    assert all(command in top for command in ("demo", "train-medusa", "generate", "chat", "calibrate-tree", "torchrun"))
     generate = _help(["generate"], capsys)
     for option in ("--medusa", "--prompt", "--prompt-file", "--chat", "--compare", "--temperature", "--top-p"):
         assert option in generate

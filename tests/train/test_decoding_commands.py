@@ -18,22 +18,6 @@ from liger_models.train.data import read_special_tokens
 pytestmark = pytest.mark.usefixtures("reference_path")
 
 
-@pytest.fixture
-def heads_dir(tiny_model_dir, tmp_path):
-    """Fresh random heads for the tiny model, saved as train-medusa saves them (the base named in config.json),
-    with biases large enough that the heads' guesses differ from the base's."""
-    base = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
-    medusa = MedusaModel.from_base(base, num_heads=2)
-    for k in range(2):
-        torch.nn.init.normal_(medusa.heads[k][0].linear.bias, std=3.0)
-    out = tmp_path / "heads"
-    medusa.save_pretrained(str(out))
-    config = json.loads((out / "config.json").read_text())
-    config["base_model_name_or_path"] = str(tiny_model_dir)
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 def _generate(argv, capsys) -> tuple[int, str, str]:
     code = main(["generate", "--device", "cpu", *argv])
     captured = capsys.readouterr()
