@@ -4,6 +4,7 @@
 #   bash benchmarks/device_session.sh norms             # issue 2's kernel benchmarks (JSON + sweeps + graph time)
 #   bash benchmarks/device_session.sh e2e-small         # call 2: bench_e2e on the 1B-class configs (e2e-overlap: OVERLAP_CE)
 #   bash benchmarks/device_session.sh e2e-wide medusa   # call 3: bench_e2e on the wide configs, bench_medusa --quick
+#   bash benchmarks/device_session.sh tests medusa-trees   # pytest -m gpu, then fitted Medusa trees on the demo's heads
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
 set -o pipefail
 OUT=$(realpath -m "${OUT:-device_out}")
@@ -81,6 +82,8 @@ run_part() {
       python3 benchmarks/bench_medusa.py --quick --out "$OUT" --providers liger-models,liger-models-inbwd,liger-style ;;
     medusa-decoding)  # batch-1 decoding: plain greedy vs Medusa tree steps vs HF generate, 8B and 1B shapes
       python3 benchmarks/bench_medusa_decoding.py --out "$OUT" ;;
+    medusa-trees)  # fitted Medusa trees vs the default one on the demo's trained heads (trains them first)
+      python3 benchmarks/bench_medusa_trees.py --out "$OUT/trees" ;;
     multi-gpu)  # issue 7, on nvidia-h200-x2; all three jobs take ~12 min, so one call runs a subset (fine-tuning
                 # was measured on 2026-11-29; MULTI_GPU_JOBS=finetune for it alone)
       python3 benchmarks/multi_gpu.py --out "$OUT" --jobs "${MULTI_GPU_JOBS:-medusa-stage1,medusa-stage2}" ;;
