@@ -47,18 +47,19 @@ def rank_paths(base: nn.Module, heads: MedusaHeads, sequence: torch.Tensor, star
     targets = sequence[positions[:, None] + 1 + torch.arange(1, num_heads + 1, device=sequence.device)]  # (N, K)
     chunk = max(1, LOGITS_BUDGET_BYTES // (num_heads * heads.config.vocab_size * 4))
     ranks = []
-    for first in range(0, len(positions), chunk):
-        at = positions[first: first + chunk]
+    for lo in range(0, len(positions), chunk):
+        at = positions[lo: lo + chunk]
         # The same top-k call as decoding's candidates (tree.candidate_tokens), so ties rank alike.
         proposals = heads.logits(hidden[at], num_heads).topk(topk, dim=-1).indices  # (K, n, topk)
-        hit = proposals == targets[first: first + chunk].T[..., None]
+        hit = proposals == targets[lo: lo + chunk].T[..., None]
         ranks.append(torch.where(hit.any(-1), hit.int().argmax(-1), MISS).T)  # (n, K)
     return torch.cat(ranks)
 
 
 @dataclass
 class Calibration:
-    """A fitted tree and what it is expected to gain: tokens per base-model forward = 1 + mean accepted."""
+    """A fitted tree and what it is expected to gain: tokens per base-model forward as greedy decoding would walk
+    the paths it was fitted on (`walk_tokens_per_step`)."""
 
     medusa_choices: list[tuple[int, ...]]
     positions: int  # rank paths it was fitted on
