@@ -93,8 +93,7 @@ def main() -> None:
         return [torch.tensor(p, device=device) for p in ids]
 
     def greedy(prompt: torch.Tensor) -> torch.Tensor:
-        return base.generate(prompt[None], new_tokens, do_sample=False, eos_token_id=[], cuda_graph=graph,
-                             attention_mask=torch.ones_like(prompt[None]))[0]
+        return base.generate(prompt[None], new_tokens, do_sample=False, eos_token_id=[], cuda_graph=graph)[0]
 
     fit_prompts, measure_prompts = prompts_of(fit_file), prompts_of(measure_file)
     per_sequence = [rank_paths(base, heads, greedy(p), len(p)).cpu() for p in fit_prompts]
@@ -109,8 +108,7 @@ def main() -> None:
     for name, tree in trees.items():
         def run(prompt: torch.Tensor):
             return medusa.generate(prompt[None], new_tokens, medusa_choices=tree, eos_token_id=[],
-                                   return_stats=True, cuda_graph=graph,
-                                   attention_mask=torch.ones_like(prompt[None]))
+                                   return_stats=True, cuda_graph=graph)
 
         run(measure_prompts[0])  # warm-up
         calls = [timed_call(lambda: run(p), device) for p in measure_prompts]

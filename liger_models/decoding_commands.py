@@ -151,10 +151,16 @@ def decode(model, ids: torch.Tensor, *, max_new_tokens: int | None, sampling: di
            tokenizer, medusa_choices=None) -> Decoded:
     """One call of plain (``model`` a causal LM) or Medusa (a MedusaModel) decoding on a (1, T) prompt, timed."""
     from liger_models.medusa import MedusaModel
+    from liger_models.modules.generate import pad_token
 
     generator = torch.Generator(device=ids.device).manual_seed(seed)
-    # One unpadded prompt: every id is text, even one that equals the pad id (which generate would else hide).
-    unpadded = dict(attention_mask=torch.ones_like(ids), generator=generator, cuda_graph=cuda_graph)
+    unpadded = dict(generator=generator, cuda_graph=cuda_graph)
+    # One unpadded prompt: every id is text, even one that equals the pad id, which generate would take for padding.
+    # The all-ones mask that says so goes only to such a prompt: a mask sends plain decoding down its padded path,
+    # which --compare would then time against Medusa's unmasked one.
+    pad = pad_token(model.base if isinstance(model, MedusaModel) else model, None)
+    if pad is not None and bool((ids == pad).any()):
+        unpadded["attention_mask"] = torch.ones_like(ids)
     if not isinstance(model, MedusaModel):
         out, seconds = timed_call(lambda: model.generate(ids, max_new_tokens, **unpadded, **sampling), ids.device)
         per_step = None

@@ -323,3 +323,20 @@ def test_a_gated_repo_is_one_line(capsys, monkeypatch):
     code, out, err = _generate(["--model", "org/model", "--prompt", "x"], capsys)
     assert code == 2 and err == ("liger-models: error: Hub repo 'org/model' is gated: accept its terms at "
                                  "https://huggingface.co/org/model\n")
+
+
+def test_a_mask_only_for_a_prompt_that_holds_the_pad_id(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    # A mask sends plain decoding down its padded path; --compare would then time it against unmasked Medusa.
+    from liger_models.modules.causal_lm import LigerForCausalLM
+
+    masks, real = [], LigerForCausalLM.generate
+    monkeypatch.setattr(LigerForCausalLM, "generate",
+                        lambda self, *a, **k: masks.append(k.get("attention_mask")) or real(self, *a, **k))
+    padded = tmp_path / "padded"
+    shutil.copytree(tiny_model_dir, padded)
+    config = json.loads((padded / "config.json").read_text())
+    config["pad_token_id"] = load_tokenizer(padded).encode("ROMEO: what").ids[1]
+    (padded / "config.json").write_text(json.dumps(config))
+    assert _generate(["--model", str(padded), "--prompt", "ROMEO: what", "--prompt", "Hark", "--max-new-tokens", "2",
+                      "--greedy"], capsys)[0] == 0
+    assert masks[0] is not None and bool(masks[0].all()) and masks[1] is None
