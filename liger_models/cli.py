@@ -343,6 +343,12 @@ def _check_heads_dir(path: Path, flag: str) -> None:
                                 "give a directory written by train-medusa, e.g. a stage-1 checkpoint")
 
 
+def _check_medusa_option(args: argparse.Namespace) -> None:
+    """--medusa (generate, chat, calibrate-tree), when given, names a heads directory."""
+    if args.medusa is not None:
+        _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
+
+
 def _run_train(args: argparse.Namespace) -> None:
     from liger_models.train.run import train_causal_lm
 
@@ -377,25 +383,20 @@ def _run_convert_native(args: argparse.Namespace) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    from liger_models.decoding_commands import check_generate_options, run_generate
+    from liger_models.decoding_commands import run_generate
 
-    check_generate_options(args)
     for path in args.prompt_file or []:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--prompt-file {path}: no such file")
-    if args.medusa is not None:
-        _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
-    run_generate(args)
+    _check_medusa_option(args)
+    run_generate(args)  # checks the options themselves first
 
 
 def _run_chat(args: argparse.Namespace) -> None:
     from liger_models.chat_command import run_chat
-    from liger_models.decoding_commands import check_decoding_options
 
-    check_decoding_options(args)
-    if args.medusa is not None:
-        _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
-    run_chat(args)
+    _check_medusa_option(args)
+    run_chat(args)  # checks the options themselves first
 
 
 def _run_calibrate(args: argparse.Namespace) -> None:
@@ -404,7 +405,7 @@ def _run_calibrate(args: argparse.Namespace) -> None:
     for path in args.data:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--data {path}: no such file")
-    _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
+    _check_medusa_option(args)
     run_calibrate(args)
 
 

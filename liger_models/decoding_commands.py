@@ -60,10 +60,10 @@ class PromptResult:
 
 def _medusa_base_source(medusa_dir: Path) -> tuple[str, bool]:
     """(where the base model lives, whether that is a local directory) for a heads directory given alone."""
-    from liger_models.medusa.checkpoint import CONFIG_NAME, read_json
+    from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, read_json
 
     raw = read_json(medusa_dir / CONFIG_NAME)
-    if raw.get("model_type") not in (None, "", "medusa"):  # a stage-2 directory: the full base is there
+    if holds_base_model(raw):  # a stage-2 directory: the full base is there
         return str(medusa_dir), True
     base = raw.get("base_model_name_or_path")
     if not base:

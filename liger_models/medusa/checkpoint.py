@@ -79,6 +79,12 @@ def save_tensors(path: str, tensors: dict[str, torch.Tensor], before_rename: Cal
     atomic_write(path, write)
 
 
+def holds_base_model(config: dict[str, Any]) -> bool:
+    """Whether a heads directory's config.json is a whole base model's (a stage-2 directory): it names a model_type,
+    and not vLLM's "medusa" (an empty one names no base)."""
+    return config.get("model_type") not in (None, "", "medusa")
+
+
 def read_json(path: str) -> dict[str, Any]:
     with open(path) as f:
         return json.load(f)

@@ -19,7 +19,7 @@ from torch import nn
 
 from liger_models.hub import parse_dtype
 from liger_models.medusa.calibrate import load_medusa_choices
-from liger_models.medusa.checkpoint import CONFIG_NAME, load_heads, read_json, save_heads
+from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, load_heads, read_json, save_heads
 from liger_models.medusa.config import MedusaConfig
 from liger_models.medusa.decoding import medusa_generate
 from liger_models.medusa.heads import MedusaHeads
@@ -155,7 +155,7 @@ class MedusaModel(nn.Module):
         """
         raw = read_json(os.path.join(directory, CONFIG_NAME))
         vllm = raw.get("model_type") == "medusa"
-        full = bool(raw.get("model_type")) and not vllm  # an empty model_type names no base
+        full = holds_base_model(raw)
         if base is None:
             if vllm:
                 raise ValueError("a vLLM-layout Medusa checkpoint holds no base model: pass base=")
