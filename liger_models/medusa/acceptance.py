@@ -32,30 +32,34 @@ def draw(logits: torch.Tensor, temperature: float, generator: torch.Generator | 
 
 def accept(tokens: torch.Tensor, logits: torch.Tensor, path_nodes: torch.Tensor, path_valid: torch.Tensor,
            temperature: float, posterior_threshold: float, posterior_alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, n), both (1,) on the device: the winning path's row in path_nodes and its accepted candidate count.
+    """(row, n) on the device: each sequence's winning path (its row in path_nodes) and accepted candidate count,
+    both (B,) for B sequences, (1,) for one.
 
-    tokens (N,): the tree's node tokens; logits (N, V): the base's logits after each node; path_nodes (P, D+1):
-    each root-to-leaf path's nodes, root first; path_valid (P, D+1): False past a shorter path's end (never
-    accepted)."""
-    parents = path_nodes[:, :-1]
-    candidates = tokens[path_nodes[:, 1:]]  # (P, D)
+    tokens (B, N) or (N,): the tree's node tokens; logits (B, N, V) or (N, V): the base's logits after each node;
+    path_nodes (P, D+1): each root-to-leaf path's nodes, root first; path_valid (P, D+1): False past a shorter
+    path's end (never accepted)."""
+    if tokens.dim() == 1:
+        tokens, logits = tokens[None], logits[None]
+    parents = path_nodes[:, :-1]  # (P, D)
+    candidates = tokens[:, path_nodes[:, 1:]]  # (B, P, D)
     if temperature == 0:
-        ok = candidates == logits.argmax(-1)[parents]
+        ok = candidates == logits.argmax(-1)[:, parents]
     else:
         # Per node, not per path position: a node is the parent on several paths (the default tree: 45 nodes,
         # 16 paths × 4 positions), and each row is V floats.
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, V)
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, N, V)
         # p·log p is 0 at p = 0: a -inf logit (a masked token) would otherwise make the entropy NaN (0 · -inf) and
         # reject every candidate after that node.
         entropy = -torch.where(torch.isneginf(logp), 0.0, logp.exp() * logp).sum(-1)
-        threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)  # (N,)
-        candidate_logp = logp[parents, candidates]  # (P, D)
-        ok = candidate_logp.exp() > threshold[parents]
-    accepted = torch.cumprod((ok & path_valid[:, 1:]).long(), dim=1)  # (P, D): 1 up to the first rejection
-    lengths = accepted.sum(1)
-    n = lengths.max().view(1)
+        threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)  # (B, N)
+        sequence = torch.arange(len(tokens), device=tokens.device)[:, None, None]
+        candidate_logp = logp[sequence, parents, candidates]  # (B, P, D)
+        ok = candidate_logp.exp() > threshold[:, parents]
+    accepted = torch.cumprod((ok & path_valid[:, 1:]).long(), dim=-1)  # (B, P, D): 1 up to the first rejection
+    lengths = accepted.sum(-1)  # (B, P)
+    n = lengths.max(-1).values
     if temperature == 0:
-        return lengths.argmax().view(1), n  # the first row of maximal length
-    score = torch.where(accepted.bool(), candidate_logp, 0.0).sum(1)  # the accepted tokens' log-probability
+        return lengths.argmax(-1), n  # the first row of maximal length
+    score = torch.where(accepted.bool(), candidate_logp, 0.0).sum(-1)  # the accepted tokens' log-probability
     # With n = 0 every row scores 0 and the first wins, as greedy.
-    return score.masked_fill(lengths != n, float("-inf")).argmax().view(1), n
+    return score.masked_fill(lengths != n[:, None], float("-inf")).argmax(-1), n

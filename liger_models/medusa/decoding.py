@@ -1,6 +1,7 @@
 """Medusa tree decoding: candidates from the heads' top-k, verification by the base model, greedy/typical acceptance.
 
-One step (batch size 1, as in the reference implementation):
+One step (of one sequence, as in the reference implementation; several sequences, or a left-padded one, decode
+each at its own length: medusa/batched_steps.py):
   1. The root is the base model's own next token (argmax, or drawn when temperature > 0); head d (1-based)
      proposes its top-k tokens for the position d steps after the root.
   2. `medusa_choices` is a tree of rank paths: (0, 1) = head 1's rank 0, then head 2's rank 1. Every root-to-leaf
@@ -38,12 +39,13 @@ import torch
 from torch import nn
 
 from liger_models.medusa.acceptance import accept, draw
+from liger_models.medusa.batched_steps import BatchedSteps, check_one_rotary_table, decode_rows, rows_capacity
 from liger_models.medusa.graphed_step import GraphedSteps
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.tree import (TOPK, MedusaBuffers, candidate_tokens, default_medusa_choices,
                                      dense_medusa_choices, generate_medusa_buffers)
 from liger_models.modules.cache import KVCache
-from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_ids, eos_token_ids,
+from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_ids, eos_token_ids, fill_token,
                                            new_token_budget, pad_token, prompt_mask)
 
 # Graphed steps launch the next step before reading this one's tokens when the next is certain (GraphedSteps.tree);
@@ -51,8 +53,8 @@ from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_
 LAUNCH_AHEAD = True
 
 # The tree's layout lives in tree.py; its names stay importable from here, where decoding has always offered them.
-__all__ = ["TOPK", "MedusaBuffers", "check_unpadded", "default_medusa_choices", "dense_medusa_choices",
-           "generate_medusa_buffers", "medusa_generate"]
+__all__ = ["TOPK", "MedusaBuffers", "default_medusa_choices", "dense_medusa_choices", "generate_medusa_buffers",
+           "medusa_generate"]
 
 
 class _Steps:
@@ -88,7 +90,7 @@ class _Steps:
         """One Medusa step after ``length`` committed tokens: the root and the accepted candidates (``ahead``:
         see ``GraphedSteps.tree``; eagerly nothing is gained by it)."""
         buffers = self.buffers
-        tree = candidate_tokens(self.heads, self.hidden, self.root, buffers, self.topk)  # (1+N,)
+        tree = candidate_tokens(self.heads, self.hidden, self.root, buffers, self.topk)[0]  # (1+N,)
         positions = (length + buffers.tree_position_ids)[None]
         out = self.base.model(tree[None], positions, cache=self.cache, tree_mask=buffers.tree_mask)[0]  # (1+N, H)
         logits = self.base.lm_head(out)  # (1+N, V)
@@ -99,22 +101,6 @@ class _Steps:
         return tree[nodes].tolist()
 
 
-def check_unpadded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None,
-                   eos: set[int]) -> None:
-    """Refuse a padded prompt. Plain generate hides padding (given by attention_mask or, as HF infers it, by the
-    pad id) with an attention mask; the path cache has no per-token mask, and for one sequence padding carries
-    nothing, so decoding it unmasked would silently give other tokens than plain greedy decoding."""
-    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=input_ids.device)
-    mask = prompt_mask(input_ids, attention_mask, pad_token_id, eos_ids)
-    if mask is None or bool(mask.all()):
-        return
-    where = (mask[0] == 0).nonzero().flatten().tolist()
-    source = "attention_mask is 0" if attention_mask is not None else f"the pad id {pad_token_id} occurs"
-    raise ValueError(f"medusa_generate decodes one unpadded sequence, but {source} at prompt positions {where[:8]} "
-                     "(plain generate would hide those tokens): strip the padding, or pass "
-                     "attention_mask=torch.ones_like(input_ids) if they are real text")
-
-
 @torch.no_grad()
 def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, max_new_tokens: int | None = None, *,
                     medusa_choices: Sequence[Sequence[int]] | None = None, temperature: float = 0.0,
@@ -122,26 +108,28 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
                     eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                     attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
                     return_stats: bool = False, cuda_graph: bool = False):
-    """(1, T) prompt → (1, T + n) tokens, n ≤ max_new_tokens, stopping after an EOS token. max_new_tokens None
-    takes the checkpoint's generation_config.json as plain generate does (`new_token_budget`).
+    """(B, T) prompts → (B, T + n) tokens, n ≤ max_new_tokens, each row stopping after an EOS token. max_new_tokens
+    None takes the checkpoint's generation_config.json as plain generate does (`new_token_budget`). Prompts of
+    different lengths come left-padded with an attention_mask (or the pad id, as plain generate infers it); rows
+    that stop early are filled with the pad id, as plain generate fills them (medusa/batched_steps.py).
 
     base: a zoo causal LM (`.model(ids, position_ids, cache=...)`, `.lm_head`); heads: its Medusa heads.
     temperature 0 is greedy (identical output to plain greedy decoding); > 0 uses typical acceptance. Unlike the
     budget, the default stays greedy whatever generation_config.json says: typical acceptance is not the sampling
     (do_sample / top_p / top_k) that file describes, so its sampling settings are not applied here.
     return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
-    in base forward calls).
+    in base forward calls); for several rows (or a padded one), one such list per row.
     generator: the draws' (temperature > 0), on the model's device; None takes the device's default.
     cuda_graph: replay each whole step as one CUDA graph over a static cache of T + max_new_tokens + tree slots
     (medusa/graphed_step.py), without the host's per-kernel cost, which otherwise bounds a batch-1 step. In bf16 a
-    near-tied argmax may flip, as with generate's cuda_graph.
-    The prompt must be unpadded: one that holds the pad id (argument, else the checkpoint's) is refused unless
-    attention_mask is all ones (those ids are then real text), since plain generate would hide them (see
-    `check_unpadded`).
+    near-tied argmax may flip, as with generate's cuda_graph. Several rows (or a padded one) take a static cache of
+    T + max_new_tokens + depth + tree slots either way.
+    A prompt id equal to the pad id (argument, else the checkpoint's) is padding, as in plain generate, unless
+    attention_mask says otherwise (all ones: those ids are real text).
     """
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-        raise ValueError(f"medusa_generate decodes one sequence: input_ids must be (1, T) with T ≥ 1 (e.g. the BOS "
-                         f"id), got {tuple(input_ids.shape)}")
+    if input_ids.dim() != 2 or 0 in input_ids.shape:
+        raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "
+                         f"{tuple(input_ids.shape)}")
     if not temperature >= 0:  # not `< 0`: NaN would pass, and every draw would be argmax over NaN
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     vocab_size = base.config.vocab_size
@@ -161,9 +149,20 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     choices = default_medusa_choices(heads.num_heads) if medusa_choices is None else medusa_choices
     buffers = generate_medusa_buffers(choices, heads.num_heads, topk, device)
     depth = buffers.depth
-    eos = set(eos_token_ids(base, eos_token_id))  # the checkpoint's default, as generate takes it
+    eos_list = eos_token_ids(base, eos_token_id)  # the checkpoint's default, as generate takes it
+    eos = set(eos_list)
     pad_token_id = pad_token(base, pad_token_id)  # the checkpoint's default, as generate takes it
-    check_unpadded(input_ids, attention_mask, pad_token_id, eos)
+    mask = prompt_mask(input_ids, attention_mask, pad_token_id,
+                       torch.tensor(eos_list, dtype=torch.long, device=device))
+    acceptance = (temperature, posterior_threshold, posterior_alpha)
+    if input_ids.shape[0] > 1 or (mask is not None and not bool(mask.all())):
+        capacity = rows_capacity(input_ids.shape[1], max_new_tokens, buffers)
+        check_one_rotary_table(base, input_ids.shape[1], max_new_tokens, depth)
+        steps = BatchedSteps(base, heads, buffers, topk, capacity, acceptance, generator, batch=input_ids.shape[0],
+                             budget=max_new_tokens, eos=eos_list, graphed=cuda_graph)
+        fill = fill_token(vocab_size, pad_token_id, eos_list)
+        result, per_row = decode_rows(steps, input_ids, mask, max_new_tokens, eos, fill, LAUNCH_AHEAD)
+        return (result, per_row) if return_stats else result
     rotary = getattr(base.model, "rotary", None)
     regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2
 
@@ -171,8 +170,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     # the cache grows; a static cache cannot grow).
     budget = max_new_tokens if cuda_graph else min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
     capacity = input_ids.shape[1] + budget + len(buffers.tree_indices)
-    steps = (GraphedSteps if cuda_graph else _Steps)(base, heads, buffers, topk, capacity,
-                                                     (temperature, posterior_threshold, posterior_alpha), generator)
+    steps = (GraphedSteps if cuda_graph else _Steps)(base, heads, buffers, topk, capacity, acceptance, generator)
     steps.prefill(input_ids)
     length = input_ids.shape[1]  # committed tokens
     cached_regime = regime(length)

@@ -144,7 +144,7 @@ class GraphedSteps:
 
     def _step(self) -> None:
         buffers, nodes_of = self.buffers, self.buffers.path_nodes
-        tree = candidate_tokens(self.heads, self.hidden, self.root, buffers, self.topk)  # (1+N,)
+        tree = candidate_tokens(self.heads, self.hidden, self.root, buffers, self.topk)[0]  # (1+N,)
         self.cache.slots = self.length + self.slot_offsets
         mask = device_mask(self.length, buffers.tree_mask, buffers.tree_position_ids, self.cache.capacity, None)
         positions = (self.length + buffers.tree_position_ids)[None]

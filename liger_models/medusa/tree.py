@@ -155,7 +155,7 @@ def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: 
 
 def candidate_tokens(heads: MedusaHeads, hidden: torch.Tensor, root: torch.Tensor, buffers: MedusaBuffers,
                      topk: int) -> torch.Tensor:
-    """(1+N,) node tokens: the root (1,), then each node's rank from the top-k of the head at its depth, which
-    reads the base's last hidden state (1, H)."""
-    proposals = heads.logits(hidden, buffers.depth)[:, 0].topk(topk, dim=-1).indices  # (D, topk)
-    return torch.cat([root, proposals.flatten()])[buffers.tree_indices]
+    """(B, 1+N) node tokens of B sequences: each one's root (B,), then each node's rank from the top-k of the head
+    at its depth, which reads the base's last hidden state (B, H)."""
+    proposals = heads.logits(hidden, buffers.depth).topk(topk, dim=-1).indices  # (D, B, topk)
+    return torch.cat([root[:, None], proposals.transpose(0, 1).flatten(1)], dim=1)[:, buffers.tree_indices]

@@ -78,8 +78,9 @@ class AttentionMask:
         verification): new token i sees the whole cache and the new tokens j with mask[i, j] (its ancestors and
         itself) instead of those before it; a new token's position is past + depth, which is what a window counts.
         capacity: the keys are a static cache's ``capacity`` slots (a CUDA-graphed call, modules/graphed_decoding.py)
-        and ``past`` a 0-dim device tensor, so the mask is computed on the device at every replay; slots past the
-        call's tokens are hidden, and padding is (B, capacity). Such a mask is never a flex BlockMask."""
+        and ``past`` a 0-dim device tensor, or (B, 1, 1) when each row starts at its own slot, so the mask is
+        computed on the device at every replay; slots past the call's tokens are hidden, and padding is
+        (B, capacity). Such a mask is never a flex BlockMask."""
         self.q_len, self.past = q_len, past
         self.kv_len = past + q_len if capacity is None else capacity
         self.documents, self.padding, self.device = documents, padding, device

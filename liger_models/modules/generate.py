@@ -148,6 +148,15 @@ def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pa
     return (input_ids != pad).long()
 
 
+def fill_token(vocab_size: int, pad: int | None, eos: list[int]) -> int:
+    """What a row that stopped is filled with: the pad id (argument, else generation_config's / config's, as HF),
+    else the first EOS id, else 0. A pad id outside the vocabulary (some configs say -1) could not be fed back, so it
+    counts as none."""
+    if pad is not None and 0 <= pad < vocab_size:
+        return pad
+    return eos[0] if eos else 0
+
+
 def generation_setting(model, key: str, value):
     """``value`` if given (not None), else generation_config.json's ``key`` if it sets one, else HF's default."""
     if value is not None:
@@ -202,11 +211,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     explicit_pad = pad_token(model, pad_token_id)
     mask = prompt_mask(input_ids, attention_mask, explicit_pad, eos)  # (B, T) or None
     positions = None if mask is None else (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule
-    # Finished rows get the pad id (argument, else generation_config's / config's, as HF), else the first EOS. A
-    # config pad outside the vocabulary (some configs say -1) could not be fed back, so it counts as none.
-    if explicit_pad is not None and not 0 <= explicit_pad < model.config.vocab_size:
-        explicit_pad = None
-    pad = explicit_pad if explicit_pad is not None else (int(eos[0]) if len(eos) else 0)
+    pad = fill_token(model.config.vocab_size, explicit_pad, eos.tolist())
     rotary = model.model.rotary
     capacity = input_ids.shape[1] + min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
 

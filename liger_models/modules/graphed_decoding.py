@@ -36,7 +36,9 @@ class StaticKVCache:
         self.capacity = capacity
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.buffer: torch.Tensor | None = None  # (L, 2, B, Hkv, capacity, D): every layer's keys and values
-        self.slots: torch.Tensor | None = None  # (T,) long: where the running call's tokens go
+        # (T,) long: where the running call's tokens go, the same in every row; or (B, T): each row's own slots
+        # (rows decoded at their own lengths, medusa/batched_steps.py)
+        self.slots: torch.Tensor | None = None
 
     def load(self, cache: KVCache) -> None:
         """Copy a dynamic cache's entries (slots 0 … its length − 1) in, allocating the buffers on first use."""
@@ -62,8 +64,13 @@ class StaticKVCache:
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.layers[layer_idx]
-        keys.index_copy_(2, self.slots, k)
-        values.index_copy_(2, self.slots, v)
+        if self.slots.dim() == 1:
+            keys.index_copy_(2, self.slots, k)
+            values.index_copy_(2, self.slots, v)
+        else:  # keys[b, :, slots[b, t]] = k[b, :, t]: the indexed view is (B, T, Hkv, D)
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            keys[rows, :, self.slots] = k.transpose(1, 2)
+            values[rows, :, self.slots] = v.transpose(1, 2)
         return keys, values
 
     def keep(self, start: int, indices: torch.Tensor) -> None:
@@ -75,16 +82,25 @@ class StaticKVCache:
 
     def keep_on_device(self, start: torch.Tensor, indices: torch.Tensor, packed: torch.Tensor) -> None:
         """``keep`` with ``start`` a device scalar, for a captured call: no host read, so no bounds check either
-        (the caller's indices must lie in the slots it wrote). packed: ``arange(len(indices))`` on the device."""
-        moved = self.buffer.index_select(-2, start + indices)  # a new tensor: overlapping slots are safe
-        self.buffer.index_copy_(-2, start + packed, moved)
+        (the caller's indices must lie in the slots it wrote). packed: ``arange(len(indices))`` on the device.
+        Per row: start (B,) and indices (B, m), row b keeping its slots start[b] + indices[b]."""
+        if start.dim() == 0:
+            moved = self.buffer.index_select(-2, start + indices)  # a new tensor: overlapping slots are safe
+            self.buffer.index_copy_(-2, start + packed, moved)
+            return
+        # buffer[:, :, b, :, slot] for the (B, m) pairs: advanced indices on dims 2 and 4, the view (B, m, L, 2, Hkv, D)
+        rows = torch.arange(len(start), device=start.device)[:, None]
+        moved = self.buffer[:, :, rows, :, start[:, None] + indices]
+        self.buffer[:, :, rows, :, start[:, None] + packed] = moved
 
 
 def device_mask(start: torch.Tensor, pattern: torch.Tensor, depth: torch.Tensor, capacity: int,
                 valid: torch.Tensor | None) -> AttentionMask:
     """Which of the ``capacity`` slots each of a captured call's T tokens sees: AttentionMask's rule with the first
-    slot ``start`` a device tensor, so every replay computes its own step's mask."""
-    return AttentionMask(pattern.shape[0], start, None, start.device, valid, (pattern, depth), capacity=capacity)
+    slot ``start`` a device tensor, so every replay computes its own step's mask; ``start`` (B,) gives each row its
+    own first slot (the mask is then (B, 1, T, capacity))."""
+    past = start.view(-1, 1, 1) if start.dim() == 1 else start  # broadcasts against (T, 1) query, (1, S) key indices
+    return AttentionMask(pattern.shape[0], past, None, start.device, valid, (pattern, depth), capacity=capacity)
 
 
 class GraphedCall:

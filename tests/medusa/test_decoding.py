@@ -253,15 +253,13 @@ def test_eos_stops_like_plain_greedy():
 def test_sampling_is_reproducible_and_bad_inputs_raise():
     base = make_base(V, H, torch.float64)
     heads = MedusaModel.from_base(base, num_heads=2).heads
-    prompt = torch.randint(3, V, (1, 4))  # no pad id 0: a padded prompt is refused (test_decoding_padding.py)
+    prompt = torch.randint(3, V, (1, 4))  # no pad id 0: that would be padding (test_decoding_padding.py)
     # EOS off: a sampled config EOS would end the sequence early (EOS handling has its own tests).
     sample = dict(temperature=0.8, eos_token_id=[])
     a = medusa_generate(base, heads, prompt, 10, **sample, generator=torch.Generator().manual_seed(1))
     b = medusa_generate(base, heads, prompt, 10, **sample, generator=torch.Generator().manual_seed(1))
     assert torch.equal(a, b) and a.shape == (1, 14) and a.max() < V
-    with pytest.raises(ValueError, match="one sequence"):
-        medusa_generate(base, heads, prompt.repeat(2, 1), 4)
-    with pytest.raises(ValueError, match="T ≥ 1"):  # an empty prompt: nothing to continue (an IndexError before)
+    with pytest.raises(ValueError, match="at least one token"):  # nothing to continue (an IndexError before)
         medusa_generate(base, heads, prompt[:, :0], 4)
     with pytest.raises(ValueError, match="temperature"):
         medusa_generate(base, heads, prompt, 4, temperature=-1.0)
