@@ -82,6 +82,8 @@ run_part() {
       python3 benchmarks/bench_medusa.py --quick --out "$OUT" --providers liger-models,liger-models-inbwd,liger-style ;;
     medusa-decoding)  # batch-1 decoding: plain greedy vs Medusa tree steps vs HF generate, 8B and 1B shapes
       python3 benchmarks/bench_medusa_decoding.py --out "$OUT" ;;
+    medusa-batched)  # several prompts at once: a graphed Medusa step vs a graphed plain step by batch size, 1B and 8B
+      python3 benchmarks/bench_medusa_batched.py --out "$OUT" ;;
     medusa-trees)  # fitted Medusa trees vs the default one on the demo's trained heads (trains them first)
       python3 benchmarks/bench_medusa_trees.py --out "$OUT/trees" ;;
     multi-gpu)  # issue 7, on nvidia-h200-x2; all three jobs take ~12 min, so one call runs a subset (fine-tuning

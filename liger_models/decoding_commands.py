@@ -9,7 +9,7 @@ vLLM layout) or a stage-2 directory (base + heads). Without ``--model`` the base
 (stage 2) or from their config's ``base_model_name_or_path``. The tokenizer is the model's ``tokenizer.json``, else
 the one train-medusa copies next to the heads.
 
-Prompts: each ``--prompt`` / ``--prompt-file`` is decoded on its own (Medusa decodes one sequence at a time).
+Prompts: each ``--prompt`` / ``--prompt-file`` is decoded on its own, so each time is that prompt's alone.
 Plain text is encoded as training encodes a plain document (the tokenizer's post-processor adds BOS where it
 does); with ``--chat`` each prompt is one user turn (after ``--system``), rendered with the chat template training
 uses (``render_generation_prompt``), so a model fine-tuned here is prompted in the format it learned.
