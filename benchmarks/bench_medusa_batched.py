@@ -5,7 +5,9 @@ A plain decoding step of B rows reads the weights once for B tokens; a Medusa st
 few to make the weights' read the smaller part. Per batch size, on random-weight Llama models in bf16, both
 graphed (`cuda_graph=True`, as a user decoding for speed runs them), greedy, no stop ids:
   plain ms/step     plain `generate`, per step of B tokens (two budgets, so the prefill and capture cancel out)
-  medusa ms/step    `medusa_generate` with 5 heads sharing the base's lm_head, per step of B trees
+  medusa ms/step    `medusa_generate` with 5 heads sharing the base's lm_head, per step of B trees: the default
+                    45-node tree, and a 9-node one (top-2 of head 1, then one token each from heads 2-4) whose
+                    verification costs a fifth as much once the batch makes it compute-bound
   break-even        medusa ÷ plain: the tokens per row a step must emit to tie with plain decoding
   speedup @ a       a × plain ÷ medusa, at a tokens per row per step (trained heads: ~2.5-3, MEDUSA.md §4)
 Random heads accept almost nothing, so every row takes about one token per step here; what a step costs does not
@@ -26,6 +28,7 @@ import harness  # noqa: E402
 from bench_medusa_decoding import CONFIGS, DEVICE, NUM_HEADS, _per_unit_ms  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16)
+TREES = {"default": None, "9-node": [2, 1, 1, 1]}  # dense widths per head (None: the default tree)
 PROMPT_LEN = 128
 ACCEPTANCE = (2.0, 2.5, 3.0)
 
@@ -36,6 +39,7 @@ def measure(name: str, cfg: dict, batches: tuple[int, ...]) -> list[dict]:
     from liger_models.llama.config import LlamaConfig
     from liger_models.llama.modeling import LigerLlamaForCausalLM
     from liger_models.medusa import MedusaModel
+    from liger_models.medusa.tree import dense_medusa_choices
 
     torch.manual_seed(0)
     base = LigerLlamaForCausalLM.from_config(LlamaConfig.from_hf(dict(cfg)), dtype=torch.bfloat16, device=DEVICE)
@@ -50,28 +54,34 @@ def measure(name: str, cfg: dict, batches: tuple[int, ...]) -> list[dict]:
             def plain(k):
                 return base.generate(ids, max_new_tokens=k, eos_token_id=[], cuda_graph=True)
 
-            def tree(k, stats=False):
-                return medusa.generate(ids, k, eos_token_id=[], cuda_graph=True, return_stats=stats)
-
-            def steps(k):
-                per_row = tree(k, True)[1]
-                return max(len(s) for s in per_row) if batch > 1 else len(per_row)
-
             plain_ms = _per_unit_ms(plain, lambda k: k)
-            medusa_ms = _per_unit_ms(tree, steps)
-            rows.append(dict(config=name, batch=batch, prompt_len=PROMPT_LEN, plain_ms_per_step=plain_ms,
-                             medusa_ms_per_step=medusa_ms, break_even_tokens_per_step=medusa_ms / plain_ms,
-                             speedup_at={str(a): a * plain_ms / medusa_ms for a in ACCEPTANCE}))
-            print(table(rows[-1:], header=not rows[:-1]), flush=True)
+            for tree_name, widths in TREES.items():
+                choices = None if widths is None else dense_medusa_choices(widths)
+
+                def tree(k, stats=False):
+                    return medusa.generate(ids, k, eos_token_id=[], cuda_graph=True, return_stats=stats,
+                                           medusa_choices=choices)
+
+                def steps(k):
+                    per_row = tree(k, True)[1]
+                    return max(len(s) for s in per_row) if batch > 1 else len(per_row)
+
+                medusa_ms = _per_unit_ms(tree, steps)
+                rows.append(dict(config=name, batch=batch, tree=tree_name, prompt_len=PROMPT_LEN,
+                                 plain_ms_per_step=plain_ms, medusa_ms_per_step=medusa_ms,
+                                 break_even_tokens_per_step=medusa_ms / plain_ms,
+                                 speedup_at={str(a): a * plain_ms / medusa_ms for a in ACCEPTANCE}))
+                print(table(rows[-1:], header=len(rows) == 1), flush=True)
     return rows
 
 
 def table(rows: list[dict], header: bool = True) -> str:
-    lines = ["| config | batch | plain ms/step | medusa ms/step | break-even tok/row/step | "
+    lines = ["| config | batch | tree | plain ms/step | medusa ms/step | break-even tok/row/step | "
              + " | ".join(f"speedup @{a}" for a in ACCEPTANCE) + " |",
-             "|" + "---|" * (5 + len(ACCEPTANCE))] if header else []
+             "|" + "---|" * (6 + len(ACCEPTANCE))] if header else []
     for r in rows:
-        lines.append(f"| {r['config']} | {r['batch']} | {r['plain_ms_per_step']:.2f} | {r['medusa_ms_per_step']:.2f} | "
+        lines.append(f"| {r['config']} | {r['batch']} | {r['tree']} | {r['plain_ms_per_step']:.2f} | "
+                     f"{r['medusa_ms_per_step']:.2f} | "
                      f"{r['break_even_tokens_per_step']:.2f} | "
                      + " | ".join(f"{r['speedup_at'][str(a)]:.2f}×" for a in ACCEPTANCE) + " |")
     return "\n".join(lines)
