@@ -49,7 +49,7 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None, log=None) -> list[d
         messages.append({"role": "user", "content": text})
         ids = encode_conversation(messages, tokenizer, special, args.chat_template)
         if not warmed:  # once, untimed: kernels compiled, a graph captured
-            decoder.warm_up(ids)
+            decoder.warm_up([ids])
             warmed = True
         reply = decoder(ids)
         messages.append({"role": "assistant", "content": reply.text})

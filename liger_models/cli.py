@@ -266,6 +266,8 @@ def _add_generate(sub) -> None:
     gen.add_argument("--chat", action="store_true", help="each prompt is a user turn, rendered with the chat template")
     gen.add_argument("--compare", action="store_true",
                      help="with --medusa: also time plain decoding of each prompt (and check greedy tokens match)")
+    gen.add_argument("--batch-size", type=_positive, default=1,
+                     help="decode this many prompts per call, left-padded (default 1: each on its own)")
     _add_decoding(gen, chat_only=False)
     gen.set_defaults(func=_run_generate)
 

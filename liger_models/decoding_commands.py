@@ -9,7 +9,9 @@ vLLM layout) or a stage-2 directory (base + heads). Without ``--model`` the base
 (stage 2) or from their config's ``base_model_name_or_path``. The tokenizer is the model's ``tokenizer.json``, else
 the one train-medusa copies next to the heads.
 
-Prompts: each ``--prompt`` / ``--prompt-file`` is decoded on its own, so each time is that prompt's alone.
+Prompts: each ``--prompt`` / ``--prompt-file`` is decoded on its own, so each time is that prompt's alone, or with
+``--batch-size N`` N at a time, left-padded in one call (plain or Medusa; a row's tokens are those it gets alone),
+timed per batch.
 Plain text is encoded as training encodes a plain document (the tokenizer's post-processor adds BOS where it
 does); with ``--chat`` each prompt is one user turn (after ``--system``), rendered with the chat template training
 uses (``render_generation_prompt``), so a model fine-tuned here is prompted in the format it learned.
@@ -147,29 +149,43 @@ def timed_call(run, device: torch.device):
     return out, time.perf_counter() - start
 
 
-def decode(model, ids: torch.Tensor, *, max_new_tokens: int | None, sampling: dict, seed: int, cuda_graph: bool,
-           tokenizer, medusa_choices=None) -> Decoded:
-    """One call of plain (``model`` a causal LM) or Medusa (a MedusaModel) decoding on a (1, T) prompt, timed."""
+def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tokens: int | None, sampling: dict,
+           seed: int, cuda_graph: bool, tokenizer, medusa_choices=None) -> list[Decoded]:
+    """One call of plain (``model`` a causal LM) or Medusa (a MedusaModel) decoding on the prompts (token ids),
+    left-padded into one batch when there are several, timed; each prompt's result, the call's time in each."""
     from liger_models.medusa import MedusaModel
-    from liger_models.modules.generate import pad_token
+    from liger_models.modules.generate import eos_token_ids, pad_token
 
-    generator = torch.Generator(device=ids.device).manual_seed(seed)
-    unpadded = dict(generator=generator, cuda_graph=cuda_graph)
-    # One unpadded prompt: every id is text, even one that equals the pad id, which generate would take for padding.
-    # The all-ones mask that says so goes only to such a prompt: a mask sends plain decoding down its padded path,
-    # which --compare would then time against Medusa's unmasked one.
-    pad = pad_token(model.base if isinstance(model, MedusaModel) else model, None)
-    if pad is not None and bool((ids == pad).any()):
-        unpadded["attention_mask"] = torch.ones_like(ids)
+    base = model.base if isinstance(model, MedusaModel) else model
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)  # id 0 at padding: any id does, the mask hides it
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt), 1
+    ids, mask = ids.to(device), mask.to(device)
+    call = dict(generator=torch.Generator(device=device).manual_seed(seed), cuda_graph=cuda_graph)
+    # Every id is text, even one that equals the pad id, which generate would take for padding. The all-ones mask
+    # that says so goes to one prompt only where it holds the pad id: a mask sends plain decoding down its padded
+    # path, which --compare would then time against Medusa's unmasked one.
+    pad = pad_token(base, None)
+    if len(prompts) > 1 or (pad is not None and bool((ids == pad).any())):
+        call["attention_mask"] = mask
     if not isinstance(model, MedusaModel):
-        out, seconds = timed_call(lambda: model.generate(ids, max_new_tokens, **unpadded, **sampling), ids.device)
-        per_step = None
+        out, seconds = timed_call(lambda: model.generate(ids, max_new_tokens, **call, **sampling), device)
+        steps = None
     else:
         (out, steps), seconds = timed_call(lambda: model.generate(
-            ids, max_new_tokens, **unpadded, return_stats=True, medusa_choices=medusa_choices, **sampling), ids.device)
-        per_step = sum(steps) / len(steps) if steps else None
-    new_ids = out[0, ids.shape[1]:].tolist()
-    return Decoded(tokenizer.decode(new_ids, skip_special_tokens=True), new_ids, seconds, per_step)
+            ids, max_new_tokens, **call, return_stats=True, medusa_choices=medusa_choices, **sampling), device)
+        steps = [steps] if len(prompts) == 1 else steps  # one list of tokens per step for each row
+    eos = set(eos_token_ids(base, None))
+    results = []
+    for row in range(len(prompts)):
+        new_ids = out[row, width:].tolist()
+        stop = next((i for i, t in enumerate(new_ids) if t in eos), None)
+        new_ids = new_ids if stop is None else new_ids[: stop + 1]  # a row that stopped early was filled after it
+        per_step = None if steps is None or not steps[row] else sum(steps[row]) / len(steps[row])
+        results.append(Decoded(tokenizer.decode(new_ids, skip_special_tokens=True), new_ids, seconds, per_step))
+    return results
 
 
 def sampling_settings(args: argparse.Namespace, medusa: bool) -> tuple[dict, dict]:
@@ -245,18 +261,23 @@ class Decoder:
     plain_sampling: dict  # --compare's plain decoding
 
     def __call__(self, ids: list[int], *, plain: bool = False, max_new_tokens: int | None = None) -> Decoded:
-        tensor = torch.tensor([ids], device=self.base.lm_head.weight.device)
+        return self.batch([ids], plain=plain, max_new_tokens=max_new_tokens)[0]
+
+    def batch(self, prompts: list[list[int]], *, plain: bool = False,
+              max_new_tokens: int | None = None) -> list[Decoded]:
+        """The prompts decoded in one call (left-padded), each one's result."""
+        device = self.base.lm_head.weight.device
         call = self.call if max_new_tokens is None else {**self.call, "max_new_tokens": max_new_tokens}
         if plain or self.medusa is None:
-            return decode(self.base, tensor, **call, sampling=self.plain_sampling if plain else self.sampling)
-        return decode(self.medusa, tensor, **call, sampling=self.sampling, medusa_choices=self.choices)
+            return decode(self.base, prompts, device, **call, sampling=self.plain_sampling if plain else self.sampling)
+        return decode(self.medusa, prompts, device, **call, sampling=self.sampling, medusa_choices=self.choices)
 
-    def warm_up(self, ids: list[int], compare: bool = False) -> None:
+    def warm_up(self, prompts: list[list[int]], compare: bool = False) -> None:
         """On CUDA, compile every kernel once (and capture once) outside the timed calls."""
         if self.base.lm_head.weight.is_cuda:
-            self(ids, max_new_tokens=WARM_UP_TOKENS)
+            self.batch(prompts, max_new_tokens=WARM_UP_TOKENS)
             if compare:
-                self(ids, plain=True, max_new_tokens=WARM_UP_TOKENS)
+                self.batch(prompts, plain=True, max_new_tokens=WARM_UP_TOKENS)
 
 
 def open_decoder(args: argparse.Namespace, sources: Sources, tokenizer, log) -> Decoder:
@@ -289,14 +310,19 @@ def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptRes
     encoded = [encode_prompt(p, tokenizer, special, chat=args.chat, system=args.system,
                              chat_template=args.chat_template or "auto") for p in prompts]
     decoder = open_decoder(args, sources, tokenizer, log)
-    decoder.warm_up(encoded[0], args.compare)
+    size = args.batch_size
+    batches = [list(range(start, min(start + size, len(prompts)))) for start in range(0, len(prompts), size)]
+    decoder.warm_up([encoded[i] for i in batches[0]], args.compare)
     results = []
-    for prompt, ids in zip(prompts, encoded):
-        result = PromptResult(prompt, ids, decoder(ids), decoder(ids, plain=True) if args.compare else None)
-        print(result.decoded.text, file=out, flush=True)
-        print(_summary(result, medusa=decoder.medusa is not None,
+    for batch in batches:
+        decoded = decoder.batch([encoded[i] for i in batch])
+        plain = decoder.batch([encoded[i] for i in batch], plain=True) if args.compare else [None] * len(batch)
+        done = [PromptResult(prompts[i], encoded[i], d, p) for i, d, p in zip(batch, decoded, plain)]
+        for result in done:
+            print(result.decoded.text, file=out, flush=True)
+        print(_summary(done, medusa=decoder.medusa is not None,
                        greedy=decoder.plain_sampling.get("do_sample") is False), file=log, flush=True)
-        results.append(result)
+        results += done
     return results
 
 
@@ -356,18 +382,31 @@ def run_calibrate(args: argparse.Namespace, log=None):
 
 
 def describe_rate(d: Decoded) -> str:
-    return f"{len(d.new_ids)} new tokens in {d.seconds:.2f} s ({len(d.new_ids) / max(d.seconds, 1e-9):.1f} tokens/s)"
+    return _rate(len(d.new_ids), d.seconds)
 
 
-def _summary(result: PromptResult, *, medusa: bool, greedy: bool) -> str:
-    d = result.decoded
-    line = f"[{'medusa' if medusa else 'plain'}] {len(result.prompt_ids)}-token prompt, {describe_rate(d)}"
-    if d.tokens_per_step is not None:
-        line += f", {d.tokens_per_step:.2f} tokens per base-model forward"
-    if result.plain is not None:
-        p = result.plain
-        speedup = (len(d.new_ids) / max(d.seconds, 1e-9)) / max(len(p.new_ids) / max(p.seconds, 1e-9), 1e-9)
-        line += f"\n[plain]  same prompt, {describe_rate(p)}: Medusa {speedup:.2f}× the tokens/s"
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens} new tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s)"
+
+
+def _summary(results: list[PromptResult], *, medusa: bool, greedy: bool) -> str:
+    """One prompt's timing line (one batch's, for several decoded in one call; the call's time is theirs together)."""
+    decoded = [r.decoded for r in results]
+    tokens, seconds = sum(len(d.new_ids) for d in decoded), decoded[0].seconds
+    lengths = sorted(len(r.prompt_ids) for r in results)
+    what = (f"{lengths[0]}-token prompt" if len(results) == 1 else
+            f"{len(results)} prompts of {lengths[0]}–{lengths[-1]} tokens in one batch")
+    line = f"[{'medusa' if medusa else 'plain'}] {what}, {_rate(tokens, seconds)}"
+    per_step = [d.tokens_per_step for d in decoded if d.tokens_per_step is not None]
+    if per_step:
+        line += f", {sum(per_step) / len(per_step):.2f} tokens per base-model forward"
+        line += "" if len(results) == 1 else " (mean over the rows)"
+    if results[0].plain is not None:
+        plain = [r.plain for r in results]
+        plain_tokens, plain_seconds = sum(len(p.new_ids) for p in plain), plain[0].seconds
+        speedup = (tokens / max(seconds, 1e-9)) / max(plain_tokens / max(plain_seconds, 1e-9), 1e-9)
+        same = "same prompt" if len(results) == 1 else "same batch"
+        line += f"\n[plain]  {same}, {_rate(plain_tokens, plain_seconds)}: Medusa {speedup:.2f}× the tokens/s"
         if greedy:
-            line += f"; identical tokens: {d.new_ids == p.new_ids}"
+            line += f"; identical tokens: {all(d.new_ids == p.new_ids for d, p in zip(decoded, plain))}"
     return line

@@ -56,6 +56,29 @@ def test_medusa_alone_finds_its_base_and_matches_plain_greedy(tiny_model_dir, he
     assert "[medusa]" in err and "tokens per base-model forward" in err and "identical tokens: True" in err
 
 
+@pytest.mark.parametrize("medusa", [False, True])
+def test_a_batch_of_prompts_decodes_each_as_alone(tiny_model_dir, heads_dir, capsys, medusa):
+    # Three prompts of different lengths, two per call (left-padded): each continuation is the one it gets alone
+    # (with the EOS that may end one row early, and the fill after it cut), one timing line per batch.
+    from liger_models.cli import build_parser
+    from liger_models.decoding_commands import run_generate
+
+    prompts = ["ROMEO:", "To be, or not to be, that is", "O"]
+    which = ["--medusa", str(heads_dir), "--compare"] if medusa else ["--model", str(tiny_model_dir), "--greedy"]
+    argv = ["generate", "--device", "cpu", *which, "--max-new-tokens", "14", "--batch-size", "2"]
+    results = run_generate(build_parser().parse_args(argv + [a for p in prompts for a in ("--prompt", p)]))
+    for prompt, result in zip(prompts, results):
+        assert result.decoded.new_ids == _greedy_reference(tiny_model_dir, prompt, 14)[0]
+        assert result.plain is None or result.plain.new_ids == result.decoded.new_ids
+    assert results[0].decoded.seconds == results[1].decoded.seconds != results[2].decoded.seconds
+    captured = capsys.readouterr()
+    assert captured.out == "".join(r.decoded.text + "\n" for r in results)
+    kind = "[medusa]" if medusa else "[plain]"
+    assert captured.err.count(f"{kind} 2 prompts of ") == 1 and captured.err.count(f"{kind} 1-token prompt") == 1
+    if medusa:
+        assert "same batch" in captured.err and captured.err.count("identical tokens: True") == 2
+
+
 def test_medusa_sampling_is_seeded_and_typical(tiny_model_dir, heads_dir, capsys):
     from liger_models.decoding_commands import run_generate
     from liger_models.cli import build_parser
