@@ -105,7 +105,9 @@ class BatchedSteps(GraphedSteps):
             self.valid = torch.ones(len(ids), self.cache.capacity, dtype=torch.bool, device=ids.device)
             self.valid[:, :T] = mask.bool()
         self.length.fill_(T)
-        self.position.copy_(mask.sum(-1) if mask is not None else self.length)
+        # The next position follows the last one, as plain generate continues it (with left padding, the count of
+        # real tokens; after a padded last token, HF's rule restarts at 1).
+        self.position.copy_(positions[:, -1] + 1 if mask is not None else self.length)
         self.hidden = hidden.clone()
         self.root.copy_(draw(self.base.lm_head(hidden), self.acceptance[0], self.generator))
 

@@ -155,13 +155,15 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     mask = prompt_mask(input_ids, attention_mask, pad_token_id,
                        torch.tensor(eos_list, dtype=torch.long, device=device))
     acceptance = (temperature, posterior_threshold, posterior_alpha)
-    if input_ids.shape[0] > 1 or (mask is not None and not bool(mask.all())):
+    padded = mask is not None and not bool(mask.all())
+    if input_ids.shape[0] > 1 or padded:
         capacity = rows_capacity(input_ids.shape[1], max_new_tokens, buffers)
         check_one_rotary_table(base, input_ids.shape[1], max_new_tokens, depth)
         steps = BatchedSteps(base, heads, buffers, topk, capacity, acceptance, generator, batch=input_ids.shape[0],
                              budget=max_new_tokens, eos=eos_list, graphed=cuda_graph)
         fill = fill_token(vocab_size, pad_token_id, eos_list)
-        result, per_row = decode_rows(steps, input_ids, mask, max_new_tokens, eos, fill, LAUNCH_AHEAD)
+        result, per_row = decode_rows(steps, input_ids, mask if padded else None, max_new_tokens, eos, fill,
+                                      LAUNCH_AHEAD)
         return (result, per_row) if return_stats else result
     rotary = getattr(base.model, "rotary", None)
     regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2

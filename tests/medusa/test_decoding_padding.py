@@ -19,7 +19,7 @@ def _echo_model(base):
     return model
 
 
-@pytest.mark.parametrize("where", ["left-padded", "inside"])
+@pytest.mark.parametrize("where", ["left-padded", "inside", "last"])  # last: HF's positions restart after it
 def test_prompt_with_pad_id_decodes_like_plain_generate(where):
     base = make_base(V, H, torch.float64, layers=2)  # config pad_token_id 0, eos 2
     model = _echo_model(base)
@@ -27,7 +27,7 @@ def test_prompt_with_pad_id_decodes_like_plain_generate(where):
     if where == "left-padded":
         prompt[0, :2] = 0
     else:
-        prompt[0, 3] = 0
+        prompt[0, 3 if where == "inside" else -1] = 0
     for mask in (None, (prompt != 0).long()):  # the pad id inferred, or the same mask given
         plain = base.generate(prompt, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
         out, steps = model.generate(prompt, 12, eos_token_id=[], attention_mask=mask, return_stats=True)
