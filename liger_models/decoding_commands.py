@@ -21,8 +21,9 @@ Settings: plain decoding takes what is not given from the checkpoint's generatio
 every step replays as one CUDA graph (``--no-cuda-graph`` runs eagerly), after an untimed warm-up call that
 compiles the kernels; a call's time includes its graph capture (15–60 ms on an H200), as a user's call would.
 ``--compare`` also runs plain decoding on each prompt, so Medusa's speed-up is measured on the same machine, and,
-when both are greedy, checks that the tokens are identical. Medusa decoding verifies the calibrated tree when the
-heads' directory holds one (``--default-tree``: the default tree).
+when both are greedy, checks that the tokens are identical; each new prompt shape is then first decoded untimed by
+both (Triton compiles per shape class), so neither's time holds compilation the other triggered. Medusa decoding
+verifies the calibrated tree when the heads' directory holds one (``--default-tree``: the default tree).
 
 Calibration prompts (``calibration_prompts``): a chat conversation gives its text up to the first assistant token
 (the generation prompt training rendered); plain text gives windows of ``--prompt-tokens`` tokens. ``--prompts`` of
@@ -272,12 +273,14 @@ class Decoder:
             return decode(self.base, prompts, device, **call, sampling=self.plain_sampling if plain else self.sampling)
         return decode(self.medusa, prompts, device, **call, sampling=self.sampling, medusa_choices=self.choices)
 
-    def warm_up(self, prompts: list[list[int]], compare: bool = False) -> None:
-        """On CUDA, compile every kernel once (and capture once) outside the timed calls."""
+    def warm_up(self, prompts: list[list[int]], compare: bool = False, whole: bool = False) -> None:
+        """On CUDA, compile every kernel once (and capture once) outside the timed calls. ``whole``: decode the
+        whole budget, so that kernels specialised to the cache's size (which the budget sets) compile too."""
         if self.base.lm_head.weight.is_cuda:
-            self.batch(prompts, max_new_tokens=WARM_UP_TOKENS)
+            tokens = None if whole else WARM_UP_TOKENS
+            self.batch(prompts, max_new_tokens=tokens)
             if compare:
-                self.batch(prompts, plain=True, max_new_tokens=WARM_UP_TOKENS)
+                self.batch(prompts, plain=True, max_new_tokens=tokens)
 
 
 def open_decoder(args: argparse.Namespace, sources: Sources, tokenizer, log) -> Decoder:
@@ -312,11 +315,18 @@ def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptRes
     decoder = open_decoder(args, sources, tokenizer, log)
     size = args.batch_size
     batches = [list(range(start, min(start + size, len(prompts)))) for start in range(0, len(prompts), size)]
-    decoder.warm_up([encoded[i] for i in batches[0]], args.compare)
-    results = []
+    results, warmed = [], set()
     for batch in batches:
-        decoded = decoder.batch([encoded[i] for i in batch])
-        plain = decoder.batch([encoded[i] for i in batch], plain=True) if args.compare else [None] * len(batch)
+        chunk = [encoded[i] for i in batch]
+        # Triton compiles a kernel per shape class (rows, the cache's size), so the first call of a new prompt
+        # shape pays compilation: once untimed at the start, and, for --compare, before every new shape by both
+        # decoders, so that neither's time holds the other's compiles.
+        shape = (len(chunk), max(len(ids) for ids in chunk))
+        if not warmed or (args.compare and shape not in warmed):
+            decoder.warm_up(chunk, args.compare, whole=args.compare)
+        warmed.add(shape)
+        decoded = decoder.batch(chunk)
+        plain = decoder.batch(chunk, plain=True) if args.compare else [None] * len(batch)
         done = [PromptResult(prompts[i], encoded[i], d, p) for i, d, p in zip(batch, decoded, plain)]
         for result in done:
             print(result.decoded.text, file=out, flush=True)

@@ -79,6 +79,31 @@ def test_a_batch_of_prompts_decodes_each_as_alone(tiny_model_dir, heads_dir, cap
         assert "same batch" in captured.err and captured.err.count("identical tokens: True") == 2
 
 
+@pytest.mark.parametrize("compare", [False, True])
+def test_warm_up_before_each_new_prompt_shape_when_comparing(tiny_model_dir, heads_dir, capsys, monkeypatch,
+                                                            compare):
+    # Kernels compile per shape class on the GPU: with --compare both decoders first decode each new (batch,
+    # length) untimed and whole, so Medusa's time never holds compilation that plain decoding then skips; without
+    # it one short warm-up at the start.
+    from liger_models.cli import build_parser
+    from liger_models.decoding_commands import Decoder, run_generate
+
+    calls = []
+    monkeypatch.setattr(Decoder, "warm_up", lambda self, prompts, compare=False, whole=False: calls.append(
+        (len(prompts), max(map(len, prompts)), compare, whole)))
+    prompts = ["ROMEO:", "To be, or not to be", "ROMEO:", "KING:"]
+    argv = ["generate", "--device", "cpu", "--medusa", str(heads_dir), "--max-new-tokens", "3"]
+    run_generate(build_parser().parse_args(argv + (["--compare"] if compare else [])
+                                           + [a for p in prompts for a in ("--prompt", p)]))
+    lengths = [len(load_tokenizer(tiny_model_dir).encode(p).ids) for p in prompts]
+    if compare:
+        shapes = list(dict.fromkeys(lengths))  # each new length once, in order
+        assert calls == [(1, n, True, True) for n in shapes]
+    else:
+        assert calls == [(1, lengths[0], False, False)]
+    capsys.readouterr()
+
+
 def test_medusa_sampling_is_seeded_and_typical(tiny_model_dir, heads_dir, capsys):
     from liger_models.decoding_commands import run_generate
     from liger_models.cli import build_parser
