@@ -165,11 +165,11 @@ def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tok
         ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt), 1
     ids, mask = ids.to(device), mask.to(device)
     call = dict(generator=torch.Generator(device=device).manual_seed(seed), cuda_graph=cuda_graph)
-    # Every id is text, even one that equals the pad id, which generate would take for padding. The all-ones mask
-    # that says so goes to one prompt only where it holds the pad id: a mask sends plain decoding down its padded
-    # path, which --compare would then time against Medusa's unmasked one.
+    # Every id is text, even one that equals the pad id, which generate would take for padding. The mask that says
+    # so goes only to prompts that hold the pad id or are padded: a mask sends plain decoding down its padded path,
+    # which --compare would then time against Medusa's unmasked one.
     pad = pad_token(base, None)
-    if len(prompts) > 1 or (pad is not None and bool((ids == pad).any())):
+    if bool((mask == 0).any()) or (pad is not None and bool((ids == pad).any())):
         call["attention_mask"] = mask
     if not isinstance(model, MedusaModel):
         out, seconds = timed_call(lambda: model.generate(ids, max_new_tokens, **call, **sampling), device)

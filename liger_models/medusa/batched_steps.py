@@ -44,21 +44,32 @@ def rows_capacity(prompt_length: int, budget: int, buffers: MedusaBuffers) -> in
     return prompt_length + budget + buffers.depth + len(buffers.tree_indices)
 
 
-def check_one_rotary_table(base: nn.Module, prompt_length: int, budget: int, depth: int) -> None:
+def check_one_rotary_table(base: nn.Module, prompt_length: int, budget: int, depth: int,
+                           mask: torch.Tensor | None = None) -> None:
     """Refuse a rotary embedding whose table changes within the positions these rows reach (longrope past
     original_max_position_embeddings, dynamic NTK past max_position_embeddings): its table is chosen per call by the
     furthest position in it, so rows at different lengths would rotate with other tables than they would alone.
-    The furthest: a live row's last step starts below prompt + budget and commits up to depth + 1 tokens; frozen
-    at that length, its trees reach depth further."""
+
+    Positions, not slots: with left padding (``mask``, (B, T)) a row's positions (HF's cumsum(mask) − 1) lag its
+    slots, and the table follows the positions. From ``start``, the furthest row's next position (the prompt length
+    without padding), plain generate's steps are calls of length start + 1 …; a live row's last Medusa step starts
+    below start + budget and commits up to depth + 1 tokens, and frozen there its trees reach depth further. Plain
+    generate also recomputes the whole sequence when longrope's regime changes with the slot count
+    (modules/generate.py), which these steps never do, so that must not happen within the budget either."""
     rotary = getattr(base.model, "rotary", None)
     if rotary is None:
         return
-    furthest = prompt_length + budget + 2 * depth + 1  # a sequence length: the furthest position + 1
-    if (rotary.regime(prompt_length), rotary.table_key(prompt_length)) != (rotary.regime(furthest),
-                                                                           rotary.table_key(furthest)):
-        raise ValueError(f"this model's {rotary.rope_type} rotary table changes between {prompt_length} and "
-                         f"{furthest} positions, so sequences of different lengths cannot share Medusa steps: decode "
-                         "the prompts one at a time, unpadded, or with fewer new tokens")
+    start = prompt_length
+    if mask is not None:
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule, as the prefill takes it
+        start = int(positions[:, -1].max()) + 1
+    first, furthest = start + 1, start + budget + 2 * depth + 1  # sequence lengths: the furthest position + 1
+    if ((rotary.regime(first), rotary.table_key(first)) != (rotary.regime(furthest), rotary.table_key(furthest))
+            or rotary.regime(prompt_length) != rotary.regime(prompt_length + budget)):
+        raise ValueError(f"this model's {rotary.rope_type} rotary table changes within the lengths these rows reach "
+                         f"({min(first, prompt_length)} … {max(furthest, prompt_length + budget)}), so sequences of "
+                         "different lengths cannot share Medusa steps: decode the prompts one at a time, unpadded, or "
+                         "with fewer new tokens")
 
 
 class BatchedSteps(GraphedSteps):

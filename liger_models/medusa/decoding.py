@@ -118,12 +118,13 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     budget, the default stays greedy whatever generation_config.json says: typical acceptance is not the sampling
     (do_sample / top_p / top_k) that file describes, so its sampling settings are not applied here.
     return_stats: also return the list of tokens emitted per step (root + accepted; the mean is the speedup
-    in base forward calls); for several rows (or a padded one), one such list per row.
+    in base forward calls); for several rows, one such list per row.
     generator: the draws' (temperature > 0), on the model's device; None takes the device's default.
     cuda_graph: replay each whole step as one CUDA graph over a static cache of T + max_new_tokens + tree slots
     (medusa/graphed_step.py), without the host's per-kernel cost, which otherwise bounds a batch-1 step. In bf16 a
     near-tied argmax may flip, as with generate's cuda_graph. Several rows (or a padded one) take a static cache of
-    T + max_new_tokens + depth + tree slots either way.
+    T + max_new_tokens + depth + tree slots either way, and refuse a rotary table that changes within the positions
+    they reach (longrope, dynamic NTK: `batched_steps.check_one_rotary_table`), which one unpadded sequence handles.
     A prompt id equal to the pad id (argument, else the checkpoint's) is padding, as in plain generate, unless
     attention_mask says otherwise (all ones: those ids are real text).
     """
@@ -158,12 +159,15 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     padded = mask is not None and not bool(mask.all())
     if input_ids.shape[0] > 1 or padded:
         capacity = rows_capacity(input_ids.shape[1], max_new_tokens, buffers)
-        check_one_rotary_table(base, input_ids.shape[1], max_new_tokens, depth)
+        check_one_rotary_table(base, input_ids.shape[1], max_new_tokens, depth, mask if padded else None)
         steps = BatchedSteps(base, heads, buffers, topk, capacity, acceptance, generator, batch=input_ids.shape[0],
                              budget=max_new_tokens, eos=eos_list, graphed=cuda_graph)
         fill = fill_token(vocab_size, pad_token_id, eos_list)
+        # Eagerly a step launched ahead gains nothing and, once an EOS ends every row, is a whole wasted tree call.
         result, per_row = decode_rows(steps, input_ids, mask if padded else None, max_new_tokens, eos, fill,
-                                      LAUNCH_AHEAD)
+                                      LAUNCH_AHEAD and cuda_graph)
+        # One sequence's stats are one list whether or not its prompt holds padding (the pad id may occur in it).
+        per_row = per_row[0] if input_ids.shape[0] == 1 else per_row
         return (result, per_row) if return_stats else result
     rotary = getattr(base.model, "rotary", None)
     regime, table_key = (rotary.regime, rotary.table_key) if rotary is not None else ((lambda n: None),) * 2

@@ -181,6 +181,45 @@ def test_a_rotary_table_that_changes_with_the_length_is_refused_for_rows():
                                       medusa_choices=dense_medusa_choices([2, 2])), plain)
 
 
+def test_the_rotary_check_counts_padded_rows_positions_not_their_slots():
+    # 14 slots but, with 4+ pads per row, positions that end at 9: longrope's switch past 12 lies within the rows'
+    # steps (plain generate's first steps rotate with the short table, a Medusa tree reaching past 12 with the
+    # long one), so the rows are refused, although the slots are past the switch from the start.
+    base = _rotary_switch_base("longrope", 0)
+    model = MedusaModel.from_base(base, num_heads=2)
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[0, :5], mask[1, :4] = 0, 0
+    ids = torch.randint(3, 50, (2, 14)).masked_fill(mask == 0, 0)
+    with pytest.raises(ValueError, match="one at a time"):
+        model.generate(ids, 4, attention_mask=mask, eos_token_id=[])
+    # Dynamic NTK past 12 positions: 14 slots, but every position these steps reach stays within 12, so the table
+    # never changes and the rows decode as plain generate does them.
+    base = _rotary_switch_base("dynamic", 0)
+    model = MedusaModel.from_base(base, num_heads=2)
+    mask[0, :8], mask[1, :9] = 0, 0
+    ids = ids.masked_fill(mask == 0, 0)
+    plain = base.generate(ids, attention_mask=mask, max_new_tokens=1, eos_token_id=[])
+    assert torch.equal(model.generate(ids, 1, attention_mask=mask, eos_token_id=[],
+                                      medusa_choices=dense_medusa_choices([2, 2])), plain)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_eager_rows_take_no_step_past_the_last_eos(eager_graphs, monkeypatch, graphed):
+    # Every row stops at its first token: eagerly that is one tree call; a step launched ahead (graphed: queued
+    # before the read, CAPTURE off or on) is the only one that may be wasted.
+    base = _mistral(None)
+    model = MedusaModel.from_base(base, num_heads=2)
+    ids, mask = left_padded(2, 5, [0, 2])
+    first = base.generate(ids, attention_mask=mask, max_new_tokens=1, eos_token_id=[])[:, 5].tolist()
+    calls = []
+    step = BatchedSteps._step
+    monkeypatch.setattr(BatchedSteps, "_step", lambda self: (calls.append(1), step(self))[1])
+    out, steps = model.generate(ids, 12, attention_mask=mask, eos_token_id=first, return_stats=True,
+                                cuda_graph=graphed)
+    assert steps == [[1], [1]] and out[:, 5].tolist() == first and out.shape == (2, 6)
+    assert len(calls) == (2 if graphed else 1)
+
+
 def test_steps_stay_inside_the_cache_whatever_the_rows_accept(eager_graphs):
     # One row accepts every tree (the oracle), the other never (its heads are wrong): rows_capacity's bound holds
     # for the fast row's overshoot and the slow row's frozen trees after it is done.
