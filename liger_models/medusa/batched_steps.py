@@ -34,6 +34,7 @@ from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.tree import MedusaBuffers, candidate_tokens
 from liger_models.modules import graphed_decoding
 from liger_models.modules.cache import KVCache
+from liger_models.modules.generate import padded_positions
 from liger_models.modules.graphed_decoding import StaticKVCache, device_mask
 
 
@@ -61,8 +62,7 @@ def check_one_rotary_table(base: nn.Module, prompt_length: int, budget: int, dep
         return
     start = prompt_length
     if mask is not None:
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule, as the prefill takes it
-        start = int(positions[:, -1].max()) + 1
+        start = int(padded_positions(mask)[:, -1].max()) + 1  # as the prefill takes them
     first, furthest = start + 1, start + budget + 2 * depth + 1  # sequence lengths: the furthest position + 1
     if ((rotary.regime(first), rotary.table_key(first)) != (rotary.regime(furthest), rotary.table_key(furthest))
             or rotary.regime(prompt_length) != rotary.regime(prompt_length + budget)):
@@ -98,16 +98,12 @@ class BatchedSteps(GraphedSteps):
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
         self.valid: torch.Tensor | None = None  # (B, capacity), False at the prompt's padding; None without any
         self.result = torch.zeros(batch, buffers.depth + 2, dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.landing = [torch.zeros_like(self.result, device="cpu", pin_memory=True) for _ in range(2)
-                        ] if graphed else []
-        self.launches = 0
-        self.queued: object | None = None  # the handle of a step launched ahead
+        self._init_launches()
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
         """The base on the left-padded prompts ids (B, T) with their attention mask (eagerly, as plain generate
         runs it), copied into the static cache; the state after them."""
-        positions = None if mask is None else (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule
+        positions = None if mask is None else padded_positions(mask)
         cache = KVCache()
         hidden = self.base.model(ids, positions, cache=cache, attention_mask=mask)[:, -1]
         self.cache.load(cache)
@@ -125,9 +121,8 @@ class BatchedSteps(GraphedSteps):
     def tree(self, ahead: bool = False) -> list[list[int]]:
         """One step of every row: per row [n, the winning path's D+1 tokens] (its first n + 1 are emitted).
         ahead: launch the next step before reading this one (the caller will take another step, or stop)."""
-        current, self.queued = (self.queued, None) if self.queued is not None else (self._launch(), None)
-        if ahead:
-            self.queued = self._launch()
+        current = self.queued if self.queued is not None else self._launch()
+        self.queued = self._launch() if ahead else None  # here the handle alone: rows have no one start slot
         return self._read(current)
 
     def _step(self) -> None:

@@ -156,16 +156,15 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     mask = prompt_mask(input_ids, attention_mask, pad_token_id,
                        torch.tensor(eos_list, dtype=torch.long, device=device))
     acceptance = (temperature, posterior_threshold, posterior_alpha)
-    padded = mask is not None and not bool(mask.all())
-    if input_ids.shape[0] > 1 or padded:
+    mask = None if mask is None or bool(mask.all()) else mask  # all ones: nothing to hide
+    if input_ids.shape[0] > 1 or mask is not None:
         capacity = rows_capacity(input_ids.shape[1], max_new_tokens, buffers)
-        check_one_rotary_table(base, input_ids.shape[1], max_new_tokens, depth, mask if padded else None)
+        check_one_rotary_table(base, input_ids.shape[1], max_new_tokens, depth, mask)
         steps = BatchedSteps(base, heads, buffers, topk, capacity, acceptance, generator, batch=input_ids.shape[0],
                              budget=max_new_tokens, eos=eos_list, graphed=cuda_graph)
         fill = fill_token(vocab_size, pad_token_id, eos_list)
         # Eagerly a step launched ahead gains nothing and, once an EOS ends every row, is a whole wasted tree call.
-        result, per_row = decode_rows(steps, input_ids, mask if padded else None, max_new_tokens, eos, fill,
-                                      LAUNCH_AHEAD and cuda_graph)
+        result, per_row = decode_rows(steps, input_ids, mask, max_new_tokens, eos, fill, LAUNCH_AHEAD and cuda_graph)
         # One sequence's stats are one list whether or not its prompt holds padding (the pad id may occur in it).
         per_row = per_row[0] if input_ids.shape[0] == 1 else per_row
         return (result, per_row) if return_stats else result

@@ -55,6 +55,10 @@ class GraphedSteps:
         self.root = torch.zeros(1, dtype=torch.long, device=device)
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.result = torch.zeros(buffers.depth + 2, dtype=torch.long, device=device)  # n, then the path's D+1 tokens
+        self._init_launches()
+
+    def _init_launches(self) -> None:
+        """What ``_launch`` / ``_read`` keep, once ``graphed`` and ``result`` are set."""
         self.graph: torch.cuda.CUDAGraph | None = None
         # Replayed steps copy their result here, two in turn: one step may be queued behind the one being read.
         self.landing = [torch.zeros_like(self.result, device="cpu", pin_memory=True) for _ in range(2)

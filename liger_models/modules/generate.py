@@ -148,6 +148,11 @@ def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pa
     return (input_ids != pad).long()
 
 
+def padded_positions(mask: torch.Tensor) -> torch.Tensor:
+    """HF's positions for a (B, T) attention_mask: cumsum(mask) − 1 at real tokens, 0 at padding."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
 def fill_token(vocab_size: int, pad: int | None, eos: list[int]) -> int:
     """What a row that stopped is filled with: the pad id (argument, else generation_config's / config's, as HF),
     else the first EOS id, else 0. A pad id outside the vocabulary (some configs say -1) could not be fed back, so it
@@ -210,7 +215,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     eos = torch.tensor(eos_token_ids(model, eos_token_id), dtype=torch.long, device=input_ids.device)
     explicit_pad = pad_token(model, pad_token_id)
     mask = prompt_mask(input_ids, attention_mask, explicit_pad, eos)  # (B, T) or None
-    positions = None if mask is None else (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # HF's rule
+    positions = None if mask is None else padded_positions(mask)
     pad = fill_token(model.config.vocab_size, explicit_pad, eos.tolist())
     rotary = model.model.rotary
     capacity = input_ids.shape[1] + min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
