@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SIZES = (8, 16, 32, 63, 96)
+BATCHES = (1, 2, 4, 8, 16)  # the batch sizes whose cut trees (`tree_for_batch`) are scored
 NEW_TOKENS = 96
 PROMPTS = 12
 PROMPT_TOKENS = 48
@@ -77,7 +78,8 @@ def main() -> None:
     from liger_models.hub import load_tokenizer
     from liger_models.medusa import MedusaModel
     from liger_models.medusa.calibrate import rank_paths
-    from liger_models.medusa.tree import default_medusa_choices, tree_from_rank_paths, walk_tokens_per_step
+    from liger_models.medusa.tree import (TREE_TOKENS, default_medusa_choices, tree_for_batch, tree_from_rank_paths,
+                                         walk_tokens_per_step)
     from liger_models.train.data import read_special_tokens
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -124,9 +126,15 @@ def main() -> None:
                          expected_on_fit_paths=walk_tokens_per_step(tree, per_sequence), ms_per_token=ms,
                          speedup_vs_plain=plain_ms / ms, identical=whole == len(plain), identical_prompts=whole,
                          agreeing_prefix=sum(same) / (len(same) * new_tokens)))
+    # What each row of a batch would accept under the cut decoding makes for that batch (`tree_for_batch`): the
+    # walk over the fitting paths, which tracks the measured tokens per forward within a few per cent.
+    cuts = [dict(tree=name, batch=batch, nodes=len(cut) + 1,
+                 expected_on_fit_paths=walk_tokens_per_step(cut, per_sequence))
+            for name in ("default", f"fitted-{max(SIZES)}") for batch in BATCHES
+            for cut in [tree_for_batch(trees[name], batch)]]
     result = dict(device=torch.cuda.get_device_name(device) if graph else "cpu", torch=torch.__version__,
                   dtype=str(dtype), heads=str(heads_dir), fit_positions=len(paths), prompts=len(measure_prompts),
-                  new_tokens=new_tokens, plain_ms_per_token=plain_ms, rows=rows)
+                  new_tokens=new_tokens, plain_ms_per_token=plain_ms, rows=rows, cut_for_batch=cuts)
     (out / "bench_medusa_trees.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nplain greedy: {plain_ms:.3f} ms per token ({result['device']}, {dtype}, {len(paths)} fit positions)")
     print(f"{'tree':>12} {'nodes':>5} {'tok/fwd':>8} {'expected':>8} {'ms/tok':>8} {'speedup':>8} "
@@ -135,6 +143,9 @@ def main() -> None:
         print(f"{r['tree']:>12} {r['nodes']:>5} {r['tokens_per_forward']:>8.2f} {r['expected_on_fit_paths']:>8.2f} "
               f"{r['ms_per_token']:>8.3f} {r['speedup_vs_plain']:>7.2f}× {r['identical_prompts']}/{len(plain)}, "
               f"{100 * r['agreeing_prefix']:.1f}%")
+    print(f"\ncut for a batch (tree_tokens {TREE_TOKENS}): expected tokens per forward per row")
+    for r in cuts:
+        print(f"{r['tree']:>12} batch {r['batch']:>2}: {r['nodes']:>3} nodes, {r['expected_on_fit_paths']:.2f}")
 
 
 def _agreeing(tokens: torch.Tensor, reference: torch.Tensor) -> int:

@@ -268,6 +268,10 @@ def _add_generate(sub) -> None:
                      help="with --medusa: also time plain decoding of each prompt (and check greedy tokens match)")
     gen.add_argument("--batch-size", type=_positive, default=1,
                      help="decode this many prompts per call, left-padded (default 1: each on its own)")
+    gen.add_argument("--tree-tokens", type=_non_negative, default=None,
+                     help="with --medusa: cut the tree so that a batch's rows × its nodes stay within this many "
+                          "tokens per verification call, keeping its most promising choices (default 96, measured "
+                          "on an H200; 0: verify the whole tree at any batch size)")
     _add_decoding(gen, chat_only=False)
     gen.set_defaults(func=_run_generate)
 

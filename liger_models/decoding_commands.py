@@ -151,7 +151,8 @@ def timed_call(run, device: torch.device):
 
 
 def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tokens: int | None, sampling: dict,
-           seed: int, cuda_graph: bool, tokenizer, medusa_choices=None) -> list[Decoded]:
+           seed: int, cuda_graph: bool, tokenizer, medusa_choices=None,
+           tree_tokens: int | None = None) -> list[Decoded]:
     """One call of plain (``model`` a causal LM) or Medusa (a MedusaModel) decoding on the prompts (token ids),
     left-padded into one batch when there are several, timed; each prompt's result, the call's time in each."""
     from liger_models.medusa import MedusaModel
@@ -176,7 +177,8 @@ def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tok
         steps = None
     else:
         (out, steps), seconds = timed_call(lambda: model.generate(
-            ids, max_new_tokens, **call, return_stats=True, medusa_choices=medusa_choices, **sampling), device)
+            ids, max_new_tokens, **call, return_stats=True, medusa_choices=medusa_choices, tree_tokens=tree_tokens,
+            **sampling), device)
         steps = [steps] if len(prompts) == 1 else steps  # one list of tokens per step for each row
     eos = set(eos_token_ids(base, None))
     results = []
@@ -246,6 +248,8 @@ def check_generate_options(args: argparse.Namespace) -> None:
     check_decoding_options(args)
     if args.compare and args.medusa is None:
         raise ValueError("--compare measures Medusa decoding against plain decoding: give --medusa")
+    if args.tree_tokens is not None and args.medusa is None:
+        raise ValueError("--tree-tokens cuts Medusa's tree: give --medusa")
     if not args.chat and (args.system is not None or args.chat_template is not None):
         raise ValueError("--system and --chat-template shape chat prompts: add --chat")
 
@@ -260,6 +264,7 @@ class Decoder:
     call: dict  # decode()'s max_new_tokens, seed, cuda_graph, tokenizer
     sampling: dict
     plain_sampling: dict  # --compare's plain decoding
+    tree_tokens: int | None = None  # a batch's tree cut to this many tokens per call (medusa.tree.tree_for_batch)
 
     def __call__(self, ids: list[int], *, plain: bool = False, max_new_tokens: int | None = None) -> Decoded:
         return self.batch([ids], plain=plain, max_new_tokens=max_new_tokens)[0]
@@ -271,7 +276,8 @@ class Decoder:
         call = self.call if max_new_tokens is None else {**self.call, "max_new_tokens": max_new_tokens}
         if plain or self.medusa is None:
             return decode(self.base, prompts, device, **call, sampling=self.plain_sampling if plain else self.sampling)
-        return decode(self.medusa, prompts, device, **call, sampling=self.sampling, medusa_choices=self.choices)
+        return decode(self.medusa, prompts, device, **call, sampling=self.sampling, medusa_choices=self.choices,
+                      tree_tokens=self.tree_tokens)
 
     def warm_up(self, prompts: list[list[int]], compare: bool = False, whole: bool = False) -> None:
         """On CUDA, compile every kernel once (and capture once) outside the timed calls. ``whole``: decode the
@@ -285,19 +291,23 @@ class Decoder:
 
 def open_decoder(args: argparse.Namespace, sources: Sources, tokenizer, log) -> Decoder:
     """Load the models of ``sources`` as the command's options say and report the Medusa tree on ``log``."""
-    from liger_models.medusa.tree import default_medusa_choices
+    from liger_models.medusa.tree import TREE_TOKENS, default_medusa_choices, tree_for_batch
 
     device, dtype = _device_and_dtype(args)
     sampling, plain_sampling = sampling_settings(args, args.medusa is not None)
     base, medusa = load_models(sources, dtype, device, load_tree=not args.default_tree)
-    choices = None
+    choices, tree_tokens = None, getattr(args, "tree_tokens", None)  # chat decodes one row: nothing to cut
+    tree_tokens = TREE_TOKENS if tree_tokens is None else tree_tokens
     if medusa is not None:
         choices = medusa.medusa_choices or default_medusa_choices(medusa.heads.num_heads)
         tree = "default" if medusa.medusa_choices is None else "calibrated"
-        print(f"[medusa] {len(choices) + 1}-node {tree} tree", file=log, flush=True)
+        rows = getattr(args, "batch_size", 1)
+        cut = len(tree_for_batch(choices, rows, tree_tokens))
+        cut_note = "" if cut == len(choices) else f"; {cut + 1} nodes per row in batches of {rows} (--tree-tokens)"
+        print(f"[medusa] {len(choices) + 1}-node {tree} tree{cut_note}", file=log, flush=True)
     call = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, tokenizer=tokenizer,
                 cuda_graph=device.type == "cuda" and not args.no_cuda_graph)
-    return Decoder(base, medusa, choices, call, sampling, plain_sampling)
+    return Decoder(base, medusa, choices, call, sampling, plain_sampling, tree_tokens)
 
 
 def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptResult]:

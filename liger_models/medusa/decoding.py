@@ -42,8 +42,8 @@ from liger_models.medusa.acceptance import accept, draw
 from liger_models.medusa.batched_steps import BatchedSteps, check_one_rotary_table, decode_rows, rows_capacity
 from liger_models.medusa.graphed_step import GraphedSteps
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.medusa.tree import (TOPK, MedusaBuffers, candidate_tokens, default_medusa_choices,
-                                     dense_medusa_choices, generate_medusa_buffers)
+from liger_models.medusa.tree import (TOPK, TREE_TOKENS, MedusaBuffers, candidate_tokens, default_medusa_choices,
+                                     dense_medusa_choices, generate_medusa_buffers, tree_for_batch)
 from liger_models.modules.cache import KVCache
 from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_ids, eos_token_ids, fill_token,
                                            new_token_budget, pad_token, prompt_mask)
@@ -53,8 +53,8 @@ from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_
 LAUNCH_AHEAD = True
 
 # The tree's layout lives in tree.py; its names stay importable from here, where decoding has always offered them.
-__all__ = ["TOPK", "MedusaBuffers", "default_medusa_choices", "dense_medusa_choices", "generate_medusa_buffers",
-           "medusa_generate"]
+__all__ = ["TOPK", "TREE_TOKENS", "MedusaBuffers", "default_medusa_choices", "dense_medusa_choices",
+           "generate_medusa_buffers", "medusa_generate", "tree_for_batch"]
 
 
 class _Steps:
@@ -107,7 +107,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
                     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, topk: int = TOPK,
                     eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                     attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                    return_stats: bool = False, cuda_graph: bool = False):
+                    return_stats: bool = False, cuda_graph: bool = False, tree_tokens: int | None = TREE_TOKENS):
     """(B, T) prompts → (B, T + n) tokens, n ≤ max_new_tokens, each row stopping after an EOS token. max_new_tokens
     None takes the checkpoint's generation_config.json as plain generate does (`new_token_budget`). Prompts of
     different lengths come left-padded with an attention_mask (or the pad id, as plain generate infers it); rows
@@ -127,6 +127,9 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     they reach (longrope, dynamic NTK: `batched_steps.check_one_rotary_table`), which one unpadded sequence handles.
     A prompt id equal to the pad id (argument, else the checkpoint's) is padding, as in plain generate, unless
     attention_mask says otherwise (all ones: those ids are real text).
+    medusa_choices: the tree (rank paths; None: the default one), verified whole while the batch's rows × (1 + its
+    nodes) fit in ``tree_tokens``, else cut to fit, its first-listed choices kept (`tree.tree_for_batch`: the
+    45-node default tree whole up to two rows, 23 nodes at four, 11 at eight). tree_tokens None or 0: never cut.
     """
     if input_ids.dim() != 2 or 0 in input_ids.shape:
         raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "
@@ -148,7 +151,10 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     max_new_tokens = new_token_budget(base, max_new_tokens, input_ids.shape[1])
     device = input_ids.device
     choices = default_medusa_choices(heads.num_heads) if medusa_choices is None else medusa_choices
-    buffers = generate_medusa_buffers(choices, heads.num_heads, topk, device)
+    buffers = generate_medusa_buffers(choices, heads.num_heads, topk, device)  # checks the tree whatever the batch
+    cut = tree_for_batch(choices, input_ids.shape[0], tree_tokens)
+    if len(cut) < len(choices):
+        buffers = generate_medusa_buffers(cut, heads.num_heads, topk, device)
     depth = buffers.depth
     eos_list = eos_token_ids(base, eos_token_id)  # the checkpoint's default, as generate takes it
     eos = set(eos_list)

@@ -98,8 +98,8 @@ class MedusaModel(nn.Module):
                            head_scales=self.head_scales(step, max_steps), normalizer=normalizer)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any):
-        """Medusa tree decoding with these heads (see `liger_models.medusa.decoding.medusa_generate`), with the
-        calibrated tree when one was loaded and no ``medusa_choices`` is given."""
+        """Medusa tree decoding with these heads (see `liger_models.medusa.decoding.medusa_generate`, which cuts the
+        tree for a batch), with the calibrated tree when one was loaded and no ``medusa_choices`` is given."""
         if kwargs.get("medusa_choices") is None:
             kwargs["medusa_choices"] = self.medusa_choices
         return medusa_generate(self.base, self.heads, input_ids, max_new_tokens, **kwargs)

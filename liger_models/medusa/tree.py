@@ -18,6 +18,11 @@ from liger_models.medusa.heads import MedusaHeads
 
 TOPK = 10
 MISS = -1  # in a rank path: the token was not in the head's top-k
+# The most tokens one verification call carries over a batch (B rows × (1 + N) nodes) before it costs clearly more
+# than a plain step, which reads every weight once for its B tokens: measured on an H200 at 1B and 8B widths
+# (benchmarks/bench_medusa_batched.py, BENCHMARKS.md's twenty-third and twenty-fourth sessions). `tree_for_batch`
+# cuts a tree to fit it.
+TREE_TOKENS = 96
 
 
 @dataclass
@@ -54,9 +59,26 @@ def dense_medusa_choices(widths: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
+# How much less promising a candidate is, in tenths of a rough log-odds unit, for each head deeper (heads 2, 3, 4)
+# and for each rank down: fitted to the order of Medusa's published 63-node tree, which its authors built from
+# measured head accuracies (a second head at rank 0 beats the first head's rank 1; a third head's rank 0 comes after
+# the first head's rank 2).
+DEPTH_COST, RANK_COST = (0, 9, 15, 15), 10
+
+
+def choice_cost(choice: Sequence[int]) -> int:
+    """The default ordering's cost of a choice (DEPTH_COST per head it reaches, RANK_COST per rank down): lower is
+    more promising. Both grow along a path, so a parent always costs less than its children."""
+    depth = sum(DEPTH_COST[min(level, len(DEPTH_COST) - 1)] for level in range(len(choice)))  # heads past 4: as 4
+    return depth + RANK_COST * sum(choice)
+
+
 def default_medusa_choices(num_heads: int) -> list[tuple[int, ...]]:
-    """A 44-node (for ≥ 4 heads) tree: top-4 from head 1, top-2 from heads 2 and 3, top-1 from head 4."""
-    return dense_medusa_choices([4, 2, 2, 1][:num_heads])
+    """A 44-node (for ≥ 4 heads) tree: top-4 from head 1, top-2 from heads 2 and 3, top-1 from head 4.
+
+    Listed most promising first (`choice_cost`), as `tree_for_batch` wants; a choice's parent always comes before
+    it, so every prefix is a tree."""
+    return sorted(dense_medusa_choices([4, 2, 2, 1][:num_heads]), key=lambda c: (choice_cost(c), len(c), c))
 
 
 def prefix_counts(rank_paths: torch.Tensor) -> Counter:
@@ -81,12 +103,38 @@ def tree_from_rank_paths(rank_paths: torch.Tensor, size: int) -> list[tuple[int,
     is the sum of its choices' counts / N, and the best tree holds the ``size`` most-counted choices: a choice never
     counts more than its parent, and ties go to the shorter one, so those choices always form a tree. This measures
     acceptance jointly over the heads, where the Medusa paper's construction multiplies per-head accuracies as if
-    they were independent. Choices no row reached are left out (an empty count gives the one-node tree (0,))."""
+    they were independent. Choices no row reached are left out (an empty count gives the one-node tree (0,)).
+    Listed most-counted first, so that every prefix is the best tree of its own size (`tree_for_batch`)."""
     if size < 1:
         raise ValueError(f"a Medusa tree needs at least one choice, got size {size}")
     counts = prefix_counts(rank_paths)
-    best = sorted(counts, key=lambda c: (-counts[c], len(c), c))[:size]
-    return sorted(best, key=lambda c: (len(c), c)) or [(0,)]
+    return sorted(counts, key=lambda c: (-counts[c], len(c), c))[:size] or [(0,)]
+
+
+def tree_for_batch(medusa_choices: Sequence[Sequence[int]], batch: int,
+                   tree_tokens: int | None = TREE_TOKENS) -> list[tuple[int, ...]]:
+    """The part of a tree that ``batch`` rows verify in one call: its first max(1, tree_tokens // batch − 1) choices
+    in the order listed, skipping any whose parent was not taken; the whole tree while it fits (tree_tokens None or
+    0: always).
+
+    A plain step of B rows reads every weight once for B tokens; a Medusa step computes B · (1 + N) tree tokens, so
+    once those are many the call costs several plain steps (8B, the 45-node default tree: 1.2× a plain step at one
+    row, 3.8× at 16) and a tree no head fills that well loses to plain decoding. Cut to ``tree_tokens`` per call, a
+    step stays near a plain one at any batch. Which choices stay is the list's order: most promising first for the
+    default tree and for calibrated ones (`default_medusa_choices`, `tree_from_rank_paths`)."""
+    choices = [tuple(c) for c in medusa_choices]
+    if batch < 1:
+        raise ValueError(f"a batch has at least one row, got {batch}")
+    size = len(choices) if not tree_tokens else max(1, tree_tokens // batch - 1)
+    if size >= len(choices):
+        return choices
+    kept: list[tuple[int, ...]] = []
+    for choice in choices:
+        if len(kept) == size:
+            break
+        if choice not in kept and (len(choice) == 1 or choice[:-1] in kept):
+            kept.append(choice)
+    return kept
 
 
 def mean_accepted(medusa_choices: Sequence[Sequence[int]], rank_paths: torch.Tensor) -> float:

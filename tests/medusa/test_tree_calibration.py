@@ -13,8 +13,8 @@ from liger_models.medusa import MedusaModel
 from liger_models.medusa.calibrate import (CHOICES_NAME, calibrate_medusa_choices, load_medusa_choices, rank_paths,
                                            save_medusa_choices)
 from liger_models.medusa.decoding import medusa_generate
-from liger_models.medusa.tree import (MISS, default_medusa_choices, mean_accepted, prefix_counts, tree_from_rank_paths,
-                                     walk_steps, walk_tokens_per_step)
+from liger_models.medusa.tree import (MISS, default_medusa_choices, mean_accepted, prefix_counts, tree_for_batch,
+                                     tree_from_rank_paths, walk_steps, walk_tokens_per_step)
 from tests.medusa._common import make_base
 
 V, H = 37, 16
@@ -40,16 +40,21 @@ def _closed(tree) -> bool:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
 def test_the_fitted_tree_is_the_best_of_its_size(size):
-    # Brute force over every closed tree of at most `size` choices among those any path reaches.
+    # Brute force over every closed tree of at most k choices among those any path reaches, for the fitted tree and
+    # for each of its prefixes (listed most-counted first, so that tree_for_batch's cut is the best smaller tree).
     paths = torch.randint(0, 3, (40, 3))
     paths[torch.rand(40, 3) < 0.3] = MISS
     fitted = tree_from_rank_paths(paths, size)
-    assert len(fitted) <= size and _closed(set(fitted)) and fitted == sorted(fitted, key=lambda c: (len(c), c))
     counts = prefix_counts(paths)
-    best = max(sum(counts[c] for c in subset) for k in range(1, size + 1)
-               for subset in itertools.combinations(counts, k) if _closed(set(subset)))
-    assert sum(counts[c] for c in fitted) == best
-    assert mean_accepted(fitted, paths) == best / len(paths)
+    assert len(fitted) <= size and len(set(fitted)) == len(fitted)
+    assert [counts[c] for c in fitted] == sorted((counts[c] for c in fitted), reverse=True)
+    for k in range(1, len(fitted) + 1):
+        prefix = fitted[:k]
+        best = max(sum(counts[c] for c in subset) for n in range(1, k + 1)
+                   for subset in itertools.combinations(counts, n) if _closed(set(subset)))
+        assert _closed(set(prefix)) and sum(counts[c] for c in prefix) == best, k
+        assert tree_for_batch(fitted, batch=1, tree_tokens=k + 1) == prefix
+    assert mean_accepted(fitted, paths) == sum(counts[c] for c in fitted) / len(paths)
 
 
 def test_no_hits_give_the_one_node_tree_and_a_size_is_needed():

@@ -165,6 +165,7 @@ def test_prompt_file_is_one_prompt(tiny_model_dir, tmp_path, capsys):
     (["--system", "Be brief."], "add --chat"),
     (["--chat-template", "simple"], "add --chat"),
     (["--default-tree"], "give --medusa"),
+    (["--tree-tokens", "32"], "give --medusa"),
     (["--medusa", "{heads}", "--top-k", "5"], "plain decoding only"),
     (["--prompt-file", "{tmp}/missing.txt"], "--prompt-file"),
 ])
@@ -184,6 +185,28 @@ def _trees_used(monkeypatch) -> list:
     monkeypatch.setattr(model_module, "medusa_generate",
                         lambda *a, **k: seen.append(k["medusa_choices"]) or real(*a, **k))
     return seen
+
+
+def test_a_batch_verifies_its_tree_cut_to_the_token_budget(tiny_model_dir, heads_dir, capsys, monkeypatch):
+    # The demo-sized heads (2) have a 12-choice default tree: 13 tokens a row. Three rows under --tree-tokens 20 cut
+    # it to 20 // 3 - 1 = 5 choices, which the log reports and medusa_generate receives; output stays greedy's.
+    from liger_models.cli import build_parser
+    from liger_models.medusa import decoding
+    from liger_models.medusa.tree import TREE_TOKENS, default_medusa_choices, tree_for_batch
+
+    verified, real = [], decoding.generate_medusa_buffers
+    monkeypatch.setattr(decoding, "generate_medusa_buffers", lambda c, *a: verified.append(list(c)) or real(c, *a))
+    prompts = ["ROMEO:", "To be, or not to be", "O"]
+    argv = ["--medusa", str(heads_dir), "--max-new-tokens", "10", "--batch-size", "3", "--tree-tokens", "20"]
+    code, out, err = _generate(argv + [a for p in prompts for a in ("--prompt", p)], capsys)
+    expected = [_greedy_reference(tiny_model_dir, p, 10)[1] for p in prompts]
+    assert code == 0 and out == "".join(text + "\n" for text in expected)
+    assert "13-node default tree; 6 nodes per row in batches of 3 (--tree-tokens)" in err
+    assert verified[-1] == tree_for_batch(default_medusa_choices(2), 3, 20) and len(verified[-1]) == 5
+    # The option's documented default is the library's.
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    assert f"(default {TREE_TOKENS}, measured" in " ".join(capsys.readouterr().out.split())
 
 
 def test_calibrate_tree_then_generate_uses_it(tiny_model_dir, heads_dir, text_file, capsys, monkeypatch):
