@@ -129,7 +129,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
     attention_mask says otherwise (all ones: those ids are real text).
     medusa_choices: the tree (rank paths; None: the default one), verified whole while the batch's rows × (1 + its
     nodes) fit in ``tree_tokens``, else cut to fit, its first-listed choices kept (`tree.tree_for_batch`: the
-    45-node default tree whole up to two rows, 23 nodes at four, 11 at eight). tree_tokens None or 0: never cut.
+    45-node default tree whole up to two rows, 24 nodes at four, 12 at eight). tree_tokens None or 0: never cut.
     """
     if input_ids.dim() != 2 or 0 in input_ids.shape:
         raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "

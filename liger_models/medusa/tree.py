@@ -118,13 +118,15 @@ def tree_for_batch(medusa_choices: Sequence[Sequence[int]], batch: int,
     0: always).
 
     A plain step of B rows reads every weight once for B tokens; a Medusa step computes B · (1 + N) tree tokens, so
-    once those are many the call costs several plain steps (8B, the 45-node default tree: 1.2× a plain step at one
-    row, 3.8× at 16) and a tree no head fills that well loses to plain decoding. Cut to ``tree_tokens`` per call, a
+    once those are many the call costs several plain steps (8B, the 45-node default tree: 1.1× a plain step at one
+    row, 3.9× at 16) and a tree no head fills that well loses to plain decoding. Cut to ``tree_tokens`` per call, a
     step stays near a plain one at any batch. Which choices stay is the list's order: most promising first for the
     default tree and for calibrated ones (`default_medusa_choices`, `tree_from_rank_paths`)."""
     choices = [tuple(c) for c in medusa_choices]
     if batch < 1:
         raise ValueError(f"a batch has at least one row, got {batch}")
+    if tree_tokens is not None and tree_tokens < 0:
+        raise ValueError(f"tree_tokens must be >= 0 (0: never cut), got {tree_tokens}")
     size = len(choices) if not tree_tokens else max(1, tree_tokens // batch - 1)
     if size >= len(choices):
         return choices

@@ -51,6 +51,8 @@ def test_a_choice_whose_parent_was_cut_is_skipped():
     assert tree_for_batch(tree, 1, tree_tokens=100) == tree  # fits: verified as given
     with pytest.raises(ValueError, match="at least one row"):
         tree_for_batch(tree, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        tree_for_batch(tree, 1, tree_tokens=-1)
 
 
 @pytest.mark.parametrize("tree_tokens,choices", [(30, 9), (0, 21)])
