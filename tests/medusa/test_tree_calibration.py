@@ -107,10 +107,14 @@ def test_calibration_keeps_the_default_tree_when_it_does_better(monkeypatch):
     base.config.eos_token_id = None
     heads = MedusaModel.from_base(base, num_heads=2).heads
     prompts = [torch.randint(3, V, (5,))]
+    # Paths the default tree scores well on and a rank-9 tree never: random heads rank the targets near uniformly,
+    # so which of the two hits more on a short continuation was the seed's choice (seed 13: rank 9 once, 0-3 never).
+    paths = torch.tensor([[0, 0], [1, MISS], [0, 1], [MISS, MISS]] * 6)
+    monkeypatch.setattr("liger_models.medusa.calibrate.rank_paths", lambda *args: paths)
     monkeypatch.setattr("liger_models.medusa.calibrate.tree_from_rank_paths", lambda paths, size: [(9,)])
-    kept = calibrate_medusa_choices(base, heads, prompts, new_tokens=24, size=20)  # rank 9 alone rarely hits
+    kept = calibrate_medusa_choices(base, heads, prompts, new_tokens=24, size=20)
     assert kept.kept_default and kept.medusa_choices == default_medusa_choices(2)
-    assert kept.tokens_per_step == kept.default_tokens_per_step >= 1.0
+    assert kept.tokens_per_step == kept.default_tokens_per_step > 1.0
     small = calibrate_medusa_choices(base, heads, prompts, new_tokens=24, size=1)  # the default does not fit in 1
     assert not small.kept_default and small.medusa_choices == [(9,)]
 
