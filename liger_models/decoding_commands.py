@@ -375,7 +375,7 @@ def calibration_prompts(paths, tokenizer, special, *, count: int, prompt_tokens:
 def run_calibrate(args: argparse.Namespace, log=None):
     """The calibrate-tree command: fit the tree, save it next to the heads, report what it gains."""
     from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
-    from liger_models.medusa.tree import default_medusa_choices
+    from liger_models.medusa.tree import TREE_TOKENS, default_medusa_choices
 
     log = log or sys.stderr
     device, dtype = _device_and_dtype(args)
@@ -397,7 +397,11 @@ def run_calibrate(args: argparse.Namespace, log=None):
         fitted = f"a {len(calibration.medusa_choices) + 1}-node tree"
     print(f"{fitted}, from {calibration.positions} positions of {len(prompts)} greedy continuations: "
           f"{calibration.tokens_per_step:.2f} tokens per base-model forward when decoding them (the default "
-          f"{default_nodes}-node tree: {calibration.default_tokens_per_step:.2f})\nwrote {path}", file=log, flush=True)
+          f"{default_nodes}-node tree: {calibration.default_tokens_per_step:.2f})", file=log, flush=True)
+    cuts = ", ".join(f"{batch} rows: {nodes} nodes, {tokens:.2f}"
+                     for batch, (nodes, tokens) in calibration.by_batch.items())
+    print(f"batched (the tree cut to {TREE_TOKENS} tokens per call), per row: {cuts}\nwrote {path}", file=log,
+          flush=True)
     return calibration
 
 

@@ -16,7 +16,7 @@ The tree is saved next to the heads as ``medusa_choices.json`` (a file the Medus
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -24,10 +24,11 @@ from torch import nn
 
 from liger_models.medusa.checkpoint import read_json, save_json
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.medusa.tree import (MISS, TOPK, default_medusa_choices, generate_medusa_buffers,
+from liger_models.medusa.tree import (MISS, TOPK, default_medusa_choices, generate_medusa_buffers, tree_for_batch,
                                      tree_from_rank_paths, walk_tokens_per_step)
 
 CHOICES_NAME = "medusa_choices.json"
+BATCHES = (1, 2, 4, 8, 16)  # batch sizes whose cut trees (`tree.tree_for_batch`) a calibration also scores
 LOGITS_BUDGET_BYTES = 256 << 20  # heads' logits held at once while ranking (positions are chunked to fit)
 
 
@@ -66,11 +67,15 @@ class Calibration:
     tokens_per_step: float  # `walk_tokens_per_step` on those paths
     default_tokens_per_step: float  # the default tree of as many heads, the same way
     kept_default: bool = False  # the fitted tree walked no better than the default one, which was kept instead
+    # batch size → (nodes, tokens per forward per row) of the tree as decoding cuts it for that batch
+    by_batch: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"medusa_choices": [list(c) for c in self.medusa_choices], "positions": self.positions,
                 "tokens_per_step": round(self.tokens_per_step, 4),
-                "default_tokens_per_step": round(self.default_tokens_per_step, 4), "kept_default": self.kept_default}
+                "default_tokens_per_step": round(self.default_tokens_per_step, 4), "kept_default": self.kept_default,
+                "by_batch": {str(batch): {"nodes": nodes, "tokens_per_step": round(tokens, 4)}
+                             for batch, (nodes, tokens) in self.by_batch.items()}}
 
 
 @torch.no_grad()
@@ -95,8 +100,13 @@ def calibrate_medusa_choices(base: nn.Module, heads: MedusaHeads, prompts: Seque
     fitted, default = tree_from_rank_paths(paths, size), default_medusa_choices(heads.num_heads)
     fitted_score, default_score = (walk_tokens_per_step(tree, per_sequence) for tree in (fitted, default))
     if default_score >= fitted_score and len(default) <= size:
-        return Calibration(default, len(paths), default_score, default_score, kept_default=True)
-    return Calibration(fitted, len(paths), fitted_score, default_score)
+        calibration = Calibration(default, len(paths), default_score, default_score, kept_default=True)
+    else:
+        calibration = Calibration(fitted, len(paths), fitted_score, default_score)
+    for batch in BATCHES:
+        cut = tree_for_batch(calibration.medusa_choices, batch)
+        calibration.by_batch[batch] = (len(cut) + 1, walk_tokens_per_step(cut, per_sequence))
+    return calibration
 
 
 def save_medusa_choices(directory: str | os.PathLike, calibration: Calibration) -> str:

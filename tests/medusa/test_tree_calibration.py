@@ -109,7 +109,7 @@ def test_calibration_keeps_the_default_tree_when_it_does_better(monkeypatch):
     prompts = [torch.randint(3, V, (5,))]
     # Paths the default tree scores well on and a rank-9 tree never: random heads rank the targets near uniformly,
     # so which of the two hits more on a short continuation was the seed's choice (seed 13: rank 9 once, 0-3 never).
-    paths = torch.tensor([[0, 0], [1, MISS], [0, 1], [MISS, MISS]] * 6)
+    paths = torch.tensor([[3, 1]] * 24)  # head 1's fourth guess, then head 2's second: the default tree's last choice
     monkeypatch.setattr("liger_models.medusa.calibrate.rank_paths", lambda *args: paths)
     monkeypatch.setattr("liger_models.medusa.calibrate.tree_from_rank_paths", lambda paths, size: [(9,)])
     kept = calibrate_medusa_choices(base, heads, prompts, new_tokens=24, size=20)
@@ -117,6 +117,10 @@ def test_calibration_keeps_the_default_tree_when_it_does_better(monkeypatch):
     assert kept.tokens_per_step == kept.default_tokens_per_step > 1.0
     small = calibrate_medusa_choices(base, heads, prompts, new_tokens=24, size=1)  # the default does not fit in 1
     assert not small.kept_default and small.medusa_choices == [(9,)]
+    # The kept default tree as batches cut it (13 nodes: whole up to 4 rows, then 12 without (3, 1), 6 without (3,)),
+    # walked on the same paths: 3 tokens a step, then 2, then 1.
+    assert {b: (n, t) for b, (n, t) in kept.by_batch.items()} == {1: (13, 3.0), 2: (13, 3.0), 4: (13, 3.0),
+                                                                   8: (12, 2.0), 16: (6, 1.0)}
 
 
 def test_continuations_too_short_to_rank():

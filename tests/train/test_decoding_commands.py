@@ -225,6 +225,12 @@ def test_calibrate_tree_then_generate_uses_it(tiny_model_dir, heads_dir, text_fi
     assert saved["positions"] > 0 and "tokens per base-model forward when decoding them" in err
     assert not saved["kept_default"]  # the default (12 choices) does not fit in 5
     assert 1 <= len(tree) <= 5 and f"a {len(tree) + 1}-node tree" in err
+    # What each row gets from the tree as a batch cuts it: the whole tree up to 16 rows (6 × 16 = 96 tokens), and
+    # a subtree never accepts more.
+    by_batch = saved["by_batch"]
+    assert list(by_batch) == ["1", "2", "4", "8", "16"] and "batched (the tree cut to 96 tokens per call)" in err
+    assert by_batch["1"]["tokens_per_step"] == saved["tokens_per_step"]
+    assert all(row["nodes"] == len(tree) + 1 for row in by_batch.values())
     seen = _trees_used(monkeypatch)
     code, out, err = _generate(["--medusa", str(heads_dir), "--prompt", "ROMEO:", "--max-new-tokens", "8",
                                 "--compare"], capsys)
