@@ -32,7 +32,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SIZES = (8, 16, 32, 63, 96)
-BATCHES = (1, 2, 4, 8, 16)  # the batch sizes whose cut trees (`tree_for_batch`) are scored
 NEW_TOKENS = 96
 PROMPTS = 12
 PROMPT_TOKENS = 48
@@ -77,7 +76,7 @@ def main() -> None:
     from liger_models.decoding_commands import calibration_prompts, timed_call
     from liger_models.hub import load_tokenizer
     from liger_models.medusa import MedusaModel
-    from liger_models.medusa.calibrate import rank_paths
+    from liger_models.medusa.calibrate import BATCHES, rank_paths  # the batch sizes whose cut trees are scored
     from liger_models.medusa.tree import (TREE_TOKENS, default_medusa_choices, tree_for_batch, tree_from_rank_paths,
                                          walk_tokens_per_step)
     from liger_models.train.data import read_special_tokens

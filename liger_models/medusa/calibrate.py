@@ -7,7 +7,8 @@ continuation every token is that argmax, so a teacher-forced pass over it sees w
 (`rank_paths`; exactly in fp32 / fp64, while in bf16 the cached and the full-sequence forward may round a near-tied
 argmax apart). The tree is fitted on every position (`tree_from_rank_paths`); it and the default tree are then
 scored as decoding runs, a step starting where the previous one ended (`walk_tokens_per_step`), and the default is
-kept when it does as well.
+kept when it does as well. The kept tree is also walked as decoding cuts it for batches of 1-16 rows
+(`tree.tree_for_batch`), so a user sees what each row gets at the batch size they decode with.
 
 The tree is saved next to the heads as ``medusa_choices.json`` (a file the Medusa/TGI readers never look for), which
 `MedusaModel.from_pretrained` loads and `MedusaModel.generate` uses unless given ``medusa_choices``.
