@@ -25,7 +25,7 @@ from torch import nn
 
 from liger_models.medusa.checkpoint import read_json, save_json
 from liger_models.medusa.heads import MedusaHeads
-from liger_models.medusa.tree import (MISS, TOPK, default_medusa_choices, generate_medusa_buffers, tree_for_batch,
+from liger_models.medusa.tree import (MISS, TOPK, check_medusa_choices, default_medusa_choices, tree_for_batch,
                                      tree_from_rank_paths, walk_tokens_per_step)
 
 CHOICES_NAME = "medusa_choices.json"
@@ -134,7 +134,7 @@ def load_medusa_choices(directory: str | os.PathLike, num_heads: int,
         raise ValueError(f"{path}: 'medusa_choices' must be a list of rank paths such as [[0], [0, 1]]")
     choices = [tuple(c) for c in raw]
     try:
-        generate_medusa_buffers(choices, num_heads, topk)
+        check_medusa_choices(choices, num_heads, topk)
     except ValueError as exc:
         raise ValueError(f"{path} does not fit these heads: {exc}") from None
     return choices

@@ -167,14 +167,15 @@ def walk_steps(medusa_choices: Sequence[Sequence[int]], rank_paths: torch.Tensor
     return steps
 
 
-def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int = TOPK,
-                            device: torch.device | str | None = None) -> MedusaBuffers:
-    """Tree mask, node → candidate indices, node depths and root-to-leaf paths for `medusa_choices`."""
+def check_medusa_choices(medusa_choices: Sequence[Sequence[int]], num_heads: int,
+                         topk: int = TOPK) -> list[tuple[int, ...]]:
+    """The tree's choices as tuples, each once, in the order listed; refused by name when they are not a tree these
+    heads can fill (a rank past the top-k, deeper than the heads, a missing parent, a dense width spec)."""
     # Medusa v0.1's dense widths (e.g. [1, 7, 6]) would otherwise fail with "'int' object is not iterable".
     if any(isinstance(c, int) for c in medusa_choices):
         raise ValueError(f"medusa_choices must be rank paths such as [(0,), (0, 1)], got {list(medusa_choices)[:4]}; "
                          "for a dense spec of per-head widths use dense_medusa_choices(widths)")
-    choices = sorted({tuple(c) for c in medusa_choices}, key=lambda c: (len(c), c))
+    choices = list(dict.fromkeys(tuple(c) for c in medusa_choices))
     if not choices or any(len(c) == 0 for c in choices):
         raise ValueError("medusa_choices must be a non-empty list of non-empty rank paths")
     depth = max(len(c) for c in choices)
@@ -182,10 +183,19 @@ def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: 
         raise ValueError(f"medusa_choices reach depth {depth} but the model has only {num_heads} Medusa heads")
     if any(r < 0 or r >= topk for c in choices for r in c):
         raise ValueError(f"every rank in medusa_choices must be in [0, {topk})")
-    node = {c: i + 1 for i, c in enumerate(choices)}  # node 0 is the root
-    missing = [c for c in choices if len(c) > 1 and c[:-1] not in node]
+    listed = set(choices)
+    missing = [c for c in sorted(choices, key=lambda c: (len(c), c)) if len(c) > 1 and c[:-1] not in listed]
     if missing:
         raise ValueError(f"medusa_choices must contain every path's parent; missing parents of {missing[:3]}")
+    return choices
+
+
+def generate_medusa_buffers(medusa_choices: Sequence[Sequence[int]], num_heads: int, topk: int = TOPK,
+                            device: torch.device | str | None = None) -> MedusaBuffers:
+    """Tree mask, node → candidate indices, node depths and root-to-leaf paths for `medusa_choices`."""
+    choices = sorted(check_medusa_choices(medusa_choices, num_heads, topk), key=lambda c: (len(c), c))
+    depth = max(len(c) for c in choices)
+    node = {c: i + 1 for i, c in enumerate(choices)}  # node 0 is the root
     n = len(choices) + 1
     mask = torch.eye(n, dtype=torch.bool)
     mask[:, 0] = True

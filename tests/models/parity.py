@@ -90,7 +90,8 @@ def float64_reference(hf) -> transformers.PreTrainedModel:
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """HF's shifted next-token cross-entropy, mean over the kept targets, in the logits' dtype."""
+    """HF's shifted next-token cross-entropy, mean over the kept targets, in the logits' dtype (float32 logits: HF's
+    own loss, which upcasts to float32)."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
@@ -135,10 +136,10 @@ def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_
     losses = {}
     for tag, model in (("truth", truth), *peers.items(), ("ours", ours)):
         model.zero_grad(set_to_none=True)
-        if tag == "truth":
-            loss = causal_lm_loss(truth(ids, use_cache=False, **kwargs).logits, labels)
-        else:
-            loss = model(ids, labels=labels, **({} if tag == "ours" else {"use_cache": False}), **kwargs).loss
+        if model is ours:  # our own loss path is under test
+            loss = ours(ids, labels=labels, **kwargs).loss
+        else:  # HF's loss, taken in the logits' dtype (HF's own would round float64 logits to float32)
+            loss = causal_lm_loss(model(ids, use_cache=False, **kwargs).logits, labels)
         loss.backward()
         losses[tag] = loss.item()
     scale = max(1.0, abs(losses["truth"]))
