@@ -1,0 +1,172 @@
+"""Can a gated MLP's activation move into its gate_up GEMM's epilogue and win? (issue 6)
+
+The remaining end-to-end gap (BENCHMARKS.md, "What bounds each end-to-end config") sits in the non-GEMM kernels,
+which already run at 60–77% of the copy rate; only fusing them into GEMM epilogues would shrink them further.
+cuBLAS has no epilogue for a gated product (gelu(gate)·up), so the fused GEMM would be a Triton one. This probe
+measures, at the e2e configs' MLP shapes (N tokens, K = hidden, I = intermediate, bf16):
+
+- `cublas`            gate_up = x · W_guᵀ  (torch.mm, what a step runs now)
+- `cublas+act`        that GEMM plus this project's gated forward kernel (reads gate_up, writes act)
+- `triton`            the same GEMM as a Triton TMA kernel (persistent or one tile per program; best of a
+                      small config sweep), writing gate_up
+- `triton-fused`      the Triton GEMM computing a gate tile and its up tile side by side (two accumulators over
+                      one x tile) and writing gate, up (kept for the backward) and act = silu(gate)·up
+
+The fusion removes one read of gate_up (2·N·I·2 bytes) per layer, so it wins only if `triton-fused` beats
+`cublas+act`. The backward's fusion (d act's GEMM writing d gate_up) has the same GEMM at its core, so the
+forward answers for both.
+
+    python benchmarks/gemm_epilogue_probe.py --out DIR [--shapes llama-3.2-1b,gemma-2b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# name → (tokens, hidden, intermediate), the bench_e2e configs' batch × seq and MLP widths
+SHAPES = {
+    "llama-3.2-1b": (16384, 2048, 8192),
+    "qwen2.5-1.5b": (16384, 1536, 8960),
+    "gemma-2b": (16384, 2048, 16384),
+    "llama-3-8b-w8l": (8192, 4096, 14336),
+    "phi-3-mini-w8l": (16384, 3072, 8192),
+}
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps); for the fused kernel BLOCK_N is the width of each of the two halves
+PLAIN_CONFIGS = [(128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 64, 5, 8),
+                 (256, 128, 64, 3, 8)]
+FUSED_CONFIGS = [(128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (128, 64, 64, 5, 8), (128, 128, 64, 2, 8)]
+
+
+@triton.jit
+def _tile_coords(tile, n_m, n_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles share each column tile's weight while it is in L2."""
+    per_group = GROUP_M * n_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
+def _gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, N, K, HALF_OFFSET, NUM_PROGRAMS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 STAGES: tl.constexpr, FUSED: tl.constexpr):
+    """out = x · wᵀ over output tiles; FUSED: each tile is gate columns n.. and their up columns HALF_OFFSET + n..,
+    and act = silu(gate)·up is written too. N counts output columns (the gate half's width when FUSED)."""
+    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile, n_m, n_n, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in tl.range(k_tiles, num_stages=STAGES):
+            x = x_desc.load([off_m, kt * BLOCK_K])
+            acc = tl.dot(x, w_desc.load([off_n, kt * BLOCK_K]).T, acc)
+            if FUSED:
+                acc_up = tl.dot(x, w_desc.load([HALF_OFFSET + off_n, kt * BLOCK_K]).T, acc_up)
+        out_desc.store([off_m, off_n], acc.to(tl.bfloat16))
+        if FUSED:
+            out_desc.store([off_m, HALF_OFFSET + off_n], acc_up.to(tl.bfloat16))
+            gate = acc.to(tl.bfloat16).to(tl.float32)  # the backward recomputes from the stored bf16 values
+            act = gate / (1.0 + tl.exp(-gate)) * acc_up.to(tl.bfloat16).to(tl.float32)
+            act_desc.store([off_m, off_n], act.to(tl.bfloat16))
+
+
+def triton_gemm(x, w, out, act, config, persistent: bool, fused: bool) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m, block_n, block_k, stages, warps = config
+    m, k = x.shape
+    assert not fused or act.shape[1] % block_n == 0, "a fused tile must not straddle the gate and up halves"
+    n = act.shape[1] if fused else w.shape[0]
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    programs = min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count) if persistent else tiles
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
+    out_desc = TensorDescriptor.from_tensor(out, [block_m, block_n])
+    act_desc = TensorDescriptor.from_tensor(act, [block_m, block_n]) if fused else out_desc
+    _gemm_kernel[(programs,)](x_desc, w_desc, out_desc, act_desc, m, n, k, n if fused else 0, programs,
+                              block_m, block_n, block_k, 8, stages, fused, num_warps=warps)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
+    from triton.testing import do_bench
+
+    from liger_models.kernels.gated_mlp import gated_forward
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
+    gate_up = torch.empty(tokens, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    act = torch.empty(tokens, inter, device="cuda", dtype=torch.bfloat16)
+    want_gu = x @ w.t()
+    want_act = torch.empty_like(act)
+    gated_forward(want_gu[:, :inter], want_gu[:, inter:], want_act, "silu")
+    flop = 2 * tokens * hidden * 2 * inter
+
+    def cublas():
+        torch.mm(x, w.t(), out=gate_up)
+
+    def cublas_act():
+        torch.mm(x, w.t(), out=gate_up)
+        gated_forward(gate_up[:, :inter], gate_up[:, inter:], act, "silu")
+
+    row = {"shape": name, "tokens": tokens, "hidden": hidden, "inter": inter,
+           "cublas_ms": do_bench(cublas), "cublas_act_ms": do_bench(cublas_act), "triton": [], "fused": []}
+    for fused, configs in ((False, PLAIN_CONFIGS), (True, FUSED_CONFIGS)):
+        for config in configs:
+            for persistent in (True, False):
+                gate_up.fill_(float("nan"))
+                act.fill_(float("nan"))
+                try:
+                    triton_gemm(x, w, gate_up, act, config, persistent, fused)
+                    torch.cuda.synchronize()
+                except Exception as err:  # out of shared memory / registers for this config
+                    row["fused" if fused else "triton"].append({"config": config, "error": str(err)[:120]})
+                    continue
+                err = max(_rel_err(gate_up, want_gu), _rel_err(act, want_act) if fused else 0.0)
+                ms = do_bench(lambda: triton_gemm(x, w, gate_up, act, config, persistent, fused))
+                row["fused" if fused else "triton"].append(
+                    {"config": config, "persistent": persistent, "ms": ms, "rel_err": err})
+    for key in ("triton", "fused"):
+        ok = [r for r in row[key] if "ms" in r and r["rel_err"] < 1e-2]
+        row[key + "_best"] = min(ok, key=lambda r: r["ms"]) if ok else None
+    row["tflops"] = {k: flop / row[k + "_ms"] / 1e9 for k in ("cublas", "cublas_act")}
+    for key in ("triton", "fused"):
+        if row[key + "_best"]:
+            row["tflops"][key] = flop / row[key + "_best"]["ms"] / 1e9
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args()
+    rows = []
+    print(f"{'shape':16} {'cublas':>8} {'+act':>8} {'triton':>8} {'fused':>8}   ms (TFLOP/s of the GEMM)")
+    for name in args.shapes.split(","):
+        row = probe(name, *SHAPES[name])
+        rows.append(row)
+        best = {k: (row[k + "_best"] or {}).get("ms", float("nan")) for k in ("triton", "fused")}
+        print(f"{name:16} {row['cublas_ms']:8.3f} {row['cublas_act_ms']:8.3f} {best['triton']:8.3f} "
+              f"{best['fused']:8.3f}   ({row['tflops']['cublas']:.0f} / {row['tflops'].get('triton', 0):.0f} "
+              f"/ fused {row['tflops'].get('fused', 0):.0f}; fused config {(row['fused_best'] or {}).get('config')})",
+              flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gemm_epilogue_probe.json"), "w") as f:
+        json.dump({"env": {"torch": torch.__version__, "triton": triton.__version__,
+                           "gpu": torch.cuda.get_device_name()}, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
