@@ -9,10 +9,12 @@ measures, at the e2e configs' MLP shapes (N tokens, K = hidden, I = intermediate
 - `cublas+act`        that GEMM plus this project's gated forward kernel (reads gate_up, writes act)
 - `triton`            the same GEMM as a Triton TMA kernel (persistent or one tile per program; best of a
                       small config sweep), writing gate_up
-- `triton-fused`      the Triton GEMM computing a gate tile and its up tile side by side (two accumulators over
+- `fused`             the Triton GEMM computing a gate tile and its up tile side by side (two accumulators over
                       one x tile) and writing gate, up (kept for the backward) and act = silu(gate)·up
+- `interleaved`       the same epilogue over a weight whose gate and up rows alternate in blocks (a layout the
+                      model could keep): one accumulator and one dot per K step, as the plain GEMM
 
-The fusion removes one read of gate_up (2·N·I·2 bytes) per layer, so it wins only if `triton-fused` beats
+The fusion removes one read of gate_up (2·N·I·2 bytes) per layer, so it wins only if `fused` or `interleaved` beats
 `cublas+act`. The backward's fusion (d act's GEMM writing d gate_up) has the same GEMM at its core, so the
 forward answers for both.
 
@@ -37,10 +39,14 @@ SHAPES = {
     "llama-3-8b-w8l": (8192, 4096, 14336),
     "phi-3-mini-w8l": (16384, 3072, 8192),
 }
-# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps); for the fused kernel BLOCK_N is the width of each of the two halves
-PLAIN_CONFIGS = [(128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 64, 5, 8),
-                 (256, 128, 64, 3, 8)]
-FUSED_CONFIGS = [(128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (128, 64, 64, 5, 8), (128, 128, 64, 2, 8)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps); BLOCK_N is each half's width for `fused`, both halves' for
+# `interleaved`. First calls: 128×256 and 256×128 tiles with 3 stages led; 4 stages of 128×256 do not fit in
+# shared memory; 128×128 plain tiles and 128×64 fused halves were 5–30% slower; num_warps must be a power of 2.
+CONFIGS = {
+    "triton": [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 256, 128, 2, 8)],
+    "fused": [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8)],
+    "interleaved": [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 256, 128, 2, 8)],
+}
 
 
 @triton.jit
@@ -55,17 +61,20 @@ def _tile_coords(tile, n_m, n_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, N, K, HALF_OFFSET, NUM_PROGRAMS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 STAGES: tl.constexpr, FUSED: tl.constexpr):
+                 FUSED: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """out = x · wᵀ over output tiles; FUSED: each tile is gate columns n.. and their up columns HALF_OFFSET + n..,
     and act = silu(gate)·up is written too. N counts output columns (the gate half's width when FUSED)."""
     n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS):
+    # FLATTEN lets the pipeliner issue the next tile's loads during this tile's epilogue; WARP_SPECIALIZE gives
+    # loads, MMAs and the epilogue their own warps (both Triton ≥ 3.5 on sm90).
+    for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile, n_m, n_n, GROUP_M)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in tl.range(k_tiles, num_stages=STAGES):
+        for kt in range(k_tiles):
             x = x_desc.load([off_m, kt * BLOCK_K])
             acc = tl.dot(x, w_desc.load([off_n, kt * BLOCK_K]).T, acc)
             if FUSED:
@@ -78,7 +87,60 @@ def _gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, N, K, HALF_OFFSET, NUM_P
             act_desc.store([off_m, off_n], act.to(tl.bfloat16))
 
 
-def triton_gemm(x, w, out, act, config, persistent: bool, fused: bool) -> None:
+@triton.jit
+def _gemm_interleaved_kernel(x_desc, w_desc, out_desc, act_desc, M, N, K, NUM_PROGRAMS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """The fused GEMM over a weight whose gate and up rows alternate in blocks of BLOCK_N / 2 (interleave()):
+    one dot of the full tile width per K step, as the plain GEMM, and the accumulator split in two for the
+    epilogue. N counts gate_up's columns (2·I); gate lands in columns [0, I), up in [I, 2·I)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    n_m, n_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile, n_m, n_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(k_tiles):
+            acc = tl.dot(x_desc.load([off_m, kt * BLOCK_K]), w_desc.load([pid_n * BLOCK_N, kt * BLOCK_K]).T, acc)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        gate, up = gate.to(tl.bfloat16), up.to(tl.bfloat16)
+        out_desc.store([off_m, pid_n * HALF], gate)
+        out_desc.store([off_m, N // 2 + pid_n * HALF], up)
+        g = gate.to(tl.float32)
+        act_desc.store([off_m, pid_n * HALF], (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(tl.bfloat16))
+
+
+def interleave(w: torch.Tensor, half: int) -> torch.Tensor:
+    """Rows of a packed [gate; up] weight reordered as gate block 0, up block 0, gate block 1, ... (blocks of
+    `half` rows): the layout _gemm_interleaved_kernel reads."""
+    two_i, k = w.shape
+    return w.view(2, two_i // 2 // half, half, k).transpose(0, 1).reshape(two_i, k).contiguous()
+
+
+def interleaved_gemm(x, w_il, out, act, config, mode: str) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m, block_n, block_k, stages, warps = config
+    m, k = x.shape
+    n = w_il.shape[0]
+    assert act.shape[1] % (block_n // 2) == 0, "gate and up blocks must tile the intermediate width"
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    programs = tiles if mode == "tiles" else min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(w_il, [block_n, block_k])
+    out_desc = TensorDescriptor.from_tensor(out, [block_m, block_n // 2])
+    act_desc = TensorDescriptor.from_tensor(act, [block_m, block_n // 2])
+    _gemm_interleaved_kernel[(programs,)](x_desc, w_desc, out_desc, act_desc, m, n, k, programs, block_m, block_n,
+                                          block_k, 8, mode == "flatten", mode == "warp-specialized",
+                                          num_warps=warps, num_stages=stages)
+
+
+MODES = ("tiles", "persistent", "flatten", "warp-specialized")  # one output tile per program, or a persistent grid
+
+
+def triton_gemm(x, w, out, act, config, mode: str, fused: bool) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block_m, block_n, block_k, stages, warps = config
@@ -86,13 +148,14 @@ def triton_gemm(x, w, out, act, config, persistent: bool, fused: bool) -> None:
     assert not fused or act.shape[1] % block_n == 0, "a fused tile must not straddle the gate and up halves"
     n = act.shape[1] if fused else w.shape[0]
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    programs = min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count) if persistent else tiles
+    programs = tiles if mode == "tiles" else min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
     out_desc = TensorDescriptor.from_tensor(out, [block_m, block_n])
     act_desc = TensorDescriptor.from_tensor(act, [block_m, block_n]) if fused else out_desc
     _gemm_kernel[(programs,)](x_desc, w_desc, out_desc, act_desc, m, n, k, n if fused else 0, programs,
-                              block_m, block_n, block_k, 8, stages, fused, num_warps=warps)
+                              block_m, block_n, block_k, 8, fused, mode == "flatten", mode == "warp-specialized",
+                              num_warps=warps, num_stages=stages)
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -121,29 +184,38 @@ def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
         gated_forward(gate_up[:, :inter], gate_up[:, inter:], act, "silu")
 
     row = {"shape": name, "tokens": tokens, "hidden": hidden, "inter": inter,
-           "cublas_ms": do_bench(cublas), "cublas_act_ms": do_bench(cublas_act), "triton": [], "fused": []}
-    for fused, configs in ((False, PLAIN_CONFIGS), (True, FUSED_CONFIGS)):
+           "cublas_ms": do_bench(cublas), "cublas_act_ms": do_bench(cublas_act)}
+    weights = {}
+
+    def run(family, config, mode):
+        if family == "interleaved":
+            w_il = weights.setdefault(config[1], interleave(w, config[1] // 2))
+            interleaved_gemm(x, w_il, gate_up, act, config, mode)
+        else:
+            triton_gemm(x, w, gate_up, act, config, mode, family == "fused")
+
+    row["tflops"] = {k: flop / row[k + "_ms"] / 1e9 for k in ("cublas", "cublas_act")}
+    for family, configs in CONFIGS.items():
+        row[family] = []
         for config in configs:
-            for persistent in (True, False):
+            for mode in MODES:
                 gate_up.fill_(float("nan"))
                 act.fill_(float("nan"))
                 try:
-                    triton_gemm(x, w, gate_up, act, config, persistent, fused)
+                    run(family, config, mode)
                     torch.cuda.synchronize()
                 except Exception as err:  # out of shared memory / registers for this config
-                    row["fused" if fused else "triton"].append({"config": config, "error": str(err)[:120]})
+                    row[family].append({"config": config, "mode": mode, "error": str(err)[:120]})
                     continue
-                err = max(_rel_err(gate_up, want_gu), _rel_err(act, want_act) if fused else 0.0)
-                ms = do_bench(lambda: triton_gemm(x, w, gate_up, act, config, persistent, fused))
-                row["fused" if fused else "triton"].append(
-                    {"config": config, "persistent": persistent, "ms": ms, "rel_err": err})
-    for key in ("triton", "fused"):
-        ok = [r for r in row[key] if "ms" in r and r["rel_err"] < 1e-2]
-        row[key + "_best"] = min(ok, key=lambda r: r["ms"]) if ok else None
-    row["tflops"] = {k: flop / row[k + "_ms"] / 1e9 for k in ("cublas", "cublas_act")}
-    for key in ("triton", "fused"):
-        if row[key + "_best"]:
-            row["tflops"][key] = flop / row[key + "_best"]["ms"] / 1e9
+                err = _rel_err(gate_up, want_gu)
+                if family != "triton":
+                    err = max(err, _rel_err(act, want_act))
+                ms = do_bench(lambda: run(family, config, mode))
+                row[family].append({"config": config, "mode": mode, "ms": ms, "rel_err": err})
+        ok = [r for r in row[family] if "ms" in r and r["rel_err"] < 1e-2]
+        row[family + "_best"] = best = min(ok, key=lambda r: r["ms"]) if ok else None
+        if best:
+            row["tflops"][family] = flop / best["ms"] / 1e9
     return row
 
 
@@ -153,15 +225,14 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     rows = []
-    print(f"{'shape':16} {'cublas':>8} {'+act':>8} {'triton':>8} {'fused':>8}   ms (TFLOP/s of the GEMM)")
+    print(f"{'shape':16} {'cublas':>8} {'+act':>8} {'triton':>8} {'fused':>8} {'interl.':>8}   ms; best configs")
     for name in args.shapes.split(","):
         row = probe(name, *SHAPES[name])
         rows.append(row)
-        best = {k: (row[k + "_best"] or {}).get("ms", float("nan")) for k in ("triton", "fused")}
-        print(f"{name:16} {row['cublas_ms']:8.3f} {row['cublas_act_ms']:8.3f} {best['triton']:8.3f} "
-              f"{best['fused']:8.3f}   ({row['tflops']['cublas']:.0f} / {row['tflops'].get('triton', 0):.0f} "
-              f"/ fused {row['tflops'].get('fused', 0):.0f}; fused config {(row['fused_best'] or {}).get('config')})",
-              flush=True)
+        best = {k: row[k + "_best"] or {} for k in CONFIGS}
+        print(f"{name:16} {row['cublas_ms']:8.3f} {row['cublas_act_ms']:8.3f} "
+              + " ".join(f"{best[k].get('ms', float('nan')):8.3f}" for k in CONFIGS)
+              + "   " + "; ".join(f"{k} {best[k].get('config')} {best[k].get('mode')}" for k in CONFIGS), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gemm_epilogue_probe.json"), "w") as f:
         json.dump({"env": {"torch": torch.__version__, "triton": triton.__version__,

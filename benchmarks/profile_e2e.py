@@ -98,9 +98,40 @@ def _worker(name: str, provider: str, warmup: int) -> dict:
                 host_gap_ms=max(plain_ms - busy, 0.0),
                 categories=dict(sorted(cats.items(), key=lambda kv: -kv[1])),
                 top_kernels=[dict(name=n[:120], ms=v[0], calls=v[1], category=category(n)) for n, v in top],
+                idle=idle_between_kernels(prof),
                 memory_gib=dict(peak=peak / gib, weights=weights / gib, grads=weights / gib,
                                 optimizer=states / gib, rest=(peak - 2 * weights - states) / gib,
                                 **{k: v / gib for k, v in phases.items()}))
+
+
+def idle_between_kernels(prof) -> dict:
+    """Where the GPU sits idle inside the profiled step: kernel intervals of every stream merged, each idle gap
+    between them charged to the categories of the kernels on either side, plus a size histogram. Gaps of a few µs
+    between dependent kernels are launch latency; long ones point at a wait (a host sync, a side stream, Python)."""
+    import torch
+
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.end > ev.time_range.start)
+    if not spans:
+        return {}
+    by_pair, buckets = defaultdict(lambda: [0.0, 0]), defaultdict(float)
+    busy, (start, end, last) = 0.0, spans[0]
+    for s, e, name in spans[1:]:
+        if s > end:
+            gap = s - end
+            pair = by_pair[f"{category(last)} -> {category(name)}"]
+            pair[0] += gap / 1e3
+            pair[1] += 1
+            buckets["<5us" if gap < 5 else "5-20us" if gap < 20 else "20-100us" if gap < 100 else ">=100us"] += gap / 1e3
+            busy += end - start
+            start = s
+        if e >= end:
+            end, last = e, name
+    busy += end - start
+    span_ms = (spans[-1][1] - spans[0][0]) / 1e3
+    top = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:12]
+    return dict(span_ms=span_ms, union_busy_ms=busy / 1e3, idle_ms=span_ms - busy / 1e3, idle_buckets=dict(buckets),
+                idle_by_pair=[dict(pair=k, ms=v[0], gaps=v[1]) for k, v in top])
 
 
 def report(r: dict) -> str:
@@ -115,6 +146,12 @@ def report(r: dict) -> str:
                  f"optimizer {m['optimizer']:.1f} + activations/transients {m['rest']:.1f}; by phase: forward peak "
                  f"{m['forward_peak']:.1f} (end {m['forward_end']:.1f}), backward peak {m['backward_peak']:.1f}, "
                  f"optimizer peak {m['optimizer_peak']:.1f}")
+    idle = r.get("idle") or {}
+    if idle:
+        lines.append(f"profiled step: first kernel to last {idle['span_ms']:.1f} ms, kernels running "
+                     f"{idle['union_busy_ms']:.1f} ms, idle {idle['idle_ms']:.1f} ms (by gap size: "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in idle["idle_buckets"].items()) + "); idle between: "
+                     + "; ".join(f"{p['pair']} {p['ms']:.1f} ms/{p['gaps']}" for p in idle["idle_by_pair"][:8]))
     lines.append("top kernels: " + "; ".join(f"{k['name'][:60]} {k['ms']:.1f}ms×{k['calls']}" for k in r["top_kernels"][:12]))
     return "\n".join(lines)
 
