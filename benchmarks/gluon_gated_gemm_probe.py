@@ -10,9 +10,14 @@ waited on only when their buffer is reused. This kernel is persistent and pipeli
 - the epilogue writes gate and up (kept for the backward) and act = silu(gate)·up through two staging buffers and
   TMA stores that drain during the next tile's mainloop.
 
-`--compile-only` compiles for sm_90 on a machine without a GPU (Triton ships ptxas) and prints registers, spills
-and shared memory; otherwise the kernel is checked against cuBLAS + this project's gated kernel and timed beside
-them at the e2e MLP shapes.
+`--compile-only` compiles for sm_90 on a machine without a GPU (Triton ships ptxas; use the GPU's Triton version,
+3.6, since Gluon's API moves between releases) and prints registers, spills and shared memory. Otherwise the kernel
+is checked against cuBLAS + this project's gated kernel and timed beside them at the e2e MLP shapes, fused and
+plain (the same mainloop without the act).
+
+Measured on the H200 (BENCHMARKS.md, twenty-fifth session): correct to the bit, but this mainloop, without warp
+specialisation, runs at 470-590 TFLOP/s against cuBLAS's 650-790, so it loses before any epilogue. The fused
+epilogue costs little here, and the mainloop needs a warp-specialised design before the fusion can pay.
 
     python benchmarks/gluon_gated_gemm_probe.py --out DIR [--shapes llama-3.2-1b,gemma-2b] [--compile-only]
 """
@@ -47,7 +52,9 @@ SHAPES = {  # name → (tokens, hidden, intermediate), as gemm_epilogue_probe.py
 }
 # (BLOCK_M, BLOCK_N per half, BLOCK_K, NUM_BUF, num_warps): shared memory holds NUM_BUF × (x, gate, up) tiles plus
 # two BLOCK_M × BLOCK_N staging buffers; 3 × 48 KiB + 64 KiB fits the H200's 227 KiB.
-CONFIGS = [(128, 128, 64, 3, 8), (128, 128, 64, 2, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
+# Two-accumulator version (calls 1-2): (128, 128, 64, 3, 8) led; 2 buffers, BLOCK_K 32 with 5-6 buffers, or 4 warps
+# on 128×64 / 64×128 tiles were 25–45% slower. BLOCK_N here is each half's width: a 128 × 256 wgmma for 128.
+CONFIGS = [(128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (128, 64, 64, 5, 4)]
 GROUP_M = 8
 
 
@@ -75,36 +82,39 @@ def _tile_of(step, k_steps, first_tile, n_programs, n_m, n_n, GROUP: gl.constexp
 
 
 @gluon.jit
-def _issue_load(step, total, k_steps, first_tile, n_programs, n_m, n_n, half, x_desc, w_desc, bars, x_bufs, g_bufs,
-                u_bufs, NUM_BUF: gl.constexpr, GROUP: gl.constexpr):
-    """TMA-load K-step `step`'s x, gate and up tiles into ring slot step % NUM_BUF (nothing past `total`)."""
+def _issue_load(step, total, k_steps, first_tile, n_programs, n_m, n_n, x_desc, w_desc, bars, x_bufs, w_bufs,
+                NUM_BUF: gl.constexpr, GROUP: gl.constexpr):
+    """TMA-load K-step `step`'s x tile and its [gate block; up block] weight tile into ring slot step % NUM_BUF
+    (nothing past `total`)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_2N: gl.constexpr = w_desc.block_type.shape[0]
     pred = step < total
     pid_m, pid_n = _tile_of(step, k_steps, first_tile, n_programs, n_m, n_n, GROUP)
     k = (step % k_steps) * BLOCK_K
     slot = step % NUM_BUF
     bar = bars.index(slot)
-    mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pred)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, k], bar, x_bufs.index(slot), pred)
-    tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, k], bar, g_bufs.index(slot), pred)
-    tma.async_copy_global_to_shared(w_desc, [half + pid_n * BLOCK_N, k], bar, u_bufs.index(slot), pred)
+    tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_2N, k], bar, w_bufs.index(slot), pred)
 
 
 @gluon.jit
 def _gated_gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, HALF, K, NUM_BUF: gl.constexpr, GROUP: gl.constexpr,
-                       num_warps: gl.constexpr):
-    """gate_up = x · wᵀ (w = [W_gate; W_up], HALF rows each) and act = silu(gate)·up, persistent over tiles."""
+                       FUSED: gl.constexpr, num_warps: gl.constexpr):
+    """gate_up = x · [W_gate; W_up]ᵀ (HALF columns each) and, FUSED, act = silu(gate)·up; persistent over tiles.
+    w is the interleaved weight (interleave()): one [gate block; up block] tile feeds one wgmma of the full tile
+    width, and the accumulator's two column halves are gate and up. Without FUSED it is the plain GEMM (the same
+    mainloop), to tell the mainloop's cost from the epilogue's."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_2N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = BLOCK_2N // 2
     dtype: gl.constexpr = x_desc.dtype
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_N, num_warps)
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_2N, num_warps)
 
     x_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, BLOCK_K], x_desc.layout)
-    g_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
-    u_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, BLOCK_K], w_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_2N, BLOCK_K], w_desc.layout)
     staging = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], out_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
@@ -115,72 +125,76 @@ def _gated_gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, HALF, K, NUM_BUF: 
     k_steps = gl.cdiv(K, BLOCK_K)
     first_tile = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    my_tiles = gl.cdiv(n_m * n_n - first_tile, n_programs)
-    total = my_tiles * k_steps
+    total = gl.cdiv(n_m * n_n - first_tile, n_programs) * k_steps
 
     for s in gl.static_range(NUM_BUF - 1):
-        _issue_load(s, total, k_steps, first_tile, n_programs, n_m, n_n, HALF, x_desc, w_desc, bars, x_bufs, g_bufs,
-                    u_bufs, NUM_BUF, GROUP)
-    acc_g = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-    acc_u = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        _issue_load(s, total, k_steps, first_tile, n_programs, n_m, n_n, x_desc, w_desc, bars, x_bufs, w_bufs,
+                    NUM_BUF, GROUP)
+    acc = gl.zeros((BLOCK_M, BLOCK_2N), dtype=gl.float32, layout=acc_layout)
     for step in range(total):
         slot = step % NUM_BUF
         mbarrier.wait(bars.index(slot), (step // NUM_BUF) & 1)
-        first_k = (step % k_steps) == 0
-        acc_g = warpgroup_mma(x_bufs.index(slot), g_bufs.index(slot).permute((1, 0)), acc_g, use_acc=not first_k,
-                              is_async=True)
-        acc_u = warpgroup_mma(x_bufs.index(slot), u_bufs.index(slot).permute((1, 0)), acc_u, use_acc=not first_k,
-                              is_async=True)
-        # the previous step's two wgmmas are done once at most these two are outstanding: its slot is free
-        acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
-        _issue_load(step + NUM_BUF - 1, total, k_steps, first_tile, n_programs, n_m, n_n, HALF, x_desc, w_desc, bars,
-                    x_bufs, g_bufs, u_bufs, NUM_BUF, GROUP)
+        acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc,
+                            use_acc=(step % k_steps) != 0, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step's wgmma is done: its slot is free
+        _issue_load(step + NUM_BUF - 1, total, k_steps, first_tile, n_programs, n_m, n_n, x_desc, w_desc, bars,
+                    x_bufs, w_bufs, NUM_BUF, GROUP)
         if (step % k_steps) == k_steps - 1:
-            acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
             pid_m, pid_n = _tile_of(step, k_steps, first_tile, n_programs, n_m, n_n, GROUP)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
-            gate = acc_g.to(dtype)
-            up = acc_u.to(dtype)
+            # the two column halves of each thread's registers: no data moves between threads
+            gate, up = gl.split(gl.permute(gl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+            gate = gate.to(dtype)
+            up = up.to(dtype)
             tma.store_wait(pendings=0)  # the previous tile's stores have left both staging buffers
             staging.index(0).store(gate)
             staging.index(1).store(up)
             fence_async_shared()
             tma.async_copy_shared_to_global(out_desc, [off_m, off_n], staging.index(0))
             tma.async_copy_shared_to_global(out_desc, [off_m, HALF + off_n], staging.index(1))
-            g = gate.to(gl.float32)  # from the stored bf16 values, as the backward will recompute it
-            act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(dtype)
-            tma.store_wait(pendings=1)  # gate's store is out of staging buffer 0
-            staging.index(0).store(act)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(act_desc, [off_m, off_n], staging.index(0))
+            if FUSED:
+                g = gate.to(gl.float32)  # from the stored bf16 values, as the backward will recompute it
+                act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(dtype)
+                tma.store_wait(pendings=1)  # gate's store is out of staging buffer 0
+                staging.index(0).store(act)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(act_desc, [off_m, off_n], staging.index(0))
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(bars.index(i))
 
 
+def interleave(w: torch.Tensor, block_n: int) -> torch.Tensor:
+    """[W_gate; W_up] rows reordered as gate block 0, up block 0, gate block 1, ... (blocks of block_n rows): a
+    layout the model could keep for its packed gate_up weight."""
+    two_i, k = w.shape
+    return w.view(2, two_i // 2 // block_n, block_n, k).transpose(0, 1).reshape(two_i, k).contiguous()
+
+
+def _descriptor(t, block):
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
 def _descriptors(x, w, gate_up, act, config):
     block_m, block_n, block_k, _, _ = config
-    bf16 = gl.bfloat16
-    return (TensorDescriptor.from_tensor(x, [block_m, block_k], gl.NVMMASharedLayout.get_default_for([block_m, block_k], bf16)),
-            TensorDescriptor.from_tensor(w, [block_n, block_k], gl.NVMMASharedLayout.get_default_for([block_n, block_k], bf16)),
-            TensorDescriptor.from_tensor(gate_up, [block_m, block_n],
-                                         gl.NVMMASharedLayout.get_default_for([block_m, block_n], bf16)),
-            TensorDescriptor.from_tensor(act, [block_m, block_n],
-                                         gl.NVMMASharedLayout.get_default_for([block_m, block_n], bf16)))
+    return (_descriptor(x, [block_m, block_k]), _descriptor(w, [2 * block_n, block_k]),
+            _descriptor(gate_up, [block_m, block_n]), _descriptor(act, [block_m, block_n]))
 
 
-def gated_gemm(x, w, gate_up, act, config, n_sms: int) -> None:
+def gated_gemm(x, w_il, gate_up, act, config, n_sms: int, fused: bool = True) -> None:
+    """w_il: the packed [W_gate; W_up] weight as interleave(w, BLOCK_N) orders it."""
     m, k = x.shape
-    half = w.shape[0] // 2
+    half = w_il.shape[0] // 2
     block_m, block_n, _, num_buf, warps = config
     assert half % block_n == 0, "a tile must not straddle the gate and up halves"
     tiles = triton.cdiv(m, block_m) * (half // block_n)
-    _gated_gemm_kernel[(min(tiles, n_sms),)](*_descriptors(x, w, gate_up, act, config), m, half, k, num_buf, GROUP_M,
-                                            num_warps=warps)
+    _gated_gemm_kernel[(min(tiles, n_sms),)](*_descriptors(x, w_il, gate_up, act, config), m, half, k, num_buf, GROUP_M,
+                                            fused, num_warps=warps)
 
 
-def compile_only(config, shape) -> str:
+def compile_only(config, shape, fused: bool = True) -> str:
     """Compile for sm_90 without a GPU; report registers, spills and shared memory."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -194,8 +208,9 @@ def compile_only(config, shape) -> str:
     descs = _descriptors(x, w, gate_up, act, config)
     names = ["x_desc", "w_desc", "out_desc", "act_desc"]
     signature = {n: mangle_type(d) for n, d in zip(names, descs)}
-    signature.update(M="i32", HALF="i32", K="i32", NUM_BUF="constexpr", GROUP="constexpr", num_warps="constexpr")
-    constexprs = {"NUM_BUF": config[3], "GROUP": GROUP_M, "num_warps": config[4]}
+    signature.update(M="i32", HALF="i32", K="i32", NUM_BUF="constexpr", GROUP="constexpr", FUSED="constexpr",
+                     num_warps="constexpr")
+    constexprs = {"NUM_BUF": config[3], "GROUP": GROUP_M, "FUSED": fused, "num_warps": config[4]}
     src = GluonASTSource(_gated_gemm_kernel, signature, constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config[4]})
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -204,10 +219,15 @@ def compile_only(config, shape) -> str:
         f.flush()
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True).stdout
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True).stdout
     res = " ".join(line.strip() for line in usage.splitlines() if "REG" in line)
     mix = {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "STS", "SYNCS", "BAR")}
-    return f"{config}: shared {compiled.metadata.shared} B; {res}; SASS {mix}"
+    return f"{config} fused={fused}: shared {compiled.metadata.shared} B; {res}; SASS {mix}"
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
@@ -232,21 +252,31 @@ def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
 
     row = {"shape": name, "tokens": tokens, "hidden": hidden, "inter": inter, "cublas_ms": do_bench(cublas),
            "gated_kernel_ms": do_bench(gated_kernel), "gluon": []}
-    for config in CONFIGS:
-        gate_up.fill_(float("nan"))
-        act.fill_(float("nan"))
-        try:
-            gated_gemm(x, w, gate_up, act, config, n_sms)
-            torch.cuda.synchronize()
-        except Exception as err:  # a config that does not fit (shared memory, registers) or fails to compile
-            row["gluon"].append({"config": config, "error": f"{type(err).__name__}: {str(err)[:300]}"})
-            continue
-        err_gu = ((gate_up.float() - want_gu.float()).norm() / want_gu.float().norm()).item()
-        err_act = ((act.float() - want_act.float()).norm() / want_act.float().norm()).item()
-        ms = do_bench(lambda: gated_gemm(x, w, gate_up, act, config, n_sms))
-        row["gluon"].append({"config": config, "ms": ms, "rel_err_gate_up": err_gu, "rel_err_act": err_act})
-    ok = [r for r in row["gluon"] if "ms" in r and max(r["rel_err_gate_up"], r["rel_err_act"]) < 1e-2]
-    row["gluon_best"] = min(ok, key=lambda r: r["ms"]) if ok else None
+    weights = {}
+
+    def interleaved(config):
+        return weights.setdefault(config[1], interleave(w, config[1]))
+
+    for fused in (True, False):
+        for config in CONFIGS:
+            gate_up.fill_(float("nan"))
+            act.fill_(float("nan"))
+            try:
+                gated_gemm(x, interleaved(config), gate_up, act, config, n_sms, fused)
+                torch.cuda.synchronize()
+            except Exception as err:  # a config that does not fit (shared memory, registers) or fails to compile
+                row["gluon"].append({"config": config, "fused": fused, "error": f"{type(err).__name__}: {err}"[:300]})
+                continue
+            errs = {"rel_err_gate_up": _rel_err(gate_up, want_gu)}
+            if fused:
+                errs["rel_err_act"] = _rel_err(act, want_act)
+            w_il = interleaved(config)
+            ms = do_bench(lambda: gated_gemm(x, w_il, gate_up, act, config, n_sms, fused))
+            row["gluon"].append({"config": config, "fused": fused, "ms": ms, **errs})
+    for fused, key in ((True, "gluon_best"), (False, "gluon_plain_best")):
+        ok = [r for r in row["gluon"] if r["fused"] == fused and "ms" in r
+              and max(r["rel_err_gate_up"], r.get("rel_err_act", 0.0)) < 1e-2]
+        row[key] = min(ok, key=lambda r: r["ms"]) if ok else None
     return row
 
 
@@ -258,24 +288,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.compile_only:
         for config in CONFIGS:
-            try:
-                print(compile_only(config, SHAPES["llama-3.2-1b"]), flush=True)
-            except Exception as err:
-                print(f"{config}: {type(err).__name__}: {err}"[:3000], flush=True)
+            for fused in (True, False):
+                try:
+                    print(compile_only(config, SHAPES["llama-3.2-1b"], fused), flush=True)
+                except Exception as err:
+                    print(f"{config}: {type(err).__name__}: {err}"[:3000], flush=True)
         return
     rows = []
-    print(f"{'shape':16} {'cuBLAS':>8} {'gated':>8} {'sum':>8} {'gluon':>8}   ms; gluon config, rel. errors")
+    print(f"{'shape':16} {'cuBLAS':>8} {'gated':>8} {'sum':>8} {'fused':>8} {'plain':>8}   ms; best configs")
     for name in args.shapes.split(","):
         row = probe(name, *SHAPES[name])
         rows.append(row)
-        best = row["gluon_best"] or {}
+        best, plain = row["gluon_best"] or {}, row["gluon_plain_best"] or {}
         print(f"{name:16} {row['cublas_ms']:8.3f} {row['gated_kernel_ms']:8.3f} "
-              f"{row['cublas_ms'] + row['gated_kernel_ms']:8.3f} {best.get('ms', float('nan')):8.3f}   "
-              f"{best.get('config')} {best.get('rel_err_gate_up', float('nan')):.1e} "
-              f"{best.get('rel_err_act', float('nan')):.1e}", flush=True)
+              f"{row['cublas_ms'] + row['gated_kernel_ms']:8.3f} {best.get('ms', float('nan')):8.3f} "
+              f"{plain.get('ms', float('nan')):8.3f}   {best.get('config')} {plain.get('config')}", flush=True)
         for r in row["gluon"]:
             if "error" in r:
-                print(f"    {r['config']}: {r['error'][:200]}", flush=True)
+                print(f"    {r['config']} fused={r['fused']}: {r['error'][:200]}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gluon_gated_gemm_probe.json"), "w") as f:
         json.dump({"env": {"torch": torch.__version__, "triton": triton.__version__,
