@@ -15,9 +15,12 @@ waited on only when their buffer is reused. This kernel is persistent and pipeli
 is checked against cuBLAS + this project's gated kernel and timed beside them at the e2e MLP shapes, fused and
 plain (the same mainloop without the act).
 
-Measured on the H200 (BENCHMARKS.md, twenty-fifth session): correct to the bit, but this mainloop, without warp
-specialisation, runs at 470-590 TFLOP/s against cuBLAS's 650-790, so it loses before any epilogue. The fused
-epilogue costs little here, and the mainloop needs a warp-specialised design before the fusion can pay.
+Measured on the H200 (BENCHMARKS.md, twenty-fifth session), correct to the bit:
+- The software-pipelined kernel (`--modes pipelined`) runs its mainloop at 470-590 TFLOP/s against cuBLAS's
+  650-790, so it loses before any epilogue.
+- The warp-specialised one (`--modes ws`: a producer warp for the loads, the kernel's warps for wgmma and the
+  epilogue) reaches 610-680 TFLOP/s. Fused, it beat cuBLAS + the gated kernel by 1.4-3.2% at 4 of 5 shapes, in one
+  run, and lost by 10% at Llama-1B's.
 
     python benchmarks/gluon_gated_gemm_probe.py --out DIR [--shapes llama-3.2-1b,gemma-2b] [--compile-only]
 """
@@ -25,6 +28,7 @@ epilogue costs little here, and the mainloop needs a warp-specialised design bef
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -56,6 +60,8 @@ SHAPES = {  # name → (tokens, hidden, intermediate), as gemm_epilogue_probe.py
 # on 128×64 / 64×128 tiles were 25–45% slower. BLOCK_N here is each half's width: a 128 × 256 wgmma for 128.
 CONFIGS = [(128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (128, 64, 64, 5, 4)]
 GROUP_M = 8
+WS_LOADER_REGS = gl.constexpr(40)  # the producer warp's registers (tile coordinates and TMA issue only)
+WS_MAXNREG = 168  # 8 consumer warps + a producer warpgroup within the register file: 168 × 12 × 32 ≤ 65536
 
 
 @gluon.constexpr_function
@@ -166,6 +172,107 @@ def _gated_gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, HALF, K, NUM_BUF: 
         mbarrier.invalidate(bars.index(i))
 
 
+@gluon.jit
+def _ws_loader(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, HALF, K, GROUP: gl.constexpr):
+    """Warp-specialised producer (one warp): the same flat (tile, K-step) sequence as the consumer, each load
+    issued as soon as its ring slot is released, up to NUM_BUF steps ahead."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_2N: gl.constexpr = w_desc.block_type.shape[0]
+    NUM_BUF: gl.constexpr = x_bufs.type.shape[0]
+    n_m = gl.cdiv(M, BLOCK_M)
+    n_n = gl.cdiv(HALF, BLOCK_2N // 2)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    first_tile = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    total = gl.cdiv(n_m * n_n - first_tile, n_programs) * k_steps
+    for step in range(total):
+        slot = step % NUM_BUF
+        mbarrier.wait(empty.index(slot), ((step // NUM_BUF) & 1) ^ 1)  # a fresh barrier counts as released
+        pid_m, pid_n = _tile_of(step, k_steps, first_tile, n_programs, n_m, n_n, GROUP)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, (step % k_steps) * BLOCK_K], bar, x_bufs.index(slot))
+        tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_2N, (step % k_steps) * BLOCK_K], bar,
+                                        w_bufs.index(slot))
+
+
+@gluon.jit
+def _ws_consumer(x_desc, w_desc, out_desc, act_desc, x_bufs, w_bufs, staging, ready, empty, M, HALF, K,
+                 GROUP: gl.constexpr, FUSED: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Warp-specialised consumer (the kernel's warps): wgmma over each ring slot as it fills, the slot released
+    once its wgmma is done, then the tile's epilogue while the producer keeps loading the next tile."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_2N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = BLOCK_2N // 2
+    NUM_BUF: gl.constexpr = x_bufs.type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_2N, NUM_WARPS)
+    n_m = gl.cdiv(M, BLOCK_M)
+    n_n = gl.cdiv(HALF, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    first_tile = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    for t in range(gl.cdiv(n_m * n_n - first_tile, n_programs)):
+        acc = gl.zeros((BLOCK_M, BLOCK_2N), dtype=gl.float32, layout=acc_layout)  # per tile: dead after the epilogue
+        for kk in range(k_steps):
+            step = t * k_steps + kk
+            slot = step % NUM_BUF
+            mbarrier.wait(ready.index(slot), (step // NUM_BUF) & 1)
+            acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            mbarrier.arrive(empty.index((step + NUM_BUF - 1) % NUM_BUF), count=1, pred=kk > 0)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        last = t * k_steps + k_steps - 1
+        mbarrier.arrive(empty.index(last % NUM_BUF), count=1)
+        pid_m, pid_n = _tile_of(last, k_steps, first_tile, n_programs, n_m, n_n, GROUP)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        gate, up = gl.split(gl.permute(gl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        gate = gate.to(dtype)
+        up = up.to(dtype)
+        tma.store_wait(pendings=0)
+        staging.index(0).store(gate)
+        staging.index(1).store(up)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], staging.index(0))
+        tma.async_copy_shared_to_global(out_desc, [off_m, HALF + off_n], staging.index(1))
+        if FUSED:
+            g = gate.to(gl.float32)
+            act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(dtype)
+            tma.store_wait(pendings=1)
+            staging.index(0).store(act)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(act_desc, [off_m, off_n], staging.index(0))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _gated_gemm_ws_kernel(x_desc, w_desc, out_desc, act_desc, M, HALF, K, NUM_BUF: gl.constexpr,
+                          GROUP: gl.constexpr, FUSED: gl.constexpr, num_warps: gl.constexpr):
+    """_gated_gemm_kernel's product with loads in a producer warp of their own (warp specialisation): the consumer
+    warps never wait on a load they could have issued earlier, and a tile's epilogue no longer delays the next
+    tile's loads."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_2N: gl.constexpr = w_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    x_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_2N, BLOCK_K], w_desc.layout)
+    staging = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_2N // 2], out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_ws_consumer, (x_desc, w_desc, out_desc, act_desc, x_bufs, w_bufs, staging, ready, empty, M, HALF, K,
+                        GROUP, FUSED, num_warps)),
+        (_ws_loader, (x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, HALF, K, GROUP)),
+    ], [1], [WS_LOADER_REGS])
+
+
 def interleave(w: torch.Tensor, block_n: int) -> torch.Tensor:
     """[W_gate; W_up] rows reordered as gate block 0, up block 0, gate block 1, ... (blocks of block_n rows): a
     layout the model could keep for its packed gate_up weight."""
@@ -183,18 +290,21 @@ def _descriptors(x, w, gate_up, act, config):
             _descriptor(gate_up, [block_m, block_n]), _descriptor(act, [block_m, block_n]))
 
 
-def gated_gemm(x, w_il, gate_up, act, config, n_sms: int, fused: bool = True) -> None:
+def gated_gemm(x, w_il, gate_up, act, config, n_sms: int, fused: bool = True, ws: bool = False) -> None:
     """w_il: the packed [W_gate; W_up] weight as interleave(w, BLOCK_N) orders it."""
     m, k = x.shape
     half = w_il.shape[0] // 2
     block_m, block_n, _, num_buf, warps = config
     assert half % block_n == 0, "a tile must not straddle the gate and up halves"
     tiles = triton.cdiv(m, block_m) * (half // block_n)
-    _gated_gemm_kernel[(min(tiles, n_sms),)](*_descriptors(x, w_il, gate_up, act, config), m, half, k, num_buf, GROUP_M,
-                                            fused, num_warps=warps)
+    args = (*_descriptors(x, w_il, gate_up, act, config), m, half, k, num_buf, GROUP_M, fused)
+    if ws:
+        _gated_gemm_ws_kernel[(min(tiles, n_sms),)](*args, num_warps=warps, maxnreg=WS_MAXNREG)
+    else:
+        _gated_gemm_kernel[(min(tiles, n_sms),)](*args, num_warps=warps)
 
 
-def compile_only(config, shape, fused: bool = True) -> str:
+def compile_only(config, shape, fused: bool = True, ws: bool = False) -> str:
     """Compile for sm_90 without a GPU; report registers, spills and shared memory."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -211,8 +321,9 @@ def compile_only(config, shape, fused: bool = True) -> str:
     signature.update(M="i32", HALF="i32", K="i32", NUM_BUF="constexpr", GROUP="constexpr", FUSED="constexpr",
                      num_warps="constexpr")
     constexprs = {"NUM_BUF": config[3], "GROUP": GROUP_M, "FUSED": fused, "num_warps": config[4]}
-    src = GluonASTSource(_gated_gemm_kernel, signature, constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config[4]})
+    src = GluonASTSource(_gated_gemm_ws_kernel if ws else _gated_gemm_kernel, signature, constexprs)
+    options = {"num_warps": config[4], **({"maxnreg": WS_MAXNREG} if ws else {})}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -223,14 +334,14 @@ def compile_only(config, shape, fused: bool = True) -> str:
                               text=True).stdout
     res = " ".join(line.strip() for line in usage.splitlines() if "REG" in line)
     mix = {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "STS", "SYNCS", "BAR")}
-    return f"{config} fused={fused}: shared {compiled.metadata.shared} B; {res}; SASS {mix}"
+    return f"{config} fused={fused} ws={ws}: shared {compiled.metadata.shared} B; {res}; SASS {mix}"
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
+def probe(name: str, tokens: int, hidden: int, inter: int, modes: tuple[str, ...] = ("ws",)) -> dict:
     from triton.testing import do_bench
 
     from liger_models.kernels.gated_mlp import gated_forward
@@ -257,22 +368,23 @@ def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
     def interleaved(config):
         return weights.setdefault(config[1], interleave(w, config[1]))
 
-    for fused in (True, False):
-        for config in CONFIGS:
-            gate_up.fill_(float("nan"))
-            act.fill_(float("nan"))
-            try:
-                gated_gemm(x, interleaved(config), gate_up, act, config, n_sms, fused)
-                torch.cuda.synchronize()
-            except Exception as err:  # a config that does not fit (shared memory, registers) or fails to compile
-                row["gluon"].append({"config": config, "fused": fused, "error": f"{type(err).__name__}: {err}"[:300]})
-                continue
-            errs = {"rel_err_gate_up": _rel_err(gate_up, want_gu)}
-            if fused:
-                errs["rel_err_act"] = _rel_err(act, want_act)
-            w_il = interleaved(config)
-            ms = do_bench(lambda: gated_gemm(x, w_il, gate_up, act, config, n_sms, fused))
-            row["gluon"].append({"config": config, "fused": fused, "ms": ms, **errs})
+    for fused, config, mode in itertools.product((True, False), CONFIGS, modes):
+        ws = mode == "ws"
+        gate_up.fill_(float("nan"))
+        act.fill_(float("nan"))
+        case = {"config": config, "fused": fused, "mode": mode}
+        try:
+            gated_gemm(x, interleaved(config), gate_up, act, config, n_sms, fused, ws)
+            torch.cuda.synchronize()
+        except Exception as err:  # a config that does not fit (shared memory, registers) or fails to compile
+            row["gluon"].append({**case, "error": f"{type(err).__name__}: {err}"[:300]})
+            continue
+        errs = {"rel_err_gate_up": _rel_err(gate_up, want_gu)}
+        if fused:
+            errs["rel_err_act"] = _rel_err(act, want_act)
+        w_il = interleaved(config)
+        ms = do_bench(lambda: gated_gemm(x, w_il, gate_up, act, config, n_sms, fused, ws))
+        row["gluon"].append({**case, "ms": ms, **errs})
     for fused, key in ((True, "gluon_best"), (False, "gluon_plain_best")):
         ok = [r for r in row["gluon"] if r["fused"] == fused and "ms" in r
               and max(r["rel_err_gate_up"], r.get("rel_err_act", 0.0)) < 1e-2]
@@ -285,27 +397,28 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--modes", default="ws", help="ws (warp-specialised), pipelined, or both, comma-separated")
     args = parser.parse_args()
     if args.compile_only:
-        for config in CONFIGS:
-            for fused in (True, False):
-                try:
-                    print(compile_only(config, SHAPES["llama-3.2-1b"], fused), flush=True)
-                except Exception as err:
-                    print(f"{config}: {type(err).__name__}: {err}"[:3000], flush=True)
+        for config, fused, ws in itertools.product(CONFIGS, (True, False), (True, False)):
+            try:
+                print(compile_only(config, SHAPES["llama-3.2-1b"], fused, ws), flush=True)
+            except Exception as err:
+                print(f"{config}: {type(err).__name__}: {err}"[:3000], flush=True)
         return
     rows = []
     print(f"{'shape':16} {'cuBLAS':>8} {'gated':>8} {'sum':>8} {'fused':>8} {'plain':>8}   ms; best configs")
     for name in args.shapes.split(","):
-        row = probe(name, *SHAPES[name])
+        row = probe(name, *SHAPES[name], modes=tuple(args.modes.split(",")))
         rows.append(row)
         best, plain = row["gluon_best"] or {}, row["gluon_plain_best"] or {}
         print(f"{name:16} {row['cublas_ms']:8.3f} {row['gated_kernel_ms']:8.3f} "
               f"{row['cublas_ms'] + row['gated_kernel_ms']:8.3f} {best.get('ms', float('nan')):8.3f} "
-              f"{plain.get('ms', float('nan')):8.3f}   {best.get('config')} {plain.get('config')}", flush=True)
+              f"{plain.get('ms', float('nan')):8.3f}   {best.get('config')} {best.get('mode')}, "
+              f"{plain.get('config')} {plain.get('mode')}", flush=True)
         for r in row["gluon"]:
             if "error" in r:
-                print(f"    {r['config']} fused={r['fused']}: {r['error'][:200]}", flush=True)
+                print(f"    {r['config']} {r['mode']} fused={r['fused']}: {r['error'][:200]}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gluon_gated_gemm_probe.json"), "w") as f:
         json.dump({"env": {"torch": torch.__version__, "triton": triton.__version__,
