@@ -127,7 +127,7 @@ def interleaved_gemm(x, w_il, out, act, config, mode: str) -> None:
     n = w_il.shape[0]
     assert act.shape[1] % (block_n // 2) == 0, "gate and up blocks must tile the intermediate width"
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    programs = tiles if mode == "tiles" else min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    programs = _programs(mode, tiles, x.device)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(w_il, [block_n, block_k])
     out_desc = TensorDescriptor.from_tensor(out, [block_m, block_n // 2])
@@ -148,7 +148,7 @@ def triton_gemm(x, w, out, act, config, mode: str, fused: bool) -> None:
     assert not fused or act.shape[1] % block_n == 0, "a fused tile must not straddle the gate and up halves"
     n = act.shape[1] if fused else w.shape[0]
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    programs = tiles if mode == "tiles" else min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    programs = _programs(mode, tiles, x.device)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
     out_desc = TensorDescriptor.from_tensor(out, [block_m, block_n])
@@ -158,13 +158,13 @@ def triton_gemm(x, w, out, act, config, mode: str, fused: bool) -> None:
                               num_warps=warps, num_stages=stages)
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
-    from triton.testing import do_bench
-
+def mlp_inputs(tokens: int, hidden: int, inter: int):
+    """x, the packed [W_gate; W_up] weight, empty gate_up and act outputs, and cuBLAS's gate_up with this project's
+    act of it: what every candidate must reproduce."""
     from liger_models.kernels.gated_mlp import gated_forward
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -174,6 +174,20 @@ def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
     want_gu = x @ w.t()
     want_act = torch.empty_like(act)
     gated_forward(want_gu[:, :inter], want_gu[:, inter:], want_act, "silu")
+    return x, w, gate_up, act, want_gu, want_act
+
+
+def _programs(mode: str, tiles: int, device: torch.device) -> int:
+    """One program per output tile, or a persistent grid of at most one program per SM."""
+    return tiles if mode == "tiles" else min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
+    from triton.testing import do_bench
+
+    from liger_models.kernels.gated_mlp import gated_forward
+
+    x, w, gate_up, act, want_gu, want_act = mlp_inputs(tokens, hidden, inter)
     flop = 2 * tokens * hidden * 2 * inter
 
     def cublas():
@@ -207,9 +221,9 @@ def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
                 except Exception as err:  # out of shared memory / registers for this config
                     row[family].append({"config": config, "mode": mode, "error": str(err)[:120]})
                     continue
-                err = _rel_err(gate_up, want_gu)
+                err = rel_err(gate_up, want_gu)
                 if family != "triton":
-                    err = max(err, _rel_err(act, want_act))
+                    err = max(err, rel_err(act, want_act))
                 ms = do_bench(lambda: run(family, config, mode))
                 row[family].append({"config": config, "mode": mode, "ms": ms, "rel_err": err})
         ok = [r for r in row[family] if "ms" in r and r["rel_err"] < 1e-2]
@@ -217,6 +231,14 @@ def probe(name: str, tokens: int, hidden: int, inter: int) -> dict:
         if best:
             row["tflops"][family] = flop / best["ms"] / 1e9
     return row
+
+
+def write_rows(out: str, name: str, rows: list[dict]) -> None:
+    """The probe's rows as JSON under out/, with the versions and GPU they were measured on."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump({"env": {"torch": torch.__version__, "triton": triton.__version__,
+                           "gpu": torch.cuda.get_device_name()}, "rows": rows}, f, indent=1)
 
 
 def main() -> None:
@@ -233,10 +255,7 @@ def main() -> None:
         print(f"{name:16} {row['cublas_ms']:8.3f} {row['cublas_act_ms']:8.3f} "
               + " ".join(f"{best[k].get('ms', float('nan')):8.3f}" for k in CONFIGS)
               + "   " + "; ".join(f"{k} {best[k].get('config')} {best[k].get('mode')}" for k in CONFIGS), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gemm_epilogue_probe.json"), "w") as f:
-        json.dump({"env": {"torch": torch.__version__, "triton": triton.__version__,
-                           "gpu": torch.cuda.get_device_name()}, "rows": rows}, f, indent=1)
+    write_rows(args.out, "gemm_epilogue_probe.json", rows)
 
 
 if __name__ == "__main__":

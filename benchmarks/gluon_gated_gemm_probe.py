@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import subprocess
 import tempfile
@@ -46,6 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from gemm_epilogue_probe import mlp_inputs, rel_err, write_rows
 
 SHAPES = {  # name → (tokens, hidden, intermediate), as gemm_epilogue_probe.py
     "llama-3.2-1b": (16384, 2048, 8192),
@@ -106,6 +107,32 @@ def _issue_load(step, total, k_steps, first_tile, n_programs, n_m, n_n, x_desc, 
 
 
 @gluon.jit
+def _store_tile(acc, staging, out_desc, act_desc, off_m, off_n, HALF, FUSED: gl.constexpr):
+    """Epilogue: the accumulator's column halves (each thread's own registers, no data moves between threads) go
+    out as gate and up; FUSED, act = silu(gate)·up follows through the first staging buffer once gate has left it.
+    The stores drain during the next tile's mainloop."""
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    BLOCK_N: gl.constexpr = acc.shape[1] // 2
+    dtype: gl.constexpr = out_desc.dtype
+    gate, up = gl.split(gl.permute(gl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    gate = gate.to(dtype)
+    up = up.to(dtype)
+    tma.store_wait(pendings=0)  # the previous tile's stores have left both staging buffers
+    staging.index(0).store(gate)
+    staging.index(1).store(up)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [off_m, off_n], staging.index(0))
+    tma.async_copy_shared_to_global(out_desc, [off_m, HALF + off_n], staging.index(1))
+    if FUSED:
+        g = gate.to(gl.float32)  # from the stored bf16 values, as the backward will recompute it
+        act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(dtype)
+        tma.store_wait(pendings=1)  # gate's store is out of staging buffer 0
+        staging.index(0).store(act)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(act_desc, [off_m, off_n], staging.index(0))
+
+
+@gluon.jit
 def _gated_gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, HALF, K, NUM_BUF: gl.constexpr, GROUP: gl.constexpr,
                        FUSED: gl.constexpr, num_warps: gl.constexpr):
     """gate_up = x · [W_gate; W_up]ᵀ (HALF columns each) and, FUSED, act = silu(gate)·up; persistent over tiles.
@@ -148,25 +175,7 @@ def _gated_gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, HALF, K, NUM_BUF: 
         if (step % k_steps) == k_steps - 1:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             pid_m, pid_n = _tile_of(step, k_steps, first_tile, n_programs, n_m, n_n, GROUP)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            # the two column halves of each thread's registers: no data moves between threads
-            gate, up = gl.split(gl.permute(gl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-            gate = gate.to(dtype)
-            up = up.to(dtype)
-            tma.store_wait(pendings=0)  # the previous tile's stores have left both staging buffers
-            staging.index(0).store(gate)
-            staging.index(1).store(up)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(out_desc, [off_m, off_n], staging.index(0))
-            tma.async_copy_shared_to_global(out_desc, [off_m, HALF + off_n], staging.index(1))
-            if FUSED:
-                g = gate.to(gl.float32)  # from the stored bf16 values, as the backward will recompute it
-                act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(dtype)
-                tma.store_wait(pendings=1)  # gate's store is out of staging buffer 0
-                staging.index(0).store(act)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(act_desc, [off_m, off_n], staging.index(0))
+            _store_tile(acc, staging, out_desc, act_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, HALF, FUSED)
     tma.store_wait(pendings=0)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(bars.index(i))
@@ -207,7 +216,6 @@ def _ws_consumer(x_desc, w_desc, out_desc, act_desc, x_bufs, w_bufs, staging, re
     BLOCK_2N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = BLOCK_2N // 2
     NUM_BUF: gl.constexpr = x_bufs.type.shape[0]
-    dtype: gl.constexpr = x_desc.dtype
     acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_2N, NUM_WARPS)
     n_m = gl.cdiv(M, BLOCK_M)
     n_n = gl.cdiv(HALF, BLOCK_N)
@@ -227,24 +235,7 @@ def _ws_consumer(x_desc, w_desc, out_desc, act_desc, x_bufs, w_bufs, staging, re
         last = t * k_steps + k_steps - 1
         mbarrier.arrive(empty.index(last % NUM_BUF), count=1)
         pid_m, pid_n = _tile_of(last, k_steps, first_tile, n_programs, n_m, n_n, GROUP)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        gate, up = gl.split(gl.permute(gl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        gate = gate.to(dtype)
-        up = up.to(dtype)
-        tma.store_wait(pendings=0)
-        staging.index(0).store(gate)
-        staging.index(1).store(up)
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], staging.index(0))
-        tma.async_copy_shared_to_global(out_desc, [off_m, HALF + off_n], staging.index(1))
-        if FUSED:
-            g = gate.to(gl.float32)
-            act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(dtype)
-            tma.store_wait(pendings=1)
-            staging.index(0).store(act)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(act_desc, [off_m, off_n], staging.index(0))
+        _store_tile(acc, staging, out_desc, act_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, HALF, FUSED)
     tma.store_wait(pendings=0)
 
 
@@ -337,23 +328,13 @@ def compile_only(config, shape, fused: bool = True, ws: bool = False) -> str:
     return f"{config} fused={fused} ws={ws}: shared {compiled.metadata.shared} B; {res}; SASS {mix}"
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
 def probe(name: str, tokens: int, hidden: int, inter: int, modes: tuple[str, ...] = ("ws",)) -> dict:
     from triton.testing import do_bench
 
     from liger_models.kernels.gated_mlp import gated_forward
 
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
-    gate_up = torch.empty(tokens, 2 * inter, device="cuda", dtype=torch.bfloat16)
-    act = torch.empty(tokens, inter, device="cuda", dtype=torch.bfloat16)
-    want_gu = x @ w.t()
-    want_act = torch.empty_like(act)
-    gated_forward(want_gu[:, :inter], want_gu[:, inter:], want_act, "silu")
+    x, w, gate_up, act, want_gu, want_act = mlp_inputs(tokens, hidden, inter)
 
     def cublas():
         torch.mm(x, w.t(), out=gate_up)
@@ -379,9 +360,9 @@ def probe(name: str, tokens: int, hidden: int, inter: int, modes: tuple[str, ...
         except Exception as err:  # a config that does not fit (shared memory, registers) or fails to compile
             row["gluon"].append({**case, "error": f"{type(err).__name__}: {err}"[:300]})
             continue
-        errs = {"rel_err_gate_up": _rel_err(gate_up, want_gu)}
+        errs = {"rel_err_gate_up": rel_err(gate_up, want_gu)}
         if fused:
-            errs["rel_err_act"] = _rel_err(act, want_act)
+            errs["rel_err_act"] = rel_err(act, want_act)
         w_il = interleaved(config)
         ms = do_bench(lambda: gated_gemm(x, w_il, gate_up, act, config, n_sms, fused, ws))
         row["gluon"].append({**case, "ms": ms, **errs})
@@ -419,10 +400,7 @@ def main() -> None:
         for r in row["gluon"]:
             if "error" in r:
                 print(f"    {r['config']} {r['mode']} fused={r['fused']}: {r['error'][:200]}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gluon_gated_gemm_probe.json"), "w") as f:
-        json.dump({"env": {"torch": torch.__version__, "triton": triton.__version__,
-                           "gpu": torch.cuda.get_device_name()}, "rows": rows}, f, indent=1)
+    write_rows(args.out, "gluon_gated_gemm_probe.json", rows)
 
 
 if __name__ == "__main__":
