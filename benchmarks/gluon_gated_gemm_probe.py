@@ -55,11 +55,11 @@ SHAPES = {  # name → (tokens, hidden, intermediate), as gemm_epilogue_probe.py
     "llama-3-8b-w8l": (8192, 4096, 14336),
     "phi-3-mini-w8l": (16384, 3072, 8192),
 }
-# (BLOCK_M, BLOCK_N per half, BLOCK_K, NUM_BUF, num_warps): shared memory holds NUM_BUF × (x, gate, up) tiles plus
-# two BLOCK_M × BLOCK_N staging buffers; 3 × 48 KiB + 64 KiB fits the H200's 227 KiB.
-# Two-accumulator version (calls 1-2): (128, 128, 64, 3, 8) led; 2 buffers, BLOCK_K 32 with 5-6 buffers, or 4 warps
-# on 128×64 / 64×128 tiles were 25–45% slower. BLOCK_N here is each half's width: a 128 × 256 wgmma for 128.
-CONFIGS = [(128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (128, 64, 64, 5, 4)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, num_warps[, subtiled epilogue]); BLOCK_N is each half's width: a 128 × 256
+# wgmma for 128. Two-accumulator version (calls 1-2): (128, 128, 64, 3, 8) led; 2 buffers, BLOCK_K 32 with 5-6
+# buffers, or 4 warps on 128×64 / 64×128 tiles were 25–45% slower. Call 4 (warp-specialised): (128, 128, 64, 3, 8)
+# led at every shape. A subtiled epilogue (staging 2 × 128 × 64) frees the shared memory for a fourth ring slot.
+CONFIGS = [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8, True), (128, 128, 64, 3, 8, True), (128, 64, 64, 5, 4)]
 GROUP_M = 8
 WS_LOADER_REGS = gl.constexpr(40)  # the producer warp's registers (tile coordinates and TMA issue only)
 WS_MAXNREG = 168  # 8 consumer warps + a producer warpgroup within the register file: 168 × 12 × 32 ≤ 65536
@@ -107,29 +107,58 @@ def _issue_load(step, total, k_steps, first_tile, n_programs, n_m, n_n, x_desc, 
 
 
 @gluon.jit
+def _stage_store(staging, index: gl.constexpr, value, desc, row, col):
+    """One TMA store through staging buffer `index` of two used in turn: the store issued before the previous one
+    has left this buffer once at most one is pending."""
+    tma.store_wait(pendings=1)
+    staging.index(index).store(value)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, col], staging.index(index))
+
+
+@gluon.jit
+def _silu_times(gate, up):
+    g = gate.to(gl.float32)  # from the stored bf16 values, as the backward will recompute it
+    return (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(gate.dtype)
+
+
+@gluon.jit
 def _store_tile(acc, staging, out_desc, act_desc, off_m, off_n, HALF, FUSED: gl.constexpr):
     """Epilogue: the accumulator's column halves (each thread's own registers, no data moves between threads) go
-    out as gate and up; FUSED, act = silu(gate)·up follows through the first staging buffer once gate has left it.
-    The stores drain during the next tile's mainloop."""
+    out as gate and up; FUSED, act = silu(gate)·up follows. The staging buffers are as wide as a half, or half of
+    that (subtiled: 32 KiB less shared memory, room for a fourth ring slot). The stores drain during the next
+    tile's mainloop."""
     BLOCK_M: gl.constexpr = acc.shape[0]
     BLOCK_N: gl.constexpr = acc.shape[1] // 2
+    CHUNK: gl.constexpr = out_desc.block_type.shape[1]
     dtype: gl.constexpr = out_desc.dtype
     gate, up = gl.split(gl.permute(gl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     gate = gate.to(dtype)
     up = up.to(dtype)
-    tma.store_wait(pendings=0)  # the previous tile's stores have left both staging buffers
-    staging.index(0).store(gate)
-    staging.index(1).store(up)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [off_m, off_n], staging.index(0))
-    tma.async_copy_shared_to_global(out_desc, [off_m, HALF + off_n], staging.index(1))
-    if FUSED:
-        g = gate.to(gl.float32)  # from the stored bf16 values, as the backward will recompute it
-        act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(dtype)
-        tma.store_wait(pendings=1)  # gate's store is out of staging buffer 0
-        staging.index(0).store(act)
+    if CHUNK == BLOCK_N:
+        tma.store_wait(pendings=0)  # the previous tile's stores have left both staging buffers
+        staging.index(0).store(gate)
+        staging.index(1).store(up)
         fence_async_shared()
-        tma.async_copy_shared_to_global(act_desc, [off_m, off_n], staging.index(0))
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], staging.index(0))
+        tma.async_copy_shared_to_global(out_desc, [off_m, HALF + off_n], staging.index(1))
+        if FUSED:
+            act = _silu_times(gate, up)
+            tma.store_wait(pendings=1)  # gate's store is out of staging buffer 0
+            staging.index(0).store(act)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(act_desc, [off_m, off_n], staging.index(0))
+    else:
+        gl.static_assert(CHUNK * 2 == BLOCK_N, "staging buffers hold a half or a quarter of the tile's columns")
+        gate0, gate1 = gl.split(gl.permute(gl.reshape(gate, (BLOCK_M, 2, CHUNK)), (0, 2, 1)))
+        up0, up1 = gl.split(gl.permute(gl.reshape(up, (BLOCK_M, 2, CHUNK)), (0, 2, 1)))
+        _stage_store(staging, 0, gate0, out_desc, off_m, off_n)
+        _stage_store(staging, 1, gate1, out_desc, off_m, off_n + CHUNK)
+        _stage_store(staging, 0, up0, out_desc, off_m, HALF + off_n)
+        _stage_store(staging, 1, up1, out_desc, off_m, HALF + off_n + CHUNK)
+        if FUSED:
+            _stage_store(staging, 0, _silu_times(gate0, up0), act_desc, off_m, off_n)
+            _stage_store(staging, 1, _silu_times(gate1, up1), act_desc, off_m, off_n + CHUNK)
 
 
 @gluon.jit
@@ -148,7 +177,7 @@ def _gated_gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, HALF, K, NUM_BUF: 
 
     x_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, BLOCK_K], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_2N, BLOCK_K], w_desc.layout)
-    staging = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], out_desc.layout)
+    staging = gl.allocate_shared_memory(dtype, [2] + out_desc.block_type.shape, out_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(bars.index(i), count=1)
@@ -251,7 +280,7 @@ def _gated_gemm_ws_kernel(x_desc, w_desc, out_desc, act_desc, M, HALF, K, NUM_BU
     dtype: gl.constexpr = x_desc.dtype
     x_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_M, BLOCK_K], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_2N, BLOCK_K], w_desc.layout)
-    staging = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_2N // 2], out_desc.layout)
+    staging = gl.allocate_shared_memory(dtype, [2] + out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
@@ -276,16 +305,17 @@ def _descriptor(t, block):
 
 
 def _descriptors(x, w, gate_up, act, config):
-    block_m, block_n, block_k, _, _ = config
+    block_m, block_n, block_k = config[:3]
+    chunk = block_n // 2 if len(config) > 5 and config[5] else block_n  # config[5]: subtiled epilogue
     return (_descriptor(x, [block_m, block_k]), _descriptor(w, [2 * block_n, block_k]),
-            _descriptor(gate_up, [block_m, block_n]), _descriptor(act, [block_m, block_n]))
+            _descriptor(gate_up, [block_m, chunk]), _descriptor(act, [block_m, chunk]))
 
 
 def gated_gemm(x, w_il, gate_up, act, config, n_sms: int, fused: bool = True, ws: bool = False) -> None:
     """w_il: the packed [W_gate; W_up] weight as interleave(w, BLOCK_N) orders it."""
     m, k = x.shape
     half = w_il.shape[0] // 2
-    block_m, block_n, _, num_buf, warps = config
+    block_m, block_n, _, num_buf, warps = config[:5]
     assert half % block_n == 0, "a tile must not straddle the gate and up halves"
     tiles = triton.cdiv(m, block_m) * (half // block_n)
     args = (*_descriptors(x, w_il, gate_up, act, config), m, half, k, num_buf, GROUP_M, fused)
