@@ -130,7 +130,8 @@ class _BareRoPE(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin):
         from liger_models.kernels import rope
 
-        if _BareRoPE.LAUNCH:
+        ctx.launch = _BareRoPE.LAUNCH  # the backward runs after the caller has restored LAUNCH
+        if ctx.launch:
             rope._launch(q, k, cos, sin, q, k, backward=False)
         ctx.save_for_backward(cos, sin)
         return q.view_as(q), k.view_as(k)
@@ -142,7 +143,7 @@ class _BareRoPE(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         dq_out = torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
         dk_out = torch.empty(dk.shape, dtype=dk.dtype, device=dk.device)
-        if _BareRoPE.LAUNCH:
+        if ctx.launch:
             rope._launch(dq, dk, cos, sin, dq_out, dk_out, backward=True)
         return dq_out, dk_out, None, None
 
