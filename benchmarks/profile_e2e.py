@@ -2,7 +2,9 @@
 
 Builds the bench_e2e model for each config (this project's provider), runs warm-up steps, then profiles one step
 and groups GPU kernel time by what the kernel does (GEMMs, attention, our Triton kernels by op, optimizer,
-elementwise, copies). "host gap" is step wall time minus GPU busy time: where the GPU waited on Python.
+elementwise, copies). "host gap" is one unprofiled step's wall time minus the profiled step's summed kernel time; it
+includes the step's start-up and clock differences, so the GPU's real idle time is "idle": the profiled step's kernel
+intervals merged over all streams, the gaps between them charged to the kernels on either side.
 Memory: peak allocated split into weights, gradients, optimizer state and the rest (activations + transients).
 
     python benchmarks/profile_e2e.py --out DIR [--configs llama-3.2-1b,...] [--provider ours]
