@@ -18,6 +18,10 @@ The fusion removes one read of gate_up (2·N·I·2 bytes) per layer, so it wins 
 `cublas+act`. The backward's fusion (d act's GEMM writing d gate_up) has the same GEMM at its core, so the
 forward answers for both.
 
+Measured on the H200 (BENCHMARKS.md, twenty-fifth session): Triton does not hide this epilogue. Fused minus plain is
+about the gated kernel's own time, and at the configs short of their target fusion won once in 9 tries.
+`gluon_gated_gemm_probe.py` takes the question further.
+
     python benchmarks/gemm_epilogue_probe.py --out DIR [--shapes llama-3.2-1b,gemma-2b]
 """
 
