@@ -80,9 +80,13 @@ def _run(task, loss_fn, run_dtype):
     return losses, params
 
 
-def test_fused_loss_trains_like_reference_fp32(monkeypatch):
-    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 3 * VOCAB * 4)  # 3 chunks per step
+def _three_chunks_per_step(monkeypatch, dtype):
+    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 3 * VOCAB * dtype.itemsize)
     monkeypatch.setattr(flce_mod, "GRAD_WEIGHT_AS_SCRATCH", False)
+
+
+def test_fused_loss_trains_like_reference_fp32(monkeypatch):
+    _three_chunks_per_step(monkeypatch, torch.float32)
     task = _task()
     ref_losses, ref_params = _run(task, fused_linear_cross_entropy_reference, torch.float32)
     losses, params = _run(task, fused_linear_cross_entropy, torch.float32)
@@ -92,8 +96,7 @@ def test_fused_loss_trains_like_reference_fp32(monkeypatch):
 
 
 def test_fused_loss_trains_like_reference_bf16(monkeypatch):
-    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 3 * VOCAB * 2)  # 3 chunks per step
-    monkeypatch.setattr(flce_mod, "GRAD_WEIGHT_AS_SCRATCH", False)
+    _three_chunks_per_step(monkeypatch, torch.bfloat16)
     loss_err = eager_loss_err = 0.0
     n_params = len(list(TinyLM().parameters()))
     param_err, eager_param_err = [0.0] * n_params, [0.0] * n_params
