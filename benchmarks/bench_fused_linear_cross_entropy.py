@@ -18,6 +18,11 @@ MAX_SCRATCH_BYTES, the fp32 accumulator becoming grad_W in place; also at the Ge
 V256000); with OVERLAP_CE flipped (`liger-models overlap`: the CE pass of each chunk on a side stream, overlapping
 the previous chunk's gradient GEMMs); and with SINGLE_CHUNK_IN_ACCUMULATOR flipped where N ≤ 2H (`liger-models
 chunked`: the default is one chunk there).
+`liger-models filtered` runs every case with grad_filter_eps=2⁻¹², cut-cross-entropy's default threshold for bf16
+(opt-in: each token chunk's backward GEMMs over the vocabulary columns whose per-token gradient reaches it;
+kernels/_grad_filter.py). At the headline shapes both filtered providers' dh and dW are compared with this
+project's exact ones (Result.extra["vs_exact"]: relative L2 errors, and the share of the lm_head's rows left with
+no gradient).
 
     python benchmarks/bench_fused_linear_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,...]
 """
@@ -57,10 +62,49 @@ def make_inputs(n: int, hdim: int, vocab: int, kind: str):
     return hidden.requires_grad_(), weight.requires_grad_(), labels
 
 
-def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
+FILTER_EPS = 2.0**-12  # cut-cross-entropy's filter_eps="auto" for bf16 (bf16 eps / 32)
+
+
+def cce_loss(h, w, y, filter_eps="auto"):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(h, w, y, ignore_index=IGNORE, reduction="mean", filter_eps=filter_eps)
+
+
+def filtered_loss(h, w, y):
+    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    return fused_linear_cross_entropy(h, w, y, grad_filter_eps=FILTER_EPS)
+
+
+def vs_exact(hidden, weight, labels) -> dict:
+    """dh and dW of the filtered providers against this project's exact (fp32-accumulated) ones."""
+    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    def grads(fn):
+        return [g.double() for g in torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))]
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    dh, dw = grads(fused_linear_cross_entropy)
+    out = {}
+    for name, fn in (("liger-models filtered", filtered_loss), ("cut-cross-entropy", cce_loss)):
+        try:
+            fh, fw = grads(fn)
+        except Exception as e:  # noqa: BLE001 (a peer that is not installed)
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        out[name] = {"dh_rel_err": rel(fh, dh), "dw_rel_err": rel(fw, dw),
+                     "rows_without_grad": ((fw == 0).all(1) & (dw != 0).any(1)).double().mean().item()}
+        del fh, fw
+    return out
+
+
+def providers(hidden, weight, labels, variants: bool) -> dict:
     import liger_models.kernels.fused_linear_cross_entropy as flce
 
-    hidden, weight, labels = make_inputs(n, hdim, vocab, kind)
+    n, hdim, vocab = hidden.shape[0], hidden.shape[1], weight.shape[0]
 
     def step(fn):
         return lambda: torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
@@ -90,12 +134,7 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
 
         return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)(w, h, y)
 
-    def cce(h, w, y, filter_eps="auto"):
-        from cut_cross_entropy import linear_cross_entropy
-
-        return linear_cross_entropy(h, w, y, ignore_index=IGNORE, reduction="mean", filter_eps=filter_eps)
-
-    out = {"liger-models": ours()}
+    out = {"liger-models": ours(), "liger-models filtered": step(filtered_loss)}
     if variants:
         out["liger-models budget256"] = ours(False, 256 * MiB)
         out["liger-models budget1024"] = ours(False, 1024 * MiB)
@@ -110,9 +149,9 @@ def providers(n: int, hdim: int, vocab: int, kind: str, variants: bool) -> dict:
         out["eager"] = step(reference)
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))
     out["liger-kernel"] = step(liger)
-    out["cut-cross-entropy"] = step(cce)
+    out["cut-cross-entropy"] = step(cce_loss)
     if variants:  # CCE without its gradient filter: every dlogits block computed, the work an exact dW needs
-        out["cut-cross-entropy exact"] = step(lambda h, w, y: cce(h, w, y, filter_eps=None))
+        out["cut-cross-entropy exact"] = step(lambda h, w, y: cce_loss(h, w, y, filter_eps=None))
     return out
 
 
@@ -140,11 +179,20 @@ def main() -> None:
     if not args.quick:
         cases += [(n, h, v, "random", False) for n, h, v in SWEEP]
     results = []
+    accuracy = {}
     for n, hdim, vocab, kind, variants in cases:
         flop = 6.0 * n * hdim * vocab
-        results += time_case(f"linear-CE BT{n} H{hdim} V{vocab} {kind}", providers(n, hdim, vocab, kind, variants),
-                             flop, (n + vocab) * hdim * 2 / MiB, vocab * hdim * 4 / MiB, rate,
-                             {"bt": n, "hidden": hdim, "vocab": vocab, "logits": kind}, wanted)
+        case = f"linear-CE BT{n} H{hdim} V{vocab} {kind}"
+        inputs = make_inputs(n, hdim, vocab, kind)
+        if (n, hdim, vocab) in HEADLINE:
+            accuracy[case] = vs_exact(*inputs)
+        results += time_case(case, providers(*inputs, variants), flop, (n + vocab) * hdim * 2 / MiB,
+                             vocab * hdim * 4 / MiB, rate, {"bt": n, "hidden": hdim, "vocab": vocab, "logits": kind},
+                             wanted)
+        del inputs
+    for r in results:
+        if r.provider in accuracy.get(r.case, {}):
+            r.extra["vs_exact"] = accuracy[r.case][r.provider]
     floors = {r.case: r.extra["flop"] / (rate * 1e12) * 1e3 for r in results}
     save("fused_linear_cross_entropy", args.out, results,
          {"matmul_tflops": rate, "floor_ms": floors, "note": "bf16, mean, 1/16 ignored; MiB = peak above inputs "
@@ -154,6 +202,12 @@ def main() -> None:
         status = (f"{r.extra['tflops']:6.0f} TFLOP/s  {r.extra['frac_matmul']:.2f}  {r.peak_mib:8.0f} MiB"
                   if r.ms else r.error)
         print(f"  {r.case:>40}  {r.provider:<26} {status}")
+    print("filtered gradients against the exact ones (rel. L2 error of dh, dW; lm_head rows left without gradient):")
+    for case, by_provider in accuracy.items():
+        for name, e in by_provider.items():
+            cells = e.get("error") or (f"dh {e['dh_rel_err']:.2e}  dW {e['dw_rel_err']:.2e}  "
+                                       f"rows {100 * e['rows_without_grad']:.1f}%")
+            print(f"  {case:>40}  {name:<24} {cells}")
     print(table(results, floors))
 
 

@@ -5,7 +5,9 @@ cut-cross-entropy's default (`filter_eps="auto"`: bf16 eps / 32 = 2⁻¹²) skip
 dlogits = softmax − onehot whose entries are all below the threshold, in both backward GEMMs. This counts such
 blocks at several thresholds and block shapes, and measures what dropping them does to dW = dlogitsᵀ·h: the share
 of vocabulary rows that get no gradient at all, the share off by more than 1%, and the whole matrix's relative
-error. Logits: noise plus bench_cross_entropy's Zipf-like per-token bias of up to +20; labels drawn from the
+error. It does the same for linear-CE's own opt-in filter (grad_filter_eps, kernels/_grad_filter.py), which skips
+whole vocabulary columns of a token chunk ("column of N": all --tokens rows; linear-CE's chunks at H2048 are 2048
+rows). Logits: noise plus bench_cross_entropy's Zipf-like per-token bias of up to +20; labels drawn from the
 softmax (as for a trained model).
 
     python benchmarks/gradient_sparsity.py [--tokens 512] [--vocab 128256,256000] [--out DIR]
@@ -50,14 +52,16 @@ def measure(tokens: int, vocab: int) -> list[dict]:
     d = peaked_dlogits(tokens, vocab)
     h = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(1))
     out = []
-    for rows, cols in ((128, 128), (64, 256)):
+    # CCE's tiles, and linear-CE's grad_filter_eps rule: whole columns of a token chunk (kernels/_grad_filter.py)
+    for rows, cols in ((128, 128), (64, 256), (tokens, 1)):
         for log2_eps in (-12, -16, -24):
             skip = skipped_blocks(d, rows, cols, 2.0**log2_eps)
             dv = d[: skip.shape[0], : skip.shape[1]]
             dw = dv.t() @ h[: skip.shape[0]]
             err = (dv * skip).t() @ h[: skip.shape[0]]  # what the filter drops from dW
             rel = err.norm(dim=1) / dw.norm(dim=1).clamp_min(1e-30)
-            out.append(dict(vocab=vocab, block=f"{rows}x{cols}", eps=f"2^{log2_eps}",
+            block = f"column of {rows}" if cols == 1 else f"{rows}x{cols}"
+            out.append(dict(vocab=vocab, block=block, eps=f"2^{log2_eps}",
                             skipped_blocks=round(skip[::rows, ::cols].float().mean().item(), 3),
                             dw_rows_without_gradient=round((rel > 0.999).float().mean().item(), 3),
                             dw_rows_off_by_1pct=round((rel > 0.01).float().mean().item(), 3),

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._ce_core import ce_rows
+from ._grad_filter import DENSE_SHARE, active_columns, sparse_gradients
 from ._loss_common import check_options, scale_, scaled_sum, take_grads
 from ._dispatch import once_differentiable, row_view, use_triton
 from ._labels import LabelCheck
@@ -121,12 +122,18 @@ def fused_linear_cross_entropy_reference(
     loss_scale: float = 1.0,
     accum_dtype: torch.dtype = torch.float32,
     return_target_rank: bool = False,
+    grad_filter_eps: float | None = None,
 ):
     """Eager PyTorch: logits = F.linear(h, W, b) in the input dtype (as HF's lm_head), then fp32 cross-entropy.
 
-    Same signature as `fused_linear_cross_entropy`; accum_dtype has no effect here (autograd's dW is one GEMM).
+    Same signature as `fused_linear_cross_entropy`; accum_dtype has no effect here (autograd's dW is one GEMM);
+    grad_filter_eps filters with all tokens as one chunk.
     """
     logits = F.linear(hidden, weight, bias)
+    if grad_filter_eps is not None and logits.requires_grad:
+        kept = _kept_columns(logits.detach(), labels, grad_filter_eps, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+        logits.register_hook(lambda grad: grad * kept.to(grad.dtype))
     loss = cross_entropy_reference(
         logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
         softcap=softcap, reduction=reduction, normalizer=normalizer,
@@ -135,6 +142,16 @@ def fused_linear_cross_entropy_reference(
         return loss
     with torch.no_grad():
         return loss, target_rank_reference(logits, labels, ignore_index, softcap)
+
+
+def _kept_columns(logits: torch.Tensor, labels: torch.Tensor, eps: float, **opts) -> torch.Tensor:
+    """(V,) bool: the columns that some token's own loss gradient ∂ℓ_t/∂z_tj reaches eps in (grad_filter_eps's
+    rule, _grad_filter.py, with every token in one chunk)."""
+    with torch.enable_grad():
+        z = logits.reshape(-1, logits.shape[-1]).requires_grad_()
+        per_token = cross_entropy_reference(z, labels.reshape(-1), reduction="none", **opts)
+        (grad,) = torch.autograd.grad(per_token.sum(), z)
+    return ((grad.abs() >= eps) & (grad != 0)).any(0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,9 +254,11 @@ def _ce_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, scale=None,
-                need=(False, False, False), accum_dtype=torch.float32, max_scratch_bytes=None):
+                need=(False, False, False), accum_dtype=torch.float32, max_scratch_bytes=None, grad_filter_eps=None):
     """The chunk loop of the module docstring; loss given → forward (writes loss, lse, q, rank), scale given →
     gradients (lse, q are inputs when loss is None). Returns (grad_h (N, H), grad_W, grad_b) or Nones.
+    grad_filter_eps: each chunk's gradient GEMMs run over the columns that carry gradient (_grad_filter.py); dW and
+    db then start from zero instead of being written by the first chunk.
 
     With two logits buffers, chunk i's CE pass is issued before chunk i−1's gradient GEMMs, which then read the
     other buffer; on CUDA the CE pass runs on a side stream, so it overlaps those GEMMs (events order each buffer's
@@ -276,16 +295,28 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
                                  cap_is_size=in_place)
     side = _ce_stream(h.device) if len(buffers) == 2 and h.is_cuda else None
     main = torch.cuda.current_stream(h.device) if side is not None else None
+    filtered = backward and grad_filter_eps is not None
+    dw_targets = halves if halves is not None else None if acc_w is None else [acc_w]
+    if filtered and dw_targets is not None:
+        for target in dw_targets:  # a chunk adds only its kept rows
+            target.zero_()
 
     def gradients(i: int, s: int, e: int, logits: torch.Tensor) -> None:  # dlogits of rows s:e are in logits
+        if filtered:
+            cols = active_columns(logits, scale if scale.dim() == 0 else scale[s:e], grad_filter_eps)
+            if cols.numel() <= DENSE_SHARE * vocab:
+                sparse_gradients(logits, cols, weight, h[s:e], grad_h[s:e] if need_h else None, dw_targets,
+                                 acc_b, _accumulate_dw)
+                return
+        first = i == 0 and not filtered
         if need_h:
             torch.mm(logits, weight, out=grad_h[s:e])
         if acc_w is not None:
-            _accumulate_dw(acc_w, logits, h[s:e], first=i == 0)
+            _accumulate_dw(acc_w, logits, h[s:e], first=first)
         elif halves is not None:
             split = halves[0].shape[0]
-            _accumulate_dw(halves[0], logits[:, :split], h[s:e], first=i == 0)
-            _accumulate_dw(halves[1], logits[:, split:], h[s:e], first=i == 0)
+            _accumulate_dw(halves[0], logits[:, :split], h[s:e], first=first)
+            _accumulate_dw(halves[1], logits[:, split:], h[s:e], first=first)
         if need_b:
             acc_b.add_(logits.sum(0, dtype=torch.float32))
 
@@ -376,13 +407,14 @@ def _check_unit_gradient(grad_out: torch.Tensor) -> None:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
-                labels_ok, max_scratch_bytes):
+                labels_ok, max_scratch_bytes, grad_filter_eps):
         h, flat = row_view(hidden), labels.reshape(-1)
         loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
         rank = torch.empty(h.shape[0], dtype=torch.int32, device=h.device) if with_rank else None
         ctx.opts, ctx.loss_scale, ctx.accum_dtype, ctx.need = opts, loss_scale, accum_dtype, need
         ctx.hidden_shape, ctx.reduction, ctx.max_scratch_bytes = hidden.shape, reduction, max_scratch_bytes
+        ctx.grad_filter_eps = grad_filter_eps
         if reduction == "none":
             _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
                         max_scratch_bytes=max_scratch_bytes)
@@ -392,7 +424,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             scale = labels_ok.scale
             grads = _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
                                 scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype,
-                                max_scratch_bytes=max_scratch_bytes)
+                                max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps)
             ctx.consumer = _consumer_of(weight) if need[1] else None
             if ctx.consumer is not None:  # hand dW over now, so it need not live until backward
                 labels_ok.wait()  # never a dW from skipped CE passes (a bad label) into an optimizer step
@@ -413,7 +445,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             scale = (grad_out.reshape(-1).float() * ctx.loss_scale).contiguous()
             grad_h, grad_w, grad_b = _run_chunks(row_view(hidden), weight, bias, flat, ctx.opts, lse=lse, q=q,
                                                  scale=scale, need=ctx.need, accum_dtype=ctx.accum_dtype,
-                                                 max_scratch_bytes=ctx.max_scratch_bytes)
+                                                 max_scratch_bytes=ctx.max_scratch_bytes,
+                                                 grad_filter_eps=ctx.grad_filter_eps)
         else:
             if ctx.consumer is not None:
                 _check_unit_gradient(grad_out)
@@ -424,7 +457,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     scale_(g, grad_out)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
@@ -445,6 +478,7 @@ def fused_linear_cross_entropy(
     accum_dtype: torch.dtype = torch.float32,
     return_target_rank: bool = False,
     max_scratch_bytes: int | None = None,
+    grad_filter_eps: float | None = None,
 ):
     """Cross-entropy of hidden (..., H) · weight (V, H)ᵀ (+ bias (V,)) against labels (...), never holding N×V.
 
@@ -454,7 +488,10 @@ def fused_linear_cross_entropy(
     gets no dW work; dW is accumulated in accum_dtype (float32, or the weight's dtype) and returned in the weight's
     dtype. A label outside [0, V) that is not ignore_index raises ValueError (the call waits for the check with its
     kernels queued, _labels.LabelCheck). max_scratch_bytes caps the logits scratch (default MAX_SCRATCH_BYTES,
-    none): a lower peak for more chunks.
+    none): a lower peak for more chunks. grad_filter_eps (default None: exact gradients) skips, per token chunk,
+    the vocabulary columns whose every per-token loss gradient ∂ℓ_t/∂z_tj is below it in magnitude (an
+    approximation for peaked distributions, as cut-cross-entropy's filter_eps; rule and cost in _grad_filter.py;
+    the reference path treats all tokens as one chunk).
     """
     check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
     if hidden.dim() == 0:  # else an IndexError from hidden.shape[-1]
@@ -472,6 +509,8 @@ def fused_linear_cross_entropy(
         raise ValueError(f"accum_dtype must be torch.float32 or the weight's dtype, got {accum_dtype}")
     if max_scratch_bytes is not None and max_scratch_bytes < 1:
         raise ValueError(f"max_scratch_bytes must be a positive byte count or None, got {max_scratch_bytes}")
+    if grad_filter_eps is not None and not 0 < grad_filter_eps < 1:  # also rejects NaN
+        raise ValueError(f"grad_filter_eps must be None or in (0, 1), got {grad_filter_eps}")
     labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
     if not use_triton(hidden, weight, bias, labels) or labels.numel() == 0:
@@ -479,14 +518,15 @@ def fused_linear_cross_entropy(
         return fused_linear_cross_entropy_reference(
             hidden, weight, labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, reduction=reduction, normalizer=normalizer, loss_scale=loss_scale,
-            return_target_rank=return_target_rank,
+            return_target_rank=return_target_rank, grad_filter_eps=grad_filter_eps,
         )
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
     out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, float(loss_scale),
-                                         accum_dtype, need, return_target_rank, labels_ok, max_scratch_bytes)
+                                         accum_dtype, need, return_target_rank, labels_ok, max_scratch_bytes,
+                                         None if grad_filter_eps is None else float(grad_filter_eps))
     labels_ok.wait()  # after every GEMM and CE pass is queued (they touch nothing if a label is bad)
     return out
 
@@ -495,11 +535,12 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     """Module form of `fused_linear_cross_entropy`; weight, bias and the normaliser are passed to forward."""
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                 softcap: float | None = None, reduction: str = "mean", loss_scale: float = 1.0):
+                 softcap: float | None = None, reduction: str = "mean", loss_scale: float = 1.0,
+                 grad_filter_eps: float | None = None):
         super().__init__()
         check_options(reduction, label_smoothing, softcap, z_loss)
         self.opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                         softcap=softcap, reduction=reduction, loss_scale=loss_scale)
+                         softcap=softcap, reduction=reduction, loss_scale=loss_scale, grad_filter_eps=grad_filter_eps)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 bias: torch.Tensor | None = None, normalizer=None) -> torch.Tensor:

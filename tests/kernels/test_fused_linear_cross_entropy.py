@@ -11,6 +11,7 @@ import torch
 
 import liger_models.kernels.fused_linear_cross_entropy as flce_mod
 from liger_models.kernels import _ce_core
+from liger_models.kernels import _grad_filter as grad_filter
 from liger_models.kernels.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
     consume_weight_grad,
@@ -417,6 +418,117 @@ def test_no_grad_module_and_second_backward():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Gradient filter (grad_filter_eps, _grad_filter.py). The data put a wide gap between the columns' gradients: a
+# constant feature (hidden[..., 0] = 1) gives 40% "hot" columns logit offset 0 and the rest −14, and labels are hot
+# columns only. So every hot column carries gradient ≥ eps in every chunk with a non-ignored token and every cold
+# column stays far below it, whatever the chunking, and the reference (all tokens as one chunk) is the truth.
+FILTER_CASES = [dict(), dict(reduction="sum", loss_scale=0.3), dict(reduction="none", loss_scale=2.0),
+                dict(z_loss=1e-3, normalizer=40), dict(softcap=30.0, loss_scale=0.5)]
+FILTER_MODES = ("grad_w_scratch", "budget_scratch+overlap", "single_chunk", "capped", "slabs")
+
+
+def _filter_inputs(dtype, bias, vocab=517):
+    hidden, weight, b, labels = _inputs(vocab, dtype, bias=bias)
+    hot = torch.rand(vocab, device=DEVICE) < 0.4
+    hot[0] = hot[-1] = True
+    hidden[..., 0] = 1
+    weight = (weight.float() / 10).to(dtype)  # logit noise ~0.5 around each column's offset
+    weight[:, 0] = torch.where(hot, 0.0, -14.0).to(dtype)
+    hot_ids = hot.nonzero()[:, 0]
+    labels = torch.where(labels == IGNORE, labels, hot_ids[torch.randint(0, len(hot_ids), labels.shape)])
+    labels[0, 0], labels[-1, -1] = 0, vocab - 1
+    return hidden, weight, None if b is None else b / 10, labels, hot
+
+
+def _eps_in_the_gap(hidden, weight, bias, labels, hot, **opts):
+    """The geometric middle between the largest cold and the smallest hot per-token gradient (float64)."""
+    ce = {k: v for k, v in opts.items() if k in ("z_loss", "softcap")}
+    z = torch.nn.functional.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    z = z.reshape(-1, weight.shape[0]).requires_grad_()
+    flat = labels.reshape(-1)
+    (g,) = torch.autograd.grad(flce_mod.cross_entropy_reference(z, flat, reduction="none", **ce).sum(), z)
+    g = g[flat != IGNORE].abs()
+    cold_max, hot_min = g[:, ~hot].max().item(), g[:, hot].min().item()
+    assert hot_min > 30 * cold_max, f"the test's data lost its gap: {hot_min:.2e} vs {cold_max:.2e}"
+    return (hot_min * cold_max) ** 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(FILTER_CASES)))
+def test_grad_filter_skips_cold_columns(monkeypatch, dtype, case):
+    """Filtered gradients match the float64 reference with the same filter: cold columns get exactly zero dW and
+    db and nothing of dh, hot columns everything, in every chunking mode; the kept columns went through the
+    gathered (sparse) GEMMs."""
+    mode = FILTER_MODES[(case + (dtype == torch.bfloat16)) % len(FILTER_MODES)]
+    _chunk(monkeypatch, {"capped": "budget_scratch", "slabs": "grad_w_scratch"}.get(mode, mode))
+    if mode == "slabs":  # the kept columns in slabs of 50: dh summed over slabs in fp32
+        monkeypatch.setattr(grad_filter, "SLAB_BYTES", 1)
+        monkeypatch.setattr(grad_filter, "MIN_SLAB_COLS", 50)
+    if mode == "capped":  # 3-row chunks; bf16: into the fp32 accumulator's halves that become grad_W
+        monkeypatch.setattr(flce_mod, "MAX_SCRATCH_BYTES", 3 * 517 * dtype.itemsize)
+    kept = []
+    sparse = flce_mod.sparse_gradients
+    monkeypatch.setattr(flce_mod, "sparse_gradients", lambda d, cols, *a: (kept.append(cols), sparse(d, cols, *a)))
+    hidden, weight, bias, labels, hot = _filter_inputs(dtype, bias=case % 2 == 0)
+    eps = _eps_in_the_gap(hidden, weight, bias, labels, hot, **FILTER_CASES[case])
+    opts = dict(FILTER_CASES[case], grad_filter_eps=eps)
+    _check(hidden, weight, bias, labels, **opts)
+    hot_ids = hot.nonzero()[:, 0]
+    assert any(torch.equal(cols, hot_ids) for cols in kept)
+    assert all(torch.equal(cols, hot_ids) or cols.numel() == 0 for cols in kept)  # empty: a chunk of ignored rows
+    w = weight.clone().requires_grad_()
+    fused_linear_cross_entropy(hidden, w, labels, bias, **opts).sum().backward()
+    assert (w.grad[~hot] == 0).all() and (w.grad[hot] != 0).any(1).all()
+
+
+def test_grad_filter_dense_share(monkeypatch, chunked_once):
+    """Chunks with more kept columns than DENSE_SHARE run the dense GEMMs over all columns: exact gradients
+    (dW then starts from zero rather than from the first chunk's GEMM)."""
+    monkeypatch.setattr(flce_mod, "DENSE_SHARE", 0.3)  # hot is ~40% of the columns
+    monkeypatch.setattr(flce_mod, "sparse_gradients", lambda *a: pytest.fail("sparse path above DENSE_SHARE"))
+    hidden, weight, bias, labels, hot = _filter_inputs(torch.float32, bias=True)
+    eps = _eps_in_the_gap(hidden, weight, bias, labels, hot)
+    tensors = [(t, True) for t in (hidden, weight, bias)]
+    out, grads = _grads(fused_linear_cross_entropy, tensors, labels, _incoming({}, labels), grad_filter_eps=eps)
+    t64 = [(t.double(), True) for t in (hidden, weight, bias)]
+    out64, grads64 = _grads(fused_linear_cross_entropy_reference, t64, labels, _incoming({}, labels))
+    for name, got, ref in zip(("dh", "dW", "db"), grads, grads64):
+        assert_matches(got, ref, name=name)
+    assert (grads[1][~hot] != 0).any()
+
+
+def test_grad_filter_everything_below_eps(chunked_once):
+    """Every label ignored: no column is kept, so dh is zero (written, not left poisoned) and dW, db are zero."""
+    hidden, weight, bias, labels, _ = _filter_inputs(torch.float32, bias=True)
+    labels.fill_(IGNORE)
+    tensors = [(t, True) for t in (hidden, weight, bias)]
+    _, grads = _grads(fused_linear_cross_entropy, tensors, labels, _incoming({}, labels), grad_filter_eps=0.5)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_active_columns_rule():
+    """|d| ≥ eps·|scale_row| and d ≠ 0, per row scale or one scale, across row splits and a partial column block."""
+    active_columns = grad_filter.active_columns
+    m, v = 70, 300
+    d = torch.zeros(m, v, device=DEVICE)
+    scale = torch.rand(m, device=DEVICE) + 0.5
+    d[5, 3], d[69, 299], d[40, 150] = 1e-3 * scale[5], -1e-3 * scale[69], 0.99e-3 * scale[40]
+    d[:, 200] = 1e-9  # below eps in every row
+    assert active_columns(d, scale, 1e-3).tolist() == [3, 299]
+    assert active_columns(d, torch.tensor(0.5, device=DEVICE), 1e-3).tolist() == [3, 150, 299]
+    assert active_columns(d, torch.zeros(m, device=DEVICE), 1e-3).tolist() == [3, 150, 200, 299]  # d ≠ 0 only
+    padded = torch.zeros(m, v + 13, device=DEVICE)
+    padded[:, :v] = d
+    assert active_columns(padded[:, :v], scale, 1e-3).tolist() == [3, 299]  # strided rows
+
+
+@pytest.mark.parametrize("eps", [0.0, 1.0, float("nan"), -1e-3])
+def test_grad_filter_bad_eps(eps):
+    hidden, weight, bias, labels = _inputs(67, torch.float32)
+    with pytest.raises(ValueError, match="grad_filter_eps"):
+        fused_linear_cross_entropy(hidden, weight, labels, grad_filter_eps=eps)
+
+
 # GPU: real sizes (the lead runs `pytest -m gpu` on the H200)
 
 
@@ -488,6 +600,41 @@ def test_gpu_overlapped_schedule_under_load(monkeypatch, frozen):
         assert w.grad is None
     else:
         assert_matches(w.grad, wf.grad.double(), eager=we.grad, name="dW")
+
+
+@pytest.mark.gpu
+@BIG_MEMORY  # the float64 gap check holds 4096 × 128256 logits and their gradient
+@pytest.mark.parametrize("opts", [dict(), dict(reduction="none", z_loss=1e-4, softcap=30.0, loss_scale=0.5)])
+def test_gpu_grad_filter_real_size(monkeypatch, opts):
+    """4096 tokens × 128256 columns, 2% hot (the test data of test_grad_filter_skips_cold_columns at size): two
+    2048-row chunks through the gathered GEMMs, against the fp32 and eager references with the same filter."""
+    torch.manual_seed(0)
+    n, hdim, vocab = 4096, 2048, 128256
+    hidden = (torch.randn(n, hdim, device="cuda") / 2).to(torch.bfloat16)
+    hidden[:, 0] = 1
+    weight = (torch.randn(vocab, hdim, device="cuda") / hdim**0.5).to(torch.bfloat16)
+    hot = torch.rand(vocab, device="cuda") < 0.02
+    weight[:, 0] = torch.where(hot, 0.0, -14.0).to(torch.bfloat16)
+    hot_ids = hot.nonzero()[:, 0]
+    labels = hot_ids[torch.randint(0, len(hot_ids), (n,), device="cuda")]
+    labels[::11] = IGNORE
+    eps = _eps_in_the_gap(hidden.float(), weight.float(), None, labels, hot, **opts)
+    kept = []
+    sparse = flce_mod.sparse_gradients
+    monkeypatch.setattr(flce_mod, "sparse_gradients", lambda d, cols, *a: (kept.append(cols), sparse(d, cols, *a)))
+    g = torch.randn(n, device="cuda") if opts.get("reduction") == "none" else torch.tensor(1.0, device="cuda")
+    runs = []
+    for fn, dtype in ((fused_linear_cross_entropy, torch.bfloat16), (fused_linear_cross_entropy_reference,
+                                                                     torch.float32),
+                      (fused_linear_cross_entropy_reference, torch.bfloat16)):
+        h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+        fn(h, w, labels, grad_filter_eps=eps, **opts).backward(g)
+        runs.append((h.grad, w.grad))
+    (dh, dw), (dh32, dw32), (dh_eager, dw_eager) = runs
+    assert len(kept) == 2 and all(torch.equal(cols, hot_ids) for cols in kept)
+    assert_matches(dh, dh32.double(), eager=dh_eager, name="dh")
+    assert_matches(dw, dw32.double(), eager=dw_eager, name="dW")
+    assert (dw[~hot] == 0).all()
 
 
 @pytest.mark.gpu

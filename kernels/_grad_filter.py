@@ -1,0 +1,125 @@
+"""Linear-CE's opt-in gradient filter (``grad_filter_eps``): the backward GEMMs over the vocabulary columns that carry
+gradient, skipping the rest.
+
+Rule: within one token chunk, a vocabulary column j is skipped when every row t has |∂ℓ_t/∂z_tj| < eps, where ℓ_t
+is token t's own loss (the loss scale, the mean's denominator and grad_output excluded; the softcap derivative,
+z-loss and label smoothing included) and z the logits. A skipped column contributes nothing to dh, to its row of
+dW and to its bias entry; a kept column's contributions are exact, from every row of the chunk. So rows of dW are
+either exact or zero for the chunk, and each row of dh misses Σ_skipped ∂ℓ/∂z_tj·W_j, every term below eps·|W_j|.
+
+Why columns and not tiles: cuBLAS runs the GEMMs (at ~700 TFLOP/s; a Triton GEMM that skips tiles, as
+cut-cross-entropy's does, runs its dense case at 180-190 TFLOP/s on the H200, BENCHMARKS.md fifteenth session), and
+cuBLAS can skip work only by being given smaller operands: the kept columns of dlogits and the matching rows of W
+are gathered, multiplied, and dW's rows scattered back. On the benchmark's peaked logits 0.4-0.5% of the columns of
+a 2048-row chunk carry an entry ≥ 2⁻¹² (cut-cross-entropy's default threshold; its 128×128 tiles keep ~30% of
+the work), so the backward GEMMs shrink ~200×. Finding the columns costs one read of the chunk's dlogits
+(_active_columns_kernel) and one host sync (the count sizes the GEMMs). When many columns carry gradient the
+gathers cost more than they save (gathering a column moves ~4M + 16H bytes, its GEMM work is 4·M·H FLOP: break-even
+near 70% on the H200), so above DENSE_SHARE of the columns a chunk takes the dense path.
+This is an approximation, off by default: the rare tokens' rows of dW get nothing from a chunk whose tokens all
+give them probability below eps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import cdiv, launch, sm_count
+
+# Above this share of active columns a chunk runs the dense GEMMs (see the module docstring).
+DENSE_SHARE = 0.5
+# Gathered operands of one slab of columns (dlogits columns, W rows, fp32 dW rows) stay within this many bytes,
+# except that a slab always holds at least MIN_SLAB_COLS columns (narrower GEMMs run far below the matmul rate).
+SLAB_BYTES = 256 << 20
+MIN_SLAB_COLS = 1024
+_BLOCK_M, _BLOCK_V = 32, 128
+
+
+@triton.jit
+def _active_columns_kernel(D, SCALE, FLAGS, n_rows, stride_row, scale_stride, eps,
+                           N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    # Program (c, r): columns c·BLOCK_V.., rows r·BLOCK_M, (r + R)·BLOCK_M, ... (R = programs along axis 1).
+    # FLAGS[j] becomes 1 if some row has an entry with |d| ≥ eps·|scale_row| and d ≠ 0 (zero rows, e.g. ignored
+    # tokens or a zero grad_output, never mark a column). A while loop: the interpreter cannot `for` to a runtime
+    # bound.
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < N_COLS
+    hit = tl.zeros([BLOCK_V], tl.int32)
+    start = tl.program_id(1).to(tl.int64) * BLOCK_M
+    step = tl.num_programs(1).to(tl.int64) * BLOCK_M
+    while start < n_rows:
+        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_ok = rows < n_rows
+        thr = eps * tl.abs(tl.load(SCALE + rows * scale_stride, mask=row_ok, other=0.0).to(tl.float32))
+        d = tl.abs(tl.load(D + rows[:, None] * stride_row + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                           other=0.0).to(tl.float32))
+        big = (d >= thr[:, None]) & (d != 0.0)
+        hit = tl.maximum(hit, tl.max(big.to(tl.int32), axis=0))
+        start += step
+    tl.atomic_max(FLAGS + cols, hit, mask=col_ok)
+
+
+def active_columns(dlogits: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Sorted int64 indices of the columns of dlogits (M, V; unit column stride) that hold an entry d with
+    |d| ≥ eps·|scale_row| and d ≠ 0. scale: 0-dim, or (M,) per row (dlogits = scale_row · ∂ℓ/∂z). Syncs the host."""
+    m, v = dlogits.shape
+    flags = torch.zeros(v, dtype=torch.int32, device=dlogits.device)
+    if m == 0:
+        return flags.nonzero()[:, 0]
+    col_blocks = cdiv(v, _BLOCK_V)
+    # rows split over enough programs to fill the GPU ~4 times (a 32K-column vocabulary has only 256 column blocks)
+    row_splits = max(1, min(cdiv(m, _BLOCK_M), cdiv(4 * sm_count(dlogits.device), col_blocks)))
+    scale = scale.reshape(-1).float()
+    launch(_active_columns_kernel, (col_blocks, row_splits),
+           [dlogits, scale, flags, m, dlogits.stride(0), 0 if scale.numel() == 1 else 1, float(eps)],
+           dict(N_COLS=v, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, num_warps=4))
+    return flags.nonzero()[:, 0]
+
+
+def _scatter_add_rows(targets: list[torch.Tensor], cols: torch.Tensor, rows: torch.Tensor) -> None:
+    """targets (vocabulary row ranges stacked in order, e.g. the two halves of an accumulator) [cols] += rows."""
+    start = 0
+    for target in targets:
+        end = start + target.shape[0]
+        lo, hi = (int(i) for i in torch.searchsorted(cols, torch.tensor([start, end], device=cols.device)))
+        if hi > lo:
+            target.index_add_(0, cols[lo:hi] - start, rows[lo:hi].to(target.dtype))
+        start = end
+
+
+def sparse_gradients(dlogits: torch.Tensor, cols: torch.Tensor, weight: torch.Tensor, h: torch.Tensor,
+                     grad_h: torch.Tensor | None, dw_targets: list[torch.Tensor] | None,
+                     grad_b: torch.Tensor | None, mm_fp32) -> None:
+    """One chunk's gradients from the kept columns only: grad_h (M, H) = dlogits[:, cols]·W[cols] (written),
+    dw_targets[cols] += dlogits[:, cols]ᵀ·h (the fp32 product added once per chunk, in the target's dtype),
+    grad_b[cols] += column sums (fp32). mm_fp32(out, a, b, first): out (fp32) [+]= aᵀ·b, as linear-CE's dW GEMM.
+    Slabs of columns bound the gathered operands (SLAB_BYTES); with more than one slab grad_h is summed in fp32."""
+    m, hdim = h.shape
+    if cols.numel() == 0:  # nothing carries gradient: dh is 0, dW and db unchanged
+        if grad_h is not None:
+            grad_h.zero_()
+        return
+    per_col = 2 * m + (2 * hdim if grad_h is not None else 0) + (4 * hdim if dw_targets is not None else 0)
+    slab = max(MIN_SLAB_COLS, SLAB_BYTES // per_col)
+    slabs = [cols[i : i + slab] for i in range(0, cols.numel(), slab)]
+    gh32 = None
+    if grad_h is not None and len(slabs) > 1:
+        gh32 = torch.empty(m, hdim, dtype=torch.float32, device=h.device)
+    for k, part in enumerate(slabs):
+        d = dlogits.index_select(1, part)
+        if grad_h is not None:
+            w = weight.index_select(0, part)
+            if gh32 is None:
+                torch.mm(d, w, out=grad_h)
+            else:
+                mm_fp32(gh32, d.t(), w, first=k == 0)
+        if dw_targets is not None:
+            dw = torch.empty(part.numel(), hdim, dtype=torch.float32, device=h.device)
+            mm_fp32(dw, d, h, first=True)
+            _scatter_add_rows(dw_targets, part, dw)
+        if grad_b is not None:
+            grad_b.index_add_(0, part, d.sum(0, dtype=torch.float32))
+    if gh32 is not None:
+        grad_h.copy_(gh32)
