@@ -257,8 +257,8 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
                 need=(False, False, False), accum_dtype=torch.float32, max_scratch_bytes=None, grad_filter_eps=None):
     """The chunk loop of the module docstring; loss given → forward (writes loss, lse, q, rank), scale given →
     gradients (lse, q are inputs when loss is None). Returns (grad_h (N, H), grad_W, grad_b) or Nones.
-    grad_filter_eps: each chunk's gradient GEMMs run over the columns that carry gradient (_grad_filter.py); dW and
-    db then start from zero instead of being written by the first chunk.
+    grad_filter_eps: each chunk's gradient GEMMs run over the columns that carry gradient (_grad_filter.py), or over
+    all of them when too many do.
 
     With two logits buffers, chunk i's CE pass is issued before chunk i−1's gradient GEMMs, which then read the
     other buffer; on CUDA the CE pass runs on a side stream, so it overlaps those GEMMs (events order each buffer's
@@ -297,18 +297,17 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     main = torch.cuda.current_stream(h.device) if side is not None else None
     filtered = backward and grad_filter_eps is not None
     dw_targets = halves if halves is not None else None if acc_w is None else [acc_w]
-    if filtered and dw_targets is not None:
-        for target in dw_targets:  # a chunk adds only its kept rows
-            target.zero_()
 
     def gradients(i: int, s: int, e: int, logits: torch.Tensor) -> None:  # dlogits of rows s:e are in logits
+        first = i == 0  # the first chunk sets dW: a dense GEMM with beta 0, or zeros and then its kept rows
         if filtered:
             cols = active_columns(logits, scale if scale.dim() == 0 else scale[s:e], grad_filter_eps)
             if cols.numel() <= DENSE_SHARE * vocab:
+                for target in dw_targets if first and dw_targets is not None else ():
+                    target.zero_()
                 sparse_gradients(logits, cols, weight, h[s:e], grad_h[s:e] if need_h else None, dw_targets,
                                  acc_b, _accumulate_dw)
                 return
-        first = i == 0 and not filtered
         if need_h:
             torch.mm(logits, weight, out=grad_h[s:e])
         if acc_w is not None:

@@ -497,6 +497,36 @@ def test_grad_filter_dense_share(monkeypatch, chunked_once):
     assert (grads[1][~hot] != 0).any()
 
 
+@pytest.mark.parametrize("dense_first", [True, False])
+def test_grad_filter_mixed_chunks(monkeypatch, dense_first):
+    """Dense and sparse chunks in one call, in either order (4-row chunks): the first chunk to write dW sets it
+    (a dense GEMM with beta 0, or zeros then the kept rows), later ones add to it. Truth: the float64 dlogits with
+    the cold columns dropped in the sparse chunks' rows only."""
+    _chunk(monkeypatch, "budget_scratch")
+    calls = []
+    active = flce_mod.active_columns
+
+    def alternate(d, *a):  # every other chunk reports all columns: above DENSE_SHARE, so it runs dense
+        calls.append(None)
+        dense = (len(calls) % 2 == 1) == dense_first
+        return torch.arange(d.shape[1], device=d.device) if dense else active(d, *a)
+
+    monkeypatch.setattr(flce_mod, "active_columns", alternate)
+    hidden, weight, bias, labels, hot = _filter_inputs(torch.float32, bias=True)
+    eps = _eps_in_the_gap(hidden, weight, bias, labels, hot)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    got = torch.autograd.grad(fused_linear_cross_entropy(*leaves[:2], labels, leaves[2], grad_filter_eps=eps), leaves)
+    assert len(calls) == 4
+    h64, w64, b64 = (t.double() for t in (hidden, weight, bias))
+    z = (h64.reshape(-1, H) @ w64.t() + b64).requires_grad_()
+    (d,) = torch.autograd.grad(flce_mod.cross_entropy_reference(z, labels.reshape(-1)), z)
+    sparse_rows = (torch.arange(d.shape[0], device=DEVICE) // 4 % 2 == 1) == dense_first
+    d = torch.where(sparse_rows[:, None] & ~hot[None, :], 0.0, d)
+    want = ((d @ w64).reshape(hidden.shape), d.t() @ h64.reshape(-1, H), d.sum(0))
+    for name, g, ref in zip(("dh", "dW", "db"), got, want):
+        assert_matches(g, ref, name=name)
+
+
 def test_grad_filter_everything_below_eps(chunked_once):
     """Every label ignored: no column is kept, so dh is zero (written, not left poisoned) and dW, db are zero."""
     hidden, weight, bias, labels, _ = _filter_inputs(torch.float32, bias=True)
@@ -603,13 +633,14 @@ def test_gpu_overlapped_schedule_under_load(monkeypatch, frozen):
 
 
 @pytest.mark.gpu
-@BIG_MEMORY  # the float64 gap check holds 4096 × 128256 logits and their gradient
+@BIG_MEMORY  # the float64 gap check holds 6144 × 128256 logits and their gradient
 @pytest.mark.parametrize("opts", [dict(), dict(reduction="none", z_loss=1e-4, softcap=30.0, loss_scale=0.5)])
 def test_gpu_grad_filter_real_size(monkeypatch, opts):
-    """4096 tokens × 128256 columns, 2% hot (the test data of test_grad_filter_skips_cold_columns at size): two
-    2048-row chunks through the gathered GEMMs, against the fp32 and eager references with the same filter."""
+    """6144 tokens × 128256 columns, 2% hot (the test data of test_grad_filter_skips_cold_columns at size): three
+    2048-row chunks (N > 2H: in grad_W's storage) through the gathered GEMMs, against the fp32 and eager references
+    with the same filter."""
     torch.manual_seed(0)
-    n, hdim, vocab = 4096, 2048, 128256
+    n, hdim, vocab = 6144, 2048, 128256
     hidden = (torch.randn(n, hdim, device="cuda") / 2).to(torch.bfloat16)
     hidden[:, 0] = 1
     weight = (torch.randn(vocab, hdim, device="cuda") / hdim**0.5).to(torch.bfloat16)
@@ -631,7 +662,7 @@ def test_gpu_grad_filter_real_size(monkeypatch, opts):
         fn(h, w, labels, grad_filter_eps=eps, **opts).backward(g)
         runs.append((h.grad, w.grad))
     (dh, dw), (dh32, dw32), (dh_eager, dw_eager) = runs
-    assert len(kept) == 2 and all(torch.equal(cols, hot_ids) for cols in kept)
+    assert len(kept) == 3 and all(torch.equal(cols, hot_ids) for cols in kept)
     assert_matches(dh, dh32.double(), eager=dh_eager, name="dh")
     assert_matches(dw, dw32.double(), eager=dw_eager, name="dW")
     assert (dw[~hot] == 0).all()
