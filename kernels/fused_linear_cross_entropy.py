@@ -88,6 +88,9 @@ SINGLE_CHUNK_IN_ACCUMULATOR = True
 # (750 MiB) 88.5 ms and 0.24 GiB less, 1024 rows 91.5 ms and 0.49 GiB less; its whole step 37.2k → 36.8k tok/s
 # at 40.0 → 39.7 GiB peak: a knob for fitting a batch, not a default.
 MAX_SCRATCH_BYTES: int | None = None
+# The gradient filter's threshold when a call passes none (None: exact gradients; `--loss-grad-filter-eps` sets it
+# for a training run). See _grad_filter.py.
+GRAD_FILTER_EPS: float | None = None
 
 
 def target_rank_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
@@ -487,10 +490,10 @@ def fused_linear_cross_entropy(
     gets no dW work; dW is accumulated in accum_dtype (float32, or the weight's dtype) and returned in the weight's
     dtype. A label outside [0, V) that is not ignore_index raises ValueError (the call waits for the check with its
     kernels queued, _labels.LabelCheck). max_scratch_bytes caps the logits scratch (default MAX_SCRATCH_BYTES,
-    none): a lower peak for more chunks. grad_filter_eps (default None: exact gradients) skips, per token chunk,
-    the vocabulary columns whose every per-token loss gradient ∂ℓ_t/∂z_tj is below it in magnitude (an
-    approximation for peaked distributions, as cut-cross-entropy's filter_eps; rule and cost in _grad_filter.py;
-    the reference path treats all tokens as one chunk).
+    none): a lower peak for more chunks. grad_filter_eps (default GRAD_FILTER_EPS, None: exact gradients) skips,
+    per token chunk, the vocabulary columns whose every per-token loss gradient ∂ℓ_t/∂z_tj is below it in
+    magnitude (an approximation for peaked distributions, as cut-cross-entropy's filter_eps; rule and cost in
+    _grad_filter.py; the reference path treats all tokens as one chunk).
     """
     check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
     if hidden.dim() == 0:  # else an IndexError from hidden.shape[-1]
@@ -508,6 +511,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"accum_dtype must be torch.float32 or the weight's dtype, got {accum_dtype}")
     if max_scratch_bytes is not None and max_scratch_bytes < 1:
         raise ValueError(f"max_scratch_bytes must be a positive byte count or None, got {max_scratch_bytes}")
+    grad_filter_eps = GRAD_FILTER_EPS if grad_filter_eps is None else grad_filter_eps
     if grad_filter_eps is not None and not 0 < grad_filter_eps < 1:  # also rejects NaN
         raise ValueError(f"grad_filter_eps must be None or in (0, 1), got {grad_filter_eps}")
     labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied

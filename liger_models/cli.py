@@ -20,6 +20,13 @@ def _positive(value: str) -> int:
     return n
 
 
+def _open_unit(value: str) -> float:
+    x = float(value)
+    if not 0 < x < 1:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return x
+
+
 def _non_negative(value: str) -> int:
     n = int(value)
     if n < 0:
@@ -117,6 +124,11 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
                    help="cap the fused linear-CE's logits scratch at MIB MiB: the fp32 dW accumulator then becomes "
                         "the gradient in place (peak 4·V·H bytes + MIB instead of 6·V·H for an untied or tied "
                         "lm_head; more, smaller chunks, a little slower)")
+    p.add_argument("--loss-grad-filter-eps", type=_open_unit, default=None, metavar="EPS",
+                   help="approximate lm_head gradients: in each token chunk, skip the vocabulary columns where every "
+                        "token's loss gradient is below EPS (2^-12 = 0.000244 is cut-cross-entropy's default). Pays "
+                        "on peaked distributions (2x faster loss on the H200 benchmark's); rare tokens' lm_head rows "
+                        "then get no gradient from such a chunk. Default: exact")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="parameter dtype; bf16 is pure bf16 (weights, grads, AdamW moments); auto = bf16 on CUDA, "
                         "fp32 on CPU")

@@ -212,7 +212,7 @@ def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
         if info.is_main and not args.quiet:
             print(f"resumed from {resume} at step {trainer.step}", flush=True)
     start = time.perf_counter()
-    with _loss_scratch_cap(getattr(args, "loss_scratch_mib", None)):
+    with _loss_options(getattr(args, "loss_scratch_mib", None), getattr(args, "loss_grad_filter_eps", None)):
         history = trainer.train()
     last = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
     if info.is_main and not args.quiet:
@@ -221,16 +221,20 @@ def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
 
 
 @contextlib.contextmanager
-def _loss_scratch_cap(mib: int | None):
-    """--loss-scratch-mib: linear-CE's MAX_SCRATCH_BYTES for the run (every head's loss), then the default again."""
+def _loss_options(scratch_mib: int | None, grad_filter_eps: float | None = None):
+    """--loss-scratch-mib and --loss-grad-filter-eps: linear-CE's MAX_SCRATCH_BYTES and GRAD_FILTER_EPS for the
+    run (every head's loss), then the defaults again."""
     from liger_models.kernels import fused_linear_cross_entropy as flce
 
-    default = flce.MAX_SCRATCH_BYTES
-    flce.MAX_SCRATCH_BYTES = default if mib is None else mib << 20
+    defaults = flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS
+    if scratch_mib is not None:
+        flce.MAX_SCRATCH_BYTES = scratch_mib << 20
+    if grad_filter_eps is not None:
+        flce.GRAD_FILTER_EPS = grad_filter_eps
     try:
         yield
     finally:
-        flce.MAX_SCRATCH_BYTES = default
+        flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS = defaults
 
 
 def _prepare(model: nn.Module, layers, args, info, more_units=()) -> None:

@@ -527,6 +527,15 @@ def test_grad_filter_mixed_chunks(monkeypatch, dense_first):
         assert_matches(g, ref, name=name)
 
 
+def test_grad_filter_module_default(monkeypatch, chunked_once):
+    """GRAD_FILTER_EPS (what --loss-grad-filter-eps sets for a run) filters calls that pass no grad_filter_eps."""
+    hidden, weight, bias, labels, hot = _filter_inputs(torch.float32, bias=False)
+    monkeypatch.setattr(flce_mod, "GRAD_FILTER_EPS", _eps_in_the_gap(hidden, weight, None, labels, hot))
+    w = weight.clone().requires_grad_()
+    fused_linear_cross_entropy(hidden, w, labels).backward()
+    assert (w.grad[~hot] == 0).all() and (w.grad[hot] != 0).any(1).all()
+
+
 def test_grad_filter_everything_below_eps(chunked_once):
     """Every label ignored: no column is kept, so dh is zero (written, not left poisoned) and dW, db are zero."""
     hidden, weight, bias, labels, _ = _filter_inputs(torch.float32, bias=True)

@@ -172,26 +172,30 @@ def test_data_that_does_not_fit_the_model_fails_clearly(tiny_model_dir, tmp_path
     assert code == 2 and "vocab_size is 64" in capsys.readouterr().err
 
 
-def test_loss_scratch_cap_is_the_runs_only():
-    """--loss-scratch-mib sets linear-CE's MAX_SCRATCH_BYTES around the training loop and restores it, also on error."""
+def test_loss_options_are_the_runs_only():
+    """--loss-scratch-mib and --loss-grad-filter-eps set linear-CE's MAX_SCRATCH_BYTES and GRAD_FILTER_EPS around the
+    training loop and restore them, also on error."""
     from liger_models.cli import build_parser
     from liger_models.kernels import fused_linear_cross_entropy as flce
-    from liger_models.train.run import _loss_scratch_cap
+    from liger_models.train.run import _loss_options
 
     for command in ("train", "train-medusa"):
-        args = build_parser().parse_args([command, "--model", "m", "--data", "d.txt", "--loss-scratch-mib", "512"])
-        assert args.loss_scratch_mib == 512
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["train", "--model", "m", "--data", "d.txt", "--loss-scratch-mib", "0"])
-    before = flce.MAX_SCRATCH_BYTES
-    with _loss_scratch_cap(512):
-        assert flce.MAX_SCRATCH_BYTES == 512 << 20
-    assert flce.MAX_SCRATCH_BYTES == before
-    with pytest.raises(KeyError), _loss_scratch_cap(8):
+        args = build_parser().parse_args([command, "--model", "m", "--data", "d.txt", "--loss-scratch-mib", "512",
+                                          "--loss-grad-filter-eps", "2.44e-4"])
+        assert args.loss_scratch_mib == 512 and args.loss_grad_filter_eps == 2.44e-4
+    for bad in (["--loss-scratch-mib", "0"], ["--loss-grad-filter-eps", "0"], ["--loss-grad-filter-eps", "1"],
+                ["--loss-grad-filter-eps", "nan"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["train", "--model", "m", "--data", "d.txt", *bad])
+    before = flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS
+    with _loss_options(512, 1e-3):
+        assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == (512 << 20, 1e-3)
+    assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == before
+    with pytest.raises(KeyError), _loss_options(8, 1e-3):
         raise KeyError("interrupted")
-    assert flce.MAX_SCRATCH_BYTES == before
-    with _loss_scratch_cap(None):
-        assert flce.MAX_SCRATCH_BYTES == before
+    assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == before
+    with _loss_options(None, None):
+        assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == before
 
 
 def test_adamw_choice():
