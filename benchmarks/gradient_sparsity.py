@@ -42,7 +42,8 @@ def peaked_dlogits(tokens: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 
 def skipped_blocks(d: torch.Tensor, rows: int, cols: int, eps: float) -> torch.Tensor:
-    """(tokens, vocab') bool: entries in a rows × cols block whose |values| are all below eps (vocab' = whole blocks)."""
+    """(tokens, vocab') bool: entries in a rows × cols block whose |values| are all below eps (vocab': whole
+    blocks)."""
     n, v = d.shape[0] // rows * rows, d.shape[1] // cols * cols
     small = d[:n, :v].abs().reshape(n // rows, rows, v // cols, cols).amax(dim=(1, 3)) < eps
     return small.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
