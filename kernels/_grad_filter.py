@@ -34,7 +34,7 @@ DENSE_SHARE = 0.5
 # except that a slab always holds at least MIN_SLAB_COLS columns (narrower GEMMs run far below the matmul rate).
 SLAB_BYTES = 256 << 20
 MIN_SLAB_COLS = 1024
-_BLOCK_M, _BLOCK_V = 32, 128
+_BLOCK_M, _BLOCK_V, _NUM_WARPS = 32, 128, 4
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def active_columns(dlogits: torch.Tensor, scale: torch.Tensor, eps: float) -> to
     scale = scale.reshape(-1).float()
     launch(_active_columns_kernel, (col_blocks, row_splits),
            [dlogits, scale, flags, m, dlogits.stride(0), 0 if scale.numel() == 1 else 1, float(eps)],
-           dict(N_COLS=v, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, num_warps=4))
+           dict(N_COLS=v, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, num_warps=_NUM_WARPS))
     return flags.nonzero()[:, 0]
 
 
