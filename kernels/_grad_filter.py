@@ -14,8 +14,9 @@ are gathered, multiplied, and dW's rows scattered back. On the benchmark's peake
 a 2048-row chunk carry an entry ≥ 2⁻¹² (cut-cross-entropy's default threshold; its 128×128 tiles keep ~30% of
 the work), so the backward GEMMs shrink ~200×. Finding the columns costs one read of the chunk's dlogits
 (_active_columns_kernel) and one host sync (the count sizes the GEMMs). When many columns carry gradient the
-gathers cost more than they save (gathering a column moves ~4M + 16H bytes, its GEMM work is 4·M·H FLOP: break-even
-near 70% on the H200), so above DENSE_SHARE of the columns a chunk takes the dense path.
+gathers cost more than they save (gathering a column moves ~4M + 16H bytes, its GEMM work is 4·M·H FLOP: an
+estimated break-even near 70% of the columns on the H200, not measured), so above DENSE_SHARE of the columns a chunk
+takes the dense path.
 This is an approximation, off by default: the rare tokens' rows of dW get nothing from a chunk whose tokens all
 give them probability below eps.
 """
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from ._launch import cdiv, launch, sm_count
 
-# Above this share of active columns a chunk runs the dense GEMMs (see the module docstring).
+# Above this share of active columns a chunk runs the dense GEMMs (set below the module docstring's estimate).
 DENSE_SHARE = 0.5
 # Gathered operands of one slab of columns (dlogits columns, W rows, fp32 dW rows) stay within this many bytes,
 # except that a slab always holds at least MIN_SLAB_COLS columns (narrower GEMMs run far below the matmul rate).
@@ -87,6 +88,9 @@ def column_flags(dlogits: torch.Tensor, scale: torch.Tensor, eps: float) -> torc
 
 def _scatter_add_rows(targets: list[torch.Tensor], cols: torch.Tensor, rows: torch.Tensor) -> None:
     """targets (vocabulary row ranges stacked in order, e.g. the two halves of an accumulator) [cols] += rows."""
+    if len(targets) == 1:  # the whole vocabulary: no split to look up (each lookup reads the device)
+        targets[0].index_add_(0, cols, rows.to(targets[0].dtype))
+        return
     start = 0
     for target in targets:
         end = start + target.shape[0]

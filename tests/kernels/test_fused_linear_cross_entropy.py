@@ -568,6 +568,15 @@ def test_grad_filter_bad_eps(eps):
         fused_linear_cross_entropy(hidden, weight, labels, grad_filter_eps=eps)
 
 
+def test_grad_filter_bad_label_raises(chunked_once):
+    """A bad label still raises the label error (the filter pass then reads logits the CE pass left alone)."""
+    hidden, weight, bias, labels = _inputs(67, torch.float32, bias=True)
+    labels[1, 2] = 67
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    with pytest.raises(ValueError, match="67"):
+        fused_linear_cross_entropy(*leaves[:2], labels, leaves[2], grad_filter_eps=1e-3)
+
+
 # GPU: real sizes (the lead runs `pytest -m gpu` on the H200)
 
 
