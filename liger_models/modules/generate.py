@@ -244,14 +244,16 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
         if mask is not None:  # the new token is real in every row (HF keeps finished rows' pads visible too)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
-        if step == max_new_tokens - 1:
-            break
-        if len(eos):  # without stop ids no row ever finishes: nothing to read back
+        finished = None
+        if step == max_new_tokens - 1:  # the budget is spent; a finish whose flag had not landed yet still counts
+            finished = watch.drain()
+        elif len(eos):  # without stop ids no row ever finishes: nothing to read back
             done = done | torch.isin(nxt, eos)
             finished = watch.finished_at(step, done)
-            if finished is not None:  # steps queued past it (graphed) only added pads: cut them
-                tokens = tokens[:, : input_ids.shape[1] + finished + 1].contiguous()
-                break
+        if finished is not None:  # steps queued past it (graphed) only added pads: cut them
+            tokens = tokens[:, : input_ids.shape[1] + finished + 1].contiguous()
+        if finished is not None or step == max_new_tokens - 1:
+            break
         if rotary.regime(tokens.shape[1]) != regime:
             regime = rotary.regime(tokens.shape[1])
             logits, cache = prefill(tokens)
@@ -303,6 +305,16 @@ class FinishWatch:
             self.pending.popleft()
             if bool(self.flags[oldest]):
                 return oldest
+        return None
+
+    def drain(self) -> int | None:
+        """The first step that finished every row among those whose flags had not been read yet (waiting for them):
+        at the end of the budget, a finish a few steps back may not have landed when its step was queued."""
+        while self.asynchronous and self.pending:
+            step, landed = self.pending.popleft()
+            landed.synchronize()
+            if bool(self.flags[step]):
+                return step
         return None
 
 
