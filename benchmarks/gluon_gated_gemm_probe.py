@@ -89,21 +89,39 @@ def _tile_of(step, k_steps, first_tile, n_programs, n_m, n_n, GROUP: gl.constexp
 
 
 @gluon.jit
-def _issue_load(step, total, k_steps, first_tile, n_programs, n_m, n_n, x_desc, w_desc, bars, x_bufs, w_bufs,
-                NUM_BUF: gl.constexpr, GROUP: gl.constexpr):
-    """TMA-load K-step `step`'s x tile and its [gate block; up block] weight tile into ring slot step % NUM_BUF
-    (nothing past `total`)."""
+def _schedule(M, HALF, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """This program's share of the persistent grid: tiles along M and N, K-steps per tile, its first tile, the
+    grid's size, and the number of tiles it owns."""
+    n_m = gl.cdiv(M, BLOCK_M)
+    n_n = gl.cdiv(HALF, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    first_tile = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    return n_m, n_n, k_steps, first_tile, n_programs, gl.cdiv(n_m * n_n - first_tile, n_programs)
+
+
+@gluon.jit
+def _load_step(step, k_steps, first_tile, n_programs, n_m, n_n, x_desc, w_desc, bar, x_buf, w_buf,
+               GROUP: gl.constexpr, pred):
+    """TMA-load K-step `step`'s x tile and its [gate block; up block] weight tile into one ring slot, counted on
+    `bar` (nothing where pred is false)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_2N: gl.constexpr = w_desc.block_type.shape[0]
-    pred = step < total
     pid_m, pid_n = _tile_of(step, k_steps, first_tile, n_programs, n_m, n_n, GROUP)
     k = (step % k_steps) * BLOCK_K
-    slot = step % NUM_BUF
-    bar = bars.index(slot)
     mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, k], bar, x_bufs.index(slot), pred)
-    tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_2N, k], bar, w_bufs.index(slot), pred)
+    tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, k], bar, x_buf, pred)
+    tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_2N, k], bar, w_buf, pred)
+
+
+@gluon.jit
+def _issue_load(step, total, k_steps, first_tile, n_programs, n_m, n_n, x_desc, w_desc, bars, x_bufs, w_bufs,
+                NUM_BUF: gl.constexpr, GROUP: gl.constexpr):
+    """_load_step into ring slot step % NUM_BUF, nothing past `total` (the software-pipelined kernel)."""
+    slot = step % NUM_BUF
+    _load_step(step, k_steps, first_tile, n_programs, n_m, n_n, x_desc, w_desc, bars.index(slot),
+               x_bufs.index(slot), w_bufs.index(slot), GROUP, step < total)
 
 
 @gluon.jit
@@ -182,12 +200,8 @@ def _gated_gemm_kernel(x_desc, w_desc, out_desc, act_desc, M, HALF, K, NUM_BUF: 
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(bars.index(i), count=1)
 
-    n_m = gl.cdiv(M, BLOCK_M)
-    n_n = gl.cdiv(HALF, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    first_tile = gl.program_id(0)
-    n_programs = gl.num_programs(0)
-    total = gl.cdiv(n_m * n_n - first_tile, n_programs) * k_steps
+    n_m, n_n, k_steps, first_tile, n_programs, tiles = _schedule(M, HALF, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    total = tiles * k_steps
 
     for s in gl.static_range(NUM_BUF - 1):
         _issue_load(s, total, k_steps, first_tile, n_programs, n_m, n_n, x_desc, w_desc, bars, x_bufs, w_bufs,
@@ -218,21 +232,12 @@ def _ws_loader(x_desc, w_desc, x_bufs, w_bufs, ready, empty, M, HALF, K, GROUP: 
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     BLOCK_2N: gl.constexpr = w_desc.block_type.shape[0]
     NUM_BUF: gl.constexpr = x_bufs.type.shape[0]
-    n_m = gl.cdiv(M, BLOCK_M)
-    n_n = gl.cdiv(HALF, BLOCK_2N // 2)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    first_tile = gl.program_id(0)
-    n_programs = gl.num_programs(0)
-    total = gl.cdiv(n_m * n_n - first_tile, n_programs) * k_steps
-    for step in range(total):
+    n_m, n_n, k_steps, first_tile, n_programs, tiles = _schedule(M, HALF, K, BLOCK_M, BLOCK_2N // 2, BLOCK_K)
+    for step in range(tiles * k_steps):
         slot = step % NUM_BUF
         mbarrier.wait(empty.index(slot), ((step // NUM_BUF) & 1) ^ 1)  # a fresh barrier counts as released
-        pid_m, pid_n = _tile_of(step, k_steps, first_tile, n_programs, n_m, n_n, GROUP)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, (step % k_steps) * BLOCK_K], bar, x_bufs.index(slot))
-        tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_2N, (step % k_steps) * BLOCK_K], bar,
-                                        w_bufs.index(slot))
+        _load_step(step, k_steps, first_tile, n_programs, n_m, n_n, x_desc, w_desc, ready.index(slot),
+                   x_bufs.index(slot), w_bufs.index(slot), GROUP, True)
 
 
 @gluon.jit
@@ -246,12 +251,8 @@ def _ws_consumer(x_desc, w_desc, out_desc, act_desc, x_bufs, w_bufs, staging, re
     BLOCK_N: gl.constexpr = BLOCK_2N // 2
     NUM_BUF: gl.constexpr = x_bufs.type.shape[0]
     acc_layout: gl.constexpr = _acc_layout(BLOCK_M, BLOCK_2N, NUM_WARPS)
-    n_m = gl.cdiv(M, BLOCK_M)
-    n_n = gl.cdiv(HALF, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    first_tile = gl.program_id(0)
-    n_programs = gl.num_programs(0)
-    for t in range(gl.cdiv(n_m * n_n - first_tile, n_programs)):
+    n_m, n_n, k_steps, first_tile, n_programs, tiles = _schedule(M, HALF, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    for t in range(tiles):
         acc = gl.zeros((BLOCK_M, BLOCK_2N), dtype=gl.float32, layout=acc_layout)  # per tile: dead after the epilogue
         for kk in range(k_steps):
             step = t * k_steps + kk
