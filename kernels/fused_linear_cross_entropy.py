@@ -299,15 +299,16 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     side = _ce_stream(h.device) if len(buffers) == 2 and h.is_cuda else None
     main = torch.cuda.current_stream(h.device) if side is not None else None
     filtered = backward and grad_filter_eps is not None
-    dw_targets = halves if halves is not None else None if acc_w is None else [acc_w]
+    dw_targets = halves or ([acc_w] if acc_w is not None else None)  # where a sparse chunk scatters its dW rows
 
     def gradients(i: int, s: int, e: int, logits: torch.Tensor) -> None:  # dlogits of rows s:e are in logits
         first = i == 0  # the first chunk sets dW: a dense GEMM with beta 0, or zeros and then its kept rows
         if filtered:
             cols = active_columns(logits, scale if scale.dim() == 0 else scale[s:e], grad_filter_eps)
             if cols.numel() <= DENSE_SHARE * vocab:
-                for target in dw_targets if first and dw_targets is not None else ():
-                    target.zero_()
+                if first and dw_targets is not None:
+                    for target in dw_targets:
+                        target.zero_()
                 sparse_gradients(logits, cols, weight, h[s:e], grad_h[s:e] if need_h else None, dw_targets,
                                  acc_b, _accumulate_dw)
                 return

@@ -427,17 +427,34 @@ FILTER_CASES = [dict(), dict(reduction="sum", loss_scale=0.3), dict(reduction="n
 FILTER_MODES = ("grad_w_scratch", "budget_scratch+overlap", "single_chunk", "capped", "slabs")
 
 
-def _filter_inputs(dtype, bias, vocab=517):
-    hidden, weight, b, labels = _inputs(vocab, dtype, bias=bias)
-    hot = torch.rand(vocab, device=DEVICE) < 0.4
+def _hot_and_cold(hidden, weight, labels, share):
+    """In place: hidden[..., 0] = 1 and weight[:, 0] = 0 for a random `share` of "hot" columns, −14 for the rest;
+    labels not ignored are redrawn among the hot columns. Returns (labels, hot)."""
+    hot = torch.rand(weight.shape[0], device=weight.device) < share
     hot[0] = hot[-1] = True
     hidden[..., 0] = 1
-    weight = (weight.float() / 10).to(dtype)  # logit noise ~0.5 around each column's offset
-    weight[:, 0] = torch.where(hot, 0.0, -14.0).to(dtype)
+    weight[:, 0] = torch.where(hot, 0.0, -14.0).to(weight.dtype)
     hot_ids = hot.nonzero()[:, 0]
-    labels = torch.where(labels == IGNORE, labels, hot_ids[torch.randint(0, len(hot_ids), labels.shape)])
+    labels = torch.where(labels == IGNORE, labels, hot_ids[torch.randint(0, len(hot_ids), labels.shape,
+                                                                         device=labels.device)])
+    return labels, hot
+
+
+def _filter_inputs(dtype, bias, vocab=517):
+    hidden, weight, b, labels = _inputs(vocab, dtype, bias=bias)
+    weight = (weight.float() / 10).to(dtype)  # logit noise ~0.5 around each column's offset
+    labels, hot = _hot_and_cold(hidden, weight, labels, 0.4)
     labels[0, 0], labels[-1, -1] = 0, vocab - 1
     return hidden, weight, None if b is None else b / 10, labels, hot
+
+
+@pytest.fixture
+def kept_columns(monkeypatch):
+    """The column indices each sparse chunk's GEMMs ran over, in call order."""
+    kept = []
+    sparse = flce_mod.sparse_gradients
+    monkeypatch.setattr(flce_mod, "sparse_gradients", lambda d, cols, *a: (kept.append(cols), sparse(d, cols, *a)))
+    return kept
 
 
 def _eps_in_the_gap(hidden, weight, bias, labels, hot, **opts):
@@ -455,7 +472,7 @@ def _eps_in_the_gap(hidden, weight, bias, labels, hot, **opts):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(FILTER_CASES)))
-def test_grad_filter_skips_cold_columns(monkeypatch, dtype, case):
+def test_grad_filter_skips_cold_columns(monkeypatch, kept_columns, dtype, case):
     """Filtered gradients match the float64 reference with the same filter: cold columns get exactly zero dW and
     db and nothing of dh, hot columns everything, in every chunking mode; the kept columns went through the
     gathered (sparse) GEMMs."""
@@ -466,16 +483,13 @@ def test_grad_filter_skips_cold_columns(monkeypatch, dtype, case):
         monkeypatch.setattr(grad_filter, "MIN_SLAB_COLS", 50)
     if mode == "capped":  # 3-row chunks; bf16: into the fp32 accumulator's halves that become grad_W
         monkeypatch.setattr(flce_mod, "MAX_SCRATCH_BYTES", 3 * 517 * dtype.itemsize)
-    kept = []
-    sparse = flce_mod.sparse_gradients
-    monkeypatch.setattr(flce_mod, "sparse_gradients", lambda d, cols, *a: (kept.append(cols), sparse(d, cols, *a)))
     hidden, weight, bias, labels, hot = _filter_inputs(dtype, bias=case % 2 == 0)
     eps = _eps_in_the_gap(hidden, weight, bias, labels, hot, **FILTER_CASES[case])
     opts = dict(FILTER_CASES[case], grad_filter_eps=eps)
     _check(hidden, weight, bias, labels, **opts)
     hot_ids = hot.nonzero()[:, 0]
-    assert any(torch.equal(cols, hot_ids) for cols in kept)
-    assert all(torch.equal(cols, hot_ids) or cols.numel() == 0 for cols in kept)  # empty: a chunk of ignored rows
+    assert any(torch.equal(cols, hot_ids) for cols in kept_columns)
+    assert all(torch.equal(cols, hot_ids) or cols.numel() == 0 for cols in kept_columns)  # empty: a chunk of ignored rows
     w = weight.clone().requires_grad_()
     fused_linear_cross_entropy(hidden, w, labels, bias, **opts).sum().backward()
     assert (w.grad[~hot] == 0).all() and (w.grad[hot] != 0).any(1).all()
@@ -653,24 +667,19 @@ def test_gpu_overlapped_schedule_under_load(monkeypatch, frozen):
 @pytest.mark.gpu
 @BIG_MEMORY  # the float64 gap check holds 6144 × 128256 logits and their gradient
 @pytest.mark.parametrize("opts", [dict(), dict(reduction="none", z_loss=1e-4, softcap=30.0, loss_scale=0.5)])
-def test_gpu_grad_filter_real_size(monkeypatch, opts):
+def test_gpu_grad_filter_real_size(kept_columns, opts):
     """6144 tokens × 128256 columns, 2% hot (the test data of test_grad_filter_skips_cold_columns at size): three
     2048-row chunks (N > 2H: in grad_W's storage) through the gathered GEMMs, against the fp32 and eager references
     with the same filter."""
     torch.manual_seed(0)
     n, hdim, vocab = 6144, 2048, 128256
     hidden = (torch.randn(n, hdim, device="cuda") / 2).to(torch.bfloat16)
-    hidden[:, 0] = 1
     weight = (torch.randn(vocab, hdim, device="cuda") / hdim**0.5).to(torch.bfloat16)
-    hot = torch.rand(vocab, device="cuda") < 0.02
-    weight[:, 0] = torch.where(hot, 0.0, -14.0).to(torch.bfloat16)
-    hot_ids = hot.nonzero()[:, 0]
-    labels = hot_ids[torch.randint(0, len(hot_ids), (n,), device="cuda")]
+    labels = torch.zeros(n, dtype=torch.long, device="cuda")
     labels[::11] = IGNORE
+    labels, hot = _hot_and_cold(hidden, weight, labels, 0.02)
+    hot_ids = hot.nonzero()[:, 0]
     eps = _eps_in_the_gap(hidden.float(), weight.float(), None, labels, hot, **opts)
-    kept = []
-    sparse = flce_mod.sparse_gradients
-    monkeypatch.setattr(flce_mod, "sparse_gradients", lambda d, cols, *a: (kept.append(cols), sparse(d, cols, *a)))
     g = torch.randn(n, device="cuda") if opts.get("reduction") == "none" else torch.tensor(1.0, device="cuda")
     runs = []
     for fn, dtype in ((fused_linear_cross_entropy, torch.bfloat16), (fused_linear_cross_entropy_reference,
@@ -680,7 +689,7 @@ def test_gpu_grad_filter_real_size(monkeypatch, opts):
         fn(h, w, labels, grad_filter_eps=eps, **opts).backward(g)
         runs.append((h.grad, w.grad))
     (dh, dw), (dh32, dw32), (dh_eager, dw_eager) = runs
-    assert len(kept) == 3 and all(torch.equal(cols, hot_ids) for cols in kept)
+    assert len(kept_columns) == 3 and all(torch.equal(cols, hot_ids) for cols in kept_columns)
     assert_matches(dh, dh32.double(), eager=dh_eager, name="dh")
     assert_matches(dw, dw32.double(), eager=dw_eager, name="dW")
     assert (dw[~hot] == 0).all()
