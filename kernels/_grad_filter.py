@@ -14,9 +14,9 @@ are gathered, multiplied, and dW's rows scattered back. On the benchmark's peake
 a 2048-row chunk carry an entry ≥ 2⁻¹² (cut-cross-entropy's default threshold; its 128×128 tiles keep ~30% of
 the work), so the backward GEMMs shrink ~200×. Finding the columns costs one read of the chunk's dlogits
 (_active_columns_kernel) and one host sync (the count sizes the GEMMs). When many columns carry gradient the
-gathers cost more than they save (gathering a column moves ~4M + 16H bytes, its GEMM work is 4·M·H FLOP: an
-estimated break-even near 70% of the columns on the H200, not measured), so above DENSE_SHARE of the columns a chunk
-takes the dense path.
+gathers and the narrower GEMMs cost more than they save: on the H200 the kept-column path overtook the dense GEMMs
+between 50% and 60% of the columns at three chunk shapes (0.71-0.87x of dense at 50%, 1.01-1.40x at 60%;
+benchmarks/tune_grad_filter.py --dense-share), so above DENSE_SHARE of the columns a chunk takes the dense path.
 This is an approximation, off by default: the rare tokens' rows of dW get nothing from a chunk whose tokens all
 give them probability below eps.
 """
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ._launch import cdiv, launch, sm_count
 
-# Above this share of active columns a chunk runs the dense GEMMs (set below the module docstring's estimate).
+# Above this share of active columns a chunk runs the dense GEMMs (just below the measured crossing, 50-60%).
 DENSE_SHARE = 0.5
 # Gathered operands of one slab of columns (dlogits columns, W rows, fp32 dW rows) stay within this many bytes,
 # except that a slab always holds at least MIN_SLAB_COLS columns (narrower GEMMs run far below the matmul rate).
