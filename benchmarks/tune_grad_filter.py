@@ -24,7 +24,8 @@ from liger_models.kernels import _grad_filter as gf
 from liger_models.kernels.fused_linear_cross_entropy import _accumulate_dw
 
 CHUNKS = [(2048, 128256), (2048, 256000), (4096, 128256)]
-# (chunk rows, H, V): linear-CE's chunks at the benchmark's headline shapes
+# (chunk rows, H, V): the H2048 headline shapes' chunks (2048 rows: grad_W's storage as the scratch), and a
+# 4096-row chunk at H4096 (the H4096 headline shape runs as one 8192-row chunk)
 GEMM_CHUNKS = [(4096, 4096, 128256), (2048, 2048, 256000), (2048, 2048, 128256)]
 SHARES = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 TILES = [(32, 128, 4), (16, 128, 4), (64, 128, 8), (32, 256, 8), (8, 512, 4), (16, 512, 8)]
