@@ -39,17 +39,21 @@ RATIO_TARGET = 1.15  # issue 6: 1.15x HF + liger-kernel's tokens/s
 LIBRARY_KERNELS = ("nvjet", "cutlass", "gemm", "sdpa", "flash", "fmha")  # cuBLAS GEMMs and cuDNN/flash attention
 
 
+def fixed_ms(row: dict) -> float:
+    """GEMM + attention + optimizer time of a profiled step."""
+    return sum(row["categories"].get(c, 0.0) for c in FIXED)
+
+
 def bounds(row: dict) -> dict:
     _, batch, seq = CONFIGS[row["config"]]
     tokens = batch * seq
-    cats = row["categories"]
-    fixed_ms = sum(cats.get(c, 0.0) for c in FIXED)
-    rest_ms = row["gpu_busy_ms"] - fixed_ms
-    return dict(config=row["config"], fixed_ms=fixed_ms, rest_ms=rest_ms, host_gap_ms=row["host_gap_ms"],
-                ceiling=tokens / fixed_ms * 1e3, gpu_busy=tokens / row["gpu_busy_ms"] * 1e3,
+    fixed = fixed_ms(row)
+    rest_ms = row["gpu_busy_ms"] - fixed
+    return dict(config=row["config"], fixed_ms=fixed, rest_ms=rest_ms, host_gap_ms=row["host_gap_ms"],
+                ceiling=tokens / fixed * 1e3, gpu_busy=tokens / row["gpu_busy_ms"] * 1e3,
                 step=tokens / row["step_ms"] * 1e3, target=TARGET_TOK_S.get(row["config"]),
                 # what the non-fixed kernels plus the gap may take at most for the target step time
-                allowed_rest_ms=(tokens / TARGET_TOK_S[row["config"]] * 1e3 - fixed_ms
+                allowed_rest_ms=(tokens / TARGET_TOK_S[row["config"]] * 1e3 - fixed
                                  if row["config"] in TARGET_TOK_S else None))
 
 
@@ -64,7 +68,7 @@ def _load(paths: list[str]) -> dict[str, dict]:
 
 def ratio_bound(row: dict, ratio: float) -> dict:
     """R / f and the rest 1.15x allows (fractions of our profiled step), from our fixed share f and ratio R."""
-    f = sum(row["categories"].get(c, 0.0) for c in FIXED) / row["idle"]["span_ms"]
+    f = fixed_ms(row) / row["idle"]["span_ms"]
     allowed = ratio / RATIO_TARGET - f
     return dict(fixed_share=f, most=ratio / f, allowed=allowed,
                 cut=None if allowed <= 0 else 1 - allowed / (1 - f))

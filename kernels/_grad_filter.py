@@ -23,6 +23,8 @@ give them probability below eps.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -88,16 +90,15 @@ def column_flags(dlogits: torch.Tensor, scale: torch.Tensor, eps: float) -> torc
 
 def _scatter_add_rows(targets: list[torch.Tensor], cols: torch.Tensor, rows: torch.Tensor) -> None:
     """targets (vocabulary row ranges stacked in order, e.g. the two halves of an accumulator) [cols] += rows."""
-    if len(targets) == 1:  # the whole vocabulary: no split to look up (each lookup reads the device)
+    if len(targets) == 1:  # the whole vocabulary: no split to look up (the lookup reads the device)
         targets[0].index_add_(0, cols, rows.to(targets[0].dtype))
         return
-    start = 0
-    for target in targets:
-        end = start + target.shape[0]
-        lo, hi = (int(i) for i in torch.searchsorted(cols, torch.tensor([start, end], device=cols.device)))
+    ends = list(itertools.accumulate(t.shape[0] for t in targets))
+    # where each target's range starts and ends in the sorted cols, read back in one sync
+    cuts = [0] + torch.searchsorted(cols, torch.tensor(ends, device=cols.device)).tolist()
+    for target, start, lo, hi in zip(targets, [0] + ends, cuts, cuts[1:]):
         if hi > lo:
             target.index_add_(0, cols[lo:hi] - start, rows[lo:hi].to(target.dtype))
-        start = end
 
 
 def sparse_gradients(dlogits: torch.Tensor, cols: torch.Tensor, weight: torch.Tensor, h: torch.Tensor,

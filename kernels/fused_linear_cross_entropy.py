@@ -301,10 +301,13 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     filtered = backward and grad_filter_eps is not None
     dw_targets = halves or ([acc_w] if acc_w is not None else None)  # where a sparse chunk scatters its dW rows
 
+    def chunk_scale(s: int, e: int) -> torch.Tensor | None:  # the gradient scale: one for all rows, or per row
+        return scale if scale is None or scale.dim() == 0 else scale[s:e]
+
     def gradients(i: int, s: int, e: int, logits: torch.Tensor) -> None:  # dlogits of rows s:e are in logits
         first = i == 0  # the first chunk sets dW: a dense GEMM with beta 0, or zeros and then its kept rows
         if filtered:
-            cols = active_columns(logits, scale if scale.dim() == 0 else scale[s:e], grad_filter_eps)
+            cols = active_columns(logits, chunk_scale(s, e), grad_filter_eps)
             if cols.numel() <= DENSE_SHARE * vocab:
                 if first and dw_targets is not None:
                     for target in dw_targets:
@@ -342,7 +345,7 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
             ce_rows(logits, labels[s:e], grad=logits if backward else None,
                     loss=None if loss is None else loss[s:e], lse=lse[s:e], q=q[s:e],
                     rank=None if rank is None else rank[s:e],
-                    scale=None if scale is None else (scale if scale.dim() == 0 else scale[s:e]), **opts)
+                    scale=chunk_scale(s, e), **opts)
         chunk = (i, s, e, logits, side.record_event() if side is not None else None)
         if len(buffers) == 1:
             finish(chunk)
