@@ -1,4 +1,4 @@
-"""Decoding attention at the shapes of graphed decoding calls: SDPA with the mask vs kernels/decode_attention.py.
+"""Decoding attention at the shapes of graphed decoding calls: SDPA with the mask vs liger_models/kernels/decode_attention.py.
 
 Each case is one layer's attention of a graphed call, built as the call builds it: q as a transposed view of the
 projection output, k / v as one layer's views of the static cache, the mask from `device_mask` (a Medusa tree of

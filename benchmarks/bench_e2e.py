@@ -49,7 +49,7 @@ CONFIGS: dict[str, tuple[dict, int, int]] = {
 # AdamW updates bit for bit, each gradient freed once its parameter is stepped.
 # ours_graph: ours with the whole step (forward, backward, capturable fused AdamW) replayed from a CUDA graph
 # (liger_models/train/cuda_graph.py): the same kernels, no host time between them.
-# Every ours* provider steps with the project's FusedAdamW (liger_models/train/optim.py, kernels/adamw.py), the
+# Every ours* provider steps with the project's FusedAdamW (liger_models/train/optim.py, liger_models/kernels/adamw.py), the
 # one `liger-models train` builds; ours_torch_adamw is ours with torch's fused AdamW instead (the HF providers').
 PROVIDERS = ("ours", "ours_inbwd", "ours_graph", "ours_torch_adamw", "hf", "hf_compile", "hf_liger")
 WARMUP, STEPS = 4, 8

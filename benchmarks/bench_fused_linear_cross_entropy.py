@@ -20,7 +20,7 @@ the previous chunk's gradient GEMMs); and with SINGLE_CHUNK_IN_ACCUMULATOR flipp
 chunked`: the default is one chunk there).
 `liger-models filtered` runs every case with grad_filter_eps=2⁻¹², cut-cross-entropy's default threshold for bf16
 (opt-in: each token chunk's backward GEMMs over the vocabulary columns whose per-token gradient reaches it;
-kernels/_grad_filter.py). At the headline shapes both filtered providers' dh and dW are compared with this
+liger_models/kernels/_grad_filter.py). At the headline shapes both filtered providers' dh and dW are compared with this
 project's exact ones (Result.extra["vs_exact"]: relative L2 errors, and the share of the lm_head's rows left with
 no gradient).
 

@@ -1,4 +1,4 @@
-"""Host time per forward + backward of this project's autograd ops, with and without kernels/_launch.py's direct
+"""Host time per forward + backward of this project's autograd ops, with and without liger_models/kernels/_launch.py's direct
 launch of cached compiled kernels (FAST_LAUNCH; off = Triton's own launcher, which re-binds and re-specialises
 every argument on each call). Small shapes, where the host, not the GPU, sets a step's pace.
 

@@ -33,10 +33,10 @@ from bench_e2e import CONFIGS  # noqa: E402
 
 
 def _call_site() -> str:
-    """Innermost frame in liger_models/ or kernels/ (outside this script): 'file.py:line fn'."""
+    """Innermost frame in liger_models/ (outside this script): 'file.py:line fn'."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = frame.filename.replace("\\", "/")
-        if ("/liger_models/" in path or "/kernels/" in path) and "saved_activations" not in path:
+        if "/liger_models/" in path and "saved_activations" not in path:
             return f"{Path(path).name}:{frame.lineno} {frame.name}"
     return "?"
 

@@ -1,4 +1,4 @@
-"""Time linear-CE's gradient-filter pass (kernels/_grad_filter.active_columns: one read of a chunk's dlogits) at the
+"""Time linear-CE's gradient-filter pass (liger_models/kernels/_grad_filter.active_columns: one read of a chunk's dlogits) at the
 chunk shapes linear-CE feeds it, for a few tile shapes: the pass alone (GB/s against the ~4.2 TB/s copy rate) and
 with the nonzero() and host sync that size the GEMMs. GPU only.
 

@@ -1,4 +1,4 @@
-"""Where the row-norm time goes (kernels/rms_norm.py) on the GPU, and which tiling knobs are best.
+"""Where the row-norm time goes (liger_models/kernels/rms_norm.py) on the GPU, and which tiling knobs are best.
 
 Sections (bf16, llama casting; GB/s counts 4 B/elem forward (x, y), 6 B/elem backward (dy, x, dx)):
   ref    minimal kernels written here, GPU time: one row per program forward; persistent backward with dW in
@@ -8,7 +8,7 @@ Sections (bf16, llama casting; GB/s counts 4 B/elem forward (x, y), 6 B/elem bac
   wide   rows of 8K-16K columns, RMSNorm and LayerNorm: the one-kernel wide backward (elements per thread, L2
          hints) against the split path, plus the forward for scale; 8192 columns also forced through the wide kernel.
   host   host µs per call, GPU idle (tiny tensors): allocation, Triton launch through its launcher vs the cached
-         compiled kernel (kernels/_launch.py FAST_LAUNCH), autograd.grad alone, a whole forward + backward.
+         compiled kernel (liger_models/kernels/_launch.py FAST_LAUNCH), autograd.grad alone, a whole forward + backward.
   e2e    forward + backward through autograd.grad, timed like benchmarks/bench_rms_norm.py (do_bench median,
          host overhead included), launch path on/off, vs liger-kernel and torch.compile.
 "GPU time" keeps the stream busy (torch.cuda._sleep) while the host enqueues the call, so the events bracket

@@ -1,4 +1,4 @@
-"""Sweep the tiling knobs of the streaming kernels (kernels/gated_mlp.py, kernels/rope.py) on the GPU.
+"""Sweep the tiling knobs of the streaming kernels (liger_models/kernels/gated_mlp.py, liger_models/kernels/rope.py) on the GPU.
 
 Gated MLP (swiglu 16384×14336, geglu tanh 16384×16384, packed, fwd+bwd): elements per program (_TILE) ×
 elements per thread (_ELEMS_PER_THREAD → num_warps), timed on the same closures as the benchmarks. RoPE

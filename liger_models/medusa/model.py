@@ -24,6 +24,7 @@ from liger_models.medusa.config import MedusaConfig
 from liger_models.medusa.decoding import medusa_generate
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.loss import MedusaOutput, medusa_head_weights, medusa_loss, schedule_factor
+from liger_models.medusa.vllm_format import load_vllm
 
 
 def _sharded(heads: nn.Module) -> bool:
@@ -165,8 +166,6 @@ class MedusaModel(nn.Module):
         dtype = parse_dtype(dtype) or base.lm_head.weight.dtype
         device = base.lm_head.weight.device if device is None else torch.device(device)
         if vllm:
-            from liger_models.convert.medusa import load_vllm  # convert sits above medusa: imported on use
-
             heads = load_vllm(directory, base.lm_head, dtype=dtype, device=device)
         else:
             heads = load_heads(directory, base.lm_head, dtype=dtype, device=device)

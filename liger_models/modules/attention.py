@@ -9,7 +9,7 @@ reads kv head h // (Hq/Hkv)). Which keys a query at absolute index i may see:
                                              which would then leak into real rows through the padded values)
 Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast path; no mask tensor); on CUDA for
 long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
-tensor); a speculative tree's verification call (inference), kernels/decode_attention.py (the keys split over
+tensor); a speculative tree's verification call (inference), liger_models/kernels/decode_attention.py (the keys split over
 programs); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill).
 """
 
@@ -197,7 +197,7 @@ class Attention(nn.Module):
                  cache: KVCache | None = None) -> torch.Tensor:
         """Attention from the packed projection output qkv (B, T, (Hq + 2 Hkv) D), a base tensor rope may rotate."""
         B, T, _ = qkv.shape
-        # (B, T, H, D) views with q and k rotated in place; d qkv comes back as one tensor (see kernels/rope.py).
+        # (B, T, H, D) views with q and k rotated in place; d qkv comes back as one tensor (see liger_models/kernels/rope.py).
         q, k, v = rope_packed(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if cache is not None:

@@ -219,12 +219,9 @@ def render_simple(messages: Sequence[dict], special: SpecialTokens) -> Document:
 
 
 def _jinja_renderer(template: str, special: SpecialTokens):
-    try:
-        import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError as exc:  # pragma: no cover - jinja2 ships with torch
-        raise RuntimeError("the model's chat template needs jinja2; use --chat-template simple") from exc
+    import jinja2  # a runtime dependency, imported when a model's own template is first rendered
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
         # HF's {% generation %}...{% endgeneration %} marks assistant text for its own masks; the spans here come

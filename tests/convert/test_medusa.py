@@ -1,4 +1,4 @@
-"""Medusa heads saved as a vLLM export (convert/medusa.py) or in format B (liger_models/medusa/checkpoint.py): a
+"""Medusa heads saved as a vLLM export (liger_models/convert/medusa.py) or in format B (liger_models/medusa/checkpoint.py): a
 failed save leaves the previous one as it was."""
 
 from __future__ import annotations

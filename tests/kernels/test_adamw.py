@@ -1,4 +1,4 @@
-"""kernels/adamw.py and liger_models.train.optim.FusedAdamW against torch.optim.AdamW and an fp64 reference."""
+"""liger_models/kernels/adamw.py and liger_models.train.optim.FusedAdamW against torch.optim.AdamW and an fp64 reference."""
 
 from __future__ import annotations
 

@@ -325,7 +325,7 @@ def test_bad_inputs():
 
 
 def test_launch_helpers_match_triton():
-    # kernels/_launch.py: plain-Python integer helpers, and a compiled-kernel cache key at least as fine as the
+    # liger_models/kernels/_launch.py: plain-Python integer helpers, and a compiled-kernel cache key at least as fine as the
     # specialisation Triton itself computes (else a cached binary could run on arguments it was not built for).
     import triton
     from triton._C.libtriton import native_specialize_impl

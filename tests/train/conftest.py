@@ -1,7 +1,7 @@
 """Fixtures for the training tests: a tiny Llama with a freshly trained byte-level BPE tokenizer, and some text.
 
 Training tests exercise the loop, not the kernels (tests/kernels covers those under the Triton interpreter), so they
-run the PyTorch reference path (TRITON_INTERPRET=0); kernels/_dispatch.py reads the variable at call time.
+run the PyTorch reference path (TRITON_INTERPRET=0); liger_models/kernels/_dispatch.py reads the variable at call time.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Two pieces of the row-norm backward (kernels/rms_norm.py): the kernel for rows a little too long for registers
+"""Two pieces of the row-norm backward (liger_models/kernels/rms_norm.py): the kernel for rows a little too long for registers
 (``_wide_backward``), and the deterministic reduction of the persistent backwards' fp32 dW / dB partials.
 
 Between _MAX_FUSED_BWD_N and 4 chunks of _WIDE_CHUNK columns (8K-16K at the defaults), a whole fp32 row of dy and

@@ -15,7 +15,7 @@ term in dx, and dB = Σ_rows dy.
 Bytes (bf16, M×N): forward reads x (+ residual) and w, writes y (+ r) and 4 B/row of rstd; backward reads dy, x,
 rstd, w (+ dr), writes dx and G×N fp32 dW partials (G = resident programs, a few MB), then one tiny reduction.
 Measured on an H200 at 16384×4096 (benchmarks/tune_norms.py): forward 0.069 ms (91% of copy bandwidth), backward
-with its reduction 0.111 ms (85%). Launches go through kernels/_launch.py: at small sizes host time dominates.
+with its reduction 0.111 ms (85%). Launches go through liger_models/kernels/_launch.py: at small sizes host time dominates.
 
 Loops with runtime bounds are written as `while` loops: Triton 3.6's interpreter (CI) cannot use a runtime int as
 a `range` bound under NumPy ≥ 2.4 (it calls int() on a 1-element array); on the GPU both compile to the same loop.

@@ -22,12 +22,12 @@ A checkpoint without ``output.weight``, or whose ``output.weight`` equals the em
 1B/3B ship such a copy), is written with tied embeddings. Nothing is downloaded.
 
 Tokenizer: a Llama 3.x ``tokenizer.model`` in tiktoken's format (text lines "base64 rank", detected by its first
-line) becomes ``tokenizer.json`` + ``tokenizer_config.json`` (convert/tiktoken_tokenizer.py, which says what is
+line) becomes ``tokenizer.json`` + ``tokenizer_config.json`` (liger_models/convert/tiktoken_tokenizer.py, which says what is
 built and from which of Meta's special-token lists); the file itself is kept as ``original/tokenizer.model`` and
 config.json's bos / eos ids are the tokenizer's. The special-token list is Llama 3.1's when params.json names
 ``use_scaled_rope`` (3.1, 3.2, 3.3), else Llama 3's, unless the caller picks one. A SentencePiece
 ``tokenizer.model`` / ``tokenizer.model.vN`` (Llama 1/2, Mistral v0.1–v0.3; a file that parses as a ModelProto) is
-converted the same way by convert/sentencepiece_tokenizer.py (the highest ``vN`` when there are several; all of
+converted the same way by liger_models/convert/sentencepiece_tokenizer.py (the highest ``vN`` when there are several; all of
 them are kept under ``original/``); one that is not a BPE model with byte fallback is refused. Every other tokenizer
 file (``tekken.json``, or a ``tokenizer.model`` that is neither format) is copied as it is. MoE (Mixtral, Llama 4),
 vision and quantised checkpoints are out of scope: their params.json keys are refused. The whole checkpoint is held

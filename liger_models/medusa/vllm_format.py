@@ -1,4 +1,4 @@
-"""Medusa heads between the Medusa/TGI layout and vLLM's (MEDUSA.md §3, formats B and E).
+"""Medusa heads in vLLM's layout, read by MedusaModel.from_pretrained and written for vLLM (formats B and E).
 
 Medusa/TGI (format B): `{h}.{l}.linear.weight|bias`, `{h}.{L}.weight` (absent when the base lm_head is shared,
 `"version": "2"`). vLLM (`vllm/model_executor/models/medusa.py`): a draft-model directory whose `config.json` has
