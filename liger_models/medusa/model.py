@@ -25,6 +25,7 @@ from liger_models.medusa.decoding import medusa_generate
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.loss import MedusaOutput, medusa_head_weights, medusa_loss, schedule_factor
 from liger_models.medusa.vllm_format import load_vllm
+from liger_models.modules.linear import is_plain_linear
 
 
 def _sharded(heads: nn.Module) -> bool:
@@ -94,6 +95,10 @@ class MedusaModel(nn.Module):
             hidden = hidden.detach().requires_grad_()
         if labels is None:
             return MedusaOutput(logits=self.base.lm_head(hidden), head_logits=self.heads.logits(hidden))
+        if not is_plain_linear(self.base.lm_head):
+            raise ValueError(f"the base lm_head is a {type(self.base.lm_head).__name__}, not a plain nn.Linear: the "
+                             "Medusa loss reads its weight directly (shared by the heads), which would skip what "
+                             "the wrapper adds; leave lm_head out of the adapter's target modules")
         return medusa_loss(hidden, self.heads, labels, position_ids=position_ids,
                            base_lm_head_weight=self.base.lm_head.weight, base_loss_weight=self.base_loss_weight,
                            head_scales=self.head_scales(step, max_steps), normalizer=normalizer)

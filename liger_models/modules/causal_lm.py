@@ -15,13 +15,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from liger_models.kernels.cross_entropy import cross_entropy
 from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
 from .cache import KVCache
 from .config import LigerConfig
 from .decoder import DecoderModel
 from .generate import generate
-from .linear import pack_linears_
+from .linear import is_plain_linear, pack_linears_
 from .loss import autocast_operands, shift_labels
 from .output import model_output
 
@@ -110,6 +111,10 @@ class LigerForCausalLM(nn.Module):
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
             targets = shift_labels(labels, 1, position_ids)  # (B, T)
+            if not is_plain_linear(self.lm_head):
+                # A wrapped head (PEFT's LoRA on lm_head) computes more than hidden · Wᵀ: its logits are formed.
+                loss = cross_entropy(self.lm_head(hidden), targets, normalizer=normalizer)
+                return CausalLMOutput(loss=loss, past_key_values=past_key_values)
             hidden, weight = autocast_operands(hidden, self.lm_head.weight)
             loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer)
             return CausalLMOutput(loss=loss, past_key_values=past_key_values)

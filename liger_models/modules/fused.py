@@ -14,8 +14,9 @@ memory and the recomputed product over d act's, which then feeds dW_down. The pr
 extra read of gate_up (the activation's own backward reads the same bytes).
 
 Llama-3.2-1B (H 2048, I 8192): 75.9 → 51.3 KB saved per token per layer (benchmarks/saved_activations.py).
-Both paths apply only where the Triton kernels run with autograd recording (CUDA, or CPU under TRITON_INTERPRET);
-elsewhere (CPU reference, inference, autocast) the modules compose exactly as before.
+Both paths apply only where the Triton kernels run with autograd recording (CUDA, or CPU under TRITON_INTERPRET)
+and the projections are plain nn.Linear (linear.is_plain_linear); elsewhere (CPU reference, inference, autocast, a
+PEFT-wrapped projection) the modules compose exactly as before.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from liger_models.kernels.gated_mlp import gated_backward, gated_forward, owns_m
 from liger_models.kernels.gated_mlp import gated_mlp_packed
 from liger_models.kernels.rms_norm import RMSNorm, norm_backward, norm_forward
 
-from .linear import _stacked, packed_linear
+from .linear import _stacked, all_plain, is_plain_linear, packed_linear
 
 
 class _NormLinear(torch.autograd.Function):
@@ -145,7 +146,7 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                 linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
     """``h, stream = norm(x [, residual]); return cat([l(h) for l in linears], -1), stream`` (stream = x without a
     residual), saving for backward only the stream and rstd where the fused path applies."""
-    if not _fusable(x):
+    if not _fusable(x) or not all_plain(linears):  # a wrapped projection (PEFT's LoRA) runs its own forward
         h, stream = (norm(x), x) if residual is None else add_norm(norm, x, residual)
         return packed_linear(h, linears), stream
     params = [lin.weight for lin in linears] + ([lin.bias for lin in linears] if linears[0].bias is not None else [])
@@ -157,6 +158,7 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
 @torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def gated_down(gate_up: torch.Tensor, activation: str, down: nn.Linear) -> torch.Tensor:
     """``down(act(gate) * up)`` for gate_up (..., 2I) = [gate | up]; the product is never saved for backward."""
-    if torch.is_autocast_enabled(gate_up.device.type):  # let autocast pick the GEMM dtype, as nn.Linear would
+    # Under autocast nn.Linear picks the GEMM dtype; a wrapped or hooked projection must run its own forward.
+    if torch.is_autocast_enabled(gate_up.device.type) or not is_plain_linear(down):
         return down(gated_mlp_packed(gate_up, activation))
     return _GatedDown.apply(gate_up, activation, down.weight, down.bias)

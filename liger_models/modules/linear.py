@@ -6,12 +6,21 @@ are unchanged. ``packed_linear`` then runs a single GEMM against the aliasing (s
 computes dX and the stacked dW with one GEMM each and hands every parameter its slice. When the parameters are not
 back to back in memory (e.g. after ``load_state_dict(assign=True)`` or under FSDP) it concatenates them on the fly,
 in forward and again in backward, so nothing weight-sized is ever saved for backward.
+
+The fused paths read ``weight`` and ``bias`` of plain ``nn.Linear`` modules only (``is_plain_linear``). A projection
+that PEFT wrapped with LoRA, that a library replaced (a quantised linear) or that carries forward hooks is called as
+a module instead, so whatever it adds takes part exactly, at the unfused speed.
+
+``state_dict()`` (keep_vars=False, what every saver calls) gives each packed weight as its own tensor, copied out
+of the shared buffer: safetensors, accelerate and transformers' savers treat views of one storage as shared tensors
+and drop or refuse them. ``state_dict(keep_vars=True)`` and ``named_parameters`` still give the packed Parameters.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 
 
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -62,10 +71,22 @@ class _PackedLinear(torch.autograd.Function):
         return (dx, None, *dws, *dbs)
 
 
+def is_plain_linear(module: nn.Module) -> bool:
+    """Whether a fused path may read ``module.weight`` / ``.bias`` in place of calling it: exactly ``nn.Linear``
+    (a subclass, e.g. a quantised linear, computes something else) with no forward hooks that a call would run."""
+    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and not _module_hooks._global_forward_hooks and not _module_hooks._global_forward_pre_hooks)
+
+
+def all_plain(linears: list[nn.Module]) -> bool:
+    return all(is_plain_linear(lin) for lin in linears)
+
+
 @torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def packed_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
     """``cat([l(x) for l in linears], -1)`` computed with one GEMM; output (..., sum of out_features)."""
-    if torch.is_autocast_enabled(x.device.type):  # let autocast pick the GEMM dtype, as nn.Linear would
+    # Under autocast nn.Linear picks the GEMM dtype; a wrapped or hooked projection must run its own forward.
+    if torch.is_autocast_enabled(x.device.type) or not all_plain(linears):
         return torch.cat([lin(x) for lin in linears], dim=-1)
     params = [lin.weight for lin in linears]
     if linears[0].bias is not None:
@@ -73,11 +94,29 @@ def packed_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
     return _PackedLinear.apply(x, len(linears), *params)
 
 
+def _owns_storage(t: torch.Tensor) -> bool:
+    storage = t.untyped_storage()
+    return t.data_ptr() == storage.data_ptr() and t.numel() * t.element_size() == storage.nbytes()
+
+
+def _state_dict_own_copies(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A packed weight leaves ``state_dict()`` as its own tensor (see the module docstring)."""
+    for attr in ("weight", "bias"):
+        value = state_dict.get(prefix + attr)
+        if (value is not None and not isinstance(value, nn.Parameter) and type(value) is torch.Tensor
+                and not value.is_meta and not _owns_storage(value)):
+            state_dict[prefix + attr] = value.clone()
+
+
 def pack_linears_(linears: list[nn.Linear]) -> None:
     """Move the weights (and biases) of ``linears`` into one buffer each, in order, keeping Parameter identity.
 
     Skipped on the meta device and for tensor subclasses (e.g. FSDP's DTensor), where packed_linear concatenates.
     """
+    for lin in linears:
+        if not getattr(lin, "_liger_own_state_dict", False):
+            lin.register_state_dict_post_hook(_state_dict_own_copies)
+            lin._liger_own_state_dict = True
     for attr in ("weight", "bias"):
         params = [getattr(lin, attr) for lin in linears]
         if params[0] is None or any(type(p.data) is not torch.Tensor or p.is_meta or p.dtype != params[0].dtype

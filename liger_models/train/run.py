@@ -87,7 +87,7 @@ def _shadow_base(base: nn.Module, state: dict[str, torch.Tensor], prefix: str = 
 
 
 def _check_materialised(module: nn.Module) -> None:
-    meta = [k for k, v in module.state_dict().items() if v.is_meta]
+    meta = [k for k, v in module.state_dict(keep_vars=True).items() if v.is_meta]
     if meta:
         raise RuntimeError(f"gathered checkpoint state is missing tensors: {meta[:5]}")
 

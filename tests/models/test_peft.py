@@ -1,0 +1,148 @@
+"""PEFT's LoRA on our models takes part exactly where the fused paths would read a projection's weight directly.
+
+The fused q|k|v and gate|up GEMMs, norm → projection and gated activation → down paths, and the fused
+linear-cross-entropy read ``weight`` of plain nn.Linear modules. A PEFT-wrapped (or hooked) projection is called as a
+module instead: every adapter gets HF + PEFT's gradient, and adapters move between HF + PEFT and ours unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+peft = pytest.importorskip("peft")
+
+from liger_models import AutoLigerForCausalLM  # noqa: E402
+from liger_models.medusa import MedusaModel  # noqa: E402
+
+from .parity import build_hf, max_rel, save_hf  # noqa: E402
+
+ALL_LINEAR = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gemma": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+}
+CONFIGS = {"llama": transformers.LlamaConfig, "gemma": transformers.GemmaConfig,
+           "qwen2": transformers.Qwen2Config, "phi3": transformers.Phi3Config}
+FP32 = 2e-5  # ours (fp32, Triton interpreter) against HF (fp32, eager) through the same adapters
+
+
+def _pair(family: str, tmp_path, **hf_overrides):
+    hf = build_hf(CONFIGS[family], **hf_overrides)
+    directory = save_hf(hf, tmp_path / family)
+    return hf, AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+def _lora(targets, **kw) -> "peft.LoraConfig":
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, **kw)
+
+
+def _copy_adapters(src, dst) -> None:
+    """dst's adapter weights := src's (same PEFT names on both sides)."""
+    src_sd = {k: v for k, v in src.state_dict().items() if "lora_" in k}
+    dst_sd = dst.state_dict()
+    assert src_sd and set(src_sd) <= set(dst_sd), sorted(set(src_sd) - set(dst_sd))[:3]
+    dst.load_state_dict(src_sd, strict=False)
+
+
+def _batch(vocab: int = 128):
+    ids = torch.randint(3, vocab, (2, 11))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("family", sorted(ALL_LINEAR))
+def test_lora_on_every_linear_matches_hf_peft_loss_and_adapter_gradients(family, tmp_path):
+    hf, ours = _pair(family, tmp_path)
+    ours_peft = peft.get_peft_model(ours, _lora(ALL_LINEAR[family], init_lora_weights=False))
+    hf_peft = peft.get_peft_model(hf, _lora(ALL_LINEAR[family], init_lora_weights=False))
+    _copy_adapters(ours_peft, hf_peft)
+    ours_peft.train()
+    hf_peft.train()
+    ids, labels = _batch()
+    loss = ours_peft(ids, labels=labels).loss
+    ref = hf_peft(input_ids=ids, labels=labels).loss
+    assert abs(loss.item() - ref.item()) <= FP32 * abs(ref.item())
+    loss.backward()
+    ref.backward()
+    ours_grads = {n: p.grad for n, p in ours_peft.named_parameters() if p.requires_grad}
+    hf_grads = {n: p.grad for n, p in hf_peft.named_parameters() if p.requires_grad}
+    assert set(ours_grads) == set(hf_grads) and len(ours_grads) == 2 * 2 * len(ALL_LINEAR[family])
+    for name, ref_grad in hf_grads.items():
+        assert ours_grads[name] is not None, f"{name}: no gradient (the adapter was skipped)"
+        assert max_rel(ours_grads[name], ref_grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj"], ["gate_proj"], ["down_proj"], ["lm_head"]])
+def test_lora_on_fused_paths_alone_trains_and_matches_hf(targets, tmp_path):
+    """Targets the fused paths used to read past: with the default init (lora_B = 0) one optimizer step moves
+    every lora_B, and the loss after it is HF + PEFT's after the same step."""
+    hf, ours = _pair("llama", tmp_path)
+    ours_peft = peft.get_peft_model(ours, _lora(targets))
+    hf_peft = peft.get_peft_model(hf, _lora(targets))
+    _copy_adapters(ours_peft, hf_peft)
+    ids, labels = _batch()
+    for model, kwargs in ((ours_peft, {}), (hf_peft, {})):
+        model.train()
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        model(input_ids=ids, labels=labels, **kwargs).loss.backward()
+        opt.step()
+    lora_b = {n: p for n, p in ours_peft.named_parameters() if "lora_B" in n}
+    assert lora_b and all(p.abs().max() > 0 for p in lora_b.values()), "an adapter did not train"
+    with torch.no_grad():
+        after = ours_peft(ids, labels=labels).loss
+        ref_after = hf_peft(input_ids=ids, labels=labels).loss
+    assert abs(after.item() - ref_after.item()) <= FP32 * abs(ref_after.item())
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_adapter_moves_between_ours_and_hf_peft_with_the_same_logits(family, tmp_path):
+    hf, ours = _pair(family, tmp_path)
+    trained = peft.get_peft_model(ours, _lora(ALL_LINEAR[family], init_lora_weights=False))
+    trained.save_pretrained(tmp_path / "ours_adapter")
+    hf_loaded = peft.PeftModel.from_pretrained(hf, tmp_path / "ours_adapter").eval()
+    ids, _ = _batch()
+    with torch.no_grad():
+        ours_logits = trained.eval()(ids).logits
+        hf_logits = hf_loaded(input_ids=ids).logits
+    assert max_rel(ours_logits, hf_logits) < 1e-5
+
+    # The reverse: an adapter trained on HF + PEFT loads into ours.
+    hf2, _ = _pair(family, tmp_path / "b")
+    hf_trained = peft.get_peft_model(hf2, _lora(ALL_LINEAR[family], init_lora_weights=False))
+    hf_trained.save_pretrained(tmp_path / "hf_adapter")
+    ours2 = AutoLigerForCausalLM.from_pretrained(tmp_path / "b" / family, dtype=torch.float32)
+    ours_loaded = peft.PeftModel.from_pretrained(ours2, tmp_path / "hf_adapter").eval()
+    with torch.no_grad():
+        assert max_rel(ours_loaded(ids).logits, hf_trained.eval()(input_ids=ids).logits) < 1e-5
+
+
+def test_forward_hooks_on_a_projection_run_and_their_changes_take_part(tmp_path):
+    """A hooked projection is called as a module: a forward hook that scales its output changes the loss exactly as
+    on HF (a fused path that read the weight would skip it)."""
+    hf, ours = _pair("llama", tmp_path)
+    calls = []
+
+    def scale_output(module, args, output):
+        calls.append(module)
+        return output * 0.5
+
+    ours.model.layers[1].mlp.up_proj.register_forward_hook(scale_output)
+    hf.model.layers[1].mlp.up_proj.register_forward_hook(scale_output)
+    ours.train()
+    ids, labels = _batch()
+    loss, ref = ours(ids, labels=labels).loss, hf(input_ids=ids, labels=labels).loss
+    assert len(calls) == 2
+    assert abs(loss.item() - ref.item()) <= FP32 * abs(ref.item())
+
+
+def test_medusa_refuses_a_wrapped_base_lm_head(tmp_path):
+    _, ours = _pair("llama", tmp_path)
+    medusa = MedusaModel.from_base(ours, stage=2, num_heads=2, num_layers=1)
+    peft.get_peft_model(medusa.base, _lora(["lm_head"]))
+    ids, labels = _batch()
+    with pytest.raises(ValueError, match="lm_head.*not a plain nn.Linear"):
+        medusa(ids, labels=labels)
