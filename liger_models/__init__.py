@@ -8,6 +8,7 @@ are the registry by ``model_type``.
 from .auto import MODEL_CLASSES, AutoLigerForCausalLM, model_class
 from .gemma import GemmaConfig, LigerGemmaForCausalLM
 from .hub import load_tokenizer
+from .kernels._dispatch import reference_mode
 from .llama import LigerLlamaForCausalLM, LlamaConfig
 from .mistral import LigerMistralForCausalLM, MistralConfig
 from .phi3 import LigerPhi3ForCausalLM, Phi3Config
@@ -30,4 +31,5 @@ __all__ = [
     "Qwen2Config",
     "load_tokenizer",
     "model_class",
+    "reference_mode",
 ]

@@ -1,16 +1,37 @@
 """Where a kernel runs: Triton on CUDA tensors, the PyTorch reference on CPU tensors.
 
 Under ``TRITON_INTERPRET=1`` Triton's interpreter executes the real kernels on CPU tensors; that is how CI
-tests every kernel without a GPU. A CUDA tensor never silently falls back to the reference path.
+tests every kernel without a GPU. A CUDA tensor never silently falls back to the reference path: only when asked
+(``LIGER_MODELS_REFERENCE=1`` in the environment, or inside ``with reference_mode():``) does every op run its
+PyTorch reference on any device, and the fused training paths compose the plain modules, so a numerical problem
+can be bisected to a kernel (fusion off, then on per op) without changing the model code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 
 import torch
+
+_REFERENCE_MODE = [0]  # depth of nested reference_mode() blocks (process-wide, as the environment variable is)
+
+
+def reference_forced() -> bool:
+    """True when every op must run its PyTorch reference (``LIGER_MODELS_REFERENCE=1`` or ``reference_mode()``)."""
+    return _REFERENCE_MODE[0] > 0 or os.environ.get("LIGER_MODELS_REFERENCE", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def reference_mode():
+    """Within this block every kernel call runs its PyTorch reference (fusion off), on the GPU too."""
+    _REFERENCE_MODE[0] += 1
+    try:
+        yield
+    finally:
+        _REFERENCE_MODE[0] -= 1
 
 
 def interpreting() -> bool:
@@ -28,6 +49,8 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if len(devices) > 1:
         raise ValueError(f"tensors on different devices: {sorted(str(d) for d in devices)}")
     device = next(iter(devices))
+    if reference_forced():
+        return False
     if device.type == "cuda":
         return True
     return device.type == "cpu" and interpreting()

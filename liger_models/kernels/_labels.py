@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import interpreting
+from ._dispatch import use_triton
 from ._launch import launch
 
 # One program reads all labels, a block per round trip to memory: 8192 labels (a common batch) in one round over 16
@@ -52,7 +52,7 @@ class LabelCheck:
         self.labels, self.vocab_size, self.ignore_index = labels.reshape(-1).contiguous(), vocab_size, ignore_index
         n, device = self.labels.numel(), labels.device
         self._event, self._counts = None, (0, 0)
-        if not (labels.is_cuda or interpreting()):  # the PyTorch reference path
+        if not use_triton(labels):  # the PyTorch reference path
             bad = ((self.labels < 0) | (self.labels >= vocab_size)) & (self.labels != ignore_index)
             self.flag = torch.stack([bad.sum(), bad.int().argmax() if n else bad.sum()])
             self.scale = grad_scale(self.labels, ignore_index, reduction, normalizer, loss_scale)

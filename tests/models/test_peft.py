@@ -56,13 +56,26 @@ def _batch(vocab: int = 128):
 
 @pytest.mark.parametrize("family", sorted(ALL_LINEAR))
 def test_lora_on_every_linear_matches_hf_peft_loss_and_adapter_gradients(family, tmp_path):
+    _check_every_linear(family, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_lora_on_every_linear_matches_hf_peft_on_the_gpu(family, tmp_path):
+    """The CUDA kernels' fused paths, fp32 (TF32 off), against HF + PEFT on the same GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_every_linear(family, tmp_path, "cuda")
+
+
+def _check_every_linear(family: str, tmp_path, device: str) -> None:
     hf, ours = _pair(family, tmp_path)
+    hf, ours = hf.to(device), ours.to(device)
     ours_peft = peft.get_peft_model(ours, _lora(ALL_LINEAR[family], init_lora_weights=False))
     hf_peft = peft.get_peft_model(hf, _lora(ALL_LINEAR[family], init_lora_weights=False))
     _copy_adapters(ours_peft, hf_peft)
     ours_peft.train()
     hf_peft.train()
-    ids, labels = _batch()
+    ids, labels = (t.to(device) for t in _batch())
     loss = ours_peft(ids, labels=labels).loss
     ref = hf_peft(input_ids=ids, labels=labels).loss
     assert abs(loss.item() - ref.item()) <= FP32 * abs(ref.item())
