@@ -1,5 +1,5 @@
-"""Medusa heads saved as a vLLM export (liger_models/convert/medusa.py) or in format B (liger_models/medusa/checkpoint.py): a
-failed save leaves the previous one as it was."""
+"""Medusa heads saved as a vLLM export (liger_models/medusa/vllm_format.py) or in format B
+(liger_models/medusa/checkpoint.py): a failed save leaves the previous one as it was."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-import liger_models.convert.medusa as vllm_export
+import liger_models.medusa.vllm_format as vllm_export
 import liger_models.medusa.checkpoint as format_b
 from liger_models.convert.medusa import load_vllm, save_vllm
 from liger_models.medusa import MedusaModel
