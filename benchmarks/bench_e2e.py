@@ -99,7 +99,8 @@ def _build(provider: str, cfg: dict):
 
 def training_step(name: str, provider: str, n_batches: int):
     """(model, optimizer, random token batches, step) for one config and provider; ``step(i)`` trains on batch i
-    (forward, backward, fused AdamW step) and returns the loss tensor. Shared with profile_e2e.py."""
+    (forward, backward, fused AdamW step) and returns the loss tensor. Shared with tools/profile_e2e.py and
+    tools/memory_at_peak.py."""
     import torch
 
     cfg, batch, seq = CONFIGS[name]

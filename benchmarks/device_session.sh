@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU verification of a session, in parts that each fit one device call (10 minutes), results under $OUT.
+# GPU tests and benchmarks in parts that each fit one device call (10 minutes), results under $OUT.
 #   bash benchmarks/device_session.sh tests kernels     # call 1: pytest -m gpu, then the loss-kernel variants
 #   bash benchmarks/device_session.sh norms             # issue 2's kernel benchmarks (JSON + sweeps + graph time)
 #   bash benchmarks/device_session.sh e2e-small         # call 2: bench_e2e on the 1B-class configs (e2e-overlap: OVERLAP_CE)
@@ -40,24 +40,20 @@ run_part() {
     layer-norm)  # the full layer_norm sweep alone, GPU time too
       (cd benchmarks && LIGER_BENCH_GPU_TIME=1 python3 bench_layer_norm.py --out "$OUT") ;;
     norms-wide)  # the 8K-16K-column backward: wide kernel variants vs the split path (kernel GPU time)
-      (cd benchmarks && python3 tune_norms.py --sections wide --out "$OUT") ;;
+      (cd benchmarks && python3 tools/tune_norms.py --sections wide --out "$OUT") ;;
     norms-quick)  # the headline rms_norm / RoPE autograd steps (host-bound: a lone lane), GPU time and graph replay too
       (cd benchmarks && for b in rms_norm rope; do
          LIGER_BENCH_GRAPH=1 LIGER_BENCH_GPU_TIME=1 python3 bench_$b.py --quick --out "$OUT" || echo "bench_$b failed"; done) ;;
     timeline)  # what the GPU runs in one step of the CE / RoPE / rms_norm benchmarks: kernels, copies, idle gaps
-      (cd benchmarks && python3 gpu_timeline.py --out "$OUT") ;;
+      (cd benchmarks && python3 tools/gpu_timeline.py --out "$OUT") ;;
     attention)  # SDPA backends at the e2e configs' attention shapes (which one a step should ask for)
       (cd benchmarks && python3 bench_attention.py --out "$OUT") ;;
-    ce-chunks)  # the CE row kernel at linear-CE's chunk shapes (1K-8K rows of 128K / 256K), lane sums on and off
-      (cd benchmarks && python3 ce_chunk_rows.py --out "$OUT") ;;
-    scratch-cap)  # linear-CE at the e2e loss shapes under caps on its logits scratch: time, peak, kernels by name
-      (cd benchmarks && python3 flce_scratch_cap.py --out "$OUT") ;;
     host)  # host time per call of the small-shape autograd ops and the losses, with a cProfile of each loss call
-      (cd benchmarks && python3 host_overhead.py --out "$OUT") ;;
-    profiles)  # issue 6: one profiled step per family (Qwen and Gemma again after the session-2 changes)
-      python3 benchmarks/profile_e2e.py --out "$OUT/profiles" --configs "${PROFILE_CONFIGS:-qwen2.5-1.5b,gemma-2b,mistral-7b-w4l,phi3-mini-w8l}" ;;
+      (cd benchmarks && python3 tools/host_overhead.py --out "$OUT") ;;
+    profiles)  # issue 6: one profiled step per family (PROFILE_CONFIGS)
+      python3 benchmarks/tools/profile_e2e.py --out "$OUT/profiles" --configs "${PROFILE_CONFIGS:-qwen2.5-1.5b,gemma-2b,mistral-7b-w4l,phi3-mini-w8l}" ;;
     memory)  # issue 6: what is alive at the step's peak, by allocating line (allocator history replayed)
-      python3 benchmarks/memory_at_peak.py --out "$OUT" --configs "${MEMORY_CONFIGS:-mistral-7b-w4l,gemma-2b}" ;;
+      python3 benchmarks/tools/memory_at_peak.py --out "$OUT" --configs "${MEMORY_CONFIGS:-mistral-7b-w4l,gemma-2b}" ;;
     e2e-small)  # tied lm_heads: no forward-time head step to measure, so graph capture only
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_small" --timeout 200 --providers "${E2E_SMALL_PROVIDERS:-ours,ours_graph}" \
         --configs llama-3.2-1b,qwen2.5-1.5b,gemma-2b ;;
@@ -78,7 +74,7 @@ run_part() {
     e2e-wide)
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_wide" --timeout 200 --providers $E2E_PROVIDERS \
         --configs llama-3-8b-w8l,mistral-7b-w4l,phi3-mini-w8l ;;
-    medusa)  # quick sweep: this project (linear-CE's one-chunk mode is the default since the fifth session) and peers
+    medusa)  # quick sweep: this project, with and without the optimizer step in backward, and Liger-style
       python3 benchmarks/bench_medusa.py --quick --out "$OUT" --providers liger-models,liger-models-inbwd,liger-style ;;
     medusa-decoding)  # batch-1 decoding: plain greedy vs Medusa tree steps vs HF generate, 8B and 1B shapes
       python3 benchmarks/bench_medusa_decoding.py --out "$OUT" ;;

@@ -7,7 +7,7 @@ the number of GPU kernels and the top host functions, so the slow part of the st
 Per token means the difference between two budgets (SHORT and --tokens), so the prefill and a graphed call's setup
 drop out; graphed Medusa steps with random heads emit one token each, so for them it is per step.
 
-    python benchmarks/profile_decode.py --out DIR [--config llama-3.2-1b] [--prompt 128] [--tokens 40]
+    python benchmarks/tools/profile_decode.py --out DIR [--config llama-3.2-1b] [--prompt 128] [--tokens 40]
         [--providers ours,graphed,graphed-stop,medusa-copy,medusa-copy-sync,medusa-shared,medusa-shared-sync,hf]
 """
 
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
 
 from bench_medusa_decoding import CONFIGS, NUM_HEADS, _hf_model  # noqa: E402
 

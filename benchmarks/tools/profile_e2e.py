@@ -7,7 +7,7 @@ includes the step's start-up and clock differences, so the GPU's real idle time 
 intervals merged over all streams, the gaps between them charged to the kernels on either side.
 Memory: peak allocated split into weights, gradients, optimizer state and the rest (activations + transients).
 
-    python benchmarks/profile_e2e.py --out DIR [--configs llama-3.2-1b,...] [--provider ours]
+    python benchmarks/tools/profile_e2e.py --out DIR [--configs llama-3.2-1b,...] [--provider ours]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
 from bench_e2e import CONFIGS, training_step  # noqa: E402
 
 # First match wins: a kernel name containing any of the needles belongs to the category.

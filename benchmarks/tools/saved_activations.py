@@ -6,7 +6,7 @@ Every tensor handed to autograd's saved-tensor machinery is seen by a ``saved_te
 that share storage are counted once (by the storage's size), parameters are listed apart, and each saved tensor is
 attributed to the module that was running (forward pre/post hooks) and the innermost call site in this project.
 
-    python benchmarks/saved_activations.py [--config llama-3.2-1b] [--layers 2] [--batch 1] [--seq 256]
+    python benchmarks/tools/saved_activations.py [--config llama-3.2-1b] [--layers 2] [--batch 1] [--seq 256]
 
 Prints one table per decoder layer (bytes/token by producer) and the whole model's total; with the bench_e2e shape
 it also extrapolates to the full model (bytes/token/layer × batch·seq × layers of the real config).
@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_e2e import CONFIGS  # noqa: E402
 

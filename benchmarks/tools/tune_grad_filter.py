@@ -7,7 +7,7 @@ with the nonzero() and host sync that size the GEMMs. GPU only.
 GEMMs the chunk would run instead (grad_h = dlogits·W, fp32 dW += dlogitsᵀ·h), for a range of kept shares. The
 filter pass itself runs before either, so it is left out of both. DENSE_SHARE should sit below the crossing.
 
-    python benchmarks/tune_grad_filter.py [--out DIR] [--dense-share]
+    python benchmarks/tools/tune_grad_filter.py [--out DIR] [--dense-share]
 """
 
 from __future__ import annotations

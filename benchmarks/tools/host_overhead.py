@@ -5,17 +5,20 @@ every argument on each call). Small shapes, where the host, not the GPU, sets a 
 Host time = wall time of the Python calls with a GPU sleep queued ahead (no launch waits for the device), as in
 harness.host_ms_per_call; the GPU time of the same step is printed beside it for scale.
 
-    python benchmarks/host_overhead.py [--out DIR]    (--out defaults to $OUT, as for every bench)
+    python benchmarks/tools/host_overhead.py [--out DIR]    (--out defaults to $OUT, as for every bench)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
-from harness import SLEEP_CYCLES, busy_gpu_ms, host_ms_per_call, parse_args
 from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
+from harness import SLEEP_CYCLES, busy_gpu_ms, host_ms_per_call, parse_args  # noqa: E402
 
 
 def steps() -> dict:

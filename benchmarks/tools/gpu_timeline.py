@@ -5,7 +5,7 @@ A step's time in the kernel benchmarks (do_bench: L2 flushed, then the step betw
 durations and gaps; the gap before the first item is the host's lead over the flush. This separates what a call adds
 around its main kernel (small launches, copies, idle stream time) from the kernel itself.
 
-    python benchmarks/gpu_timeline.py [--out DIR] [--steps ce-256k,ce-128k,rope,rms-norm]
+    python benchmarks/tools/gpu_timeline.py [--out DIR] [--steps ce-256k,ce-128k,rope,rms-norm]
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
 
 FLUSH_BYTES = 256 << 20  # as triton.testing.do_bench
 

@@ -10,7 +10,7 @@ whole vocabulary columns of a token chunk ("column of N": all --tokens rows; lin
 rows). Logits: noise plus bench_cross_entropy's Zipf-like per-token bias of up to +20; labels drawn from the
 softmax (as for a trained model).
 
-    python benchmarks/gradient_sparsity.py [--tokens 512] [--vocab 128256,256000] [--out DIR]
+    python benchmarks/tools/gradient_sparsity.py [--tokens 512] [--vocab 128256,256000] [--out DIR]
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ With --peer (a profile_e2e.py JSON of another provider, e.g. hf_liger), the GEMM
 run (same name, same calls per step), timed in each: under the H200's power cap the same kernel runs at the clocks
 its neighbours leave it.
 
-    python benchmarks/step_ceiling.py PROFILE.json [PROFILE.json ...]   (later files win per config)
+    python benchmarks/tools/step_ceiling.py PROFILE.json [PROFILE.json ...]   (later files win per config)
         [--e2e BENCH_E2E.json ...] [--peer PEER_PROFILE.json]
 """
 
@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
-from bench_e2e import CONFIGS
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
+from bench_e2e import CONFIGS  # noqa: E402
 
 # issue 6's targets: 1.15× HF + liger-kernel's measured tokens/s
 TARGET_TOK_S = {"llama-3.2-1b": 75_000, "qwen2.5-1.5b": 58_000, "gemma-2b": 38_400, "llama-3-8b-w8l": 42_300,

@@ -6,9 +6,9 @@ and issued instructions per element can be read before spending device time. Thi
 that the cross-entropy row kernel issued ~38 instructions per logit (exp through the non-ftz ex2 with its denormal
 check, a mask and a target test on every element), where ~16 suffice.
 
-    python benchmarks/sass_report.py ce [--vocab 128256] [--block 16384] [--warps 32] [--lanes] [--forward-only]
+    python benchmarks/tools/sass_report.py ce [--vocab 128256] [--block 16384] [--warps 32] [--lanes] [--forward-only]
                                         [--split 2] [--maxnreg 32]
-    python benchmarks/sass_report.py norm-bwd [--cols 16384] [--block 16384] [--warps 32]
+    python benchmarks/tools/sass_report.py norm-bwd [--cols 16384] [--block 16384] [--warps 32]
 
 Launch arguments are specialised as on the GPU for 16-byte-aligned tensors and strides divisible by 16 (without
 that, loads are not vectorised and the counts mean nothing).

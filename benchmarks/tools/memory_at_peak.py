@@ -5,7 +5,7 @@ measured steps of bench_e2e's provider, then replays the recorded allocs/frees t
 allocated bytes within the measured steps, and groups every block alive at that moment by its innermost frame in
 this repository (or in torch when none is ours). Answers "which 0.5 GiB is not in the saved-activation account".
 
-    python benchmarks/memory_at_peak.py --out DIR [--configs mistral-7b-w4l] [--provider ours]
+    python benchmarks/tools/memory_at_peak.py --out DIR [--configs mistral-7b-w4l] [--provider ours]
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import subprocess
 import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
 from bench_e2e import training_step  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WARMUP, MEASURED = 3, 2
 MAX_ENTRIES = 1_000_000  # the allocator's history is a ring: hitting this would drop the oldest events
 GiB = 2**30

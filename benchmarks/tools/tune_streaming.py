@@ -7,7 +7,7 @@ the forward + backward kernel launches alone (the autograd step is host-bound; s
 triton do_bench medians; GB/s counts the bytes the op must move. The defaults in the kernel files should be the
 best rows.
 
-    python benchmarks/tune_streaming.py [--quick] [--out DIR]
+    python benchmarks/tools/tune_streaming.py [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 
 import torch
-from bench_rope import kernels_step
-from bench_swiglu import packed_step
-from harness import copy_bandwidth_gbs, median_ms, parse_args
 
 import liger_models.kernels.gated_mlp as gm
 import liger_models.kernels.rope as rp
 from liger_models.kernels.geglu import geglu_packed
 from liger_models.kernels.swiglu import swiglu_packed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
+from bench_rope import kernels_step  # noqa: E402
+from bench_swiglu import packed_step  # noqa: E402
+from harness import copy_bandwidth_gbs, median_ms, parse_args  # noqa: E402
 
 GATED = [("swiglu 16384x14336", 16384, 14336, swiglu_packed), ("geglu 16384x16384", 16384, 16384, geglu_packed)]
 GATED_KNOBS = list(itertools.product((1024, 2048, 4096, 8192), (8, 16, 32)))

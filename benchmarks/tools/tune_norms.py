@@ -14,7 +14,7 @@ Sections (bf16, llama casting; GB/s counts 4 B/elem forward (x, y), 6 B/elem bac
 "GPU time" keeps the stream busy (torch.cuda._sleep) while the host enqueues the call, so the events bracket
 kernels only; at small sizes the e2e numbers are host time, which is why both are reported.
 
-    python benchmarks/tune_norms.py [--quick] [--out DIR] [--sections ref,sweep,host,e2e]
+    python benchmarks/tools/tune_norms.py [--quick] [--out DIR] [--sections ref,sweep,host,e2e]
 """
 
 from __future__ import annotations
@@ -23,15 +23,18 @@ import argparse
 import importlib
 import json
 import os
+import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
-from harness import SLEEP_CYCLES, busy_gpu_ms, copy_bandwidth_gbs, host_ms_per_call, median_ms
 
 import liger_models.kernels._launch as fast
 import liger_models.kernels.rms_norm as rn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
+from harness import SLEEP_CYCLES, busy_gpu_ms, copy_bandwidth_gbs, host_ms_per_call, median_ms  # noqa: E402
 
 EPS = 1e-6
 KNOBS = ("_FWD_TILE", "_FWD_ELEMS_PER_THREAD", "_BWD_TILE", "_BWD_ELEMS_PER_THREAD", "_PROGRAMS_PER_SM",
