@@ -18,6 +18,7 @@ from .attention import Attention, AttentionMask, document_ids
 from .cache import KVCache
 from .config import LigerConfig
 from .fused import add_norm, norm_linear
+from .inputs import check_forward_inputs
 from .mlp import GatedMLP
 from .rope import RotaryEmbedding
 
@@ -79,10 +80,10 @@ class DecoderModel(nn.Module):
 
         tree_mask (T, T) bool: the new tokens form a tree (speculative decoding's candidates, verified in one call):
         token i sees the whole cache and the new tokens j where tree_mask[i, j] (its ancestors and itself), not
-        simply those before it; position_ids (1, T) must then give each token's position, past + its depth."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)} "
-                             "(a single sequence needs a batch dim: ids[None])")
+        simply those before it; position_ids (1, T) must then give each token's position, past + its depth.
+
+        Every input is checked first (modules/inputs.py), token ids against the vocabulary included."""
+        check_forward_inputs(input_ids, self.config.vocab_size, position_ids, attention_mask)
         B, T = input_ids.shape
         past = cache.seq_length() if cache is not None else 0
         padding = key_padding(attention_mask, B, past + T)
