@@ -2,10 +2,11 @@
 own repository demonstrates its heads: an interactive chat with the speed of each reply).
 
 Each line read is one user turn. The whole conversation so far (``--system`` first) is rendered with the chat
-template training uses and decoded; the reply is printed and kept as the assistant's turn, so the next line
-continues the conversation. After every reply its tokens/s (and, with Medusa, tokens per base-model forward) go to
-stderr. ``/reset`` starts a new conversation, ``/exit`` or end of input (Ctrl-D) ends the session. Settings and
-loading are those of ``liger-models generate`` (decoding_commands.py).
+template training uses (the model's own or the built-in one: which, is logged at the start) and decoded; the reply
+is printed and kept as the assistant's turn, so the next line continues the conversation. After every reply its
+tokens/s (and, with Medusa, tokens per base-model forward) go to stderr. ``/reset`` starts a new conversation,
+``/exit`` or end of input (Ctrl-D) ends the session. Settings and loading are those of ``liger-models generate``
+(decoding_commands.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 from liger_models.decoding_commands import (Decoded, check_decoding_options, describe_rate, encode_conversation,
                                             locate, open_decoder, tokenizer_and_specials)
+from liger_models.train.data import chat_template_note
 
 PROMPT = "USER: "
 REPLY = "ASSISTANT: "
@@ -26,6 +28,7 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None, log=None) -> list[d
     check_decoding_options(args)
     sources = locate(args.model, args.medusa)
     tokenizer, special = tokenizer_and_specials(sources.tokenizer_dir)
+    print(chat_template_note(special, args.chat_template), file=log, flush=True)  # refuses a missing model template
     opening = [{"role": "system", "content": args.system}] if args.system else []
     encode_conversation(opening + [{"role": "user", "content": "Hi"}], tokenizer, special,
                         args.chat_template)  # the template's mistakes (no template, a refused system turn) come now

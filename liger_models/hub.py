@@ -19,6 +19,7 @@ other entry (tokenizer, README, other safetensors such as Medusa heads, sub-dire
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -32,9 +33,21 @@ import torch
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
-# *.jinja: chat_template.jinja and additional_chat_templates/*.jinja, where transformers now saves chat templates
-# (no longer in tokenizer_config.json).
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+# Where a checkpoint keeps its chat template: transformers v5 saves chat_template.jinja (the default template) and
+# additional_chat_templates/<name>.jinja (named ones); older tokenizers keep it in tokenizer_config.json's
+# "chat_template" (a string, or a list of named templates), older processors in chat_template.json.
+CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_DIR, LEGACY_CHAT_TEMPLATE_FILE = (
+    "chat_template.jinja", "additional_chat_templates", "chat_template.json")
+# A checkpoint's tokenizer: every file transformers may read it from, as fnmatch patterns of paths in the checkpoint
+# directory. The one rule for what a Hub download fetches and what training copies into its checkpoints, so that a
+# trained checkpoint is prompted, decoded and trained further exactly as its source was: the fast tokenizer and its
+# config (tokenizer.json, tokenizer_config.json), the special and added tokens, the chat templates, and the slow
+# tokenizers' vocabularies (SentencePiece tokenizer.model[.vN] / spiece.model, BPE vocab.json + merges.txt,
+# WordPiece vocab.txt, tiktoken, Mistral's tekken.json) that transformers' slow classes read.
+TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", CHAT_TEMPLATE_FILE,
+                      LEGACY_CHAT_TEMPLATE_FILE, f"{CHAT_TEMPLATE_DIR}/*.jinja", "vocab.json", "merges.txt",
+                      "vocab.txt", "spiece.model", "*.tiktoken", "tekken.json")
+ALLOW_PATTERNS = ["*.json", "*.safetensors", *TOKENIZER_PATTERNS]
 # consolidated*.safetensors: Mistral repos' second copy of the weights for mistral-inference (never read here).
 IGNORE_PATTERNS = ["original/*", "*.pth", "*.bin", "*.gguf", "*.pt", "consolidated*.safetensors"]
 _SKIPPED = re.compile(r".*\.rotary_emb\.inv_freq$")
@@ -433,6 +446,30 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
                 os.rename(tmp / name, directory / name)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def tokenizer_files(directory: str | Path) -> list[str]:
+    """The tokenizer files (TOKENIZER_PATTERNS) a checkpoint directory holds, as paths relative to it."""
+    root = Path(directory)
+    found = [p for p in root.iterdir() if p.is_file()]
+    if (root / CHAT_TEMPLATE_DIR).is_dir():
+        found += [p for p in (root / CHAT_TEMPLATE_DIR).iterdir() if p.is_file()]
+    names = (p.relative_to(root).as_posix() for p in found)
+    return sorted(n for n in names if any(fnmatch.fnmatchcase(n, pattern) for pattern in TOKENIZER_PATTERNS))
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy every tokenizer file of checkpoint ``src`` (TOKENIZER_PATTERNS) into ``dst``; a file ``dst`` already
+    holds is kept (what the save itself wrote wins). Returns the paths copied, relative to the directories."""
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in tokenizer_files(src):
+        if (dst / name).exists():
+            continue
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / name, dst / name)
+        copied.append(name)
+    return copied
 
 
 def load_tokenizer(path: str | Path):

@@ -7,10 +7,10 @@ Documents
     A blank text (a file or ``"text"`` of whitespace only) is skipped: with BOS/EOS added it would teach BOS → EOS.
 
 Chat rendering
-    ``template="model"`` renders the model's own ``chat_template`` from ``tokenizer_config.json`` with jinja2 (the
-    sandboxed environment HF uses: loop controls, ``{% generation %}`` blocks, ``tools`` and ``documents`` None, a
-    ``tojson`` that keeps non-ASCII text, ``raise_exception``; ``strftime_now`` renders the fixed CHAT_TEMPLATE_DATE,
-    so the tokens never depend on the day they are built).
+    ``template="model"`` renders the model's own chat template (found where transformers finds it:
+    :func:`read_chat_template`) with jinja2 (the sandboxed environment HF uses: loop controls, ``{% generation %}``
+    blocks, ``tools`` and ``documents`` None, a ``tojson`` that keeps non-ASCII text, ``raise_exception``;
+    ``strftime_now`` renders the fixed CHAT_TEMPLATE_DATE, so the tokens never depend on the day they are built).
     Assistant spans are found by rendering growing prefixes of the conversation: the text between
     ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i+1])`` is turn i, so the loss
     covers the assistant's content plus the template's end-of-turn marker and nothing the user wrote. A template
@@ -63,6 +63,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from liger_models.hub import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, LEGACY_CHAT_TEMPLATE_FILE
 from liger_models.train import data_cache
 from liger_models.train.packing import (IGNORE_INDEX, PackedDataset, batch_to, check_has_targets,
                                            pack_arrays, pack_documents)
@@ -73,10 +74,13 @@ SIMPLE_ROLES = ("system", "user", "assistant")
 CHAT_TEMPLATE_DATE = datetime.datetime(2024, 7, 26)
 # Packing lives in packing.py; its names stay importable from here, where the rest of the pipeline is.
 __all__ = ["IGNORE_INDEX", "BatchStream", "Document", "PackedDataset", "SpecialTokens", "batch_to", "build_dataset",
-           "check_has_targets", "iter_documents", "load_documents", "pack_arrays", "pack_documents",
-           "read_special_tokens", "save_tokenizer", "tokenize_chunk", "tokenize_document", "train_bpe_tokenizer"]
+           "chat_template_note", "check_has_targets", "iter_documents", "load_documents", "pack_arrays",
+           "pack_documents", "read_chat_template", "read_special_tokens", "save_tokenizer", "tokenize_chunk",
+           "tokenize_document", "train_bpe_tokenizer"]
 # Text per encode_batch call (see _chunks): 1 MiB is as fast as 4 MiB on the measured corpus, with less memory.
 ENCODE_CHUNK_CHARS = 1 << 20
+NO_TEMPLATE = (f"no {CHAT_TEMPLATE_FILE}, {CHAT_TEMPLATE_DIR}/, tokenizer_config.json entry or "
+               f"{LEGACY_CHAT_TEMPLATE_FILE}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -93,6 +97,9 @@ class SpecialTokens:
     eos_text: str = ""
     adds_bos: bool = False
     chat_template: str | None = None
+    # Where chat_template was read from (a file of the checkpoint, for the commands' logs). Not part of the data
+    # cache's key: the same template read from another file packs the same windows.
+    chat_template_file: str | None = None
 
     @property
     def pad_id(self) -> int:
@@ -107,8 +114,8 @@ def _token_text(value) -> str | None:
 
 
 def read_special_tokens(tokenizer: Tokenizer, model_dir: str | os.PathLike | None) -> SpecialTokens:
-    """BOS/EOS from ``tokenizer_config.json`` (falling back to ``config.json``'s ids) and the chat template from
-    ``chat_template.jinja`` or ``tokenizer_config.json``."""
+    """BOS/EOS from ``tokenizer_config.json`` (falling back to ``config.json``'s ids) and the chat template with the
+    file it came from (:func:`read_chat_template`)."""
     tok_cfg, model_cfg = {}, {}
     if model_dir is not None:
         for name, target in (("tokenizer_config.json", tok_cfg), ("config.json", model_cfg)):
@@ -128,28 +135,56 @@ def read_special_tokens(tokenizer: Tokenizer, model_dir: str | os.PathLike | Non
             setattr(special, f"{kind}_text", text or "")
     probe = tokenizer.encode("a", add_special_tokens=True).ids
     special.adds_bos = special.bos_id is not None and bool(probe) and probe[0] == special.bos_id
-    template = tok_cfg.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-    files = _chat_template_files(model_dir)
-    if files:  # as transformers does: template files win over tokenizer_config.json's entry
-        template = files
-    if isinstance(template, dict):
-        template = template.get("default") or next(iter(template.values()), None)
-    special.chat_template = template if isinstance(template, str) else None
+    if model_dir is not None:
+        special.chat_template, special.chat_template_file = read_chat_template(model_dir, tok_cfg)
     return special
 
 
-def _chat_template_files(model_dir: str | os.PathLike | None) -> dict[str, str]:
-    """Chat templates saved as files, where transformers v5 writes them (and no longer in tokenizer_config.json):
-    chat_template.jinja is "default", additional_chat_templates/<name>.jinja the named ones."""
-    if model_dir is None:
-        return {}
+def read_chat_template(model_dir: str | os.PathLike, tokenizer_config: dict | None = None):
+    """(the model's chat template, the file it was read from), or (None, None), found as transformers' tokenizer
+    finds it: template files (chat_template.jinja is "default", additional_chat_templates/<name>.jinja the named
+    ones) win over tokenizer_config.json's "chat_template" (a string, or a list of named templates). Failing both,
+    chat_template.json: the file older processors keep it in, which a tokenizer does not read, but where a
+    checkpoint's only template may be. Of several named templates "default", else the first.
+    ``tokenizer_config``: tokenizer_config.json's contents when the caller has read them already."""
     root = Path(model_dir)
-    files = {path.stem: path for path in sorted((root / "additional_chat_templates").glob("*.jinja"))}
-    if (root / "chat_template.jinja").is_file():
-        files["default"] = root / "chat_template.jinja"
-    return {name: path.read_text(encoding="utf-8") for name, path in files.items()}
+    if tokenizer_config is None:
+        tokenizer_config = _json_file(root / "tokenizer_config.json")
+    for named in _template_places(root, tokenizer_config):
+        if named:
+            return named["default"] if "default" in named else next(iter(named.values()))
+    return None, None
+
+
+def _template_places(root: Path, tokenizer_config: dict) -> Iterator[dict[str, tuple[str, str]]]:
+    """The templates of each place (read_chat_template), first to last, as {name: (template, where)}; a place is
+    read only when the ones before it hold none."""
+    yield _chat_template_files(root)
+    yield _config_templates(tokenizer_config, "tokenizer_config.json")
+    yield _config_templates(_json_file(root / LEGACY_CHAT_TEMPLATE_FILE), LEGACY_CHAT_TEMPLATE_FILE)
+
+
+def _json_file(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _chat_template_files(root: Path) -> dict[str, tuple[str, str]]:
+    """{name: (template, file)} of the templates saved as files, where transformers v5 writes them."""
+    files = {path.stem: path for path in sorted((root / CHAT_TEMPLATE_DIR).glob("*.jinja"))}
+    if (root / CHAT_TEMPLATE_FILE).is_file():
+        files["default"] = root / CHAT_TEMPLATE_FILE
+    return {name: (path.read_text(encoding="utf-8"), path.relative_to(root).as_posix()) for name, path in files.items()}
+
+
+def _config_templates(config: dict, file: str) -> dict[str, tuple[str, str]]:
+    """{name: (template, where)} of a JSON file's "chat_template": a string, or [{"name": ..., "template": ...}]."""
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, str):
+        return {"default": (template, file)}
+    if not isinstance(template, list):
+        return {}
+    return {t["name"]: (t["template"], f"{file} (its {t['name']!r} template)") for t in template
+            if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048, eos_token: str = "<|endoftext|>") -> Tokenizer:
@@ -308,8 +343,20 @@ def _uses_model_template(chat_template: str, special: SpecialTokens) -> bool:
         raise ValueError(f"chat_template must be auto|model|simple, got {chat_template!r}")
     use_model = chat_template == "model" or (chat_template == "auto" and special.chat_template is not None)
     if use_model and special.chat_template is None:
-        raise ValueError("--chat-template model: the tokenizer_config.json has no chat_template")
+        raise ValueError(f"--chat-template model: the model has no chat_template ({NO_TEMPLATE})")
     return use_model
+
+
+def chat_template_note(special: SpecialTokens, chat_template: str = "auto") -> str:
+    """The line a command logs once at its start: which template chat conversations render with, the model's own
+    (and the file it came from) or the built-in simple one (and why). Refuses what _uses_model_template refuses."""
+    if _uses_model_template(chat_template, special):
+        return f"[chat template] the model's own, from {special.chat_template_file or 'its tokenizer settings'}"
+    if special.chat_template is None:
+        why = f"the model has none: {NO_TEMPLATE}"
+    else:
+        why = f"--chat-template simple; the model's own, in {special.chat_template_file}, is not used"
+    return f"[chat template] the built-in simple one ({why})"
 
 
 def render_generation_prompt(messages: Sequence[dict], special: SpecialTokens,
@@ -484,7 +531,8 @@ def build_dataset(
     again, load them instead of tokenizing (data_cache.py: what the key covers, how files are checked)."""
     if cache_dir is None:
         return _tokenize_and_pack(paths, tokenizer, special, seq_len, chat_template)
-    key = data_cache.dataset_key(paths, tokenizer.to_str(), dataclasses.asdict(special), chat_template, seq_len)
+    fields = {k: v for k, v in dataclasses.asdict(special).items() if k != "chat_template_file"}
+    key = data_cache.dataset_key(paths, tokenizer.to_str(), fields, chat_template, seq_len)
     path = Path(cache_dir) / f"{key}.safetensors"
     tensors = data_cache.load(path, key)
     if tensors is not None:

@@ -4,9 +4,11 @@ Both build the same pieces in the same order: process group → model (from ``--
 when resuming) → activation checkpointing → FSDP2 → optimizer and schedule → packed data → :class:`Trainer`.
 A recipe takes an ``argparse.Namespace`` (see cli.py for every field) and returns the run's result.
 
-Checkpoints are usable as they are: a causal-LM checkpoint is an HF model directory (with the tokenizer files
-copied in); a Medusa stage-1 checkpoint is a heads directory in the Medusa/TGI format whose
-``base_model_name_or_path`` is ``--model``; a stage-2 checkpoint holds the trained base plus the heads.
+Checkpoints are usable as they are: a causal-LM checkpoint is an HF model directory (with ``--model``'s tokenizer
+files copied in, chat templates included: hub.TOKENIZER_PATTERNS); a Medusa stage-1 checkpoint is a heads directory
+in the Medusa/TGI format whose ``base_model_name_or_path`` is ``--model`` (the tokenizer files beside it too); a
+stage-2 checkpoint holds the trained base plus the heads. Which chat template the data's conversations render with
+(the model's own, from which file, or the built-in one) is logged before the data is read.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from torch import nn
 
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
-from liger_models.train.data import BatchStream, PackedDataset, build_dataset, read_special_tokens
+from liger_models.train.data import (BatchStream, PackedDataset, build_dataset, chat_template_note,
+                                     read_special_tokens)
 from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups
 from liger_models.train.trainer import (CausalLMTask, MedusaTask, TrainConfig, Trainer, refuse_cuda_graph_conflicts,
                                         refuse_in_backward_conflicts)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -70,9 +72,14 @@ def _check_vocab(dataset, vocab_size: int) -> None:
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file() and not (dst / name).exists():
-            shutil.copy2(src / name, dst / name)
+    """The --model's tokenizer files (hub.TOKENIZER_PATTERNS: chat templates included) into a checkpoint, and its
+    generation_config.json where the save wrote none (a stage-1 heads directory), so the checkpoint decodes,
+    chats and trains further as the model it came from."""
+    from liger_models.hub import GENERATION_CONFIG, copy_tokenizer_files
+
+    copy_tokenizer_files(src, dst)
+    if (src / GENERATION_CONFIG).is_file() and not (dst / GENERATION_CONFIG).exists():
+        shutil.copy2(src / GENERATION_CONFIG, dst / GENERATION_CONFIG)
 
 
 def _shadow_base(base: nn.Module, state: dict[str, torch.Tensor], prefix: str = "") -> nn.Module:
@@ -173,6 +180,9 @@ def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> tuple[Bat
 
     tokenizer = load_tokenizer(model_dir)
     special = read_special_tokens(tokenizer, model_dir)
+    note = chat_template_note(special, args.chat_template)  # refuses --chat-template model without a template
+    if info.is_main and not args.quiet:
+        print(note, flush=True)
 
     cache = data_cache_dir(args)
 
