@@ -4,6 +4,7 @@ gradient computed in the forward by backward's grad_output, and handing such gra
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -114,3 +115,70 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     launch(_scale_kernel, (min(cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * sm_count(x.device)),),
            [x, g.reshape(1).float(), n, n_cols, stride_row], dict(BLOCK=SCALE_BLOCK, ROW_STRIDED=strided, num_warps=8))
     return x
+
+
+class LossOutput(NamedTuple):
+    """What a loss call returns when asked for more than the loss (``return_z_loss`` / ``return_token_accuracy``).
+
+    loss: as without the extras. z_loss: the z-loss term's share of ``loss`` (already inside it), reduced the same
+    way, detached, for logging. token_accuracy: the share of non-ignored tokens whose target is the argmax (ties
+    go to the lowest index, as argmax breaks them), a 0-dim fp32 tensor, unweighted. target_rank: per-token ranks
+    (0 = top-1; -1 where ignored) when asked for with ``return_target_rank``. Unrequested fields are None.
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    target_rank: torch.Tensor | None = None
+
+
+def check_class_weights(class_weights: torch.Tensor | None, vocab: int, device: torch.device,
+                        label_smoothing: float) -> None:
+    """class_weights: one fp weight per vocabulary entry on the logits' device, without label smoothing (torch's
+    smoothing term then weighs every class, which is not a per-token scale: not implemented)."""
+    if class_weights is None:
+        return
+    if not isinstance(class_weights, torch.Tensor) or class_weights.shape != (vocab,):
+        shape = tuple(class_weights.shape) if isinstance(class_weights, torch.Tensor) else type(class_weights)
+        raise ValueError(f"class_weights must be a ({vocab},) tensor, one weight per class, got {shape}")
+    if not class_weights.dtype.is_floating_point:
+        raise ValueError(f"class_weights must be floating point, got {class_weights.dtype}")
+    if class_weights.device != device:
+        raise ValueError(f"class_weights is on {class_weights.device}, the logits' operands on {device}")
+    if label_smoothing:
+        raise ValueError("class_weights with label_smoothing > 0 is not supported (the smoothing term would weigh "
+                         "every class); pass one of them")
+
+
+def row_weights(labels: torch.Tensor, class_weights: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """fp32 (N,) weight of each token's target (0 where ignored). An out-of-range label reads a clamped class here;
+    the label check raises for it before the loss is used."""
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, 0).clamp(0, class_weights.shape[0] - 1)
+    return torch.where(valid, class_weights.float()[target], 0.0)
+
+
+def weighted_scale(row_w: torch.Tensor, reduction: str, normalizer, loss_scale: float) -> torch.Tensor:
+    """d(loss)/d(per-token loss) per row for mean / sum with class weights: torch's weighted mean divides by the sum
+    of the targets' weights (a normaliser, when given, replaces it)."""
+    scale = row_w * loss_scale
+    if reduction != "mean":
+        return scale
+    if normalizer is None:
+        denom = row_w.sum()
+    else:
+        denom = torch.as_tensor(normalizer, device=row_w.device).reshape(()).float()
+    return scale / torch.where(denom == 0, torch.ones_like(denom), denom)
+
+
+def token_accuracy(rank: torch.Tensor) -> torch.Tensor:
+    """Share of ranked (non-ignored) tokens at rank 0; 0 when every token is ignored. No host sync."""
+    valid = rank >= 0
+    return (rank == 0).sum().float() / valid.sum().clamp(min=1).float()
+
+
+def z_loss_term(lse: torch.Tensor, valid: torch.Tensor, z_loss: float, scale: torch.Tensor | float,
+                reduction: str, shape: torch.Size) -> torch.Tensor:
+    """The z-loss part of the loss (z · lse² per token, times the same per-token scale), reduced like the loss."""
+    z = torch.where(valid, z_loss * lse.float().square(), 0.0) * scale
+    return z.reshape(shape) if reduction == "none" else z.sum()

@@ -8,6 +8,10 @@ Math per row x (length V, fp32 whatever the input dtype), target t, ε = label_s
 Rows whose label is ignore_index contribute 0 to the loss and get a zero gradient. reduction="mean" divides the
 sum by `normalizer` when given (the global count of non-ignored tokens, for gradient accumulation / data
 parallelism) or else by the local count; a zero denominator counts as 1 (every label ignored → loss 0, no NaN).
+class_weights w (V,): each token's loss (z-loss included) times w_t, and the mean divides by Σ w_t over the
+non-ignored tokens (torch's F.cross_entropy(weight=w)); a per-row scale of the same kernel pass, so it costs nothing
+extra (not with label smoothing, whose weighted term is not a per-row scale). return_z_loss / return_token_accuracy
+add the z-loss term (for logging; it stays inside the loss) and the top-1 share to the result (a LossOutput).
 
 HF numerics matched: HF upcasts the logits to fp32 and calls F.cross_entropy; the kernel reads bf16 and does all
 math in fp32. Confident predictions keep their target gradient −(1 − p_t) to fp32 relative precision (see
@@ -26,13 +30,15 @@ import torch
 from torch import nn
 
 from ._ce_core import ce_rows
-from ._loss_common import check_options, scale_, scaled_sum, take_grads
+from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled_sum,
+                           take_grads, token_accuracy, weighted_scale, z_loss_term)
 from ._labels import LabelCheck, check_labels, mean_denominator
 from ._dispatch import once_differentiable, use_triton
 from ._launch import on_input_device
 
 # check_labels: the CUDA-graph trainer checks every batch with it before copying it into the graph's inputs.
-__all__ = ["CrossEntropyLoss", "check_labels", "cross_entropy", "cross_entropy_reference", "reduce_loss"]
+__all__ = ["CrossEntropyLoss", "LossOutput", "check_labels", "cross_entropy", "cross_entropy_reference",
+           "reduce_loss"]
 
 
 def cross_entropy_reference(
@@ -45,6 +51,7 @@ def cross_entropy_reference(
     softcap: float | None = None,
     reduction: str = "mean",
     normalizer: float | torch.Tensor | None = None,
+    class_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch cross-entropy with every option of `cross_entropy`; math in fp32 (float64 stays float64)."""
     x = logits if logits.dtype == torch.float64 else logits.float()
@@ -61,8 +68,39 @@ def cross_entropy_reference(
     if z_loss:
         loss = loss + z_loss * lse.square()
     loss = torch.where(valid, loss, torch.zeros_like(loss))
-    out = reduce_loss(loss, valid, reduction, normalizer)
+    weights = valid
+    if class_weights is not None:  # each token's loss times its target's weight; the mean divides by their sum
+        weights = torch.where(valid, class_weights.to(x.dtype)[target], 0.0)
+        loss = loss * weights
+    out = reduce_loss(loss, weights, reduction, normalizer)
     return out.reshape(labels.shape) if reduction == "none" else out
+
+
+def loss_extras_reference(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int, z_loss: float,
+                          softcap: float | None, reduction: str, normalizer, loss_scale: float = 1.0,
+                          class_weights: torch.Tensor | None = None, want_z: bool, want_accuracy: bool):
+    """(z-loss term, token accuracy) of LossOutput in PyTorch, each None unless wanted (the reference paths)."""
+    with torch.no_grad():
+        x = logits.reshape(-1, logits.shape[-1]).float()
+        if softcap is not None:
+            x = softcap * torch.tanh(x / softcap)
+        flat = labels.reshape(-1)
+        valid = flat != ignore_index
+        z = accuracy = None
+        if want_z:
+            if class_weights is None:
+                denom = mean_denominator(valid, normalizer, torch.float32) if reduction == "mean" else 1.0
+                scale = torch.where(valid, loss_scale / torch.as_tensor(denom), 0.0)
+            else:
+                scale = weighted_scale(row_weights(flat, class_weights, ignore_index), reduction, normalizer,
+                                       loss_scale)
+            z = z_loss_term(torch.logsumexp(x, -1), valid, z_loss, scale, reduction, labels.shape)
+        if want_accuracy:
+            target = torch.where(valid, flat, 0)[:, None]
+            top = x.argmax(-1, keepdim=True)
+            rank = torch.where(valid, (top != target).int()[:, 0], -1)  # 0 where the target is the argmax
+            accuracy = token_accuracy(rank)
+        return z, accuracy
 
 
 def reduce_loss(
@@ -79,8 +117,11 @@ def reduce_loss(
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, opts: dict, need_grad: bool, inplace: bool, scale: torch.Tensor | None):
-        # scale: d loss / d per-token loss for mean / sum (LabelCheck's 0-dim device tensor); None for "none".
+    def forward(ctx, logits, labels, opts: dict, need_grad: bool, inplace: bool, scale: torch.Tensor | None,
+                row_w: torch.Tensor | None, extras: tuple):
+        # scale: d loss / d per-token loss for mean / sum (LabelCheck's 0-dim device tensor, or per row with class
+        # weights); None for "none", where row_w (class weights per row, or None) scales the per-token losses.
+        # extras: (z-loss term wanted, token accuracy wanted).
         x = logits.reshape(-1, logits.shape[-1])
         if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
             x, inplace = x.contiguous(), need_grad  # a private copy: the gradient may always go into it
@@ -89,29 +130,45 @@ class _CrossEntropy(torch.autograd.Function):
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
         fused = need_grad and scale is not None
         grad = (x if inplace else torch.empty_like(x)) if fused else None
-        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=None, scale=scale if fused else None, **opts)
+        want_z, want_accuracy = extras
+        rank = torch.empty(x.shape[0], dtype=torch.int32, device=x.device) if want_accuracy else None
+        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=rank, scale=scale if fused else None, **opts)
         if fused and inplace and x.data_ptr() == logits.data_ptr():
             torch.autograd.graph.increment_version(logits)  # a node that saved the logits now fails loudly
         ctx.opts, ctx.inplace, ctx.shape, ctx.fused = opts, inplace, logits.shape, fused
         ctx.grads = (grad,)  # a plain attribute, not saved: it may be the logits' own (version-bumped) buffer
+        ctx.row_w = row_w
         if need_grad and not fused:
             ctx.save_for_backward(x, flat, lse, q)
-        return loss.reshape(labels.shape) if scale is None else scaled_sum(loss, scale)  # ignored rows' losses are 0
+        if scale is None:  # ignored rows' losses are 0
+            out = (loss if row_w is None else loss * row_w).reshape(labels.shape)
+        else:
+            out = scaled_sum(loss, scale) if scale.dim() == 0 else (loss * scale).sum()
+        if not (want_z or want_accuracy):
+            return out
+        valid = flat != opts["ignore_index"]
+        row_scale = (1.0 if row_w is None else row_w) if scale is None else scale
+        z = z_loss_term(lse, valid, opts["z_loss"], row_scale, "none" if scale is None else "sum",
+                        labels.shape) if want_z else out.new_zeros(())
+        accuracy = token_accuracy(rank) if want_accuracy else out.new_zeros(())
+        ctx.mark_non_differentiable(z, accuracy)
+        return out, z, accuracy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_):
         if ctx.fused:
             (grad,) = take_grads(ctx)
             scale_(grad, grad_out)
         else:  # reduction="none": one read + one write with the per-row grad_output
             x, flat, lse, q = ctx.saved_tensors
             grad = x if ctx.inplace else torch.empty_like(x)
-            scale = grad_out.reshape(-1).float().contiguous()
+            scale = grad_out.reshape(-1).float()
+            scale = (scale if ctx.row_w is None else scale * ctx.row_w).contiguous()
             ce_rows(x, flat, grad=grad, loss=None, lse=lse, q=q, rank=None, scale=scale, **ctx.opts)
             if ctx.inplace:
                 torch.autograd.graph.increment_version(x)
-        return grad.view(ctx.shape), None, None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
@@ -127,10 +184,14 @@ def cross_entropy(
     reduction: str = "mean",
     normalizer: float | torch.Tensor | None = None,
     inplace_grad: bool | None = None,
-) -> torch.Tensor:
+    class_weights: torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+) -> torch.Tensor | LossOutput:
     """Cross-entropy of logits (N, V) (or (..., V)) against int64 labels (N,) (or (...)), options as above.
 
-    Returns a 0-dim fp32 loss, or fp32 per-token losses of labels' shape for reduction="none".
+    Returns a 0-dim fp32 loss, or fp32 per-token losses of labels' shape for reduction="none"; a LossOutput with
+    return_z_loss / return_token_accuracy.
     A label outside [0, V) that is not ignore_index raises ValueError (the call waits for the check's result with
     the loss kernels already queued, see _labels.LabelCheck; they touch nothing when a label is bad).
     inplace_grad: write the gradient over the logits (no second N×V buffer). None (default) does so only when
@@ -147,24 +208,43 @@ def cross_entropy(
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    check_class_weights(class_weights, logits.shape[-1], logits.device, label_smoothing)
     triton_path = use_triton(logits, labels)
     labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
     labels_ok = LabelCheck(labels, logits.shape[-1], ignore_index, reduction, normalizer)
+    extras = return_z_loss or return_token_accuracy
     if not triton_path:
         labels_ok.wait()
-        return cross_entropy_reference(
+        loss = cross_entropy_reference(
             logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-            softcap=softcap, reduction=reduction, normalizer=normalizer,
+            softcap=softcap, reduction=reduction, normalizer=normalizer, class_weights=class_weights,
         )
+        if not extras:
+            return loss
+        z, accuracy = loss_extras_reference(
+            logits, labels, ignore_index=ignore_index, z_loss=z_loss, softcap=softcap, reduction=reduction,
+            normalizer=normalizer, class_weights=class_weights, want_z=return_z_loss,
+            want_accuracy=return_token_accuracy)
+        return LossOutput(loss, z, accuracy)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     if inplace_grad is None:
         inplace_grad = logits.grad_fn is not None and logits._base is None
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
-    out = _CrossEntropy.apply(logits, labels, opts, need_grad, inplace_grad and need_grad,
-                              None if reduction == "none" else labels_ok.scale)
+    row_w = None if class_weights is None else row_weights(labels.reshape(-1), class_weights, ignore_index)
+    if reduction == "none":
+        scale = None
+    elif row_w is None:
+        scale = labels_ok.scale
+    else:
+        scale = weighted_scale(row_w, reduction, normalizer, 1.0)
+    out = _CrossEntropy.apply(logits, labels, opts, need_grad, inplace_grad and need_grad, scale, row_w,
+                              (return_z_loss, return_token_accuracy))
     labels_ok.wait()
-    return out
+    if not extras:
+        return out
+    loss, z, accuracy = out
+    return LossOutput(loss, z if return_z_loss else None, accuracy if return_token_accuracy else None)
 
 
 class CrossEntropyLoss(nn.Module):

@@ -56,11 +56,12 @@ from torch import nn
 
 from ._ce_core import ce_rows
 from ._grad_filter import DENSE_SHARE, active_columns, sparse_gradients
-from ._loss_common import check_options, scale_, scaled_sum, take_grads
+from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled_sum,
+                           take_grads, token_accuracy, weighted_scale, z_loss_term)
 from ._dispatch import once_differentiable, row_view, use_triton
 from ._labels import LabelCheck
 from ._launch import on_input_device
-from .cross_entropy import cross_entropy_reference
+from .cross_entropy import cross_entropy_reference, loss_extras_reference
 
 # Tunables: bytes of logits scratch when grad_W's storage is not available (frozen W or bf16 accumulation),
 # and whether grad_W's storage serves as the scratch when it holds at least as many rows.
@@ -126,6 +127,9 @@ def fused_linear_cross_entropy_reference(
     accum_dtype: torch.dtype = torch.float32,
     return_target_rank: bool = False,
     grad_filter_eps: float | None = None,
+    class_weights: torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
 ):
     """Eager PyTorch: logits = F.linear(h, W, b) in the input dtype (as HF's lm_head), then fp32 cross-entropy.
 
@@ -139,8 +143,15 @@ def fused_linear_cross_entropy_reference(
         logits.register_hook(lambda grad: grad * kept.to(grad.dtype))
     loss = cross_entropy_reference(
         logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-        softcap=softcap, reduction=reduction, normalizer=normalizer,
+        softcap=softcap, reduction=reduction, normalizer=normalizer, class_weights=class_weights,
     ) * loss_scale
+    if return_z_loss or return_token_accuracy:
+        z, accuracy = loss_extras_reference(
+            logits, labels, ignore_index=ignore_index, z_loss=z_loss, softcap=softcap, reduction=reduction,
+            normalizer=normalizer, loss_scale=loss_scale, class_weights=class_weights, want_z=return_z_loss,
+            want_accuracy=return_token_accuracy)
+        rank = target_rank_reference(logits.detach(), labels, ignore_index, softcap) if return_target_rank else None
+        return LossOutput(loss, z, accuracy, rank)
     if not return_target_rank:
         return loss
     with torch.no_grad():
@@ -413,21 +424,28 @@ def _check_unit_gradient(grad_out: torch.Tensor) -> None:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
-                labels_ok, max_scratch_bytes, grad_filter_eps):
+                labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras):
+        # row_w, with class weights (None: unweighted): for "none" each row's weight, for mean / sum each row's
+        # d(loss)/d(loss_t) (weighted_scale). extras: (z-loss term wanted, token accuracy wanted). Outputs: the
+        # loss, then the rank, z and accuracy that were asked for.
         h, flat = row_view(hidden), labels.reshape(-1)
         loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse, q = torch.empty_like(loss), torch.empty_like(loss)
-        rank = torch.empty(h.shape[0], dtype=torch.int32, device=h.device) if with_rank else None
+        want_z, want_accuracy = extras
+        rank = (torch.empty(h.shape[0], dtype=torch.int32, device=h.device) if with_rank or want_accuracy
+                else None)
         ctx.opts, ctx.loss_scale, ctx.accum_dtype, ctx.need = opts, loss_scale, accum_dtype, need
         ctx.hidden_shape, ctx.reduction, ctx.max_scratch_bytes = hidden.shape, reduction, max_scratch_bytes
-        ctx.grad_filter_eps = grad_filter_eps
+        ctx.grad_filter_eps, ctx.row_w = grad_filter_eps, row_w
         if reduction == "none":
             _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
                         max_scratch_bytes=max_scratch_bytes)
             ctx.save_for_backward(hidden, weight, bias, flat, lse, q)
-            out = (loss * loss_scale).reshape(labels.shape)
+            row_scale = loss_scale if row_w is None else row_w * loss_scale
+            out = (loss * row_scale).reshape(labels.shape)
         else:
-            scale = labels_ok.scale
+            # Per-token d(loss)/d(loss_t): LabelCheck's one scale, or one per row with class weights
+            scale = labels_ok.scale if row_w is None else row_w
             grads = _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
                                 scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype,
                                 max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps)
@@ -437,18 +455,28 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 ctx.consumer(grads[1], ctx)
                 grads = (grads[0], None, grads[2])
             ctx.grads = grads
-            out = scaled_sum(loss, scale)
-        if not with_rank:
+            out = scaled_sum(loss, scale) if scale.dim() == 0 else (loss * scale).sum()
+            row_scale = scale
+        outputs = [out]
+        if with_rank:
+            outputs.append(rank.reshape(labels.shape))
+        if want_z:
+            outputs.append(z_loss_term(lse, flat != opts["ignore_index"], opts["z_loss"], row_scale,
+                                       reduction if reduction == "none" else "sum", labels.shape))
+        if want_accuracy:
+            outputs.append(token_accuracy(rank))
+        if len(outputs) == 1:
             return out
-        ctx.mark_non_differentiable(rank)
-        return out, rank.reshape(labels.shape)
+        ctx.mark_non_differentiable(*outputs[1:])
+        return tuple(outputs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, *_):
         if ctx.reduction == "none":
             hidden, weight, bias, flat, lse, q = ctx.saved_tensors
-            scale = (grad_out.reshape(-1).float() * ctx.loss_scale).contiguous()
+            scale = grad_out.reshape(-1).float() * ctx.loss_scale
+            scale = (scale if ctx.row_w is None else scale * ctx.row_w).contiguous()
             grad_h, grad_w, grad_b = _run_chunks(row_view(hidden), weight, bias, flat, ctx.opts, lse=lse, q=q,
                                                  scale=scale, need=ctx.need, accum_dtype=ctx.accum_dtype,
                                                  max_scratch_bytes=ctx.max_scratch_bytes,
@@ -463,7 +491,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     scale_(g, grad_out)
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
@@ -485,6 +513,9 @@ def fused_linear_cross_entropy(
     return_target_rank: bool = False,
     max_scratch_bytes: int | None = None,
     grad_filter_eps: float | None = None,
+    class_weights: torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
 ):
     """Cross-entropy of hidden (..., H) · weight (V, H)ᵀ (+ bias (V,)) against labels (...), never holding N×V.
 
@@ -498,6 +529,9 @@ def fused_linear_cross_entropy(
     per token chunk, the vocabulary columns whose every per-token loss gradient ∂ℓ_t/∂z_tj is below it in
     magnitude (an approximation for peaked distributions, as cut-cross-entropy's filter_eps; rule and cost in
     _grad_filter.py; the reference path treats all tokens as one chunk).
+    class_weights, return_z_loss, return_token_accuracy: as in `cross_entropy` (per-class weights as a per-row scale
+    of the same passes; with either return flag the result is a LossOutput, whose target_rank holds the ranks when
+    return_target_rank is set too). No logits are formed for any of them.
     """
     check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
     if hidden.dim() == 0:  # else an IndexError from hidden.shape[-1]
@@ -518,6 +552,7 @@ def fused_linear_cross_entropy(
     grad_filter_eps = GRAD_FILTER_EPS if grad_filter_eps is None else grad_filter_eps
     if grad_filter_eps is not None and not 0 < grad_filter_eps < 1:  # also rejects NaN
         raise ValueError(f"grad_filter_eps must be None or in (0, 1), got {grad_filter_eps}")
+    check_class_weights(class_weights, weight.shape[0], weight.device, label_smoothing)
     labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
     if not use_triton(hidden, weight, bias, labels) or labels.numel() == 0:
@@ -525,17 +560,31 @@ def fused_linear_cross_entropy(
         return fused_linear_cross_entropy_reference(
             hidden, weight, labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, reduction=reduction, normalizer=normalizer, loss_scale=loss_scale,
-            return_target_rank=return_target_rank, grad_filter_eps=grad_filter_eps,
+            return_target_rank=return_target_rank, grad_filter_eps=grad_filter_eps, class_weights=class_weights,
+            return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
         )
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
+    row_w = None
+    if class_weights is not None:
+        row_w = row_weights(labels.reshape(-1), class_weights, ignore_index)
+        if reduction != "none":
+            row_w = weighted_scale(row_w, reduction, normalizer, float(loss_scale))
     out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, float(loss_scale),
                                          accum_dtype, need, return_target_rank, labels_ok, max_scratch_bytes,
-                                         None if grad_filter_eps is None else float(grad_filter_eps))
+                                         None if grad_filter_eps is None else float(grad_filter_eps), row_w,
+                                         (return_z_loss, return_token_accuracy))
     labels_ok.wait()  # after every GEMM and CE pass is queued (they touch nothing if a label is bad)
-    return out
+    if not (return_z_loss or return_token_accuracy):
+        return out
+    out = list(out)
+    loss = out.pop(0)
+    rank = out.pop(0) if return_target_rank else None
+    z = out.pop(0) if return_z_loss else None
+    accuracy = out.pop(0) if return_token_accuracy else None
+    return LossOutput(loss, z, accuracy, rank)
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):

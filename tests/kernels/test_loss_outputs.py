@@ -1,0 +1,182 @@
+"""The loss options trainers log or set: class weights, the z-loss term as its own output, token accuracy.
+
+Both losses (cross_entropy on logits, fused_linear_cross_entropy on hidden states) against a float64 PyTorch
+reference: torch's F.cross_entropy(weight=...) for class weights, lse² for z-loss, argmax for accuracy. Fresh random
+inputs, ignored labels, odd sizes; the kernels' path (the interpreter on CPU) and the PyTorch path (reference_mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from liger_models import reference_mode
+from liger_models.kernels.cross_entropy import cross_entropy
+from liger_models.kernels.fused_linear_cross_entropy import LossOutput, fused_linear_cross_entropy
+
+from ..helpers import DEVICE
+
+N, H, V = 37, 24, 53
+PATHS = {"kernel": contextlib.nullcontext, "reference": reference_mode}
+
+
+def _inputs(seed_shift: int = 0):
+    hidden = torch.randn(N, H, dtype=torch.float32, device=DEVICE)
+    weight = torch.randn(V, H, dtype=torch.float32, device=DEVICE) * 0.3
+    labels = torch.randint(0, V, (N,), device=DEVICE)
+    labels[::5] = -100
+    class_weights = torch.rand(V, device=DEVICE) + 0.1
+    return hidden, weight, labels, class_weights
+
+
+def _reference(logits64, labels, *, reduction, class_weights=None, z_loss=0.0, normalizer=None):
+    """float64: Σ_t w_t (CE_t + z·lse_t²) / Σ_t w_t (mean), over non-ignored t; torch's weighted CE when z = 0."""
+    valid = labels != -100
+    target = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(logits64, -1)
+    per_token = lse - logits64.gather(-1, target[:, None])[:, 0] + z_loss * lse.square()
+    w = torch.ones_like(lse) if class_weights is None else class_weights.double()[target]
+    w = torch.where(valid, w, 0.0)
+    per_token = per_token * w
+    if reduction == "none":
+        return per_token
+    if reduction == "sum":
+        return per_token.sum()
+    return per_token.sum() / (w.sum() if normalizer is None else normalizer)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+def test_class_weights_match_torch_weighted_cross_entropy(path, reduction, z_loss):
+    hidden, weight, labels, class_weights = _inputs()
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    with PATHS[path]():
+        loss = fused_linear_cross_entropy(h, w, labels, reduction=reduction, z_loss=z_loss,
+                                          class_weights=class_weights)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = _reference(h64 @ w64.T, labels, reduction=reduction, class_weights=class_weights, z_loss=z_loss)
+    if z_loss == 0.0 and reduction != "none":  # the oracle itself agrees with torch's own weighted CE
+        torch_ref = F.cross_entropy((h64 @ w64.T).detach(), labels, weight=class_weights.double(),
+                                    reduction=reduction, ignore_index=-100)
+        torch.testing.assert_close(ref.detach(), torch_ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=1e-6)
+    upstream = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    (loss.double() * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=2e-4, atol=2e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_class_weights_on_logits_with_a_normalizer(path):
+    _, _, labels, class_weights = _inputs()
+    logits = torch.randn(N, V, device=DEVICE)
+    x = logits.clone().requires_grad_()
+    with PATHS[path]():
+        loss = cross_entropy(x, labels, class_weights=class_weights, normalizer=11.0)
+    x64 = logits.double().requires_grad_()
+    ref = _reference(x64, labels, reduction="mean", class_weights=class_weights, normalizer=11.0)
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=1e-6)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-4, atol=2e-7)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("fused", [True, False], ids=["linear-CE", "CE"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_z_loss_and_token_accuracy_outputs(path, fused, reduction):
+    hidden, weight, labels, _ = _inputs()
+    logits64 = hidden.double() @ weight.double().T
+    # Ties for the argmax: a row whose target shares the maximum with a lower column is not top-1.
+    logits64[1] = 0.0
+    labels[1] = 3
+    logits = logits64.float()
+    z_coef = 2e-3
+
+    def call(**kw):
+        with PATHS[path]():
+            if fused:
+                eye = torch.eye(V, device=DEVICE)  # logits · Iᵀ: the fused op on logits the test knows
+                return fused_linear_cross_entropy(logits, eye, labels, reduction=reduction, z_loss=z_coef, **kw)
+            return cross_entropy(logits.clone(), labels, reduction=reduction, z_loss=z_coef, **kw)
+
+    plain = call()
+    out = call(return_z_loss=True, return_token_accuracy=True)
+    assert isinstance(out, LossOutput) and out.target_rank is None
+    torch.testing.assert_close(out.loss, plain, rtol=0, atol=0)  # asking for more leaves the loss as it was
+    valid = labels != -100
+    lse = torch.logsumexp(logits64, -1)
+    z_rows = torch.where(valid, z_coef * lse.square(), 0.0)
+    z_ref = z_rows if reduction == "none" else z_rows.sum() / valid.sum()
+    torch.testing.assert_close(out.z_loss.double(), z_ref, rtol=2e-5, atol=1e-7)
+    top1 = (logits64.argmax(-1) == labels) & valid
+    assert not top1[1]
+    torch.testing.assert_close(out.token_accuracy.double(), top1.sum().double() / valid.sum(), rtol=0, atol=1e-7)
+    assert not out.z_loss.requires_grad and not out.token_accuracy.requires_grad
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_z_loss_output_is_zero_without_z_loss_and_rank_rides_along(path):
+    hidden, weight, labels, _ = _inputs()
+    with PATHS[path]():
+        out = fused_linear_cross_entropy(hidden, weight, labels, return_z_loss=True, return_target_rank=True)
+    assert out.z_loss.item() == 0.0 and out.token_accuracy is None
+    assert out.target_rank.shape == labels.shape and bool((out.target_rank[labels == -100] == -1).all())
+
+
+def test_every_label_ignored_gives_zero_accuracy_and_loss():
+    hidden, weight, labels, class_weights = _inputs()
+    labels[:] = -100
+    out = fused_linear_cross_entropy(hidden, weight, labels, class_weights=class_weights,
+                                     return_token_accuracy=True, return_z_loss=True, z_loss=1e-3)
+    assert out.loss.item() == 0.0 and out.token_accuracy.item() == 0.0 and out.z_loss.item() == 0.0
+
+
+def test_bad_class_weights_are_refused():
+    hidden, weight, labels, class_weights = _inputs()
+    with pytest.raises(ValueError, match=r"class_weights must be a \(53,\) tensor"):
+        fused_linear_cross_entropy(hidden, weight, labels, class_weights=class_weights[:-1])
+    with pytest.raises(ValueError, match="class_weights with label_smoothing"):
+        cross_entropy(hidden @ weight.T, labels, class_weights=class_weights, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="floating point"):
+        cross_entropy(hidden @ weight.T, labels, class_weights=torch.ones(V, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_real_size_class_weights_and_outputs(reduction):
+    """4096 tokens × 128256 columns in bf16 (two chunks in grad_W's storage) against the fp32 PyTorch path on the
+    same bf16 values, and eager PyTorch in bf16 for the gradients' error budget."""
+    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_reference
+
+    from ..helpers import assert_matches
+
+    n, hdim, vocab = 4096, 2048, 128256
+    hidden = (torch.randn(n, hdim, device="cuda") / 2).to(torch.bfloat16)
+    weight = (torch.randn(vocab, hdim, device="cuda") / hdim**0.5 * 4).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::11] = -100
+    class_weights = torch.rand(vocab, device="cuda") + 0.5
+    opts = dict(class_weights=class_weights, z_loss=1e-4, reduction=reduction)
+    upstream = torch.randn(n, device="cuda") if reduction == "none" else torch.tensor(1.0, device="cuda")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_linear_cross_entropy(h, w, labels, return_z_loss=True, return_token_accuracy=True, **opts)
+    (out.loss * upstream).sum().backward()
+    hf, wf = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    ref = fused_linear_cross_entropy_reference(hf, wf, labels, return_z_loss=True, return_token_accuracy=True,
+                                               **opts)
+    (ref.loss * upstream).sum().backward()
+    he, we = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    (fused_linear_cross_entropy_reference(he, we, labels, **opts) * upstream).sum().backward()
+    torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=2e-3, atol=1e-4)  # bf16 logits vs fp32 logits
+    torch.testing.assert_close(out.z_loss, ref.z_loss, rtol=2e-3, atol=1e-6)
+    # Accuracy over bf16 logits: a near-tied argmax may flip between bf16 and fp32 logits, a few tokens at most
+    assert abs(out.token_accuracy.item() - ref.token_accuracy.item()) <= 4 / n
+    assert_matches(h.grad, hf.grad.double(), eager=he.grad, name="dh")
+    assert_matches(w.grad, wf.grad.double(), eager=we.grad, name="dW")
