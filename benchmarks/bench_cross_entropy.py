@@ -33,8 +33,8 @@ SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (3276
 # evict_last only in the tail of a row that N% of L2 holds for every resident row, "rN" = ptxas capped at N registers
 # per thread on rows up to 128K wide (the default: 32), "nocap" = no cap, "capall" = the cap at every width,
 # "nosplit" = one program per row at any width, "splitNk" = wide rows split over programs of at most N K columns.
-# (Sixth session: a one-read split-row kernel and persistent grids; seventh: partial-statistics + finishing split
-# kernels; eighth: 32K-64K leading columns held in registers between the passes — all lost, BENCHMARKS.md.)
+# (A one-read split-row kernel, persistent grids, partial-statistics + finishing split kernels and 32K-64K leading
+# columns held in registers between the passes were timed here too and lost: BENCHMARKS.md, "Cross-entropy".)
 def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
     words = flags.split()
     name = f"b{block}w{warps}" + "".join(f" {w}" for w in words)

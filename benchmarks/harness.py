@@ -68,9 +68,10 @@ def graph_ms(fn: Callable[[], object]) -> tuple[float | None, str | None]:
     compile-worker start-up in that first case), which global mode counts as an error and thread-local mode does
     not (the pattern vLLM reported in its PR #48053). A retry in thread-local mode after a global failure failed
     too ("a previous error during capture"), so there is no global attempt any more. A failed capture also keeps
-    memory (its pool is never given back and the allocator keeps routing into it: the sixth session's swiglu /
-    geglu scripts ran out of memory with ~130 GiB reserved after one at 16384×16384), so the norms part still times
-    swiglu / geglu without graphs until a run confirms the thread-local fix."""
+    memory (its pool is never given back and the allocator keeps routing into it: the swiglu / geglu scripts ran
+    out of memory with ~130 GiB reserved after one at 16384×16384, H200, 2026-11-29), so the norms part times
+    swiglu / geglu without graphs. In thread-local mode too the first case of each script does not capture (H200,
+    2026-11-30): compare GPU ms (busy_gpu_ms), not graph_ms."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # capture needs warm-up on a side stream (allocator, lazy init)
@@ -148,7 +149,7 @@ _SPUN_UP = False
 
 def _spin_up_once(fns: list[Callable[[], object]], seconds: float = 1.5) -> None:
     """Run the first case's providers in a loop for a while before anything is timed. Without it the first case of
-    every script measured slow on the host-bound paths (H200, fifth session: rope B4 T4096 D128 autograd step 0.50 and
+    every script measured slow on the host-bound paths (H200, 2026-11-29: rope B4 T4096 D128 autograd step 0.50 and
     0.78 ms as the first case of two processes, 0.34 ms for the same bytes later in the run; the kernel-only path,
     GPU-bound, 0.179 ms both times), while do_bench's own 25 ms warm-up was not enough."""
     global _SPUN_UP

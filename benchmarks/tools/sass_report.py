@@ -2,9 +2,9 @@
 of every loop in the SASS.
 
 Triton compiles for any target on a CPU-only machine and its wheel ships ptxas and cuobjdump, so register pressure
-and issued instructions per element can be read before spending device time. This is how the seventh session found
-that the cross-entropy row kernel issued ~38 instructions per logit (exp through the non-ftz ex2 with its denormal
-check, a mask and a target test on every element), where ~16 suffice.
+and issued instructions per element can be read before spending device time. It shows, for instance, that a plain
+cross-entropy row loop issues ~38 instructions per logit (exp through the non-ftz ex2 with its denormal check, a
+mask and a target test on every element), where ~16 suffice.
 
     python benchmarks/tools/sass_report.py ce [--vocab 128256] [--block 16384] [--warps 32] [--lanes] [--forward-only]
                                         [--split 2] [--maxnreg 32]

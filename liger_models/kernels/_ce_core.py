@@ -15,19 +15,19 @@ mean's 1/denominator, a loss scale, or a per-row grad_output) so nothing here ne
 Bytes per element (bf16): pass 1 reads 2, pass 2 reads 2 (partly from L2) and writes 2. Floor (one read + one
 write) for 8192×128256 is 4.2 GB → 1.0 ms at 4.2 TB/s; an L2 miss on every pass-2 read costs 1.5 ms.
 Reaching that floor needs one read: a 128K-entry row does not fit one program's registers, and holding slices of it
-in several programs' registers (sixth session), persistent grids, a two-launch (partial statistics, then gradient)
-split and 32K-64K columns kept in registers between the passes (seventh, eighth) all lost (BENCHMARKS.md). What is
+in several programs' registers, persistent grids, a two-launch (partial statistics, then gradient) split and 32K-64K
+columns kept in registers between the passes were all slower on the H200 (BENCHMARKS.md, "Cross-entropy"). What is
 kept: rows wider than CE_SPLIT_COLS go to 2 (4, ...) programs that each run both passes on a segment and meet once
 between them (_ce_meet.py), so a 512 KB row puts no more in flight per SM than a 256 KB one; each program loads the
 first block of its pass 2 before the meeting, so that load's latency overlaps the wait (4096×256000: 1.30 → 1.28 ms).
 
-Instructions matter as much as bytes (seventh session, `benchmarks/sass_report.py ce`): the loops issue ~12 (pass 1)
-+ ~8 (pass 2) instructions per logit, down from ~38, because exp is one ex2.ftz, only the partial last block is
-masked, only the target's block pays for the target (a branch around whole blocks, which ptxas cannot if-convert
-into every block), the sums are reduced per thread (CE_LANE_SUMS), and the per-row
-constants of the gradient are folded once. With the call's host path out of the way (_labels.py; eighth session) the
-kernel runs 8192×128256 in 1.24-1.28 ms on the H200, beyond the read-twice floor: L2 serves about half of
-pass 2's re-reads; at 4096×256000 (512 KB rows) about a quarter, 1.35-1.36 ms.
+Instructions matter as much as bytes (`benchmarks/tools/sass_report.py ce` reads the sm_90 SASS): the loops issue
+~12 (pass 1) + ~8 (pass 2) instructions per logit, where a plain loop issues ~38, because exp is one ex2.ftz, only
+the partial last block is masked, only the target's block pays for the target (a branch around whole blocks, which
+ptxas cannot if-convert into every block), the sums are reduced per thread (CE_LANE_SUMS), and the per-row
+constants of the gradient are folded once. With the call's host path out of the way (_labels.py) the kernel runs
+8192×128256 in 1.22-1.28 ms on the H200 (2026-11-30), beyond the read-twice floor: L2 serves about half of pass 2's
+re-reads; at 4096×256000 (512 KB rows, split into segments) about a quarter, 1.28 ms.
 V is a constexpr (one compile per vocabulary size; the whole-block count is then known at compile time, and
 Triton's interpreter cannot loop to a runtime bound with numpy ≥ 2.4).
 Modes (constexpr): FORWARD (pass 1: loss, lse, q, rank), BACKWARD (pass 2: gradient); FORWARD off means lse and q
@@ -49,10 +49,10 @@ from ._launch import cdiv, launch, pow2, runs_compiled, sm_count
 
 # Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
 # elements per block and warps per row program. With the loop body at ~19 issued instructions per logit (fwd+bwd,
-# sm_90 SASS; ~38 before the seventh session) the kernel is no longer issue-bound, and wide blocks over 32
-# warps win: 16384/32 (16 logits per thread per block, 32 registers, two programs per SM) was the fastest of
-# {32768/32, 32768/16, 16384/32, 16384/16, 8192/16, 8192/8, 4096/8, 4096/4, 2048/4} at six of seven timed shapes,
-# e.g. 8192×128256 1.85 ms (32768/32 2.00, 4096/8 2.07) and 32768×128256 6.13 ms (6.57, 7.34).
+# sm_90 SASS; ~38 for a plain loop) the kernel is not issue-bound, and wide blocks over 32 warps win: 16384/32
+# (16 logits per thread per block, 32 registers, two programs per SM) was the fastest of {32768/32, 32768/16,
+# 16384/32, 16384/16, 8192/16, 8192/8, 4096/8, 4096/4, 2048/4} at six of seven timed shapes on the H200
+# (2026-11-29), e.g. 8192×128256 1.85 ms (32768/32 2.00, 4096/8 2.07) and 32768×128256 6.13 ms (6.57, 7.34).
 CE_BLOCK_V = 16384
 CE_NUM_WARPS = 32
 # Loop switches, timed as variants (benchmarks/bench_cross_entropy.py): pass 2 in reverse block order; L2 eviction
@@ -60,31 +60,31 @@ CE_NUM_WARPS = 32
 CE_REVERSE_PASS2 = True
 CE_EVICTION_HINTS = True
 # Pass 1 keeps per-thread partial sums (reduced across threads once per row) instead of reducing every block, from
-# CE_LANE_SUMS_MIN_ROWS rows on. No shuffle or barrier in the loop: 2.5-4.6% faster at 4K-16K rows (eighth session,
-# then 6% slower at 2048 rows at 57 registers). Under the register cap below they win at every row count: fifteenth
-# session (benchmarks/ce_chunk_rows.py, GPU ms), 2048×128256 0.359 → 0.337, 1024×128256 0.186 → 0.176, and on
-# split rows 2048×256000 0.991 → 0.694 (Gemma-2B's linear-CE chunks), 1024×256000 0.508 → 0.358.
+# CE_LANE_SUMS_MIN_ROWS rows on. No shuffle or barrier in the loop: 2.5-4.6% faster at 4K-16K rows, and under the
+# register cap below at every row count too (H200, 2026-11-30, GPU ms at linear-CE's chunk shapes): 2048×128256
+# 0.359 → 0.337, 1024×128256 0.186 → 0.176, and on split rows 2048×256000 0.991 → 0.694 (Gemma-2B's linear-CE
+# chunks), 1024×256000 0.508 → 0.358.
 CE_LANE_SUMS = True
 CE_LANE_SUMS_MIN_ROWS = 0
 # ptxas's register cap per thread for the lane-sum body (maxnreg; None = its choice), on rows up to
 # CE_MAX_REGISTERS_COLS wide: at 16384/32 it compiles to 57 registers (one 1024-thread program per SM) and to 32 with
-# no spill under a cap of 32 (two per SM; sass_report.py). Ninth session, one H200 run: 8192×128256 1.282/1.301 →
+# no spill under a cap of 32 (two per SM; sass_report.py). H200, 2026-11-30: 8192×128256 1.282/1.301 →
 # 1.251/1.254 ms (random/peaked), 32768×128256 5.06 → 4.83, 16384×152064 2.960 → 2.953, but 4096×256000 1.370 →
 # 1.393 (two 512 KB rows per SM crowd L2 between the passes): capped on rows of up to 128K columns only.
 CE_MAX_REGISTERS: int | None = 32
 CE_MAX_REGISTERS_COLS = 131072
 # Share of L2 that pass 1 plans for with evict_last (0 = every pass-1 load evict_last); see _keep_from. 0.6 took
 # 4096×256000 from 1.390 to 1.371 ms and left 128K-wide rows (whose tail is all but one block) alike; 0.4 lost at
-# 8192×128256, 0.9 won less (eighth session).
+# 8192×128256, 0.9 won less (H200, 2026-11-30).
 CE_KEEP_L2_SHARE = 0.6
 # Rows wider than CE_SPLIT_MIN_COLS are split over 2, 4, ... programs of at most CE_SPLIT_COLS columns that meet
-# once between the passes (_share_partials). Tenth session, one H200 run: 4096×256000 1.366 → 1.337 ms over 2
+# once between the passes (_share_partials). H200, 2026-11-30: 4096×256000 1.366 → 1.337 ms over 2
 # programs, 1.321 over 4 (16384×256000 5.282 → 5.191, 5.160), but 16384×152064 2.952 → 3.059 over 2 and
 # 8192×128256 1.248 → 1.316 over 2: each program idles at the meeting until its partner is done with pass 1.
 CE_SPLIT_MIN_COLS = 196608
 CE_SPLIT_COLS: int | None = 65536  # None = never split
 # Split rows: each program loads pass 2's first block before the meeting, so that load's latency overlaps the wait.
-# Eleventh session, one H200 run: 4096×256000 1.308 → 1.285 ms through the call (kernel 1.276), 32 registers.
+# H200, 2026-11-30: 4096×256000 1.308 → 1.285 ms through the call (kernel 1.276), 32 registers.
 CE_PREFETCH_PASS2 = True
 
 

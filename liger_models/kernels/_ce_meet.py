@@ -64,9 +64,9 @@ _COUNTERS: dict[tuple, list] = {}
 def meeting_counters(device: torch.device, n: int) -> torch.Tensor:
     """n int32 zeros for one launch's meeting counters, from a ring zeroed once per lap rather than per launch.
 
-    A torch.zeros per call cost 8 µs of stream time before the row kernel (H200, benchmarks/gpu_timeline.py), and
-    a kernel that zeroes its counters again on the way out stalls every program on the atomic's reply (+20 µs at
-    4096×256000, eleventh session). Launches on one stream run one after another, so slices of the ring handed out
+    A torch.zeros per call cost 8 µs of stream time before the row kernel (H200, benchmarks/tools/gpu_timeline.py),
+    and a kernel that zeroes its counters again on the way out stalls every program on the atomic's reply (+20 µs
+    at 4096×256000, H200, 2026-11-30). Launches on one stream run one after another, so slices of the ring handed out
     in order never overlap in time (one Python thread launching on a stream at a time), and the lap's zero-fill is
     queued behind every launch that used it. A CUDA graph being captured gets zeros of its own (its memory stays
     with the graph)."""

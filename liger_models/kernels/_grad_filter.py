@@ -8,7 +8,7 @@ dW and to its bias entry; a kept column's contributions are exact, from every ro
 either exact or zero for the chunk, and each row of dh misses Σ_skipped ∂ℓ/∂z_tj·W_j, every term below eps·|W_j|.
 
 Why columns and not tiles: cuBLAS runs the GEMMs (at ~700 TFLOP/s; a Triton GEMM that skips tiles, as
-cut-cross-entropy's does, runs its dense case at 180-190 TFLOP/s on the H200, BENCHMARKS.md fifteenth session), and
+cut-cross-entropy's does, runs its dense case at 180-190 TFLOP/s on the H200, 2026-11-30, BENCHMARKS.md), and
 cuBLAS can skip work only by being given smaller operands: the kept columns of dlogits and the matching rows of W
 are gathered, multiplied, and dW's rows scattered back. On the benchmark's peaked logits 0.4-0.5% of the columns of
 a 2048-row chunk carry an entry ≥ 2⁻¹² (cut-cross-entropy's default threshold; its 128×128 tiles keep ~30% of
@@ -16,7 +16,8 @@ the work), so the backward GEMMs shrink ~200×. Finding the columns costs one re
 (_active_columns_kernel) and one host sync (the count sizes the GEMMs). When many columns carry gradient the
 gathers and the narrower GEMMs cost more than they save: on the H200 the kept-column path overtook the dense GEMMs
 between 50% and 60% of the columns at three chunk shapes (0.71-0.87x of dense at 50%, 1.01-1.40x at 60%;
-benchmarks/tune_grad_filter.py --dense-share), so above DENSE_SHARE of the columns a chunk takes the dense path.
+benchmarks/tools/tune_grad_filter.py --dense-share), so above DENSE_SHARE of the columns a chunk takes the dense
+path.
 This is an approximation, off by default: the rare tokens' rows of dW get nothing from a chunk whose tokens all
 give them probability below eps.
 """
@@ -38,7 +39,7 @@ DENSE_SHARE = 0.5
 SLAB_BYTES = 256 << 20
 MIN_SLAB_COLS = 1024
 # The filter pass's tile: 16 rows × 128 columns over 4 warps ran at 2.9-3.1 TB/s on the H200, the best of six tiles
-# at three chunk shapes (benchmarks/tune_grad_filter.py: 32×128 1.8-2.3, 16×512 over 8 warps 2.5-2.6 TB/s).
+# at three chunk shapes (benchmarks/tools/tune_grad_filter.py: 32×128 1.8-2.3, 16×512 over 8 warps 2.5-2.6 TB/s).
 _BLOCK_M, _BLOCK_V, _NUM_WARPS = 16, 128, 4
 
 

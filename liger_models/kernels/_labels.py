@@ -13,7 +13,8 @@ from ._dispatch import use_triton
 from ._launch import launch
 
 # One program reads all labels, a block per round trip to memory: 8192 labels (a common batch) in one round over 16
-# warps. At 4096 over 4 warps the check took 6.1 µs of stream time for 8192 labels (H200, benchmarks/gpu_timeline.py).
+# warps. At 4096 over 4 warps the check took 6.1 µs of stream time for 8192 labels (H200,
+# benchmarks/tools/gpu_timeline.py).
 LABEL_BLOCK = 8192
 LABEL_WARPS = 16
 # Pinned host buffers + events of finished checks, per device, for the next check to reuse: a fresh pinned
@@ -36,10 +37,10 @@ class LabelCheck:
     in-place gradient. The same kernel also stores the flag straight into pinned host memory (mapped into the GPU's
     address space, as all pinned memory is under unified addressing), behind an event; `wait()` (at the end of the
     loss call, after its kernels are queued) blocks only until that event, then raises ValueError. A copy to the
-    host queued on the stream instead held the loss kernel back by 5-14 µs (eleventh session,
-    benchmarks/gpu_timeline.py). So the GPU always has the loss kernels queued while the host waits; a plain
+    host queued on the stream instead held the loss kernel back by 5-14 µs (H200, 2026-11-30,
+    benchmarks/tools/gpu_timeline.py). So the GPU always has the loss kernels queued while the host waits; a plain
     `.item()` before them left it idle for the whole host path from the sync to their launch (0.45 ms per call at
-    8192×128256 on the H200, eighth session), and the check and the scale took ~10 small launches. While a CUDA
+    8192×128256 on the H200, 2026-11-30), and the check and the scale took ~10 small launches. While a CUDA
     graph is being captured nothing is read on the host (the kernels still skip on a bad label); the capturer checks
     every batch it copies in (liger_models/train/cuda_graph.py). On CPU everything runs at once, in PyTorch.
     """

@@ -1,6 +1,6 @@
 """Low-overhead Triton launches: at small sizes a norm's forward + backward is all host time.
 
-Measured on the H200 machine (benchmarks/tune_norms.py, benchmarks/host_overhead.py): a Triton launch through
+Measured on the H200 (benchmarks/tools/tune_norms.py, benchmarks/tools/host_overhead.py): a Triton launch through
 ``kernel[grid](...)`` costs 14-20 µs of Python, ``triton.cdiv`` / ``triton.next_power_of_2`` ~10 µs per call from
 Python (they are Triton constexpr functions), a bare ``autograd.grad`` ~100 µs; the rms_norm forward + backward at
 16384×4096 takes 0.18 ms of GPU time. So launchers here use plain-Python integer helpers, cache the SM count, and
@@ -126,7 +126,7 @@ def _compile(kernel, args: list, meta: dict, device: torch.device) -> tuple:
 def _direct(binary, consts: list, device_index: int):
     """A launcher of ``binary`` that skips Triton's per-launch Python (the runner closure, the stream lookup,
     launch-metadata and hook arguments): f(grid, values) calls the compiled C launcher itself. Measured on the
-    H200 (benchmarks/host_overhead.py, two runs): ``kernel[grid](...)`` 14-17.5 µs, the compiled kernel's runner
+    H200 (benchmarks/tools/host_overhead.py, two runs): ``kernel[grid](...)`` 14-17.5 µs, the compiled runner
     7.5-11.7 µs, this 6.3 µs. None where Triton's internals differ from 3.6's (then the runner is used)."""
     try:
         run, function, packed = binary.run, binary.function, binary.packed_metadata

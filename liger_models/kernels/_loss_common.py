@@ -45,7 +45,7 @@ def check_options(reduction: str, label_smoothing: float, softcap: float | None,
 def _scale_kernel(X, G, n, n_cols, stride_row, BLOCK: tl.constexpr, ROW_STRIDED: tl.constexpr):
     # g is read on the device: grad_output == 1 (a plain loss.backward()) costs a launch and no traffic. A small
     # grid that strides over x: one program per 4096 elements made the no-op cost 0.18 ms at 8192×128256 (256K
-    # programs to schedule; eighth session). A while loop: the interpreter cannot `for` to a runtime bound.
+    # programs to schedule; H200, 2026-11-30). A while loop: the interpreter cannot `for` to a runtime bound.
     # ROW_STRIDED: x is (n / n_cols, n_cols) rows stride_row apart (an in-place gradient in a slice of wider logits).
     g = tl.load(G).to(tl.float32)
     if g != 1.0:
@@ -77,8 +77,8 @@ def scaled_sum(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """g · Σ x as a 0-dim fp32 tensor for a contiguous fp32 x (per-token losses) and a 0-dim fp32 device tensor g.
 
     On CUDA one launch where ``x.sum() * g`` takes two (torch's reduction and a multiply, ~7 µs of stream time after
-    the loss kernel on the H200; benchmarks/gpu_timeline.py). On the CPU PyTorch's sum: the interpreter would spend
-    ~9 ms simulating the launch for nothing (tests call the kernel through _launch_scaled_sum)."""
+    the loss kernel on the H200; benchmarks/tools/gpu_timeline.py). On the CPU PyTorch's sum: the interpreter would
+    spend ~9 ms simulating the launch for nothing (tests call the kernel through _launch_scaled_sum)."""
     return _launch_scaled_sum(x, g) if x.is_cuda else x.sum() * g
 
 

@@ -7,8 +7,8 @@ x beside the fp32 dW tile does not fit in one program's registers (a fused 16K-c
 blocks). This kernel walks whole rows and reads each one twice too, but back to back on one SM, so the second read
 is served by L2. Same math and dW partial layout as ``_norm_bwd_kernel``.
 
-Knobs (rms_norm.py) and what set them, H200, bf16 backward GPU time (benchmarks/tune_norms.py --sections wide, two
-runs): RMSNorm 16384×16384 split 0.660 ms, this kernel 0.455 with L2 hints (pass 1 loads evict_last, pass 2
+Knobs (rms_norm.py) and what set them, H200, bf16 backward GPU time (benchmarks/tools/tune_norms.py --sections
+wide, two runs): RMSNorm 16384×16384 split 0.660 ms, this kernel 0.455 with L2 hints (pass 1 loads evict_last, pass 2
 evict_first) at 4 elements per thread (32 warps: twice the loads in flight per SM of 8), 0.554-0.587 without the
 hints or at 8; 4096×16384 0.180 → 0.130 (same variant); 8192×12288 (3 chunks) 0.262 → 0.189 without the hints at 4
 or 8 elements per thread, 0.265 with them — hence hints from _WIDE_L2_HINTS_MIN_CHUNKS = 4 chunks. LayerNorm also

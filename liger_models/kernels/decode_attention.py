@@ -10,8 +10,8 @@ model matches SDPA's math within rounding).
 Why a kernel: a Medusa step verifies its tree of ~45 candidates in one call over the whole cache. For that many
 queries SDPA takes a prefill kernel whose programs cover (head, query block) pairs only: 32 programs on a
 132-SM H200, each walking all 2K+ keys. Llama-3-8B's tree attention took 89 µs per layer, 2.9 ms of a 9 ms step
-(benchmarks/profile_decode.py), against 8 µs per layer for a one-token step, where cuDNN splits the keys. Here the
-keys are split as in flash-decoding:
+(benchmarks/tools/profile_decode.py), against 8 µs per layer for a one-token step, where cuDNN splits the keys.
+Here the keys are split as in flash-decoding:
   1. ``_split_kernel``, programs (batch × kv head, block of the G·T query rows of that kv head, key chunk): an
      online softmax over the chunk; writes the chunk's normalised output and its log-sum-exp (fp32). The rows of a
      program come from all G query heads of its kv head, so GQA reads a K/V tile once per block of BLOCK_M rows,

@@ -76,7 +76,7 @@ OVERLAP_CE = False
 # in a scratch of that size instead of the accumulator: dW is then one GEMM written straight into grad_W (cuBLAS
 # accumulates in fp32 and rounds once, as accumulator + final cast do), so the accumulator's read-modify-write
 # passes and the final cast (6·V·H bytes) disappear, at the same peak memory. Covers BT8192/H4096 and Medusa's
-# 8K-token heads at 8B width. Measured on the H200 (BENCHMARKS.md, fifth session): BT8192/H4096/V128256 40.17 →
+# 8K-token heads at 8B width. Measured on the H200 (2026-11-29, BENCHMARKS.md): BT8192/H4096/V128256 40.17 →
 # 38.78 ms (random logits), Medusa 8K-token steps +3-5%, the 8B-width training step +2%, peak memory unchanged.
 SINGLE_CHUNK_IN_ACCUMULATOR = True
 # A cap on the logits scratch in bytes (None: none; the fused_linear_cross_entropy argument max_scratch_bytes
@@ -84,8 +84,8 @@ SINGLE_CHUNK_IN_ACCUMULATOR = True
 # chunks, the accumulator is two vocabulary halves whose first half's storage has exactly grad_W's bytes, and dW is
 # cast into that storage in place (_accumulator_becoming_grad), so the op's peak is the fp32 accumulator + the cap
 # instead of the accumulator + grad_W (4·V·H + cap bytes instead of 6·V·H for bf16). The price is more, smaller
-# chunks, each re-reading and re-writing the accumulator in two half-GEMMs. H200, sixteenth session
-# (benchmarks/flce_scratch_cap.py), Gemma-2B's loss (16384 × 2048 × 256000): 82.9 ms uncapped; a 1536-row cap
+# chunks, each re-reading and re-writing the accumulator in two half-GEMMs. H200, 2026-11-30 (BENCHMARKS.md,
+# "The logits-scratch cap"), Gemma-2B's loss (16384 × 2048 × 256000): 82.9 ms uncapped; a 1536-row cap
 # (750 MiB) 88.5 ms and 0.24 GiB less, 1024 rows 91.5 ms and 0.49 GiB less; its whole step 37.2k → 36.8k tok/s
 # at 40.0 → 39.7 GiB peak: a knob for fitting a batch, not a default.
 MAX_SCRATCH_BYTES: int | None = None

@@ -40,7 +40,7 @@ from ._dispatch import once_differentiable, row_view, use_triton
 from ._launch import cdiv, launch, on_input_device, pow2
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
-# Streaming tile: elements per program and per thread (→ num_warps); benchmarks/tune_streaming.py sweeps them.
+# Streaming tile: elements per program and per thread (→ num_warps); benchmarks/tools/tune_streaming.py sweeps them.
 _TILE = 2048
 _ELEMS_PER_THREAD = 16
 

@@ -14,7 +14,7 @@ term in dx, and dB = Σ_rows dy.
 
 Bytes (bf16, M×N): forward reads x (+ residual) and w, writes y (+ r) and 4 B/row of rstd; backward reads dy, x,
 rstd, w (+ dr), writes dx and G×N fp32 dW partials (G = resident programs, a few MB), then one tiny reduction.
-Measured on an H200 at 16384×4096 (benchmarks/tune_norms.py): forward 0.069 ms (91% of copy bandwidth), backward
+Measured on an H200 at 16384×4096 (benchmarks/tools/tune_norms.py): forward 0.069 ms (91% of copy bandwidth), backward
 with its reduction 0.111 ms (85%). Launches go through liger_models/kernels/_launch.py: at small sizes host time dominates.
 
 Loops with runtime bounds are written as `while` loops: Triton 3.6's interpreter (CI) cannot use a runtime int as
@@ -265,7 +265,7 @@ _MAX_FUSED_BWD_N = 8192
 _SPLIT_BLOCK_N = 4096
 _FWD_TILE, _FWD_ELEMS_PER_THREAD = 4096, 16
 _BWD_TILE, _BWD_ELEMS_PER_THREAD = 4096, 16
-_PROGRAMS_PER_SM: int | None = None  # backward grid override (benchmarks/tune_norms.py); None = measured occupancy
+_PROGRAMS_PER_SM: int | None = None  # backward grid override (benchmarks/tools/tune_norms.py); None = occupancy
 # Rows of 8K-16K columns: one backward reading each row twice, the second time from L2 (numbers: _norm_backward.py).
 _WIDE_BWD = True
 _WIDE_CHUNK, _WIDE_ELEMS_PER_THREAD = 4096, 4

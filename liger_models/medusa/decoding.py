@@ -49,7 +49,7 @@ from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_
                                            new_token_budget, pad_token, prompt_mask)
 
 # Graphed steps launch the next step before reading this one's tokens when the next is certain (GraphedSteps.tree);
-# False reads every step before the next is launched (benchmarks/profile_decode.py compares the two).
+# False reads every step before the next is launched (benchmarks/tools/profile_decode.py compares the two).
 LAUNCH_AHEAD = True
 
 # The tree's layout lives in tree.py; its names stay importable from here, where decoding has always offered them.

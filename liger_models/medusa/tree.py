@@ -20,8 +20,8 @@ TOPK = 10
 MISS = -1  # in a rank path: the token was not in the head's top-k
 # The most tokens one verification call carries over a batch (B rows × (1 + N) nodes) before it costs clearly more
 # than a plain step, which reads every weight once for its B tokens: measured on an H200 at 1B and 8B widths
-# (benchmarks/bench_medusa_batched.py, BENCHMARKS.md's twenty-third and twenty-fourth sessions). `tree_for_batch`
-# cuts a tree to fit it.
+# (2026-12-01/02, benchmarks/bench_medusa_batched.py; BENCHMARKS.md, "Decoding"). `tree_for_batch` cuts a tree to
+# fit it.
 TREE_TOKENS = 96
 
 

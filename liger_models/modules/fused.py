@@ -13,7 +13,7 @@ d act = dout @ W_down first, then one kernel pass reads gate_up and d act and wr
 memory and the recomputed product over d act's, which then feeds dW_down. The product costs no memory and no
 extra read of gate_up (the activation's own backward reads the same bytes).
 
-Llama-3.2-1B (H 2048, I 8192): 75.9 → 51.3 KB saved per token per layer (benchmarks/saved_activations.py).
+Llama-3.2-1B (H 2048, I 8192): 75.9 → 51.3 KB saved per token per layer (benchmarks/tools/saved_activations.py).
 Both paths apply only where the Triton kernels run with autograd recording (CUDA, or CPU under TRITON_INTERPRET)
 and the projections are plain nn.Linear (linear.is_plain_linear); elsewhere (CPU reference, inference, autocast, a
 PEFT-wrapped projection) the modules compose exactly as before.

@@ -275,7 +275,7 @@ class FinishWatch:
     Eagerly the host is the bottleneck, so it reads ``done.all()`` at every step. With graph replays it is the
     other way round: a step takes the GPU longer (Llama-3.2-1B on an H200: ~1.3 ms) than the host needs to queue the
     next one, and a read per step drains that queue: the GPU then idles while Python goes round the loop (1.50 ms
-    per token against 1.30 ms of kernels, benchmarks/profile_decode.py). So here each step's ``done.all()`` is
+    per token against 1.30 ms of kernels, benchmarks/tools/profile_decode.py). So here each step's ``done.all()`` is
     copied to pinned memory without waiting, and the host looks only at steps whose copies have landed, blocking
     only when LOOKAHEAD steps are in flight: at most that many steps run past the last EOS, and their tokens (all
     pads) are cut by the caller."""
