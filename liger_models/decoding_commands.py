@@ -17,7 +17,10 @@ does); with ``--chat`` each prompt is one user turn (after ``--system``), render
 uses (``render_generation_prompt``), so a model fine-tuned here is prompted in the format it learned.
 
 Settings: plain decoding takes what is not given from the checkpoint's generation_config.json, as HF's generate does
-(``--greedy`` forces argmax); Medusa decoding is greedy unless ``--temperature`` > 0 (typical acceptance). On CUDA
+(``--greedy`` forces argmax; ``--repetition-penalty``, ``--no-repeat-ngram-size``, ``--min-new-tokens`` and
+``--stop`` override the file's processors, a row's text ending at its first stop string); Medusa decoding is greedy
+unless ``--temperature`` > 0 (typical acceptance) and refuses those processors, the file's included, except at their
+neutral values (``--repetition-penalty 1`` decodes a checkpoint whose file sets one). On CUDA
 every step replays as one CUDA graph (``--no-cuda-graph`` runs eagerly), after an untimed warm-up call that
 compiles the kernels; a call's time includes its graph capture (15–60 ms on an H200), as a user's call would.
 ``--compare`` also runs plain decoding on each prompt, so Medusa's speed-up is measured on the same machine, and,
@@ -41,6 +44,12 @@ from pathlib import Path
 import torch
 
 WARM_UP_TOKENS = 4  # enough for the prefill, a graph capture and a few steps to compile every kernel once
+# The processor options, generate's setting → (argparse dest, option); left out, generation_config.json decides.
+PROCESSOR_OPTIONS = {"repetition_penalty": ("repetition_penalty", "--repetition-penalty"),
+                     "no_repeat_ngram_size": ("no_repeat_ngram_size", "--no-repeat-ngram-size"),
+                     "min_new_tokens": ("min_new_tokens", "--min-new-tokens"), "stop_strings": ("stop", "--stop")}
+# Their values that change nothing, the only ones Medusa tree decoding takes.
+NEUTRAL_PROCESSOR_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
 
 
 @dataclass
@@ -156,7 +165,7 @@ def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tok
     """One call of plain (``model`` a causal LM) or Medusa (a MedusaModel) decoding on the prompts (token ids),
     left-padded into one batch when there are several, timed; each prompt's result, the call's time in each."""
     from liger_models.medusa import MedusaModel
-    from liger_models.modules.generate import eos_token_ids, pad_token
+    from liger_models.modules.generate import Settings, eos_token_ids, pad_token, stop_strings_of
 
     base = model.base if isinstance(model, MedusaModel) else model
     width = max(len(p) for p in prompts)
@@ -172,8 +181,11 @@ def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tok
     pad = pad_token(base, None)
     if bool((mask == 0).any()) or (pad is not None and bool((ids == pad).any())):
         call["attention_mask"] = mask
-    if not isinstance(model, MedusaModel):
-        out, seconds = timed_call(lambda: model.generate(ids, max_new_tokens, **call, **sampling), device)
+    stops = None
+    if not isinstance(model, MedusaModel):  # stop strings (--stop or the file's) are matched on decoded text
+        stops = stop_strings_of(Settings(base, {"stop_strings": sampling.get("stop_strings")}), tokenizer)
+        out, seconds = timed_call(lambda: model.generate(ids, max_new_tokens, **call, **sampling,
+                                                         tokenizer=tokenizer), device)
         steps = None
     else:
         (out, steps), seconds = timed_call(lambda: model.generate(
@@ -184,31 +196,48 @@ def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tok
     results = []
     for row in range(len(prompts)):
         new_ids = out[row, width:].tolist()
-        stop = next((i for i, t in enumerate(new_ids) if t in eos), None)
+        ends = [next((i for i, t in enumerate(new_ids) if t in eos), None)]
+        if stops is not None:  # the first stop string, matched on the row as generate saw it (its padding included)
+            at = stops.first_stop(out[row].tolist(), width)
+            ends.append(None if at is None else at - width)
+        stop = min((i for i in ends if i is not None), default=None)
         new_ids = new_ids if stop is None else new_ids[: stop + 1]  # a row that stopped early was filled after it
         per_step = None if steps is None or not steps[row] else sum(steps[row]) / len(steps[row])
         results.append(Decoded(tokenizer.decode(new_ids, skip_special_tokens=True), new_ids, seconds, per_step))
     return results
 
 
+def processor_settings(args: argparse.Namespace) -> dict:
+    """generate's settings from the processor options given (a Namespace from a parser without them: none)."""
+    return {setting: getattr(args, dest) for setting, (dest, _) in PROCESSOR_OPTIONS.items()
+            if getattr(args, dest, None) is not None}
+
+
 def sampling_settings(args: argparse.Namespace, medusa: bool) -> tuple[dict, dict]:
     """(settings for the decoding asked for, settings for --compare's plain decoding) from the CLI options."""
+    processors = processor_settings(args)
     if medusa:
         if args.top_k is not None or args.top_p is not None:
             raise ValueError("--top-k / --top-p apply to plain decoding only: Medusa samples with typical acceptance "
                              "(--temperature > 0)")
+        changing = [PROCESSOR_OPTIONS[key][1] for key, value in processors.items()
+                    if value != NEUTRAL_PROCESSOR_SETTINGS.get(key)]
+        if changing:
+            raise ValueError(f"{' / '.join(changing)}: Medusa tree decoding does not implement it (plain decoding "
+                             "does); only a neutral value (--repetition-penalty 1, --no-repeat-ngram-size 0, "
+                             "--min-new-tokens 0) is taken, to override generation_config.json")
         temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
         # --compare: plain decoding at the same temperature, without top-k / top-p cuts.
         plain = (dict(do_sample=False) if temperature == 0 else
                  dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0))
-        return dict(temperature=temperature), plain
+        return dict(temperature=temperature, **processors), {**plain, **processors}
     if args.greedy:
-        return dict(do_sample=False), {}
+        return dict(do_sample=False, **processors), {}
     given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     settings = {key: value for key, value in given.items() if value is not None}
     if settings:  # any of them asks for sampling (HF's generate would ignore them unless its config samples)
         settings["do_sample"] = True
-    return settings, {}
+    return {**settings, **processors}, {}
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype | None]:

@@ -45,12 +45,23 @@ from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.tree import (TOPK, TREE_TOKENS, MedusaBuffers, candidate_tokens, default_medusa_choices,
                                      dense_medusa_choices, generate_medusa_buffers, tree_for_batch)
 from liger_models.modules.cache import KVCache
-from liger_models.modules.generate import (PREALLOCATED_NEW_TOKENS, check_input_ids, eos_token_ids, fill_token,
-                                           new_token_budget, pad_token, prompt_mask)
+from liger_models.modules.generate import (IMPLEMENTED, INERT, PREALLOCATED_NEW_TOKENS, REFUSED, SAMPLING, Refused,
+                                           Settings, check_input_ids, check_keywords, eos_token_ids, fill_token,
+                                           new_token_budget, pad_token, prompt_mask, refuse_unsupported)
 
 # Graphed steps launch the next step before reading this one's tokens when the next is certain (GraphedSteps.tree);
 # False reads every step before the next is launched (benchmarks/tools/profile_decode.py compares the two).
 LAUNCH_AHEAD = True
+
+# Settings plain generate applies that tree decoding does not (its greedy output is plain greedy decoding's only
+# without them): refused, from an argument or from generation_config.json, where they would change the tokens.
+NOT_IN_TREE_DECODING = {
+    "repetition_penalty": Refused(lambda v, s: v != 1, "a repetition penalty", 1.0),
+    "no_repeat_ngram_size": Refused(lambda v, s: v > 0, "n-gram blocking", 0),
+    "min_new_tokens": Refused(lambda v, s: v > 0, "a minimum length", 0),
+    "min_length": Refused(lambda v, s: v > 0, "a minimum length", 0),
+    "stop_strings": Refused(lambda v, s: bool(v), "stop strings", []),
+}
 
 # The tree's layout lives in tree.py; its names stay importable from here, where decoding has always offered them.
 __all__ = ["TOPK", "TREE_TOKENS", "MedusaBuffers", "default_medusa_choices", "dense_medusa_choices",
@@ -107,11 +118,17 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
                     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, topk: int = TOPK,
                     eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                     attention_mask: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                    return_stats: bool = False, cuda_graph: bool = False, tree_tokens: int | None = TREE_TOKENS):
+                    return_stats: bool = False, cuda_graph: bool = False, tree_tokens: int | None = TREE_TOKENS,
+                    max_length: int | None = None, **settings):
     """(B, T) prompts → (B, T + n) tokens, n ≤ max_new_tokens, each row stopping after an EOS token. max_new_tokens
-    None takes the checkpoint's generation_config.json as plain generate does (`new_token_budget`). Prompts of
-    different lengths come left-padded with an attention_mask (or the pad id, as plain generate infers it); rows
-    that stop early are filled with the pad id, as plain generate fills them (medusa/batched_steps.py).
+    None takes max_length or the checkpoint's generation_config.json as plain generate does (`new_token_budget`).
+    settings: HF GenerationConfig fields, as plain generate takes them; those that would change the tokens and that
+    tree decoding does not implement (repetition_penalty, no_repeat_ngram_size, min_new_tokens / min_length,
+    stop_strings, beam search, …) are refused with a ValueError naming the setting and its source (argument or
+    generation_config.json), plain generate's sampling settings (do_sample, top_k, top_p, …) when given as arguments
+    too; an unknown keyword is a TypeError. Prompts of different lengths come left-padded with an attention_mask
+    (or the pad id, as plain generate infers it); rows that stop early are filled with the pad id, as plain generate
+    fills them (medusa/batched_steps.py).
 
     base: a zoo causal LM (`.model(ids, position_ids, cache=...)`, `.lm_head`); heads: its Medusa heads.
     temperature 0 is greedy (identical output to plain greedy decoding); > 0 uses typical acceptance. Unlike the
@@ -136,6 +153,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
                          f"{tuple(input_ids.shape)}")
     if not temperature >= 0:  # not `< 0`: NaN would pass, and every draw would be argmax over NaN
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_tree_decoding_settings(base, settings)
     vocab_size = base.config.vocab_size
     if (heads.config.hidden_size, heads.config.vocab_size) != (base.config.hidden_size, vocab_size):
         # MedusaModel refuses such a pair; called directly, heads for a smaller vocabulary ran silently (they never
@@ -148,7 +166,7 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
                          "happen on the model's device (torch.Generator(device=...))")
     if not 0 < topk <= heads.config.vocab_size:
         raise ValueError(f"topk must be in [1, vocab_size={heads.config.vocab_size}], got {topk}")
-    max_new_tokens = new_token_budget(base, max_new_tokens, input_ids.shape[1])
+    max_new_tokens = new_token_budget(base, max_new_tokens, input_ids.shape[1], max_length)
     device = input_ids.device
     choices = default_medusa_choices(heads.num_heads) if medusa_choices is None else medusa_choices
     buffers = generate_medusa_buffers(choices, heads.num_heads, topk, device)  # checks the tree whatever the batch
@@ -212,6 +230,19 @@ def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor
             break
     result = _joined(input_ids, new_tokens)
     return (result, per_step) if return_stats else result
+
+
+def check_tree_decoding_settings(base: nn.Module, settings: dict) -> None:
+    """Refuse what tree decoding would otherwise ignore: an unknown keyword (TypeError), plain generate's sampling
+    given as an argument, and any setting, argument or generation_config.json, that would change the tokens and that
+    it does not implement. The file's sampling settings are not taken (see medusa_generate), so not refused."""
+    check_keywords(settings, frozenset(REFUSED) | INERT | IMPLEMENTED | SAMPLING, "medusa_generate")
+    sampling = sorted(key for key in SAMPLING if settings.get(key) is not None)
+    if sampling:
+        raise ValueError(f"Medusa tree decoding samples with typical acceptance (temperature > 0) and is greedy at "
+                         f"temperature 0: {', '.join(sampling)} (argument) are plain generate's sampling settings")
+    resolved = Settings(base, settings, ignored_file_keys=SAMPLING)
+    refuse_unsupported(resolved, {**NOT_IN_TREE_DECODING, **REFUSED}, "Medusa tree decoding")
 
 
 def _joined(input_ids: torch.Tensor, new_tokens: list[int]) -> torch.Tensor:
