@@ -15,21 +15,21 @@ otherwise bound by the host issuing ~200 kernels (Llama-3.2-1B on an H200: 11–
 Settings are HF's GenerationConfig fields, resolved as HF's generate resolves them: the argument, else the
 checkpoint's generation_config.json (Llama 3 Instruct's says do_sample true, temperature 0.6, top_p 0.9, max_length
 4096), else HF's global default (greedy; when sampling, temperature 1, top_k 50, no top-p). Arguments always win:
-pass do_sample=False for greedy, top_k=0 for no top-k, repetition_penalty=1.0 for no penalty. Applied as HF applies
-them, in its order: repetition_penalty (every token id of the sequence so far, left padding excluded),
-no_repeat_ngram_size, min_new_tokens / min_length (EOS ids blocked until then; min_length counts the prompt), then,
-when sampling, temperature, top_k, top_p, min_p. The length is max_new_tokens, else max_length minus the prompt
-length (argument, then the file, max_new_tokens from either winning over max_length, HF's rule), else 32 (ours;
-HF's global max_length 20 counts the prompt). stop_strings (with ``tokenizer=``) end a row at the token with which
-its decoded text comes to hold a stop string that ends inside that token's text (HF's StopStringCriteria; that
-token is kept). A ``streamer`` (HF's BaseStreamer protocol: TextStreamer works) gets ``put(prompt)``, then
-``put(tokens)`` with each step's (B,) tokens, then ``end()``.
+pass do_sample=False for greedy, top_k=0 for no top-k, repetition_penalty=1.0 for no penalty, stop_strings=[] for no
+stop strings. Applied as HF applies them, in its order: repetition_penalty (every token id of the sequence so far,
+left padding excluded), no_repeat_ngram_size, min_new_tokens / min_length (EOS ids blocked until then; min_length
+counts the prompt), then, when sampling, temperature, top_k, top_p, min_p. The length is max_new_tokens, else
+max_length minus the prompt length (argument, then the file, max_new_tokens from either winning over max_length,
+HF's rule), else 32 (ours; HF's global max_length 20 counts the prompt). stop_strings (with ``tokenizer=``) end a
+row at the token with which its decoded text comes to hold a stop string that ends inside that token's text (HF's
+StopStringCriteria; that token is kept). A ``streamer`` (HF's BaseStreamer protocol: TextStreamer works) gets
+``put(prompt)``, then ``put(tokens)`` with each step's (B,) tokens, then ``end()``.
 Every other GenerationConfig field that would change the tokens (num_beams > 1, penalty_alpha, bad_words_ids,
 typical_p, …: ``REFUSED``), and HF generate's other arguments (assistant_model, logits_processor, …), are refused
 with a ValueError naming the setting and where it came from; fields that cannot change the tokens (use_cache,
 output_scores, …: ``INERT``) are accepted; an unknown keyword is a TypeError (keys of generation_config.json that
-are no GenerationConfig field do nothing in HF either, and are ignored). Sampling with generator=None draws
-from torch's global generator, as HF does: the same seed gives HF's tokens.
+are no GenerationConfig field do nothing in HF either, and are ignored). Sampling with generator=None draws from
+torch's global generator, as HF does: the same seed gives HF's tokens.
 """
 
 from __future__ import annotations
@@ -362,9 +362,10 @@ class StopStrings:
 
 
 def stop_strings_of(settings: Settings, tokenizer) -> StopStrings | None:
-    """The resolved stop_strings as a StopStrings, None when there are none."""
+    """The resolved stop_strings as a StopStrings, None when there are none: an empty list turns the file's off (None
+    would fall back to them)."""
     strings = settings["stop_strings"]
-    if strings is None:
+    if strings is None or (isinstance(strings, (list, tuple)) and not strings):
         return None
     return StopStrings(strings, tokenizer, settings.describe("stop_strings"))
 

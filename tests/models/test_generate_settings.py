@@ -258,12 +258,16 @@ def test_stop_strings_cut_where_hf_cuts(tmp_path, source):
         ours.generate(ids, **common, **given)
 
 
-def test_stop_strings_refuse_what_is_not_a_string(tmp_path):
+def test_stop_strings_refuse_what_is_not_a_string_and_an_empty_list_turns_the_file_off():
     tokenizer, _ = _tokenizers()
     model = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny())
-    for bad in ([""], [3], []):
+    prompt = torch.randint(3, 128, (1, 4))
+    for bad in ([""], [3], ""):
         with pytest.raises(ValueError, match="stop_strings must be a non-empty string"):
-            model.generate(torch.randint(3, 128, (1, 4)), 2, stop_strings=bad, tokenizer=tokenizer)
+            model.generate(prompt, 2, stop_strings=bad, tokenizer=tokenizer)
+    expected = model.generate(prompt, 3, eos_token_id=[])
+    model.generation_config = {"stop_strings": ["x"]}  # no tokenizer needed once turned off
+    assert torch.equal(model.generate(prompt, 3, eos_token_id=[], stop_strings=[]), expected)
 
 
 def test_streamer_gets_what_hf_streamer_gets(tmp_path):
