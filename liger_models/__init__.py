@@ -7,7 +7,7 @@ are the registry by ``model_type``.
 
 from .auto import MODEL_CLASSES, AutoLigerForCausalLM, model_class
 from .gemma import GemmaConfig, LigerGemmaForCausalLM
-from .hub import load_tokenizer
+from .tokenizer import Tokenizer, load_tokenizer
 from .kernels._dispatch import reference_mode
 from .llama import LigerLlamaForCausalLM, LlamaConfig
 from .mistral import LigerMistralForCausalLM, MistralConfig
@@ -29,6 +29,7 @@ __all__ = [
     "MistralConfig",
     "Phi3Config",
     "Qwen2Config",
+    "Tokenizer",
     "load_tokenizer",
     "model_class",
     "reference_mode",

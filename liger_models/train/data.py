@@ -51,7 +51,6 @@ Batches
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import json
 import os
@@ -63,15 +62,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from liger_models.hub import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, LEGACY_CHAT_TEMPLATE_FILE
+from liger_models.tokenizer import (CHAT_TEMPLATE_DATE, NO_TEMPLATE, SpecialTokens, jinja_renderer,
+                                    read_chat_template, read_special_tokens)
 from liger_models.train import data_cache
 from liger_models.train.packing import (IGNORE_INDEX, PackedDataset, batch_to, check_has_targets,
                                            pack_arrays, pack_documents)
 
 SIMPLE_ROLES = ("system", "user", "assistant")
-# What a chat template's strftime_now() sees: a fixed day (the one Llama 3.1's template itself falls back to), so a
-# resumed or repeated run tokenizes its data exactly as the first did.
-CHAT_TEMPLATE_DATE = datetime.datetime(2024, 7, 26)
 # Packing lives in packing.py; its names stay importable from here, where the rest of the pipeline is.
 __all__ = ["IGNORE_INDEX", "BatchStream", "Document", "PackedDataset", "SpecialTokens", "batch_to", "build_dataset",
            "chat_template_note", "check_has_targets", "iter_documents", "load_documents", "pack_arrays",
@@ -79,112 +76,17 @@ __all__ = ["IGNORE_INDEX", "BatchStream", "Document", "PackedDataset", "SpecialT
            "tokenize_document", "train_bpe_tokenizer"]
 # Text per encode_batch call (see _chunks): 1 MiB is as fast as 4 MiB on the measured corpus, with less memory.
 ENCODE_CHUNK_CHARS = 1 << 20
-NO_TEMPLATE = (f"no {CHAT_TEMPLATE_FILE}, {CHAT_TEMPLATE_DIR}/, tokenizer_config.json entry or "
-               f"{LEGACY_CHAT_TEMPLATE_FILE}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Tokenizers
+# Tokenizers (reading a checkpoint's special tokens and chat template: liger_models/tokenizer.py)
 
 
-@dataclass
-class SpecialTokens:
-    """The ids and texts of BOS/EOS (None when the tokenizer has none) and whether encoding adds BOS itself."""
-
-    bos_id: int | None = None
-    eos_id: int | None = None
-    bos_text: str = ""
-    eos_text: str = ""
-    adds_bos: bool = False
-    chat_template: str | None = None
-    # Where chat_template was read from (a file of the checkpoint, for the commands' logs). Not part of the data
-    # cache's key: the same template read from another file packs the same windows.
-    chat_template_file: str | None = None
-
-    @property
-    def pad_id(self) -> int:
-        return self.eos_id if self.eos_id is not None else 0
-
-
-def _token_text(value) -> str | None:
-    # tokenizer_config.json stores special tokens as a string or as an AddedToken dict {"content": ...}.
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def read_special_tokens(tokenizer: Tokenizer, model_dir: str | os.PathLike | None) -> SpecialTokens:
-    """BOS/EOS from ``tokenizer_config.json`` (falling back to ``config.json``'s ids) and the chat template with the
-    file it came from (:func:`read_chat_template`)."""
-    tok_cfg, model_cfg = {}, {}
-    if model_dir is not None:
-        for name, target in (("tokenizer_config.json", tok_cfg), ("config.json", model_cfg)):
-            path = Path(model_dir) / name
-            if path.is_file():
-                target.update(json.loads(path.read_text(encoding="utf-8")))
-    special = SpecialTokens()
-    for kind in ("bos", "eos"):
-        text = _token_text(tok_cfg.get(f"{kind}_token"))
-        tid = tokenizer.token_to_id(text) if text else None
-        if tid is None:
-            cfg_id = model_cfg.get(f"{kind}_token_id")
-            tid = cfg_id[0] if isinstance(cfg_id, list) and cfg_id else cfg_id
-            text = tokenizer.id_to_token(tid) if isinstance(tid, int) else None
-        if isinstance(tid, int):
-            setattr(special, f"{kind}_id", tid)
-            setattr(special, f"{kind}_text", text or "")
-    probe = tokenizer.encode("a", add_special_tokens=True).ids
-    special.adds_bos = special.bos_id is not None and bool(probe) and probe[0] == special.bos_id
-    if model_dir is not None:
-        special.chat_template, special.chat_template_file = read_chat_template(model_dir, tok_cfg)
-    return special
-
-
-def read_chat_template(model_dir: str | os.PathLike, tokenizer_config: dict | None = None):
-    """(the model's chat template, the file it was read from), or (None, None), found as transformers' tokenizer
-    finds it: template files (chat_template.jinja is "default", additional_chat_templates/<name>.jinja the named
-    ones) win over tokenizer_config.json's "chat_template" (a string, or a list of named templates). Failing both,
-    chat_template.json: the file older processors keep it in, which a tokenizer does not read, but where a
-    checkpoint's only template may be. Of several named templates "default", else the first.
-    ``tokenizer_config``: tokenizer_config.json's contents when the caller has read them already."""
-    root = Path(model_dir)
-    if tokenizer_config is None:
-        tokenizer_config = _json_file(root / "tokenizer_config.json")
-    for named in _template_places(root, tokenizer_config):
-        if named:
-            return named["default"] if "default" in named else next(iter(named.values()))
-    return None, None
-
-
-def _template_places(root: Path, tokenizer_config: dict) -> Iterator[dict[str, tuple[str, str]]]:
-    """The templates of each place (read_chat_template), first to last, as {name: (template, where)}; a place is
-    read only when the ones before it hold none."""
-    yield _chat_template_files(root)
-    yield _config_templates(tokenizer_config, "tokenizer_config.json")
-    yield _config_templates(_json_file(root / LEGACY_CHAT_TEMPLATE_FILE), LEGACY_CHAT_TEMPLATE_FILE)
-
-
-def _json_file(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def _chat_template_files(root: Path) -> dict[str, tuple[str, str]]:
-    """{name: (template, file)} of the templates saved as files, where transformers v5 writes them."""
-    files = {path.stem: path for path in sorted((root / CHAT_TEMPLATE_DIR).glob("*.jinja"))}
-    if (root / CHAT_TEMPLATE_FILE).is_file():
-        files["default"] = root / CHAT_TEMPLATE_FILE
-    return {name: (path.read_text(encoding="utf-8"), path.relative_to(root).as_posix()) for name, path in files.items()}
-
-
-def _config_templates(config: dict, file: str) -> dict[str, tuple[str, str]]:
-    """{name: (template, where)} of a JSON file's "chat_template": a string, or [{"name": ..., "template": ...}]."""
-    template = config.get("chat_template") if isinstance(config, dict) else None
-    if isinstance(template, str):
-        return {"default": (template, file)}
-    if not isinstance(template, list):
-        return {}
-    return {t["name"]: (t["template"], f"{file} (its {t['name']!r} template)") for t in template
-            if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+def _training_renderer(template: str, special: SpecialTokens):
+    """The model's template as training renders it: on the fixed CHAT_TEMPLATE_DATE, so a resumed or repeated run
+    tokenizes its data exactly as the first did."""
+    return jinja_renderer(template, {"bos_token": special.bos_text, "eos_token": special.eos_text},
+                          date=CHAT_TEMPLATE_DATE)
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048, eos_token: str = "<|endoftext|>") -> Tokenizer:
@@ -253,63 +155,9 @@ def render_simple(messages: Sequence[dict], special: SpecialTokens) -> Document:
     return Document("".join(parts), spans)
 
 
-def _jinja_renderer(template: str, special: SpecialTokens):
-    import jinja2  # a runtime dependency, imported when a model's own template is first rendered
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(jinja2.ext.Extension):
-        # HF's {% generation %}...{% endgeneration %} marks assistant text for its own masks; the spans here come
-        # from prefix renders, so the block only renders its body (as HF does), instead of failing to compile.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def strftime_now(fmt):
-        return CHAT_TEMPLATE_DATE.strftime(fmt)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", Generation])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-    try:
-        compiled = env.from_string(template)
-    except jinja2.exceptions.TemplateError as exc:
-        raise ValueError(f"the model's chat template does not compile: {exc}") from None
-
-    def render(messages, add_generation_prompt: bool) -> str:
-        # A template refuses what it cannot render (Gemma's: a system turn) with raise_exception(): a data error,
-        # so a ValueError the caller can place (file:line) and the CLI reports in one line.
-        try:
-            return compiled.render(
-                messages=list(messages),
-                tools=None,  # as HF passes them: a template testing `tools is not none` sees no tools
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=special.bos_text,
-                eos_token=special.eos_text,
-            )
-        except jinja2.exceptions.TemplateError as exc:
-            raise ValueError(f"the model's chat template refused this conversation: {exc}") from None
-
-    return render
-
-
 def render_model_template(messages: Sequence[dict], special: SpecialTokens, renderer=None) -> Document:
     """Render with the model's jinja chat template; assistant spans from prefix renders (module docstring)."""
-    render = renderer or _jinja_renderer(special.chat_template, special)
+    render = renderer or _training_renderer(special.chat_template, special)
     full = render(messages, False)
     spans = []
     for i, m in enumerate(messages):
@@ -368,7 +216,7 @@ def render_generation_prompt(messages: Sequence[dict], special: SpecialTokens,
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i} needs string 'role' and 'content' fields, got {m!r}")
     if _uses_model_template(chat_template, special):
-        text = _jinja_renderer(special.chat_template, special)(messages, True)
+        text = _training_renderer(special.chat_template, special)(messages, True)
         return Document(text, None, template_bos=bool(special.bos_text) and text.startswith(special.bos_text))
     opened = render_simple(list(messages) + [{"role": "assistant", "content": ""}], special).text
     return Document(opened[: opened.rindex("<|assistant|>\n") + len("<|assistant|>\n")], None)
@@ -379,7 +227,7 @@ def iter_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
     """Read ``.txt`` / ``.jsonl`` files into documents one at a time (formats: module docstring), so a corpus is
     never held in memory as a whole; blank plain texts are left out (nothing to learn)."""
     use_model = _uses_model_template(chat_template, special)
-    renderer = functools.cache(lambda: _jinja_renderer(special.chat_template, special))  # compiled once, if needed
+    renderer = functools.cache(lambda: _training_renderer(special.chat_template, special))  # compiled once, if needed
     for raw in paths:
         path = Path(raw)
         if not path.is_file():

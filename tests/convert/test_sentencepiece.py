@@ -15,7 +15,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from liger_models import load_tokenizer
+from liger_models.hub import load_tokenizer  # the fast tokenizer itself
 from liger_models.cli import main
 from liger_models.convert import sentencepiece_tokenizer as spt
 from liger_models.convert.native import native_to_hf

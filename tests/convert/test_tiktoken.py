@@ -17,6 +17,7 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from liger_models import load_tokenizer
+from liger_models.hub import load_tokenizer as load_fast_tokenizer
 from liger_models.cli import main
 from liger_models.convert import tiktoken_tokenizer as tt
 from liger_models.convert.native import native_to_hf
@@ -183,16 +184,21 @@ def test_load_tokenizer_and_transformers_agree(converted, reference):
 
     ours, hf = load_tokenizer(converted), AutoTokenizer.from_pretrained(str(converted))
     assert (hf.bos_token, hf.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert (ours.bos_token, ours.eos_token) == (hf.bos_token, hf.eos_token)
+    assert (ours.bos_token_id, ours.eos_token_id) == (hf.bos_token_id, hf.eos_token_id)
     for text in SAMPLES:
-        ids = ours.encode(text).ids
-        assert hf(text)["input_ids"] == ids
+        ids = ours.encode(text)
+        assert hf(text)["input_ids"] == ids == ours(text)["input_ids"]
         assert hf.decode(ids[1:]) == ours.decode(ids[1:], skip_special_tokens=False) == text
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Who art thou? "}]
     prompt = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert prompt == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
                       "<|start_header_id|>user<|end_header_id|>\n\nWho art thou?<|eot_id|>"
                       "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    assert ours.encode(prompt, add_special_tokens=False).ids == reference.encode(prompt, allowed_special="all")
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == prompt
+    assert ours.apply_chat_template(chat, add_generation_prompt=True, return_dict=False) == \
+        hf.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    assert ours.encode(prompt, add_special_tokens=False) == reference.encode(prompt, allowed_special="all")
 
 
 # ---- reading and detecting ----------------------------------------------------------------------------------
@@ -247,7 +253,7 @@ def test_native_llama3_converts_its_tokenizer(tmp_path, ranks_file, version):
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (n, n + 1)
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert tok_cfg["model_max_length"] == cfg["max_position_embeddings"] and tok_cfg["eos_token"] == "<|end_of_text|>"
-    tokenizer = load_tokenizer(out)
+    tokenizer = load_fast_tokenizer(out)
     fifth = "<|reserved_special_token_2|>" if version == "3.1" else "<|reserved_special_token_3|>"
     assert tokenizer.id_to_token(n + 5) == fifth and tokenizer.token_to_id("<|eot_id|>") == n + 9
 

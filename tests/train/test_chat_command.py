@@ -8,7 +8,8 @@ import io
 import pytest
 import torch
 
-from liger_models import AutoLigerForCausalLM, load_tokenizer
+from liger_models import AutoLigerForCausalLM
+from liger_models.hub import load_tokenizer  # the fast tokenizer itself
 from liger_models.chat_command import PROMPT, REPLY, run_chat
 from liger_models.cli import build_parser, main
 from liger_models.decoding_commands import encode_conversation

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from liger_models import load_tokenizer
+from liger_models.hub import load_tokenizer  # the fast tokenizer itself
 from liger_models.chat_command import run_chat
 from liger_models.cli import build_parser, main
 from liger_models.decoding_commands import Decoded, run_generate

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from liger_models import AutoLigerForCausalLM, load_tokenizer
+from liger_models import AutoLigerForCausalLM
+from liger_models.hub import load_tokenizer  # the fast tokenizer itself
 from liger_models.cli import main
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.decoding import medusa_generate
