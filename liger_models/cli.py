@@ -259,6 +259,14 @@ def _add_decoding(p: argparse.ArgumentParser, chat_only: bool) -> None:
                    help="plain decoding: sample from the top k (0: no cut)")
     p.add_argument("--top-p", type=_float_where("in (0, 1]", lambda x: 0 < x <= 1), default=None,
                    help="plain decoding: sample from the nucleus")
+    p.add_argument("--repetition-penalty", type=_positive_float, default=None,
+                   help="plain decoding: HF's repetition penalty (1: none; default generation_config.json's)")
+    p.add_argument("--no-repeat-ngram-size", type=_non_negative, default=None,
+                   help="plain decoding: never repeat an n-gram this long (0: off)")
+    p.add_argument("--min-new-tokens", type=_non_negative, default=None,
+                   help="plain decoding: no end-of-sequence before this many new tokens")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="plain decoding: end the text at this string (repeat for several)")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default 0)")
     p.add_argument("--default-tree", action="store_true",
                    help="with --medusa: verify the default tree even where calibrate-tree saved one")

@@ -349,6 +349,10 @@ def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptRes
         raise ValueError("give at least one --prompt or --prompt-file")
     sources = locate(args.model, args.medusa)
     tokenizer, special = tokenizer_and_specials(sources.tokenizer_dir)
+    if args.chat:
+        from liger_models.train.data import chat_template_note
+
+        print(chat_template_note(special, args.chat_template or "auto"), file=log, flush=True)
     encoded = [encode_prompt(p, tokenizer, special, chat=args.chat, system=args.system,
                              chat_template=args.chat_template or "auto") for p in prompts]
     decoder = open_decoder(args, sources, tokenizer, log)

@@ -79,6 +79,11 @@ class Calibration:
                              for batch, (nodes, tokens) in self.by_batch.items()}}
 
 
+# What Medusa's verification decodes: no repetition penalty, n-gram blocking, minimum length or stop strings.
+NEUTRAL_PROCESSORS = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0, min_length=0,
+                          stop_strings=[])
+
+
 @torch.no_grad()
 def calibrate_medusa_choices(base: nn.Module, heads: MedusaHeads, prompts: Sequence[torch.Tensor], *,
                              new_tokens: int = 128, size: int = 63, topk: int = TOPK,
@@ -90,9 +95,11 @@ def calibrate_medusa_choices(base: nn.Module, heads: MedusaHeads, prompts: Seque
         raise ValueError("calibrating a Medusa tree needs at least one prompt")
     per_sequence = []
     for prompt in prompts:
-        # attention_mask: the prompt is text throughout, even where an id equals the pad id.
+        # attention_mask: the prompt is text throughout, even where an id equals the pad id. The processors a
+        # generation_config.json may set are turned off: the tree is fitted to what Medusa decoding verifies,
+        # plain greedy continuations.
         sequence = base.generate(prompt[None], new_tokens, do_sample=False, cuda_graph=cuda_graph,
-                                 attention_mask=torch.ones_like(prompt[None]))[0]
+                                 attention_mask=torch.ones_like(prompt[None]), **NEUTRAL_PROCESSORS)[0]
         per_sequence.append(rank_paths(base, heads, sequence, len(prompt), topk).cpu())
     paths = torch.cat(per_sequence)
     if len(paths) == 0:

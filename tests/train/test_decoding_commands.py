@@ -418,3 +418,23 @@ def test_a_mask_only_for_a_prompt_that_holds_the_pad_id(tiny_model_dir, tmp_path
     assert _generate(["--model", str(padded), "--prompt", "ROMEO: what", "--prompt", "Hark", "--max-new-tokens", "2",
                       "--greedy"], capsys)[0] == 0
     assert masks[0] is not None and bool(masks[0].all()) and masks[1] is None
+
+
+def test_processor_options_reach_generate(tiny_model_dir, capsys):
+    """--repetition-penalty / --no-repeat-ngram-size / --min-new-tokens / --stop: the command prints what generate
+    returns with the same settings (and the text ends at the first stop string)."""
+    base = AutoLigerForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids = torch.tensor([tokenizer.encode("ROMEO:").ids])
+    # A penalty below 1 rewards the prompt's and the output's tokens: a random model's text changes for sure.
+    settings = dict(repetition_penalty=0.2, no_repeat_ngram_size=3, min_new_tokens=5)
+    new = base.generate(ids, 16, do_sample=False, **settings)[0, ids.shape[1]:].tolist()
+    expected = tokenizer.decode(new, skip_special_tokens=True)
+    assert expected != _greedy_reference(tiny_model_dir, "ROMEO:", 16)[1]  # the settings change the text
+    args = ["--model", str(tiny_model_dir), "--prompt", "ROMEO:", "--max-new-tokens", "16", "--greedy",
+            "--repetition-penalty", "0.2", "--no-repeat-ngram-size", "3", "--min-new-tokens", "5"]
+    code, out, _ = _generate(args, capsys)
+    assert code == 0 and out == expected + "\n"
+    stop = expected.strip()[:3]
+    code, out, _ = _generate(args + ["--stop", stop], capsys)
+    assert code == 0 and out.rstrip("\n").endswith(stop) and len(out.rstrip("\n")) <= len(expected)
