@@ -6,9 +6,9 @@ projection output, k / v as one layer's views of the static cache, the mask from
 GPU times of CUDA-graph replays (`triton.testing.do_bench_cudagraph`): inside a graphed step there is no host.
 
 Every schedule of the split kernel in SCHEDULES (rows per program, warps, programs per SM) is timed and checked
-against the float64 reference (KERNELS.md §3: bf16 rel. L2 ≤ 1e-2 and ≤ 2× SDPA's error); the fastest correct one
-over the tree cases is printed as a LIGER_TUNE string (`best_tune` in the JSON), with whether one-token calls are
-faster through SDPA (then MIN_QUERIES=2).
+against the float64 reference (docs/kernels.md#correctness-protocol: bf16 rel. L2 ≤ 1e-2 and ≤ 2× SDPA's error);
+the fastest correct one over the tree cases is printed as a LIGER_TUNE string (`best_tune` in the JSON), with whether
+one-token calls are faster through SDPA (then MIN_QUERIES=2).
 
     python benchmarks/bench_decode_attention.py --out DIR
 """

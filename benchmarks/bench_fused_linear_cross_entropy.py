@@ -4,11 +4,11 @@ PyTorch (HF: logits = h·Wᵀ in bf16, upcast, F.cross_entropy), torch.compile o
 
 bf16 hidden (N, H) and weight (V, H), both leaves requiring grad; mean reduction, 1/16 of the labels ignored.
 Time: median of triton's do_bench. Memory (the table's MiB): peak allocated during forward + backward above the
-inputs AND the gradient outputs (N·H + V·H bf16), as in KERNELS.md; the raw peak and this project's fp32 V×H dW
-accumulator (allowed on top of the 256 MiB budget) are in Result.extra. Floor: 6·N·H·V FLOP at the bf16 matmul
-rate measured in the same run (8192³); Result.extra has each provider's effective TFLOP/s and its fraction of
-that rate. Two distributions: "random" (N(0,1) hidden, weight scaled to logits of std ≈2, uniform labels) and
-"peaked" (a shared direction gives each token a Zipf-like logit bias of up to +20, labels sampled from the
+inputs AND the gradient outputs (N·H + V·H bf16), as linear-CE's memory target counts it; the raw peak and this
+project's fp32 V×H dW accumulator (allowed on top of the 256 MiB budget) are in Result.extra. Floor: 6·N·H·V FLOP
+at the bf16 matmul rate measured in the same run (8192³); Result.extra has each provider's effective TFLOP/s and its
+fraction of that rate. Two distributions: "random" (N(0,1) hidden, weight scaled to logits of std ≈2, uniform
+labels) and "peaked" (a shared direction gives each token a Zipf-like logit bias of up to +20, labels sampled from the
 softmax itself; CCE's gradient filtering only pays here). At the headline shapes CCE also runs with its filter off
 (`cut-cross-entropy exact`, filter_eps=None: every block's work, though its dE / dC still accumulate in bf16 —
 25.1.1 has no fp32-accumulating variant), and this project also runs
@@ -161,7 +161,7 @@ def time_case(label: str, fns: dict, flop: float, grad_mib: float, scratch_mib: 
     for r in results:
         if r.ms:
             r.extra["peak_raw_mib"] = r.peak_mib
-            r.peak_mib -= grad_mib  # KERNELS.md: above the inputs and the gradient outputs
+            r.peak_mib -= grad_mib  # the memory target: above the inputs and the gradient outputs
             r.extra["tflops"] = flop / (r.ms * 1e-3) / 1e12
             r.extra["frac_matmul"] = r.extra["tflops"] / rate
             if r.provider.startswith("liger-models"):

@@ -11,7 +11,7 @@ graphed (`cuda_graph=True`, as a user decoding for speed runs them), greedy, no 
                     at 16); and a 9-node one (top-2 of head 1, then one token each from heads 2-4) whose
                     verification costs a fifth as much once the batch makes it compute-bound
   break-even        medusa ÷ plain: the tokens per row a step must emit to tie with plain decoding
-  speedup @ a       a × plain ÷ medusa, at a tokens per row per step (trained heads: ~2.5-3, MEDUSA.md §4)
+  speedup @ a       a × plain ÷ medusa, at a tokens per row per step (trained heads: ~2.5-3, docs/medusa.md)
 Random heads accept almost nothing, so every row takes about one token per step here; what a step costs does not
 depend on what it accepts (the whole tree is verified either way).
 

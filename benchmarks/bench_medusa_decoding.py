@@ -7,7 +7,7 @@ one plain decoding step, so this script measures both on the same random-weight 
   medusa ms/step    one tree step (heads' top-k, the verification call, acceptance, KV cache update), per step
   break-even        medusa ms/step ÷ greedy ms/token: the tokens a step must emit to tie with plain decoding
   speedup @ a       a × greedy ms/token ÷ medusa ms/step, at a tokens per step (trained Medusa-1 heads on Vicuna-7B
-                    emit ~2.5–3.0 per step with the 63-node tree, MEDUSA.md §4)
+                    emit ~2.5–3.0 per step with the 63-node tree, docs/medusa.md)
 Random heads accept almost nothing greedily, and typical acceptance (T 0.7, sampled roots) takes nearly every
 candidate of a random base (its near-uniform p(x) ≈ 1/V beats the threshold 0.3·exp(−H) ≈ 0.3/V), so their own
 tokens/step is reported but is not the point: ms/step is, at both temperatures. Each of ours runs

@@ -1,4 +1,5 @@
-"""Shared checks for kernel tests: poisoned outputs and the per-dtype tolerance protocol of KERNELS.md §3."""
+"""Shared checks for kernel tests: poisoned outputs and the per-dtype tolerance protocol
+(docs/kernels.md#correctness-protocol)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tensor | None = None, name: str = "out",
                    scale_floor: float = 0.0):
-    """Check ``out`` against a float64 reference with KERNELS.md §3 tolerances.
+    """Check ``out`` against a float64 reference with the tolerances of docs/kernels.md#correctness-protocol.
 
     float32: max abs error ≤ 1e-5 × the reference's scale, max|ref| (at least ``scale_floor``: an output that is a
     cancellation of larger fp32 values, such as a loss near 0 from logits near 30, is only as accurate as those

@@ -10,7 +10,7 @@ Inputs (one directory):
 - Mistral (mistral-inference): ``params.json`` and ``consolidated.safetensors`` (or several ``consolidated*``
   safetensors that split the keys, not the tensors); the tensor names are Meta's.
 
-What changes on the way (MODELS.md, "RoPE layout"): the native RoPE rotates interleaved (complex) pairs, HF's
+What changes on the way: the native RoPE rotates interleaved (complex) pairs, HF's
 rotates halves, so the rows of wq and wk are permuted per head, ``view(H, d/2, 2, D).transpose(1, 2)``. Everything
 else is a rename. The intermediate size and vocabulary come from the tensors (Llama 2's ``vocab_size`` is -1 and
 ``multiple_of``/``ffn_dim_multiplier`` only describe how Meta sized w1). ``use_scaled_rope`` becomes HF's ``llama3``

@@ -12,7 +12,8 @@ class GemmaConfig(LigerConfig):
     """HF GemmaConfig: (1 + w) fp32 norms, √hidden embedding scale, tanh GELU, head_dim 256, tied head.
 
     The activation is ``hidden_activation`` when config.json has it, else ``hidden_act``; the released checkpoints
-    say "gelu" but were trained with the tanh approximation, so for this family "gelu" means tanh (MODELS.md §2.4).
+    say "gelu" but were trained with the tanh approximation, so for this family "gelu" means tanh
+    (docs/models.md#gemma).
     """
 
     vocab_size: int = 256000

@@ -3,7 +3,8 @@
 Nothing here reads a value back to the host, so the eager steps (decoding.py) and the steps replayed whole as one
 CUDA graph (graphed_step.py) run the same code and, given the same generator, draw the same tokens.
 
-Rules (MEDUSA.md §4), for a candidate token x at some depth of a path, p = softmax(base logits after its parent / T):
+Rules (docs/medusa.md#tree-decoding), for a candidate token x at some depth of a path, p = softmax(base logits after
+its parent / T):
   greedy (temperature T = 0): x is accepted iff it is the base's argmax there;
   typical (T > 0): iff p(x) > min(ε, δ·exp(−H(p))) (posterior_threshold ε, posterior_alpha δ).
 A path keeps its longest accepted prefix; the longest wins, ties broken by the summed log-probability of the

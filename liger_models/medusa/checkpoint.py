@@ -1,4 +1,4 @@
-"""Medusa heads on disk in the format FasterDecoding/Medusa and TGI read (MEDUSA.md §3, format B).
+"""Medusa heads on disk in the format FasterDecoding/Medusa and TGI read (docs/medusa.md#checkpoint-formats, format B).
 
 A heads directory holds `config.json` (`MedusaConfig.to_json_dict`) and `medusa_lm_head.safetensors` with unprefixed
 keys `{h}.{l}.linear.weight|bias` and, unless the lm_head is shared, `{h}.{L}.weight`. A stage-2 directory is the
@@ -145,7 +145,7 @@ def load_heads_state_dict(directory: str) -> dict[str, torch.Tensor]:
 def unshare(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`sd` with every tensor in its own storage (a copy for each one after the first that aliases another).
 
-    torch.save keeps aliasing, and upstream's `[ResBlock(H)] * n` (MEDUSA.md §1) saves one block under n layer
+    torch.save keeps aliasing, and upstream's `[ResBlock(H)] * n` (one module n times) saves one block under n layer
     keys. Loaded as is (assign=True, same device and dtype), our layers would share storage: tied for good, each
     optimizer step applied once per alias, and a safetensors save refused.
     """

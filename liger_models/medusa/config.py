@@ -1,8 +1,8 @@
 """Medusa heads configuration and its `config.json` form (the fields Medusa, TGI and our loader read).
 
-On disk (MEDUSA.md §3, format B) the heads' `config.json` holds `base_model_name_or_path`, `medusa_num_heads`,
-`medusa_num_layers` and `"version": "2"` exactly when the heads share the base `lm_head`; TGI keys on
-`medusa_num_heads` and `base_model_name_or_path`, Medusa's own `MedusaConfig` accepts the rest as extra fields.
+On disk (docs/medusa.md#checkpoint-formats, format B) the heads' `config.json` holds `base_model_name_or_path`,
+`medusa_num_heads`, `medusa_num_layers` and `"version": "2"` exactly when the heads share the base `lm_head`; TGI
+keys on `medusa_num_heads` and `base_model_name_or_path`, Medusa's own `MedusaConfig` accepts the rest as extra fields.
 We also write `hidden_size` / `vocab_size` (mlc-llm's Medusa config requires them) and the loss settings under the
 axolotl fork's names (`medusa_heads_coefficient`, `medusa_decay_coefficient`, `medusa_scheduler`).
 """

@@ -4,7 +4,7 @@ CE_0 is the base head (hidden at t → label t+1); CE_k is Medusa head k = 1..K 
 (position t → label t+k+1). Every term runs through `fused_linear_cross_entropy` on the *labels* shifted by
 `shift_labels` (which also masks targets across packed-document boundaries, where `position_ids` restart), with the
 term's weight as the kernel's `loss_scale` so gradients come out pre-scaled, and `return_target_rank=True` for the
-per-head top-1 / top-5 counts. Weights and schedules follow the axolotl Medusa-2 fork (MEDUSA.md §2.1):
+per-head top-1 / top-5 counts. Weights and schedules follow the axolotl Medusa-2 fork (docs/medusa.md#loss-and-stages):
 λ_k = heads_coefficient · decay_coefficient^k for k = 1..K; sched ∈ constant, linear, sine, sine_<r>.
 """
 

@@ -1,7 +1,7 @@
 """The config every family shares: HF field names, family defaults, and config.json parsing.
 
 ``LigerConfig.from_hf(d)`` reads a config.json dict as written by any transformers version
-(MODELS.md §1.1, §3, §6.14):
+(docs/models.md#configjson):
 ``rope_parameters`` (v5) or ``rope_scaling`` + ``rope_theta`` (v4), ``type`` or ``rope_type``, ``torch_dtype`` or
 ``dtype``. The rope spec is canonicalised into ``rope_theta`` plus ``rope_scaling`` (``None`` for default RoPE, else a
 dict with ``rope_type``). Fields this dataclass does not model are kept in ``extra`` so ``to_hf()`` writes them back.

@@ -15,7 +15,7 @@ seq_len = max(position_ids) + 1 of the current call; it is used on device (torch
 The tables follow HF v5 ``*RotaryEmbedding.forward``: freqs = pos[..., None] · inv_freq, emb = cat(freqs, freqs).
 Unlike HF's dynamic variant this is stateless: the table depends only on the current call's positions, which is the
 same thing during left-to-right generation. inv_freq is a plain attribute, never a buffer, so ``model.to(bf16)``
-cannot round it (MODELS.md §6.10) and a meta-device skeleton still has it.
+cannot round it (the angles must stay fp32) and a meta-device skeleton still has it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Shared checks for the gated-activation kernels, used by test_swiglu.py and test_geglu.py.
 
 Each check takes the public function under test and the activation name it must match, runs it on fresh
-random data and compares forward and backward with the float64 reference (KERNELS.md §3 tolerances), with
+random data and compares forward and backward with the float64 reference (docs/kernels.md#correctness-protocol), with
 the eager bf16 HF expression as the bar for low-precision error.
 """
 

@@ -1,4 +1,5 @@
-"""cross_entropy against a float64 reference (KERNELS.md §3), on CPU through Triton's interpreter.
+"""cross_entropy against a float64 reference (docs/kernels.md#correctness-protocol), on CPU through Triton's
+interpreter.
 
 Every tensor the op allocates is NaN-poisoned, so an element the kernel forgets to write fails. Vocab sizes are
 not multiples of the block; labels include 0, V−1 and ignored rows. ``-m gpu`` adds the real sizes, including a

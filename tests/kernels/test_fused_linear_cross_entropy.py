@@ -1,4 +1,4 @@
-"""fused_linear_cross_entropy against a float64 reference (KERNELS.md §3), on CPU through Triton's interpreter.
+"""fused_linear_cross_entropy against a float64 reference (docs/kernels.md), on CPU through Triton's interpreter.
 
 A tiny logits budget forces several token chunks (with and without grad_W's storage as the scratch), so chunk
 boundaries, the fp32 dW accumulation and the final cast are all exercised. Every allocation is NaN-poisoned.

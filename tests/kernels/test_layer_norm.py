@@ -1,4 +1,4 @@
-"""layer_norm / LayerNorm against a float64 reference (KERNELS.md §3), with and without bias.
+"""layer_norm / LayerNorm against a float64 reference (docs/kernels.md#correctness-protocol), with and without bias.
 
 On CPU the Triton kernels run in the interpreter with NaN-poisoned allocations; ``-m gpu`` runs real sizes.
 """

@@ -1,11 +1,11 @@
-"""Training with the fused loss follows training with the reference loss (KERNELS.md §3, convergence).
+"""Training with the fused loss follows training with the reference loss (docs/kernels.md#correctness-protocol).
 
 A tiny model (embedding → linear → tanh → fused linear-CE head) learns a fixed next-token rule (16 input tokens
 mapped across a 67-token vocabulary) for a few dozen SGD-with-momentum steps, once with
 `fused_linear_cross_entropy` (Triton kernel; several token chunks per step) and once with the eager reference, from
 the same initial weights and batches.
 fp32: the loss curves and final weights agree to fp32 precision.
-bf16 (weights, activations and updates in bf16): the KERNELS.md rule "no worse than 2× eager bf16's error",
+bf16 (weights, activations and updates in bf16): the kernel tests' rule "no worse than 2× eager bf16's error",
 applied to training and measured against an fp32 reference run, over BF16_RUNS independent runs (data and initial
 weights) whose errors are summed. Final weights: within 2× the eager bf16 runs' relative L2 distance. Loss curve:
 the largest per-step relative error within 3× eager's; the curve error is a handful of correlated samples of two

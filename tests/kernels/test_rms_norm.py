@@ -1,4 +1,4 @@
-"""rms_norm / add_rms_norm / RMSNorm against a float64 reference (KERNELS.md §3).
+"""rms_norm / add_rms_norm / RMSNorm against a float64 reference (docs/kernels.md#correctness-protocol).
 
 On CPU the Triton kernels run in the interpreter; every fresh tensor the kernels allocate is NaN-poisoned, so an
 element a kernel forgets to write fails the comparison. ``-m gpu`` repeats the checks at real sizes on CUDA.

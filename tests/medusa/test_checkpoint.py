@@ -222,7 +222,7 @@ def test_upstream_config_without_layers_or_version_follows_the_file(tmp_path, sh
 
 
 def test_upstream_pt_with_shared_resblocks_loads_as_independent_layers(tmp_path):
-    """Upstream builds a head's layers as `[ResBlock(H)] * n` (one module n times, MEDUSA.md §1), and torch.save
+    """Upstream builds a head's layers as `[ResBlock(H)] * n` (one module n times), and torch.save
     keeps that aliasing: `{h}.0.linear.*` and `{h}.1.linear.*` are one tensor. Loaded as is, our layers would share
     storage (each optimizer step applied twice to one tensor, the layers tied forever) and safetensors would refuse
     to save them. Each layer must get its own copy, equal in value."""

@@ -175,8 +175,9 @@ def test_reference_targets_sanity():
     assert reference_targets(labels, 2, pos).tolist() == [[2, -100, -100, 5, -100, -100]]
 
 
-# bf16 against float64, under KERNELS.md §3's protocol: every error (rel L2) at most 2x the error of an eager bf16
-# PyTorch implementation of the same computation (floor: one bf16 rounding), and at most 1e-2 where eager meets 1e-2.
+# bf16 against float64, under docs/kernels.md#correctness-protocol: every error (rel L2) at most 2x the error of an
+# eager bf16 PyTorch implementation of the same computation (floor: one bf16 rounding), and at most 1e-2 where eager
+# meets 1e-2.
 #
 # Where 1e-2 holds for eager too: in stage 2 the heads read the base's bf16 hidden states, which after two random
 # layers (make_base's scaled-up init) are ~3% off the float64 ones, and every gradient downstream inherits that.
@@ -312,9 +313,9 @@ def test_gpu_bf16_stage2_within_2x_eager(share, fixed_hidden):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# An independent materialised-logits reference, written from MEDUSA.md §2.1 and the packing contract rather than
-# from _common.py: every head's logits formed explicitly in float64, per-head mean CE on shifted labels, top-k
-# counts from the materialised logits, and "no target across a document start" stated as "no position id 0 in
+# An independent materialised-logits reference, written from docs/medusa.md#loss-and-stages and the packing contract
+# rather than from _common.py: every head's logits formed explicitly in float64, per-head mean CE on shifted labels,
+# top-k counts from the materialised logits, and "no target across a document start" stated as "no position id 0 in
 # (t, t + shift]" instead of shift_labels' position arithmetic.
 
 
@@ -357,7 +358,7 @@ def _materialised_reference(model, ids, labels, pos, sched: float):
     base_ce = mean_ce(hidden @ base64.lm_head.weight.t(), _contract_targets(labels, 1, pos))
     loss = w0 * base_ce
     ces, top1, top5, counts = [], [], [], []
-    for k in range(K):  # 0-based head k is MEDUSA.md's head k + 1: label t + k + 2, weight 0.2 * 0.8^(k+1)
+    for k in range(K):  # 0-based head k is docs/medusa.md's head k + 1: label t + k + 2, weight 0.2 * 0.8^(k+1)
         z = hidden
         for l in range(L):
             z = z + F.silu(z @ sd[f"{k}.{l}.linear.weight"].t() + sd[f"{k}.{l}.linear.bias"])
@@ -486,7 +487,7 @@ def test_config_refuses_loss_weights_that_are_not_finite_non_negative(field, val
 def test_tied_logits_are_not_top1_hits():
     """A head whose logits are all equal at a position (here: zero hidden states, no ResBlock) has learned nothing
     there, yet a strictly-above rank calls every such target top-1 and top-5 correct: a dead head would report 100%
-    accuracy, the failure MEDUSA.md §7's per-head top-k is meant to expose. Targets are ≥ 5, so the claim holds both
+    accuracy, the failure the per-head top-k metrics are meant to expose. Targets are ≥ 5, so the claim holds both
     for ties counted as misses and for torch.topk-style lowest-index-first tie-breaking."""
     base = make_base(V, H)
     heads = MedusaHeads(MedusaConfig.for_base(base, num_heads=2, num_layers=0), base.lm_head)

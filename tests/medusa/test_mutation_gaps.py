@@ -73,9 +73,10 @@ def test_config_sizes_that_disagree_with_the_heads_file_raise(tmp_path, field):
 
 
 def _reference_accept(paths, valid, logits, temperature, eps, alpha):
-    """Typical acceptance (MEDUSA.md §4) in float64, one token at a time: accept while p(x) > min(ε, δ·exp(−H(p)))
-    at temperature T; the longest prefix wins, ties by the summed log-probability of the accepted tokens, then the
-    first row. Also returns the smallest |p − threshold| seen, to skip draws that rounding could flip."""
+    """Typical acceptance (docs/medusa.md#tree-decoding) in float64, one token at a time: accept while
+    p(x) > min(ε, δ·exp(−H(p))) at temperature T; the longest prefix wins, ties by the summed log-probability of the
+    accepted tokens, then the first row. Also returns the smallest |p − threshold| seen, to skip draws that rounding
+    could flip."""
     P, D = paths.shape[0], paths.shape[1] - 1
     best, margin = (0, 0, -float("inf")), float("inf")
     for p in range(P):

@@ -59,7 +59,7 @@ def test_param_groups_heads_at_4x_with_biases_and_base_in_stage2():
 @pytest.mark.parametrize("stage", [1, 2])
 def test_param_groups_weight_decay_on_matrices_only(stage):
     """Weight decay shrinks what it touches towards 0: never the heads' ResBlock biases nor the base's RMSNorm weights
-    (MEDUSA.md §7). The 1-D tensors keep their group's lr (heads × 4) in a no-decay sibling."""
+    (docs/medusa.md#loss-and-stages). The 1-D tensors keep their group's lr (heads × 4) in a no-decay sibling."""
     model = MedusaModel.from_base(make_base(V, H), stage=stage, num_heads=2, num_layers=2)
     groups = model.param_groups(1e-3, weight_decay=0.1)
     for g in groups:

@@ -1,6 +1,7 @@
 """Shared checks for the per-family parity tests: tiny random HF model → save_pretrained → our from_pretrained.
 
-Everything runs on the CPU: ours in float32 against HF in float64 (the reference numerics of MODELS.md §0).
+Everything runs on the CPU: ours in float32 against HF in float64 (the reference numerics:
+docs/models.md#the-shared-decoder).
 """
 
 from __future__ import annotations

@@ -416,7 +416,8 @@ def _bf16_steps_as_accurate_as_eager(device: str) -> None:
     # kernel's); the logits must not be less accurate, step after step, than the eager step's. Reference: the same
     # bf16-rounded weights in fp32 arithmetic (unrounded weights would measure the weights' rounding instead). A
     # whole bf16 model sits 1-4% (relative L2) from that reference, so the bound is relative to the eager step's
-    # error, as KERNELS.md §3 bounds a kernel against eager PyTorch: at most 2× it (a rounding's worth at least).
+    # error, as docs/kernels.md#correctness-protocol bounds a kernel against eager PyTorch: at most 2× it (a
+    # rounding's worth at least).
     import copy
 
     from tests.helpers import rel_l2

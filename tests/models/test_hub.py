@@ -574,7 +574,8 @@ def test_an_interrupted_download_in_the_cache_is_named(tmp_path, checkpoint):
 
 
 def test_registry_by_model_type_is_public():
-    """ARCHITECTURE.md's public API includes the registry by model_type: every family there, each class its own."""
+    """The public API (docs/models.md#public-api) includes the registry by model_type: every family there, each class
+    its own."""
     import liger_models
 
     assert set(liger_models.MODEL_CLASSES) == {"llama", "mistral", "qwen2", "gemma", "phi3"}

@@ -37,7 +37,7 @@ def test_sliding_window_upper_layers(tmp_path):
 
 def test_yarn_rope_v4_config(tmp_path):
     # Qwen2.5's documented long-context recipe adds {"type": "yarn", "factor": 4, "original_max_position_embeddings":
-    # 32768} to config.json (MODELS.md §2.3, §3.6); positions past the original length must rotate as HF's do.
+    # 32768} to config.json (docs/models.md#qwen2); positions past the original length must rotate as HF's do.
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 1000000.0}
     hf = build_hf(transformers.Qwen2Config, max_position_embeddings=32, rope_parameters=rope)
     ours = check_parity(hf, save_hf(hf, tmp_path / "hf", v4_style=True), seq_len=20)
