@@ -45,8 +45,9 @@ from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.tree import (TOPK, TREE_TOKENS, MedusaBuffers, candidate_tokens, default_medusa_choices,
                                      dense_medusa_choices, generate_medusa_buffers, tree_for_batch)
 from liger_models.modules.cache import KVCache
+from liger_models.modules.inputs import check_input_ids, checks_its_own_token_ids
 from liger_models.modules.generate import (IMPLEMENTED, INERT, PREALLOCATED_NEW_TOKENS, REFUSED, SAMPLING, Refused,
-                                           Settings, check_input_ids, check_keywords, eos_token_ids, fill_token,
+                                           Settings, check_keywords, eos_token_ids, fill_token,
                                            new_token_budget, pad_token, prompt_mask, refuse_unsupported)
 
 # Graphed steps launch the next step before reading this one's tokens when the next is certain (GraphedSteps.tree);
@@ -113,6 +114,7 @@ class _Steps:
 
 
 @torch.no_grad()
+@checks_its_own_token_ids
 def medusa_generate(base: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, max_new_tokens: int | None = None, *,
                     medusa_choices: Sequence[Sequence[int]] | None = None, temperature: float = 0.0,
                     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, topk: int = TOPK,

@@ -41,6 +41,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .cache import KVCache
+from .inputs import _integral, check_input_ids, checks_its_own_token_ids
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # HF's global defaults (GenerationConfig._get_default_generation_params) of the settings generate implements, for
@@ -386,10 +387,6 @@ def default_token_id(model, key: str):
     return getattr(getattr(model, "config", None), key, None)
 
 
-def _integral(t: torch.Tensor) -> bool:
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-
 def token_id_list(ids, name: str) -> list[int]:
     """One id or several as a list of ints. Like HF's generate, a numpy integer or a (0-d) tensor is accepted too
     (e.g. an id read back from a tensor of tokens); anything not integral is named."""
@@ -419,21 +416,6 @@ def eos_token_ids(model, eos_token_id: int | list[int] | None) -> list[int]:
     """The stop ids: the argument (one id or several), else the checkpoint's default (`default_token_id`)."""
     eos = eos_setting(model, eos_token_id)
     return [] if eos is None else token_id_list(eos, "eos_token_id")
-
-
-def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Refuse ids the embedding cannot look up: on the CPU an IndexError deep inside the model, on CUDA a
-    device-side assert that leaves the process's CUDA context unusable (e.g. a tokenizer with added tokens and
-    an embedding that was never resized)."""
-    if not _integral(input_ids):
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-    if input_ids.numel() == 0:
-        return
-    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync, not two
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(f"input_ids hold token id {bad}, outside the model's vocabulary [0, vocab_size={vocab_size})"
-                         " (a tokenizer that does not match the checkpoint, or a pad id such as -100 / -1?)")
 
 
 def prompt_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad: int | None,
@@ -492,6 +474,7 @@ def new_token_budget(model, max_new_tokens: int | None, prompt_length: int, max_
 
 
 @torch.no_grad()
+@checks_its_own_token_ids
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, *, do_sample: bool | None = None,
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              min_p: float | None = None, repetition_penalty: float | None = None,

@@ -4,7 +4,8 @@ Without them a bad input surfaces far from its cause: a token id outside the voc
 embedding on the CPU and a device-side assert on CUDA (which leaves the process's CUDA context unusable); wrongly
 shaped position_ids fail in an ``expand`` or in the rotary kernel; a float attention_mask is read as ``mask != 0``,
 so an additive mask (0 / -inf) hides exactly the tokens it meant to keep. ``DecoderModel.forward`` runs
-:func:`check_forward_inputs`; ``generate`` and Medusa decoding check their prompt with :func:`check_input_ids`.
+:func:`check_forward_inputs`; ``generate`` and Medusa decoding check their prompt with :func:`check_input_ids` and
+then skip the per-call read for the tokens they chose themselves (:func:`checks_its_own_token_ids`).
 
 Shapes and dtypes cost nothing to check. The id range needs the ids' minimum and maximum on the host: one small
 reduction, a device sync on CUDA, so it is skipped where no value can be read: while torch.compile traces (the
@@ -17,10 +18,31 @@ itself (kernels/_labels.py ``LabelCheck``), on the device without stalling it, b
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 # What nn.Embedding (and the loss kernels, for labels) index with.
 ID_DTYPES = (torch.int64, torch.int32)
+# Depth of the decoding loops running now (checks_its_own_token_ids): their forward calls skip the id range read.
+_OWN_IDS = [0]
+
+
+def checks_its_own_token_ids(decode):
+    """Decorator for a decoding loop that checks its prompt itself (``check_input_ids``) and then feeds the model
+    only tokens the model chose: its forward calls skip the range read, so a CUDA step never waits for the device
+    to finish the previous one (one sync per token would serialise the host's launches with the GPU's work)."""
+
+    @functools.wraps(decode)
+    def wrapper(*args, **kwargs):
+        _OWN_IDS[0] += 1
+        try:
+            return decode(*args, **kwargs)
+        finally:
+            _OWN_IDS[0] -= 1
+
+    return wrapper
 
 
 def _integral(t: torch.Tensor) -> bool:
@@ -86,6 +108,10 @@ def check_forward_inputs(input_ids: torch.Tensor, vocab_size: int, position_ids:
         check_position_ids(position_ids, input_ids)
     if attention_mask is not None:
         check_attention_mask(attention_mask, input_ids)
+    if _OWN_IDS[0]:  # a decoding loop's own tokens (checks_its_own_token_ids): the dtype only, no device read
+        if input_ids.dtype not in ID_DTYPES:
+            raise ValueError(f"input_ids must be int64 (or int32) token ids, got dtype {input_ids.dtype}")
+        return
     check_input_ids(input_ids, vocab_size)  # last: the one check that may wait for the device
 
 

@@ -45,7 +45,7 @@ def test_ids_outside_the_vocabulary_are_named(bad):
 def test_float_ids_and_nan_temperature_are_named():
     model = _tiny()
     prompt = torch.randint(3, V, (1, 4))
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(ValueError, match="input_ids must be int64"):
         model.generate(prompt.float(), max_new_tokens=3)
     with pytest.raises(ValueError, match="temperature"):  # NaN > 0 is False: it passed and NaN probs raised later
         model.generate(prompt, max_new_tokens=3, do_sample=True, temperature=float("nan"))

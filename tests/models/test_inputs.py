@@ -170,3 +170,19 @@ def test_cuda_ids_checked_eagerly_and_left_alone_during_capture():
         shifted = bad - 1  # something to capture
     graph.replay()
     assert int(shifted.max()) == V - 1
+
+
+def test_decoding_reads_the_ids_once_for_the_prompt_not_per_step(model, ids, monkeypatch):
+    """generate checks its prompt once; the tokens it feeds back are the model's own, so no step waits on a read
+    (on CUDA each read would be a device sync per token)."""
+    calls = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: calls.append(t.shape) or aminmax(t))
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=[])
+    assert out.shape[1] == ids.shape[1] + 5
+    assert calls == [ids.shape]
+    calls.clear()
+    model(ids)  # outside a decoding loop every call reads again
+    assert calls == [ids.shape]
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        model.generate(torch.full_like(ids, V), max_new_tokens=2)
