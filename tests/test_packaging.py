@@ -111,3 +111,12 @@ def _requirement_name(requirement: str) -> str:
     for sep in "<>=!~;[ ":
         name = name.split(sep)[0]
     return name.strip().lower().replace("_", "-")
+
+
+def test_the_version_is_written_once():
+    import liger_models
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "liger_models.__version__"}
+    assert importlib.metadata.version("liger-models") == liger_models.__version__
