@@ -4,22 +4,30 @@ Training: ``model(input_ids, labels=...)`` shifts labels inside (HF convention: 
 ignored; a packed-document boundary is never a target) and computes the loss with ``fused_linear_cross_entropy``
 straight from the final hidden states, so the B·T×V logits never exist. Inference returns logits (all positions or
 the last ``num_logits_to_keep``) in the activation dtype, optionally with a KV cache.
+
+HF's training loops and adapters drive the model through the surface of transformers' ``PreTrainedModel``, which is
+duck-typed here (transformers is not a runtime dependency): ``Trainer`` and TRL's ``SFTTrainer`` call forward with
+their batches and ``num_items_in_batch``, PEFT wraps it (``task_type="CAUSAL_LM"``), and all of them reach for the
+embeddings, checkpointing switches, ``config`` and ``generation_config``. A keyword argument of HF's forward that
+this one cannot honour is refused with an error that names it, never ignored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from liger_models.kernels.cross_entropy import cross_entropy
 from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
 from .cache import KVCache
-from .config import LigerConfig
+from .config import GenerationConfig, LigerConfig
 from .decoder import DecoderModel
 from .generate import generate
 from .linear import is_plain_linear, pack_linears_
@@ -33,6 +41,146 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     past_key_values: KVCache | None = None
+
+
+@model_output
+@dataclass
+class BackboneOutput:
+    """What ``model.base_model(...)`` returns: the fields of HF's BaseModelOutputWithPast that this model has."""
+
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: KVCache | None = None
+
+
+# Flash-attention's varlen description of a packed row, which TRL's padding-free collator sends along with the
+# position_ids (restarting at 0 per document) that this model reads the packing from.
+_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def packing_from_positions(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The varlen arguments that describe the documents of a packed (1, T) row of position_ids (TRL's rule)."""
+    starts = (position_ids[0] == 0).nonzero().flatten()
+    cu_seq_lens = torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).to(torch.int32)
+    lengths = cu_seq_lens.diff()
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32, device=lengths.device), lengths)
+    longest = int(lengths.max()) if len(lengths) else 0
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
+            "max_length_k": longest, "seq_idx": seq_idx[None]}
+
+
+def check_packing(packing: dict[str, Any], position_ids: torch.Tensor | None) -> None:
+    """Accept varlen arguments only where they describe the documents that position_ids mark: the model attends
+    within those, so arguments saying otherwise would be silently overruled."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        raise ValueError(f"{sorted(packing)} describe a packed batch, which this model reads from position_ids "
+                         "restarting at 0 in one (1, seq_len) row; pass those position_ids too")
+    expected = packing_from_positions(position_ids)
+    for key, value in packing.items():
+        want = expected[key]
+        same = (value == want) if isinstance(want, int) else (
+            isinstance(value, torch.Tensor) and value.shape == want.shape
+            and torch.equal(value.to(want.device, torch.int64), want.long()))
+        if not same:
+            raise ValueError(f"{key} does not describe the documents that position_ids mark (restarting at 0): "
+                             f"expected {want!r}, got {value!r}")
+
+
+# Keyword arguments of HF's forward that are refused rather than ignored: each would change or add to the result.
+_REFUSED = {
+    "output_attentions": "the attention kernels never form the attention weights",
+    "output_hidden_states": "the layers' hidden states are not collected (model.base_model(...) returns the last)",
+    "token_type_ids": "these families have no token-type embeddings (HF's forward ignores them; leave them out of "
+                      "the batch: tokenizer(..., return_token_type_ids=False))",
+    "shift_labels": "pass labels aligned with the inputs (the model shifts them); pre-shifted labels are not supported",
+}
+
+
+def check_hf_kwargs(kwargs: dict[str, Any], position_ids: torch.Tensor | None, caller: str) -> None:
+    """forward's extra keyword arguments: output_* flags off, varlen packing arguments that match position_ids;
+    anything else is refused by name. None means not given, as in HF's signatures."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    for key in ("output_attentions", "output_hidden_states"):
+        if kwargs.pop(key, False):
+            raise ValueError(f"{caller}: {key}=True is not supported: {_REFUSED[key]}")
+    packing = {k: kwargs.pop(k) for k in _PACKING_KEYS if k in kwargs}
+    if packing:
+        check_packing(packing, position_ids)
+    for key in kwargs:
+        reason = _REFUSED.get(key, "not an argument of this model")
+        raise TypeError(f"{caller} got an unsupported keyword argument {key!r}: {reason}")
+
+
+def _output_requires_grad(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+    output.requires_grad_(True)
+
+
+def offloaded_checkpoint(function, *args, **kwargs):
+    """torch.utils.checkpoint.checkpoint, with the tensors it saves for the recompute held in host memory."""
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return checkpoint(function, *args, **kwargs)
+
+
+def padded_vocab_size(new_num_tokens: int | None, pad_to_multiple_of: int | None, current: int) -> int | None:
+    """HF's rule: new_num_tokens (else the current size) rounded up to a multiple of pad_to_multiple_of."""
+    if pad_to_multiple_of is None:
+        return new_num_tokens
+    if not isinstance(pad_to_multiple_of, int) or isinstance(pad_to_multiple_of, bool) or pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}")
+    size = current if new_num_tokens is None else new_num_tokens
+    return -(-size // pad_to_multiple_of) * pad_to_multiple_of
+
+
+@torch.no_grad()
+def init_added_rows(old: torch.Tensor, new: torch.Tensor, added: int, mean_resizing: bool, std: float) -> None:
+    """New vocabulary rows, drawn as transformers' resize_token_embeddings draws them (the same RNG use, so a seeded
+    run gives HF's values): mean_resizing samples N(mean, 1e-9·covariance) of the old rows (the mean alone when that
+    covariance is not positive definite), so the new tokens barely move the next-token distribution; else the whole
+    new matrix is drawn from N(0, initializer_range) before the old rows are copied back over it."""
+    if not mean_resizing:
+        new.normal_(0.0, std)
+        return
+    rows = old.float()
+    mean = rows.mean(0)
+    centered = rows - mean
+    covariance = 1e-9 * (centered.T @ centered / rows.shape[0])
+    if torch.distributions.constraints.positive_definite.check(covariance).all():
+        sample = torch.distributions.MultivariateNormal(mean, covariance_matrix=covariance).sample((added,))
+        new[-added:] = sample.to(new.dtype)
+    else:
+        new[-added:] = mean[None].repeat(added, 1).to(new.dtype)
+
+
+@torch.no_grad()
+def resize_embedding_(embedding: nn.Embedding, size: int, mean_resizing: bool, std: float) -> None:
+    """Resize in place, keeping the module and its Parameter object (HF does; a tied head shares it)."""
+    if not isinstance(embedding, nn.Embedding):
+        raise TypeError(f"resize_token_embeddings needs an nn.Embedding, got {type(embedding).__name__}")
+    old = embedding.weight
+    fresh = nn.Embedding(size, old.shape[1], device=old.device, dtype=old.dtype).weight  # HF builds one too
+    if size > old.shape[0]:
+        init_added_rows(old, fresh, size - old.shape[0], mean_resizing, std)
+    kept = min(size, old.shape[0])
+    fresh[:kept] = old[:kept]
+    old.data = fresh.data
+    embedding.num_embeddings = size
+    if embedding.padding_idx is not None and embedding.padding_idx >= size:
+        embedding.padding_idx = None
+
+
+@torch.no_grad()
+def resized_head(head: nn.Module, size: int, mean_resizing: bool, std: float) -> nn.Linear:
+    """A new (vocabulary, hidden) nn.Linear holding head's rows, built as HF's _get_resized_lm_head builds it."""
+    if type(head) is not nn.Linear or head.bias is not None:
+        raise TypeError(f"resize_token_embeddings resizes an untied lm_head only when it is a plain bias-free "
+                        f"nn.Linear, got {head!r} (merge or remove an adapter on lm_head first)")
+    old = head.weight
+    new = nn.Linear(old.shape[1], size, bias=False, device=old.device, dtype=old.dtype)
+    if size > old.shape[0]:
+        init_added_rows(old, new.weight, size - old.shape[0], mean_resizing, std)
+    kept = min(size, old.shape[0])
+    new.weight[:kept] = old[:kept]
+    new.requires_grad_(old.requires_grad)
+    return new
 
 
 def keep_positions(hidden: torch.Tensor, num_logits_to_keep: int, logits_to_keep: int | torch.Tensor | None):
@@ -50,6 +198,15 @@ class LigerForCausalLM(nn.Module):
     """Decoder (``.model``) + LM head (``.lm_head``, tied to the embedding when the config says so)."""
 
     config_class: ClassVar[type[LigerConfig]] = LigerConfig
+    # What transformers' Trainer, PEFT and TRL read off a PreTrainedModel class.
+    base_model_prefix: ClassVar[str] = "model"
+    main_input_name: ClassVar[str] = "input_ids"
+    supports_gradient_checkpointing: ClassVar[bool] = True
+    # forward takes num_items_in_batch: Trainer passes it and leaves the loss unscaled for gradient accumulation.
+    accepts_loss_kwargs: ClassVar[bool] = True
+    # HF's causal-LM loss name: Trainer then counts num_items_in_batch over labels[:, 1:], the targets this loss
+    # has after its shift (counting labels[:, 0] too would divide by one token per row too many).
+    loss_type: ClassVar[str] = "ForCausalLM"
 
     def __init__(self, config: LigerConfig) -> None:
         super().__init__()
@@ -58,7 +215,7 @@ class LigerForCausalLM(nn.Module):
         self.config = config
         # The checkpoint's generation_config.json ({} if none; from_pretrained fills it, save_pretrained writes it
         # back): generate takes its eos / pad ids from here before config.json's, as HF does.
-        self.generation_config: dict = {}
+        self.generation_config = {}
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -93,23 +250,59 @@ class LigerForCausalLM(nn.Module):
         super()._apply(fn, recurse)
         return self.pack_()
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, normalizer: float | torch.Tensor | None = None,
                 num_logits_to_keep: int = 0, past_key_values: KVCache | None = None,
-                use_cache: bool = False, attention_mask: torch.Tensor | None = None,
-                logits_to_keep: int | torch.Tensor | None = None) -> CausalLMOutput:
+                use_cache: bool | None = False, attention_mask: torch.Tensor | None = None,
+                logits_to_keep: int | torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                num_items_in_batch: int | torch.Tensor | None = None, return_dict: bool | None = None,
+                **kwargs: Any) -> CausalLMOutput | tuple:
         """Loss (with labels; logits None) or logits (B, T or num_logits_to_keep, V); see the module docstring.
 
         attention_mask: HF's (B, past + T) 0/1 mask; padded keys are hidden. As in HF, position_ids still default
         to past..past+T−1 (pass cumsum-based ones for left padding, as ``generate`` does), and labels at padding
         should be -100. logits_to_keep is HF v5's name for num_logits_to_keep; it also takes a tensor of positions.
+
+        HF's arguments: inputs_embeds (B, T, H) instead of input_ids (see DecoderModel.forward); num_items_in_batch
+        is Trainer's name for normalizer (the loss is summed over the targets and divided by it); return_dict=False
+        gives ``to_tuple()``; use_cache None means False; output_attentions / output_hidden_states only when false,
+        and the varlen packing arguments of TRL's padding-free batches only when they match position_ids
+        (``check_hf_kwargs``). Anything else is refused by name.
         """
+        normalizer = self._normalizer(normalizer, num_items_in_batch)
+        hidden, past_key_values = self._hidden_states(input_ids, position_ids, attention_mask, inputs_embeds,
+                                                      past_key_values, use_cache, kwargs, "forward")
+        out = self._loss_or_logits(hidden, labels, position_ids, normalizer, num_logits_to_keep, logits_to_keep,
+                                   past_key_values)
+        return out if return_dict is None or return_dict else out.to_tuple()
+
+    @staticmethod
+    def _normalizer(normalizer, num_items_in_batch):
+        if num_items_in_batch is None:
+            return normalizer
+        if normalizer is not None:
+            raise ValueError("pass normalizer or num_items_in_batch (Trainer's name for it), not both")
+        return num_items_in_batch
+
+    def _hidden_states(self, input_ids, position_ids, attention_mask, inputs_embeds, past_key_values, use_cache,
+                       kwargs: dict, caller: str) -> tuple[torch.Tensor, KVCache | None]:
+        """The decoder's final hidden states (B, T, H) and the cache, after checking HF's extra arguments."""
+        check_hf_kwargs(kwargs, position_ids, f"{type(self).__name__}.{caller}")
+        if past_key_values is not None and not callable(getattr(past_key_values, "seq_length", None)):
+            raise TypeError(f"past_key_values must be this model's KVCache, got {type(past_key_values).__name__} "
+                            "(transformers' Cache classes, which PEFT's prefix tuning builds, are not supported)")
         if use_cache and past_key_values is None:
             past_key_values = KVCache()
-        hidden = self.model(input_ids, position_ids, cache=past_key_values, attention_mask=attention_mask)
+        hidden = self.model(input_ids, position_ids, cache=past_key_values, attention_mask=attention_mask,
+                            inputs_embeds=inputs_embeds)
+        return hidden, past_key_values
+
+    def _loss_or_logits(self, hidden, labels, position_ids, normalizer, num_logits_to_keep, logits_to_keep,
+                        past_key_values) -> CausalLMOutput:
         if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            if labels.shape != hidden.shape[:2]:
+                raise ValueError(f"labels shape {tuple(labels.shape)} != the inputs' (batch, seq_len) "
+                                 f"{tuple(hidden.shape[:2])}")
             targets = shift_labels(labels, 1, position_ids)  # (B, T)
             if not is_plain_linear(self.lm_head):
                 # A wrapped head (PEFT's LoRA on lm_head) computes more than hidden · Wᵀ: its logits are formed.
@@ -122,6 +315,146 @@ class LigerForCausalLM(nn.Module):
         return CausalLMOutput(logits=self.lm_head(hidden), past_key_values=past_key_values)
 
     generate = generate
+
+    # ---- the PreTrainedModel surface that HF's Trainer, TRL and PEFT use (module docstring) -------------------
+    @property
+    def generation_config(self) -> GenerationConfig:
+        """The checkpoint's generation_config.json (a dict, {} without the file) with HF's attribute access."""
+        return self._generation_config
+
+    @generation_config.setter
+    def generation_config(self, value: dict | None) -> None:
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"generation_config must be a dict of generation_config.json's settings, got "
+                            f"{type(value).__name__}")
+        self._generation_config = GenerationConfig(value or {}, model_config=self.config)
+
+    @property
+    def base_model(self) -> "Backbone":
+        """The decoder, called as HF calls a model's backbone (TRL's fused LM head does): see ``Backbone``."""
+        return Backbone(self)
+
+    @property
+    def device(self) -> torch.device:
+        """The first parameter's device (HF's rule: the model is assumed to sit on one)."""
+        return next(p.device for p in self.parameters())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The first floating-point parameter's dtype (HF's rule)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Record tags (TRL's trainers add theirs) in ``model_tags``, which Trainer puts on its model card."""
+        tags = [tags] if isinstance(tags, str) else list(tags)
+        self.model_tags = list(dict.fromkeys([*(getattr(self, "model_tags", None) or []), *tags]))
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.lm_head = value
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters counted as HF counts them: a tied head once; exclude_embeddings drops nn.Embedding weights."""
+        embeddings = {f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
+        return sum(p.numel() for name, p in self.named_parameters()
+                   if (p.requires_grad or not only_trainable) and not (exclude_embeddings and name in embeddings))
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """HF's resize: rows kept or cut at the end, new rows drawn as transformers 5 draws them
+        (``init_added_rows``), an untied head resized alike, the tie and config.vocab_size kept right."""
+        embedding = self.get_input_embeddings()
+        size = padded_vocab_size(new_num_tokens, pad_to_multiple_of, embedding.weight.shape[0])
+        if size is None:
+            return embedding
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"new_num_tokens must be a positive integer, got {new_num_tokens!r}")
+        std = self.config.initializer_range or 0.02
+        resize_embedding_(embedding, size, mean_resizing, std)
+        head = self.get_output_embeddings()
+        if head.weight is embedding.weight:  # tied: the one Parameter is resized already
+            head.out_features = size
+        elif head.weight.shape[0] != size:
+            self.set_output_embeddings(resized_head(head, size, mean_resizing, std))
+        self.config.vocab_size = size
+        self.tie_weights()
+        return embedding
+
+    def enable_input_require_grads(self) -> None:
+        """Make the input embeddings' output require grad, so gradients flow through checkpointed layers and reach
+        adapters while the embeddings are frozen (PEFT, reentrant checkpointing), as HF's does."""
+        self.disable_input_require_grads()
+        self._require_grads_hooks = [self.get_input_embeddings().register_forward_hook(_output_requires_grad)]
+
+    def disable_input_require_grads(self) -> None:
+        for hook in getattr(self, "_require_grads_hooks", []):
+            hook.remove()
+        self._require_grads_hooks = []
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Recompute decoder layers in backward instead of keeping their activations while training, as HF's:
+        every ``every_n_layers``-th layer, through torch.utils.checkpoint with ``activation_checkpointing_kwargs``
+        (default ``use_reentrant=False``), with what it saves in host memory if ``offload``. Like HF's, it also
+        makes the embeddings' output require grad (``enable_input_require_grads``), which reentrant checkpointing
+        needs when the embeddings are frozen."""
+        if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive integer, got {every_n_layers!r}")
+        kwargs = activation_checkpointing_kwargs
+        if kwargs is None:
+            kwargs = {"use_reentrant": False}
+        self.model.checkpoint_fn = partial(offloaded_checkpoint if offload else checkpoint, **kwargs)
+        self.model.checkpoint_every = every_n_layers
+        self.model.gradient_checkpointing = True
+        self.enable_input_require_grads()
+
+    def activation_checkpointing_disable(self) -> None:
+        """Keep every layer's activations again (the embeddings' require-grad hook stays, as HF leaves it)."""
+        self.model.gradient_checkpointing = False
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      every_n_layers: int = 1, offload: bool = False) -> None:
+        """HF's older name of ``activation_checkpointing_enable``."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers, offload)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.is_activation_checkpointing
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: KVCache | None = None,
+                                      attention_mask: torch.Tensor | None = None,
+                                      inputs_embeds: torch.Tensor | None = None,
+                                      position_ids: torch.Tensor | None = None, use_cache: bool = True,
+                                      **kwargs: Any) -> dict[str, Any]:
+        """forward's arguments for the next decoding step, as HF's: input_ids (B, past + new) cut to the tokens the
+        cache has not seen (inputs_embeds instead while the cache is empty), position_ids from the attention mask's
+        cumulative sum (left padding), the cache and the mask; other keyword arguments pass through (forward
+        refuses the ones it does not take)."""
+        past = past_key_values.seq_length() if past_key_values is not None else 0
+        inputs = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None and past == 0 \
+            else {"input_ids": input_ids[:, past:]}
+        if position_ids is None and attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+        if position_ids is not None:
+            position_ids = position_ids[:, -next(iter(inputs.values())).shape[1]:]
+        inputs.update(position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                      attention_mask=attention_mask)
+        return {**{k: v for k, v in kwargs.items() if v is not None}, **inputs}
 
     # ---- checkpoints (implemented in liger_models.hub) ------------------------------------------------------
     @classmethod
@@ -164,3 +497,26 @@ class LigerForCausalLM(nn.Module):
             raise ValueError("save_pretrained writes safetensors only (safe_serialization=False asks for "
                              "pytorch_model.bin, which this library does not write)")
         save_pretrained(self, directory, max_shard_size=max_shard_size)
+
+
+class Backbone:
+    """``model.base_model``: the decoder called as HF calls a causal LM's backbone, keyword arguments in and
+    ``BackboneOutput(last_hidden_state=...)`` out (TRL's fused LM head projects those hidden states through
+    ``get_output_embeddings()`` itself). Other attributes are the decoder module's (``model.model``)."""
+
+    def __init__(self, lm: LigerForCausalLM) -> None:
+        self._lm = lm
+
+    def __call__(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
+                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                 return_dict: bool | None = None, **kwargs: Any) -> BackboneOutput | tuple:
+        hidden, past_key_values = self._lm._hidden_states(input_ids, position_ids, attention_mask, inputs_embeds,
+                                                          past_key_values, use_cache, kwargs, "base_model")
+        out = BackboneOutput(last_hidden_state=hidden, past_key_values=past_key_values)
+        return out if return_dict is None or return_dict else out.to_tuple()
+
+    forward = __call__
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lm.model, name)

@@ -29,6 +29,7 @@ _ROPE_REQUIRED = {
 }
 # Rope types whose original_max_position_embeddings HF fills in (top-level key first, else max_position_embeddings).
 _ORIGINAL_LENGTH_TYPES = ("llama3", "longrope", "yarn")
+_MISSING = object()
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "gelu": "gelu"}
 
@@ -40,6 +41,52 @@ def _is_int(value: Any) -> bool:
 def _require(ok: bool, message: str, value: Any) -> None:
     if not ok:
         raise ValueError(f"{message}, got {value!r}")
+
+
+# What transformers' GenerationConfig.from_model_config takes from these families' config.json: HF generates with
+# them when a checkpoint has no generation_config.json.
+_MODEL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class GenerationConfig(dict):
+    """generation_config.json as loaded ({} when the checkpoint has none): a dict, which is what ``generate`` and
+    ``save_pretrained`` read, that also answers HF's attribute access, which the trainers use (Trainer's
+    ``align_special_tokens`` reads and sets the token ids, TRL's SFTTrainer sets ``pad_token_id``).
+
+    Without the file HF's generation config starts from config.json's token ids, and ``generate`` falls back to
+    config.json's ids while this dict is empty; so while empty it reads those ids, and the first attribute write
+    copies them in before setting its own (else setting pad_token_id alone would leave generate with no EOS id). An
+    absent token id reads None, as in HF; any other absent setting is an AttributeError, since HF's defaults for
+    those (temperature 1.0, top_k 50, ...) are no single None."""
+
+    def __init__(self, values: Any = (), model_config: Any = None) -> None:
+        super().__init__(values)
+        object.__setattr__(self, "_model_config", model_config)
+
+    def _token_ids_from_model(self) -> dict:
+        config = self.__dict__.get("_model_config")  # absent while unpickling
+        if self or config is None:
+            return {}
+        return {k: getattr(config, k) for k in _MODEL_TOKEN_IDS if getattr(config, k, None) is not None}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self:
+            return self[name]
+        if name in _MODEL_TOKEN_IDS:
+            return self._token_ids_from_model().get(name)
+        raise AttributeError(f"generation_config has no setting {name!r} (its settings: {sorted(self)})")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            raise AttributeError(f"generation_config has no private attribute {name!r} to set")
+        self.update(self._token_ids_from_model())
+        self[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        self.pop(name, None)
+
+    def to_dict(self) -> dict:
+        return dict(self)
 
 
 @dataclass
@@ -266,6 +313,23 @@ class LigerConfig:
             if self.partial_rotary_factor != 1.0:
                 d["partial_rotary_factor"] = self.partial_rotary_factor
         return d
+
+    # ---- what transformers' Trainer, PEFT and TRL read off a model's config (duck-typed: no transformers) -------
+    is_encoder_decoder: ClassVar[bool] = False
+    use_return_dict: ClassVar[bool] = True  # forward returns a CausalLMOutput unless called with return_dict=False
+
+    def to_dict(self) -> dict:
+        """config.json's dict (``to_hf``), which PEFT reads model_type and tie_word_embeddings from."""
+        return self.to_hf()
+
+    def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None) -> "LigerConfig":
+        """HF's accessor of a multimodal config's text part: these configs are all text."""
+        return self
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """config.json's ``key``: a field or derived property, else a key kept in ``extra``, else ``default``."""
+        value = getattr(self, key, _MISSING)
+        return value if value is not _MISSING else self.extra.get(key, default)
 
     @property
     def embed_scale(self) -> float:

@@ -8,6 +8,8 @@ norm sees the embeddings alone; the final norm folds in the last MLP output.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -18,7 +20,7 @@ from .attention import Attention, AttentionMask, document_ids
 from .cache import KVCache
 from .config import LigerConfig
 from .fused import add_norm, norm_linear
-from .inputs import check_forward_inputs
+from .inputs import check_attention_mask, check_forward_inputs, check_position_ids
 from .mlp import GatedMLP
 from .rope import RotaryEmbedding
 
@@ -37,6 +39,19 @@ def key_padding(attention_mask: torch.Tensor | None, batch: int, kv_len: int) ->
                          f"{tuple(attention_mask.shape)}")
     padding = attention_mask.bool()
     return None if bool(padding.all()) else padding  # all ones: keep the unmasked fast path
+
+
+def check_inputs_embeds(inputs_embeds: torch.Tensor, input_ids: torch.Tensor | None, hidden_size: int) -> None:
+    """inputs_embeds: (batch, seq_len, hidden_size) floats, given instead of input_ids (not with them)."""
+    if input_ids is not None:
+        raise ValueError("pass input_ids or inputs_embeds, not both")
+    tensor = isinstance(inputs_embeds, torch.Tensor)
+    if not tensor or inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
+        shape = tuple(inputs_embeds.shape) if tensor else type(inputs_embeds).__name__
+        raise ValueError(f"inputs_embeds must be (batch, seq_len, hidden_size={hidden_size}), got shape {shape}")
+    if not inputs_embeds.is_floating_point():
+        raise ValueError(f"inputs_embeds must be floating point embeddings, got dtype {inputs_embeds.dtype} (token ids "
+                         "go in input_ids)")
 
 
 class DecoderLayer(nn.Module):
@@ -71,10 +86,15 @@ class DecoderModel(nn.Module):
         self.norm = make_norm(config)
         self.rotary = RotaryEmbedding(config)
         self.gradient_checkpointing = False
+        # How a checkpointed layer is run (torch.utils.checkpoint with its keyword arguments, possibly offloading what
+        # it saves) and which layers are: every checkpoint_every-th. LigerForCausalLM.activation_checkpointing_enable
+        # sets them, as HF's does.
+        self.checkpoint_fn = partial(checkpoint, use_reentrant=False)
+        self.checkpoint_every = 1
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None, *,
-                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                tree_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) → hidden (B, T, H). position_ids restarting at 0 mark packed documents (no cache and no
         attention_mask, as in HF v5); attention_mask (B, past + T), 0 at padding, hides padded keys.
 
@@ -82,9 +102,13 @@ class DecoderModel(nn.Module):
         token i sees the whole cache and the new tokens j where tree_mask[i, j] (its ancestors and itself), not
         simply those before it; position_ids (1, T) must then give each token's position, past + its depth.
 
+        inputs_embeds (B, T, H), instead of input_ids: embeddings as ``embed_tokens`` gives them (HF's
+        ``get_input_embeddings()(ids)``; PEFT's prompt tuning prepends learned ones). Gemma's √H scaling follows, as
+        for looked-up ones: embed_tokens holds the unscaled table, where HF v5's Gemma embedding module scales inside.
+
         Every input is checked first (modules/inputs.py), token ids against the vocabulary included."""
-        check_forward_inputs(input_ids, self.config.vocab_size, position_ids, attention_mask)
-        B, T = input_ids.shape
+        tokens = self.check_inputs(input_ids, inputs_embeds, position_ids, attention_mask)
+        B, T = tokens.shape
         past = cache.seq_length() if cache is not None else 0
         padding = key_padding(attention_mask, B, past + T)
         tree = None
@@ -92,27 +116,42 @@ class DecoderModel(nn.Module):
             if position_ids is None or tuple(tree_mask.shape) != (T, T) or padding is not None:
                 raise ValueError(f"tree_mask must be ({T}, {T}) for {T} new tokens, with their position_ids and "
                                  "without padding")
-            tree = (tree_mask.to(device=input_ids.device, dtype=torch.bool), position_ids[0] - past)
+            tree = (tree_mask.to(device=tokens.device, dtype=torch.bool), position_ids[0] - past)
         documents = None
         if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=input_ids.device)[None]  # (1, T)
+            position_ids = torch.arange(past, past + T, device=tokens.device)[None]  # (1, T)
         elif cache is None and attention_mask is None and tree is None:
             documents = document_ids(position_ids.expand(B, T))
-        return self.run(input_ids, position_ids, AttentionMask(T, past, documents, input_ids.device, padding, tree),
-                        cache)
+        return self.run(input_ids, position_ids, AttentionMask(T, past, documents, tokens.device, padding, tree),
+                        cache, inputs_embeds=inputs_embeds)
 
-    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: AttentionMask,
-            cache: KVCache | None = None) -> torch.Tensor:
+    def check_inputs(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Check the inputs; returns input_ids, or a (B, T) view of inputs_embeds whose shape and device stand for
+        them."""
+        if inputs_embeds is None:
+            check_forward_inputs(input_ids, self.config.vocab_size, position_ids, attention_mask)
+            return input_ids
+        check_inputs_embeds(inputs_embeds, input_ids, self.config.hidden_size)
+        tokens = inputs_embeds[..., 0]
+        if position_ids is not None:
+            check_position_ids(position_ids, tokens)
+        if attention_mask is not None:
+            check_attention_mask(attention_mask, tokens)
+        return tokens
+
+    def run(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor, mask: AttentionMask,
+            cache: KVCache | None = None, *, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The stack on given positions and attention mask (``forward`` builds them; a CUDA-graphed decoding call
         passes masks computed on the device, modules/graphed_decoding.py)."""
-        x = self.embed_tokens(input_ids)  # (B, T, H)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
         if self.config.scale_embeddings:  # √H rounded to the activation dtype first, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(position_ids)  # (B or 1, T, R) fp32
         residual = None
-        for layer in self.layers:
-            if self.gradient_checkpointing and self.training:
-                x, residual = checkpoint(layer, x, residual, cos, sin, mask, cache, use_reentrant=False)
+        for i, layer in enumerate(self.layers):
+            if self.gradient_checkpointing and self.training and i % self.checkpoint_every == 0:
+                x, residual = self.checkpoint_fn(layer, x, residual, cos, sin, mask, cache)
             else:
                 x, residual = layer(x, residual, cos, sin, mask, cache)
         if residual is None:
