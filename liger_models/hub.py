@@ -12,7 +12,9 @@ dtype: None or "auto" = config.json's dtype, else the checkpoint's (HF v5 "auto"
 
 Saving writes ``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` above
 ``max_shard_size`` (tied head stored once), and config.json with the original keys; everything is written to a
-temporary sibling directory first, then renamed over the target, so a failed save leaves the previous one intact.
+temporary sibling directory first, then renamed over the target, so a failed save leaves the previous one intact;
+what a save killed midway left there (liger_models.atomic's names: a whole model copy) the next save of the same
+directory clears, or puts back if the kill came between the swap's two renames.
 Saving over an existing directory replaces only a previous save's own files (weights, index, config.json): every
 other entry (tokenizer, README, other safetensors such as Medusa heads, sub-directories) is moved across unchanged.
 """
@@ -24,12 +26,13 @@ import json
 import os
 import re
 import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from liger_models import atomic
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -391,6 +394,7 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
     # resolve(), not absolute(): a symlinked output directory is saved into its target (the swap below would
     # otherwise replace the link with a new directory beside it, on the link's filesystem).
     directory = Path(directory).expanduser().resolve()
+    atomic.sweep(directory.parent, target=directory.name)
     if directory.is_dir() and os.path.ismount(directory):
         # The checkpoint is staged beside the directory and swapped in by rename, which a mount point (a container
         # volume's root) refuses with EBUSY after all the writing: say so before writing anything.
@@ -398,8 +402,8 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
                          "subdirectory of it instead")
     shards = _plan_shards(state, parse_size(max_shard_size))
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
-    old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+    tmp = atomic.temp_path(directory)
+    old = atomic.temp_path(directory, "old")
     tmp.mkdir()
     moved: list[str] = []  # the user's entries, moved (not copied) from directory into tmp
     try:
@@ -435,7 +439,7 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
             os.rename(tmp, directory)
             if in_it:  # else the process stays in the deleted old directory, where every relative path fails
                 os.chdir(directory)
-            shutil.rmtree(old, ignore_errors=True)
+            atomic.discard(old)  # a kill inside the deletion must not leave an "old" that a sweep would put back
         else:
             os.rename(tmp, directory)
     except BaseException:

@@ -40,12 +40,12 @@ import os
 import pickle
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from liger_models import atomic
 from liger_models.convert import sentencepiece_tokenizer as spt
 from liger_models.convert.tiktoken_tokenizer import BOS, EOS, convert_tiktoken, is_tiktoken_file, save_hf_tokenizer
 from liger_models.hub import parse_size, read_json_object, save_state_dict
@@ -396,7 +396,8 @@ def write_hf(state: dict[str, torch.Tensor], config: LigerConfig, out: Path, ext
              max_shard_size: int | str, write_extra: Callable[[Path], None] | None = None) -> None:
     """Weights, config.json, `extra_files` and whatever `write_extra(directory)` writes into a hidden sibling,
     renamed to `out` only once complete."""
-    staging = out.parent / f".{out.name}.native-{uuid.uuid4().hex[:8]}"
+    atomic.sweep(out.parent, target=out.name)  # what conversions killed midway left (a whole model copy each)
+    staging = atomic.temp_path(out)
     try:
         save_state_dict(state, config, staging, max_shard_size=max_shard_size)
         for file in extra_files:

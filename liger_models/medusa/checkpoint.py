@@ -16,13 +16,13 @@ import dataclasses
 import json
 import os
 import re
-import uuid
 import warnings
 from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from liger_models import atomic
 from liger_models.medusa.config import MedusaConfig
 from liger_models.medusa.heads import MedusaHeads
 
@@ -36,7 +36,8 @@ def atomic_write(path: str, write: Callable[[str], None]) -> None:
     """Call `write(tmp_path)` on a temporary file next to `path`, then rename it over `path`."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    atomic.sweep(directory, target=os.path.basename(path))  # what writes of this file killed midway left
+    tmp = str(atomic.temp_path(os.path.join(directory, os.path.basename(path))))
     try:
         # The file ends with the mode a plain write gives it (the umask's): mkstemp, and safetensors' own save, make
         # it owner-only (0600), which the rename keeps, and the checkpoint was unreadable to any other account (a

@@ -10,7 +10,8 @@ Layout under ``<output_dir>/checkpoints``::
 A checkpoint is written into a hidden temporary directory, flushed to disk, and only then renamed to its final
 name; ``latest`` is replaced the same way. A crash or exception mid-save therefore leaves the previous checkpoint and
 ``latest`` untouched (the partial directory is removed; after a hard kill it is ignored by :func:`find_latest`
-and deleted by the next save).
+and deleted by the next save or the next run's start). Every temporary is named by liger_models.atomic's scheme, the
+one the model writer (hub.py) stages its own files under, so one sweep finds what any killed writer left.
 Pruning (``keep_last``) renames a checkpoint out of the ``step_N`` names before deleting it, for the same reason.
 """
 
@@ -20,11 +21,12 @@ import os
 import random
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from liger_models import atomic
 
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -71,12 +73,16 @@ def fsync_dir(path: Path) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` atomically (temporary file in the same directory, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = atomic.temp_path(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -104,17 +110,17 @@ def save_checkpoint(
     _finish_interrupted(root)
     _drop_temporaries(root)
     final = root / step_dir_name(step)
-    tmp = root / f".{final.name}.{uuid.uuid4().hex}.tmp"
+    tmp = atomic.temp_path(final)
     tmp.mkdir()
     try:
         write_model(tmp, final)
         torch.save({**trainer_state, "step": step}, tmp / STATE_FILE)
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
-            old = root / f".{final.name}.{uuid.uuid4().hex}.old"
+            old = atomic.temp_path(final, "old")
             os.rename(final, old)
             os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            atomic.discard(old)
         else:
             os.rename(tmp, final)
         fsync_dir(root)
@@ -131,11 +137,9 @@ def save_checkpoint(
 
 def _remove(checkpoint: Path) -> None:
     """Delete a checkpoint so that no crash leaves it half there: renamed out of the step_N names first (a process
-    killed inside rmtree leaves a ``.pruned`` directory, which the next save deletes, never a step_N that lists as
+    killed inside rmtree leaves a ``pruned`` temporary, which the next save deletes, never a step_N that lists as
     complete with files missing)."""
-    doomed = checkpoint.with_name(f".{checkpoint.name}.{uuid.uuid4().hex}.pruned")
-    os.rename(checkpoint, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    atomic.discard(checkpoint)
 
 
 def _step_of(path: Path) -> int:
@@ -144,36 +148,18 @@ def _step_of(path: Path) -> int:
 
 def _finish_interrupted(root: Path) -> None:
     """Finish what a killed process left half done. Killed between a re-save's two renames, it leaves the previous
-    copy as ``.step_N.<id>.old`` and no ``step_N``: put it back, so the step is not lost (the new copy, still a
-    .tmp, is incomplete by definition). Killed after them, while deleting the old copy, it leaves a ``.old`` beside
-    the new ``step_N``: finish deleting it. Killed mid-prune, it leaves a ``.pruned`` directory (:func:`_remove`)."""
-    for old in root.glob(".step_*.old"):
-        final = root / old.name[1:].split(".")[0]
-        if not _STEP_DIR.match(final.name):
-            continue
-        if final.exists():
-            # Superseded: kept, it would hold a checkpoint's worth of disk forever, and once step_N is pruned the
-            # branch below would put this half-deleted copy back as a step_N that lists as complete.
-            shutil.rmtree(old, ignore_errors=True)
-        elif (old / STATE_FILE).is_file():
-            try:
-                os.rename(old, final)
-            except OSError:  # every rank looks at startup (find_latest): another one may have put it back first
-                if not final.exists():
-                    raise
-    for doomed in root.glob(".step_*.pruned"):  # a prune cut short: finish it
-        shutil.rmtree(doomed, ignore_errors=True)
+    copy as an ``old`` temporary and no ``step_N``: put it back, so the step is not lost (the new copy, still a
+    ``tmp``, is incomplete by definition). Killed after them, it leaves the old copy beside the new ``step_N``
+    (whole: it is renamed to a ``pruned`` name before its deletion starts): delete it. Killed mid-prune, it leaves a
+    ``pruned`` directory (:func:`_remove`): finish deleting it. Only what a writer that is gone left is touched."""
+    atomic.sweep(root, kinds=("old", "pruned"))
 
 
 def _drop_temporaries(root: Path) -> None:
-    """Delete what saves killed before their rename left (``.step_N.<id>.tmp`` directories, ``.latest.<id>.tmp``):
-    incomplete by definition, and each may be as large as a checkpoint. Only the writer calls this (one process
-    saves), so no save in flight loses its files."""
-    for tmp in root.glob(".*.tmp"):
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+    """Delete what saves killed before their rename left (checkpoint directories, the model writer's own staging
+    beside them, ``latest``): incomplete by definition, and each may be as large as a checkpoint. Only what a
+    writer that is gone left (atomic.writer_gone): a save in flight in another process keeps its files."""
+    atomic.sweep(root)
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -29,6 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from liger_models import atomic
 from liger_models.train.checkpointing import fsync_dir
 
 FORMAT_VERSION = 2  # 2: a UTF-8 BOM starting a data file is not text; chat templates see tools=None as in HF
@@ -83,7 +83,7 @@ def save(path: Path, key: str, tensors: dict[str, torch.Tensor]) -> bool:
     tensors = {name: tensors[name].contiguous() for name in TENSORS}
     metadata = {"key": key, "format": str(FORMAT_VERSION),
                 "sha256": _data_digest([tensors[name].numpy() for name in TENSORS])}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # unique: ranks may race
+    tmp = atomic.temp_path(path)  # unique per process and write: ranks may race
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata=metadata)

@@ -99,6 +99,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest of every rank's ``value`` (``value`` itself when running alone): one 8-byte all-reduce."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def broadcast_object(obj):
     """Rank 0's ``obj`` on every rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):

@@ -1,7 +1,8 @@
 """Training recipes behind the CLI: causal-LM fine-tuning and Medusa stage 1 / stage 2.
 
-Both build the same pieces in the same order: process group → model (from ``--model``, or from the checkpoint
-when resuming) → activation checkpointing → FSDP2 → optimizer and schedule → packed data → :class:`Trainer`.
+Both build the same pieces in the same order: process group → ``--output-dir`` held (run_dir.py) → model (from
+``--model``, or from the checkpoint when resuming) → activation checkpointing → FSDP2 → optimizer and schedule →
+packed data → :class:`Trainer`.
 A recipe takes an ``argparse.Namespace`` (see cli.py for every field) and returns the run's result.
 
 Checkpoints are usable as they are: a causal-LM checkpoint is an HF model directory (with ``--model``'s tokenizer
@@ -28,8 +29,10 @@ from torch import nn
 
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
+from liger_models.train import run_dir
 from liger_models.train.data import (BatchStream, PackedDataset, build_dataset, chat_template_note,
                                      read_special_tokens)
+from liger_models.train.interrupt import Interrupted, StopOnSignal
 from liger_models.train.optim import build_adamw, build_scheduler, decay_param_groups
 from liger_models.train.trainer import (CausalLMTask, MedusaTask, TrainConfig, Trainer, refuse_cuda_graph_conflicts,
                                         refuse_in_backward_conflicts)
@@ -45,6 +48,7 @@ class RunResult:
     history: list[dict] = field(default_factory=list)
     output_dir: Path | None = None
     evals: list[dict] = field(default_factory=list)  # eval-set results of this session (--eval-data)
+    stopped_by: int = 0  # the signal that stopped the run early, checkpointed (interrupt.py); 0: it ran to the end
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -222,12 +226,14 @@ def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
         if info.is_main and not args.quiet:
             print(f"resumed from {resume} at step {trainer.step}", flush=True)
     start = time.perf_counter()
-    with _loss_options(getattr(args, "loss_scratch_mib", None), getattr(args, "loss_grad_filter_eps", None)):
+    with (_loss_options(getattr(args, "loss_scratch_mib", None), getattr(args, "loss_grad_filter_eps", None)),
+          StopOnSignal(announce=info.is_main) as stop):
+        trainer.stop_signal = lambda: stop.signum
         history = trainer.train()
     last = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
-    if info.is_main and not args.quiet:
+    if info.is_main and not args.quiet and not trainer.stopped_by:
         print(f"done: {trainer.step} steps in {time.perf_counter() - start:.1f}s; checkpoint: {last}", flush=True)
-    return RunResult(last, history, Path(args.output_dir), trainer.evals)
+    return RunResult(last, history, Path(args.output_dir), trainer.evals, trainer.stopped_by)
 
 
 @contextlib.contextmanager
@@ -255,19 +261,25 @@ def _prepare(model: nn.Module, layers, args, info, more_units=()) -> None:
         D.apply_fsdp(model, [*layers, *more_units], info.device)
 
 
-def _in_process_group(run: Callable[[], RunResult]) -> RunResult:
-    """``run()`` (which joins the process group, builds the model, FSDP units and optimizer, and trains), then leave
-    the group. Everything run() built is freed before leaving, here on the main thread: FSDP modules hold the
-    process group, and left alive (some in reference cycles) they would destroy its gloo connections later, from
-    whatever thread next triggers a garbage collection, which aborts the process at exit ("terminate called without
-    an active exception"; seen about one 2-process CPU run in six on a loaded machine)."""
+def _in_process_group(run: Callable[[], RunResult], args: argparse.Namespace) -> RunResult:
+    """Join the process group, hold ``--output-dir`` (run_dir.claimed: one run at a time, what killed writers left
+    cleared), ``run()`` (which builds the model, FSDP units and optimizer, and trains), then leave the group.
+    Everything run() built is freed before leaving, here on the main thread: FSDP modules hold the process group,
+    and left alive (some in reference cycles) they would destroy its gloo connections later, from whatever thread
+    next triggers a garbage collection, which aborts the process at exit ("terminate called without an active
+    exception"; seen about one 2-process CPU run in six on a loaded machine). A run stopped by a signal raises
+    :class:`Interrupted` only then, once every rank has left the group as after a finished run."""
     try:
-        result = run()
+        info = D.init_distributed(args.device)
+        with run_dir.claimed(args.output_dir, info, data_cache_dir(args)):
+            result = run()
     except BaseException:
         D.destroy_distributed(clean=False)  # a barrier could wait forever for a rank that died
         raise
     gc.collect()
     D.destroy_distributed(clean=True)
+    if result.stopped_by:
+        raise Interrupted(result.stopped_by, result.checkpoint)
     return result
 
 
@@ -295,7 +307,7 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
 
         return _finish(args, info, model, CausalLMTask(), (stream, eval_data), groups, export, resume)
 
-    return _in_process_group(run)
+    return _in_process_group(run, args)
 
 
 def _base_name(model: str) -> str:
@@ -377,4 +389,4 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
         task = MedusaTask(medusa.config.num_heads)
         return _finish(args, info, medusa, task, (stream, eval_data), groups, export, resume)
 
-    return _in_process_group(run)
+    return _in_process_group(run, args)

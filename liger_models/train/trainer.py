@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -193,7 +194,13 @@ class Trainer:
     into dir, which is renamed final_dir once the checkpoint is complete.
 
     ``full_state`` is the gathered state dict under FSDP and None otherwise (the live model is whole then).
+    ``stop_signal()``: the number of a signal asking the run to stop (0: none; interrupt.py). Checked after every
+    step, as its maximum over the ranks (the signal may reach them at different steps), so that every rank stops,
+    checkpointed, after the same step; :attr:`stopped_by` then holds it.
     """
+
+    stop_signal: Callable[[], int] = staticmethod(lambda: 0)
+    stopped_by = 0
 
     def __init__(self, model: nn.Module, task, stream: BatchStream, optimizer: torch.optim.Optimizer,
                  scheduler, config: TrainConfig, info: D.DistInfo,
@@ -327,8 +334,12 @@ class Trainer:
             if self.eval_set is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0)
                                               or self.step == cfg.max_steps):
                 self.evaluate()
+            saved = None
             if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.max_steps:
-                self.save()
+                saved = self.save()
+            if self.step < cfg.max_steps and (signum := D.max_over_ranks(self.stop_signal(), self.info.device)):
+                self._stop(signum, saved or self.save())
+                break
         if self.info.is_main and not cfg.quiet and sys.stderr.isatty():
             print(file=sys.stderr)
         return self.history
@@ -371,6 +382,14 @@ class Trainer:
             print("\r" + line.ljust(120), end="", file=sys.stderr, flush=True)
         else:
             print(line, file=sys.stderr, flush=True)
+
+    def _stop(self, signum: int, checkpoint: Path) -> None:
+        self.stopped_by = signum
+        if self.info.is_main:  # said even with --quiet: it is where the run is to be continued from
+            end = "\n" if sys.stderr.isatty() else ""  # below the progress line, which ends without one
+            print(f"{end}liger-models: stopped by {signal.Signals(signum).name} after step {self.step}/"
+                  f"{self.config.max_steps}; checkpoint: {checkpoint} (continue with --resume auto)",
+                  file=sys.stderr, flush=True)
 
     # --------------------------------------------------------------------------------------------- checkpoints
 

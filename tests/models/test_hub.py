@@ -194,7 +194,7 @@ def test_save_over_a_directory_keeps_everything_but_the_old_save(checkpoint, mon
     real_rename = os.rename
 
     def swap_fails(src, dst):  # the last step of the save: the new directory into place
-        if ".tmp-" in str(src) and str(dst) == str(path):
+        if str(src).endswith(".liger-tmp") and str(dst) == str(path):
             raise OSError("rename failed")
         return real_rename(src, dst)
 

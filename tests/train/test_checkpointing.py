@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from liger_models import atomic
 from liger_models.train import checkpointing as ckpt
 
 
@@ -59,7 +60,7 @@ def test_hard_kill_leftovers_are_ignored(tmp_path):
     good = ckpt.save_checkpoint(root, 5, _writer(5.0), {})
     # A process killed mid-save leaves a temporary directory; one killed between rename and `latest` leaves a
     # complete directory that `latest` does not name yet; a stray step dir without state is incomplete.
-    (root / ".step_000006.abc.tmp").mkdir()
+    atomic.temp_path(root / "step_000006").mkdir()
     (root / "step_000007").mkdir()
     assert ckpt.find_latest(root) == good
     newer = ckpt.save_checkpoint(root, 8, _writer(8.0), {})
@@ -71,8 +72,8 @@ def test_a_resave_killed_between_its_renames_loses_nothing(tmp_path):
     root = tmp_path / "checkpoints"
     ckpt.save_checkpoint(root, 4, _writer(4.0), {})
     # The re-save of step 4 renamed the old copy aside and died before renaming its new copy into place.
-    os.rename(root / "step_000004", root / ".step_000004.abc.old")
-    (root / ".step_000004.def.tmp").mkdir()
+    os.rename(root / "step_000004", atomic.temp_path(root / "step_000004", "old"))
+    atomic.temp_path(root / "step_000004").mkdir()
     latest = ckpt.find_latest(root)
     assert latest == root / "step_000004" and _model_value(latest) == 4.0
 
@@ -174,10 +175,10 @@ def test_next_save_deletes_what_hard_killed_saves_left(tmp_path):
     root = tmp_path / "checkpoints"
     ckpt.save_checkpoint(root, 1, _writer(1.0), {})
     # Saves killed before their rename: a half-written checkpoint directory and a `latest` being replaced.
-    partial = root / f".step_000002.{random.getrandbits(32):08x}.tmp"
+    partial = atomic.temp_path(root / "step_000002")
     partial.mkdir()
     torch.save({"w": torch.rand(1000)}, partial / "model.pt")
-    (root / ".latest.0123.tmp").write_text("step_000002")
+    atomic.temp_path(root / "latest").write_text("step_000002")
     assert ckpt.find_latest(root) == root / "step_000001" and partial.exists()  # a reader leaves them alone
     ckpt.save_checkpoint(root, 2, _writer(2.0), {})
     assert _hidden(root) == [] and _model_value(ckpt.find_latest(root)) == 2.0
@@ -188,7 +189,7 @@ def test_ranks_restoring_an_interrupted_resave_together(tmp_path, monkeypatch):
     rename finds nothing to move, which must not fail the run."""
     root = tmp_path / "checkpoints"
     ckpt.save_checkpoint(root, 3, _writer(3.0), {})
-    os.rename(root / "step_000003", root / ".step_000003.abc.old")
+    os.rename(root / "step_000003", atomic.temp_path(root / "step_000003", "old"))
     real_rename = os.rename
 
     def other_rank_first(src, dst):
