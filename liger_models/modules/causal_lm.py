@@ -194,6 +194,18 @@ def keep_positions(hidden: torch.Tensor, num_logits_to_keep: int, logits_to_keep
     return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
 
 
+def _tied_head_as_its_own_tensor(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """A tied lm_head leaves ``state_dict()`` (keep_vars=False) as its own copy of the embedding, like the packed
+    weights (modules/linear.py): savers that refuse shared tensors take the dict as it is (HF Trainer saves a model
+    that is not a PreTrainedModel with safetensors' save_file), and loading it writes the same values into the one
+    tied tensor. ``save_pretrained`` writes the head once, as HF does."""
+    head, embedding = state_dict.get(prefix + "lm_head.weight"), state_dict.get(prefix + "model.embed_tokens.weight")
+    if (head is None or embedding is None or isinstance(head, nn.Parameter) or type(head) is not torch.Tensor
+            or head.is_meta or head.data_ptr() != embedding.data_ptr()):
+        return
+    state_dict[prefix + "lm_head.weight"] = head.clone()
+
+
 class LigerForCausalLM(nn.Module):
     """Decoder (``.model``) + LM head (``.lm_head``, tied to the embedding when the config says so)."""
 
@@ -220,6 +232,7 @@ class LigerForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.reset_parameters()
+        self.register_state_dict_post_hook(_tied_head_as_its_own_tensor)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -520,3 +520,30 @@ def test_base_model_is_the_backbone_call_hf_makes(llama_dir):
     real = mask.bool()
     torch.testing.assert_close(out.last_hidden_state[real], theirs.last_hidden_state[real], rtol=1e-4, atol=1e-5)
     assert ours.base_model.embed_tokens is ours.model.embed_tokens and out[0] is out.last_hidden_state
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_trainer_checkpoints_and_resumes_exactly(tmp_path, loop, tied):
+    """Trainer's own checkpoints (it saves a model that is not a PreTrainedModel with safetensors' save_file, which
+    refuses shared tensors: a tied head, packed weights): 4 steps straight equal 2 steps, a checkpoint, and a
+    resumed run."""
+    directory = save_hf(build_hf(transformers.LlamaConfig, tie_word_embeddings=tied), tmp_path / "base")
+
+    def trained(out: Path, **overrides):
+        model = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        assert model.config.tie_word_embeddings == tied
+        args = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+                    learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", report_to=[], use_cpu=True,
+                    seed=0, remove_unused_columns=False, save_strategy="steps", save_steps=2)
+        trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**{**args, **overrides}),
+                                       train_dataset=token_rows(), data_collator=pad_batch)
+        return trainer, model
+
+    straight_trainer, straight = trained(tmp_path / "straight")
+    straight_trainer.train()
+    assert (tmp_path / "straight" / "checkpoint-2" / "model.safetensors").is_file()
+    resumed_trainer, resumed = trained(tmp_path / "straight")  # the same folder: resume from its checkpoint-2
+    resumed_trainer.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    assert (resumed.lm_head.weight is resumed.model.embed_tokens.weight) == tied  # still tied after loading
