@@ -1,4 +1,4 @@
-"""medusa_generate's input checks and id types, as plain generate's (tests/models/test_generate_review.py): heads
+"""medusa_generate's input checks and id types, as plain generate's (tests/models/test_generate_inputs.py): heads
 built for another base, ids outside the vocabulary, a NaN temperature and EOS ids as numpy / tensor scalars."""
 
 import numpy as np

@@ -1,6 +1,6 @@
-"""Tests that close gaps found by mutation testing of liger_models/medusa: each one fails on a plausible one-line
-slip that the rest of the suite let through (stage-1 base weight, stage-2 save location, a numeric "version",
-config sizes against the heads file, the typical-acceptance rule and its tie-break)."""
+"""Medusa rules each pinned by one exact case: stage 1 drops the base term whatever the config says, stage 2 saves
+the heads where they end up, a heads config's "version" read as a string or a number, config sizes that disagree
+with the heads file refused, the typical-acceptance rule and its tie-break token for token."""
 
 import json
 import os

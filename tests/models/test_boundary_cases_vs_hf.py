@@ -1,6 +1,6 @@
-"""Gaps found by mutation testing of the model code: each test here failed under a plausible one-line bug that
-the rest of the CPU suite let through (boundaries at exactly the switch length, batches whose rows differ, bf16
-rounding of a constant, configs whose explicit keys disagree with the derived defaults).
+"""Model boundary cases against transformers: exactly at a switch length (longrope, a sliding window one shorter
+than the sequence), batches whose rows differ, bf16 rounding of a constant, configs whose explicit keys disagree
+with the derived defaults.
 
 Everything is compared with transformers (eager, float32 unless stated) on tiny random models and fresh inputs.
 """

@@ -1,5 +1,5 @@
-"""Tests that close gaps found by mutation testing of liger_models/train/{data,packing}.py: each one fails on a
-plausible one-line slip that the rest of the suite let through."""
+"""Data edge cases of liger_models/train/{data,packing}.py: exactly one EOS per plain document when the tokenizer
+adds it, documents without tokens skipped (at the end too), a new shuffle every epoch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Review findings in the training loop: resuming after a job that died mid-write of its logs."""
+"""Resuming after a job that died mid-write of its logs: a torn last line of metrics.jsonl is not an obstacle."""
 
 from __future__ import annotations
 
