@@ -30,6 +30,7 @@ from .cache import KVCache
 from .config import GenerationConfig, LigerConfig
 from .decoder import DecoderModel
 from .generate import generate
+from .inputs import check_labels
 from .linear import is_plain_linear, pack_linears_
 from .loss import autocast_operands, shift_labels
 from .output import model_output
@@ -313,9 +314,7 @@ class LigerForCausalLM(nn.Module):
     def _loss_or_logits(self, hidden, labels, position_ids, normalizer, num_logits_to_keep, logits_to_keep,
                         past_key_values) -> CausalLMOutput:
         if labels is not None:
-            if labels.shape != hidden.shape[:2]:
-                raise ValueError(f"labels shape {tuple(labels.shape)} != the inputs' (batch, seq_len) "
-                                 f"{tuple(hidden.shape[:2])}")
+            check_labels(labels, hidden.shape[:2], hidden.device)
             targets = shift_labels(labels, 1, position_ids)  # (B, T)
             if not is_plain_linear(self.lm_head):
                 # A wrapped head (PEFT's LoRA on lm_head) computes more than hidden · Wᵀ: its logits are formed.

@@ -25,22 +25,32 @@ import torch
 
 # What nn.Embedding (and the loss kernels, for labels) index with.
 ID_DTYPES = (torch.int64, torch.int32)
-# Depth of the decoding loops running now (checks_its_own_token_ids): their forward calls skip the id range read.
+# Depth of the blocks running now whose ids were checked up front (token_ids_checked_already): their forward
+# calls skip the id range read.
 _OWN_IDS = [0]
+
+
+@contextlib.contextmanager
+def token_ids_checked_already():
+    """Within this block forward calls skip the id range read: for loops whose ids were checked once up front (a
+    decoding loop's prompt, then the model's own tokens; a training run's dataset, checked when it was built), so
+    a CUDA step never waits for the device to finish the previous one (one sync per call would serialise the
+    host's launches with the GPU's work)."""
+    _OWN_IDS[0] += 1
+    try:
+        yield
+    finally:
+        _OWN_IDS[0] -= 1
 
 
 def checks_its_own_token_ids(decode):
     """Decorator for a decoding loop that checks its prompt itself (``check_input_ids``) and then feeds the model
-    only tokens the model chose: its forward calls skip the range read, so a CUDA step never waits for the device
-    to finish the previous one (one sync per token would serialise the host's launches with the GPU's work)."""
+    only tokens the model chose: its forward calls run in ``token_ids_checked_already``."""
 
     @functools.wraps(decode)
     def wrapper(*args, **kwargs):
-        _OWN_IDS[0] += 1
-        try:
+        with token_ids_checked_already():
             return decode(*args, **kwargs)
-        finally:
-            _OWN_IDS[0] -= 1
 
     return wrapper
 
@@ -115,18 +125,20 @@ def check_forward_inputs(input_ids: torch.Tensor, vocab_size: int, position_ids:
     check_input_ids(input_ids, vocab_size)  # last: the one check that may wait for the device
 
 
-def check_labels(labels: torch.Tensor, input_ids: torch.Tensor) -> None:
-    """labels: HF-aligned with input_ids (same shape; -100 where no loss), int64 / int32. Their values are the
-    loss's to check (module docstring)."""
+def check_labels(labels: torch.Tensor, shape: tuple[int, int], device: torch.device) -> None:
+    """labels: HF-aligned with the inputs (their (batch, seq_len) ``shape``, from input_ids or inputs_embeds; -100
+    where no loss), int64 / int32, on the inputs' ``device``. Their values are the loss's to check (module
+    docstring)."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a tensor of token ids, got {type(labels).__name__}")
-    if labels.shape != input_ids.shape:
-        raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)} (HF-aligned: labels[:, t] is "
-                         f"input_ids[:, t], -100 where no loss; the model shifts them), got shape "
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(f"labels must have the inputs' (batch, seq_len) shape {tuple(shape)} (HF-aligned: "
+                         f"labels[:, t] is input_ids[:, t], -100 where no loss; the model shifts them), got shape "
                          f"{tuple(labels.shape)}")
     if labels.dtype not in ID_DTYPES:
         raise ValueError(f"labels must be int64 (or int32) token ids (-100 where no loss), got dtype {labels.dtype}")
-    _check_device("labels", labels, input_ids)
+    if labels.device != device:
+        raise ValueError(f"labels is on {labels.device}, the inputs on {device}: pass them on one device")
 
 
 def _check_device(name: str, tensor: torch.Tensor, input_ids: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from liger_models.modules import shift_labels, static_document_mask
+from liger_models.modules.inputs import token_ids_checked_already
 from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
 from liger_models.train import evaluate as ev
@@ -78,8 +79,9 @@ class CausalLMTask:
         return (targets != IGNORE_INDEX).sum().view(1)
 
     def forward(self, model: nn.Module, batch: dict, normalizer: torch.Tensor, step: int, max_steps: int):
-        out = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"],
-                    normalizer=normalizer[0])
+        with token_ids_checked_already():  # the dataset's ids were checked against the vocabulary when it was built
+            out = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"],
+                        normalizer=normalizer[0])
         return out.loss, out.loss.detach().view(1)
 
 
@@ -110,8 +112,9 @@ class MedusaTask:
         return medusa_target_counts(batch["labels"], self.num_heads, batch["position_ids"], IGNORE_INDEX)
 
     def forward(self, model: nn.Module, batch: dict, normalizer: torch.Tensor, step: int, max_steps: int):
-        out = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"], step=step,
-                    max_steps=max_steps, normalizer=normalizer)
+        with token_ids_checked_already():  # the dataset's ids were checked against the vocabulary when it was built
+            out = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"], step=step,
+                        max_steps=max_steps, normalizer=normalizer)
         base = out.base_loss.detach().float().view(1) if out.base_loss is not None else out.loss.new_zeros(1)
         stats = torch.cat([out.loss.detach().float().view(1), base.to(out.loss.device),
                            out.head_losses.float(), out.head_top1.float(), out.head_top5.float(),
