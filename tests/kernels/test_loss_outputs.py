@@ -155,7 +155,7 @@ def test_gpu_real_size_class_weights_and_outputs(reduction):
     same bf16 values, and eager PyTorch in bf16 for the gradients' error budget."""
     from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_reference
 
-    from ..helpers import assert_matches
+    from ..helpers import assert_matches, rel_l2
 
     n, hdim, vocab = 4096, 2048, 128256
     hidden = (torch.randn(n, hdim, device="cuda") / 2).to(torch.bfloat16)
@@ -173,8 +173,15 @@ def test_gpu_real_size_class_weights_and_outputs(reduction):
                                                **opts)
     (ref.loss * upstream).sum().backward()
     he, we = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    (fused_linear_cross_entropy_reference(he, we, labels, **opts) * upstream).sum().backward()
-    torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=2e-3, atol=1e-4)  # bf16 logits vs fp32 logits
+    eager = fused_linear_cross_entropy_reference(he, we, labels, **opts)
+    (eager * upstream).sum().backward()
+    # Losses of bf16 logits (HF's numerics) are as far from the fp32-logit ones as that rounding makes them, which
+    # per token is up to |z|·2⁻⁹: within 2× eager PyTorch's error on the same bf16 inputs.
+    ref_loss = ref.loss.detach().double()
+    if reduction == "none":
+        assert rel_l2(out.loss, ref_loss) <= 2 * rel_l2(eager.detach(), ref_loss) + 1e-6
+    else:  # the mean of 3.7k such errors
+        torch.testing.assert_close(out.loss.double(), ref_loss, rtol=2e-3, atol=0)
     torch.testing.assert_close(out.z_loss, ref.z_loss, rtol=2e-3, atol=1e-6)
     # Accuracy over bf16 logits: a near-tied argmax may flip between bf16 and fp32 logits, a few tokens at most
     assert abs(out.token_accuracy.item() - ref.token_accuracy.item()) <= 4 / n
