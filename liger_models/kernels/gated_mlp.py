@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
+from ._custom_ops import custom_op, refuse_double_backward
 from ._dispatch import once_differentiable, row_view, use_triton
 from ._launch import cdiv, launch, on_input_device, pow2
 
@@ -268,6 +269,90 @@ class _GatedMLPFunction(torch.autograd.Function):
         return (None, None) + tuple(g.view(shape) for g, shape in zip(grads, ctx.shapes))
 
 
+def _product(gate2d: torch.Tensor, up2d: torch.Tensor, activation: str, shape: torch.Size) -> torch.Tensor:
+    """act(gate2d) · up2d in a fresh tensor of ``shape``."""
+    out2d = torch.empty(gate2d.shape, dtype=gate2d.dtype, device=gate2d.device)
+    if out2d.numel():
+        gated_forward(gate2d, up2d, out2d, activation)
+    return out2d.view(shape)
+
+
+@custom_op("gated_mlp")
+def _gated_mlp_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """_GatedMLPFunction's forward (separate gate and up) as a custom op (_custom_ops.py)."""
+    return _product(row_view(gate), row_view(up), activation, gate.shape)
+
+
+@_gated_mlp_op.register_fake
+def _(gate, up, activation):
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@custom_op("gated_mlp_backward")
+def _gated_mlp_backward_op(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                           activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) in fresh tensors: an op may not write over its inputs, as the eager backward may."""
+    gate2d, up2d = row_view(gate), row_view(up)
+    dgate2d, dup2d = torch.empty_like(gate2d), torch.empty_like(up2d)
+    if gate2d.numel():
+        gated_backward(row_view(dout), gate2d, up2d, dgate2d, dup2d, activation)
+    return dgate2d.view(gate.shape), dup2d.view(up.shape)
+
+
+@_gated_mlp_backward_op.register_fake
+def _(dout, gate, up, activation):
+    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+            torch.empty(up.shape, dtype=up.dtype, device=up.device))
+
+
+@custom_op("gated_mlp_packed")
+def _gated_mlp_packed_op(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """_GatedMLPFunction's forward on a packed (..., 2I) gate_up as a custom op."""
+    gu2d = row_view(gate_up)
+    half = gu2d.shape[1] // 2
+    return _product(gu2d[:, :half], gu2d[:, half:], activation, (*gate_up.shape[:-1], half))
+
+
+@_gated_mlp_packed_op.register_fake
+def _(gate_up, activation):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@custom_op("gated_mlp_packed_backward")
+def _gated_mlp_packed_backward_op(dout: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """d gate_up (..., 2I) in one fresh tensor."""
+    gu2d = row_view(gate_up)
+    half = gu2d.shape[1] // 2
+    dgu2d = torch.empty_like(gu2d)
+    if gu2d.numel():
+        gated_backward(row_view(dout), gu2d[:, :half], gu2d[:, half:], dgu2d[:, :half], dgu2d[:, half:], activation)
+    return dgu2d.view(gate_up.shape)
+
+
+@_gated_mlp_packed_backward_op.register_fake
+def _(dout, gate_up, activation):
+    return torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+
+
+def _gated_setup(ctx, inputs, output) -> None:
+    *tensors, ctx.activation = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _gated_mlp_backward(ctx, dout):
+    refuse_double_backward("gated_mlp")
+    return (*_gated_mlp_backward_op(dout, *ctx.saved_tensors, ctx.activation), None)
+
+
+def _gated_mlp_packed_backward(ctx, dout):
+    refuse_double_backward("gated_mlp_packed")
+    return _gated_mlp_packed_backward_op(dout, *ctx.saved_tensors, ctx.activation), None
+
+
+_gated_mlp_op.register_autograd(_gated_mlp_backward, setup_context=_gated_setup)
+_gated_mlp_packed_op.register_autograd(_gated_mlp_packed_backward, setup_context=_gated_setup)
+
+
 def _check(gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
@@ -281,14 +366,14 @@ def _check(gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
         raise ValueError(f"gate and up are on different devices: {gate.device} and {up.device}")
 
 
-@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def gated_mlp(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """act(gate) * up for gate, up of shape (..., I); strided views are read in place. Autograd-aware."""
     _check(gate, up, activation)
+    if torch.compiler.is_compiling():  # the custom op, which dynamo traces (_custom_ops.py)
+        return _gated_mlp_op(gate, up, activation)
     return _GatedMLPFunction.apply(activation, False, gate, up)
 
 
-@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def gated_mlp_packed(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """act(gate) * up where gate_up is (..., 2I) = [gate | up] along the last dim (a fused gate_up projection).
 
@@ -298,4 +383,6 @@ def gated_mlp_packed(gate_up: torch.Tensor, activation: str = "silu") -> torch.T
         raise ValueError(f"gate_up must be (..., 2I) with an even last dim, got {tuple(gate_up.shape)}")
     half = gate_up.shape[-1] // 2
     _check(gate_up[..., :half], gate_up[..., half:], activation)
+    if torch.compiler.is_compiling():
+        return _gated_mlp_packed_op(gate_up, activation)
     return _GatedMLPFunction.apply(activation, True, gate_up)

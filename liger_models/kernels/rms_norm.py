@@ -23,11 +23,14 @@ a `range` bound under NumPy ≥ 2.4 (it calls int() on a 1-element array); on th
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
+from ._custom_ops import absent, custom_op, refuse_double_backward
 from ._dispatch import interpreting, once_differentiable, row_view, use_triton
 from ._launch import cdiv, compiled, launch, on_input_device, pow2, sm_count
 from ._norm_backward import MAX_CHUNKS as _WIDE_MAX_CHUNKS
@@ -411,6 +414,68 @@ class _RMSNormFunction(torch.autograd.Function):
         return dr, dr.to(ctx.residual_dtype) if ctx.needs_input_grad[1] else None, dw, None, None, None
 
 
+@custom_op("rms_norm")
+def _rms_norm_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, offset: float,
+                 gemma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_RMSNormFunction's forward as a custom op (_custom_ops.py): (y, r or a placeholder, rstd); y and r in x's
+    shape."""
+    res2 = None if residual is None else _rows(residual)
+    y, r, _, rstd = norm_forward(_rows(x), res2, weight, None, eps, offset, center=False, gemma=gemma)
+    return y.view(x.shape), absent(x) if r is None else r.view(x.shape), rstd
+
+
+@_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, gemma):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    r = absent(x) if residual is None else torch.empty_like(y)
+    return y, r, x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@custom_op("rms_norm_backward")
+def _rms_norm_backward_op(dy: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                          dres: Optional[torch.Tensor], offset: float, gemma: bool,
+                          need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """_RMSNormFunction's backward for a given dy: (dx [+ dres] in dy's shape, dW or a placeholder)."""
+    dx, dw, _ = norm_backward(_rows(dy), _rows(xs), weight, None, rstd, None if dres is None else _rows(dres), offset,
+                              center=False, gemma=gemma, need_dw=need_dw, need_db=False)
+    return dx.view(dy.shape), absent(weight) if dw is None else dw
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, xs, weight, rstd, dres, offset, gemma, need_dw):
+    dx = torch.empty(dy.shape, dtype=xs.dtype, device=xs.device)
+    return dx, torch.empty_like(weight) if need_dw else absent(weight)
+
+
+def _rms_norm_setup(ctx, inputs, output) -> None:
+    x, residual, weight, _, offset, gemma = inputs
+    _, r, rstd = output
+    ctx.save_for_backward(x if residual is None else r, weight, rstd)
+    ctx.offset, ctx.gemma = offset, gemma
+    ctx.residual_dtype = None if residual is None else residual.dtype
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)  # as the Function: an unused r costs no zero-filled gradient
+
+
+def _rms_norm_backward(ctx, dy, dres, _drstd):
+    refuse_double_backward("rms_norm")
+    xs, weight, rstd = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[2]
+    if ctx.residual_dtype is None:
+        dres = None  # the gradient of r's placeholder
+    if dy is None:  # only r was used downstream: the norm contributes nothing
+        dr, dw = dres, torch.zeros_like(weight) if need_dw else None
+    else:
+        dr, dw = _rms_norm_backward_op(dy, xs, weight, rstd, dres, ctx.offset, ctx.gemma, need_dw)
+        dw = dw if need_dw else None
+    if ctx.residual_dtype is None:
+        return dr, None, dw, None, None, None
+    return dr, dr.to(ctx.residual_dtype) if ctx.needs_input_grad[1] else None, dw, None, None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, casting: str) -> None:
     if casting not in _CASTINGS:
         raise ValueError(f"casting must be one of {_CASTINGS}, got {casting!r}")
@@ -430,7 +495,6 @@ def unit_stride(p: torch.Tensor | None) -> torch.Tensor | None:
     return p if p is None or p.is_contiguous() else p.contiguous()
 
 
-@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, casting: str = "llama"
 ) -> torch.Tensor:
@@ -438,10 +502,11 @@ def rms_norm(
     _check(x, weight, casting)
     if not use_triton(x, weight):
         return rms_norm_reference(x, weight, eps, offset, casting)
+    if torch.compiler.is_compiling():  # the custom op, which dynamo traces (_custom_ops.py)
+        return _rms_norm_op(x, None, unit_stride(weight), float(eps), float(offset), casting == "gemma")[0]
     return _RMSNormFunction.apply(x, None, unit_stride(weight), float(eps), float(offset), casting == "gemma")
 
 
-@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -458,6 +523,8 @@ def add_rms_norm(
     if not use_triton(x, residual, weight):
         r = x + residual.to(x.dtype)
         return rms_norm_reference(r, weight, eps, offset, casting), r
+    if torch.compiler.is_compiling():
+        return _rms_norm_op(x, residual, unit_stride(weight), float(eps), float(offset), casting == "gemma")[:2]
     return _RMSNormFunction.apply(x, residual, unit_stride(weight), float(eps), float(offset), casting == "gemma")
 
 

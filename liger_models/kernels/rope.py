@@ -22,16 +22,20 @@ the projection's own backward does not read its output (Linear/addmm save their 
 version counter is deliberately not bumped: doing so would re-derive the grad_fn of every sibling view (v of
 a fused qkv) as AsStrided, or break split() outputs. Contract: nothing else may save q/k's memory for backward.
 The backward writes fresh contiguous gradients and reads dq/dk with any strides (SDPA returns transposed ones).
+Under torch.compile the rotation runs as a functional custom op (_custom_ops.py): the same kernel writes rotated
+copies (TO_DST), so no input is modified behind autograd's back; ``rope`` copies them back into q and k.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from ._custom_ops import custom_op, refuse_double_backward
 from ._dispatch import once_differentiable, use_triton
 from ._launch import launch, on_input_device, pow2
 
@@ -95,12 +99,13 @@ def _rope_kernel(
     stride_q_b, stride_q_t, stride_q_h, stride_k_b, stride_k_t, stride_k_h, stride_cos_b, stride_cos_t,
     stride_dq_t, stride_dk_t,
     N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    TAIL: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr,
+    TAIL: tl.constexpr, BACKWARD: tl.constexpr, TO_DST: tl.constexpr, BLOCK_T: tl.constexpr,
     N_TILES: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
 ):
-    """BLOCK_T tokens of one sequence, all q and k heads. Forward: in place (DST_Q/DST_K unused). Backward: the
-    transpose, written to DST_Q/DST_K with the pass-through tail (TAIL dims); their tokens lie stride_d*_t apart
+    """BLOCK_T tokens of one sequence, all q and k heads: the rotation (forward) or its transpose (BACKWARD), in
+    place (DST_Q/DST_K unused), or with TO_DST (the backward; the forward under torch.compile, whose ops are
+    functional) written to DST_Q/DST_K with the pass-through tail (TAIL dims); their tokens lie stride_d*_t apart
     (b·T + t order) and their heads back to back: contiguous (B, T, H, D), or the q/k slices of a packed qkv grad. The loads
     of a tile's q and k heads are all issued before its stores: one memory round trip, not two."""
     pid = tl.program_id(0)
@@ -122,7 +127,7 @@ def _rope_kernel(
         sin1, sin2 = -sin2, -sin1
     q_tok = b * stride_q_b + t * stride_q_t
     k_tok = b * stride_k_b + t * stride_k_t
-    dst_row = b * seq_len + t  # backward: the token's index in the gradients
+    dst_row = b * seq_len + t  # TO_DST: the token's index in DST_Q / DST_K
     dq_tok = dst_row * stride_dq_t
     dk_tok = dst_row * stride_dk_t
     for i in tl.static_range(N_TILES):
@@ -135,20 +140,20 @@ def _rope_kernel(
             k1 = tl.load(K + k_src, mask=k_mask, other=0.0).to(tl.float32)
             k2 = tl.load(K + k_src + HALF, mask=k_mask, other=0.0).to(tl.float32)
         if i * BLOCK_HQ < N_Q_HEADS:
-            if BACKWARD:
+            if TO_DST:
                 q_dst, _ = _head_offsets(dq_tok, i * BLOCK_HQ, HEAD_DIM, N_Q_HEADS, HALF,
                                          t_mask, BLOCK_HQ, BLOCK_R)
                 _store_rotated(DST_Q, q_dst, q1, q2, q_mask, cos1, cos2, sin1, sin2, HALF)
             else:
                 _store_rotated(Q, q_src, q1, q2, q_mask, cos1, cos2, sin1, sin2, HALF)
         if i * BLOCK_HK < N_K_HEADS:
-            if BACKWARD:
+            if TO_DST:
                 k_dst, _ = _head_offsets(dk_tok, i * BLOCK_HK, HEAD_DIM, N_K_HEADS, HALF,
                                          t_mask, BLOCK_HK, BLOCK_R)
                 _store_rotated(DST_K, k_dst, k1, k2, k_mask, cos1, cos2, sin1, sin2, HALF)
             else:
                 _store_rotated(K, k_src, k1, k2, k_mask, cos1, cos2, sin1, sin2, HALF)
-        if TAIL > 0:  # backward only: fresh gradients also need the dims the rotation passes through
+        if TAIL > 0:  # TO_DST only: fresh outputs also need the dims the rotation passes through
             if i * BLOCK_HQ < N_Q_HEADS:
                 _copy_tail(Q, DST_Q, q_tok, dq_tok, i * BLOCK_HQ, stride_q_h, N_Q_HEADS, HEAD_DIM, 2 * HALF, TAIL,
                            t_mask, BLOCK_HQ, BLOCK_TAIL)
@@ -158,7 +163,7 @@ def _rope_kernel(
 
 
 @functools.lru_cache(maxsize=256)
-def _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward, tokens, head_tile, elems_per_thread):
+def _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward, to_dst, tokens, head_tile, elems_per_thread):
     """Programs per sequence and the kernel's constexprs + num_warps, cached per shape and tiling knobs: at
     Llama sizes one autograd step of rope costs the host more time than the GPU, so the launch path stays lean."""
     block_r = pow2(rot // 2)
@@ -168,8 +173,8 @@ def _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward, tokens, head
     tail = head_dim - rot
     elems = block_t * (block_hq + block_hk) * block_r * 2
     meta = dict(
-        N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads, HEAD_DIM=head_dim, HALF=rot // 2, TAIL=tail if backward else 0,
-        BACKWARD=backward, BLOCK_T=block_t, N_TILES=max(-(-n_q_heads // block_hq), -(-n_k_heads // block_hk)),
+        N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads, HEAD_DIM=head_dim, HALF=rot // 2, TAIL=tail if to_dst else 0,
+        BACKWARD=backward, TO_DST=to_dst, BLOCK_T=block_t, N_TILES=max(-(-n_q_heads // block_hq), -(-n_k_heads // block_hk)),
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_R=block_r, BLOCK_TAIL=pow2(max(tail, 1)),
         num_warps=min(16, pow2(-(-elems // (32 * elems_per_thread)))),
     )
@@ -190,16 +195,18 @@ def _token_stride(x: torch.Tensor) -> int | None:
 
 
 @on_input_device  # a cuda:1 input must not run on the current cuda:0 (Triton launches there)
-def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
+def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool, to_dst: bool | None = None) -> None:
     """Rotate q, k (B, T, H, D). Forward: in place (dst_q is q, dst_k is k). Backward: the transpose into fresh
-    token-major dst_q, dst_k (pass-through tail included); q/k are then the incoming gradients, any strides."""
+    token-major dst_q, dst_k (pass-through tail included); q/k are then the incoming gradients, any strides.
+    to_dst=True with the forward: the rotation into fresh dst_q, dst_k (the custom op's, which may not write q, k)."""
+    to_dst = backward if to_dst is None else to_dst
     bsz, seq_len, n_q_heads, head_dim = q.shape
     n_k_heads, rot = k.shape[2], cos.shape[-1]
     if bsz * seq_len == 0:
         return
-    if backward:
+    if to_dst:
         dq_stride, dk_stride = _token_stride(dst_q), _token_stride(dst_k)
-        assert dq_stride is not None and dk_stride is not None, "the backward writes token-major gradients"
+        assert dq_stride is not None and dk_stride is not None, "the kernel writes token-major outputs"
     else:
         assert dst_q is q and dst_k is k, "the forward rotates in place"
         dq_stride = dk_stride = 0
@@ -208,6 +215,8 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
             if backward:
                 h = rot // 2
                 dst.copy_(_rotate_reference(src, cos, -torch.cat((sin[..., h:], sin[..., :h]), dim=-1)))
+            elif to_dst:
+                dst.copy_(_rotate_reference(src, cos, sin))
             else:
                 dst[..., :rot].copy_(_rotate_reference(src[..., :rot], cos, sin))
         return
@@ -215,7 +224,7 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool) -> None:
     if cos_strides != sin.stride() or cos_strides[2] != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
         cos_strides = cos.stride()
-    blocks_per_seq, meta = _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward,
+    blocks_per_seq, meta = _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward, to_dst,
                                    _TOKENS_PER_PROGRAM, _HEAD_TILE, _ELEMS_PER_THREAD)
     q_strides, k_strides = q.stride(), k.stride()
     launch(_rope_kernel, (bsz * blocks_per_seq,),
@@ -266,20 +275,116 @@ class _RoPEPackedFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
-        n_q_heads, n_kv_heads, head_dim = ctx.heads
-        like = next(g for g in (dq, dk, dv) if g is not None)
-        dqkv = torch.empty((like.shape[0], like.shape[1], (n_q_heads + 2 * n_kv_heads) * head_dim), dtype=like.dtype,
-                           device=like.device)
-        dst_q, dst_k, dst_v = _split_heads(dqkv, n_q_heads, n_kv_heads, head_dim)
-        # A missing gradient (an output unused by the loss) is zero.
-        dq = torch.zeros_like(dst_q) if dq is None else _unit_last_stride(dq)
-        dk = torch.zeros_like(dst_k) if dk is None else _unit_last_stride(dk)
-        _launch(dq, dk, cos, sin, dst_q, dst_k, backward=True)
-        if dv is None:
-            dst_v.zero_()
-        else:
-            dst_v.copy_(dv)
-        return dqkv, None, None, None, None, None
+        return _packed_grad(dq, dk, dv, cos, sin, *ctx.heads), None, None, None, None, None
+
+
+def _packed_grad(dq, dk, dv, cos, sin, n_q_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """d qkv (B, T, W) in one fresh tensor from the gradients of the q, k, v head views (None: unused, zero)."""
+    like = next(g for g in (dq, dk, dv) if g is not None)
+    dqkv = torch.empty((like.shape[0], like.shape[1], (n_q_heads + 2 * n_kv_heads) * head_dim), dtype=like.dtype,
+                       device=like.device)
+    dst_q, dst_k, dst_v = _split_heads(dqkv, n_q_heads, n_kv_heads, head_dim)
+    dq = torch.zeros_like(dst_q) if dq is None else _unit_last_stride(dq)
+    dk = torch.zeros_like(dst_k) if dk is None else _unit_last_stride(dk)
+    _launch(dq, dk, cos, sin, dst_q, dst_k, backward=True)
+    if dv is None:
+        dst_v.zero_()
+    else:
+        dst_v.copy_(dv)
+    return dqkv
+
+
+def _heads_like(x: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous (B, T, H, D) tensor shaped as x: where the ops write rotated q / k."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _rotated(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = _heads_like(q), _heads_like(k)
+    _launch(q, k, cos, sin, q_out, k_out, backward=False, to_dst=True)
+    return q_out, k_out
+
+
+@custom_op("rope")
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation of q and k into fresh tensors (_custom_ops.py: an op with autograd may not write its inputs)."""
+    return _rotated(q, k, cos, sin)
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin):
+    return _heads_like(q), _heads_like(k)
+
+
+@custom_op("rope_backward")
+def _rope_backward_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_RoPEFunction's backward: the transposed rotation into fresh gradients."""
+    dq_out, dk_out = _heads_like(dq), _heads_like(dk)
+    _launch(_unit_last_stride(dq), _unit_last_stride(dk), cos, sin, dq_out, dk_out, backward=True)
+    return dq_out, dk_out
+
+
+@_rope_backward_op.register_fake
+def _(dq, dk, cos, sin):
+    return _heads_like(dq), _heads_like(dk)
+
+
+def _rope_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[2:4])
+
+
+def _rope_backward(ctx, dq, dk):
+    refuse_double_backward("rope")
+    return (*_rope_backward_op(dq, dk, *ctx.saved_tensors), None, None)
+
+
+_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+@custom_op("rope_packed")
+def _rope_packed_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int,
+                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotated q, k and a copy of v (B, T, H, D), each a fresh tensor (outputs may not be views of qkv)."""
+    q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads, head_dim)
+    return (*_rotated(q, k, cos, sin), v.clone(memory_format=torch.contiguous_format))
+
+
+@_rope_packed_op.register_fake
+def _(qkv, cos, sin, n_q_heads, n_kv_heads, head_dim):
+    return tuple(_heads_like(x) for x in _split_heads(qkv, n_q_heads, n_kv_heads, head_dim))
+
+
+@custom_op("rope_packed_backward")
+def _rope_packed_backward_op(dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
+                             cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int,
+                             head_dim: int) -> torch.Tensor:
+    """_RoPEPackedFunction's backward: d qkv in one fresh tensor."""
+    return _packed_grad(dq, dk, dv, cos, sin, n_q_heads, n_kv_heads, head_dim)
+
+
+@_rope_packed_backward_op.register_fake
+def _(dq, dk, dv, cos, sin, n_q_heads, n_kv_heads, head_dim):
+    like = next(g for g in (dq, dk, dv) if g is not None)
+    width = (n_q_heads + 2 * n_kv_heads) * head_dim
+    return torch.empty((like.shape[0], like.shape[1], width), dtype=like.dtype, device=like.device)
+
+
+def _rope_packed_setup(ctx, inputs, output) -> None:
+    _, cos, sin, *ctx.heads = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.set_materialize_grads(False)  # an unused q, k or v gets no zero-filled gradient, as in the Function
+
+
+def _rope_packed_backward(ctx, dq, dk, dv):
+    refuse_double_backward("rope_packed")
+    if dq is None and dk is None and dv is None:
+        return None, None, None, None, None, None
+    return _rope_packed_backward_op(dq, dk, dv, *ctx.saved_tensors, *ctx.heads), None, None, None, None, None
+
+
+_rope_packed_op.register_autograd(_rope_packed_backward, setup_context=_rope_packed_setup)
 
 
 def _split_heads(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int):
@@ -310,10 +415,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         raise ValueError("q and k need a unit stride along head_dim (views of the projection output)")
     if len({q.device, k.device, cos.device, sin.device}) != 1:
         raise ValueError("q, k, cos and sin must be on one device")
-    if q.numel() and q.data_ptr() == k.data_ptr():
-        raise ValueError("q and k alias the same memory; rope rotates them in place")
     if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         raise ValueError("rope gives no gradient to cos/sin; compute them without grad (they come from inv_freq)")
+    if not torch.compiler.is_compiling():  # traced, the rotation is out of place (and pointers do not exist)
+        _check_in_place(q, k)
+
+
+def _check_in_place(q: torch.Tensor, k: torch.Tensor) -> None:
+    if q.numel() and q.data_ptr() == k.data_ptr():
+        raise ValueError("q and k alias the same memory; rope rotates them in place")
     for name, x in (("q", q), ("k", k)):
         base = x._base if x._base is not None else x
         if base.requires_grad and base.grad_fn is None and torch.is_grad_enabled():
@@ -321,7 +431,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                              "pass the projection output (or a clone)")
 
 
-@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,25 +444,33 @@ def rope(
     _check(q, k, cos, sin)
     if q.numel() == 0 and k.numel() == 0:
         return q, k
+    if torch.compiler.is_compiling():
+        # The op is functional (_custom_ops.py); copying its result back keeps this function's in-place contract,
+        # and autograd routes the gradient through the copies.
+        q_rot, k_rot = _rope_op(q, k, cos, sin)
+        return q.copy_(q_rot), k.copy_(k_rot)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _RoPEFunction.apply(q, k, cos, sin)
     _launch(q, k, cos, sin, q, k, backward=False)
     return q, k
 
 
-@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def rope_packed(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split a packed projection output qkv (B, T, (Hq + 2·Hkv)·D) = [q | k | v] into (B, T, H, D) head views,
     rotating q and k in place (as :func:`rope`); returns (q, k, v). Under autograd the gradient of qkv is built
-    in one tensor (no per-slice zero-filled gradients). qkv must be a projection output nothing else saved."""
+    in one tensor (no per-slice zero-filled gradients). qkv must be a projection output nothing else saved.
+    While torch.compile traces, q, k and v come back as fresh tensors and qkv is left unrotated (the custom op is
+    functional, and no caller reads qkv again)."""
     width = (n_q_heads + 2 * n_kv_heads) * head_dim
     if qkv.dim() != 3 or qkv.shape[-1] != width:
         raise ValueError(f"qkv must be (B, T, {width}) for {n_q_heads} q and {n_kv_heads} kv heads of {head_dim}, "
                          f"got {tuple(qkv.shape)}")
     q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads, head_dim)
     _check(q, k, cos, sin)
+    if qkv.numel() and torch.compiler.is_compiling():
+        return _rope_packed_op(qkv, cos, sin, n_q_heads, n_kv_heads, head_dim)
     if qkv.numel() and torch.is_grad_enabled() and qkv.requires_grad:
         return _RoPEPackedFunction.apply(qkv, cos, sin, n_q_heads, n_kv_heads, head_dim)
     _launch(q, k, cos, sin, q, k, backward=False)
