@@ -141,7 +141,12 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--keep-last", type=_positive, default=2, help="checkpoints to keep (default 2)")
     p.add_argument("--resume", default=None, metavar="auto|DIR",
                    help="continue from a checkpoint directory (or the newest checkpoint of an earlier run's "
-                        "output directory), or 'auto' = the newest one in --output-dir if any")
+                        "output directory), or 'auto' = the newest one in --output-dir if any; a damaged "
+                        "checkpoint (its files not those its manifest lists) is passed over for the one before it")
+    p.add_argument("--allow-changed-settings", default=None, metavar="NAME,...",
+                   help="with --resume: go on although these settings differ from the checkpoint's (names as the "
+                        "refusal lists them, e.g. lr,batch-size,model-weights; or all); the change is logged. "
+                        "Without it a resume with other data, model weights, tokenizer or math options is refused")
     p.add_argument("--log-every", type=_positive, default=10, help="progress line every N steps (default 10)")
     p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
@@ -443,6 +448,8 @@ def _run_demo(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``liger-models`` console script."""
+    from liger_models.train.disk_space import DiskFull
+
     args = build_parser().parse_args(argv)
     if getattr(args, "device", None) == "cuda":
         import torch
@@ -454,9 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, ValueError,
-            FloatingPointError) as exc:
+            FloatingPointError, DiskFull) as exc:
         # User errors (bad paths, data, arguments; a gated Hub repo or a directory not writable; a loss that
-        # diverged: "lower --lr?") get one clear line; LIGER_DEBUG=1 shows the traceback.
+        # diverged: "lower --lr?"; a full disk) get one clear line; LIGER_DEBUG=1 shows the traceback.
         if os.environ.get("LIGER_DEBUG"):
             raise
         print(f"liger-models: error: {exc}", file=sys.stderr)

@@ -5,6 +5,7 @@ Layout under ``<output_dir>/checkpoints``::
     step_000200/            one complete checkpoint
         <model files>       written by the caller (HF / Medusa format: usable as they are)
         trainer_state.pt    step, optimizer, LR scheduler, data position, every rank's RNG states, run arguments
+        checkpoint_manifest.json   size and SHA-256 of every other file, written last
     latest                  the name of the newest complete checkpoint
 
 A checkpoint is written into a hidden temporary directory, flushed to disk, and only then renamed to its final
@@ -13,22 +14,33 @@ name; ``latest`` is replaced the same way. A crash or exception mid-save therefo
 and deleted by the next save or the next run's start). Every temporary is named by liger_models.atomic's scheme, the
 one the model writer (hub.py) stages its own files under, so one sweep finds what any killed writer left.
 Pruning (``keep_last``) renames a checkpoint out of the ``step_N`` names before deleting it, for the same reason.
+
+The manifest catches what the renames cannot: a file damaged after the checkpoint was published (a disk or copy
+error, a truncation, a flipped bit). :func:`find_resumable` checks it and passes over a damaged checkpoint to the
+newest intact one before it, saying which file is wrong and how. A checkpoint written before manifests existed has
+none, and is taken unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from liger_models import atomic
 
 STATE_FILE = "trainer_state.pt"
+MANIFEST_FILE = "checkpoint_manifest.json"
+MANIFEST_FORMAT = 1
+_BLOCK = 1 << 20  # bytes read at a time when hashing
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -101,7 +113,7 @@ def save_checkpoint(
 
     ``write_model(tmp_dir, final_dir)`` writes the model files into tmp_dir, which becomes final_dir once complete
     (a file that records its own location, such as a Medusa stage-2 config.json, names final_dir);
-    ``trainer_state`` is saved with ``torch.save``. With ``keep_last``, keeps the newest ``keep_last`` checkpoints
+    ``trainer_state`` is saved with ``torch.save``, then the manifest of every file. With ``keep_last``, keeps the newest ``keep_last`` checkpoints
     up to this step (this one always; later steps, left by a run this one resumed before, are not pruned).
     Call on one process (rank 0) with already-gathered state.
     """
@@ -114,7 +126,11 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         write_model(tmp, final)
-        torch.save({**trainer_state, "step": step}, tmp / STATE_FILE)
+        # Through a Python file object, not a path: torch's own writer reports a full disk as "unexpected pos"
+        # with no errno; through the file object, the OSError (ENOSPC) is kept as the exception's context.
+        with open(tmp / STATE_FILE, "wb") as f:
+            torch.save({**trainer_state, "step": step}, f)
+        write_manifest(tmp)
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
             old = atomic.temp_path(final, "old")
@@ -187,21 +203,150 @@ def find_latest(root: str | os.PathLike) -> Path | None:
 
 def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path:
     """``--resume auto`` → newest checkpoint of this run; else a checkpoint directory, a checkpoints root, or an
-    earlier run's output directory (its newest checkpoint)."""
-    target = Path(output_dir) / "checkpoints" if resume == "auto" else Path(resume)
-    if (target / STATE_FILE).is_file():
-        return target
-    if not list_checkpoints(target) and (target / "checkpoints").is_dir():
-        target = target / "checkpoints"
-    latest = find_latest(target)
-    if latest is None:
-        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint (with {STATE_FILE}) under {target}")
-    return latest
+    earlier run's output directory (its newest checkpoint). Intact ones only: :func:`find_resumable`."""
+    found = find_resumable(resume, output_dir)
+    if found.checkpoint is None:
+        raise FileNotFoundError(_none_under(resume, Path(output_dir) / "checkpoints"))
+    return found.checkpoint
 
 
-def load_trainer_state(ckpt_dir: str | os.PathLike) -> dict:
-    """The ``trainer_state.pt`` of a checkpoint directory."""
+def _none_under(resume: str, target: Path) -> str:
+    return f"--resume {resume}: no complete checkpoint (with {STATE_FILE}) under {target}"
+
+
+def load_trainer_state(ckpt_dir: str | os.PathLike, mmap: bool = False) -> dict:
+    """The ``trainer_state.pt`` of a checkpoint directory (``mmap``: tensors mapped from the file, not read: for a
+    look at its small entries)."""
     path = Path(ckpt_dir) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"not a checkpoint: {path} is missing")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (EOFError, RuntimeError, ValueError, OSError) as exc:  # torch's reader names neither file nor cause
+        raise ValueError(f"{path} is unreadable ({path.stat().st_size} bytes; damaged or cut short?): "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+
+
+# --------------------------------------------------------------------------------------------- the manifest
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes, read a block at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sha256_all(files: list[Path]) -> list[str]:
+    # hashlib releases the GIL on large updates: model shards and the trainer state hash side by side.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as pool:
+        return list(pool.map(file_sha256, files))
+
+
+def write_manifest(directory: Path) -> None:
+    """Record the size and SHA-256 of every file under ``directory`` in its manifest (written atomically)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    entries = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": h}
+               for p, h in zip(files, _sha256_all(files))}
+    text = json.dumps({"format": MANIFEST_FORMAT, "files": entries}, indent=1, sort_keys=True) + "\n"
+    write_text_atomic(directory / MANIFEST_FILE, text)
+
+
+def has_manifest(checkpoint: str | os.PathLike) -> bool:
+    return (Path(checkpoint) / MANIFEST_FILE).is_file()
+
+
+def _read_manifest(checkpoint: Path) -> dict[str, dict]:
+    """The manifest's {relative path: {"size", "sha256"}}; ValueError when it is not one."""
+    try:
+        raw = json.loads((checkpoint / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{MANIFEST_FILE} is unreadable ({exc})") from exc
+    files = raw.get("files") if isinstance(raw, dict) else None
+    if not isinstance(files, dict) or STATE_FILE not in files or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values()):
+        raise ValueError(f"{MANIFEST_FILE} is not a manifest of this checkpoint's files")
+    return files
+
+
+def damage(checkpoint: str | os.PathLike) -> str | None:
+    """What is wrong with a checkpoint's files, by its manifest ("trainer_state.pt is 0 bytes, its manifest says
+    1234"), or None when they all match it. A checkpoint without a manifest (written before they existed) has only
+    its trainer_state.pt looked for: :func:`has_manifest` tells the two apart."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / MANIFEST_FILE).is_file():
+        return None if (checkpoint / STATE_FILE).is_file() else f"{STATE_FILE} is missing"
+    try:
+        files = _read_manifest(checkpoint)
+    except ValueError as exc:
+        return str(exc)
+    for name, entry in files.items():  # sizes first: a missing or cut file is told without hashing anything
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["size"]:
+            return f"{name} is {path.stat().st_size} bytes, its manifest says {entry['size']}"
+    names = sorted(files)
+    for name, digest in zip(names, _sha256_all([checkpoint / n for n in names])):
+        if digest != files[name]["sha256"]:
+            return f"{name}'s SHA-256 differs from its manifest's (its bytes changed)"
+    return None
+
+
+class Resumable(NamedTuple):
+    """The checkpoint a resume starts from (None: none to start from), the damaged ones passed over on the way
+    (newest first, each with what is wrong), and whether it was verified (False: it has no manifest)."""
+
+    checkpoint: Path | None
+    damaged: list[tuple[Path, str]]
+    verified: bool
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Where a resume may start, in order: the checkpoint ``latest`` names, then the complete ones before it, newest
+    first (without a valid ``latest``: every complete one, newest first). Steps after the one ``latest`` names were
+    left by a run that a later one went back on (it resumed from before them): not where this run stands."""
+    complete = list_checkpoints(root)
+    pointer = root / "latest"
+    named = root / pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+    if named is None or not _STEP_DIR.match(named.name) or not named.is_dir():
+        return complete[::-1]
+    return [named, *[p for p in complete[::-1] if _step_of(p) < _step_of(named)]]
+
+
+def newest_intact(root: str | os.PathLike) -> Resumable:
+    """The newest checkpoint under ``root`` whose files match its manifest (:func:`_candidates`' order)."""
+    root = Path(root)
+    if root.is_dir():
+        _finish_interrupted(root)
+    damaged = []
+    for candidate in _candidates(root) if root.is_dir() else []:
+        problem = damage(candidate)
+        if problem is None:
+            return Resumable(candidate, damaged, has_manifest(candidate))
+        damaged.append((candidate, problem))
+    return Resumable(None, damaged, False)
+
+
+def find_resumable(resume: str, output_dir: str | os.PathLike) -> Resumable:
+    """:func:`resolve_resume`, with each candidate checked against its manifest. ``--resume auto`` or a run's
+    directory: the newest intact checkpoint (None for ``auto`` with no checkpoint yet); a checkpoint directory
+    named outright: that one, or a ValueError saying what is damaged."""
+    target = Path(output_dir) / "checkpoints" if resume == "auto" else Path(resume)
+    if (target / STATE_FILE).is_file() or (target / MANIFEST_FILE).is_file():
+        problem = damage(target)
+        if problem is not None:
+            raise ValueError(f"--resume {resume}: checkpoint {target} is damaged: {problem}")
+        return Resumable(target, [], has_manifest(target))
+    if not list_checkpoints(target) and (target / "checkpoints").is_dir():
+        target = target / "checkpoints"
+    found = newest_intact(target)
+    if found.checkpoint is None and found.damaged:
+        what = "; ".join(f"{path.name}: {why}" for path, why in found.damaged)
+        raise ValueError(f"--resume {resume}: no intact checkpoint under {target} ({what})")
+    if found.checkpoint is None and resume != "auto":
+        raise FileNotFoundError(_none_under(resume, target))
+    return found

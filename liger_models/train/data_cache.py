@@ -15,12 +15,13 @@ that cannot take the file is reported too, and the run goes on uncached.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import tokenizers
@@ -37,12 +38,36 @@ _BLOCK = 1 << 20  # bytes read at a time when hashing a data file
 _MAX_HEADER = 1 << 20  # a header of three tensors is a few hundred bytes; more means the file is not ours
 
 
+_remembered: dict[tuple, str] | None = None  # file_digest's results inside digests_remembered()
+
+
+@contextlib.contextmanager
+def digests_remembered() -> Iterator[None]:
+    """Within the block, :func:`file_digest` reads each file once (by path, size, modification time and inode): a
+    run hashes its data for the settings its checkpoints record (run_settings.py) and again for the cache key."""
+    global _remembered
+    outer = _remembered
+    _remembered = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _remembered = outer
+
+
 def file_digest(path: str | os.PathLike) -> str:
     """SHA-256 of a file's bytes, read a block at a time (a corpus may not fit in memory)."""
+    key = None
+    if _remembered is not None:
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+        if key in _remembered:
+            return _remembered[key]
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):
             digest.update(block)
+    if key is not None:
+        _remembered[key] = digest.hexdigest()
     return digest.hexdigest()
 
 

@@ -19,6 +19,7 @@ import contextlib
 import gc
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +29,10 @@ import torch
 from torch import nn
 
 from liger_models.train import checkpointing as ckpt
+from liger_models.train import data_cache
 from liger_models.train import distributed as D
 from liger_models.train import run_dir
+from liger_models.train import run_settings
 from liger_models.train.data import (BatchStream, PackedDataset, build_dataset, chat_template_note,
                                      read_special_tokens)
 from liger_models.train.interrupt import Interrupted, StopOnSignal
@@ -63,9 +66,12 @@ def resolve_model_dir(model: str) -> Path:
     return snapshot(model)
 
 
+def _dtype_name(args: argparse.Namespace, device: torch.device) -> str:
+    return args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+
+
 def _dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
-    name = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    return DTYPES[name]
+    return DTYPES[_dtype_name(args, device)]
 
 
 def _check_vocab(dataset, vocab_size: int) -> None:
@@ -114,6 +120,10 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError("--eval-every needs --eval-data (the held-out files to evaluate on)")
     if args.eval_batches is not None and not args.eval_data:
         raise ValueError("--eval-batches needs --eval-data (the held-out files to evaluate on)")
+    if getattr(args, "allow_changed_settings", None) is not None:
+        if not args.resume:
+            raise ValueError("--allow-changed-settings is for a resumed run: give --resume too")
+        run_settings.parse_allowed(args.allow_changed_settings)
     if args.warmup_steps is not None and args.warmup_steps > args.max_steps:
         raise ValueError(f"--warmup-steps {args.warmup_steps} is longer than --max-steps {args.max_steps}: the "
                          "learning rate would never reach --lr")
@@ -129,46 +139,128 @@ def check_options(args: argparse.Namespace) -> None:
         refuse_cuda_graph_conflicts(cpu, distributed, args.optimizer_in_backward, args.activation_checkpointing)
 
 
+def _say(message: str) -> None:
+    """A line on stderr for the user, --quiet or not: where a run resumes from, what it found wrong on the way."""
+    print(f"liger-models: {message}", file=sys.stderr, flush=True)
+
+
+def _on_main(info: D.DistInfo, decide: Callable[[], object]):
+    """``decide()`` on rank 0 and its result on every rank, or the exception it raised raised on every rank (the
+    others would otherwise wait for rank 0 forever)."""
+    result, failure = None, None
+    if info.is_main:
+        try:
+            result = decide()
+        except Exception as exc:
+            failure = exc
+    result, failure = D.broadcast_object((result, failure))
+    if failure is not None:
+        raise failure
+    return result
+
+
 def _setup(args: argparse.Namespace):
     info = D.init_distributed(args.device)
     torch.manual_seed(args.seed)
-    existing = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
-    if args.resume == "auto":
-        resume = existing
-    elif args.resume:
-        resume = ckpt.resolve_resume(args.resume, args.output_dir)
-    elif existing is not None:
-        raise ValueError(f"{args.output_dir} already holds checkpoints ({existing.name}); continue with "
-                         "--resume auto, or choose another --output-dir")
-    else:
-        resume = None
-    if resume is not None:
-        _check_resume_kind(resume, args)
+    resume = _on_main(info, lambda: _find_resume(args))
     return info, resume
+
+
+def _find_resume(args: argparse.Namespace) -> Path | None:
+    """The checkpoint to resume from (checked: intact, written by this command), saying on the way which damaged
+    ones were passed over; None for a fresh run. On rank 0 only: verifying reads every file of a checkpoint."""
+    if not args.resume:
+        existing = ckpt.find_latest(Path(args.output_dir) / "checkpoints")
+        if existing is not None:
+            raise ValueError(f"{args.output_dir} already holds checkpoints ({existing.name}); continue with "
+                             "--resume auto, or choose another --output-dir")
+        return None
+    found = ckpt.find_resumable(args.resume, args.output_dir)
+    for path, why in found.damaged:
+        _say(f"warning: checkpoint {path} is damaged: {why}; resuming from {found.checkpoint.name}, the newest "
+             "intact one before it")
+    if found.checkpoint is not None:
+        if not found.verified:
+            _say(f"note: {found.checkpoint} has no {ckpt.MANIFEST_FILE} (written before checkpoints carried one): "
+                 "its files are not verified")
+        _check_resume_kind(found.checkpoint, args)
+    return found.checkpoint
 
 
 def _run_kind(stage: int | None) -> str:
     return "liger-models train" if stage is None else f"liger-models train-medusa --stage {stage}"
 
 
+_UNKNOWN = "unknown"
+
+
 def _check_resume_kind(checkpoint: Path, args: argparse.Namespace) -> None:
     """Refuse a checkpoint of another command or Medusa stage, told apart by its files: a Medusa checkpoint holds
     a heads file, a stage-2 one a full model config beside it. Resumed across kinds, the optimizer state did not fit
-    (a traceback), or stage 1 dropped the stage-2 base without a word and overwrote the run's checkpoints."""
-    from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
-
-    checkpoint = Path(checkpoint)
-    if not any((checkpoint / name).is_file() for name in (HEADS_NAME, LEGACY_HEADS_NAME)):
-        found = None
-    else:
-        config = checkpoint / CONFIG_NAME
-        found = 2 if config.is_file() and "model_type" in read_json(str(config)) else 1
+    (a traceback), or stage 1 dropped the stage-2 base without a word and overwrote the run's checkpoints. Files that
+    disagree with the command its trainer_state.pt records are a damaged checkpoint (a heads file lost), not another
+    command's."""
+    found = _kind_by_files(checkpoint)
+    recorded = _recorded_kind(checkpoint)
+    if recorded not in (_UNKNOWN, found):
+        raise ValueError(f"--resume: checkpoint {checkpoint} is damaged: it was written by "
+                         f"`{_run_kind(recorded)}`, but {_wrong_files(found)}")
     wanted = getattr(args, "stage", None)
     if found != wanted:
         hint = (f"; stage 2 starts from stage-1 heads with --init-heads {checkpoint} and another --output-dir"
                 if (found, wanted) == (1, 2) else "")
         raise ValueError(f"--resume: {checkpoint} was written by `{_run_kind(found)}`, not `{_run_kind(wanted)}`: "
                          f"resume it with that command, or choose another --output-dir{hint}")
+
+
+def _kind_by_files(checkpoint: Path) -> int | None:
+    """The Medusa stage whose files ``checkpoint`` holds; None: a causal LM's."""
+    from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
+
+    if not any((checkpoint / name).is_file() for name in (HEADS_NAME, LEGACY_HEADS_NAME)):
+        return None
+    config = checkpoint / CONFIG_NAME
+    return 2 if config.is_file() and "model_type" in read_json(str(config)) else 1
+
+
+def _wrong_files(found: int | None) -> str:
+    from liger_models.medusa.checkpoint import HEADS_NAME
+
+    if found is None:
+        return f"{HEADS_NAME} is missing"
+    return f"its files are those of `{_run_kind(found)}`"
+
+
+def _recorded_kind(checkpoint: Path) -> int | None | str:
+    """The Medusa stage (None: `train`) that trainer_state.pt records as having written ``checkpoint``; _UNKNOWN
+    where it records no command."""
+    recorded = ckpt.load_trainer_state(checkpoint, mmap=True).get("args") or {}
+    if recorded.get("command") == "train":
+        return None
+    if recorded.get("command") == "train-medusa" and recorded.get("stage") in (1, 2):
+        return recorded["stage"]
+    return _UNKNOWN
+
+
+def _settings(args, info: D.DistInfo, model_dir: Path, resume: Path | None, lr: float
+              ) -> tuple[dict, list[run_settings.Change]]:
+    """This run's settings (run_settings.py) and, resuming, how they differ from the checkpoint's (all allowed by
+    --allow-changed-settings: a difference that is not raises)."""
+
+    def decide():
+        settings = run_settings.collect(args, model=_base_name(args.model), model_dir=model_dir,
+                                        dtype=_dtype_name(args, info.device), world_size=info.world_size, lr=lr)
+        if resume is None:
+            return settings, []
+        recorded = ckpt.load_trainer_state(resume, mmap=True).get("settings")
+        if recorded is None:
+            _say(f"note: {resume} records no run settings (written by an earlier version): this run's are not "
+                 "checked against it")
+            return settings, []
+        allowed = run_settings.parse_allowed(getattr(args, "allow_changed_settings", None))
+        return settings, run_settings.check(recorded, settings, allowed, resume)
+
+    return _on_main(info, decide)
 
 
 def data_cache_dir(args) -> Path | None:
@@ -208,8 +300,11 @@ def _data(args, model_dir: Path, vocab_size: int, info: D.DistInfo) -> tuple[Bat
     return stream, packed(args.eval_data) if args.eval_data else None
 
 
-def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
+def _finish(args, info, model, task, data, groups, export, resume, settings_and_changes) -> RunResult:
+    """Build the optimizer, schedule and Trainer, resume, train. ``settings_and_changes``: this run's settings, and
+    how they differ from the resumed checkpoint's (allowed ones: _settings)."""
     stream, eval_data = data
+    settings, changes = settings_and_changes
     optimizer = build_adamw(groups, betas=(args.beta1, args.beta2), capturable=args.cuda_graph,
                             kernel=getattr(args, "adamw", "liger") == "liger")
     warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 20
@@ -220,11 +315,14 @@ def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
                          optimizer_in_backward=args.optimizer_in_backward, cuda_graph=args.cuda_graph,
                          eval_every=args.eval_every, eval_batches=args.eval_batches or TrainConfig.eval_batches)
     run_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    trainer = Trainer(model, task, stream, optimizer, scheduler, config, info, export, run_args, eval_data)
+    trainer = Trainer(model, task, stream, optimizer, scheduler, config, info, export, run_args, eval_data,
+                      settings=settings)
     if resume is not None:
         trainer.resume(resume)
         if info.is_main and not args.quiet:
             print(f"resumed from {resume} at step {trainer.step}", flush=True)
+    if changes:
+        _go_on_with(changes, args, trainer, resume)
     start = time.perf_counter()
     with (_loss_options(getattr(args, "loss_scratch_mib", None), getattr(args, "loss_grad_filter_eps", None)),
           StopOnSignal(announce=info.is_main) as stop):
@@ -234,6 +332,18 @@ def _finish(args, info, model, task, data, groups, export, resume) -> RunResult:
     if info.is_main and not args.quiet and not trainer.stopped_by:
         print(f"done: {trainer.step} steps in {time.perf_counter() - start:.1f}s; checkpoint: {last}", flush=True)
     return RunResult(last, history, Path(args.output_dir), trainer.evals, trainer.stopped_by)
+
+
+def _go_on_with(changes: list[run_settings.Change], args, trainer: Trainer, resume: Path) -> None:
+    """Continue with changed settings that --allow-changed-settings let through: said now, logged with the first
+    resumed step. The model, optimizer and batches already take this run's options; the data order's seed is the
+    one the checkpoint restored, unless --seed is among the changes."""
+    if trainer.info.is_main:
+        _say(f"resuming {resume} at step {trainer.step} with changed settings (--allow-changed-settings): "
+             f"{run_settings.describe(changes)}")
+    trainer.settings_changed = run_settings.logged(changes)
+    if any(c.name == "seed" for c in changes):
+        trainer.stream.load_state_dict({**trainer.stream.state_dict(), "seed": args.seed})
 
 
 @contextlib.contextmanager
@@ -271,7 +381,7 @@ def _in_process_group(run: Callable[[], RunResult], args: argparse.Namespace) ->
     :class:`Interrupted` only then, once every rank has left the group as after a finished run."""
     try:
         info = D.init_distributed(args.device)
-        with run_dir.claimed(args.output_dir, info, data_cache_dir(args)):
+        with run_dir.claimed(args.output_dir, info, data_cache_dir(args)), data_cache.digests_remembered():
             result = run()
     except BaseException:
         D.destroy_distributed(clean=False)  # a barrier could wait forever for a rank that died
@@ -292,6 +402,7 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
     def run() -> RunResult:
         info, resume = _setup(args)
         model_dir = resolve_model_dir(args.model)
+        settings = _settings(args, info, model_dir, resume, args.lr)
         dtype = _dtype(args, info.device)
         model = AutoLigerForCausalLM.from_pretrained(resume or model_dir, dtype=dtype, device=info.device)
         stream, eval_data = _data(args, model_dir, model.config.vocab_size, info)
@@ -305,7 +416,7 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
             target.save_pretrained(directory)
             _copy_tokenizer(model_dir, directory)
 
-        return _finish(args, info, model, CausalLMTask(), (stream, eval_data), groups, export, resume)
+        return _finish(args, info, model, CausalLMTask(), (stream, eval_data), groups, export, resume, settings)
 
     return _in_process_group(run, args)
 
@@ -321,9 +432,12 @@ def _medusa_model(args, model_dir: Path, dtype, device, resume: Path | None):
 
     def with_this_runs_loss(medusa):
         # The loss settings are this run's (stage 2 usually changes the schedule), not the saved heads', whether the
-        # heads come from --init-heads or from the checkpoint being resumed (which saved the same settings).
+        # heads come from --init-heads or from the checkpoint being resumed (which saved the same settings). So is
+        # the base that stage-1 heads name: the one they are trained on, --model.
         medusa.config.heads_coefficient, medusa.config.decay_coefficient = args.lambda0, args.decay
         medusa.config.scheduler, medusa.config.base_loss_weight = args.schedule, args.base_loss_weight
+        if args.stage == 1:
+            medusa.config.base_model_name_or_path = _base_name(args.model)
         return medusa
 
     # The head-shape options given (None: not given); fresh heads take MedusaConfig's defaults for the others.
@@ -366,11 +480,12 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
     def run() -> RunResult:
         info, resume = _setup(args)
         model_dir = resolve_model_dir(args.model)
+        lr = args.lr if args.lr is not None else (2.5e-4 if args.stage == 1 else 2e-5)
+        settings = _settings(args, info, model_dir, resume, lr)
         dtype = _dtype(args, info.device)
         medusa = _medusa_model(args, model_dir, dtype, info.device, resume)
         stream, eval_data = _data(args, model_dir, medusa.config.vocab_size, info)
         _prepare(medusa, medusa.base.model.layers, args, info, more_units=medusa.heads)
-        lr = args.lr if args.lr is not None else (2.5e-4 if args.stage == 1 else 2e-5)
         # --weight-decay is on matrices only, as for the causal LM: not on the heads' biases nor the base's norms.
         groups = medusa.param_groups(lr, args.head_lr_multiplier, args.weight_decay)  # no decay on 1-D
 
@@ -387,6 +502,6 @@ def train_medusa(args: argparse.Namespace) -> RunResult:
             _copy_tokenizer(model_dir, directory)
 
         task = MedusaTask(medusa.config.num_heads)
-        return _finish(args, info, medusa, task, (stream, eval_data), groups, export, resume)
+        return _finish(args, info, medusa, task, (stream, eval_data), groups, export, resume, settings)
 
     return _in_process_group(run, args)

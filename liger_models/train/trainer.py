@@ -33,6 +33,7 @@ from liger_models.train import checkpointing as ckpt
 from liger_models.train import distributed as D
 from liger_models.train import evaluate as ev
 from liger_models.train.cuda_graph import GraphedStep
+from liger_models.train.disk_space import reported as disk_full_reported
 from liger_models.train.data import IGNORE_INDEX, BatchStream, PackedDataset, batch_to
 from liger_models.train.step_in_backward import OptimizerInBackward
 
@@ -197,6 +198,10 @@ class Trainer:
     into dir, which is renamed final_dir once the checkpoint is complete.
 
     ``full_state`` is the gathered state dict under FSDP and None otherwise (the live model is whole then).
+    ``settings``: what defines the run (run_settings.py), saved with every checkpoint; :attr:`settings_changed`, set
+    by a resume that changed some, is logged with the next step's metrics.
+    A full disk while writing a checkpoint or a log raises disk_space.DiskFull, which says where and that the last
+    checkpoint is intact.
     ``stop_signal()``: the number of a signal asking the run to stop (0: none; interrupt.py). Checked after every
     step, as its maximum over the ranks (the signal may reach them at different steps), so that every rank stops,
     checkpointed, after the same step; :attr:`stopped_by` then holds it.
@@ -204,14 +209,15 @@ class Trainer:
 
     stop_signal: Callable[[], int] = staticmethod(lambda: 0)
     stopped_by = 0
+    settings_changed: dict | None = None
 
     def __init__(self, model: nn.Module, task, stream: BatchStream, optimizer: torch.optim.Optimizer,
                  scheduler, config: TrainConfig, info: D.DistInfo,
                  export: Callable[[Path, dict | None, Path], None], run_args: dict | None = None,
-                 eval_data: PackedDataset | None = None):
+                 eval_data: PackedDataset | None = None, settings: dict | None = None):
         self.model, self.task, self.stream = model, task, stream
         self.optimizer, self.scheduler, self.config, self.info = optimizer, scheduler, config, info
-        self.export, self.run_args = export, run_args or {}
+        self.export, self.run_args, self.settings = export, run_args or {}, settings
         self.step = 0
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.in_backward = None
@@ -230,6 +236,7 @@ class Trainer:
                                        label_keys={f"{j}.labels": (vocab, IGNORE_INDEX)
                                                    for j in range(config.grad_accum)})
         self.output_dir = Path(config.output_dir)
+        self.checkpoints = self.output_dir / "checkpoints"
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.eval_path = self.output_dir / "eval.jsonl"
         self.history: list[dict] = []
@@ -314,9 +321,11 @@ class Trainer:
         if self.info.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             if self.step == 0:  # a fresh run starts fresh logs (a resumed one's were trimmed in resume())
-                self.metrics_path.write_text("", encoding="utf-8")
+                with self._writing("the metrics log", self.metrics_path):
+                    self.metrics_path.write_text("", encoding="utf-8")
                 if self.eval_set is not None:
-                    self.eval_path.write_text("", encoding="utf-8")
+                    with self._writing("the eval log", self.eval_path):
+                        self.eval_path.write_text("", encoding="utf-8")
                 elif self.eval_path.is_file():  # a rerun without --eval-data leaves no stale eval log behind
                     self.eval_path.unlink()
         tokens_per_step = self.stream.batch_size * self.stream.dataset.seq_len * cfg.grad_accum * self.info.world_size
@@ -329,6 +338,8 @@ class Trainer:
             m["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
             m["mem_gib"] = _memory_gib(self.info.device)
             m["elapsed_s"] = time.perf_counter() - start
+            if self.settings_changed:  # the first step run with them
+                m["settings_changed"], self.settings_changed = self.settings_changed, None
             self.history.append(m)
             if self.info.is_main:
                 self._log(m, start_step)  # a diverged step too: its line is what a user looks for
@@ -353,7 +364,7 @@ class Trainer:
         m = self._loss_fields(stats, counts)
         self.evals.append(m)
         if self.info.is_main:
-            with self.eval_path.open("a", encoding="utf-8") as f:
+            with self._writing("the eval log", self.eval_path), self.eval_path.open("a", encoding="utf-8") as f:
                 f.write(json_line(m))
             if not self.config.quiet:
                 end = "\n" if sys.stderr.isatty() else ""  # below the progress line, which ends without one
@@ -370,7 +381,7 @@ class Trainer:
         return parts
 
     def _log(self, m: dict, start_step: int) -> None:
-        with self.metrics_path.open("a", encoding="utf-8") as f:
+        with self._writing("the metrics log", self.metrics_path), self.metrics_path.open("a", encoding="utf-8") as f:
             f.write(json_line(m))
         cfg = self.config
         if cfg.quiet or not (self.step % cfg.log_every == 0 or self.step == cfg.max_steps or self.step == 1):
@@ -396,6 +407,10 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------------- checkpoints
 
+    def _writing(self, what: str, path: Path):
+        """A block that writes ``path``: a full disk in it raises disk_space.DiskFull (the class docstring)."""
+        return disk_full_reported(what, path, lambda: ckpt.find_latest(self.checkpoints))
+
     def save(self) -> Path | None:
         """Write an atomic checkpoint of the current step (collective: every rank must call it)."""
         full_state = D.full_model_state(self.model) if self.info.distributed else None
@@ -412,9 +427,12 @@ class Trainer:
                 "config": asdict(self.config),
                 "args": self.run_args,
             }
-            path = ckpt.save_checkpoint(self.output_dir / "checkpoints", self.step,
-                                        lambda tmp, final: self.export(tmp, full_state, final), state,
-                                        self.config.keep_last)
+            if self.settings is not None:
+                state["settings"] = self.settings
+            with self._writing("checkpoint", self.checkpoints / ckpt.step_dir_name(self.step)):
+                path = ckpt.save_checkpoint(self.checkpoints, self.step,
+                                            lambda tmp, final: self.export(tmp, full_state, final), state,
+                                            self.config.keep_last)
         D.barrier()
         return D.broadcast_object(path)
 
@@ -449,4 +467,5 @@ class Trainer:
                 # Drop what was logged after the checkpoint: it is about to be recomputed.
                 lines = path.read_text(encoding="utf-8").splitlines()
                 kept = [ln for ln in lines if (record := _log_record(ln)) is not None and record["step"] <= self.step]
-                ckpt.write_text_atomic(path, "".join(ln + "\n" for ln in kept))
+                with self._writing("the log", path):
+                    ckpt.write_text_atomic(path, "".join(ln + "\n" for ln in kept))

@@ -40,7 +40,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_in):
         real_save = torch.save
 
         def failing_save(obj, f, *a, **k):
-            if str(f).endswith(ckpt.STATE_FILE):
+            if str(getattr(f, "name", f)).endswith(ckpt.STATE_FILE):  # a path or the file object saved into
                 raise OSError("disk full")
             return real_save(obj, f, *a, **k)
 

@@ -286,14 +286,16 @@ def test_lr_schedule_starts_above_zero_and_ends_at_the_floor(warmup, factors, ti
 
 
 def test_resume_takes_this_runs_optimizer_settings(tiny_model_dir, text_file, tmp_path):
-    """A resumed run trains at its own --lr, --weight-decay, --beta1/--beta2, as it follows its own --max-steps: the
-    optimizer's and the scheduler's state dicts carry the checkpoint's, which silently replaced them."""
+    """A resumed run allowed to change them (--allow-changed-settings) trains at its own --lr, --weight-decay,
+    --beta1/--beta2, as it follows its own --max-steps: the optimizer's and the scheduler's state dicts carry the
+    checkpoint's, which silently replaced them."""
     from liger_models.train.optim import warmup_cosine_factor
 
     common = ("--save-every", "0", "--warmup-steps", "1")
     assert _train(tiny_model_dir, text_file, tmp_path, *common, "--max-steps", "3", "--lr", "3e-3") == 0
     assert _train(tiny_model_dir, text_file, tmp_path, *common, "--max-steps", "5", "--lr", "1e-3",
-                  "--weight-decay", "0.25", "--beta2", "0.99", "--resume", "auto") == 0
+                  "--weight-decay", "0.25", "--beta2", "0.99", "--resume", "auto",
+                  "--allow-changed-settings", "lr,weight-decay,beta2") == 0
     assert _logged_lrs(tmp_path)[3:] == pytest.approx([1e-3 * warmup_cosine_factor(s, 1, 5) for s in (3, 4)])
     state = torch.load(tmp_path / "checkpoints" / "step_000005" / "trainer_state.pt", weights_only=True)
     groups = {g["name"]: g for g in state["optimizer"]["param_groups"]}

@@ -42,7 +42,7 @@ owner, name = {"rename": (os, "rename"), "replace": (os, "replace"), "rmtree": (
 real, calls = getattr(owner, name), 0
 def armed(*args, **kwargs):
     global calls
-    path = next((a for a in args if isinstance(a, (str, os.PathLike))), "")
+    path = next((p for a in args if isinstance(p := getattr(a, "name", a), (str, os.PathLike))), "")  # or a file's
     if pattern.search(os.path.basename(os.fspath(path))):
         calls += 1
         if calls == n:

@@ -162,12 +162,14 @@ def test_extending_a_finished_run_follows_the_longer_schedule(tiny_model_dir, te
 
 @pytest.mark.parametrize("stage", ["1", "2"])
 def test_resumed_medusa_run_takes_this_runs_loss_settings(stage, tiny_model_dir, text_file, tmp_path):
-    """Resuming takes the loss settings of the command line in both stages (stage 2 used to keep the checkpoint's)."""
+    """Resuming allowed to change them takes the loss settings of the command line in both stages (stage 2 used to
+    keep the checkpoint's)."""
     out = tmp_path / "run"
     extra = ("--stage", stage, "--num-heads", "2")
     train_medusa(_args("train-medusa", tiny_model_dir, text_file, out, *extra, "--max-steps", "3"))
     resumed = train_medusa(_args("train-medusa", tiny_model_dir, text_file, out, *extra, "--resume", "auto",
-                                 "--max-steps", "4", "--lambda0", "0.5", "--decay", "0.6"))
+                                 "--max-steps", "4", "--lambda0", "0.5", "--decay", "0.6",
+                                 "--allow-changed-settings", "lambda0,decay"))
     saved = json.loads((resumed.checkpoint / "config.json").read_text())
     assert (saved["medusa_heads_coefficient"], saved["medusa_decay_coefficient"]) == (0.5, 0.6)
 
