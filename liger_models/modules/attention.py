@@ -59,10 +59,11 @@ def static_document_mask():
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """(B, T) index of the packed document each token belongs to, or None when every row is one document."""
+    """(B, T) index of the packed document each token belongs to, or None when every row is one document.
+    Always the former while torch.compile traces: the host read would break the graph (as for static_document_mask)."""
     start = position_ids[:, :1] - 1
     docs = (torch.diff(position_ids, prepend=start, dim=-1) != 1).cumsum(-1)
-    if _STATIC_DOCUMENT_MASK[0]:
+    if _STATIC_DOCUMENT_MASK[0] or torch.compiler.is_compiling():
         return docs
     return docs if bool(docs[:, -1].any()) else None
 

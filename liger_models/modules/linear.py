@@ -19,6 +19,7 @@ and drop or refuse them. ``state_dict(keep_vars=True)`` and ``named_parameters``
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
@@ -26,9 +27,12 @@ from torch.nn.modules import module as _module_hooks
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors stacked along dim 0: an aliasing view when they lie back to back in one storage, else a copy."""
     first = tensors[0]
+    # Storage pointers do not exist while torch.compile traces (fake tensors): concatenate there. (The custom ops
+    # run this on the real tensors, so a compiled graph still uses the aliasing view.)
+    if first.device.type == "meta" or torch.compiler.is_compiling():
+        return torch.cat([t.detach() for t in tensors])
     offset = first.storage_offset()
-    # Storage pointers do not exist while torch.compile traces (fake tensors): concatenate there.
-    aliased = first.device.type != "meta" and not torch.compiler.is_compiling()
+    aliased = True
     for t in tensors:
         if (not t.is_contiguous() or t.storage_offset() != offset
                 or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
@@ -82,12 +86,16 @@ def all_plain(linears: list[nn.Module]) -> bool:
     return all(is_plain_linear(lin) for lin in linears)
 
 
-@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
 def packed_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
     """``cat([l(x) for l in linears], -1)`` computed with one GEMM; output (..., sum of out_features)."""
     # Under autocast nn.Linear picks the GEMM dtype; a wrapped or hooked projection must run its own forward.
     if torch.is_autocast_enabled(x.device.type) or not all_plain(linears):
         return torch.cat([lin(x) for lin in linears], dim=-1)
+    if torch.compiler.is_compiling():
+        # The same GEMM on the concatenated weights, which torch.compile traces as plain ops (fake tensors have no
+        # storage to alias; dynamo 2.13 also mis-binds the Function's arguments when it inlines it under no_grad).
+        biases = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
+        return F.linear(x, torch.cat([lin.weight for lin in linears]), biases)
     params = [lin.weight for lin in linears]
     if linears[0].bias is not None:
         params += [lin.bias for lin in linears]
