@@ -84,6 +84,11 @@ class LabelCheck:
 
     def wait(self) -> None:
         """Raise ValueError if a label was bad (blocking until the check's result is on the host)."""
+        if torch.compiler.is_compiling():
+            # Nothing can be read while torch.compile traces. Only the PyTorch reference path gets here (the kernels
+            # run their check inside their custom ops, at run time), and there the ops' own indexing fails on a bad
+            # label.
+            return
         if self._event is not None:
             self._event.synchronize()
         if self._host is not None:

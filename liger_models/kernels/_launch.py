@@ -54,7 +54,9 @@ def on_input_device(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         x = args[0] if args else kwargs.get(first)
-        if not isinstance(x, torch.Tensor) or not x.is_cuda or x.device.index == torch.cuda.current_device():
+        # While torch.compile traces, the launches happen later, inside custom ops whose launchers switch themselves.
+        if (not isinstance(x, torch.Tensor) or not x.is_cuda or torch.compiler.is_compiling()
+                or x.device.index == torch.cuda.current_device()):
             return fn(*args, **kwargs)  # (not a tensor: fn raises its own error about it)
         with torch.cuda.device(x.device):
             return fn(*args, **kwargs)

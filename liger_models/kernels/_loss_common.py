@@ -117,6 +117,12 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def scaled(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x · g as ``scale_`` computes it (fp32 product, one rounding to x's dtype), in a fresh tensor: the custom ops'
+    backward (_custom_ops.py), which may not write over a tensor saved in the forward."""
+    return (x.float() * g.reshape(()).float()).to(x.dtype)
+
+
 class LossOutput(NamedTuple):
     """What a loss call returns when asked for more than the loss (``return_z_loss`` / ``return_token_accuracy``).
 

@@ -26,11 +26,14 @@ reads the logits once for the losses and backward does the gradient pass (same b
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 from torch import nn
 
 from ._ce_core import ce_rows
-from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled_sum,
+from ._custom_ops import absent, custom_op, refuse_double_backward
+from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled, scaled_sum,
                            take_grads, token_accuracy, weighted_scale, z_loss_term)
 from ._labels import LabelCheck, check_labels, mean_denominator
 from ._dispatch import once_differentiable, use_triton
@@ -122,37 +125,19 @@ class _CrossEntropy(torch.autograd.Function):
         # scale: d loss / d per-token loss for mean / sum (LabelCheck's 0-dim device tensor, or per row with class
         # weights); None for "none", where row_w (class weights per row, or None) scales the per-token losses.
         # extras: (z-loss term wanted, token accuracy wanted).
-        x = logits.reshape(-1, logits.shape[-1])
-        if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
-            x, inplace = x.contiguous(), need_grad  # a private copy: the gradient may always go into it
-        flat = labels.reshape(-1)
-        loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        lse, q = torch.empty_like(loss), torch.empty_like(loss)
-        fused = need_grad and scale is not None
-        grad = (x if inplace else torch.empty_like(x)) if fused else None
-        want_z, want_accuracy = extras
-        rank = torch.empty(x.shape[0], dtype=torch.int32, device=x.device) if want_accuracy else None
-        ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=rank, scale=scale if fused else None, **opts)
-        if fused and inplace and x.data_ptr() == logits.data_ptr():
+        fw = _forward(logits, labels, opts, need_grad, inplace, scale, row_w, extras)
+        if fw.grad is not None and fw.inplace and fw.x.data_ptr() == logits.data_ptr():
             torch.autograd.graph.increment_version(logits)  # a node that saved the logits now fails loudly
-        ctx.opts, ctx.inplace, ctx.shape, ctx.fused = opts, inplace, logits.shape, fused
-        ctx.grads = (grad,)  # a plain attribute, not saved: it may be the logits' own (version-bumped) buffer
+        ctx.opts, ctx.inplace, ctx.shape, ctx.fused = opts, fw.inplace, logits.shape, fw.grad is not None
+        ctx.grads = (fw.grad,)  # a plain attribute, not saved: it may be the logits' own (version-bumped) buffer
         ctx.row_w = row_w
-        if need_grad and not fused:
-            ctx.save_for_backward(x, flat, lse, q)
-        if scale is None:  # ignored rows' losses are 0
-            out = (loss if row_w is None else loss * row_w).reshape(labels.shape)
-        else:
-            out = scaled_sum(loss, scale) if scale.dim() == 0 else (loss * scale).sum()
-        if not (want_z or want_accuracy):
-            return out
-        valid = flat != opts["ignore_index"]
-        row_scale = (1.0 if row_w is None else row_w) if scale is None else scale
-        z = z_loss_term(lse, valid, opts["z_loss"], row_scale, "none" if scale is None else "sum",
-                        labels.shape) if want_z else out.new_zeros(())
-        accuracy = token_accuracy(rank) if want_accuracy else out.new_zeros(())
+        if need_grad and fw.grad is None:
+            ctx.save_for_backward(fw.x, fw.flat, fw.lse, fw.q)
+        if not any(extras):
+            return fw.out
+        z, accuracy = (fw.out.new_zeros(()) if t is None else t for t in (fw.z, fw.accuracy))
         ctx.mark_non_differentiable(z, accuracy)
-        return out, z, accuracy
+        return fw.out, z, accuracy
 
     @staticmethod
     @once_differentiable
@@ -163,15 +148,180 @@ class _CrossEntropy(torch.autograd.Function):
         else:  # reduction="none": one read + one write with the per-row grad_output
             x, flat, lse, q = ctx.saved_tensors
             grad = x if ctx.inplace else torch.empty_like(x)
-            scale = grad_out.reshape(-1).float()
-            scale = (scale if ctx.row_w is None else scale * ctx.row_w).contiguous()
-            ce_rows(x, flat, grad=grad, loss=None, lse=lse, q=q, rank=None, scale=scale, **ctx.opts)
+            _deferred_grad(grad_out, x, flat, lse, q, ctx.row_w, ctx.opts, grad)
             if ctx.inplace:
                 torch.autograd.graph.increment_version(x)
         return grad.view(ctx.shape), None, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
+class _Forward(NamedTuple):
+    out: torch.Tensor  # the loss: 0-dim, or per token in labels' shape
+    z: torch.Tensor | None  # the z-loss term and token accuracy, when asked for
+    accuracy: torch.Tensor | None
+    grad: torch.Tensor | None  # d loss / d logits (rows, V) for mean / sum when a gradient is needed
+    inplace: bool  # whether grad is x's memory
+    x: torch.Tensor  # the logits as (rows, V); a private contiguous copy of strided ones
+    flat: torch.Tensor
+    lse: torch.Tensor
+    q: torch.Tensor
+
+
+def _logit_rows(logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the logits as (rows, V) rows the kernel reads in place, or a contiguous copy of them; whether a copy)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
+        return x.contiguous(), True
+    return x, False
+
+
+def _forward(logits, labels, opts: dict, need_grad: bool, inplace: bool, scale: torch.Tensor | None,
+             row_w: torch.Tensor | None, extras: tuple) -> _Forward:
+    """_CrossEntropy's forward pass (the Function's and the custom op's)."""
+    x, copied = _logit_rows(logits)
+    if copied:
+        inplace = need_grad  # a private copy: the gradient may always go into it
+    flat = labels.reshape(-1)
+    loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    lse, q = torch.empty_like(loss), torch.empty_like(loss)
+    fused = need_grad and scale is not None
+    grad = (x if inplace else torch.empty_like(x)) if fused else None
+    want_z, want_accuracy = extras
+    rank = torch.empty(x.shape[0], dtype=torch.int32, device=x.device) if want_accuracy else None
+    ce_rows(x, flat, grad=grad, loss=loss, lse=lse, q=q, rank=rank, scale=scale if fused else None, **opts)
+    if scale is None:  # ignored rows' losses are 0
+        out = (loss if row_w is None else loss * row_w).reshape(labels.shape)
+    else:
+        out = scaled_sum(loss, scale) if scale.dim() == 0 else (loss * scale).sum()
+    z = accuracy = None
+    if want_z:
+        valid = flat != opts["ignore_index"]
+        row_scale = (1.0 if row_w is None else row_w) if scale is None else scale
+        z = z_loss_term(lse, valid, opts["z_loss"], row_scale, "none" if scale is None else "sum", labels.shape)
+    if want_accuracy:
+        accuracy = token_accuracy(rank)
+    return _Forward(out, z, accuracy, grad, inplace, x, flat, lse, q)
+
+
+def _deferred_grad(grad_out, x, flat, lse, q, row_w, opts: dict, grad: torch.Tensor) -> None:
+    """reduction="none"'s gradient pass into grad (rows, V), with the per-row grad_output known now."""
+    scale = grad_out.reshape(-1).float()
+    scale = (scale if row_w is None else scale * row_w).contiguous()
+    ce_rows(x, flat, grad=grad, loss=None, lse=lse, q=q, rank=None, scale=scale, **opts)
+
+
+def _scales(labels, class_weights, ignore_index: int, reduction: str, normalizer, labels_ok: LabelCheck):
+    """(per-row class weights or None, d loss / d per-token loss: None for "none", else LabelCheck's 0-dim scale or
+    one per row with class weights)."""
+    row_w = None if class_weights is None else row_weights(labels.reshape(-1), class_weights, ignore_index)
+    if reduction == "none":
+        return row_w, None
+    return row_w, labels_ok.scale if row_w is None else weighted_scale(row_w, reduction, normalizer, 1.0)
+
+
+# ---- the custom ops torch.compile traces (_custom_ops.py) ---------------------------------------------------------
+
+@custom_op("cross_entropy")
+def _cross_entropy_op(logits: torch.Tensor, labels: torch.Tensor, normalizer: Optional[torch.Tensor],
+                      class_weights: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, z_loss: float,
+                      softcap: Optional[float], reduction: str, need_grad: bool, want_z: bool,
+                      want_accuracy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The triton path of `cross_entropy`, label check included: (loss, d logits (rows, V) for mean / sum, lse, q,
+    the label flag, row weights, z-loss term, accuracy), placeholders for what was not asked for. The check waits
+    for its result here, at run time, as the eager call does (it raises ValueError from the compiled graph); the
+    gradient is a fresh tensor (an op may not write over its input logits)."""
+    return _traced_forward(logits, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss,
+                           softcap, reduction, need_grad, want_z, want_accuracy)
+
+
+@on_input_device  # the check's event and pinned copy on the logits' device
+def _traced_forward(logits, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap,
+                    reduction, need_grad, want_z, want_accuracy):
+    labels = labels.contiguous()
+    labels_ok = LabelCheck(labels, logits.shape[-1], ignore_index, reduction, normalizer)
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                label_flag=labels_ok.flag)
+    row_w, scale = _scales(labels, class_weights, ignore_index, reduction, normalizer, labels_ok)
+    fw = _forward(logits, labels, opts, need_grad, False, scale, row_w, (want_z, want_accuracy))
+    labels_ok.wait()
+    return (fw.out, absent(logits) if fw.grad is None else fw.grad, fw.lse, fw.q, labels_ok.flag,
+            absent(fw.lse) if row_w is None else row_w, absent(fw.lse) if fw.z is None else fw.z,
+            absent(fw.lse) if fw.accuracy is None else fw.accuracy)
+
+
+@_cross_entropy_op.register_fake
+def _(logits, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap, reduction,
+      need_grad, want_z, want_accuracy):
+    rows, f32 = labels.numel(), dict(dtype=torch.float32, device=logits.device)
+    loss_shape = labels.shape if reduction == "none" else ()
+    grad = (torch.empty((rows, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+            if need_grad and reduction != "none" else absent(logits))
+    row = torch.empty(rows, **f32)
+    return (torch.empty(loss_shape, **f32), grad, row, torch.empty_like(row),
+            torch.empty(2, dtype=torch.int64, device=logits.device),
+            torch.empty_like(row) if class_weights is not None else absent(row),
+            torch.empty(loss_shape, **f32) if want_z else absent(row), torch.empty((), **f32) if want_accuracy
+            else absent(row))
+
+
+@custom_op("cross_entropy_backward")
+def _cross_entropy_backward_op(grad_out: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                               lse: torch.Tensor, q: torch.Tensor, label_flag: torch.Tensor,
+                               row_w: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
+                               z_loss: float, softcap: Optional[float]) -> torch.Tensor:
+    """reduction="none"'s gradient pass, into a fresh tensor of the logits' shape."""
+    x, _ = _logit_rows(logits)
+    grad = torch.empty_like(x)
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                label_flag=label_flag)
+    _deferred_grad(grad_out, x, labels.contiguous().reshape(-1), lse, q, row_w, opts, grad)
+    return grad.view(logits.shape)
+
+
+@_cross_entropy_backward_op.register_fake
+def _(grad_out, logits, labels, lse, q, label_flag, row_w, ignore_index, label_smoothing, z_loss, softcap):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _cross_entropy_setup(ctx, inputs, output) -> None:
+    logits, labels, _, class_weights, *options, reduction, _, _, _ = inputs
+    _, grad, lse, q, flag, row_w, z, accuracy = output
+    ctx.mark_non_differentiable(grad, lse, q, flag, row_w, z, accuracy)
+    ctx.options, ctx.reduction, ctx.shape, ctx.weighted = options, reduction, logits.shape, class_weights is not None
+    if reduction == "none":
+        ctx.save_for_backward(logits, labels, lse, q, flag, row_w)
+    else:
+        ctx.save_for_backward(grad)
+
+
+def _cross_entropy_grads(ctx, grad_out, *_):
+    refuse_double_backward("cross_entropy")
+    if ctx.reduction != "none":  # the forward computed the gradient; grad_output scales it
+        (grad,) = ctx.saved_tensors
+        return scaled(grad, grad_out).view(ctx.shape), *[None] * 11
+    logits, labels, lse, q, flag, row_w = ctx.saved_tensors
+    grad = _cross_entropy_backward_op(grad_out, logits, labels, lse, q, flag, row_w if ctx.weighted else None,
+                                      *ctx.options)
+    return grad, *[None] * 11
+
+
+_cross_entropy_op.register_autograd(_cross_entropy_grads, setup_context=_cross_entropy_setup)
+
+
+def _traced_cross_entropy(logits, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap,
+                          reduction, want_z, want_accuracy):
+    """`cross_entropy`'s triton path while torch.compile traces: the custom op, outputs as the eager call's."""
+    if normalizer is not None:  # a tensor argument: a number would be baked into the graph
+        normalizer = torch.as_tensor(normalizer)
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    out, _, _, _, _, _, z, accuracy = _cross_entropy_op(
+        logits, labels, normalizer, class_weights, ignore_index, float(label_smoothing), float(z_loss),
+        None if softcap is None else float(softcap), reduction, need_grad, want_z, want_accuracy)
+    if not (want_z or want_accuracy):
+        return out
+    return LossOutput(out, z if want_z else None, accuracy if want_accuracy else None)
+
+
 @on_input_device  # launches, the check's event and its pinned copy all on the logits' device
 def cross_entropy(
     logits: torch.Tensor,
@@ -200,6 +350,8 @@ def cross_entropy(
     After an in-place call the logits hold the gradient: do not read them afterwards. Their version counter is
     bumped, so an autograd node that saved them (e.g. a torch.tanh before this loss) raises instead of silently
     using the gradient.
+    While torch.compile traces, the triton path is one custom op (_custom_ops.py) that checks the labels and waits
+    for the check at run time, as here; its gradient never goes over the logits (inplace_grad has no effect).
     """
     check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
     if logits.dim() == 0 or logits.shape[-1] == 0:  # else an IndexError or a reshape error far from the cause
@@ -211,6 +363,9 @@ def cross_entropy(
     check_class_weights(class_weights, logits.shape[-1], logits.device, label_smoothing)
     triton_path = use_triton(logits, labels)
     labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
+    if triton_path and torch.compiler.is_compiling():
+        return _traced_cross_entropy(logits, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss,
+                                     softcap, reduction, return_z_loss, return_token_accuracy)
     labels_ok = LabelCheck(labels, logits.shape[-1], ignore_index, reduction, normalizer)
     extras = return_z_loss or return_token_accuracy
     if not triton_path:
@@ -231,13 +386,7 @@ def cross_entropy(
         inplace_grad = logits.grad_fn is not None and logits._base is None
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
-    row_w = None if class_weights is None else row_weights(labels.reshape(-1), class_weights, ignore_index)
-    if reduction == "none":
-        scale = None
-    elif row_w is None:
-        scale = labels_ok.scale
-    else:
-        scale = weighted_scale(row_w, reduction, normalizer, 1.0)
+    row_w, scale = _scales(labels, class_weights, ignore_index, reduction, normalizer, labels_ok)
     out = _CrossEntropy.apply(logits, labels, opts, need_grad, inplace_grad and need_grad, scale, row_w,
                               (return_z_loss, return_token_accuracy))
     labels_ok.wait()

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,8 @@ from torch import nn
 
 from ._ce_core import ce_rows
 from ._grad_filter import DENSE_SHARE, active_columns, sparse_gradients
-from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled_sum,
+from ._custom_ops import absent, custom_op, refuse_double_backward
+from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled, scaled_sum,
                            take_grads, token_accuracy, weighted_scale, z_loss_term)
 from ._dispatch import once_differentiable, row_view, use_triton
 from ._labels import LabelCheck
@@ -428,45 +429,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # row_w, with class weights (None: unweighted): for "none" each row's weight, for mean / sum each row's
         # d(loss)/d(loss_t) (weighted_scale). extras: (z-loss term wanted, token accuracy wanted). Outputs: the
         # loss, then the rank, z and accuracy that were asked for.
-        h, flat = row_view(hidden), labels.reshape(-1)
-        loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        lse, q = torch.empty_like(loss), torch.empty_like(loss)
-        want_z, want_accuracy = extras
-        rank = (torch.empty(h.shape[0], dtype=torch.int32, device=h.device) if with_rank or want_accuracy
-                else None)
         ctx.opts, ctx.loss_scale, ctx.accum_dtype, ctx.need = opts, loss_scale, accum_dtype, need
         ctx.hidden_shape, ctx.reduction, ctx.max_scratch_bytes = hidden.shape, reduction, max_scratch_bytes
         ctx.grad_filter_eps, ctx.row_w = grad_filter_eps, row_w
+        fw = _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
+                      labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras)
         if reduction == "none":
-            _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
-                        max_scratch_bytes=max_scratch_bytes)
-            ctx.save_for_backward(hidden, weight, bias, flat, lse, q)
-            row_scale = loss_scale if row_w is None else row_w * loss_scale
-            out = (loss * row_scale).reshape(labels.shape)
+            ctx.save_for_backward(hidden, weight, bias, fw.flat, fw.lse, fw.q)
         else:
-            # Per-token d(loss)/d(loss_t): LabelCheck's one scale, or one per row with class weights
-            scale = labels_ok.scale if row_w is None else row_w
-            grads = _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
-                                scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype,
-                                max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps)
+            grads = fw.grads
             ctx.consumer = _consumer_of(weight) if need[1] else None
             if ctx.consumer is not None:  # hand dW over now, so it need not live until backward
                 labels_ok.wait()  # never a dW from skipped CE passes (a bad label) into an optimizer step
                 ctx.consumer(grads[1], ctx)
                 grads = (grads[0], None, grads[2])
             ctx.grads = grads
-            out = scaled_sum(loss, scale) if scale.dim() == 0 else (loss * scale).sum()
-            row_scale = scale
-        outputs = [out]
-        if with_rank:
-            outputs.append(rank.reshape(labels.shape))
-        if want_z:
-            outputs.append(z_loss_term(lse, flat != opts["ignore_index"], opts["z_loss"], row_scale,
-                                       reduction if reduction == "none" else "sum", labels.shape))
-        if want_accuracy:
-            outputs.append(token_accuracy(rank))
+        outputs = [t for t in (fw.out, fw.rank, fw.z, fw.accuracy) if t is not None]
         if len(outputs) == 1:
-            return out
+            return fw.out
         ctx.mark_non_differentiable(*outputs[1:])
         return tuple(outputs)
 
@@ -475,12 +455,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out, *_):
         if ctx.reduction == "none":
             hidden, weight, bias, flat, lse, q = ctx.saved_tensors
-            scale = grad_out.reshape(-1).float() * ctx.loss_scale
-            scale = (scale if ctx.row_w is None else scale * ctx.row_w).contiguous()
-            grad_h, grad_w, grad_b = _run_chunks(row_view(hidden), weight, bias, flat, ctx.opts, lse=lse, q=q,
-                                                 scale=scale, need=ctx.need, accum_dtype=ctx.accum_dtype,
-                                                 max_scratch_bytes=ctx.max_scratch_bytes,
-                                                 grad_filter_eps=ctx.grad_filter_eps)
+            grad_h, grad_w, grad_b = _deferred_grads(grad_out, hidden, weight, bias, flat, lse, q, ctx.row_w,
+                                                     ctx.opts, ctx.loss_scale, ctx.need, ctx.accum_dtype,
+                                                     ctx.max_scratch_bytes, ctx.grad_filter_eps)
         else:
             if ctx.consumer is not None:
                 _check_unit_gradient(grad_out)
@@ -494,7 +471,203 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # the label check reads the host; under torch.compile the loss is one clean graph break
+class _Forward(NamedTuple):
+    out: torch.Tensor  # the loss (0-dim, or per token in labels' shape)
+    grads: tuple | None  # mean / sum: (grad_h (N, H), grad_W, grad_b), each None unless needed
+    flat: torch.Tensor
+    lse: torch.Tensor
+    q: torch.Tensor
+    rank: torch.Tensor | None  # the outputs asked for: ranks in labels' shape, z-loss term, token accuracy
+    z: torch.Tensor | None
+    accuracy: torch.Tensor | None
+
+
+def _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank, labels_ok,
+             max_scratch_bytes, grad_filter_eps, row_w, extras) -> _Forward:
+    """The forward pass of the Function and of the custom op: losses, and for mean / sum all gradients."""
+    h, flat = row_view(hidden), labels.reshape(-1)
+    loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    lse, q = torch.empty_like(loss), torch.empty_like(loss)
+    want_z, want_accuracy = extras
+    rank = (torch.empty(h.shape[0], dtype=torch.int32, device=h.device) if with_rank or want_accuracy
+            else None)
+    grads = None
+    if reduction == "none":
+        _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
+                    max_scratch_bytes=max_scratch_bytes)
+        row_scale = loss_scale if row_w is None else row_w * loss_scale
+        out = (loss * row_scale).reshape(labels.shape)
+    else:
+        # Per-token d(loss)/d(loss_t): LabelCheck's one scale, or one per row with class weights
+        scale = labels_ok.scale if row_w is None else row_w
+        grads = _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
+                            scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype,
+                            max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps)
+        out = scaled_sum(loss, scale) if scale.dim() == 0 else (loss * scale).sum()
+        row_scale = scale
+    z = accuracy = None
+    if want_z:
+        z = z_loss_term(lse, flat != opts["ignore_index"], opts["z_loss"], row_scale,
+                        reduction if reduction == "none" else "sum", labels.shape)
+    if want_accuracy:
+        accuracy = token_accuracy(rank)
+    return _Forward(out, grads, flat, lse, q, rank.reshape(labels.shape) if with_rank else None, z, accuracy)
+
+
+def _deferred_grads(grad_out, hidden, weight, bias, flat, lse, q, row_w, opts, loss_scale, need, accum_dtype,
+                    max_scratch_bytes, grad_filter_eps):
+    """reduction="none"'s backward: the chunks again, with the per-token grad_output as the rows' scale."""
+    scale = grad_out.reshape(-1).float() * loss_scale
+    scale = (scale if row_w is None else scale * row_w).contiguous()
+    return _run_chunks(row_view(hidden), weight, bias, flat, opts, lse=lse, q=q, scale=scale, need=need,
+                       accum_dtype=accum_dtype, max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps)
+
+
+def _row_scales(labels, class_weights, ignore_index: int, reduction: str, normalizer, loss_scale: float):
+    """With class weights, each row's weight ("none") or d(loss)/d(loss_t) (mean / sum); None without."""
+    if class_weights is None:
+        return None
+    row_w = row_weights(labels.reshape(-1), class_weights, ignore_index)
+    return row_w if reduction == "none" else weighted_scale(row_w, reduction, normalizer, float(loss_scale))
+
+
+# ---- the custom ops torch.compile traces (_custom_ops.py) ---------------------------------------------------------
+
+@custom_op("fused_linear_cross_entropy")
+def _fused_linear_cross_entropy_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+    normalizer: Optional[torch.Tensor], class_weights: Optional[torch.Tensor], ignore_index: int,
+    label_smoothing: float, z_loss: float, softcap: Optional[float], reduction: str, loss_scale: float,
+    accum_dtype: torch.dtype, need_hidden: bool, need_weight: bool, need_bias: bool, with_rank: bool,
+    max_scratch_bytes: Optional[int], grad_filter_eps: Optional[float], want_z: bool, want_accuracy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The triton path of `fused_linear_cross_entropy`, label check included: (loss, grad_h, grad_W, grad_b for
+    mean / sum, lse, q, the label flag, row scales, ranks, z-loss term, accuracy), placeholders for what was not
+    asked for. The check waits for its result here, at run time, as the eager call does."""
+    return _traced_forward(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing,
+                           z_loss, softcap, reduction, loss_scale, accum_dtype, (need_hidden, need_weight, need_bias),
+                           with_rank, max_scratch_bytes, grad_filter_eps, (want_z, want_accuracy))
+
+
+@on_input_device  # launches, the check's event and its pinned copy all on the hidden states' device
+def _traced_forward(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss,
+                    softcap, reduction, loss_scale, accum_dtype, need, with_rank, max_scratch_bytes, grad_filter_eps,
+                    extras):
+    labels = labels.contiguous()
+    labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                label_flag=labels_ok.flag)
+    row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale)
+    fw = _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
+                  labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras)
+    labels_ok.wait()
+    grads = fw.grads or (None, None, None)
+    grad_h = None if grads[0] is None else grads[0].view(hidden.shape)
+    return (fw.out, *(absent(fw.lse) if g is None else g for g in (grad_h, *grads[1:])), fw.lse, fw.q,
+            labels_ok.flag, *(absent(fw.lse) if t is None else t for t in (row_w, fw.rank, fw.z, fw.accuracy)))
+
+
+@_fused_linear_cross_entropy_op.register_fake
+def _(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap,
+      reduction, loss_scale, accum_dtype, need_hidden, need_weight, need_bias, with_rank, max_scratch_bytes,
+      grad_filter_eps, want_z, want_accuracy):
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    row = torch.empty(labels.numel(), **f32)
+    loss_shape = labels.shape if reduction == "none" else ()
+    fused = reduction != "none"
+
+    def like(t, needed):
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device) if fused and needed else absent(row)
+
+    return (torch.empty(loss_shape, **f32), like(hidden, need_hidden), like(weight, need_weight),
+            like(bias, need_bias) if bias is not None else absent(row), row, torch.empty_like(row),
+            torch.empty(2, dtype=torch.int64, device=hidden.device),
+            torch.empty_like(row) if class_weights is not None else absent(row),
+            torch.empty(labels.shape, dtype=torch.int32, device=hidden.device) if with_rank else absent(row),
+            torch.empty(loss_shape, **f32) if want_z else absent(row),
+            torch.empty((), **f32) if want_accuracy else absent(row))
+
+
+@custom_op("fused_linear_cross_entropy_backward")
+def _fused_linear_cross_entropy_backward_op(
+    grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+    labels: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, label_flag: torch.Tensor, row_w: Optional[torch.Tensor],
+    ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float], loss_scale: float,
+    accum_dtype: torch.dtype, need_hidden: bool, need_weight: bool, need_bias: bool,
+    max_scratch_bytes: Optional[int], grad_filter_eps: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none"'s backward: (grad_h, grad_W, grad_b), placeholders for what was not asked for."""
+    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                label_flag=label_flag)
+    grads = _deferred_grads(grad_out, hidden, weight, bias, labels.contiguous().reshape(-1), lse, q, row_w, opts,
+                            loss_scale, (need_hidden, need_weight, need_bias), accum_dtype, max_scratch_bytes,
+                            grad_filter_eps)
+    grad_h = None if grads[0] is None else grads[0].view(hidden.shape)
+    return tuple(absent(lse) if g is None else g for g in (grad_h, *grads[1:]))
+
+
+@_fused_linear_cross_entropy_backward_op.register_fake
+def _(grad_out, hidden, weight, bias, labels, lse, q, label_flag, row_w, ignore_index, label_smoothing, z_loss,
+      softcap, loss_scale, accum_dtype, need_hidden, need_weight, need_bias, max_scratch_bytes, grad_filter_eps):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if t is not None and needed else absent(lse)
+                 for t, needed in ((hidden, need_hidden), (weight, need_weight), (bias, need_bias)))
+
+
+def _fused_linear_cross_entropy_setup(ctx, inputs, output) -> None:
+    hidden, weight, bias, labels, _, class_weights, *options, reduction, loss_scale, accum_dtype = inputs[:13]
+    need, max_scratch_bytes, grad_filter_eps = inputs[13:16], inputs[17], inputs[18]
+    _, grad_h, grad_w, grad_b, lse, q, flag, row_w, *rest = output
+    ctx.mark_non_differentiable(grad_h, grad_w, grad_b, lse, q, flag, row_w, *rest)
+    ctx.reduction, ctx.need = reduction, need
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, q, flag, row_w)
+        ctx.weighted = class_weights is not None
+        ctx.options = (*options, loss_scale, accum_dtype, *need, max_scratch_bytes, grad_filter_eps)
+    else:
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+
+
+def _fused_linear_cross_entropy_grads(ctx, grad_out, *_):
+    refuse_double_backward("fused_linear_cross_entropy")
+    if ctx.reduction != "none":  # the forward computed the gradients; grad_output scales them
+        grads = [scaled(g, grad_out) if needed else None for g, needed in zip(ctx.saved_tensors, ctx.need)]
+    else:
+        hidden, weight, bias, labels, lse, q, flag, row_w = ctx.saved_tensors
+        grads = _fused_linear_cross_entropy_backward_op(grad_out, hidden, weight, bias, labels, lse, q, flag,
+                                                        row_w if ctx.weighted else None, *ctx.options)
+        grads = [g if needed else None for g, needed in zip(grads, ctx.need)]
+    return *grads, *[None] * 18
+
+
+_fused_linear_cross_entropy_op.register_autograd(_fused_linear_cross_entropy_grads,
+                                                 setup_context=_fused_linear_cross_entropy_setup)
+
+
+def _traced_fused_linear_cross_entropy(hidden, weight, bias, labels, normalizer, class_weights, ignore_index,
+                                       label_smoothing, z_loss, softcap, reduction, loss_scale, accum_dtype,
+                                       return_target_rank, max_scratch_bytes, grad_filter_eps, want_z, want_accuracy):
+    """`fused_linear_cross_entropy`'s triton path while torch.compile traces: the custom op, outputs as the eager
+    call's."""
+    if _GRAD_CONSUMERS:
+        raise RuntimeError("consume_weight_grad (optimizer-in-backward) hands dW over inside the loss's forward, "
+                           "which a compiled graph cannot do: run that training step without torch.compile")
+    if normalizer is not None:  # a tensor argument: a number would be baked into the graph
+        normalizer = torch.as_tensor(normalizer)
+    grad_on = torch.is_grad_enabled()
+    need = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    out = _fused_linear_cross_entropy_op(
+        hidden, weight, bias, labels, normalizer, class_weights, ignore_index, float(label_smoothing), float(z_loss),
+        None if softcap is None else float(softcap), reduction, float(loss_scale), accum_dtype, *need,
+        return_target_rank, max_scratch_bytes, None if grad_filter_eps is None else float(grad_filter_eps), want_z,
+        want_accuracy)
+    loss, rank, z, accuracy = out[0], out[8], out[9], out[10]
+    if want_z or want_accuracy:
+        return LossOutput(loss, z if want_z else None, accuracy if want_accuracy else None,
+                          rank if return_target_rank else None)
+    return (loss, rank) if return_target_rank else loss
+
+
 @on_input_device  # launches, the check's event and its pinned copy all on the logits' device
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
@@ -554,8 +727,14 @@ def fused_linear_cross_entropy(
         raise ValueError(f"grad_filter_eps must be None or in (0, 1), got {grad_filter_eps}")
     check_class_weights(class_weights, weight.shape[0], weight.device, label_smoothing)
     labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
+    triton_path = use_triton(hidden, weight, bias, labels) and labels.numel() > 0
+    if triton_path and torch.compiler.is_compiling():
+        return _traced_fused_linear_cross_entropy(
+            hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap,
+            reduction, loss_scale, accum_dtype, return_target_rank, max_scratch_bytes, grad_filter_eps,
+            return_z_loss, return_token_accuracy)
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
-    if not use_triton(hidden, weight, bias, labels) or labels.numel() == 0:
+    if not triton_path:
         labels_ok.wait()
         return fused_linear_cross_entropy_reference(
             hidden, weight, labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -567,11 +746,7 @@ def fused_linear_cross_entropy(
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
-    row_w = None
-    if class_weights is not None:
-        row_w = row_weights(labels.reshape(-1), class_weights, ignore_index)
-        if reduction != "none":
-            row_w = weighted_scale(row_w, reduction, normalizer, float(loss_scale))
+    row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale)
     out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, float(loss_scale),
                                          accum_dtype, need, return_target_rank, labels_ok, max_scratch_bytes,
                                          None if grad_filter_eps is None else float(grad_filter_eps), row_w,

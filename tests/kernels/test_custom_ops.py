@@ -1,6 +1,7 @@
 """The kernels' torch.library custom ops (liger_models/kernels/_custom_ops.py): each passes torch.library.opcheck
 (schema, fake tensors, autograd registration, AOT dispatch), and each public function compiled with
-``fullgraph=True`` (no graph break) gives the eager results and gradients bit for bit, on Triton's interpreter.
+``fullgraph=True`` (no graph break) gives the eager results and gradients bit for bit (Triton's interpreter on the
+CPU, the compiled kernels on a GPU).
 
 Compiled here with the "aot_eager" backend: dynamo and AOTAutograd trace the ops (forward and backward graphs), and
 the graphs run without code generation. Eager calls still go through the autograd.Functions (the op's dispatch
@@ -15,20 +16,29 @@ import torch
 from liger_models.kernels import gated_mlp as gated
 from liger_models.kernels import rms_norm as norms
 from liger_models.kernels import rope as ropes
+from tests.helpers import DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    """Tensors on the GPU where there is one (compiled kernels), else on the CPU (the interpreter)."""
+    with torch.device(DEVICE):
+        yield
 
 
 def _compiled_equals_eager(fn, *inputs: torch.Tensor) -> None:
     """fn compiled without graph breaks gives eager's outputs and input gradients exactly (for one random
-    cotangent per output)."""
+    cotangent per differentiable output)."""
     torch._dynamo.reset()
     leaves = [t for t in inputs if t.requires_grad]
     results = []
     for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
         outs = run(*inputs)
         outs = outs if isinstance(outs, tuple) else (outs,)
+        differentiable = [o for o in outs if o.requires_grad]
         if not results:
-            cotangents = [torch.randn_like(o) for o in outs]
-        grads = torch.autograd.grad(outs, leaves, cotangents)
+            cotangents = [torch.randn_like(o) for o in differentiable]
+        grads = torch.autograd.grad(differentiable, leaves, cotangents)
         results.append(([o.detach() for o in outs], grads))
     (outs, grads), (c_outs, c_grads) = results
     for eager, compiled in zip(outs + list(grads), c_outs + list(c_grads)):
@@ -148,3 +158,160 @@ def test_compiled_rope_keeps_rotating_in_place():
     torch._dynamo.reset()
     for out, want in zip(torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k), expected):
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+# ---- norm → projection, gated → down (liger_models/modules/fused.py) ------------------------------------------------
+
+def _projections(bias: bool) -> list[torch.nn.Linear]:
+    from liger_models.modules.linear import pack_linears_
+
+    linears = [torch.nn.Linear(32, 16, bias=bias), torch.nn.Linear(32, 8, bias=bias), torch.nn.Linear(32, 8, bias=bias)]
+    pack_linears_(linears)  # q|k|v back to back: the op's implementation uses the aliasing view
+    return linears
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_training_ops_pass_opcheck(bias):
+    from liger_models.modules import fused
+
+    linears = _projections(bias)
+    weights, biases = [lin.weight for lin in linears], [lin.bias for lin in linears] if bias else []
+    x, res, norm_w = (torch.randn(2, 3, 32, requires_grad=True), torch.randn(2, 3, 32, requires_grad=True),
+                      torch.randn(32, requires_grad=True))
+    torch.library.opcheck(fused._norm_linear_op, (x, res, norm_w, weights, biases, 1e-6, 0.0, False))
+    torch.library.opcheck(fused._norm_linear_op, (x, None, norm_w, weights, biases, 1e-6, 1.0, True))
+    down = torch.nn.Linear(12, 32, bias=bias)
+    torch.library.opcheck(fused._gated_down_op, (torch.randn(2, 3, 24, requires_grad=True), down.weight, down.bias,
+                                                 "silu"))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_compiled_fused_training_paths_equal_eager(bias):
+    """norm_linear (with and without a residual) and gated_down, as a decoder layer chains them."""
+    from liger_models.kernels.rms_norm import RMSNorm
+    from liger_models.modules.fused import gated_down, norm_linear
+
+    linears, down, norm = _projections(bias), torch.nn.Linear(12, 32, bias=bias), RMSNorm(32)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(32))
+    x, res = torch.randn(2, 3, 32, requires_grad=True), torch.randn(2, 3, 32, requires_grad=True)
+    params = [norm.weight, down.weight, *(p for lin in linears for p in lin.parameters())]
+
+    def fn(x, res, *params):
+        qkv, stream = norm_linear(norm, x, res, linears)
+        qkv2, _ = norm_linear(norm, stream, None, linears)
+        return gated_down(qkv[..., :24] * qkv2[..., 8:], "gelu_tanh", down), stream
+
+    _compiled_equals_eager(fn, x, res, *params)
+
+
+# ---- losses -------------------------------------------------------------------------------------------------------
+
+_LOSS_OPTIONS = [
+    {},
+    {"reduction": "sum", "z_loss": 1e-3, "return_z_loss": True},
+    {"reduction": "none", "weighted": True},
+    {"weighted": True, "return_z_loss": True, "return_token_accuracy": True},
+    {"label_smoothing": 0.1, "softcap": 5.0, "return_token_accuracy": True},
+    {"normalizer": 7},
+    {"normalizer": "tensor"},
+]
+
+
+def _loss_kwargs(options: dict, vocab: int) -> dict:
+    kwargs = {k: v for k, v in options.items() if k not in ("weighted", "normalizer")}
+    if options.get("weighted"):
+        kwargs["class_weights"] = torch.rand(vocab) + 0.5
+    if "normalizer" in options:
+        kwargs["normalizer"] = torch.tensor(7.0) if options["normalizer"] == "tensor" else options["normalizer"]
+    return kwargs
+
+
+def _labels(shape: tuple, vocab: int) -> torch.Tensor:
+    labels = torch.randint(0, vocab, shape)
+    labels[0, 1] = -100
+    return labels
+
+
+def _loss_tensors(out) -> tuple:
+    return tuple(t for t in out if t is not None) if isinstance(out, tuple) else out
+
+
+def test_loss_ops_pass_opcheck():
+    from liger_models.kernels import cross_entropy as ce
+    from liger_models.kernels import fused_linear_cross_entropy as flce
+
+    vocab, logits, weights = 40, torch.randn(2, 5, 40, requires_grad=True), torch.rand(40) + 0.5
+    labels = _labels((2, 5), vocab)
+    for reduction, class_weights, extras in (("mean", None, (False, False)), ("none", weights, (True, True)),
+                                             ("sum", weights, (True, False))):
+        torch.library.opcheck(ce._cross_entropy_op, (logits, labels, None, class_weights, -100, 0.0, 1e-3, None,
+                                                     reduction, True, *extras))
+    hidden, weight, bias = (torch.randn(2, 5, 16, requires_grad=True), torch.randn(vocab, 16, requires_grad=True),
+                            torch.randn(vocab, requires_grad=True))
+    for reduction, b, class_weights, rank in (("mean", None, None, False), ("none", bias, weights, True),
+                                              ("sum", bias, None, True)):
+        torch.library.opcheck(flce._fused_linear_cross_entropy_op, (
+            hidden, weight, b, labels, torch.tensor(6.0) if reduction == "mean" else None, class_weights, -100, 0.0,
+            1e-3, 5.0, reduction, 0.5, torch.float32, True, True, b is not None, rank, None, None, True, True))
+
+
+@pytest.mark.parametrize("options", _LOSS_OPTIONS, ids=str)
+def test_compiled_cross_entropy_equals_eager(options):
+    from liger_models.kernels.cross_entropy import cross_entropy
+
+    vocab = 40
+    logits, labels, kwargs = torch.randn(2, 5, vocab, requires_grad=True), _labels((2, 5), vocab), _loss_kwargs(
+        options, vocab)
+    # logits * 1: an autograd intermediate, which the eager call writes its gradient over
+    _compiled_equals_eager(lambda x: _loss_tensors(cross_entropy(x * 1, labels, **kwargs)), logits)
+
+
+@pytest.mark.parametrize("options", [*_LOSS_OPTIONS, {"bias": True, "reduction": "none", "return_target_rank": True},
+                                     {"max_scratch_bytes": 200, "loss_scale": 0.5}], ids=str)
+def test_compiled_fused_linear_cross_entropy_equals_eager(options):
+    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    vocab, labels = 40, _labels((2, 5), 40)
+    kwargs = _loss_kwargs({k: v for k, v in options.items() if k != "bias"}, vocab)
+    hidden, weight = torch.randn(2, 5, 16, requires_grad=True), torch.randn(vocab, 16, requires_grad=True)
+    bias = torch.randn(vocab, requires_grad=True) if options.get("bias") else None
+
+    def fn(hidden, weight, *bias):
+        return _loss_tensors(fused_linear_cross_entropy(hidden, weight, labels, *bias, **kwargs))
+
+    _compiled_equals_eager(fn, hidden, weight, *([bias] if bias is not None else []))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_losses_raise_for_a_bad_label(fused):
+    """The label check runs inside the op, at run time: the compiled call raises the eager call's ValueError."""
+    from liger_models.kernels.cross_entropy import cross_entropy
+    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    labels = _labels((2, 5), 40)
+    labels[1, 2] = 43
+    hidden, weight = torch.randn(2, 5, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+
+    def fn(hidden, weight):
+        if fused:
+            return fused_linear_cross_entropy(hidden, weight, labels)
+        return cross_entropy(hidden @ weight.t(), labels)
+
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="label 43 is outside the vocabulary"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(hidden, weight)
+
+
+def test_compiled_linear_cross_entropy_refuses_a_weight_grad_consumer():
+    from liger_models.kernels.fused_linear_cross_entropy import consume_weight_grad, fused_linear_cross_entropy
+
+    hidden, weight = torch.randn(2, 5, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    forget = consume_weight_grad(weight, lambda grad, node: None)
+    try:
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="consume_weight_grad"):
+            torch.compile(fused_linear_cross_entropy, fullgraph=True, backend="aot_eager")(hidden, weight,
+                                                                                          _labels((2, 5), 40))
+    finally:
+        forget()

@@ -1,8 +1,11 @@
-"""torch.compile over our models: every fused kernel is opaque to dynamo (a clean graph break around each one), so a
-compiled model runs the same kernels and gives the same loss and gradients as the eager model.
+"""torch.compile over our models: the fused kernels are torch.library custom ops (liger_models/kernels/_custom_ops.py),
+so ``torch.compile(model, fullgraph=True)`` traces a whole training step (dynamo the forward, AOTAutograd the
+backward) without a graph break, and the compiled step runs the same kernels as the eager one.
 
-Runs the real Triton kernels in the interpreter on CPU with the "eager" backend (dynamo's tracing and graph
-breaks, no code generation: nothing to compile on a CPU-only CI machine).
+On the CPU the real Triton kernels run in the interpreter. Backend "aot_eager" (dynamo and AOTAutograd, no code
+generation) gives the eager loss and gradients bit for bit; "inductor" generates C++ for the PyTorch ops between the
+custom ops and fuses them, so its gradients agree to fp32 rounding. ``pytest -m gpu`` compiles a bf16 step with
+inductor on CUDA (docs/kernels.md#torchcompile).
 """
 
 from __future__ import annotations
@@ -12,8 +15,23 @@ import torch
 import transformers
 
 from liger_models import AutoLigerForCausalLM
+from liger_models.llama import LigerLlamaForCausalLM, LlamaConfig
 
-from .parity import build_hf, save_hf
+from .parity import build_hf, max_rel, save_hf
+
+
+def _tiny_llama(layers: int = 2, **overrides) -> LigerLlamaForCausalLM:
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
+    return LigerLlamaForCausalLM.from_config(config)
+
+
+def _training_step(run, model, ids, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, gradients by parameter name) of one forward + backward of ``run`` (the model, or it compiled)."""
+    model.zero_grad(set_to_none=True)
+    loss = run(ids, labels=ids, **kwargs).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("config_cls, extra", [
@@ -28,14 +46,69 @@ def test_compiled_model_equals_eager(config_cls, extra, tmp_path):
     ids = torch.randint(3, model.config.vocab_size, (2, 12))
     positions = torch.cat([torch.arange(5), torch.arange(7)])[None].repeat(2, 1)  # two packed documents per row
     results = []
-    for run in (model, torch.compile(model, backend="eager")):
-        model.zero_grad(set_to_none=True)
-        out = run(ids, labels=ids, position_ids=positions)
-        out.loss.backward()
+    for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        loss, grads = _training_step(run, model, ids, position_ids=positions)
         with torch.no_grad():
             logits = run(ids, position_ids=positions).logits
-        results.append((out.loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append((loss, logits, grads))
     (loss, logits, grads), (c_loss, c_logits, c_grads) = results
     assert torch.equal(c_loss, loss) and torch.equal(c_logits, logits)
     for name in grads:
         assert torch.equal(c_grads[name], grads[name]), name
+
+
+@pytest.mark.parametrize("call", ["training", "packed documents", "inference"])
+def test_dynamo_explain_finds_no_graph_break(call):
+    """One graph for a labelled forward (the loss included; its backward is AOTAutograd's), for packed documents
+    (position_ids restarting at 0) and for logits under no_grad."""
+    torch._dynamo.reset()
+    model = _tiny_llama()
+    ids = torch.randint(3, 128, (2, 12))
+    kwargs = {"labels": ids}
+    if call == "packed documents":
+        kwargs["position_ids"] = torch.cat([torch.arange(5), torch.arange(7)])[None].repeat(2, 1)
+    with torch.set_grad_enabled(call != "inference"):
+        explained = torch._dynamo.explain(model)(ids, **({} if call == "inference" else kwargs))
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def test_inductor_training_step_on_cpu_matches_eager():
+    """Inductor runs on the CPU with the kernels in the interpreter: the custom ops stay calls into this package,
+    the PyTorch ops between them become generated C++ (embedding backward, SDPA's decomposition, the rotary
+    tables), which rounds differently from eager's kernels."""
+    torch._dynamo.reset()
+    model = _tiny_llama(layers=1)
+    ids = torch.randint(3, 128, (2, 12))
+    loss, grads = _training_step(model, model, ids)
+    c_loss, c_grads = _training_step(torch.compile(model, fullgraph=True, backend="inductor"), model, ids)
+    assert max_rel(c_loss, loss) <= 1e-6
+    for name in grads:
+        assert max_rel(c_grads[name], grads[name]) <= 1e-5, name
+
+
+@pytest.mark.gpu
+def test_inductor_training_steps_on_cuda_match_eager():
+    """A bf16 Llama trained for three steps with inductor (fullgraph) follows the eager run: the fused ops are the
+    same kernels, inductor compiles everything between them."""
+    torch._dynamo.reset()
+    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    eager = LigerLlamaForCausalLM.from_config(config, dtype=torch.bfloat16, device="cuda")
+    compiled = LigerLlamaForCausalLM.from_config(config, dtype=torch.bfloat16, device="cuda")
+    compiled.load_state_dict(eager.state_dict())
+    run = torch.compile(compiled, fullgraph=True, backend="inductor")
+    batches = [torch.randint(0, config.vocab_size, (4, 512), device="cuda") for _ in range(3)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    for ids in batches:
+        e_loss, e_grads = _training_step(eager, eager, ids)
+        c_loss, c_grads = _training_step(run, compiled, ids)
+        assert abs(c_loss.item() - e_loss.item()) <= 1e-2 * abs(e_loss.item())
+        for name in e_grads:
+            diff = (c_grads[name].float() - e_grads[name].float()).norm()
+            assert diff <= 2e-2 * e_grads[name].float().norm() + 1e-6, name
+        for optimizer in optimizers:
+            optimizer.step()
+    explained = torch._dynamo.explain(compiled)(batches[0], labels=batches[0])
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
