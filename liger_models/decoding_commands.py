@@ -257,10 +257,9 @@ def tokenizer_and_specials(tokenizer_dir: Path):
 
 def read_prompt_file(path: str) -> str:
     """A prompt file's text, read as training reads a .txt document (UTF-8, a byte-order mark dropped)."""
-    try:
-        return Path(path).read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"--prompt-file {path} is not UTF-8 text ({exc.reason}); convert it to UTF-8") from None
+    from liger_models.input_files import read_text
+
+    return read_text(path, name=f"--prompt-file {path}")
 
 
 def check_decoding_options(args: argparse.Namespace) -> None:

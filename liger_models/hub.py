@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from liger_models import atomic
+from liger_models.input_files import read_json_object
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -74,17 +75,6 @@ def resolve_dir(path: str | Path) -> Path:
 
 
 GENERATION_CONFIG = "generation_config.json"
-
-
-def read_json_object(file: Path) -> dict:
-    """A JSON file that must hold an object, with errors naming the file."""
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{str(file)!r} is not a JSON object (got {type(raw).__name__})")
-    return raw
 
 
 def read_generation_config(path: Path) -> dict:
@@ -266,7 +256,10 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
     if model_type != expected_type:
         raise ValueError(f"{cls.__name__} loads model_type {expected_type!r}, but {str(path)!r} has "
                          f"{model_type!r} (use AutoLigerForCausalLM)")
-    config = cls.config_class.from_hf(raw)
+    try:
+        config = cls.config_class.from_hf(raw)
+    except (ValueError, TypeError) as e:  # a value of the wrong type or range: say which file holds it
+        raise ValueError(f"{str(path / 'config.json')!r}: {e}") from e
     files = checkpoint_files(path)
     headers = _read_headers(files)
     dtype = resolve_dtype(dtype, config, headers)
@@ -485,7 +478,11 @@ def load_tokenizer(path: str | Path):
     file = Path(path).expanduser() / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {str(path)!r} (only fast-tokenizer files are supported)")
-    tokenizer = Tokenizer.from_file(str(file))
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception ("EOF while parsing ... at line 179 column 14")
+        raise ValueError(f"{str(file)!r} is not a readable tokenizer.json ({e}; truncated or interrupted "
+                         "download?)") from e
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as FastTokenizer
 
 from liger_models.hub import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, LEGACY_CHAT_TEMPLATE_FILE
 from liger_models.hub import load_tokenizer as load_fast_tokenizer
+from liger_models.input_files import read_json_object, read_text
 
 # What a chat template's strftime_now() sees while training data is built: a fixed day (the one Llama 3.1's template
 # itself falls back to), so a resumed or repeated run tokenizes its data exactly as the first did.
@@ -65,10 +66,8 @@ def read_special_tokens(tokenizer: FastTokenizer | Tokenizer, model_dir: str | o
     tokenizer = getattr(tokenizer, "backend", tokenizer)  # a Tokenizer's fast tokenizer
     tok_cfg, model_cfg = {}, {}
     if model_dir is not None:
-        for name, target in (("tokenizer_config.json", tok_cfg), ("config.json", model_cfg)):
-            path = Path(model_dir) / name
-            if path.is_file():
-                target.update(json.loads(path.read_text(encoding="utf-8")))
+        tok_cfg = _json_file(Path(model_dir) / "tokenizer_config.json")
+        model_cfg = _json_file(Path(model_dir) / "config.json")
     special = SpecialTokens()
     for kind in ("bos", "eos"):
         text = _token_text(tok_cfg.get(f"{kind}_token"))
@@ -112,7 +111,7 @@ def _template_places(root: Path, tokenizer_config: dict) -> Iterator[dict[str, t
 
 
 def _json_file(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _chat_template_files(root: Path) -> dict[str, tuple[str, str]]:
@@ -120,7 +119,7 @@ def _chat_template_files(root: Path) -> dict[str, tuple[str, str]]:
     files = {path.stem: path for path in sorted((root / CHAT_TEMPLATE_DIR).glob("*.jinja"))}
     if (root / CHAT_TEMPLATE_FILE).is_file():
         files["default"] = root / CHAT_TEMPLATE_FILE
-    return {name: (path.read_text(encoding="utf-8"), path.relative_to(root).as_posix()) for name, path in files.items()}
+    return {name: (read_text(path, keep_bom=True), path.relative_to(root).as_posix()) for name, path in files.items()}
 
 
 def _config_templates(config: dict, file: str) -> dict[str, tuple[str, str]]:
@@ -135,11 +134,13 @@ def _config_templates(config: dict, file: str) -> dict[str, tuple[str, str]]:
 
 
 
-def jinja_renderer(template: str, special_tokens: dict[str, str], date: datetime.datetime | None = None):
+def jinja_renderer(template: str, special_tokens: dict[str, str], date: datetime.datetime | None = None,
+                   source: str | None = None):
     """A function (messages, add_generation_prompt, **extra) -> text rendering ``template`` in the sandboxed jinja2
     environment transformers uses (loop controls, ``{% generation %}`` blocks, ``raise_exception``, a ``tojson``
     that keeps non-ASCII text, ``strftime_now`` on ``date``, else today), with ``special_tokens`` ({"bos_token":
-    ..., "eos_token": ...}) and ``tools`` / ``documents`` None unless given."""
+    ..., "eos_token": ...}) and ``tools`` / ``documents`` None unless given. ``source``: where the template was
+    read from, named by a template that does not compile."""
     import jinja2  # a runtime dependency, imported when a model's own template is first rendered
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -173,7 +174,9 @@ def jinja_renderer(template: str, special_tokens: dict[str, str], date: datetime
     try:
         compiled = env.from_string(template)
     except jinja2.exceptions.TemplateError as exc:
-        raise ValueError(f"the model's chat template does not compile: {exc}") from None
+        line = f"line {exc.lineno}: " if getattr(exc, "lineno", None) else ""
+        raise ValueError(f"the model's chat template ({source or 'its tokenizer settings'}) does not compile: "
+                         f"{line}{exc.message}") from None
 
     def render(messages, add_generation_prompt: bool, **extra) -> str:
         # A template refuses what it cannot render (Gemma's: a system turn) with raise_exception(): a data error,
@@ -208,9 +211,7 @@ class Tokenizer:
 
     def __init__(self, backend: FastTokenizer, model_dir: str | os.PathLike | None = None) -> None:
         self.backend = backend
-        config = {}
-        if model_dir is not None and (Path(model_dir) / "tokenizer_config.json").is_file():
-            config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config = {} if model_dir is None else _json_file(Path(model_dir) / "tokenizer_config.json")
         self.special = read_special_tokens(backend, model_dir)
         self.chat_template = self.special.chat_template
         self.padding_side = config.get("padding_side", "right")
@@ -366,7 +367,8 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt do not go together: the first "
                              "continues the last message, the second opens a new assistant turn")
-        render = jinja_renderer(template, self.special_tokens_map)
+        source = self.special.chat_template_file if template == self.chat_template else "chat_template="
+        render = jinja_renderer(template, self.special_tokens_map, source=source)
         texts = []
         for messages in conversations:
             text = render(messages, add_generation_prompt, tools=tools, documents=documents, **kwargs)

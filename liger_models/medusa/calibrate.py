@@ -16,6 +16,7 @@ The tree is saved next to the heads as ``medusa_choices.json`` (a file the Medus
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -23,7 +24,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from liger_models.medusa.checkpoint import read_json, save_json
+from liger_models.input_files import read_text
+from liger_models.medusa.checkpoint import save_json
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.medusa.tree import (MISS, TOPK, check_medusa_choices, default_medusa_choices, tree_for_batch,
                                      tree_from_rank_paths, walk_tokens_per_step)
@@ -133,8 +135,8 @@ def load_medusa_choices(directory: str | os.PathLike, num_heads: int,
     if not os.path.isfile(path):
         return None
     try:
-        raw = read_json(path)
-    except (ValueError, UnicodeDecodeError) as exc:  # json's JSONDecodeError is a ValueError
+        raw = json.loads(read_text(path))  # not UTF-8: read_text names the file and the line
+    except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON ({exc}); remove it or run calibrate-tree again") from None
     raw = raw.get("medusa_choices") if isinstance(raw, dict) else raw  # a bare list, as Medusa's own trees are
     if not isinstance(raw, list) or not all(isinstance(c, list) and all(isinstance(r, int) for r in c) for c in raw):

@@ -15,14 +15,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import re
 import warnings
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from liger_models import atomic
+from liger_models.input_files import read_json_object
 from liger_models.medusa.config import MedusaConfig
 from liger_models.medusa.heads import MedusaHeads
 
@@ -87,8 +90,8 @@ def holds_base_model(config: dict[str, Any]) -> bool:
 
 
 def read_json(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
+    """A heads config (a JSON object); a broken one is named with the line where parsing stopped."""
+    return read_json_object(path)
 
 
 def save_heads(heads: MedusaHeads, directory: str, *, merge_config: bool = False,
@@ -129,13 +132,19 @@ def refuse_model_directory(directory: str) -> None:
 
 def load_heads_state_dict(directory: str) -> dict[str, torch.Tensor]:
     """The heads' tensors with Medusa keys (`.safetensors`, else the v0.1 `.pt`; `medusa_head.` prefix stripped)."""
-    path = os.path.join(directory, HEADS_NAME)
-    if os.path.exists(path):
-        sd = load_file(path)
-    elif os.path.exists(os.path.join(directory, LEGACY_HEADS_NAME)):
-        sd = torch.load(os.path.join(directory, LEGACY_HEADS_NAME), map_location="cpu", weights_only=True)
-    else:
+    path, legacy = os.path.join(directory, HEADS_NAME), os.path.join(directory, LEGACY_HEADS_NAME)
+    if not os.path.exists(path) and not os.path.exists(legacy):
         raise FileNotFoundError(f"no {HEADS_NAME} (or {LEGACY_HEADS_NAME}) in {directory}")
+    try:
+        if os.path.exists(path):
+            sd = load_file(path)
+        else:
+            path = legacy
+            sd = torch.load(legacy, map_location="cpu", weights_only=True)
+    except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        # The readers' own messages name no file ("invalid header length", "PytorchStreamReader failed ...").
+        raise ValueError(f"{path} is not a readable heads file ({os.path.getsize(path)} bytes; truncated or "
+                         f"damaged?): {exc}") from exc
     sd = {k.removeprefix("medusa_head."): v for k, v in sd.items()}
     bad = [k for k in sd if not _KEY.match(k)]
     if bad:

@@ -30,6 +30,13 @@ from .config import LigerConfig
 from .linear import packed_linear
 
 FLEX_MIN_LEN = 512  # below this a boolean mask is cheap and SDPA avoids flex's compile
+# SDPA's CUDA kernels fail past two limits with a CUDA fault, not an error (pytorch#142228, flash-attention#1500; at
+# Llama-8B head shapes B=8192 × T=1 gives an illegal memory access in backward, B=65536 `invalid argument`): the batch
+# is a grid axis of at most 65535 blocks, and FlashAttention's backward indexes its dq accumulator with 32-bit ints,
+# past batch · heads · round_up(T, 128) · max(head_dim, 32) = 2³¹. Such a batch is attended in chunks (_sdpa).
+SDPA_MAX_ROWS = 65535
+FLASH_BACKWARD_ELEMENTS = 2**31
+_SDPA_LIMITED = ("cuda",)  # device types whose SDPA kernels have those limits
 
 
 @functools.cache
@@ -140,6 +147,42 @@ class AttentionMask:
         return self._masks[("block", window)]
 
 
+def _flash_backward_elements(heads: int, q_len: int, head_dim: int) -> int:
+    # What FlashAttention's backward indexes per batch row: T padded to its 128-query blocks, head_dim to 32.
+    return heads * -(-q_len // 128) * 128 * max(head_dim, 32)
+
+
+def sdpa_rows_per_call(heads: int, q_len: int, head_dim: int, backward: bool) -> int:
+    """The most batch rows one CUDA SDPA call takes within its limits (module constants); at least 1."""
+    if not backward:
+        return SDPA_MAX_ROWS
+    return min(SDPA_MAX_ROWS, max(1, FLASH_BACKWARD_ELEMENTS // _flash_backward_elements(heads, q_len, head_dim)))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+          **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention, called on chunks of the batch where one call would pass SDPA's CUDA limits
+    (a shape check: normal batches take the single call)."""
+    if q.device.type not in _SDPA_LIMITED:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    B, H, T, D = q.shape
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    flash = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)  # SDPA may pick FlashAttention
+    if backward and flash and _flash_backward_elements(H, T, D) > FLASH_BACKWARD_ELEMENTS:
+        raise ValueError(f"attention over one sequence of {T} tokens × {H} heads × head_dim {D} is past "
+                         "FlashAttention's 32-bit backward index range (heads · T · head_dim ≤ 2^31, T rounded "
+                         "up to 128): train on shorter sequences")
+    rows = sdpa_rows_per_call(H, T, D, backward)
+    if rows >= B:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    chunks = []
+    for first in range(0, B, rows):
+        part = slice(first, first + rows)
+        part_mask = attn_mask if attn_mask is None or attn_mask.shape[0] == 1 else attn_mask[part]
+        chunks.append(F.scaled_dot_product_attention(q[part], k[part], v[part], attn_mask=part_mask, **kwargs))
+    return torch.cat(chunks)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, window: int | None,
            scale: float, flex: str = "auto") -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) v for q (B, Hq, T, D), k/v (B, Hkv, S, D) → (B, Hq, T, D).
@@ -155,12 +198,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
         return decode_attention_kernels.decode_attention(q, k, v, mask.boolean(window), scale)
     if not mask.needs_mask(window):
         if mask.past == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            return _sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         if mask.q_len == 1:  # one new token sees the whole cache
-            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+            return _sdpa(q, k, v, scale=scale, enable_gqa=gqa)
     elif mask.supports_flex and (flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN)):
         return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask.block(window), scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.boolean(window), scale=scale, enable_gqa=gqa)
+    return _sdpa(q, k, v, attn_mask=mask.boolean(window), scale=scale, enable_gqa=gqa)
 
 
 class Attention(nn.Module):

@@ -1,7 +1,8 @@
 """Training data: tokenizers, plain-text and chat JSONL documents, packing, and a resumable batch stream.
 
 Documents
-    ``.txt``    the whole file is one document; every token is trained on.
+    ``.txt``    the whole file is one document; every token is trained on. It is read and encoded in pieces cut at
+                blank lines where that provably gives the whole text's tokens (text_pieces.py).
     ``.jsonl``  one document per line: ``{"text": ...}`` (every token trained) or
                 ``{"messages": [{"role": ..., "content": ...}, ...]}`` (chat: loss on assistant turns only).
     A blank text (a file or ``"text"`` of whitespace only) is skipped: with BOS/EOS added it would teach BOS → EOS.
@@ -54,6 +55,7 @@ import dataclasses
 import functools
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -62,11 +64,14 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from liger_models.input_files import not_utf8, read_text, shorten
+from liger_models.modules.loss import shift_labels
 from liger_models.tokenizer import (CHAT_TEMPLATE_DATE, NO_TEMPLATE, SpecialTokens, jinja_renderer,
                                     read_chat_template, read_special_tokens)
 from liger_models.train import data_cache
 from liger_models.train.packing import (IGNORE_INDEX, PackedDataset, batch_to, check_has_targets,
                                            pack_arrays, pack_documents)
+from liger_models.train.text_pieces import TextSplitter, added_ends
 
 SIMPLE_ROLES = ("system", "user", "assistant")
 # Packing lives in packing.py; its names stay importable from here, where the rest of the pipeline is.
@@ -86,7 +91,7 @@ def _training_renderer(template: str, special: SpecialTokens):
     """The model's template as training renders it: on the fixed CHAT_TEMPLATE_DATE, so a resumed or repeated run
     tokenizes its data exactly as the first did."""
     return jinja_renderer(template, {"bos_token": special.bos_text, "eos_token": special.eos_text},
-                          date=CHAT_TEMPLATE_DATE)
+                          date=CHAT_TEMPLATE_DATE, source=special.chat_template_file)
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 2048, eos_token: str = "<|endoftext|>") -> Tokenizer:
@@ -122,19 +127,27 @@ class Document:
     """Text to train on; ``spans`` are the [start, end) character ranges with loss (None = all of it).
 
     ``template_bos``: the text already carries the BOS (a model chat template writes it), so encoding adds none.
+    ``first`` / ``last``: False for a piece of a plain text that continues an earlier piece / is continued by a later
+    one (text_pieces.py): a document starts at its first piece and gets its EOS after its last.
     """
 
     text: str
     spans: list[tuple[int, int]] | None = None
     template_bos: bool = False
+    first: bool = True
+    last: bool = True
+
+    @property
+    def whole(self) -> bool:
+        return self.first and self.last
 
 
 def _check_messages(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list")
+        raise ValueError(f"{where}: 'messages' must be a non-empty list, got {shorten(messages)}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: message {i} needs string 'role' and 'content' fields, got {m!r}")
+            raise ValueError(f"{where}: message {i} needs string 'role' and 'content' fields, got {shorten(m)}")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant turn, so nothing to train on")
 
@@ -222,10 +235,11 @@ def render_generation_prompt(messages: Sequence[dict], special: SpecialTokens,
     return Document(opened[: opened.rindex("<|assistant|>\n") + len("<|assistant|>\n")], None)
 
 
-def iter_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
-                   chat_template: str = "auto") -> Iterator[Document]:
+def iter_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens, chat_template: str = "auto",
+                   splitter: TextSplitter | None = None) -> Iterator[Document]:
     """Read ``.txt`` / ``.jsonl`` files into documents one at a time (formats: module docstring), so a corpus is
-    never held in memory as a whole; blank plain texts are left out (nothing to learn)."""
+    never held in memory as a whole; blank plain texts are left out (nothing to learn). ``splitter``: a plain
+    text comes in pieces (``first`` / ``last``) that encode to its tokens (text_pieces.py), else whole."""
     use_model = _uses_model_template(chat_template, special)
     renderer = functools.cache(lambda: _training_renderer(special.chat_template, special))  # compiled once, if needed
     for raw in paths:
@@ -234,21 +248,34 @@ def iter_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
             raise FileNotFoundError(f"data file not found: {path}")
         if path.suffix not in (".txt", ".jsonl"):
             raise ValueError(f"unsupported data file {path}: expected .txt or .jsonl")
+        if path.suffix == ".txt":
+            yield from _text_documents(path, splitter)
+            continue
         try:
-            yield from _file_documents(path, special, renderer if use_model else None)
-        except UnicodeDecodeError as exc:  # name the file: the bare error says neither which file nor what to do
-            raise ValueError(f"{path} is not UTF-8 text ({exc.reason}); convert it to UTF-8") from None
+            yield from _jsonl_documents(path, special, renderer if use_model else None)
+        except UnicodeDecodeError:  # the bare error says neither which file, nor where, nor what to do
+            raise not_utf8(path) from None
 
 
-def _file_documents(path: Path, special: SpecialTokens, renderer) -> Iterator[Document]:
-    """The documents of one .txt / .jsonl file (see :func:`iter_documents`); ``renderer()`` gives the model's chat
+def _text_documents(path: Path, splitter: TextSplitter | None) -> Iterator[Document]:
+    """A .txt file as one document, in pieces when ``splitter`` cuts it; nothing when it is blank."""
+    pieces = splitter.pieces(path) if splitter is not None else iter([read_text(path)])
+    text, after = next(pieces), next(pieces, None)
+    if after is None:  # one piece: the whole text
+        if text.strip():
+            yield Document(text)
+        return
+    yield Document(text, last=False)  # a text with a cut is not blank: both sides of a cut hold words
+    for piece in pieces:
+        yield Document(after, first=False, last=False)
+        after = piece
+    yield Document(after, first=False)
+
+
+def _jsonl_documents(path: Path, special: SpecialTokens, renderer) -> Iterator[Document]:
+    """The documents of one .jsonl file (see :func:`iter_documents`); ``renderer()`` gives the model's chat
     template renderer, or renderer is None for the simple template."""
     # utf-8-sig: a BOM that Windows tools write at a file's start is an encoding mark, not text to train on.
-    if path.suffix == ".txt":
-        doc = Document(path.read_text(encoding="utf-8-sig"))
-        if doc.text.strip():
-            yield doc
-        return
     with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -257,7 +284,7 @@ def _file_documents(path: Path, special: SpecialTokens, renderer) -> Iterator[Do
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+                raise ValueError(f"{where}: invalid JSON ({_json_problem(exc, line)})") from None
             # A null field is an absent one: a mixed dataset exported by pandas / HF datasets writes every
             # column on every row ({"text": ..., "messages": null}).
             if isinstance(row, dict) and row.get("messages") is not None:
@@ -267,7 +294,15 @@ def _file_documents(path: Path, special: SpecialTokens, renderer) -> Iterator[Do
                 if row["text"].strip():
                     yield Document(row["text"])
             else:
-                raise ValueError(f'{where}: expected {{"text": ...}} or {{"messages": [...]}}')
+                raise ValueError(f'{where}: expected {{"text": ...}} or {{"messages": [...]}}, got {shorten(row)}')
+
+
+def _json_problem(exc: json.JSONDecodeError, line: str) -> str:
+    # exc.msg alone is cut short ("Invalid control character at"); the place completes it.
+    problem = exc.msg.removesuffix(" at")
+    if exc.pos >= len(line.rstrip()):
+        return f"{problem} at the end of the line: the row is cut short"
+    return f"{problem} at column {exc.colno}"
 
 
 def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
@@ -281,12 +316,13 @@ def load_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens,
 
 def _encode_batch(docs: Sequence[Document], tokenizer: Tokenizer) -> list:
     """Encodings of ``docs`` in order, computed in parallel by ``encode_batch``. Texts a chat template already
-    opened with BOS are encoded without the post-processor's special tokens (one batch per setting)."""
+    opened with BOS, and pieces of a text, are encoded without the post-processor's special tokens (one batch per
+    setting)."""
     encodings = [None] * len(docs)
-    for template_bos in (False, True):
-        where = [i for i, d in enumerate(docs) if d.template_bos == template_bos]
+    for adds_specials in (True, False):
+        where = [i for i, d in enumerate(docs) if (d.whole and not d.template_bos) == adds_specials]
         if where:
-            batch = tokenizer.encode_batch([docs[i].text for i in where], add_special_tokens=not template_bos)
+            batch = tokenizer.encode_batch([docs[i].text for i in where], add_special_tokens=adds_specials)
             for i, enc in zip(where, batch):
                 encodings[i] = enc
     return encodings
@@ -313,11 +349,24 @@ def _chat_tokens(enc, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndar
     return ids, in_span & ~added & (end > start)
 
 
+def _piece_tokens(enc, doc: Document, ends: tuple[list[int], list[int]],
+                  eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    # A piece of a plain text: the post-processor's tokens (``ends``: text_pieces.added_ends) go before the first
+    # piece and after the last, and the last gets the EOS a whole text would (_plain_tokens).
+    before, after = ends
+    ids = np.asarray((before if doc.first else []) + enc.ids + (after if doc.last else []), dtype=np.int32)
+    if doc.last and eos_id is not None and (ids.size == 0 or ids[-1] != eos_id):
+        ids = np.append(ids, np.int32(eos_id))
+    return ids, np.ones(ids.size, dtype=bool)
+
+
 def tokenize_chunk(docs: Sequence[Document], tokenizer: Tokenizer,
                    special: SpecialTokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``docs`` tokenized and concatenated: int32 ids, a bool "has loss" mask, and each document's token count.
-    EOS is appended to plain documents when the tokenizer has one."""
-    per_doc = [_plain_tokens(enc, special.eos_id) if doc.spans is None else _chat_tokens(enc, doc.spans)
+    """``docs`` tokenized and concatenated: int32 ids, a bool "has loss" mask, and each document's (or piece's)
+    token count. EOS is appended to plain documents when the tokenizer has one."""
+    ends = added_ends(tokenizer) if not all(doc.whole for doc in docs) else None
+    per_doc = [_piece_tokens(enc, doc, ends, special.eos_id) if not doc.whole
+               else _plain_tokens(enc, special.eos_id) if doc.spans is None else _chat_tokens(enc, doc.spans)
                for doc, enc in zip(docs, _encode_batch(docs, tokenizer))]
     lengths = np.array([ids.size for ids, _ in per_doc], dtype=np.int64)
     if not per_doc:
@@ -352,15 +401,19 @@ def _chunks(docs: Iterable[Document], max_chars: int) -> Iterator[list[Document]
 def _tokenize_and_pack(paths, tokenizer: Tokenizer, special: SpecialTokens, seq_len: int,
                        chat_template: str) -> PackedDataset:
     """Stream the documents, tokenize them a chunk at a time, pack once (module docstring, "Tokenizing")."""
-    id_parts, mask_parts, length_parts = [], [], []
-    for chunk in _chunks(iter_documents(paths, special, chat_template), ENCODE_CHUNK_CHARS):
+    id_parts, mask_parts, length_parts, first_parts = [], [], [], []
+    documents = iter_documents(paths, special, chat_template, TextSplitter(tokenizer))
+    for chunk in _chunks(documents, ENCODE_CHUNK_CHARS):
         ids, mask, lengths = tokenize_chunk(chunk, tokenizer, special)
         id_parts.append(ids)
         mask_parts.append(mask)
         length_parts.append(lengths)
+        first_parts.append(np.array([doc.first for doc in chunk], dtype=bool))
     if not length_parts:
         raise ValueError(f"no documents in {[str(p) for p in paths]}")
-    dataset = pack_arrays(id_parts, mask_parts, np.concatenate(length_parts), seq_len, special.pad_id)
+    # A text's pieces are one document: their token counts add up to its length.
+    lengths = np.add.reduceat(np.concatenate(length_parts), np.flatnonzero(np.concatenate(first_parts)))
+    dataset = pack_arrays(id_parts, mask_parts, lengths, seq_len, special.pad_id)
     check_has_targets(dataset)
     return dataset
 
@@ -395,6 +448,20 @@ def build_dataset(
 # Batches
 
 
+def repeats_note(dataset: PackedDataset, sequences: int) -> str:
+    """What a user is told when the data holds fewer windows than the ``sequences`` of one micro-batch (all ranks):
+    every micro-batch then repeats windows, and one window (data shorter than --seq-len) is trained on alone. The run
+    goes on: memorising a small text is a legitimate test of a setup, and a mistaken --seq-len is obvious from the
+    numbers."""
+    targets = int((shift_labels(dataset.labels, 1, dataset.position_ids, IGNORE_INDEX) != IGNORE_INDEX).sum())
+    n, them = len(dataset), "it" if len(dataset) == 1 else "them"
+    held = (f"fits in one sequence of --seq-len {dataset.seq_len}" if n == 1
+            else f"fills {n} sequences of --seq-len {dataset.seq_len}")
+    return (f"the training data {held} ({targets} tokens to predict), fewer than the {sequences} of one micro-batch: "
+            f"every micro-batch repeats {them}, so the loss falls by memorising {them}; more data, a smaller --seq-len "
+            "or a smaller --batch-size gives distinct sequences")
+
+
 class BatchStream:
     """Deterministic, resumable micro-batches over endless seeded epochs (module docstring)."""
 
@@ -405,6 +472,8 @@ class BatchStream:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.consumed = 0  # windows drawn so far by all ranks together
         self._epoch, self._perm = -1, None
+        if rank == 0 and len(dataset) < batch_size * world_size:
+            warnings.warn(repeats_note(dataset, batch_size * world_size), stacklevel=2)
 
     def _window(self, global_index: int) -> int:
         epoch, offset = divmod(global_index, len(self.dataset))
