@@ -70,7 +70,8 @@ def test_hidden_size_one_is_exact(dtype):
         g = (dy * w.detach()).float().abs().max().item()
         bound = 2.0 ** -22 * g * (1e-5) ** -0.5
         assert dx.float().abs().max() <= bound and dw.float().abs().max() <= bound
-    assert_matches(db, dy.double().sum(0), name="db")
+    # db is a sum of 5 fp32 terms that may cancel: accurate to the terms' scale, not the (possibly tiny) sum's.
+    assert_matches(db, dy.double().sum(0), name="db", scale_floor=dy.double().abs().sum(0).max().item())
 
 
 @pytest.mark.parametrize("shape", [(3, 127), (2, 300)])
