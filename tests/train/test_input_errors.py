@@ -146,7 +146,7 @@ def test_jsonl_rows_are_named_with_their_line(model, tmp_path, capsys, row, prob
     data = _json_file(tmp_path / "rows.jsonl", json.dumps({"text": "fine"}) + "\n\n" + row + "\n")
     line = _train(model, data, tmp_path, capsys)
     assert f"{data}:3: " in line and problem in line
-    assert len(line) < 300  # a long row is quoted cut short, not whole
+    assert len(line) - len(str(data)) < 250  # a long row is quoted cut short, not whole (the path's length aside)
 
 
 def test_heads_config(model, heads_dir, tmp_path, capsys):
