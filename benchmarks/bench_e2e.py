@@ -51,7 +51,9 @@ CONFIGS: dict[str, tuple[dict, int, int]] = {
 # (liger_models/train/cuda_graph.py): the same kernels, no host time between them.
 # Every ours* provider steps with the project's FusedAdamW (liger_models/train/optim.py, liger_models/kernels/adamw.py), the
 # one `liger-models train` builds; ours_torch_adamw is ours with torch's fused AdamW instead (the HF providers').
-PROVIDERS = ("ours", "ours_inbwd", "ours_graph", "ours_torch_adamw", "hf", "hf_compile", "hf_liger")
+# ours_compile: ours under torch.compile(fullgraph=True), inductor: the kernels are custom ops in one graph
+# (liger_models/kernels/_custom_ops.py), inductor compiles what lies between them.
+PROVIDERS = ("ours", "ours_inbwd", "ours_graph", "ours_torch_adamw", "ours_compile", "hf", "hf_compile", "hf_liger")
 WARMUP, STEPS = 4, 8
 H200_BF16_PEAK_TFLOPS = 989.0
 
@@ -78,7 +80,8 @@ def _build(provider: str, cfg: dict):
         from liger_models.auto import model_class
 
         cls = model_class(cfg["model_type"])
-        return cls.from_config(cls.config_class.from_hf(dict(cfg)), dtype=torch.bfloat16, device="cuda")
+        model = cls.from_config(cls.config_class.from_hf(dict(cfg)), dtype=torch.bfloat16, device="cuda")
+        return torch.compile(model, fullgraph=True) if provider == "ours_compile" else model
     import transformers
 
     if provider == "hf_liger":

@@ -388,10 +388,13 @@ _rope_packed_op.register_autograd(_rope_packed_backward, setup_context=_rope_pac
 
 
 def _split_heads(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int):
+    # view, not Tensor.unflatten: unflatten is a Python method whose super() call dynamo cannot trace under a
+    # torch.device(...) context, which would break the compiled graph there.
     q_end, k_end = n_q_heads * head_dim, (n_q_heads + n_kv_heads) * head_dim
-    q = qkv[..., :q_end].unflatten(-1, (n_q_heads, head_dim))
-    k = qkv[..., q_end:k_end].unflatten(-1, (n_kv_heads, head_dim))
-    return q, k, qkv[..., k_end:].unflatten(-1, (n_kv_heads, head_dim))
+    lead = qkv.shape[:-1]
+    q = qkv[..., :q_end].view(*lead, n_q_heads, head_dim)
+    k = qkv[..., q_end:k_end].view(*lead, n_kv_heads, head_dim)
+    return q, k, qkv[..., k_end:].view(*lead, n_kv_heads, head_dim)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -26,9 +26,10 @@ def _on_device():
         yield
 
 
-def _compiled_equals_eager(fn, *inputs: torch.Tensor) -> None:
+def _compiled_equals_eager(fn, *inputs: torch.Tensor, ulps: bool = False) -> None:
     """fn compiled without graph breaks gives eager's outputs and input gradients exactly (for one random
-    cotangent per differentiable output)."""
+    cotangent per differentiable output); with ``ulps``, on a GPU, to fp32 rounding: the op runs another
+    specialisation of the kernel, which the compiler may contract into FMAs differently."""
     torch._dynamo.reset()
     leaves = [t for t in inputs if t.requires_grad]
     results = []
@@ -42,7 +43,10 @@ def _compiled_equals_eager(fn, *inputs: torch.Tensor) -> None:
         results.append(([o.detach() for o in outs], grads))
     (outs, grads), (c_outs, c_grads) = results
     for eager, compiled in zip(outs + list(grads), c_outs + list(c_grads)):
-        assert torch.equal(compiled, eager)
+        if ulps and compiled.is_cuda:
+            torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(compiled, eager)
 
 
 # ---- RMSNorm ------------------------------------------------------------------------------------------------------
@@ -142,7 +146,7 @@ def test_compiled_rope_equals_eager(rot, batch_tables):
         q2, k2 = ropes.rope(q2, k2, cos, sin)
         return q.transpose(1, 2), k, v, q2, k2 * 3
 
-    _compiled_equals_eager(fn, qkv)
+    _compiled_equals_eager(fn, qkv, ulps=True)  # the op rotates into fresh tensors (TO_DST), eager in place
 
 
 def test_compiled_rope_keeps_rotating_in_place():
