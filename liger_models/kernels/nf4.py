@@ -71,8 +71,8 @@ def quantize_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     scaled = (blocks * inv[:, None]).clamp(-1, 1).reshape(-1)[:n]
     idx = torch.bucketize(scaled, _nf4_thresholds(flat.device)).to(torch.uint8)  # x == midpoint -> lower code
-    if n % 2:
-        idx = torch.cat([idx, idx.new_zeros(1)])
+    if n % 2:  # the unused last nibble holds the code of 0.0, as bitsandbytes pads
+        idx = torch.cat([idx, idx.new_full((1,), 7)])
     pairs = idx.view(-1, 2)
     codes = (pairs[:, 0] << 4) | pairs[:, 1]
     return codes.view(-1, 1), absmax
@@ -84,13 +84,15 @@ def quantize_blockwise(values: torch.Tensor, block: int = NESTED_BLOCK) -> tuple
     n = values.numel()
     blocks = _blocks(values.to(torch.float32), block)
     absmax = blocks.abs().amax(1)
-    normed = (blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]).reshape(-1)[:n]
+    normed = (blocks / absmax[:, None]).reshape(-1)[:n]  # divided, as bitsandbytes does here
     code = dynamic_map(values.device)
     # Nearest of the sorted map: compare the two neighbours found by binary search.
     hi = torch.searchsorted(code, normed).clamp(1, code.numel() - 1)
     lo = hi - 1
-    pick_hi = (code[hi] - normed).abs() < (normed - code[lo]).abs()
-    return torch.where(pick_hi, hi, lo).to(torch.uint8), absmax
+    pick_hi = (code[hi] - normed).abs() < (normed - code[lo]).abs()  # a tie keeps the lower value
+    # An all-zero block (0/0) gets index 0, as bitsandbytes' search of NaN does; it dequantises to 0 either way.
+    q = torch.where(pick_hi, hi, lo).masked_fill(torch.isnan(normed), 0)
+    return q.to(torch.uint8), absmax
 
 
 def double_quantize(absmax: torch.Tensor) -> dict[str, torch.Tensor | float]:
