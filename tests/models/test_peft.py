@@ -159,3 +159,24 @@ def test_medusa_refuses_a_wrapped_base_lm_head(tmp_path):
     ids, labels = _batch()
     with pytest.raises(ValueError, match="lm_head.*not a plain nn.Linear"):
         medusa(ids, labels=labels)
+
+
+def test_prompt_tuning_with_padding_matches_hf_peft(tmp_path):
+    """PEFT's prompt tuning feeds inputs_embeds with its virtual tokens first and a float 0/1 attention mask; with a
+    left-padded row, the padded queries between the virtual tokens and the prompt see the virtual tokens as HF's do.
+    Loss and the prompt embeddings' gradient match HF + PEFT's."""
+    hf, ours = _pair("llama", tmp_path)
+    ids, labels = _batch()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    labels[1, :4] = -100
+    results = []
+    for model in (hf, ours):
+        torch.manual_seed(0)  # the same random virtual-token init on both sides
+        wrapped = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+        loss = wrapped(input_ids=ids, attention_mask=mask, labels=labels).loss
+        (grad,) = torch.autograd.grad(loss, [p for p in wrapped.parameters() if p.requires_grad])
+        results.append((loss.detach(), grad))
+    (hf_loss, hf_grad), (loss, grad) = results
+    assert abs(loss.item() - hf_loss.item()) <= 1e-5 * hf_loss.item()
+    assert max_rel(grad, hf_grad) <= FP32
