@@ -108,6 +108,35 @@ def test_packed_long_sequence_flex_matches_bool_mask_and_documents():
         assert rel_l2(grads["always"][n], grads["never"][n]) <= 2e-2, n
 
 
+def test_padded_long_batch_flex_matches_bool_mask():
+    """T = 1536 with left padding, right padding and a gap, windowed: the compiled flex BlockMask (its padding rule
+    reads a per-slot tensor inside mask_mod) gives the boolean mask's logits and gradients."""
+    torch.manual_seed(0)
+    model = LigerMistralForCausalLM.from_config(
+        MistralConfig.tiny(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                           vocab_size=1024, max_position_embeddings=4096, sliding_window=300),
+        dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, 1024, (3, 1536), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :400] = 0  # left padding
+    mask[1, -500:] = 0  # right padding, longer than the window
+    mask[2, 600:700] = 0  # a gap
+    labels = ids.masked_fill(mask == 0, -100)
+    outs, grads = {}, {}
+    for flex in ("always", "never"):
+        for layer in model.model.layers:
+            layer.self_attn.flex = flex
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=labels, attention_mask=mask).loss.backward()
+        grads[flex] = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            outs[flex] = model(ids, attention_mask=mask).logits.float()
+    assert torch.isfinite(outs["always"]).all()
+    assert rel_l2(outs["always"], outs["never"]) <= 1e-2
+    for n in grads["never"]:
+        assert rel_l2(grads["always"][n], grads["never"][n]) <= 2e-2, n
+
+
 def test_load_to_gpu_and_generate_like_hf(tmp_path):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
