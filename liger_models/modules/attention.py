@@ -204,7 +204,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     flex: "auto" (CUDA and T ≥ FLEX_MIN_LEN when a mask is needed), "always" or "never" (tests pick the path).
     """
     gqa = q.shape[1] != k.shape[1]
-    if (mask.tree is not None and mask.q_len >= decode_attention_kernels.MIN_QUERIES
+    if (mask.tree is not None and mask.q_len >= decode_attention_kernels.TUNING.min_queries
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and decode_attention_kernels.runs_kernel(q, k, v)):
         # A speculative tree (or a graphed decoding call): tens of queries over the whole cache, where SDPA's
