@@ -13,6 +13,7 @@ from .llama import LigerLlamaForCausalLM, LlamaConfig
 from .mistral import LigerMistralForCausalLM, MistralConfig
 from .phi3 import LigerPhi3ForCausalLM, Phi3Config
 from .qwen2 import LigerQwen2ForCausalLM, Qwen2Config
+from .qwen3 import LigerQwen3ForCausalLM, Qwen3Config
 
 __version__ = "0.1.0"
 
@@ -24,11 +25,13 @@ __all__ = [
     "LigerMistralForCausalLM",
     "LigerPhi3ForCausalLM",
     "LigerQwen2ForCausalLM",
+    "LigerQwen3ForCausalLM",
     "LlamaConfig",
     "MODEL_CLASSES",
     "MistralConfig",
     "Phi3Config",
     "Qwen2Config",
+    "Qwen3Config",
     "Tokenizer",
     "load_tokenizer",
     "model_class",

@@ -14,11 +14,12 @@ from .modules.causal_lm import LigerForCausalLM
 from .modules.config import LigerConfig
 from .phi3 import LigerPhi3ForCausalLM
 from .qwen2 import LigerQwen2ForCausalLM
+from .qwen3 import LigerQwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LigerForCausalLM]] = {
     cls.config_class.model_type: cls
     for cls in (LigerLlamaForCausalLM, LigerMistralForCausalLM, LigerQwen2ForCausalLM, LigerGemmaForCausalLM,
-                LigerPhi3ForCausalLM)
+                LigerPhi3ForCausalLM, LigerQwen3ForCausalLM)
 }
 
 

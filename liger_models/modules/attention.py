@@ -29,6 +29,7 @@ from liger_models.kernels.rope import rope_packed
 from .cache import KVCache
 from .config import LigerConfig
 from .linear import packed_linear
+from .norm import make_norm
 
 FLEX_MIN_LEN = 512  # below this a boolean mask is cheap and SDPA avoids flex's compile
 # SDPA's CUDA kernels fail past two limits with a CUDA fault, not an error (pytorch#142228, flash-attention#1500; at
@@ -238,6 +239,8 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
             self.v_proj = nn.Linear(hidden, kv_out, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_out, hidden, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm, self.k_norm = make_norm(config, self.head_dim), make_norm(config, self.head_dim)
         self.flex = "auto"
 
     def packed_groups(self) -> list[list[nn.Linear]]:
@@ -255,6 +258,8 @@ class Attention(nn.Module):
                  cache: KVCache | None = None) -> torch.Tensor:
         """Attention from the packed projection output qkv (B, T, (Hq + 2 Hkv) D), a base tensor rope may rotate."""
         B, T, _ = qkv.shape
+        if hasattr(self, "q_norm"):
+            qkv = self._norm_heads(qkv)
         # (B, T, H, D) views with q and k rotated in place; d qkv comes back as one tensor (see liger_models/kernels/rope.py).
         q, k, v = rope_packed(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
@@ -262,3 +267,15 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, D)
         out = attend(q, k, v, mask, self.window, self.scale, self.flex)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[q_norm(q) | k_norm(k) | v] as a fresh packed tensor: each head's d features normalised by the RMSNorm
+        kernel (one launch for all q heads, one for all k heads; the (B, T, H, d) views are its rows).
+
+        Not fused into the rope kernel: the norm runs out of place and the concatenation costs one copy of qkv,
+        which rope then rotates in place (nothing else saves that copy). The norm's backward keeps its own input."""
+        q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim
+        lead = qkv.shape[:-1]
+        q = self.q_norm(qkv[..., :q_end].view(*lead, self.num_heads, self.head_dim))
+        k = self.k_norm(qkv[..., q_end:k_end].view(*lead, self.num_kv_heads, self.head_dim))
+        return torch.cat((q.flatten(-2), k.flatten(-2), qkv[..., k_end:]), dim=-1)

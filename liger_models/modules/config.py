@@ -134,6 +134,9 @@ class LigerConfig:
     # Whether RoPE honours ``partial_rotary_factor``: in HF v5 only Phi3's rotary embedding reads it; the other
     # families rotate whole heads whatever the key says (it is still kept for the round trip).
     partial_rotary_applies: ClassVar[bool] = False
+    # Per-head RMSNorm of q and k over head_dim (HF names self_attn.q_norm / k_norm), after the projection and
+    # before RoPE, with the family's norm_casting and rms_norm_eps (Qwen3 Llama-style, Gemma 3 (1 + w)).
+    qk_norm: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -243,7 +246,7 @@ class LigerConfig:
         if any(isinstance(v, dict) for v in rope.values()):
             raise ValueError(f"per-layer-type rope parameters are not supported: {sorted(rope)}")
         rope = dict(rope)
-        d["rope_theta"] = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        d["rope_theta"] = float(rope.pop("rope_theta", d.get("rope_theta", cls.rope_theta)))  # the family's default
         prf = rope.pop("partial_rotary_factor", None)
         d["_top_level_prf"] = "partial_rotary_factor" in d  # v5 Phi3 files keep it there too; so does to_hf()
         d["partial_rotary_factor"] = float(prf if prf is not None else d.get("partial_rotary_factor", 1.0))

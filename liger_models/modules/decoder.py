@@ -14,20 +14,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from liger_models.kernels.rms_norm import RMSNorm
-
 from .attention import Attention, AttentionMask, document_ids
 from .cache import KVCache
 from .config import LigerConfig
 from .fused import add_norm, norm_linear
 from .inputs import check_attention_mask, check_forward_inputs, check_position_ids
 from .mlp import GatedMLP
+from .norm import make_norm
 from .rope import RotaryEmbedding
-
-
-def make_norm(config: LigerConfig) -> RMSNorm:
-    gemma = config.norm_casting == "gemma"
-    return RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0 if gemma else 0.0, casting=config.norm_casting)
 
 
 def key_padding(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
