@@ -316,15 +316,25 @@ class LigerForCausalLM(nn.Module):
         if labels is not None:
             check_labels(labels, hidden.shape[:2], hidden.device)
             targets = shift_labels(labels, 1, position_ids)  # (B, T)
+            softcap = self.config.logit_softcap  # applied inside the loss kernels, to fp32 logits
             if not is_plain_linear(self.lm_head):
                 # A wrapped head (PEFT's LoRA on lm_head) computes more than hidden · Wᵀ: its logits are formed.
-                loss = cross_entropy(self.lm_head(hidden), targets, normalizer=normalizer)
+                loss = cross_entropy(self.lm_head(hidden), targets, normalizer=normalizer, softcap=softcap)
                 return CausalLMOutput(loss=loss, past_key_values=past_key_values)
             hidden, weight = autocast_operands(hidden, self.lm_head.weight)
-            loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer)
+            loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer, softcap=softcap)
             return CausalLMOutput(loss=loss, past_key_values=past_key_values)
         hidden = keep_positions(hidden, num_logits_to_keep, logits_to_keep)
-        return CausalLMOutput(logits=self.lm_head(hidden), past_key_values=past_key_values)
+        return CausalLMOutput(logits=self.compute_logits(hidden), past_key_values=past_key_values)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head(hidden), soft-capped as HF does when the config says so (Gemma 2: c·tanh(z / c) in the logits'
+        dtype, three rounded ops as there). Every path that returns or samples logits goes through here."""
+        logits = self.lm_head(hidden)
+        softcap = self.config.logit_softcap
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
 
     generate = generate
 
