@@ -62,11 +62,14 @@ def _rms_norm_float64(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotary_float64(hf_forward):
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        hf_forward(x, position_ids)  # runs HF's update of a length-dependent table (dynamic NTK, longrope)
-        angles = position_ids[:, :, None].double() * self.inv_freq.double()[None, None, :]
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *layer_type: str):
+        # layer_type: Gemma 3's rotary module holds one table per layer type.
+        hf_forward(x, position_ids, *layer_type)  # runs HF's update of a length-dependent table (dynamic NTK, ...)
+        prefix = f"{layer_type[0]}_" if layer_type else ""
+        inv_freq, scaling = getattr(self, f"{prefix}inv_freq"), getattr(self, f"{prefix}attention_scaling")
+        angles = position_ids[:, :, None].double() * inv_freq.double()[None, None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+        return angles.cos() * scaling, angles.sin() * scaling
     return forward
 
 
