@@ -198,12 +198,48 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Te
     return torch.cat(chunks)
 
 
+@functools.cache
+def _softcap_score_mod(softcap: float):
+    """flex_attention score_mod c·tanh(s / c); flex hands it the already scaled score and masks after it. One
+    function object per cap: a fresh closure per call would fail the compiled flex's guards and recompile."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+    return score_mod
+
+
+def attend_softcapped_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                           scale: float, softcap: float) -> torch.Tensor:
+    """HF eager's soft-capped attention, op for op: s = (q kᵀ)·scale, s = c·tanh(s / c) in the activation dtype,
+    masked keys to −inf, softmax in fp32, cast back, · v. Forms the (B, Hq, T, S) scores: the CPU and short-call
+    path (SDPA has no score hook); long CUDA calls take flex_attention. allowed: (B or 1, 1, T, S) bool or None."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # query head h reads kv head h // groups
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, window: int | None,
-           scale: float, flex: str = "auto") -> torch.Tensor:
+           scale: float, flex: str = "auto", softcap: float | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) v for q (B, Hq, T, D), k/v (B, Hkv, S, D) → (B, Hq, T, D).
 
     flex: "auto" (CUDA and T ≥ FLEX_MIN_LEN when a mask is needed), "always" or "never" (tests pick the path).
+    softcap: scores ← c·tanh(scores / c) between the scaling and the mask (Gemma 2). SDPA has no hook for it, so
+    such a call runs flex_attention with a score_mod ("auto": on CUDA from FLEX_MIN_LEN queries, causal or not;
+    "always" runs it uncompiled on the CPU for tests) or else the eager math (``attend_softcapped_math``).
     """
+    if softcap is not None:
+        use_flex = mask.supports_flex and mask.tree is None and (
+            flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN))
+        if use_flex:
+            return _flex_attention(q.is_cuda)(q, k, v, score_mod=_softcap_score_mod(softcap),
+                                              block_mask=mask.block(window), scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+        return attend_softcapped_math(q, k, v, mask.boolean(window), scale, softcap)
     gqa = q.shape[1] != k.shape[1]
     if (mask.tree is not None and mask.q_len >= decode_attention_kernels.TUNING.min_queries
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
@@ -229,7 +265,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.softcap = config.attention_softcap
         self.window = config.layer_sliding_window(layer_idx)
         hidden, q_out, kv_out = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if config.fused_qkv:
@@ -265,7 +302,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, D)
-        out = attend(q, k, v, mask, self.window, self.scale, self.flex)  # (B, Hq, T, D)
+        out = attend(q, k, v, mask, self.window, self.scale, self.flex, self.softcap)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:

@@ -320,21 +320,32 @@ class LigerForCausalLM(nn.Module):
         if labels is not None:
             check_labels(labels, hidden.shape[:2], hidden.device)
             targets = shift_labels(labels, 1, position_ids)  # (B, T)
+            softcap = self.config.logit_softcap  # applied inside the loss kernels, to fp32 logits
             if not is_plain_linear(self.lm_head):
                 # A wrapped head (PEFT's LoRA on lm_head) computes more than hidden · Wᵀ: its logits are formed.
                 logits = self.lm_head(hidden)
-                kept = logits.detach().clone() if self.logits_with_loss else None  # the loss may overwrite logits
-                loss = cross_entropy(logits, targets, normalizer=normalizer)
+                # a copy: the loss may write its gradient over the logits
+                kept = self._capped(logits.detach().clone()) if self.logits_with_loss else None
+                loss = cross_entropy(logits, targets, normalizer=normalizer, softcap=softcap)
                 return CausalLMOutput(loss=loss, logits=kept, past_key_values=past_key_values)
             logits = None
             if self.logits_with_loss:
                 with torch.no_grad():
-                    logits = self.lm_head(hidden)
+                    logits = self.compute_logits(hidden)
             hidden, weight = autocast_operands(hidden, self.lm_head.weight)
-            loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer)
+            loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer, softcap=softcap)
             return CausalLMOutput(loss=loss, logits=logits, past_key_values=past_key_values)
         hidden = keep_positions(hidden, num_logits_to_keep, logits_to_keep)
-        return CausalLMOutput(logits=self.lm_head(hidden), past_key_values=past_key_values)
+        return CausalLMOutput(logits=self.compute_logits(hidden), past_key_values=past_key_values)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head(hidden), soft-capped as HF does when the config says so (Gemma 2: c·tanh(z / c) in the logits'
+        dtype, three rounded ops as there). Every path that returns or samples logits goes through here."""
+        return self._capped(self.lm_head(hidden))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        softcap = self.config.logit_softcap
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
     generate = generate
 
