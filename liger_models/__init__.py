@@ -7,28 +7,37 @@ are the registry by ``model_type``.
 
 from .auto import MODEL_CLASSES, AutoLigerForCausalLM, model_class
 from .gemma import GemmaConfig, LigerGemmaForCausalLM
+from .gemma2 import Gemma2Config, LigerGemma2ForCausalLM
+from .gemma3 import Gemma3TextConfig, LigerGemma3ForCausalLM
 from .tokenizer import Tokenizer, load_tokenizer
 from .kernels._dispatch import reference_mode
 from .llama import LigerLlamaForCausalLM, LlamaConfig
 from .mistral import LigerMistralForCausalLM, MistralConfig
 from .phi3 import LigerPhi3ForCausalLM, Phi3Config
 from .qwen2 import LigerQwen2ForCausalLM, Qwen2Config
+from .qwen3 import LigerQwen3ForCausalLM, Qwen3Config
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoLigerForCausalLM",
+    "Gemma2Config",
+    "Gemma3TextConfig",
     "GemmaConfig",
+    "LigerGemma2ForCausalLM",
+    "LigerGemma3ForCausalLM",
     "LigerGemmaForCausalLM",
     "LigerLlamaForCausalLM",
     "LigerMistralForCausalLM",
     "LigerPhi3ForCausalLM",
     "LigerQwen2ForCausalLM",
+    "LigerQwen3ForCausalLM",
     "LlamaConfig",
     "MODEL_CLASSES",
     "MistralConfig",
     "Phi3Config",
     "Qwen2Config",
+    "Qwen3Config",
     "Tokenizer",
     "load_tokenizer",
     "model_class",

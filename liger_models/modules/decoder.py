@@ -14,20 +14,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from liger_models.kernels.rms_norm import RMSNorm
-
 from .attention import Attention, AttentionMask, document_ids
 from .cache import KVCache
 from .config import LigerConfig
 from .fused import add_norm, norm_linear
 from .inputs import check_attention_mask, check_forward_inputs, check_position_ids
 from .mlp import GatedMLP
+from .norm import make_norm
 from .rope import RotaryEmbedding
-
-
-def make_norm(config: LigerConfig) -> RMSNorm:
-    gemma = config.norm_casting == "gemma"
-    return RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0 if gemma else 0.0, casting=config.norm_casting)
 
 
 def key_padding(attention_mask: torch.Tensor | None, batch: int, kv_len: int) -> torch.Tensor | None:
@@ -55,13 +49,23 @@ def check_inputs_embeds(inputs_embeds: torch.Tensor, input_ids: torch.Tensor | N
 
 
 class DecoderLayer(nn.Module):
-    """HF names: input_layernorm, self_attn, post_attention_layernorm, mlp."""
+    """HF names: input_layernorm, self_attn, post_attention_layernorm, mlp; with ``config.sandwich_norms`` (Gemma
+    2/3) also pre_feedforward_layernorm and post_feedforward_layernorm.
+
+    Sandwich order (HF): h = h + N_post_attn(attn(N_in(h))); h = h + N_post_ffw(mlp(N_pre_ffw(h))). The two "post"
+    norms act on a block's output alone, before its residual add, so they run unfused; the adds still fuse into the
+    norm that follows them (N_pre_ffw, then the next layer's N_in or the final norm), exactly as in the plain
+    layer, where post_attention_layernorm is the MLP's input norm.
+    """
 
     def __init__(self, config: LigerConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = make_norm(config)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = make_norm(config)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(config)
+            self.post_feedforward_layernorm = make_norm(config)
         self.mlp = GatedMLP(config)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -69,8 +73,12 @@ class DecoderLayer(nn.Module):
         """Returns (mlp output, residual stream before it); their sum is HF's layer output."""
         qkv, residual = norm_linear(self.input_layernorm, x, residual, self.self_attn.projections())
         a = self.self_attn.from_qkv(qkv, cos, sin, mask, cache)
-        gate_up, residual = norm_linear(self.post_attention_layernorm, a, residual, self.mlp.projections())
-        return self.mlp.from_gate_up(gate_up), residual
+        if not hasattr(self, "pre_feedforward_layernorm"):
+            gate_up, residual = norm_linear(self.post_attention_layernorm, a, residual, self.mlp.projections())
+            return self.mlp.from_gate_up(gate_up), residual
+        a = self.post_attention_layernorm(a)
+        gate_up, residual = norm_linear(self.pre_feedforward_layernorm, a, residual, self.mlp.projections())
+        return self.post_feedforward_layernorm(self.mlp.from_gate_up(gate_up)), residual
 
 
 class DecoderModel(nn.Module):
@@ -85,6 +93,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config)
         self.rotary = RotaryEmbedding(config)
+        # Families with per-layer-type RoPE (Gemma 3) get one more table; each is computed once per call.
+        # layer_rope_table[i]: the index of layer i's table (0: self.rotary, 1: self.rotary_local).
+        ropes = [config.layer_rope(i) for i in range(config.num_hidden_layers)]
+        other = [r for r in ropes if r != (config.rope_theta, config.rope_scaling)]
+        self.rotary_local = RotaryEmbedding(config, other[0]) if other else None
+        if len(set(map(repr, other))) > 1:
+            raise ValueError(f"at most two RoPE tables are supported, got {sorted(set(map(repr, ropes)))}")
+        self.layer_rope_table = [0 if r == (config.rope_theta, config.rope_scaling) else 1 for r in ropes]
         self.gradient_checkpointing = False
         # How a checkpointed layer is run (torch.utils.checkpoint with its keyword arguments, possibly offloading what
         # it saves) and which layers are: every checkpoint_every-th. LigerForCausalLM.activation_checkpointing_enable
@@ -147,9 +163,12 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
         if self.config.scale_embeddings:  # √H rounded to the activation dtype first, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        cos, sin = self.rotary(position_ids)  # (B or 1, T, R) fp32
+        tables = [self.rotary(position_ids)]  # (cos, sin), each (B or 1, T, R) fp32
+        if self.rotary_local is not None:
+            tables.append(self.rotary_local(position_ids))
         residual = None
         for i, layer in enumerate(self.layers):
+            cos, sin = tables[self.layer_rope_table[i]]
             if self.gradient_checkpointing and self.training and i % self.checkpoint_every == 0:
                 x, residual = self.checkpoint_fn(layer, x, residual, cos, sin, mask, cache)
             else:
