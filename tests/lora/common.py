@@ -11,7 +11,19 @@ from liger_models.lora import LoraSettings, add_lora, save_adapter
 from ..models.parity import build_hf, float64_reference, save_hf
 
 CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "gemma": transformers.GemmaConfig, "phi3": transformers.Phi3Config}
+           "qwen2": transformers.Qwen2Config, "gemma": transformers.GemmaConfig, "phi3": transformers.Phi3Config,
+           "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
+           "gemma3": transformers.Gemma3TextConfig}
+# Families whose tiny HF config needs more than parity.TINY (q/k norms, soft-caps, per-layer-type RoPE).
+OVERRIDES = {
+    "qwen3": dict(head_dim=16),
+    "gemma2": dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                   final_logit_softcapping=2.0),
+    "gemma3": dict(head_dim=16, num_hidden_layers=3, sliding_window=5, query_pre_attn_scalar=24,
+                   sliding_window_pattern=3),
+}
+# The five original families run every target set; the newer ones the all-linear set.
+BASE_FAMILIES = ["gemma", "llama", "mistral", "phi3", "qwen2"]
 PACKED = {"phi3"}
 TARGET_SETS = {
     "attention": {"split": ["q_proj", "k_proj", "v_proj", "o_proj"], "packed": ["qkv_proj", "o_proj"]},
@@ -26,7 +38,7 @@ def targets(family: str, target_set: str):
 
 def pair(family: str, tmp_path, **overrides):
     """(hf fp32 eval, ours fp32 from its checkpoint, checkpoint dir)."""
-    hf = build_hf(CONFIGS[family], **overrides)
+    hf = build_hf(CONFIGS[family], **{**OVERRIDES.get(family, {}), **overrides})
     directory = save_hf(hf, tmp_path / family)
     return hf, AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32), directory
 
