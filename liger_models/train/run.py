@@ -403,12 +403,23 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
         model_dir = resolve_model_dir(args.model)
         settings = _settings(args, info, model_dir, resume, args.lr)
         dtype = _dtype(args, info.device)
-        model = AutoLigerForCausalLM.from_pretrained(resume or model_dir, dtype=dtype, device=info.device)
+        lora = lora_settings(args)
+        # A LoRA checkpoint holds the adapters only: the base always comes from --model.
+        source = model_dir if lora is not None else (resume or model_dir)
+        model = AutoLigerForCausalLM.from_pretrained(source, dtype=dtype, device=info.device)
+        if lora is not None:
+            _attach_lora(model, lora, args, resume)
         stream, eval_data = _data(args, model_dir, model.config.vocab_size, info)
         _prepare(model, model.model.layers, args, info)
         groups = decay_param_groups(model, args.lr, args.weight_decay)
 
         def export(directory: Path, full_state: dict | None, final: Path) -> None:
+            if lora is not None:
+                from liger_models.lora import save_adapter
+
+                save_adapter(model, directory, base_model=_base_name(args.model))
+                _copy_tokenizer(model_dir, directory)
+                return
             target = model if full_state is None else _shadow_base(model, full_state)
             if full_state is not None:
                 _check_materialised(target)
@@ -418,6 +429,69 @@ def train_causal_lm(args: argparse.Namespace) -> RunResult:
         return _finish(args, info, model, CausalLMTask(), (stream, eval_data), groups, export, resume, settings)
 
     return _in_process_group(run, args)
+
+
+def lora_settings(args: argparse.Namespace):
+    """--lora-* options as LoraSettings, or None without --lora-r (--qlora and the others then refused)."""
+    if getattr(args, "lora_r", None) is None:
+        if getattr(args, "qlora", False):
+            raise ValueError("--qlora trains LoRA adapters on an NF4 base: give --lora-r too")
+        return None
+    from liger_models.lora import LoraSettings
+
+    targets = args.lora_targets if args.lora_targets == "all-linear" else \
+        [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_r
+    return LoraSettings(r=args.lora_r, alpha=alpha, dropout=args.lora_dropout, targets=targets,
+                        use_rslora=args.lora_rslora)
+
+
+def _attach_lora(model, settings, args, resume: Path | None) -> None:
+    """NF4 base with --qlora, adapters on the targets (everything else frozen); resuming, the checkpoint's adapter
+    weights (exactly what was saved: fp32)."""
+    from liger_models.lora import add_lora, quantize_base_, read_adapter
+    from liger_models.lora.attach import lora_state_dict
+
+    if args.qlora:
+        quantize_base_(model)
+    add_lora(model, settings)
+    if resume is not None:
+        saved_settings, tensors = read_adapter(resume)
+        ours = lora_state_dict(model)
+        if set(tensors) != set(ours) or any(tensors[k].shape != ours[k].shape for k in ours):
+            raise ValueError(f"--resume: {resume} holds adapters for other modules or ranks than --lora-* give")
+        with torch.no_grad():
+            for key, param in ours.items():
+                param.copy_(tensors[key])
+
+
+def merge_lora_command(args: argparse.Namespace) -> Path:
+    """``liger-models merge-lora``: --adapter merged into its base (--model or the adapter's
+    base_model_name_or_path), written with the base's tokenizer files to --out."""
+    import json
+
+    from liger_models import AutoLigerForCausalLM
+    from liger_models.lora import load_adapter, quantize_base_, save_merged
+
+    adapter = Path(args.adapter).expanduser()
+    base = args.model
+    if base is None:
+        config_path = adapter / "adapter_config.json"
+        if not config_path.is_file():
+            raise ValueError(f"--adapter {adapter}: no adapter_config.json")
+        base = json.loads(config_path.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"--adapter {adapter}: adapter_config.json names no base model: give --model")
+    model_dir = resolve_model_dir(base)
+    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    model = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if args.qlora_base:
+        quantize_base_(model)
+    load_adapter(model, adapter)
+    out = Path(args.out).expanduser()
+    save_merged(model, out, dtype=dtype)
+    _copy_tokenizer(model_dir, out)
+    return out
 
 
 def _base_name(model: str) -> str:

@@ -28,7 +28,7 @@ SAMPLE = 4096  # bytes of a tensor hashed at each of its start, middle and end
 # tokenizer: --model's weights and tokenizer files; batch-size: --batch-size × processes, the global batch).
 COMMON = ("model", "model-weights", "tokenizer", "data", "seq-len", "chat-template", "batch-size", "grad-accum",
           "lr", "warmup-steps", "min-lr-ratio", "weight-decay", "beta1", "beta2", "max-grad-norm", "dtype", "seed",
-          "loss-grad-filter-eps")
+          "loss-grad-filter-eps", "lora")
 MEDUSA = ("init-heads", "head-lr-multiplier", "schedule", "lambda0", "decay", "base-loss-weight")
 ALWAYS_ALLOWED = ("max-steps",)
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -99,6 +99,10 @@ def collect(args: argparse.Namespace, *, model: str, model_dir: Path, dtype: str
         "beta2": args.beta2, "max-grad-norm": args.max_grad_norm, "dtype": dtype, "seed": args.seed,
         "loss-grad-filter-eps": getattr(args, "loss_grad_filter_eps", None),
     }
+    if hasattr(args, "lora_r"):  # train: the adapters' shape and scale (None: full fine-tuning)
+        settings["lora"] = None if args.lora_r is None else {
+            "r": args.lora_r, "alpha": args.lora_alpha, "targets": args.lora_targets, "dropout": args.lora_dropout,
+            "rslora": args.lora_rslora, "qlora": args.qlora}
     if hasattr(args, "stage"):  # train-medusa
         init = args.init_heads
         settings.update({"init-heads": str(Path(init).expanduser().resolve()) if init else None,
