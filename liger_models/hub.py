@@ -341,6 +341,17 @@ def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path
     return resolve_dir(local)
 
 
+def resolve_model(model: str) -> Path:
+    """``--model`` as a directory: a local model directory, or the local snapshot of a Hub repo id (downloaded if
+    needed). A path that does not exist is refused by name rather than looked up on the Hub."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return resolve_dir(path)
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"--model {model!r}: no such directory (and not a Hub repo id)")
+    return snapshot(model)
+
+
 def parse_size(size: int | str) -> int:
     """Bytes from 5000000, "5000000", "5GB" (10^9), "500MB", "2GiB" (2^30), "200KB" …; as in HF, a decimal unit
     ending in a lowercase b counts bits ("5Gb" = 5·10^9 / 8 bytes)."""
