@@ -9,7 +9,7 @@ difference named (old → new); ``--allow-changed-settings NAME,...`` (or ``all`
 printed and logged with the first resumed step's metrics, and the checkpoints after it record the new values.
 
 Free to change: ``--max-steps`` (a finished run is extended along the longer schedule), the number of processes at
-the same global batch (W ranks × B windows is one process × B·W, sample for sample: data.py's BatchStream), options
+the same global batch (W ranks × B windows is one process × B·W, sample for sample: batches.py's BatchStream), options
 that change memory or speed and not the math (``--activation-checkpointing``, ``--optimizer-in-backward``,
 ``--cuda-graph``, ``--adamw``, ``--loss-scratch-mib``), and logging, evaluation and checkpointing options.
 """
