@@ -1,7 +1,7 @@
 """The recipes' settings: one dataclass per command, every option typed and documented, checked in one place.
 
 ``liger-models <command>`` parses its flags into these (a field per flag, the flag's name with ``_`` for ``-``),
-and a Python caller builds them directly::
+and a Python caller builds them directly, by keyword (fields are keyword-only, so adding one never shifts another)::
 
     train_causal_lm(FinetuneConfig(model="runs/base", data=["train.jsonl"], max_steps=100))
 
@@ -50,7 +50,7 @@ class _FromArgs:
 # ------------------------------------------------------------------------------------------------ training
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FinetuneConfig(_FromArgs):
     """``liger-models train``: causal-LM fine-tuning (or pre-training) on packed sequences."""
 
@@ -58,7 +58,7 @@ class FinetuneConfig(_FromArgs):
 
     model: str  # model directory (HF format with tokenizer.json) or Hub repo id
     data: Sequence[str | os.PathLike]  # .txt (one document per file) or .jsonl ({"text"} or {"messages"} rows)
-    eval_data: Sequence[str | os.PathLike] | None = None  # held-out files: eval.jsonl every eval_every steps and at the end
+    eval_data: Sequence[str | os.PathLike] | None = None  # held-out files: evaluated every eval_every steps, at the end
     eval_every: int = 0  # ≥ 0; 0: evaluate only at the end
     eval_batches: int | None = None  # ≥ 1 eval micro-batches per process (None: TrainConfig.eval_batches)
     chat_template: str = "auto"  # auto | model | simple: how chat JSONL renders (loss on assistant turns only)
@@ -176,7 +176,7 @@ class FinetuneConfig(_FromArgs):
         """What --cuda-graph refuses in the Medusa recipe (MedusaTrainingConfig)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MedusaTrainingConfig(FinetuneConfig):
     """``liger-models train-medusa``: Medusa heads (stage 1: frozen base) or heads + base (stage 2).
 
@@ -253,7 +253,7 @@ PROCESSOR_OPTIONS = {"repetition_penalty": ("repetition_penalty", "--repetition-
 NEUTRAL_PROCESSOR_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Loading(_FromArgs):
     """Where and how a decoding command loads its models."""
 
@@ -266,7 +266,7 @@ class _Loading(_FromArgs):
         return device, {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodingConfig(_Loading):
     """What ``generate`` and ``chat`` share: the models, the chat rendering, the sampling, the Medusa tree. Plain
     decoding takes what is left None from the checkpoint's generation_config.json, as HF's generate does."""
@@ -333,12 +333,12 @@ class DecodingConfig(_Loading):
         return {**settings, **processors}, {}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatConfig(DecodingConfig):
     """``liger-models chat``: a conversation in the terminal, plain or with Medusa heads."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerateConfig(DecodingConfig):
     """``liger-models generate``: decode prompts, plain or with Medusa heads, timed. ``system`` and
     ``chat_template`` shape chat prompts, so they need ``chat``."""
@@ -366,14 +366,12 @@ class GenerateConfig(DecodingConfig):
             raise ValueError("give at least one --prompt or --prompt-file")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CalibrateConfig(_Loading):
     """``liger-models calibrate-tree``: a Medusa tree fitted to trained heads, saved next to them."""
 
-    # Required, and given by name: the base class's fields have defaults.
-    medusa: str | os.PathLike = dataclasses.field(kw_only=True)  # the heads directory (written into)
-    data: Sequence[str | os.PathLike] = dataclasses.field(kw_only=True)  # held-out .txt/.jsonl files like the
-    # text the heads will decode
+    medusa: str | os.PathLike  # the heads directory (written into)
+    data: Sequence[str | os.PathLike]  # held-out .txt/.jsonl files like the text the heads will decode
     model: str | None = None  # the base (None: the one the heads' config names)
     prompts: int = 32  # ≥ 1 prompts to decode
     prompt_tokens: int = 64  # ≥ 1 plain-text prompt length
@@ -391,7 +389,7 @@ class CalibrateConfig(_Loading):
 # ------------------------------------------------------------------------------------------------ demo
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoConfig(_FromArgs):
     """``liger-models demo``: a small Llama pre-trained on the bundled text, then Medusa heads on it."""
 
