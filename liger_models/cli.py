@@ -3,6 +3,9 @@
 fitted to trained heads), ``init-model`` and ``convert-native`` (Meta / Mistral native checkpoints → HF format).
 
 Several GPUs: launch the same command with ``torchrun --nproc-per-node N -m liger_models.cli ...`` (FSDP2).
+
+A recipe's flags are the fields of its config (liger_models/recipes/configs.py: ``--eval-data`` is ``eval_data``,
+with the same default); this module parses them into it, calls the recipe, and reports a user's error in one line.
 """
 
 from __future__ import annotations

@@ -44,7 +44,11 @@ class _FromArgs:
     @classmethod
     def coerce(cls: type[_Config], config: _Config | argparse.Namespace) -> _Config:
         """``config`` itself, or the config of a parsed command line (the recipes' entry points take either)."""
-        return cls.from_args(config) if isinstance(config, argparse.Namespace) else config
+        if isinstance(config, argparse.Namespace):
+            return cls.from_args(config)
+        if not isinstance(config, cls):  # e.g. a FinetuneConfig given to train_medusa: it has no Medusa fields
+            raise TypeError(f"expected a {cls.__name__}, got {type(config).__name__}")
+        return config
 
 
 # ------------------------------------------------------------------------------------------------ training

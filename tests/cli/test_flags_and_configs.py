@@ -49,3 +49,10 @@ def test_configs_are_keyword_only_and_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.lr = 1.0
     assert dataclasses.replace(config, lr=1e-4).lr == 1e-4
+
+
+def test_a_recipe_refuses_another_recipes_config():
+    from liger_models.recipes import train_medusa
+
+    with pytest.raises(TypeError, match="expected a MedusaTrainingConfig, got FinetuneConfig"):
+        train_medusa(FinetuneConfig(model="m", data=["d.txt"]))
