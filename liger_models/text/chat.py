@@ -40,7 +40,7 @@ class Document:
 
     ``template_bos``: the text already carries the BOS (a model chat template writes it), so encoding adds none.
     ``first`` / ``last``: False for a piece of a plain text that continues an earlier piece / is continued by a later
-    one (text_pieces.py): a document starts at its first piece and gets its EOS after its last.
+    one (pieces.py): a document starts at its first piece and gets its EOS after its last.
     """
 
     text: str

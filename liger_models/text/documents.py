@@ -36,7 +36,7 @@ def iter_documents(paths: Sequence[str | os.PathLike], special: SpecialTokens, c
                    splitter: TextSplitter | None = None) -> Iterator[Document]:
     """Read ``.txt`` / ``.jsonl`` files into documents one at a time (formats: module docstring), so a corpus is
     never held in memory as a whole; blank plain texts are left out (nothing to learn). ``splitter``: a plain
-    text comes in pieces (``first`` / ``last``) that encode to its tokens (text_pieces.py), else whole."""
+    text comes in pieces (``first`` / ``last``) that encode to its tokens (pieces.py), else whole."""
     use_model = uses_model_template(chat_template, special)
     renderer = functools.cache(lambda: training_renderer(special.chat_template, special))  # compiled once, if needed
     for raw in paths:

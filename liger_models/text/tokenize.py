@@ -55,7 +55,7 @@ def _chat_tokens(enc, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndar
 
 def _piece_tokens(enc, doc: Document, ends: tuple[list[int], list[int]],
                   eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
-    # A piece of a plain text: the post-processor's tokens (``ends``: text_pieces.added_ends) go before the first
+    # A piece of a plain text: the post-processor's tokens (``ends``: pieces.added_ends) go before the first
     # piece and after the last, and the last gets the EOS a whole text would (_plain_tokens).
     before, after = ends
     ids = np.asarray((before if doc.first else []) + enc.ids + (after if doc.last else []), dtype=np.int32)
