@@ -102,7 +102,8 @@ class MedusaModel(nn.Module):
                              "the wrapper adds; leave lm_head out of the adapter's target modules")
         return medusa_loss(hidden, self.heads, labels, position_ids=position_ids,
                            base_lm_head_weight=self.base.lm_head.weight, base_loss_weight=self.base_loss_weight,
-                           head_scales=self.head_scales(step, max_steps), normalizer=normalizer)
+                           head_scales=self.head_scales(step, max_steps), normalizer=normalizer,
+                           base_logit_softcap=getattr(self.base.config, "logit_softcap", None))
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any):
         """Medusa tree decoding with these heads (see `liger_models.medusa.decoding.medusa_generate`, which cuts the
