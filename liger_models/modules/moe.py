@@ -11,8 +11,9 @@ The experts never run in a Python loop: the N·k (token, expert) pairs are sorte
 multiplied by its weights in one grouped GEMM (``torch._grouped_mm`` / ``F.grouped_mm`` on CUDA in bf16; elsewhere
 the rows are scattered into an (E, C, ·) zero-padded batch, C the largest group, and multiplied with one ``bmm``),
 the gated activation is the fused kernel of the dense MLP, and the rows are put back in (token, slot) order, scaled
-by their weights and summed over the k slots. Autograd runs through all of it (the backward is the same grouped
-GEMMs transposed), so routing weights and the router get their gradients as in HF.
+by their weights and summed over the k slots. The backward (``_Experts``) is the same grouped GEMMs transposed,
+with the activation recomputed: it saves only the gate|up output per routed row, and the routing weights and the
+router get their gradients as in HF.
 
 Weights are held stacked, as transformers v5 holds them: ``experts.gate_up_proj`` (E, 2I, D) with rows [gate | up]
 per expert, ``experts.down_proj`` (E, D, I). ``state_dict()`` and checkpoints use the per-expert names that
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_models.kernels.gated_mlp import gated_mlp_packed
+from liger_models.kernels.gated_mlp import gated_backward, gated_forward
 
 from .config import LigerConfig
 
@@ -82,41 +83,137 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
     "grouped_mm": one grouped GEMM over the groups' offsets. "padded": the rows scattered into a zero-padded
     (E, C, K) batch (C = the largest group; one host read), one bmm, gathered back."""
     if path == "grouped_mm":
-        offsets = torch.cumsum(counts, dim=0).to(torch.int32)
-        return _GROUPED_MM(rows, weight.transpose(-2, -1), offs=offsets)
-    starts = torch.cumsum(counts, dim=0) - counts
-    slot = torch.arange(rows.shape[0], device=rows.device) - starts[expert_of_row]  # row's place in its group
-    capacity = int(counts.max()) if counts.numel() else 0
-    padded = rows.new_zeros(weight.shape[0], capacity, rows.shape[1]).index_put((expert_of_row, slot), rows)
+        return _GROUPED_MM(rows, weight.transpose(-2, -1), offs=torch.cumsum(counts, dim=0).to(torch.int32))
+    slot, capacity = _slots(counts, expert_of_row)
+    padded = rows.new_zeros(weight.shape[0], capacity, rows.shape[1])
+    padded[expert_of_row, slot] = rows
     return torch.bmm(padded, weight.transpose(-2, -1))[expert_of_row, slot]
+
+
+def grouped_weight_grad(left: torch.Tensor, right: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor,
+                        path: str) -> torch.Tensor:
+    """Σ over each expert's rows of leftᵀ right: (E, P, Q) from left (S, P), right (S, Q) sorted by expert; zero for
+    an expert without rows."""
+    num_experts = counts.shape[0]
+    if path == "grouped_mm":
+        out = _GROUPED_MM(left.t(), right, offs=torch.cumsum(counts, dim=0).to(torch.int32))
+        return out.masked_fill_((counts == 0)[:, None, None], 0)  # an empty group's block is not written
+    slot, capacity = _slots(counts, expert_of_row)
+    a = left.new_zeros(num_experts, capacity, left.shape[1])
+    b = right.new_zeros(num_experts, capacity, right.shape[1])
+    a[expert_of_row, slot], b[expert_of_row, slot] = left, right
+    return torch.bmm(a.transpose(1, 2), b)
+
+
+def _slots(counts: torch.Tensor, expert_of_row: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each sorted row's place within its expert's group, and the largest group (a host read)."""
+    starts = torch.cumsum(counts, dim=0) - counts
+    slot = torch.arange(expert_of_row.shape[0], device=counts.device) - starts[expert_of_row]
+    return slot, int(counts.max()) if counts.numel() else 0
+
+
+class _Experts(torch.autograd.Function):
+    """The routed experts, forward and backward, saving only the input x (N, D) (which the router's linear saves
+    anyway), the routing and the gate|up GEMM output (S, 2I) for backward: HF's composed path also keeps the
+    gathered rows (S, D), the activation (S, I) and the down output (S, D).
+
+    Backward, per sorted row r of expert e with weight w and incoming gradient g (the row's token's):
+      g_a = g · down_e            (S, I), one grouped GEMM
+      d w = ⟨g_a, a⟩              (= ⟨g, down_e a⟩, the weight's gradient, with a = act(gate)·up recomputed)
+      d a = w · g_a  → d gate|up  by the fused gated kernel, written over the saved gate|up output
+      d down_e = Σ (w g)ᵀ a,  d gate_up_e = Σ d(gate|up)ᵀ x_r,  d x_r = d(gate|up) · gate_up_e
+    """
+
+    @staticmethod
+    def forward(ctx, x, weights, gate_up, down, experts, activation, path):
+        n_tokens, top_k = experts.shape
+        flat = experts.reshape(-1)  # (S,) in (token, slot) order
+        order = torch.argsort(flat, stable=True)
+        expert_of_row = flat[order]
+        # scatter_add, not bincount: no host read of the largest id (the grouped path then never syncs).
+        counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        hidden = grouped_linear(x[order // top_k], gate_up, counts, expert_of_row, path)  # (S, 2I)
+        inter = hidden.shape[1] // 2
+        act = hidden.new_empty(hidden.shape[0], inter)
+        if act.numel():
+            gated_forward(hidden[:, :inter], hidden[:, inter:], act, activation)
+        out = grouped_linear(act, down, counts, expert_of_row, path)  # (S, D)
+        del act
+        w_sorted = weights.reshape(-1)[order]
+        ctx.save_for_backward(x, weights, gate_up, down, hidden, order, expert_of_row, counts)
+        ctx.activation, ctx.path, ctx.top_k = activation, path, top_k
+        return _combine(out, w_sorted, order, n_tokens, top_k).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weights, gate_up, down, hidden, order, expert_of_row, counts = ctx.saved_tensors
+        path, top_k, inter = ctx.path, ctx.top_k, hidden.shape[1] // 2
+        token = order // top_k
+        w_sorted = weights.reshape(-1)[order]
+        g = dy[token].to(hidden.dtype)  # (S, D): each row's share of its token's gradient (the sum's adjoint)
+        g_a = grouped_linear(g, down.transpose(-2, -1), counts, expert_of_row, path)  # (S, I) = g · down_e
+        d_act = (g_a * w_sorted[:, None]).to(hidden.dtype)
+        # d gate|up over the saved output's memory; the recomputed activation over d_act's.
+        if d_act.numel():
+            gated_backward(d_act, hidden[:, :inter], hidden[:, inter:], hidden[:, :inter], hidden[:, inter:],
+                           ctx.activation, product2d=d_act)
+        act, d_hidden = d_act, hidden
+        d_weights = None
+        if ctx.needs_input_grad[1]:
+            d_sorted = (g_a.float() * act.float()).sum(dim=-1)
+            d_weights = torch.empty_like(d_sorted)
+            d_weights[order] = d_sorted
+            d_weights = d_weights.view(weights.shape).to(weights.dtype)
+        del g_a
+        d_down = None
+        if ctx.needs_input_grad[3]:
+            d_out = (g * w_sorted[:, None]).to(hidden.dtype)
+            d_down = grouped_weight_grad(d_out, act, counts, expert_of_row, path).to(down.dtype)
+            del d_out
+        del act, g
+        d_gate_up = None
+        if ctx.needs_input_grad[2]:
+            d_gate_up = grouped_weight_grad(d_hidden, x[token], counts, expert_of_row, path).to(gate_up.dtype)
+        d_x = None
+        if ctx.needs_input_grad[0]:
+            d_rows = grouped_linear(d_hidden, gate_up.transpose(-2, -1), counts, expert_of_row, path)  # (S, D)
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            d_x = d_rows[inverse].view(x.shape[0], top_k, -1).sum(dim=1).to(x.dtype)
+        return d_x, d_weights, d_gate_up, d_down, None, None, None
+
+
+def _combine(out: torch.Tensor, w_sorted: torch.Tensor, order: torch.Tensor, n_tokens: int,
+             top_k: int) -> torch.Tensor:
+    """Σ over each token's k slots of w · out, from sorted rows: weighted in sorted order (Mixtral's fp32 weights
+    promote the product), back to (token, slot) order, summed over the slots, as HF's grouped path does."""
+    weighted = out * w_sorted[:, None]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return weighted[inverse].view(n_tokens, top_k, -1).sum(dim=1)
 
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, activation: str, path: str = "auto") -> torch.Tensor:
     """Σ_j weights[:, j] · expert_{experts[:, j]}(x) for x (N, D), weights / experts (N, k), gate_up (E, 2I, D),
-    down (E, D, I) → (N, D) in x's dtype. path: "auto" (grouped_mm where ``_use_grouped_mm``, else padded), or one
-    of them forced (tests run both)."""
+    down (E, D, I) → (N, D) in x's dtype; differentiable in x, weights, gate_up and down. path: "auto"
+    (grouped_mm where ``_use_grouped_mm``, else padded), or one of them forced (tests run both)."""
     if path not in EXPERT_PATHS:
         raise ValueError(f"path must be one of {EXPERT_PATHS}, got {path!r}")
-    n_tokens, top_k = experts.shape
-    num_experts = gate_up.shape[0]
+    if experts.shape != weights.shape or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
+        raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be (N, k) "
+                         f"for x {tuple(x.shape)}")
+    if torch.is_autocast_enabled(x.device.type):  # the GEMMs in autocast's dtype, as nn.Linear's would run
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    if x.dtype != gate_up.dtype or x.dtype != down.dtype:
+        raise TypeError(f"x ({x.dtype}) and the expert weights ({gate_up.dtype}, {down.dtype}) must share a dtype")
     if path == "auto":
         path = "grouped_mm" if _use_grouped_mm(x, gate_up, down) else "padded"
-    flat = experts.reshape(-1)  # (S,) = (N·k,) in (token, slot) order
-    order = torch.argsort(flat, stable=True)
-    expert_of_row = flat[order]
-    # scatter_add, not bincount: no host read of the largest id (the grouped path then never syncs).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    rows = x[order // top_k]  # (S, D)
-    hidden = grouped_linear(rows, gate_up, counts, expert_of_row, path)  # (S, 2I)
-    hidden = gated_mlp_packed(hidden, activation) if hidden.numel() else hidden[:, : hidden.shape[1] // 2]
-    out = grouped_linear(hidden, down, counts, expert_of_row, path)  # (S, D)
-    # Weighted in sorted order (Mixtral's fp32 weights promote the product), then back to (token, slot) order and
-    # summed over the k slots in fp32-or-wider before the one cast, as HF's grouped path does.
-    out = out * weights.reshape(-1)[order, None]
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return out[inverse].view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    return _Experts.apply(x, weights, gate_up, down, experts, activation, path)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, ...], num_experts: int, top_k: int,
