@@ -68,6 +68,16 @@ def test_load_state_dict_takes_per_expert_and_stacked_names():
         c.load_state_dict(missing, strict=True)
 
 
+def test_load_state_dict_of_a_transformers_model(tmp_path):
+    # transformers v5 modules hold the experts stacked under mlp. (not block_sparse_moe.): load_state_dict takes it.
+    hf = build_moe()
+    ours = LigerMixtralForCausalLM.from_config(MixtralConfig.from_hf(hf.config.to_dict()))
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    ids = torch.randint(3, 128, (1, 8))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_aux_loss_and_loss_equal_hf(tmp_path, padded):
     hf = build_moe(router_aux_loss_coef=0.02)

@@ -133,3 +133,37 @@ def test_bad_path_is_refused():
     x, gate_up, down = _case(3)
     with pytest.raises(ValueError, match="path must be one of"):
         experts_forward(x, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.long), gate_up, down, "silu", "loop")
+
+
+def test_backward_saves_only_the_gate_up_output_per_routed_row():
+    # What autograd keeps between forward and backward (parameters aside): the input x (N, D), the gate|up output
+    # (N·k, 2I), the routing (int64 order, expert ids, counts) and weights; not the rows, activation or expert output.
+    n_tokens, hidden, inter, num_experts, top_k = 32, 64, 48, 4, 2
+    x, gate_up, down = _case(n_tokens, num_experts, top_k, hidden, inter)
+    logits = torch.randn(n_tokens, num_experts, requires_grad=True)
+    params = {t.untyped_storage().data_ptr() for t in (gate_up, down)}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    weights, experts = route(logits, top_k, renormalize=True, weights_in_logits_dtype=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts_forward(x, weights, experts, gate_up, down, "silu", "padded")
+    rows = n_tokens * top_k
+    allowed = n_tokens * hidden * 4 + rows * 2 * inter * 4 + rows * (3 * 8 + 4) + num_experts * 8
+    assert sum(saved.values()) <= allowed, (sum(saved.values()), allowed)
+
+
+def test_autocast_runs_the_experts_in_bf16():
+    x, gate_up, down = _case(9)
+    weights, experts = route(torch.randn(9, 4), 2, renormalize=True, weights_in_logits_dtype=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts_forward(x, weights, experts, gate_up, down, "silu", "padded")
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert gate_up.grad.dtype == torch.float32 and gate_up.grad.abs().sum() > 0
+    ref = loop_reference(x, weights, experts, gate_up, down)
+    assert (out.double() - ref).abs().max().item() <= 3e-2 * ref.abs().max().item()
