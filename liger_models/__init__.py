@@ -7,6 +7,8 @@ are the registry by ``model_type``.
 
 from .auto import MODEL_CLASSES, AutoLigerForCausalLM, model_class
 from .gemma import GemmaConfig, LigerGemmaForCausalLM
+from .gemma2 import Gemma2Config, LigerGemma2ForCausalLM
+from .gemma3 import Gemma3TextConfig, LigerGemma3ForCausalLM
 from .tokenizer import Tokenizer, load_tokenizer
 from .kernels._dispatch import reference_mode
 from .llama import LigerLlamaForCausalLM, LlamaConfig
@@ -21,7 +23,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoLigerForCausalLM",
+    "Gemma2Config",
+    "Gemma3TextConfig",
     "GemmaConfig",
+    "LigerGemma2ForCausalLM",
+    "LigerGemma3ForCausalLM",
     "LigerGemmaForCausalLM",
     "LigerLlamaForCausalLM",
     "LigerMistralForCausalLM",

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 from .gemma import LigerGemmaForCausalLM
+from .gemma2 import LigerGemma2ForCausalLM
+from .gemma3 import LigerGemma3ForCausalLM
 from .hub import config_model_type, read_config, snapshot
 from .llama import LigerLlamaForCausalLM
 from .mistral import LigerMistralForCausalLM
@@ -21,12 +23,16 @@ from .qwen3_moe import LigerQwen3MoeForCausalLM
 MODEL_CLASSES: dict[str, type[LigerForCausalLM]] = {
     cls.config_class.model_type: cls
     for cls in (LigerLlamaForCausalLM, LigerMistralForCausalLM, LigerQwen2ForCausalLM, LigerGemmaForCausalLM,
-                LigerPhi3ForCausalLM, LigerQwen3ForCausalLM, LigerMixtralForCausalLM, LigerQwen3MoeForCausalLM)
+                LigerPhi3ForCausalLM, LigerQwen3ForCausalLM, LigerGemma2ForCausalLM, LigerGemma3ForCausalLM,
+                LigerMixtralForCausalLM, LigerQwen3MoeForCausalLM)
 }
 
 
 def model_class(model_type: str | None) -> type[LigerForCausalLM]:
     """The Liger class for a config.json ``model_type``, or a clear error listing the supported ones."""
+    if model_type == "gemma3":
+        raise ValueError("model_type 'gemma3' is the multimodal Gemma 3 (Gemma3ForConditionalGeneration), not "
+                         "supported; the text-only 'gemma3_text' (Gemma3ForCausalLM, e.g. gemma-3-1b) is")
     if model_type not in MODEL_CLASSES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}")
     return MODEL_CLASSES[model_type]

@@ -90,3 +90,15 @@ def interpreter_rounds_bf16(monkeypatch):
 
     monkeypatch.setattr(interpreter, "_convert_float", convert)
     yield
+
+
+@pytest.fixture
+def tune():
+    """``tune(module, field=value, ...)``: a kernel module's TUNING with those settings until the test ends
+    (liger_models/kernels/_tuning.py: the one way tests force a kernel path)."""
+    import contextlib
+
+    from liger_models.kernels._tuning import tuned
+
+    with contextlib.ExitStack() as stack:
+        yield lambda module, **changes: stack.enter_context(tuned(module, **changes))

@@ -30,7 +30,7 @@ from torch import nn
 
 from liger_models.medusa.acceptance import accept, draw
 from liger_models.medusa.graphed_step import GraphedSteps
-from liger_models.medusa.heads import MedusaHeads
+from liger_models.medusa.heads import MedusaHeads, base_logits
 from liger_models.medusa.tree import MedusaBuffers, candidate_tokens
 from liger_models.modules import graphed_decoding
 from liger_models.modules.cache import KVCache
@@ -116,7 +116,7 @@ class BatchedSteps(GraphedSteps):
         # real tokens; after a padded last token, HF's rule restarts at 1).
         self.position.copy_(positions[:, -1] + 1 if mask is not None else self.length)
         self.hidden = hidden.clone()
-        self.root.copy_(draw(self.base.lm_head(hidden), self.acceptance[0], self.generator))
+        self.root.copy_(draw(base_logits(self.base, hidden), self.acceptance[0], self.generator))
 
     def tree(self, ahead: bool = False) -> list[list[int]]:
         """One step of every row: per row [n, the winning path's D+1 tokens] (its first n + 1 are emitted).
@@ -132,7 +132,7 @@ class BatchedSteps(GraphedSteps):
         mask = device_mask(self.length, buffers.tree_mask, buffers.tree_position_ids, self.cache.capacity, self.valid)
         positions = self.position[:, None] + buffers.tree_position_ids
         out = self.base.model.run(tree, positions, mask, self.cache)  # (B, 1+N, H)
-        logits = self.base.lm_head(out)  # (B, 1+N, V)
+        logits = base_logits(self.base, out)  # (B, 1+N, V)
         row, n = accept(tree, logits, buffers.path_nodes, buffers.path_valid, *self.acceptance)  # (B,), (B,)
         nodes = buffers.path_nodes[row]  # (B, D+1): each row's winning path, root first
         self.cache.keep_on_device(self.length, nodes, self.packed)  # slots past length + n are never attended

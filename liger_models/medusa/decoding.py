@@ -41,7 +41,7 @@ from torch import nn
 from liger_models.medusa.acceptance import accept, draw
 from liger_models.medusa.batched_steps import BatchedSteps, check_one_rotary_table, decode_rows, rows_capacity
 from liger_models.medusa.graphed_step import GraphedSteps
-from liger_models.medusa.heads import MedusaHeads
+from liger_models.medusa.heads import MedusaHeads, base_logits
 from liger_models.medusa.tree import (TOPK, TREE_TOKENS, MedusaBuffers, candidate_tokens, default_medusa_choices,
                                      dense_medusa_choices, generate_medusa_buffers, tree_for_batch)
 from liger_models.modules.cache import KVCache
@@ -89,7 +89,7 @@ class _Steps:
     def _set_state(self, hidden: torch.Tensor, logits: torch.Tensor | None = None) -> None:
         """hidden (1, H) and, if known, the base's logits there (1, V)."""
         self.hidden = hidden
-        logits = self.base.lm_head(hidden) if logits is None else logits
+        logits = base_logits(self.base, hidden) if logits is None else logits
         self.root = draw(logits, self.acceptance[0], self.generator)
 
     def root_only(self, length: int) -> list[int]:
@@ -105,7 +105,7 @@ class _Steps:
         tree = candidate_tokens(self.heads, self.hidden, self.root, buffers, self.topk)[0]  # (1+N,)
         positions = (length + buffers.tree_position_ids)[None]
         out = self.base.model(tree[None], positions, cache=self.cache, tree_mask=buffers.tree_mask)[0]  # (1+N, H)
-        logits = self.base.lm_head(out)  # (1+N, V)
+        logits = base_logits(self.base, out)  # (1+N, V)
         row, n = accept(tree, logits, buffers.path_nodes, buffers.path_valid, *self.acceptance)
         nodes = buffers.path_nodes[int(row), : int(n) + 1]  # the accepted path, root first
         self.cache.keep(length, nodes)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from liger_models.medusa.acceptance import accept, draw
-from liger_models.medusa.heads import MedusaHeads
+from liger_models.medusa.heads import MedusaHeads, base_logits
 from liger_models.medusa.tree import MedusaBuffers, candidate_tokens
 from liger_models.modules.cache import KVCache
 from liger_models.modules.graphed_decoding import GraphedCall, StaticKVCache, device_mask, warm_up_and_capture
@@ -72,7 +72,7 @@ class GraphedSteps:
         cache = KVCache()
         hidden = self.base.model(ids, cache=cache)[:, -1]
         self.cache.load(cache)
-        self._set_state(hidden, self.base.lm_head(hidden))
+        self._set_state(hidden, base_logits(self.base, hidden))
 
     def _set_state(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         if self.hidden is None:
@@ -153,7 +153,7 @@ class GraphedSteps:
         mask = device_mask(self.length, buffers.tree_mask, buffers.tree_position_ids, self.cache.capacity, None)
         positions = (self.length + buffers.tree_position_ids)[None]
         out = self.base.model.run(tree[None], positions, mask, self.cache)[0]  # (1+N, H)
-        logits = self.base.lm_head(out)  # (1+N, V): the base's logits after each node
+        logits = base_logits(self.base, out)  # (1+N, V): the base's logits after each node
         row, n = accept(tree, logits, nodes_of, buffers.path_valid, *self.acceptance)
         nodes = nodes_of.index_select(0, row)[0]  # (D+1,) the winning path, root first
         self.cache.keep_on_device(self.length, nodes, self.packed)  # slots past length + n are never attended

@@ -138,3 +138,10 @@ class MedusaHeads(nn.ModuleList):
             return torch.stack([self.run(k, hidden, F.linear) for k in heads])
         self._check_width(hidden)
         return F.linear(torch.stack([self[k](hidden) for k in heads]).to(shared.dtype), shared)
+
+
+def base_logits(base: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The base model's logits at hidden: its ``compute_logits`` (lm_head plus the final soft-cap of Gemma 2) when
+    it has one, else its lm_head (any base with ``.model`` and ``.lm_head`` serves)."""
+    compute = getattr(base, "compute_logits", None)
+    return compute(hidden) if compute is not None else base.lm_head(hidden)

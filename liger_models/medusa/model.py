@@ -22,7 +22,7 @@ from liger_models.medusa.calibrate import load_medusa_choices
 from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, load_heads, read_json, save_heads
 from liger_models.medusa.config import MedusaConfig
 from liger_models.medusa.decoding import medusa_generate
-from liger_models.medusa.heads import MedusaHeads
+from liger_models.medusa.heads import MedusaHeads, base_logits
 from liger_models.medusa.loss import MedusaOutput, medusa_head_weights, medusa_loss, schedule_factor
 from liger_models.medusa.vllm_format import load_vllm
 from liger_models.modules.linear import is_plain_linear
@@ -94,7 +94,7 @@ class MedusaModel(nn.Module):
             # A grad-requiring input (one extra H×H GEMM per head in backward) lets each head go as it finishes.
             hidden = hidden.detach().requires_grad_()
         if labels is None:
-            return MedusaOutput(logits=self.base.lm_head(hidden), head_logits=self.heads.logits(hidden))
+            return MedusaOutput(logits=base_logits(self.base, hidden), head_logits=self.heads.logits(hidden))
         if not is_plain_linear(self.base.lm_head):
             raise ValueError(f"the base lm_head is a {type(self.base.lm_head).__name__}, not a plain nn.Linear: the "
                              "Medusa loss reads its weight directly (shared by the heads), which would skip what "

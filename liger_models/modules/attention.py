@@ -5,8 +5,9 @@ reads kv head h // (Hq/Hkv)). Which keys a query at absolute index i may see:
   causal       j ≤ i
   window W     i − j < W                    (exactly W keys including itself; HF eager/SDPA convention)
   documents    doc[j] == doc[i]             (packed sequences: position_ids that do not step by +1 start a new doc)
-  padding      attention_mask[j] == 1       (or j == i, so a padded query row is never empty: SDPA would give NaN,
-                                             which would then leak into real rows through the padded values)
+  padding      attention_mask[j] == 1       as HF: a padded query too sees only real keys; one that has none in
+                                             its range sees itself (an empty row would give NaN in SDPA, which would
+                                             then leak into real rows through the padded values)
 Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast path; no mask tensor); on CUDA for
 long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
 tensor); a speculative tree's verification call (inference), liger_models/kernels/decode_attention.py (the keys split over
@@ -125,8 +126,21 @@ class AttentionMask:
         if self.documents is not None:
             ok = ok & (self.documents[b, q_idx] == self.documents[b, kv_idx])
         if self.padding is not None:
-            ok = ok & (self.padding[b, kv_idx] | (kv_idx == q_idx + self.past))
+            q_slot = q_idx + self.past
+            alone = (kv_idx == q_slot) & ~self._sees_a_real_key(window)[b, q_slot]
+            ok = ok & (self.padding[b, kv_idx] | alone)
         return ok
+
+    def _sees_a_real_key(self, window: int | None) -> torch.Tensor:
+        """(B, S) bool: whether the query in each slot has a real (unpadded) key among those causality and the
+        window allow it (slots i − W < j ≤ i). A padded query between real tokens (PEFT's virtual tokens before a
+        left-padded prompt, right padding) then attends as HF's does; documents never come with padding."""
+        if ("sees", window) not in self._masks:
+            real = self.padding.to(torch.int32).cumsum(-1)  # real keys in slots ≤ i
+            if window is not None and window < real.shape[-1]:
+                real = real - F.pad(real, (window, 0))[:, : real.shape[-1]]  # minus those in slots ≤ i − W
+            self._masks[("sees", window)] = real > 0
+        return self._masks[("sees", window)]
 
     def boolean(self, window: int | None) -> torch.Tensor:
         """(B or 1, 1, T, past + T or capacity) True where attention is allowed."""
@@ -186,14 +200,50 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Te
     return torch.cat(chunks)
 
 
+@functools.cache
+def _softcap_score_mod(softcap: float):
+    """flex_attention score_mod c·tanh(s / c); flex hands it the already scaled score and masks after it. One
+    function object per cap: a fresh closure per call would fail the compiled flex's guards and recompile."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+    return score_mod
+
+
+def attend_softcapped_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                           scale: float, softcap: float) -> torch.Tensor:
+    """HF eager's soft-capped attention, op for op: s = (q kᵀ)·scale, s = c·tanh(s / c) in the activation dtype,
+    masked keys to −inf, softmax in fp32, cast back, · v. Forms the (B, Hq, T, S) scores: the CPU and short-call
+    path (SDPA has no score hook); long CUDA calls take flex_attention. allowed: (B or 1, 1, T, S) bool or None."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # query head h reads kv head h // groups
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, window: int | None,
-           scale: float, flex: str = "auto") -> torch.Tensor:
+           scale: float, flex: str = "auto", softcap: float | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) v for q (B, Hq, T, D), k/v (B, Hkv, S, D) → (B, Hq, T, D).
 
     flex: "auto" (CUDA and T ≥ FLEX_MIN_LEN when a mask is needed), "always" or "never" (tests pick the path).
+    softcap: scores ← c·tanh(scores / c) between the scaling and the mask (Gemma 2). SDPA has no hook for it, so
+    such a call runs flex_attention with a score_mod ("auto": on CUDA from FLEX_MIN_LEN queries, causal or not;
+    "always" runs it uncompiled on the CPU for tests) or else the eager math (``attend_softcapped_math``).
     """
+    if softcap is not None:
+        use_flex = mask.supports_flex and mask.tree is None and (
+            flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN))
+        if use_flex:
+            return _flex_attention(q.is_cuda)(q, k, v, score_mod=_softcap_score_mod(softcap),
+                                              block_mask=mask.block(window), scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+        return attend_softcapped_math(q, k, v, mask.boolean(window), scale, softcap)
     gqa = q.shape[1] != k.shape[1]
-    if (mask.tree is not None and mask.q_len >= decode_attention_kernels.MIN_QUERIES
+    if (mask.tree is not None and mask.q_len >= decode_attention_kernels.TUNING.min_queries
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and decode_attention_kernels.runs_kernel(q, k, v)):
         # A speculative tree (or a graphed decoding call): tens of queries over the whole cache, where SDPA's
@@ -217,7 +267,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.softcap = config.attention_softcap
         self.window = config.layer_sliding_window(layer_idx)
         hidden, q_out, kv_out = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if config.fused_qkv:
@@ -258,7 +309,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, D)
-        out = attend(q, k, v, mask, self.window, self.scale, self.flex)  # (B, Hq, T, D)
+        out = attend(q, k, v, mask, self.window, self.scale, self.flex, self.softcap)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def _fused_qk_norm(self, qkv: torch.Tensor, cos: torch.Tensor) -> bool:

@@ -231,6 +231,9 @@ class LigerForCausalLM(nn.Module):
         self.generation_config = {}
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A labelled forward computes its loss without forming logits. With this set it also returns them, detached
+        # (what HF Trainer's compute_metrics / preprocess_logits_for_metrics receive); costs B·T·V activations.
+        self.logits_with_loss = False
         self.tie_weights()
         self.reset_parameters()
         self.register_state_dict_post_hook(_tied_head_as_its_own_tensor)
@@ -271,7 +274,8 @@ class LigerForCausalLM(nn.Module):
                 logits_to_keep: int | torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, return_dict: bool | None = None,
                 **kwargs: Any) -> CausalLMOutput | tuple:
-        """Loss (with labels; logits None) or logits (B, T or num_logits_to_keep, V); see the module docstring.
+        """Loss (with labels; logits None unless ``logits_with_loss``) or logits (B, T or num_logits_to_keep, V); see
+        the module docstring.
 
         attention_mask: HF's (B, past + T) 0/1 mask; padded keys are hidden. As in HF, position_ids still default
         to past..past+T−1 (pass cumsum-based ones for left padding, as ``generate`` does), and labels at padding
@@ -316,15 +320,32 @@ class LigerForCausalLM(nn.Module):
         if labels is not None:
             check_labels(labels, hidden.shape[:2], hidden.device)
             targets = shift_labels(labels, 1, position_ids)  # (B, T)
+            softcap = self.config.logit_softcap  # applied inside the loss kernels, to fp32 logits
             if not is_plain_linear(self.lm_head):
                 # A wrapped head (PEFT's LoRA on lm_head) computes more than hidden · Wᵀ: its logits are formed.
-                loss = cross_entropy(self.lm_head(hidden), targets, normalizer=normalizer)
-                return CausalLMOutput(loss=loss, past_key_values=past_key_values)
+                logits = self.lm_head(hidden)
+                # a copy: the loss may write its gradient over the logits
+                kept = self._capped(logits.detach().clone()) if self.logits_with_loss else None
+                loss = cross_entropy(logits, targets, normalizer=normalizer, softcap=softcap)
+                return CausalLMOutput(loss=loss, logits=kept, past_key_values=past_key_values)
+            logits = None
+            if self.logits_with_loss:
+                with torch.no_grad():
+                    logits = self.compute_logits(hidden)
             hidden, weight = autocast_operands(hidden, self.lm_head.weight)
-            loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer)
-            return CausalLMOutput(loss=loss, past_key_values=past_key_values)
+            loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer, softcap=softcap)
+            return CausalLMOutput(loss=loss, logits=logits, past_key_values=past_key_values)
         hidden = keep_positions(hidden, num_logits_to_keep, logits_to_keep)
-        return CausalLMOutput(logits=self.lm_head(hidden), past_key_values=past_key_values)
+        return CausalLMOutput(logits=self.compute_logits(hidden), past_key_values=past_key_values)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head(hidden), soft-capped as HF does when the config says so (Gemma 2: c·tanh(z / c) in the logits'
+        dtype, three rounded ops as there). Every path that returns or samples logits goes through here."""
+        return self._capped(self.lm_head(hidden))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        softcap = self.config.logit_softcap
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
     generate = generate
 

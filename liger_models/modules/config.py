@@ -137,6 +137,9 @@ class LigerConfig:
     # Per-head RMSNorm of q and k over head_dim (HF names self_attn.q_norm / k_norm), after the projection and
     # before RoPE, with the family's norm_casting and rms_norm_eps (Qwen3 Llama-style, Gemma 3 (1 + w)).
     qk_norm: ClassVar[bool] = False
+    # Gemma 2/3's sandwich: post_attention_layernorm normalises the attention *output* before its residual add, and
+    # pre_feedforward_layernorm / post_feedforward_layernorm wrap the MLP the same way (HF names).
+    sandwich_norms: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -215,6 +218,26 @@ class LigerConfig:
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """Keys visible to a query in this layer: exactly W tokens including itself, or None for full causal."""
         return self.sliding_window if self.sliding_window_applies else None
+
+    @property
+    def attention_scale(self) -> float:
+        """Multiplier of q·kᵀ (head_dim^-0.5; Gemma 2/3 use query_pre_attn_scalar^-0.5)."""
+        return self.head_dim**-0.5
+
+    @property
+    def attention_softcap(self) -> float | None:
+        """c in scores ← c·tanh(scores / c), after the scaling and before the mask (Gemma 2), or None."""
+        return None
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """c in logits ← c·tanh(logits / c) before the loss and in returned logits (Gemma 2), or None."""
+        return None
+
+    def layer_rope(self, layer_idx: int) -> tuple[float, dict | None]:
+        """(rope_theta, rope_scaling) of this layer's RoPE table; one table for every layer unless a family has
+        per-layer-type tables (Gemma 3: its sliding layers use their own base, unscaled)."""
+        return self.rope_theta, self.rope_scaling
 
     # ---- construction -----------------------------------------------------------------------------------
     @classmethod

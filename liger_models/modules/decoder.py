@@ -50,14 +50,26 @@ def check_inputs_embeds(inputs_embeds: torch.Tensor, input_ids: torch.Tensor | N
 
 
 class DecoderLayer(nn.Module):
-    """HF names: input_layernorm, self_attn, post_attention_layernorm, mlp."""
+    """HF names: input_layernorm, self_attn, post_attention_layernorm, mlp; with ``config.sandwich_norms`` (Gemma
+    2/3) also pre_feedforward_layernorm and post_feedforward_layernorm.
+
+    Sandwich order (HF): h = h + N_post_attn(attn(N_in(h))); h = h + N_post_ffw(mlp(N_pre_ffw(h))). The two "post"
+    norms act on a block's output alone, before its residual add, so they run unfused; the adds still fuse into the
+    norm that follows them (N_pre_ffw, then the next layer's N_in or the final norm), exactly as in the plain
+    layer, where post_attention_layernorm is the MLP's input norm.
+    """
 
     def __init__(self, config: LigerConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = make_norm(config)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = make_norm(config)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(config)
+            self.post_feedforward_layernorm = make_norm(config)
         self.sparse = config.layer_is_sparse(layer_idx)
+        if self.sparse and config.sandwich_norms:
+            raise ValueError("a sparse (mixture-of-experts) layer with sandwich norms is not supported")
         self.mlp = SparseMoeBlock(config) if self.sparse else GatedMLP(config)
         if self.sparse:
             # Checkpoint names: per expert on disk (under the family's block name), stacked in memory.
@@ -74,8 +86,12 @@ class DecoderLayer(nn.Module):
         if self.sparse:  # the router and the experts both read the normalised input
             h, residual = add_norm(self.post_attention_layernorm, a, residual)
             return self.mlp(h), residual
-        gate_up, residual = norm_linear(self.post_attention_layernorm, a, residual, self.mlp.projections())
-        return self.mlp.from_gate_up(gate_up), residual
+        if not hasattr(self, "pre_feedforward_layernorm"):
+            gate_up, residual = norm_linear(self.post_attention_layernorm, a, residual, self.mlp.projections())
+            return self.mlp.from_gate_up(gate_up), residual
+        a = self.post_attention_layernorm(a)
+        gate_up, residual = norm_linear(self.pre_feedforward_layernorm, a, residual, self.mlp.projections())
+        return self.post_feedforward_layernorm(self.mlp.from_gate_up(gate_up)), residual
 
 
 def _experts_to_disk_names(layer: DecoderLayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -102,6 +118,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config)
         self.rotary = RotaryEmbedding(config)
+        # Families with per-layer-type RoPE (Gemma 3) get one more table; each is computed once per call.
+        # layer_rope_table[i]: the index of layer i's table (0: self.rotary, 1: self.rotary_local).
+        ropes = [config.layer_rope(i) for i in range(config.num_hidden_layers)]
+        other = [r for r in ropes if r != (config.rope_theta, config.rope_scaling)]
+        self.rotary_local = RotaryEmbedding(config, other[0]) if other else None
+        if len(set(map(repr, other))) > 1:
+            raise ValueError(f"at most two RoPE tables are supported, got {sorted(set(map(repr, ropes)))}")
+        self.layer_rope_table = [0 if r == (config.rope_theta, config.rope_scaling) else 1 for r in ropes]
         self.gradient_checkpointing = False
         # How a checkpointed layer is run (torch.utils.checkpoint with its keyword arguments, possibly offloading what
         # it saves) and which layers are: every checkpoint_every-th. LigerForCausalLM.activation_checkpointing_enable
@@ -164,9 +188,12 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
         if self.config.scale_embeddings:  # √H rounded to the activation dtype first, as HF does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        cos, sin = self.rotary(position_ids)  # (B or 1, T, R) fp32
+        tables = [self.rotary(position_ids)]  # (cos, sin), each (B or 1, T, R) fp32
+        if self.rotary_local is not None:
+            tables.append(self.rotary_local(position_ids))
         residual = None
         for i, layer in enumerate(self.layers):
+            cos, sin = tables[self.layer_rope_table[i]]
             if self.gradient_checkpointing and self.training and i % self.checkpoint_every == 0:
                 x, residual = self.checkpoint_fn(layer, x, residual, cos, sin, mask, cache)
             else:

@@ -142,7 +142,7 @@ class GraphedCall:
         self.cache.slots = self.start + self.offsets
         mask = device_mask(self.start, self.pattern, self.depth, self.cache.capacity, self.valid)
         hidden = self.model.model.run(self.ids, self.positions, mask, self.cache)
-        return hidden, self.model.lm_head(hidden)
+        return hidden, self.model.compute_logits(hidden)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor | int, start: int) -> tuple[torch.Tensor, ...]:

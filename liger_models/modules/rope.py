@@ -89,12 +89,14 @@ def longrope_attention_factor(config: LigerConfig) -> float:
 class RotaryEmbedding(nn.Module):
     """Builds (cos, sin) of shape (B or 1, T, R) in fp32 for given position_ids; holds no parameters or buffers."""
 
-    def __init__(self, config: LigerConfig) -> None:
+    def __init__(self, config: LigerConfig, rope: tuple[float, dict | None] | None = None) -> None:
+        """rope: (rope_theta, rope_scaling) of this table (``LigerConfig.layer_rope``), default the config's own."""
         super().__init__()
+        theta, scaling = rope if rope is not None else (config.rope_theta, config.rope_scaling)
         self.dim = config.rotary_dim
-        self.theta = config.rope_theta
+        self.theta = theta
         self.max_positions = config.max_position_embeddings
-        self.rope = dict(config.rope_scaling or {"rope_type": "default"})
+        self.rope = dict(scaling or {"rope_type": "default"})
         self.rope_type = self.rope["rope_type"]
         self.attention_factor = 1.0
         if self.rope_type == "longrope":

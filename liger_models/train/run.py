@@ -348,19 +348,18 @@ def _go_on_with(changes: list[run_settings.Change], args, trainer: Trainer, resu
 
 @contextlib.contextmanager
 def _loss_options(scratch_mib: int | None, grad_filter_eps: float | None = None):
-    """--loss-scratch-mib and --loss-grad-filter-eps: linear-CE's MAX_SCRATCH_BYTES and GRAD_FILTER_EPS for the
-    run (every head's loss), then the defaults again."""
+    """--loss-scratch-mib and --loss-grad-filter-eps: linear-CE's max_scratch_bytes and grad_filter_eps settings for
+    the run (every head's loss), then the defaults again."""
     from liger_models.kernels import fused_linear_cross_entropy as flce
+    from liger_models.kernels._tuning import tuned
 
-    defaults = flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS
+    changes = {}
     if scratch_mib is not None:
-        flce.MAX_SCRATCH_BYTES = scratch_mib << 20
+        changes["max_scratch_bytes"] = scratch_mib << 20
     if grad_filter_eps is not None:
-        flce.GRAD_FILTER_EPS = grad_filter_eps
-    try:
+        changes["grad_filter_eps"] = grad_filter_eps
+    with tuned(flce, **changes):
         yield
-    finally:
-        flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS = defaults
 
 
 def _prepare(model: nn.Module, layers, args, info, more_units=()) -> None:

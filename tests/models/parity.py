@@ -62,12 +62,35 @@ def _rms_norm_float64(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotary_float64(hf_forward):
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        hf_forward(x, position_ids)  # runs HF's update of a length-dependent table (dynamic NTK, longrope)
-        angles = position_ids[:, :, None].double() * self.inv_freq.double()[None, None, :]
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *layer_type: str):
+        # layer_type: Gemma 3's rotary module holds one table per layer type.
+        hf_forward(x, position_ids, *layer_type)  # runs HF's update of a length-dependent table (dynamic NTK, ...)
+        prefix = f"{layer_type[0]}_" if layer_type else ""
+        inv_freq, scaling = getattr(self, f"{prefix}inv_freq"), getattr(self, f"{prefix}attention_scaling")
+        angles = position_ids[:, :, None].double() * inv_freq.double()[None, None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+        return angles.cos() * scaling, angles.sin() * scaling
     return forward
+
+
+def _float64_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                             **kwargs):
+    """HF's eager attention (scale, soft-cap, additive mask, softmax) with the softmax kept in float64: the
+    reference for models whose soft-capped scores SDPA cannot take (Gemma 2)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def supports_sdpa(hf) -> bool:
+    """Whether HF lets this model run SDPA (5.25's Gemma 2 refuses it: SDPA would drop the score soft-cap)."""
+    return getattr(type(hf), "_supports_sdpa", True) is not False
 
 
 def float64_reference(hf) -> transformers.PreTrainedModel:
@@ -80,7 +103,20 @@ def float64_reference(hf) -> transformers.PreTrainedModel:
     upcasts "to float", i.e. down to float32).
     """
     exact = copy.deepcopy(hf).double()
-    exact.set_attn_implementation("sdpa")
+    if supports_sdpa(hf):
+        exact.set_attn_implementation("sdpa")
+    else:  # eager, with its float32 softmax replaced (the modeling module looks the function up at call time)
+        modeling = __import__(type(hf).__module__, fromlist=["eager_attention_forward"])
+        forward = exact.forward
+
+        def float64_forward(*args, **kwargs):
+            eager = modeling.eager_attention_forward
+            modeling.eager_attention_forward = _float64_eager_attention
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                modeling.eager_attention_forward = eager
+        exact.forward = float64_forward
     for module in exact.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm"):
@@ -110,9 +146,10 @@ def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_
     """
     ours = ours or AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
     truth = float64_reference(hf)
-    hf_sdpa = copy.deepcopy(hf)
-    hf_sdpa.set_attn_implementation("sdpa")
-    peers = {"hf eager": hf, "hf sdpa": hf_sdpa}
+    peers = {"hf eager": hf}
+    if supports_sdpa(hf):
+        peers["hf sdpa"] = copy.deepcopy(hf)
+        peers["hf sdpa"].set_attn_implementation("sdpa")
     vocab = hf.config.vocab_size
     ids = torch.randint(3, vocab, (batch, seq_len))
     labels = ids.clone()
@@ -130,8 +167,8 @@ def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_
         peer_errs = [error(peer(ids, use_cache=False, **kwargs).logits, exact) for peer in peers.values()]
         err = error(ours(ids, **kwargs).logits, exact)
     assert err <= bound(peer_errs, 1e-4), \
-        (f"logits differ from float64 HF by {err:.3e} "
-         f"(HF float32, eager / SDPA: {peer_errs[0]:.3e} / {peer_errs[1]:.3e})")
+        (f"logits differ from float64 HF by {err:.3e} (HF float32, {' / '.join(peers)}: "
+         f"{' / '.join(f'{e:.3e}' for e in peer_errs)})")
     if not grads:
         return ours
     losses = {}
@@ -156,8 +193,8 @@ def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_
         rel = max_rel(p.grad.double(), exact_grad)
         peer_rels = [max_rel(params[name].grad.double(), exact_grad) for params in peer_params]
         assert rel <= bound(peer_rels, 1e-4), (
-            f"{name}: gradient differs from float64 HF by {rel:.3e} relative to its max "
-            f"(HF float32, eager / SDPA: {peer_rels[0]:.3e} / {peer_rels[1]:.3e})")
+            f"{name}: gradient differs from float64 HF by {rel:.3e} relative to its max (HF float32, "
+            f"{' / '.join(peers)}: {' / '.join(f'{e:.3e}' for e in peer_rels)})")
     return ours
 
 

@@ -295,12 +295,6 @@ UNSUPPORTED = {
     "phi-3-small": {"architectures": ["Phi3SmallForCausalLM"], "model_type": "phi3small", "hidden_size": 4096,
                     "num_attention_heads": 32, "num_key_value_heads": 8, "gegelu_limit": 20.0,
                     "blocksparse_block_size": 64, "mup_attn_multiplier": 1.0, "vocab_size": 100352},
-    # google/gemma-2-2b: four norms per layer, softcaps, alternating windows.
-    "gemma-2-2b": {**GEMMA_2B, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
-                   "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096},
-    # google/gemma-3-1b-it (text-only Gemma 3)
-    "gemma-3-1b": {**GEMMA_2B, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
     # Qwen/Qwen2-57B-A14B: mixture of experts
     "qwen2-moe": {**QWEN2_7B, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
     # microsoft/Phi-3.5-MoE-instruct
@@ -316,16 +310,23 @@ def test_unsupported_architectures_are_refused(tmp_path, name):
         AutoLigerForCausalLM.from_pretrained(tmp_path)
 
 
-# mistralai/Mixtral-8x7B-v0.1's config.json (supported: test_real_configs_moe_qwen3.py), a look-alike of Llama's.
-MIXTRAL_8X7B_LIKE = {**MISTRAL_7B_V01, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                     "num_local_experts": 8, "num_experts_per_tok": 2}
+# Configs of families that have their own classes now, kept as look-alikes of an older family's config.json.
+LOOK_ALIKES = {
+    # google/gemma-2-2b: four norms per layer, softcaps, alternating windows (Gemma v1's look-alike).
+    "gemma-2-2b": {**GEMMA_2B, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                   "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4096},
+    # mistralai/Mixtral-8x7B-v0.1: mixture of experts (Llama's look-alike).
+    "mixtral-8x7b": {**MISTRAL_7B_V01, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                     "num_local_experts": 8, "num_experts_per_tok": 2},
+}
 
 
 @pytest.mark.parametrize("name, family", [("gemma-2-2b", GemmaConfig), ("phi-3-small", Phi3Config),
                                           ("mixtral-8x7b", LlamaConfig)])
 def test_a_family_refuses_a_neighbours_config(tmp_path, name, family):
     """A family's own class never reads a look-alike architecture's config.json as its own."""
-    raw = {**UNSUPPORTED, "mixtral-8x7b": MIXTRAL_8X7B_LIKE}[name]
+    raw = {**UNSUPPORTED, **LOOK_ALIKES}[name]
     with pytest.raises(ValueError, match="expects model_type"):
         family.from_hf(raw)
     (tmp_path / "config.json").write_text(json.dumps(raw))

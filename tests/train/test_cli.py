@@ -173,8 +173,8 @@ def test_data_that_does_not_fit_the_model_fails_clearly(tiny_model_dir, tmp_path
 
 
 def test_loss_options_are_the_runs_only():
-    """--loss-scratch-mib and --loss-grad-filter-eps set linear-CE's MAX_SCRATCH_BYTES and GRAD_FILTER_EPS around the
-    training loop and restore them, also on error."""
+    """--loss-scratch-mib and --loss-grad-filter-eps set linear-CE's max_scratch_bytes and grad_filter_eps settings
+    around the training loop and restore them, also on error."""
     from liger_models.cli import build_parser
     from liger_models.kernels import fused_linear_cross_entropy as flce
     from liger_models.train.run import _loss_options
@@ -187,15 +187,15 @@ def test_loss_options_are_the_runs_only():
                 ["--loss-grad-filter-eps", "nan"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["train", "--model", "m", "--data", "d.txt", *bad])
-    before = flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS
+    before = flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps
     with _loss_options(512, 1e-3):
-        assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == (512 << 20, 1e-3)
-    assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == before
+        assert (flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps) == (512 << 20, 1e-3)
+    assert (flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps) == before
     with pytest.raises(KeyError), _loss_options(8, 1e-3):
         raise KeyError("interrupted")
-    assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == before
+    assert (flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps) == before
     with _loss_options(None, None):
-        assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == before
+        assert (flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps) == before
 
 
 def test_adamw_choice():

@@ -1,0 +1,171 @@
+"""Gemma 2 vs transformers (eager, the reference HF 5.25 itself defaults to): sandwich norms, query_pre_attn_scalar,
+attention and final soft-caps that bind, alternating windowed / full layers with the sequence past the window, GQA,
+head_dim ≠ hidden / heads; packed documents, cached decoding and the config round trip (the CLI:
+tests/train/test_gemma_cli.py)."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from liger_models import AutoLigerForCausalLM, Gemma2Config, LigerGemma2ForCausalLM
+from liger_models.modules import KVCache
+
+from .parity import build_hf, check_parity, check_roundtrip, save_hf
+
+# Layers: sliding, full, sliding, full. qpas 24 ≠ head_dim 32; window 5 < every sequence below.
+GEMMA2 = dict(head_dim=32, num_hidden_layers=4, sliding_window=5, query_pre_attn_scalar=24,
+              attn_logit_softcapping=3.0, final_logit_softcapping=2.0)
+
+
+def sharpen_(hf, qk: float = 8.0, embed: float = 6.0) -> None:
+    """Scale q/k projections and the (tied) embedding so that scores reach about twice the attention cap (3) and
+    logits about twice the final cap (2): both caps bind without saturating everything (at HF's init, std 0.02,
+    scores and logits stay far below any cap and the tanh is nearly the identity)."""
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.mul_(qk)
+            layer.self_attn.k_proj.weight.mul_(qk)
+        hf.model.embed_tokens.weight.mul_(embed)
+
+
+def build(**overrides):
+    hf = build_hf(transformers.Gemma2Config, **{**GEMMA2, **overrides})
+    sharpen_(hf)
+    return hf
+
+
+def test_caps_bind_in_this_setup():
+    """The soft-caps change HF's own logits here (so the parity tests below test them)."""
+    hf = build()
+    ids = torch.randint(3, 128, (1, 16))
+    with torch.no_grad():
+        capped = hf(ids).logits
+        hf.config.final_logit_softcapping = None
+        uncapped_logits = hf(ids).logits
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped_scores = hf(ids).logits
+    assert capped.abs().max() < 2.0 < uncapped_logits.abs().max()
+    assert (uncapped_scores - uncapped_logits).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("v4_style", [False, True], ids=["v5-config", "v4-config"])
+def test_parity_softcaps_windows_gqa(tmp_path, v4_style):
+    hf = build()
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf", v4_style=v4_style), seq_len=17, batch=2)
+    assert isinstance(ours, LigerGemma2ForCausalLM)
+    assert [layer.self_attn.window for layer in ours.model.layers] == [5, None, 5, None]
+    assert ours.config.attention_scale == 24**-0.5 and ours.config.logit_softcap == 2.0
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    check_roundtrip(ours, tmp_path / "ours", seq_len=12)
+
+
+def test_released_caps_and_explicit_layer_types(tmp_path):
+    # The released caps (50 / 30) and qpas = head_dim; layer_types given explicitly, full first.
+    hf = build(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=32,
+               layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=13)
+    assert [layer.self_attn.window for layer in ours.model.layers] == [None, 5, 5, None]
+
+
+def test_caps_off(tmp_path):
+    hf = build(attn_logit_softcapping=None, final_logit_softcapping=None)
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=11, grads=False)
+    assert ours.config.attention_softcap is None and ours.config.logit_softcap is None
+
+
+def test_flex_score_mod_path_matches_hf(tmp_path):
+    """flex_attention with the soft-cap score_mod, uncompiled on the CPU (forward only: flex has no CPU backward;
+    the compiled CUDA path's gradients: test_flex_softcap_on_cuda_equals_the_math_path)."""
+    hf = build()
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
+    for layer in ours.model.layers:
+        layer.self_attn.flex = "always"
+    check_parity(hf, tmp_path / "hf", seq_len=15, ours=ours, grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_softcap_on_cuda_equals_the_math_path(dtype):
+    """Compiled flex_attention (what a CUDA call of FLEX_MIN_LEN+ queries takes) against the eager math path: loss
+    and every gradient, fp32 to 1e-4 relative, bf16 to 2e-2 (the math path rounds its bf16 probabilities)."""
+    config = Gemma2Config.tiny(sliding_window=64, attn_logit_softcapping=3.0)
+    model = LigerGemma2ForCausalLM.from_config(config, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    ids = torch.randint(3, config.vocab_size, (2, 640), device="cuda")
+    results = []
+    for flex in ("auto", "never"):
+        for layer in model.model.layers:
+            layer.self_attn.flex = flex
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    (flex_loss, flex_grads), (math_loss, math_grads) = results
+    assert abs(flex_loss.item() - math_loss.item()) <= tol * max(1.0, abs(math_loss.item()))
+    for name, grad in flex_grads.items():
+        ref = math_grads[name].float()
+        assert (grad.float() - ref).abs().max().item() <= tol * max(ref.abs().max().item(), 1e-6), name
+
+
+def test_packed_documents_match_separate_hf_runs(tmp_path):
+    hf = build()
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
+    lengths = (6, 9, 3)
+    docs = [torch.randint(3, 128, (1, n)) for n in lengths]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = ours(torch.cat(docs, dim=1), position_ids=position_ids).logits
+        ref = torch.cat([hf(doc, use_cache=False).logits for doc in docs], dim=1)
+    assert (packed - ref).abs().max().item() <= 1e-4
+    # The loss of the packed row equals HF's mean over the documents' own targets.
+    labels = torch.cat(docs, dim=1)
+    loss = ours(labels, labels=labels, position_ids=position_ids).loss
+    with torch.no_grad():
+        logits = [hf(doc, use_cache=False).logits[0, :-1] for doc in docs]
+    ref_loss = torch.nn.functional.cross_entropy(torch.cat(logits), torch.cat([d[0, 1:] for d in docs]))
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1.0, ref_loss.item())
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_cached_decoding_across_the_window_equals_hf(tmp_path):
+    hf = build()
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
+    ids = torch.randint(3, 128, (2, 6))
+    ref = copy.deepcopy(hf).generate(ids, max_new_tokens=9, do_sample=False, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(ours.generate(ids, max_new_tokens=9, eos_token_id=[], pad_token_id=0), ref)
+    cache, steps = KVCache(), []
+    with torch.no_grad():
+        steps.append(ours(ref[:, :6], past_key_values=cache, use_cache=True).logits[:, -1])
+        for t in range(6, ref.shape[1]):
+            steps.append(ours(ref[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        full = hf(ref, use_cache=False).logits[:, 5:]
+    assert (torch.stack(steps, dim=1) - full).abs().max().item() <= 1e-4
+
+
+def test_config_defaults_layer_types_and_errors():
+    cfg = Gemma2Config.from_hf({"model_type": "gemma2", "num_hidden_layers": 5})
+    assert cfg.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    assert (cfg.sliding_window, cfg.query_pre_attn_scalar, cfg.attn_logit_softcapping,
+            cfg.final_logit_softcapping) == (4096, 256, 50.0, 30.0)
+    assert cfg.tie_word_embeddings and cfg.activation == "gelu_tanh" and cfg.head_dim == 256
+    assert cfg.to_hf()["layer_types"] == cfg.layer_types
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        Gemma2Config.from_hf({"model_type": "gemma2", "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="layer_types has 1 entries"):
+        Gemma2Config.tiny(layer_types=["full_attention"])
+    with pytest.raises(ValueError, match="unknown layer type"):
+        Gemma2Config.tiny(layer_types=["local"] * 4)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        Gemma2Config.tiny(attn_logit_softcapping=0.0)
+    model = LigerGemma2ForCausalLM.from_config(Gemma2Config.tiny())
+    names = {n for n, _ in model.named_parameters() if n.startswith("model.layers.0.")}
+    assert {f"model.layers.0.{n}_layernorm.weight" for n in ("input", "post_attention", "pre_feedforward",
+                                                                "post_feedforward")} <= names
+
