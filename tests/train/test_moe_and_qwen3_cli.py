@@ -1,5 +1,6 @@
-"""The CLI on tiny Qwen3, Mixtral and Qwen3-MoE directories: `train` then `generate` from the trained checkpoint
-(the commands pick the family from config.json through AutoLigerForCausalLM)."""
+"""The CLI on tiny Qwen3, Mixtral and Qwen3-MoE directories: `train`, `generate` from the trained checkpoint, then
+`train-medusa` heads on it and `generate --medusa` (the commands pick the family from config.json through
+AutoLigerForCausalLM)."""
 
 from __future__ import annotations
 
@@ -34,4 +35,13 @@ def test_train_then_generate(family, text_file, tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--device", "cpu", "--model", str(checkpoint), "--prompt", "Now is the",
                  "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()
+    # Medusa heads on top (stage 1: the base frozen), then speculative generation with them.
+    assert main(["train-medusa", "--model", str(checkpoint), "--data", str(text_file), "--num-heads", "2",
+                 "--output-dir", str(tmp_path / "medusa"), "--seq-len", "32", "--batch-size", "2", "--max-steps",
+                 "2", "--save-every", "2", "--quiet"]) == 0
+    heads = tmp_path / "medusa" / "checkpoints" / "step_000002"
+    capsys.readouterr()
+    assert main(["generate", "--device", "cpu", "--model", str(checkpoint), "--medusa", str(heads), "--prompt",
+                 "Now is the", "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.strip()
