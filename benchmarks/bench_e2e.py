@@ -60,6 +60,22 @@ CONFIGS: dict[str, tuple[dict, int, int]] = {
                            query_pre_attn_scalar=256, sliding_window=1024, rope_theta=1000000.0,
                            rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0),
                            max_position_embeddings=131072), 8, 2048),
+    # Issue 36: Qwen3-8B width (q/k norm, head_dim 128) and the MoE widths with a few layers (random init).
+    "qwen3-8b-w8l": (dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=8,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                          tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          max_position_embeddings=40960), 4, 2048),
+    "qwen3-30b-a3b-w4l": (dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                               moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                               tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                               router_aux_loss_coef=0.001, max_position_embeddings=40960), 4, 2048),
+    "mixtral-8x7b-w2l": (dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                              num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                              num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                              rope_theta=1000000.0, sliding_window=None, router_aux_loss_coef=0.02,
+                              max_position_embeddings=32768), 4, 2048),
 }
 # Attention implementation of the HF providers: SDPA, except where HF refuses it (5.25's Gemma 2: SDPA cannot
 # soft-cap the scores); that family runs HF's default, eager.
@@ -78,11 +94,17 @@ H200_BF16_PEAK_TFLOPS = 989.0
 
 
 def flops_per_token(cfg: dict, seq: int) -> float:
-    """6·(matmul params incl. lm_head) + causal attention (6·T·Hq·d per layer, fwd+bwd)."""
+    """6·(matmul params a token uses, incl. lm_head) + causal attention (6·T·Hq·d per layer, fwd+bwd). A sparse
+    layer counts its router and the num_experts_per_tok experts a token runs through (the configs here have every
+    layer sparse)."""
     h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // hq
-    per_layer = h * hq * d + 2 * h * hkv * d + hq * d * h + 3 * h * i
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    mlp = 3 * h * i
+    if experts:
+        mlp = h * experts + cfg["num_experts_per_tok"] * 3 * h * cfg.get("moe_intermediate_size", i)
+    per_layer = h * hq * d + 2 * h * hkv * d + hq * d * h + mlp
     dense = n * per_layer + cfg["vocab_size"] * h
     return 6 * dense + n * 6 * seq * hq * d
 

@@ -12,16 +12,19 @@ from .gemma3 import LigerGemma3ForCausalLM
 from .hub import config_model_type, read_config, snapshot
 from .llama import LigerLlamaForCausalLM
 from .mistral import LigerMistralForCausalLM
+from .mixtral import LigerMixtralForCausalLM
 from .modules.causal_lm import LigerForCausalLM
 from .modules.config import LigerConfig
 from .phi3 import LigerPhi3ForCausalLM
 from .qwen2 import LigerQwen2ForCausalLM
 from .qwen3 import LigerQwen3ForCausalLM
+from .qwen3_moe import LigerQwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[LigerForCausalLM]] = {
     cls.config_class.model_type: cls
     for cls in (LigerLlamaForCausalLM, LigerMistralForCausalLM, LigerQwen2ForCausalLM, LigerGemmaForCausalLM,
-                LigerPhi3ForCausalLM, LigerQwen3ForCausalLM, LigerGemma2ForCausalLM, LigerGemma3ForCausalLM)
+                LigerPhi3ForCausalLM, LigerQwen3ForCausalLM, LigerGemma2ForCausalLM, LigerGemma3ForCausalLM,
+                LigerMixtralForCausalLM, LigerQwen3MoeForCausalLM)
 }
 
 

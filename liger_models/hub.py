@@ -125,10 +125,14 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {str(path)!r}{hint}")
 
 
-def _expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _expected_tensors(model: torch.nn.Module, stored: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds, by name (the tensors to copy into, when loading). ``stored``: the names a
+    checkpoint being loaded has, for a model that accepts another layout of some tensors (stacked experts)."""
     state = model.state_dict(keep_vars=True)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if stored is not None and hasattr(model, "expect_stored_layout"):
+        model.expect_stored_layout(state, stored)
     return state
 
 
@@ -266,7 +270,7 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
         model = cls(config)
     model = model.to(dtype).to_empty(device=device)  # no data yet; cast on meta is free
     model.tie_weights()
-    expected = _expected_tensors(model)
+    expected = _expected_tensors(model, set(headers))
     try:
         _check_headers(headers, expected, routes)
     except ValueError as e:
