@@ -13,9 +13,11 @@ from .tokenizer import Tokenizer, load_tokenizer
 from .kernels._dispatch import reference_mode
 from .llama import LigerLlamaForCausalLM, LlamaConfig
 from .mistral import LigerMistralForCausalLM, MistralConfig
+from .mixtral import LigerMixtralForCausalLM, MixtralConfig
 from .phi3 import LigerPhi3ForCausalLM, Phi3Config
 from .qwen2 import LigerQwen2ForCausalLM, Qwen2Config
 from .qwen3 import LigerQwen3ForCausalLM, Qwen3Config
+from .qwen3_moe import LigerQwen3MoeForCausalLM, Qwen3MoeConfig
 
 __version__ = "0.1.0"
 
@@ -29,15 +31,19 @@ __all__ = [
     "LigerGemmaForCausalLM",
     "LigerLlamaForCausalLM",
     "LigerMistralForCausalLM",
+    "LigerMixtralForCausalLM",
     "LigerPhi3ForCausalLM",
     "LigerQwen2ForCausalLM",
     "LigerQwen3ForCausalLM",
+    "LigerQwen3MoeForCausalLM",
     "LlamaConfig",
     "MODEL_CLASSES",
     "MistralConfig",
+    "MixtralConfig",
     "Phi3Config",
     "Qwen2Config",
     "Qwen3Config",
+    "Qwen3MoeConfig",
     "Tokenizer",
     "load_tokenizer",
     "model_class",

@@ -12,24 +12,28 @@ from .gemma3 import LigerGemma3ForCausalLM
 from .hub import config_model_type, read_config, snapshot
 from .llama import LigerLlamaForCausalLM
 from .mistral import LigerMistralForCausalLM
+from .mixtral import LigerMixtralForCausalLM
 from .modules.causal_lm import LigerForCausalLM
 from .modules.config import LigerConfig
 from .phi3 import LigerPhi3ForCausalLM
 from .qwen2 import LigerQwen2ForCausalLM
 from .qwen3 import LigerQwen3ForCausalLM
+from .qwen3_moe import LigerQwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[LigerForCausalLM]] = {
     cls.config_class.model_type: cls
     for cls in (LigerLlamaForCausalLM, LigerMistralForCausalLM, LigerQwen2ForCausalLM, LigerGemmaForCausalLM,
-                LigerPhi3ForCausalLM, LigerQwen3ForCausalLM, LigerGemma2ForCausalLM, LigerGemma3ForCausalLM)
+                LigerPhi3ForCausalLM, LigerQwen3ForCausalLM, LigerGemma2ForCausalLM, LigerGemma3ForCausalLM,
+                LigerMixtralForCausalLM, LigerQwen3MoeForCausalLM)
 }
 
 
 def model_class(model_type: str | None) -> type[LigerForCausalLM]:
     """The Liger class for a config.json ``model_type``, or a clear error listing the supported ones."""
     if model_type == "gemma3":
-        raise ValueError("model_type 'gemma3' is the multimodal Gemma 3 (Gemma3ForConditionalGeneration), not "
-                         "supported; the text-only 'gemma3_text' (Gemma3ForCausalLM, e.g. gemma-3-1b) is")
+        raise ValueError("unsupported model_type 'gemma3': the multimodal Gemma 3 (Gemma3ForConditionalGeneration, "
+                         "4B-27B); the text-only 'gemma3_text' (Gemma3ForCausalLM: gemma-3-1b, gemma-3-270m) is "
+                         "supported")
     if model_type not in MODEL_CLASSES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}")
     return MODEL_CLASSES[model_type]

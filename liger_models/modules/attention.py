@@ -22,8 +22,11 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from liger_models.kernels import decode_attention as decode_attention_kernels
+from liger_models.kernels._dispatch import use_triton
+from liger_models.kernels.qk_norm_rope import qk_norm_rope
 from liger_models.kernels.rope import rope_packed
 
 from .cache import KVCache
@@ -44,8 +47,6 @@ _SDPA_LIMITED = ("cuda",)  # device types whose SDPA kernels have those limits
 @functools.cache
 def _flex_attention(compiled: bool):
     """flex_attention, compiled for CUDA (uncompiled it materialises the scores; fine only for CPU tests)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention) if compiled else flex_attention
 
 
@@ -153,8 +154,6 @@ class AttentionMask:
     def block(self, window: int | None):
         """flex_attention BlockMask for the same rule."""
         if ("block", window) not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             batch = self.batch
             mask_mod = lambda b, h, q_idx, kv_idx: self._allowed(q_idx, kv_idx, window, b)  # noqa: E731
             self._masks[("block", window)] = create_block_mask(
@@ -295,22 +294,35 @@ class Attention(nn.Module):
                  cache: KVCache | None = None) -> torch.Tensor:
         """Attention from the packed projection output qkv (B, T, (Hq + 2 Hkv) D), a base tensor rope may rotate."""
         B, T, _ = qkv.shape
-        if hasattr(self, "q_norm"):
-            qkv = self._norm_heads(qkv)
-        # (B, T, H, D) views with q and k rotated in place; d qkv comes back as one tensor (see liger_models/kernels/rope.py).
-        q, k, v = rope_packed(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm") and self._fused_qk_norm(qkv, cos):
+            q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.num_heads,
+                                   self.num_kv_heads, self.head_dim, self.q_norm.eps, self.q_norm.offset,
+                                   self.q_norm.casting)
+        else:
+            if hasattr(self, "q_norm"):
+                qkv = self._norm_heads(qkv)
+            # (B, T, H, D) views with q and k rotated in place; d qkv comes back as one tensor (see liger_models/kernels/rope.py).
+            q, k, v = rope_packed(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, past + T, D)
         out = attend(q, k, v, mask, self.window, self.scale, self.flex, self.softcap)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
-    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """[q_norm(q) | k_norm(k) | v] as a fresh packed tensor: each head's d features normalised by the RMSNorm
-        kernel (one launch for all q heads, one for all k heads; the (B, T, H, d) views are its rows).
+    def _fused_qk_norm(self, qkv: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether the q/k norms and RoPE run as one kernel pass (liger_models/kernels/qk_norm_rope.py): where the
+        Triton kernels run, the whole head is rotated, the norms are the plain modules with one eps, and
+        torch.compile is not tracing (the kernel is no custom op; the unfused path's pieces are)."""
+        return (use_triton(qkv) and cos.shape[-1] == self.head_dim and not torch.compiler.is_compiling()
+                and self.q_norm.eps == self.k_norm.eps and self.q_norm.offset == self.k_norm.offset
+                and not (self.q_norm._forward_hooks or self.q_norm._forward_pre_hooks
+                         or self.k_norm._forward_hooks or self.k_norm._forward_pre_hooks))
 
-        Not fused into the rope kernel: the norm runs out of place and the concatenation costs one copy of qkv,
-        which rope then rotates in place (nothing else saves that copy). The norm's backward keeps its own input."""
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[q_norm(q) | k_norm(k) | v] as a fresh packed tensor, for ``rope_packed``: the unfused path (the PyTorch
+        reference, torch.compile, partial rotary). Each head's d features are normalised by the RMSNorm kernel (one
+        launch for all q heads, one for all k heads; the (B, T, H, d) views are its rows); the concatenation costs
+        one copy of qkv, which rope then rotates in place (nothing else saves that copy)."""
         q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim
         lead = qkv.shape[:-1]
         q = self.q_norm(qkv[..., :q_end].view(*lead, self.num_heads, self.head_dim))

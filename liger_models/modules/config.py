@@ -211,6 +211,10 @@ class LigerConfig:
         """The checkpoint's parameter dtype, if config.json names one."""
         return getattr(torch, self.torch_dtype) if isinstance(self.torch_dtype, str) else None
 
+    def layer_is_sparse(self, layer_idx: int) -> bool:
+        """Whether this layer's MLP slot is a routed mixture of experts (modules/moe.py) rather than the gated MLP."""
+        return False
+
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """Keys visible to a query in this layer: exactly W tokens including itself, or None for full causal."""
         return self.sliding_window if self.sliding_window_applies else None

@@ -20,6 +20,7 @@ from .config import LigerConfig
 from .fused import add_norm, norm_linear
 from .inputs import check_attention_mask, check_forward_inputs, check_position_ids
 from .mlp import GatedMLP
+from .moe import SparseMoeBlock, per_expert_state_dict, stacked_from_per_expert
 from .norm import make_norm
 from .rope import RotaryEmbedding
 
@@ -66,19 +67,43 @@ class DecoderLayer(nn.Module):
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = make_norm(config)
             self.post_feedforward_layernorm = make_norm(config)
-        self.mlp = GatedMLP(config)
+        self.sparse = config.layer_is_sparse(layer_idx)
+        if self.sparse and config.sandwich_norms:
+            raise ValueError("a sparse (mixture-of-experts) layer with sandwich norms is not supported")
+        self.mlp = SparseMoeBlock(config) if self.sparse else GatedMLP(config)
+        if self.sparse:
+            # Checkpoint names: per expert on disk (under the family's block name), stacked in memory.
+            self._disk_block = config.moe_block_name
+            self._expert_names = config.expert_tensor_names
+            self.register_state_dict_post_hook(_experts_to_disk_names)
+            self._register_load_state_dict_pre_hook(_experts_from_disk_names, with_module=True)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask, cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream before it); their sum is HF's layer output."""
         qkv, residual = norm_linear(self.input_layernorm, x, residual, self.self_attn.projections())
         a = self.self_attn.from_qkv(qkv, cos, sin, mask, cache)
+        if self.sparse:  # the router and the experts both read the normalised input
+            h, residual = add_norm(self.post_attention_layernorm, a, residual)
+            return self.mlp(h), residual
         if not hasattr(self, "pre_feedforward_layernorm"):
             gate_up, residual = norm_linear(self.post_attention_layernorm, a, residual, self.mlp.projections())
             return self.mlp.from_gate_up(gate_up), residual
         a = self.post_attention_layernorm(a)
         gate_up, residual = norm_linear(self.pre_feedforward_layernorm, a, residual, self.mlp.projections())
         return self.post_feedforward_layernorm(self.mlp.from_gate_up(gate_up)), residual
+
+
+def _experts_to_disk_names(layer: DecoderLayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    per_expert_state_dict(layer.mlp, state_dict, prefix + "mlp.", f"{prefix}{layer._disk_block}.",
+                          layer._expert_names)
+
+
+def _experts_from_disk_names(layer: DecoderLayer, state_dict: dict, prefix: str, *args) -> None:
+    # Runs before this layer checks its keys, so the per-expert names never count as unexpected.
+    stacked_from_per_expert(state_dict, prefix + "mlp.", tuple(dict.fromkeys((f"{prefix}{layer._disk_block}.",
+                                                                              prefix + "mlp."))),
+                            layer._expert_names, layer.mlp.num_experts)
 
 
 class DecoderModel(nn.Module):
@@ -93,14 +118,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config)
         self.rotary = RotaryEmbedding(config)
-        # Families with per-layer-type RoPE (Gemma 3) get one more table; each is computed once per call.
-        # layer_rope_table[i]: the index of layer i's table (0: self.rotary, 1: self.rotary_local).
+        # Families with per-layer-type RoPE (Gemma 3) get a second table; each table is computed once per call.
+        # layer_rope_table[i]: the table of layer i (0: self.rotary, the config's own; 1: self.rotary_local).
+        own = (config.rope_theta, config.rope_scaling)
         ropes = [config.layer_rope(i) for i in range(config.num_hidden_layers)]
-        other = [r for r in ropes if r != (config.rope_theta, config.rope_scaling)]
-        self.rotary_local = RotaryEmbedding(config, other[0]) if other else None
-        if len(set(map(repr, other))) > 1:
-            raise ValueError(f"at most two RoPE tables are supported, got {sorted(set(map(repr, ropes)))}")
-        self.layer_rope_table = [0 if r == (config.rope_theta, config.rope_scaling) else 1 for r in ropes]
+        others = list({repr(r): r for r in ropes if r != own}.values())
+        if len(others) > 1:
+            raise ValueError(f"at most two RoPE tables are supported, got {[own, *others]}")
+        self.rotary_local = RotaryEmbedding(config, others[0]) if others else None
+        self.layer_rope_table = [0 if r == own else 1 for r in ropes]
         self.gradient_checkpointing = False
         # How a checkpointed layer is run (torch.utils.checkpoint with its keyword arguments, possibly offloading what
         # it saves) and which layers are: every checkpoint_every-th. LigerForCausalLM.activation_checkpointing_enable

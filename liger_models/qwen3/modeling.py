@@ -9,8 +9,9 @@
   "sliding_attention" in ``layer_types`` (by default layers ≥ ``max_window_layers``); releases ship it off.
 - HF defaults: vocab 151936, untied (≤4B checkpoints set tie_word_embeddings true), rope_theta 1e4 when absent
   (1e6 on the Hub), eps 1e-6.
-The q/k norms run through the RMSNorm kernel (one launch over all heads of q, one over k), then RoPE as for every
-family: they are not fused into one kernel pass (modules/attention.py says what that costs)."""
+The q/k norms and RoPE run as one kernel pass over the packed projection output (liger_models/kernels/
+qk_norm_rope.py; bit-identical to the RMSNorm kernel followed by the RoPE kernel, which remain the path under
+torch.compile and on the PyTorch reference)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from liger_models.lora import load_adapter, quantize_base_
 from liger_models.train import checkpointing as ckpt
 
 from ..models.parity import max_rel
-from ..train.conftest import make_tiny_model_dir, shakespeare
+from ..helpers import make_tiny_model_dir, shakespeare
 
 pytest.importorskip("peft")
 RUN = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--save-every", "2", "--keep-last", "3",

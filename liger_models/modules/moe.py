@@ -1,0 +1,357 @@
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): router, top-k, grouped expert GEMMs, weighted combine.
+
+Numerics, in HF's order (transformers 5.25 ``*TopKRouter`` + the ``grouped_mm`` experts path):
+  r = x Wgᵀ                                     router logits (N, E), activation dtype, no bias
+  p = softmax(fp32(r)) ; w, e = topk(p, k)      every row is routed: no capacity, no token dropping
+  w = w / Σ w            if renormalize_top_k   (Mixtral always; Qwen3-MoE when norm_topk_prob)
+  w = w.to(r.dtype)      if router_weights_in_activation_dtype   (Qwen3-MoE; Mixtral keeps them fp32)
+  y[t] = Σ_j w[t,j] · down_e(act(gate_e x[t]) · up_e x[t]),  e = e[t,j]   (summed over j in slot order, cast once)
+
+The experts never run in a Python loop: the N·k (token, expert) pairs are sorted by expert, each expert's rows are
+multiplied by its weights in one grouped GEMM (``torch._grouped_mm`` / ``F.grouped_mm`` on CUDA in bf16; elsewhere
+the rows are scattered into an (E, C, ·) zero-padded batch, C the largest group, and multiplied with one ``bmm``),
+the gated activation is the fused kernel of the dense MLP, and the rows are put back in (token, slot) order, scaled
+by their weights and summed over the k slots. The backward (``_Experts``) is the same grouped GEMMs transposed,
+with the activation recomputed: it saves only the gate|up output per routed row, and the routing weights and the
+router get their gradients as in HF.
+
+Weights are held stacked, as transformers v5 holds them: ``experts.gate_up_proj`` (E, 2I, D) with rows [gate | up]
+per expert, ``experts.down_proj`` (E, D, I). ``state_dict()`` and checkpoints use the per-expert names that
+checkpoints on the Hub (and transformers' own save_pretrained) carry: ``experts.{e}.gate_proj.weight`` /
+``up_proj`` / ``down_proj`` (Qwen3-MoE) or ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2`` (Mixtral: w1 gate,
+w3 up, w2 down). ``load_state_dict`` and ``from_pretrained`` accept those and the stacked names
+(``save_original_format=False`` checkpoints).
+
+``output_router_logits``: each sparse layer's raw logits (N, E) are collected while ``recording_router_logits()``
+is active; ``load_balancing_loss`` is HF's Switch-style auxiliary loss over them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from liger_models.kernels.gated_mlp import gated_backward, gated_forward
+
+from .config import LigerConfig
+
+_RECORDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_logits", default=None)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+EXPERT_PATHS = ("auto", "grouped_mm", "padded")
+
+
+@contextlib.contextmanager
+def recording_router_logits():
+    """Within this context every sparse layer's forward appends its router logits (N, E) to the yielded list, in
+    layer order. A checkpointed layer's recomputation in backward runs outside it and appends nothing."""
+    logits: list[torch.Tensor] = []
+    token = _RECORDED.set(logits)
+    try:
+        yield logits
+    finally:
+        _RECORDED.reset(token)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          weights_in_logits_dtype: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (N, k), experts (N, k) int64) from router logits (N, E), as HF's routers compute them."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if weights_in_logits_dtype:
+        weights = weights.to(logits.dtype)
+    return weights, experts
+
+
+def _use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """torch's grouped GEMM: CUDA, bf16, and rows whose byte strides are multiples of 16 (its kernel's demand)."""
+    if _GROUPED_MM is None or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0
+               for w in weights)
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor,
+                   path: str) -> torch.Tensor:
+    """rows (S, K) sorted by expert (counts (E,) rows each) times weight[e]ᵀ (E, N, K) of each row's expert → (S, N).
+
+    "grouped_mm": one grouped GEMM over the groups' offsets. "padded": the rows scattered into a zero-padded
+    (E, C, K) batch (C = the largest group; one host read), one bmm, gathered back."""
+    if path == "grouped_mm":
+        return _GROUPED_MM(rows, weight.transpose(-2, -1), offs=torch.cumsum(counts, dim=0).to(torch.int32))
+    slot, capacity = _slots(counts, expert_of_row)
+    padded = rows.new_zeros(weight.shape[0], capacity, rows.shape[1])
+    padded[expert_of_row, slot] = rows
+    return torch.bmm(padded, weight.transpose(-2, -1))[expert_of_row, slot]
+
+
+def grouped_weight_grad(left: torch.Tensor, right: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor,
+                        path: str) -> torch.Tensor:
+    """Σ over each expert's rows of leftᵀ right: (E, P, Q) from left (S, P), right (S, Q) sorted by expert; zero for
+    an expert without rows."""
+    num_experts = counts.shape[0]
+    if path == "grouped_mm":
+        out = _GROUPED_MM(left.t(), right, offs=torch.cumsum(counts, dim=0).to(torch.int32))
+        return out.masked_fill_((counts == 0)[:, None, None], 0)  # an empty group's block is not written
+    slot, capacity = _slots(counts, expert_of_row)
+    a = left.new_zeros(num_experts, capacity, left.shape[1])
+    b = right.new_zeros(num_experts, capacity, right.shape[1])
+    a[expert_of_row, slot], b[expert_of_row, slot] = left, right
+    return torch.bmm(a.transpose(1, 2), b)
+
+
+def _slots(counts: torch.Tensor, expert_of_row: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each sorted row's place within its expert's group, and the largest group (a host read)."""
+    starts = torch.cumsum(counts, dim=0) - counts
+    slot = torch.arange(expert_of_row.shape[0], device=counts.device) - starts[expert_of_row]
+    return slot, int(counts.max()) if counts.numel() else 0
+
+
+class _Experts(torch.autograd.Function):
+    """The routed experts, forward and backward, saving only the input x (N, D) (which the router's linear saves
+    anyway), the routing and the gate|up GEMM output (S, 2I) for backward: HF's composed path also keeps the
+    gathered rows (S, D), the activation (S, I) and the down output (S, D).
+
+    Backward, per sorted row r of expert e with weight w and incoming gradient g (the row's token's):
+      g_a = g · down_e            (S, I), one grouped GEMM
+      d w = ⟨g_a, a⟩              (= ⟨g, down_e a⟩, the weight's gradient, with a = act(gate)·up recomputed)
+      d a = w · g_a  → d gate|up  by the fused gated kernel, written over the saved gate|up output
+      d down_e = Σ (w g)ᵀ a,  d gate_up_e = Σ d(gate|up)ᵀ x_r,  d x_r = d(gate|up) · gate_up_e
+    """
+
+    @staticmethod
+    def forward(ctx, x, weights, gate_up, down, experts, activation, path):
+        n_tokens, top_k = experts.shape
+        flat = experts.reshape(-1)  # (S,) in (token, slot) order
+        order = torch.argsort(flat, stable=True)
+        expert_of_row = flat[order]
+        # scatter_add, not bincount: no host read of the largest id (the grouped path then never syncs).
+        counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        hidden = grouped_linear(x[order // top_k], gate_up, counts, expert_of_row, path)  # (S, 2I)
+        inter = hidden.shape[1] // 2
+        act = hidden.new_empty(hidden.shape[0], inter)
+        if act.numel():
+            gated_forward(hidden[:, :inter], hidden[:, inter:], act, activation)
+        out = grouped_linear(act, down, counts, expert_of_row, path)  # (S, D)
+        del act
+        w_sorted = weights.reshape(-1)[order]
+        ctx.save_for_backward(x, weights, gate_up, down, hidden, order, expert_of_row, counts)
+        ctx.activation, ctx.path, ctx.top_k = activation, path, top_k
+        return _combine(out, w_sorted, order, n_tokens, top_k).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weights, gate_up, down, hidden, order, expert_of_row, counts = ctx.saved_tensors
+        path, top_k, inter = ctx.path, ctx.top_k, hidden.shape[1] // 2
+        token = order // top_k
+        w_sorted = weights.reshape(-1)[order]
+        g = dy[token].to(hidden.dtype)  # (S, D): each row's share of its token's gradient (the sum's adjoint)
+        g_a = grouped_linear(g, down.transpose(-2, -1), counts, expert_of_row, path)  # (S, I) = g · down_e
+        d_act = (g_a * w_sorted[:, None]).to(hidden.dtype)
+        # d gate|up over the saved output's memory; the recomputed activation over d_act's.
+        if d_act.numel():
+            gated_backward(d_act, hidden[:, :inter], hidden[:, inter:], hidden[:, :inter], hidden[:, inter:],
+                           ctx.activation, product2d=d_act)
+        act, d_hidden = d_act, hidden
+        d_weights = None
+        if ctx.needs_input_grad[1]:
+            d_sorted = (g_a.float() * act.float()).sum(dim=-1)
+            d_weights = torch.empty_like(d_sorted)
+            d_weights[order] = d_sorted
+            d_weights = d_weights.view(weights.shape).to(weights.dtype)
+        del g_a
+        d_down = None
+        if ctx.needs_input_grad[3]:
+            d_out = (g * w_sorted[:, None]).to(hidden.dtype)
+            d_down = grouped_weight_grad(d_out, act, counts, expert_of_row, path).to(down.dtype)
+            del d_out
+        del act, g
+        d_gate_up = None
+        if ctx.needs_input_grad[2]:
+            d_gate_up = grouped_weight_grad(d_hidden, x[token], counts, expert_of_row, path).to(gate_up.dtype)
+        d_x = None
+        if ctx.needs_input_grad[0]:
+            d_rows = grouped_linear(d_hidden, gate_up.transpose(-2, -1), counts, expert_of_row, path)  # (S, D)
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            d_x = d_rows[inverse].view(x.shape[0], top_k, -1).sum(dim=1).to(x.dtype)
+        return d_x, d_weights, d_gate_up, d_down, None, None, None
+
+
+def _combine(out: torch.Tensor, w_sorted: torch.Tensor, order: torch.Tensor, n_tokens: int,
+             top_k: int) -> torch.Tensor:
+    """Σ over each token's k slots of w · out, from sorted rows: weighted in sorted order (Mixtral's fp32 weights
+    promote the product), back to (token, slot) order, summed over the slots, as HF's grouped path does."""
+    weighted = out * w_sorted[:, None]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return weighted[inverse].view(n_tokens, top_k, -1).sum(dim=1)
+
+
+def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, activation: str, path: str = "auto") -> torch.Tensor:
+    """Σ_j weights[:, j] · expert_{experts[:, j]}(x) for x (N, D), weights / experts (N, k), gate_up (E, 2I, D),
+    down (E, D, I) → (N, D) in x's dtype; differentiable in x, weights, gate_up and down. path: "auto"
+    (grouped_mm where ``_use_grouped_mm``, else padded), or one of them forced (tests run both)."""
+    if path not in EXPERT_PATHS:
+        raise ValueError(f"path must be one of {EXPERT_PATHS}, got {path!r}")
+    if experts.shape != weights.shape or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
+        raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be (N, k) "
+                         f"for x {tuple(x.shape)}")
+    if torch.is_autocast_enabled(x.device.type):  # the GEMMs in autocast's dtype, as nn.Linear's would run
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    if x.dtype != gate_up.dtype or x.dtype != down.dtype:
+        raise TypeError(f"x ({x.dtype}) and the expert weights ({gate_up.dtype}, {down.dtype}) must share a dtype")
+    if path == "auto":
+        path = "grouped_mm" if _use_grouped_mm(x, gate_up, down) else "padded"
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    return _Experts.apply(x, weights, gate_up, down, experts, activation, path)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's ``load_balancing_loss_func``: E · Σ_e f_e · P_e over all sparse layers' rows, where f_e is the share of
+    top-k assignments that went to expert e (per row, k of them) and P_e the mean router probability of e; rows
+    where the 2D attention_mask (B, T), flattened as the logits' rows, is 0 do not count. Balanced routing gives k."""
+    if not router_logits:
+        raise ValueError("load_balancing_loss needs the router logits of at least one sparse layer")
+    device = router_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sums = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for logits in router_logits:
+        probs = torch.softmax(logits, dim=-1)  # in the logits' dtype, as HF
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        if mask is not None and mask.numel() != probs.shape[0]:
+            raise ValueError(f"attention_mask has {mask.numel()} entries for {probs.shape[0]} router rows")
+        per_row = torch.ones(probs.shape[0], dtype=torch.float32, device=device) if mask is None else mask
+        counts = counts.scatter_add(0, chosen.reshape(-1), per_row.repeat_interleave(top_k))
+        prob_sums = prob_sums + (probs.float() * per_row[:, None]).sum(dim=0)
+        rows = rows + per_row.sum()
+    return num_experts * torch.sum((counts / rows) * (prob_sums / rows))
+
+
+class Experts(nn.Module):
+    """The stacked expert weights: gate_up_proj (E, 2I, D), rows [gate | up] per expert, and down_proj (E, D, I)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+
+class SparseMoeBlock(nn.Module):
+    """HF names: ``gate`` (the router, a bias-free (E, D) linear) and ``experts`` (stacked, see Experts)."""
+
+    def __init__(self, config: LigerConfig) -> None:
+        super().__init__()
+        self.top_k, self.num_experts = config.num_experts_per_tok, config.experts_count
+        if not (isinstance(self.top_k, int) and 1 <= self.top_k <= self.num_experts):
+            raise ValueError(f"num_experts_per_tok must be in 1 … {self.num_experts} experts, got {self.top_k!r}")
+        self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
+        self.experts = Experts(self.num_experts, config.hidden_size, config.expert_intermediate_size)
+        self.activation = config.activation
+        self.renormalize = config.renormalize_top_k
+        self.weights_in_logits_dtype = config.router_weights_in_activation_dtype
+        self.jitter_noise = config.router_jitter_noise
+        self.path = "auto"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., D), the post-attention norm's output → the weighted expert outputs (..., D)."""
+        shape = x.shape
+        if self.training and self.jitter_noise > 0:  # Mixtral: the experts see the jittered input too
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)  # (N, E)
+        recorded = _RECORDED.get()
+        if recorded is not None:
+            recorded.append(logits)
+        weights, experts = route(logits, self.top_k, self.renormalize, self.weights_in_logits_dtype)
+        out = experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
+                              self.activation, self.path)
+        return out.view(shape)
+
+
+# ---- checkpoint names: per-expert on disk, stacked in memory -------------------------------------------------
+
+def _per_expert(num_experts: int, disk_prefix: str, names: tuple[str, str, str]) -> list[tuple[int, str, str]]:
+    """(expert, role, name) for each per-expert tensor; role is gate / up / down, names the family's (gate, up,
+    down) tensor names."""
+    return [(e, role, f"{disk_prefix}experts.{e}.{name}.weight")
+            for e in range(num_experts) for role, name in zip(("gate", "up", "down"), names)]
+
+
+def _expert_slice(experts: Experts, e: int, role: str) -> torch.Tensor:
+    inter = experts.down_proj.shape[2]
+    if role == "down":
+        return experts.down_proj.detach()[e]
+    part = slice(0, inter) if role == "gate" else slice(inter, 2 * inter)
+    return experts.gate_up_proj.detach()[e, part]
+
+
+def per_expert_state_dict(block: SparseMoeBlock, state_dict: dict, block_prefix: str, disk_prefix: str,
+                          names: tuple[str, str, str]) -> None:
+    """Rewrite block's entries of a state_dict (under block_prefix) to the on-disk names under disk_prefix: the
+    router as ``gate.weight``, each expert's weights as their own tensors. With keep_vars (Parameters in the dict)
+    they are views of the stacked Parameters (a loader copies into them); else own copies, since savers refuse
+    tensors that share storage."""
+    stacked = state_dict.pop(block_prefix + "experts.gate_up_proj")
+    state_dict.pop(block_prefix + "experts.down_proj")
+    keep_vars = isinstance(stacked, nn.Parameter)
+    state_dict[disk_prefix + "gate.weight"] = state_dict.pop(block_prefix + "gate.weight")
+    for e, role, name in _per_expert(block.num_experts, disk_prefix, names):
+        view = _expert_slice(block.experts, e, role)
+        state_dict[name] = view if keep_vars else view.clone()
+
+
+def stacked_from_per_expert(state_dict: dict, block_prefix: str, disk_prefixes: tuple[str, ...],
+                            names: tuple[str, str, str], num_experts: int) -> None:
+    """The inverse for ``load_state_dict``: per-expert (or stacked) entries under any of disk_prefixes become the
+    block's stacked ``experts.gate_up_proj`` / ``experts.down_proj`` and ``gate.weight``. Entries that are absent
+    are left absent, so strict loading names them as missing."""
+    for prefix in disk_prefixes:
+        if prefix + "gate.weight" in state_dict:
+            state_dict[block_prefix + "gate.weight"] = state_dict.pop(prefix + "gate.weight")
+        for stacked in ("gate_up_proj", "down_proj"):
+            if prefix + "experts." + stacked in state_dict:
+                state_dict[block_prefix + "experts." + stacked] = state_dict.pop(prefix + "experts." + stacked)
+        entries = _per_expert(num_experts, prefix, names)
+        if not any(name in state_dict for _, _, name in entries):
+            continue
+        parts = {role: [] for role in ("gate", "up", "down")}
+        for _, role, name in entries:
+            if name not in state_dict:
+                return  # incomplete: leave the pieces, strict loading reports them
+            parts[role].append(state_dict.pop(name))
+        state_dict[block_prefix + "experts.gate_up_proj"] = torch.cat(
+            (torch.stack(parts["gate"]), torch.stack(parts["up"])), dim=1)
+        state_dict[block_prefix + "experts.down_proj"] = torch.stack(parts["down"])
+
+
+def stacked_checkpoint_names(state: dict, stored: set[str], block: SparseMoeBlock, disk_prefixes: tuple[str, ...],
+                             per_expert_prefix: str, names: tuple[str, str, str]) -> None:
+    """For a loader reading tensors by name: where a checkpoint stores this block stacked (``experts.gate_up_proj``
+    under one of disk_prefixes, as transformers' ``save_original_format=False`` writes it), expect the stacked
+    Parameters under those names instead of the per-expert views ``state`` holds (keep_vars state)."""
+    for prefix in disk_prefixes:
+        if prefix + "experts.gate_up_proj" not in stored:
+            continue
+        for _, _, name in _per_expert(block.num_experts, per_expert_prefix, names):
+            state.pop(name, None)
+        state[prefix + "gate.weight"] = state.pop(per_expert_prefix + "gate.weight")
+        state[prefix + "experts.gate_up_proj"] = block.experts.gate_up_proj
+        state[prefix + "experts.down_proj"] = block.experts.down_proj
+        return
