@@ -38,17 +38,17 @@ SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (3276
 def _variant(block: int, warps: int, flags: str = "") -> tuple[str, dict]:
     words = flags.split()
     name = f"b{block}w{warps}" + "".join(f" {w}" for w in words)
-    settings = dict(CE_BLOCK_V=block, CE_NUM_WARPS=warps, CE_REVERSE_PASS2="fwd" not in words,
-                    CE_EVICTION_HINTS="nohint" not in words)
+    settings = dict(block_v=block, num_warps=warps, reverse_pass2="fwd" not in words,
+                    eviction_hints="nohint" not in words)
     if "lanes" in words or "bsums" in words:
-        settings.update(CE_LANE_SUMS="lanes" in words, CE_LANE_SUMS_MIN_ROWS=0)
-    settings.update({"CE_KEEP_L2_SHARE": int(w[4:]) / 100 for w in words if w.startswith("keep")})
-    settings.update({"CE_MAX_REGISTERS": int(w[1:]) for w in words if w[0] == "r" and w[1:].isdigit()})
-    settings.update({"CE_MAX_REGISTERS": None for w in words if w == "nocap"})
-    settings.update({"CE_MAX_REGISTERS_COLS": 1 << 30 for w in words if w == "capall"})
-    settings.update({"CE_SPLIT_COLS": None for w in words if w == "nosplit"})
-    settings.update({"CE_PREFETCH_PASS2": False for w in words if w == "noprefetch"})
-    settings.update({"CE_SPLIT_COLS": int(w[5:-1]) << 10 for w in words if w.startswith("split") and w[-1] == "k"})
+        settings.update(lane_sums="lanes" in words, lane_sums_min_rows=0)
+    settings.update({"keep_l2_share": int(w[4:]) / 100 for w in words if w.startswith("keep")})
+    settings.update({"max_registers": int(w[1:]) for w in words if w[0] == "r" and w[1:].isdigit()})
+    settings.update({"max_registers": None for w in words if w == "nocap"})
+    settings.update({"max_registers_cols": 1 << 30 for w in words if w == "capall"})
+    settings.update({"split_cols": None for w in words if w == "nosplit"})
+    settings.update({"prefetch_pass2": False for w in words if w == "noprefetch"})
+    settings.update({"split_cols": int(w[5:-1]) << 10 for w in words if w.startswith("split") and w[-1] == "k"})
     return name, settings
 
 
@@ -91,13 +91,10 @@ def make_inputs(n: int, vocab: int, kind: str):
 
 def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     from liger_models.kernels import _ce_core, _labels
+    from liger_models.kernels._tuning import tuned
     from liger_models.kernels.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
-    knobs = ("CE_BLOCK_V", "CE_NUM_WARPS", "CE_REVERSE_PASS2", "CE_EVICTION_HINTS", "CE_LANE_SUMS",
-             "CE_LANE_SUMS_MIN_ROWS", "CE_KEEP_L2_SHARE", "CE_MAX_REGISTERS", "CE_MAX_REGISTERS_COLS", "CE_SPLIT_COLS",
-             "CE_PREFETCH_PASS2")
-    default = {k: getattr(_ce_core, k) for k in knobs}
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)
         return F.cross_entropy(x.float(), y, ignore_index=IGNORE)
 
@@ -108,13 +105,8 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
 
     def ours(settings):
         def fn(x, y):  # the whole kernel runs in the forward (gradients are computed there)
-            for k, v in settings.items():
-                setattr(_ce_core, k, v)
-            try:
+            with tuned(_ce_core, **settings):
                 return cross_entropy(x, y, inplace_grad=True)
-            finally:
-                for k, v in default.items():
-                    setattr(_ce_core, k, v)
 
         return step(fn, in_place=True)
 

@@ -8,7 +8,7 @@ GPU times of CUDA-graph replays (`triton.testing.do_bench_cudagraph`): inside a 
 Every schedule of the split kernel in SCHEDULES (rows per program, warps, programs per SM) is timed and checked
 against the float64 reference (docs/kernels.md#correctness-protocol: bf16 rel. L2 ≤ 1e-2 and ≤ 2× SDPA's error);
 the fastest correct one over the tree cases is printed as a LIGER_TUNE string (`best_tune` in the JSON), with whether
-one-token calls are faster through SDPA (then MIN_QUERIES=2).
+one-token calls are faster through SDPA (then min_queries=2).
 
     python benchmarks/bench_decode_attention.py --out DIR
 """
@@ -29,7 +29,7 @@ CASES = [("8B tree, 128 past", 32, 8, 128, True, 253, 128), ("8B tree, 2K past",
          ("8B tree, 8K past", 32, 8, 128, True, 8317, 8192), ("1B tree, 2K past", 32, 8, 64, True, 2173, 2048),
          ("8B one token, 2K past", 32, 8, 128, False, 2129, 2048),
          ("1B one token, 2K past", 32, 8, 64, False, 2129, 2048)]
-SCHEDULES = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 4, 8)))  # BLOCK_M_MAX, NUM_WARPS, PROGRAMS_PER_SM
+SCHEDULES = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 4, 8)))  # block_m_max, num_warps, programs_per_sm
 
 
 def _case(Hq, Hkv, D, tree, capacity, past, dtype):
@@ -58,12 +58,12 @@ def main() -> None:
     import triton.testing
 
     from liger_models.kernels import decode_attention as da
+    from liger_models.kernels._tuning import tuned
 
     def rel_l2(out, ref) -> float:
         return ((out.double() - ref).norm() / ref.norm()).item()
 
     args = harness.parse_args(__doc__.splitlines()[0])
-    default = f"{da.BLOCK_M_MAX},{da.NUM_WARPS},{da.PROGRAMS_PER_SM}"
     rows = []
     for (name, Hq, Hkv, D, tree, capacity, past), dtype in itertools.product(CASES, (torch.bfloat16,)):
         q, k, v, mask, scale = _case(Hq, Hkv, D, tree, capacity, past, dtype)
@@ -73,16 +73,15 @@ def main() -> None:
         row = dict(case=name, tree=tree, capacity=capacity, past=past, head_dim=D,
                    sdpa_us=1e3 * triton.testing.do_bench_cudagraph(sdpa, rep=50), sdpa_err=sdpa_err, ours={})
         for block_m, warps, per_sm in SCHEDULES:
-            da.BLOCK_M_MAX, da.NUM_WARPS, da.PROGRAMS_PER_SM = block_m, warps, per_sm
             ours = lambda: da.decode_attention(q, k, v, mask, scale)  # noqa: E731
-            try:
-                err = rel_l2(ours(), ref)
-                ok = err <= 1e-2 and err <= max(2 * sdpa_err, 4e-3)
-                us = 1e3 * triton.testing.do_bench_cudagraph(ours, rep=50)
-            except Exception as e:  # noqa: BLE001 - a schedule that does not compile (resources) is just out
-                err, ok, us = repr(e)[:200], False, float("inf")
+            with tuned(da, block_m_max=block_m, num_warps=warps, programs_per_sm=per_sm):
+                try:
+                    err = rel_l2(ours(), ref)
+                    ok = err <= 1e-2 and err <= max(2 * sdpa_err, 4e-3)
+                    us = 1e3 * triton.testing.do_bench_cudagraph(ours, rep=50)
+                except Exception as e:  # noqa: BLE001 - a schedule that does not compile (resources) is just out
+                    err, ok, us = repr(e)[:200], False, float("inf")
             row["ours"][f"{block_m},{warps},{per_sm}"] = dict(us=us, err=err, ok=ok)
-        da.BLOCK_M_MAX, da.NUM_WARPS, da.PROGRAMS_PER_SM = (int(x) for x in default.split(","))
         rows.append(row)
         best = min(row["ours"].items(), key=lambda kv: kv[1]["us"] if kv[1]["ok"] else float("inf"))
         print(f"{name}: SDPA {row['sdpa_us']:.1f} us (err {sdpa_err:.1e}); ours best {best[0]} "
@@ -96,8 +95,8 @@ def main() -> None:
     best = min(correct, key=lambda s: sum(r["ours"][s]["us"] for r in trees))
     one_token_sdpa = all(r["sdpa_us"] < r["ours"][best]["us"] for r in rows if not r["tree"])
     block_m, warps, per_sm = best.split(",")
-    tune = (f"decode_attention.BLOCK_M_MAX={block_m},decode_attention.NUM_WARPS={warps},"
-            f"decode_attention.PROGRAMS_PER_SM={per_sm},decode_attention.MIN_QUERIES={2 if one_token_sdpa else 1}")
+    tune = (f"decode_attention.block_m_max={block_m},decode_attention.num_warps={warps},"
+            f"decode_attention.programs_per_sm={per_sm},decode_attention.min_queries={2 if one_token_sdpa else 1}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_decode_attention.json"), "w") as f:
         json.dump({"env": harness.environment(), "best_tune": tune, "results": rows}, f, indent=1)

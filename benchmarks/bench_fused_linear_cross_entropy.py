@@ -14,9 +14,9 @@ softmax itself; CCE's gradient filtering only pays here). At the headline shapes
 25.1.1 has no fp32-accumulating variant), and this project also runs
 without grad_W's storage as the logits scratch (token chunks from a 256 MiB or a 1 GiB budget instead):
 `liger-models budget256` / `liger-models budget1024`; under a 512 MiB scratch cap (`liger-models cap512`:
-MAX_SCRATCH_BYTES, the fp32 accumulator becoming grad_W in place; also at the Gemma-2B step's BT16384 H2048
-V256000); with OVERLAP_CE flipped (`liger-models overlap`: the CE pass of each chunk on a side stream, overlapping
-the previous chunk's gradient GEMMs); and with SINGLE_CHUNK_IN_ACCUMULATOR flipped where N ≤ 2H (`liger-models
+max_scratch_bytes, the fp32 accumulator becoming grad_W in place; also at the Gemma-2B step's BT16384 H2048
+V256000); with overlap_ce flipped (`liger-models overlap`: the CE pass of each chunk on a side stream, overlapping
+the previous chunk's gradient GEMMs); and with single_chunk_in_accumulator flipped where N ≤ 2H (`liger-models
 chunked`: the default is one chunk there).
 `liger-models filtered` runs every case with grad_filter_eps=2⁻¹², cut-cross-entropy's default threshold for bf16
 (opt-in: each token chunk's backward GEMMs over the vocabulary columns whose per-token gradient reaches it;
@@ -103,26 +103,17 @@ def vs_exact(hidden, weight, labels) -> dict:
 
 def providers(hidden, weight, labels, variants: bool) -> dict:
     import liger_models.kernels.fused_linear_cross_entropy as flce
+    from liger_models.kernels._tuning import tuned
 
     n, hdim, vocab = hidden.shape[0], hidden.shape[1], weight.shape[0]
 
     def step(fn):
         return lambda: torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
 
-    tunables = ("GRAD_WEIGHT_AS_SCRATCH", "LOGITS_BUDGET_BYTES", "OVERLAP_CE", "SINGLE_CHUNK_IN_ACCUMULATOR",
-                "MAX_SCRATCH_BYTES")
-
-    def ours(scratch=flce.GRAD_WEIGHT_AS_SCRATCH, budget=flce.LOGITS_BUDGET_BYTES, overlap=flce.OVERLAP_CE,
-             single=flce.SINGLE_CHUNK_IN_ACCUMULATOR, cap=flce.MAX_SCRATCH_BYTES):
+    def ours(**settings):  # the chunk loop's settings (flce.TUNING fields) for this provider
         def fn(h, w, y):
-            saved = [getattr(flce, name) for name in tunables]
-            for name, value in zip(tunables, (scratch, budget, overlap, single, cap)):
-                setattr(flce, name, value)
-            try:
+            with tuned(flce, **settings):
                 return flce.fused_linear_cross_entropy(h, w, y)
-            finally:
-                for name, value in zip(tunables, saved):
-                    setattr(flce, name, value)
 
         return step(fn)
 
@@ -136,15 +127,16 @@ def providers(hidden, weight, labels, variants: bool) -> dict:
 
     out = {"liger-models": ours(), "liger-models filtered": step(filtered_loss)}
     if variants:
-        out["liger-models budget256"] = ours(False, 256 * MiB)
-        out["liger-models budget1024"] = ours(False, 1024 * MiB)
+        out["liger-models budget256"] = ours(grad_weight_as_scratch=False, logits_budget_bytes=256 * MiB)
+        out["liger-models budget1024"] = ours(grad_weight_as_scratch=False, logits_budget_bytes=1024 * MiB)
         # a capped scratch: the fp32 accumulator becomes grad_W in place (peak 4·V·H + 512 MiB instead of 6·V·H)
-        out["liger-models cap512"] = ours(cap=512 * MiB)
+        out["liger-models cap512"] = ours(max_scratch_bytes=512 * MiB)
         # the CE pass of each chunk on a side stream, overlapping the previous chunk's gradient GEMMs
-        out["liger-models overlap"] = ours(overlap=not flce.OVERLAP_CE)
+        out["liger-models overlap"] = ours(overlap_ce=not flce.TUNING.overlap_ce)
         if n <= 2 * hdim:  # N ≤ 2H: one chunk in the fp32 accumulator's bytes, dW straight into grad_W
-            flipped = "chunked" if flce.SINGLE_CHUNK_IN_ACCUMULATOR else "single"
-            out[f"liger-models {flipped}"] = ours(single=not flce.SINGLE_CHUNK_IN_ACCUMULATOR)
+            flipped = "chunked" if flce.TUNING.single_chunk_in_accumulator else "single"
+            single = not flce.TUNING.single_chunk_in_accumulator
+            out[f"liger-models {flipped}"] = ours(single_chunk_in_accumulator=single)
     if n * vocab <= EAGER_MAX_ELEMENTS:
         out["eager"] = step(reference)
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))

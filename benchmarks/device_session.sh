@@ -2,7 +2,7 @@
 # GPU tests and benchmarks in parts that each fit one device call (10 minutes), results under $OUT.
 #   bash benchmarks/device_session.sh tests kernels     # call 1: pytest -m gpu, then the loss-kernel variants
 #   bash benchmarks/device_session.sh norms             # issue 2's kernel benchmarks (JSON + sweeps + graph time)
-#   bash benchmarks/device_session.sh e2e-small         # call 2: bench_e2e on the 1B-class configs (e2e-overlap: OVERLAP_CE)
+#   bash benchmarks/device_session.sh e2e-small         # call 2: bench_e2e on the 1B-class configs (e2e-overlap: overlap_ce)
 #   bash benchmarks/device_session.sh e2e-wide medusa   # call 3: bench_e2e on the wide configs, bench_medusa --quick
 #   bash benchmarks/device_session.sh tests medusa-trees   # pytest -m gpu, then fitted Medusa trees on the demo's heads
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
@@ -58,13 +58,13 @@ run_part() {
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_small" --timeout 200 --providers "${E2E_SMALL_PROVIDERS:-ours,ours_graph}" \
         --configs llama-3.2-1b,qwen2.5-1.5b,gemma-2b ;;
     e2e-overlap)  # linear-CE with its CE pass overlapped on a side stream
-      LIGER_TUNE=fused_linear_cross_entropy.OVERLAP_CE=True python3 benchmarks/bench_e2e.py \
+      LIGER_TUNE=fused_linear_cross_entropy.overlap_ce=True python3 benchmarks/bench_e2e.py \
         --out "$OUT/e2e_overlap" --timeout 200 --providers ours --configs llama-3.2-1b,qwen2.5-1.5b ;;
     e2e-capped)  # Gemma-2B's step with linear-CE's scratch capped (CAP_BYTES, default 512 MiB; the accumulator
                  # becomes grad_W), and the same configs uncapped in the same call for the comparison
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_uncapped" --timeout 200 --providers ours \
         --configs "${CAPPED_CONFIGS:-gemma-2b}"
-      LIGER_TUNE=fused_linear_cross_entropy.MAX_SCRATCH_BYTES=${CAP_BYTES:-$((512 << 20))} python3 benchmarks/bench_e2e.py \
+      LIGER_TUNE=fused_linear_cross_entropy.max_scratch_bytes=${CAP_BYTES:-$((512 << 20))} python3 benchmarks/bench_e2e.py \
         --out "$OUT/e2e_capped" --timeout 200 --providers ours --configs "${CAPPED_CONFIGS:-gemma-2b}" ;;
     gemm-shapes)  # every GEMM of a step at the e2e shapes, as used and in variants (split halves, fp32 split-K)
       python3 benchmarks/bench_gemm_shapes.py --out "$OUT" ;;

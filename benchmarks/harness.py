@@ -221,22 +221,25 @@ def matmul_tflops(n: int = 8192) -> float:
 
 
 def apply_tunables() -> dict:
-    """Set kernel-module constants from LIGER_TUNE="module.NAME=value,..." (modules under liger_models.kernels,
-    values Python literals), so one benchmark run can compare schedules without editing code, e.g.
-    LIGER_TUNE=fused_linear_cross_entropy.OVERLAP_CE=True,_ce_core.CE_BLOCK_V=8192. Returns what it set
-    (recorded with the results)."""
+    """Set kernel settings from LIGER_TUNE="module.field=value,..." (a module under liger_models.kernels, a field of its
+    TUNING, a Python literal), so one benchmark run can compare schedules without editing code, e.g.
+    LIGER_TUNE=fused_linear_cross_entropy.overlap_ce=True,_ce_core.block_v=8192. Returns what it set (recorded with
+    the results)."""
     import ast
     import importlib
+
+    from liger_models.kernels._tuning import set_tuning
 
     applied = {}
     for item in filter(None, os.environ.get("LIGER_TUNE", "").split(",")):
         target, _, literal = item.partition("=")
         module, _, name = target.strip().rpartition(".")
         mod = importlib.import_module(f"liger_models.kernels.{module}")
-        if not hasattr(mod, name):
-            raise SystemExit(f"LIGER_TUNE: liger_models.kernels.{module} has no {name}")
-        setattr(mod, name, ast.literal_eval(literal.strip()))
-        applied[target.strip()] = getattr(mod, name)
+        try:
+            set_tuning(mod, **{name: ast.literal_eval(literal.strip())})
+        except TypeError as exc:
+            raise SystemExit(f"LIGER_TUNE: {exc}") from exc
+        applied[target.strip()] = getattr(mod.TUNING, name)
     return applied
 
 

@@ -18,6 +18,9 @@ if not torch.cuda.is_available():
     # on the 2-core CI machine.
     torch.set_num_threads(1)
 
+# Loaded once this module has set TRITON_INTERPRET, as everything that imports triton must be.
+pytest_plugins = ["tests.training_fixtures"]
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -90,3 +93,15 @@ def interpreter_rounds_bf16(monkeypatch):
 
     monkeypatch.setattr(interpreter, "_convert_float", convert)
     yield
+
+
+@pytest.fixture
+def tune():
+    """``tune(module, field=value, ...)``: a kernel module's TUNING with those settings until the test ends
+    (liger_models/kernels/_tuning.py: the one way tests force a kernel path)."""
+    import contextlib
+
+    from liger_models.kernels._tuning import tuned
+
+    with contextlib.ExitStack() as stack:
+        yield lambda module, **changes: stack.enter_context(tuned(module, **changes))

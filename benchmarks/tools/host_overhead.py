@@ -1,5 +1,5 @@
 """Host time per forward + backward of this project's autograd ops, with and without liger_models/kernels/_launch.py's direct
-launch of cached compiled kernels (FAST_LAUNCH; off = Triton's own launcher, which re-binds and re-specialises
+launch of cached compiled kernels (TUNING.fast_launch; off = Triton's own launcher, which re-binds and re-specialises
 every argument on each call). Small shapes, where the host, not the GPU, sets a step's pace.
 
 Host time = wall time of the Python calls with a GPU sleep queued ahead (no launch waits for the device), as in
@@ -87,6 +87,7 @@ def launch_paths() -> dict:
     import triton
     import triton.language as tl
     from liger_models.kernels import _launch
+    from liger_models.kernels._tuning import set_tuning
 
     @triton.jit
     def _tiny(X, n, BLOCK: tl.constexpr):
@@ -221,16 +222,17 @@ def profile_top(fn, reps: int = 300, top: int = 25) -> str:
 def main() -> None:
     args = parse_args(__doc__)
     from liger_models.kernels import _launch
+    from liger_models.kernels._tuning import set_tuning
 
     rows = []
     for name, fn in steps().items():
         row = {"op": name, "gpu_ms": busy_gpu_ms(fn)}
         for fast in (False, True):
-            _launch.FAST_LAUNCH = fast
+            set_tuning(_launch, fast_launch=fast)
             host_ms_per_call(fn, 20, SLEEP_CYCLES)  # warm this path's caches
             row["host_ms_fast" if fast else "host_ms_triton"] = host_ms_per_call(fn, 50, SLEEP_CYCLES * 4)
         rows.append(row)
-    _launch.FAST_LAUNCH = True
+    set_tuning(_launch, fast_launch=True)
     micro = []
     bench_style = bench_style_steps()
     for name, fn in {**launch_paths(), **bench_style}.items():

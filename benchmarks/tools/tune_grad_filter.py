@@ -5,7 +5,7 @@ with the nonzero() and host sync that size the GEMMs. GPU only.
 --dense-share: where the sparse path stops paying. For one chunk (rows × H × V), the kept-column GEMMs
 (_grad_filter.sparse_gradients: gathers, GEMMs over the kept columns, dW rows scattered back) against the dense
 GEMMs the chunk would run instead (grad_h = dlogits·W, fp32 dW += dlogitsᵀ·h), for a range of kept shares. The
-filter pass itself runs before either, so it is left out of both. DENSE_SHARE should sit below the crossing.
+filter pass itself runs before either, so it is left out of both. TUNING.dense_share should sit below the crossing.
 
     python benchmarks/tools/tune_grad_filter.py [--out DIR] [--dense-share]
 """
@@ -21,6 +21,7 @@ import torch
 from triton.testing import do_bench
 
 from liger_models.kernels import _grad_filter as gf
+from liger_models.kernels._tuning import tuned
 from liger_models.kernels.fused_linear_cross_entropy import _accumulate_dw
 
 CHUNKS = [(2048, 128256), (2048, 256000), (4096, 128256)]
@@ -71,9 +72,9 @@ def main() -> None:
     for (m, v), tile in itertools.product(CHUNKS, TILES):
         d = (torch.randn(m, v, device="cuda") * 1e-3).to(torch.bfloat16)  # random: every column kept
         scale = torch.tensor(1.0, device="cuda")
-        gf._BLOCK_M, gf._BLOCK_V, gf._NUM_WARPS = tile
-        kernel_ms = do_bench(lambda: gf.column_flags(d, scale, 2.0**-12))  # the pass alone (zeroed flags + kernel)
-        call_ms = do_bench(lambda: gf.active_columns(d, scale, 2.0**-12))  # + nonzero and its host sync
+        with tuned(gf, block_m=tile[0], block_v=tile[1], num_warps=tile[2]):
+            kernel_ms = do_bench(lambda: gf.column_flags(d, scale, 2.0**-12))  # the pass alone (zeroed flags + kernel)
+            call_ms = do_bench(lambda: gf.active_columns(d, scale, 2.0**-12))  # + nonzero and its host sync
         gbps = d.numel() * 2 / (kernel_ms * 1e-3) / 1e9
         rows.append(dict(m=m, v=v, tile=tile, kernel_ms=kernel_ms, call_ms=call_ms, gb_s=gbps))
         print(f"{m:>5} x {v:>6}  tile {tile}:  pass {kernel_ms:.3f} ms ({gbps:4.0f} GB/s), with the sync "

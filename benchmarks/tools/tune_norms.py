@@ -8,7 +8,7 @@ Sections (bf16, llama casting; GB/s counts 4 B/elem forward (x, y), 6 B/elem bac
   wide   rows of 8K-16K columns, RMSNorm and LayerNorm: the one-kernel wide backward (elements per thread, L2
          hints) against the split path, plus the forward for scale; 8192 columns also forced through the wide kernel.
   host   host µs per call, GPU idle (tiny tensors): allocation, Triton launch through its launcher vs the cached
-         compiled kernel (liger_models/kernels/_launch.py FAST_LAUNCH), autograd.grad alone, a whole forward + backward.
+         compiled kernel (liger_models/kernels/_launch.py's fast_launch setting), autograd.grad alone, a whole forward + backward.
   e2e    forward + backward through autograd.grad, timed like benchmarks/bench_rms_norm.py (do_bench median,
          host overhead included), launch path on/off, vs liger-kernel and torch.compile.
 "GPU time" keeps the stream busy (torch.cuda._sleep) while the host enqueues the call, so the events bracket
@@ -32,15 +32,16 @@ import triton.language as tl
 
 import liger_models.kernels._launch as fast
 import liger_models.kernels.rms_norm as rn
+from liger_models.kernels._tuning import set_tuning
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
 from harness import SLEEP_CYCLES, busy_gpu_ms, copy_bandwidth_gbs, host_ms_per_call, median_ms  # noqa: E402
 
 EPS = 1e-6
-KNOBS = ("_FWD_TILE", "_FWD_ELEMS_PER_THREAD", "_BWD_TILE", "_BWD_ELEMS_PER_THREAD", "_PROGRAMS_PER_SM",
-         "_SPLIT_BLOCK_N", "_MAX_FUSED_BWD_N", "_WIDE_BWD", "_WIDE_CHUNK", "_WIDE_ELEMS_PER_THREAD",
-         "_WIDE_L2_HINTS_MIN_CHUNKS", "_WIDE_LN_ELEMS_PER_THREAD", "_WIDE_LN_MAX_CHUNKS",
-         "_WIDE_LN_L2_HINTS_MIN_CHUNKS")
+KNOBS = ("fwd_tile", "fwd_elems_per_thread", "bwd_tile", "bwd_elems_per_thread", "programs_per_sm",
+         "split_block_n", "max_fused_bwd_n", "wide_bwd", "wide_chunk", "wide_elems_per_thread",
+         "wide_l2_hints_min_chunks", "wide_ln_elems_per_thread", "wide_ln_max_chunks",
+         "wide_ln_l2_hints_min_chunks")
 HEADLINE = (16384, 4096)
 # shape -> (forward (tile, elems/thread) list, backward (tile, elems/thread) list, programs-per-SM list)
 SWEEP = {
@@ -122,10 +123,10 @@ def _bwd(dy, x, w, rstd):
 
 
 def _set(**knobs) -> None:
-    """Set rms_norm tiling knobs; no arguments: restore the defaults (and the fast launch path)."""
-    for k, v in (knobs or DEFAULTS).items():
-        setattr(rn, k, v)
-    fast.FAST_LAUNCH = True
+    """Set rms_norm tiling knobs (fields of its TUNING); no arguments: restore the defaults (and the fast launch
+    path)."""
+    set_tuning(rn, **(knobs or DEFAULTS))
+    set_tuning(fast, fast_launch=True)
 
 
 def ref_section(out: list) -> None:
@@ -149,13 +150,13 @@ def sweep_section(out: list, quick: bool) -> None:
         rstd = _fwd(x, w)[3]
         shape = f"{rows}x{hidden}"
         for tile, ept in fwd_cfgs:
-            _set(_FWD_TILE=tile, _FWD_ELEMS_PER_THREAD=ept)
-            _, bm, _, nw = rn._tiling(rows, hidden, rn._MAX_FUSED_FWD_N, tile, ept)
+            _set(fwd_tile=tile, fwd_elems_per_thread=ept)
+            _, bm, _, nw = rn._tiling(rows, hidden, rn.TUNING.max_fused_fwd_n, tile, ept)
             _add(out, dict(sec="sweep", shape=shape, what=f"fwd bm{bm} w{nw}", ms=busy_gpu_ms(lambda: _fwd(x, w)),
                            per=4))
         for (tile, ept), pps in [(c, p) for c in bwd_cfgs for p in pps_list]:
-            _set(_BWD_TILE=tile, _BWD_ELEMS_PER_THREAD=ept, _PROGRAMS_PER_SM=pps)
-            split, bm, bn, nw = rn._tiling(rows, hidden, rn._MAX_FUSED_BWD_N, tile, ept)
+            _set(bwd_tile=tile, bwd_elems_per_thread=ept, programs_per_sm=pps)
+            split, bm, bn, nw = rn._tiling(rows, hidden, rn.TUNING.max_fused_bwd_n, tile, ept)
             _add(out, dict(sec="sweep", shape=shape, what=f"bwd bm{bm} bn{bn} w{nw} pps{pps or 'occ'}"
                            + (" split" if split else ""), ms=busy_gpu_ms(lambda: _bwd(dy, x, w, rstd)), per=6))
         _set()
@@ -166,14 +167,14 @@ WIDE_SHAPES = [(16384, 16384), (4096, 16384), (8192, 12288), (16384, 8192)]
 
 
 def _wide_variants(hidden: int) -> list:
-    variants = [("bwd default", {}), ("bwd split", dict(_WIDE_BWD=False))]
-    if hidden <= rn._MAX_FUSED_BWD_N:
+    variants = [("bwd default", {}), ("bwd split", dict(wide_bwd=False))]
+    if hidden <= rn.TUNING.max_fused_bwd_n:
         variants = [("bwd default (fused row)", {})]
     return variants + [(f"bwd wide ept{ept} hints{int(hints)}",
-                        dict(_MAX_FUSED_BWD_N=min(rn._MAX_FUSED_BWD_N, hidden // 2), _WIDE_ELEMS_PER_THREAD=ept,
-                             _WIDE_LN_ELEMS_PER_THREAD=ept, _WIDE_LN_MAX_CHUNKS=4,
-                             _WIDE_L2_HINTS_MIN_CHUNKS=0 if hints else 99,
-                             _WIDE_LN_L2_HINTS_MIN_CHUNKS=0 if hints else 99))
+                        dict(max_fused_bwd_n=min(rn.TUNING.max_fused_bwd_n, hidden // 2), wide_elems_per_thread=ept,
+                             wide_ln_elems_per_thread=ept, wide_ln_max_chunks=4,
+                             wide_l2_hints_min_chunks=0 if hints else 99,
+                             wide_ln_l2_hints_min_chunks=0 if hints else 99))
                        for ept, hints in [(4, False), (4, True), (8, False), (8, True)]]
 
 
@@ -241,7 +242,7 @@ def host_section(out: list) -> None:
     for n_ptrs in (2, 11):
         for cached in (False, True):
             def touch(n_ptrs=n_ptrs, cached=cached):
-                fast.FAST_LAUNCH = cached
+                set_tuning(fast, fast_launch=cached)
                 fast.launch(_touch_kernel, (1,), [*ptrs[:n_ptrs], *[None] * (11 - n_ptrs), 3],
                             dict(N_PTRS=n_ptrs, num_warps=1))
             micro[f"triton launch {n_ptrs} ptrs {'cached' if cached else 'jit'}"] = touch
@@ -262,15 +263,15 @@ def host_section(out: list) -> None:
     rstd = _fwd(x, w.detach())[3]
     for cached in (False, True):
         def fwd(cached=cached):
-            fast.FAST_LAUNCH = cached
+            set_tuning(fast, fast_launch=cached)
             _fwd(x, w.detach())
 
         def bwd(cached=cached):
-            fast.FAST_LAUNCH = cached
+            set_tuning(fast, fast_launch=cached)
             _bwd(dy, x, w.detach(), rstd)
 
         def both(cached=cached):
-            fast.FAST_LAUNCH = cached
+            set_tuning(fast, fast_launch=cached)
             torch.autograd.grad(rn.rms_norm(xg, w, EPS), (xg, w), dy)
         tag = "cached" if cached else "jit"
         micro.update({f"norm_forward {tag}": fwd, f"norm_backward {tag}": bwd, f"rms_norm fwd+bwd {tag}": both})
@@ -290,7 +291,7 @@ def e2e_section(out: list) -> None:
             res, dr = torch.randn_like(x).requires_grad_(), torch.randn_like(dy)
             impls = {"ours jit": rn.add_rms_norm if add else rn.rms_norm, "ours cached": None, **_peers(add)}
             for name, fn in impls.items():
-                fast.FAST_LAUNCH = name != "ours jit"
+                set_tuning(fast, fast_launch=name != "ours jit")
                 fn = fn or impls["ours jit"]
                 if add:
                     def step(fn=fn):
@@ -315,7 +316,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="headline shape only in the sweep")
     ap.add_argument("--sections", default="ref,sweep,host,e2e")
     args = ap.parse_args()
-    DEFAULTS = {k: getattr(rn, k) for k in KNOBS}
+    DEFAULTS = {k: getattr(rn.TUNING, k) for k in KNOBS}
     copy_gbs = copy_bandwidth_gbs()
     results: list = []
     sections = {"ref": ref_section, "sweep": lambda o: sweep_section(o, args.quick), "wide": wide_section,

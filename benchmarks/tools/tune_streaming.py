@@ -1,8 +1,8 @@
 """Sweep the tiling knobs of the streaming kernels (liger_models/kernels/gated_mlp.py, liger_models/kernels/rope.py) on the GPU.
 
-Gated MLP (swiglu 16384×14336, geglu tanh 16384×16384, packed, fwd+bwd): elements per program (_TILE) ×
-elements per thread (_ELEMS_PER_THREAD → num_warps), timed on the same closures as the benchmarks. RoPE
-(B4 T4096 Hq32 Hkv8, D 128 and 64): tokens per program (_TOKENS_PER_PROGRAM) × elements per thread, timed on
+Gated MLP (swiglu 16384×14336, geglu tanh 16384×16384, packed, fwd+bwd): elements per program (tile) ×
+elements per thread (elems_per_thread → num_warps), timed on the same closures as the benchmarks. RoPE
+(B4 T4096 Hq32 Hkv8, D 128 and 64): tokens per program (tokens_per_program) × elements per thread, timed on
 the forward + backward kernel launches alone (the autograd step is host-bound; see bench_rope.py). Times are
 triton do_bench medians; GB/s counts the bytes the op must move. The defaults in the kernel files should be the
 best rows.
@@ -21,6 +21,7 @@ import torch
 
 import liger_models.kernels.gated_mlp as gm
 import liger_models.kernels.rope as rp
+from liger_models.kernels._tuning import tuned
 from liger_models.kernels.geglu import geglu_packed
 from liger_models.kernels.swiglu import swiglu_packed
 
@@ -36,20 +37,17 @@ ROPE_KNOBS = list(itertools.product((1, 2, 4), (20, 40, 80)))
 
 
 def _sweep(module, knobs, names, fn, nbytes, label, copy_gbs, rows) -> None:
-    """Time ``fn`` under every knob setting (module attributes), restoring the defaults afterwards."""
-    defaults = tuple(getattr(module, n) for n in names)
+    """Time ``fn`` under every knob setting (fields of the module's TUNING), the defaults restored afterwards."""
+    defaults = tuple(getattr(module.TUNING, n) for n in names)
     for values in knobs:
-        for n, v in zip(names, values):
-            setattr(module, n, v)
-        try:
-            fn()
-            ms = median_ms(fn)
-            rows.append({"case": label, **dict(zip(names, values)), "ms": ms, "frac_copy_bw": nbytes / ms / 1e6 / copy_gbs,
-                         "default": values == defaults})
-        except Exception as e:  # noqa: BLE001 - an invalid config is reported, not fatal
-            rows.append({"case": label, **dict(zip(names, values)), "error": f"{type(e).__name__}: {e}"[:200]})
-    for n, v in zip(names, defaults):
-        setattr(module, n, v)
+        with tuned(module, **dict(zip(names, values))):
+            try:
+                fn()
+                ms = median_ms(fn)
+                rows.append({"case": label, **dict(zip(names, values)), "ms": ms,
+                             "frac_copy_bw": nbytes / ms / 1e6 / copy_gbs, "default": values == defaults})
+            except Exception as e:  # noqa: BLE001 - an invalid config is reported, not fatal
+                rows.append({"case": label, **dict(zip(names, values)), "error": f"{type(e).__name__}: {e}"[:200]})
 
 
 def main() -> None:
@@ -57,11 +55,11 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     rows: list[dict] = []
     for label, r, i, fn_packed in GATED[:1] if args.quick else GATED:
-        _sweep(gm, GATED_KNOBS, ("_TILE", "_ELEMS_PER_THREAD"), packed_step(r, i, fn_packed),
+        _sweep(gm, GATED_KNOBS, ("tile", "elems_per_thread"), packed_step(r, i, fn_packed),
                8 * r * i * 2, label, copy_gbs, rows)
         torch.cuda.empty_cache()
     for b, t, hq, hkv, d in ROPE[:1] if args.quick else ROPE:
-        _sweep(rp, ROPE_KNOBS, ("_TOKENS_PER_PROGRAM", "_ELEMS_PER_THREAD"), kernels_step(b, t, hq, hkv, d),
+        _sweep(rp, ROPE_KNOBS, ("tokens_per_program", "elems_per_thread"), kernels_step(b, t, hq, hkv, d),
                4 * b * t * (hq + hkv) * d * 2, f"rope B{b} T{t} Hq{hq} Hkv{hkv} D{d}", copy_gbs, rows)
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)

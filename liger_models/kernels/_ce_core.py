@@ -6,7 +6,7 @@ One program per row of logits (N, V). Pass 1 reads the row once with an online s
 so neither the loss of a confident token nor its target gradient p_t − 1 = −q is formed by a cancelling
 subtraction (in fp32, p_t − 1 is 0 once p_t > 1 − 6e-8; a logit 30 above the rest gives q ≈ V·e⁻³⁰ ≈ 1e-8).
 Pass 2 re-reads the row in REVERSE block order (the blocks pass 1 read last are the likeliest still in L2; pass-1
-loads of the row's tail are marked evict_last, of its head evict_first (CE_KEEP_L2_SHARE), pass-2 loads and the
+loads of the row's tail are marked evict_last, of its head evict_first (TUNING.keep_l2_share), pass-2 loads and the
 gradient stores evict_first) and writes
   g_j = scale · (p_j·(1 + 2z·lse) − ε/V − (1−ε)·[j=t])   with the target entry as −q + p_t·2z·lse + ε − ε/V,
 times the softcap derivative 1 − tanh² = 4u/(1+u)², u = e^{−2|x|/c}. `scale` is read from device memory (the
@@ -17,14 +17,14 @@ write) for 8192×128256 is 4.2 GB → 1.0 ms at 4.2 TB/s; an L2 miss on every pa
 Reaching that floor needs one read: a 128K-entry row does not fit one program's registers, and holding slices of it
 in several programs' registers, persistent grids, a two-launch (partial statistics, then gradient) split and 32K-64K
 columns kept in registers between the passes were all slower on the H200 (BENCHMARKS.md, "Cross-entropy"). What is
-kept: rows wider than CE_SPLIT_COLS go to 2 (4, ...) programs that each run both passes on a segment and meet once
+kept: rows wider than TUNING.split_cols go to 2 (4, ...) programs that each run both passes on a segment and meet once
 between them (_ce_meet.py), so a 512 KB row puts no more in flight per SM than a 256 KB one; each program loads the
 first block of its pass 2 before the meeting, so that load's latency overlaps the wait (4096×256000: 1.30 → 1.28 ms).
 
 Instructions matter as much as bytes (`benchmarks/tools/sass_report.py ce` reads the sm_90 SASS): the loops issue
 ~12 (pass 1) + ~8 (pass 2) instructions per logit, where a plain loop issues ~38, because exp is one ex2.ftz, only
 the partial last block is masked, only the target's block pays for the target (a branch around whole blocks, which
-ptxas cannot if-convert into every block), the sums are reduced per thread (CE_LANE_SUMS), and the per-row
+ptxas cannot if-convert into every block), the sums are reduced per thread (TUNING.lane_sums), and the per-row
 constants of the gradient are folded once. With the call's host path out of the way (_labels.py) the kernel runs
 8192×128256 in 1.22-1.28 ms on the H200 (2026-11-30), beyond the read-twice floor: L2 serves about half of pass 2's
 re-reads; at 4096×256000 (512 KB rows, split into segments) about a quarter, 1.28 ms.
@@ -39,6 +39,7 @@ overwritten and no other program touches the row.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -47,45 +48,53 @@ import triton.language as tl
 from ._ce_meet import _exp, _share_partials, meeting_counters
 from ._launch import cdiv, launch, pow2, runs_compiled, sm_count
 
-# Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
-# elements per block and warps per row program. With the loop body at ~19 issued instructions per logit (fwd+bwd,
-# sm_90 SASS; ~38 for a plain loop) the kernel is not issue-bound, and wide blocks over 32 warps win: 16384/32
-# (16 logits per thread per block, 32 registers, two programs per SM) was the fastest of {32768/32, 32768/16,
-# 16384/32, 16384/16, 8192/16, 8192/8, 4096/8, 4096/4, 2048/4} at six of seven timed shapes on the H200
-# (2026-11-29), e.g. 8192×128256 1.85 ms (32768/32 2.00, 4096/8 2.07) and 32768×128256 6.13 ms (6.57, 7.34).
-CE_BLOCK_V = 16384
-CE_NUM_WARPS = 32
-# Loop switches, timed as variants (benchmarks/bench_cross_entropy.py): pass 2 in reverse block order; L2 eviction
-# hints (pass 1 evict_last, pass 2 and the gradient stores evict_first).
-CE_REVERSE_PASS2 = True
-CE_EVICTION_HINTS = True
-# Pass 1 keeps per-thread partial sums (reduced across threads once per row) instead of reducing every block, from
-# CE_LANE_SUMS_MIN_ROWS rows on. No shuffle or barrier in the loop: 2.5-4.6% faster at 4K-16K rows, and under the
-# register cap below at every row count too (H200, 2026-11-30, GPU ms at linear-CE's chunk shapes): 2048×128256
-# 0.359 → 0.337, 1024×128256 0.186 → 0.176, and on split rows 2048×256000 0.991 → 0.694 (Gemma-2B's linear-CE
-# chunks), 1024×256000 0.508 → 0.358.
-CE_LANE_SUMS = True
-CE_LANE_SUMS_MIN_ROWS = 0
-# ptxas's register cap per thread for the lane-sum body (maxnreg; None = its choice), on rows up to
-# CE_MAX_REGISTERS_COLS wide: at 16384/32 it compiles to 57 registers (one 1024-thread program per SM) and to 32 with
-# no spill under a cap of 32 (two per SM; sass_report.py). H200, 2026-11-30: 8192×128256 1.282/1.301 →
-# 1.251/1.254 ms (random/peaked), 32768×128256 5.06 → 4.83, 16384×152064 2.960 → 2.953, but 4096×256000 1.370 →
-# 1.393 (two 512 KB rows per SM crowd L2 between the passes): capped on rows of up to 128K columns only.
-CE_MAX_REGISTERS: int | None = 32
-CE_MAX_REGISTERS_COLS = 131072
-# Share of L2 that pass 1 plans for with evict_last (0 = every pass-1 load evict_last); see _keep_from. 0.6 took
-# 4096×256000 from 1.390 to 1.371 ms and left 128K-wide rows (whose tail is all but one block) alike; 0.4 lost at
-# 8192×128256, 0.9 won less (H200, 2026-11-30).
-CE_KEEP_L2_SHARE = 0.6
-# Rows wider than CE_SPLIT_MIN_COLS are split over 2, 4, ... programs of at most CE_SPLIT_COLS columns that meet
-# once between the passes (_share_partials). H200, 2026-11-30: 4096×256000 1.366 → 1.337 ms over 2
-# programs, 1.321 over 4 (16384×256000 5.282 → 5.191, 5.160), but 16384×152064 2.952 → 3.059 over 2 and
-# 8192×128256 1.248 → 1.316 over 2: each program idles at the meeting until its partner is done with pass 1.
-CE_SPLIT_MIN_COLS = 196608
-CE_SPLIT_COLS: int | None = 65536  # None = never split
-# Split rows: each program loads pass 2's first block before the meeting, so that load's latency overlaps the wait.
-# H200, 2026-11-30: 4096×256000 1.308 → 1.285 ms through the call (kernel 1.276), 32 registers.
-CE_PREFETCH_PASS2 = True
+
+@dataclass(frozen=True)
+class CrossEntropyRowTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    # Row-kernel tunables for the H200 (benchmarks/bench_cross_entropy.py times variants at the headline shapes):
+    # elements per block and warps per row program. With the loop body at ~19 issued instructions per logit (fwd+bwd,
+    # sm_90 SASS; ~38 for a plain loop) the kernel is not issue-bound, and wide blocks over 32 warps win: 16384/32
+    # (16 logits per thread per block, 32 registers, two programs per SM) was the fastest of {32768/32, 32768/16,
+    # 16384/32, 16384/16, 8192/16, 8192/8, 4096/8, 4096/4, 2048/4} at six of seven timed shapes on the H200
+    # (2026-11-29), e.g. 8192×128256 1.85 ms (32768/32 2.00, 4096/8 2.07) and 32768×128256 6.13 ms (6.57, 7.34).
+    block_v: int = 16384
+    num_warps: int = 32
+    # Loop switches, timed as variants (benchmarks/bench_cross_entropy.py): pass 2 in reverse block order; L2 eviction
+    # hints (pass 1 evict_last, pass 2 and the gradient stores evict_first).
+    reverse_pass2: bool = True
+    eviction_hints: bool = True
+    # Pass 1 keeps per-thread partial sums (reduced across threads once per row) instead of reducing every block, from
+    # lane_sums_min_rows rows on. No shuffle or barrier in the loop: 2.5-4.6% faster at 4K-16K rows, and under the
+    # register cap below at every row count too (H200, 2026-11-30, GPU ms at linear-CE's chunk shapes): 2048×128256
+    # 0.359 → 0.337, 1024×128256 0.186 → 0.176, and on split rows 2048×256000 0.991 → 0.694 (Gemma-2B's linear-CE
+    # chunks), 1024×256000 0.508 → 0.358.
+    lane_sums: bool = True
+    lane_sums_min_rows: int = 0
+    # ptxas's register cap per thread for the lane-sum body (maxnreg; None = its choice), on rows up to
+    # max_registers_cols wide: at 16384/32 it compiles to 57 registers (one 1024-thread program per SM) and to 32 with
+    # no spill under a cap of 32 (two per SM; sass_report.py). H200, 2026-11-30: 8192×128256 1.282/1.301 →
+    # 1.251/1.254 ms (random/peaked), 32768×128256 5.06 → 4.83, 16384×152064 2.960 → 2.953, but 4096×256000 1.370 →
+    # 1.393 (two 512 KB rows per SM crowd L2 between the passes): capped on rows of up to 128K columns only.
+    max_registers: int | None = 32
+    max_registers_cols: int = 131072
+    # Share of L2 that pass 1 plans for with evict_last (0 = every pass-1 load evict_last); see _keep_from. 0.6 took
+    # 4096×256000 from 1.390 to 1.371 ms and left 128K-wide rows (whose tail is all but one block) alike; 0.4 lost at
+    # 8192×128256, 0.9 won less (H200, 2026-11-30).
+    keep_l2_share: float = 0.6
+    # Rows wider than split_min_cols are split over 2, 4, ... programs of at most split_cols columns that meet
+    # once between the passes (_share_partials). H200, 2026-11-30: 4096×256000 1.366 → 1.337 ms over 2
+    # programs, 1.321 over 4 (16384×256000 5.282 → 5.191, 5.160), but 16384×152064 2.952 → 3.059 over 2 and
+    # 8192×128256 1.248 → 1.316 over 2: each program idles at the meeting until its partner is done with pass 1.
+    split_min_cols: int = 196608
+    split_cols: int | None = 65536  # None = never split
+    # Split rows: each program loads pass 2's first block before the meeting, so that load's latency overlaps the wait.
+    # H200, 2026-11-30: 4096×256000 1.308 → 1.285 ms through the call (kernel 1.276), 32 registers.
+    prefetch_pass2: bool = True
+
+
+TUNING = CrossEntropyRowTuning()
 
 
 @triton.jit
@@ -383,8 +392,8 @@ def ce_rows(
         return
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
     forward, backward = loss is not None, grad is not None
-    block = min(CE_BLOCK_V, pow2(n_cols))
-    lanes = CE_LANE_SUMS and rows >= CE_LANE_SUMS_MIN_ROWS
+    block = min(TUNING.block_v, pow2(n_cols))
+    lanes = TUNING.lane_sums and rows >= TUNING.lane_sums_min_rows
     split, segment = _split(n_cols, block)
     cap = _register_cap(lanes, segment)
     dummy = lse  # stands in for pointers a mode does not touch
@@ -403,13 +412,13 @@ def ce_rows(
     meta = dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
                 HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing > 0, BLOCK_V=block,
                 LANE=min(block, 16 // logits.element_size()) if lanes else block,
-                REVERSE=CE_REVERSE_PASS2,
-                EVICT_PASS1="evict_last" if CE_EVICTION_HINTS else "",
-                EVICT_PASS2="evict_first" if CE_EVICTION_HINTS else "",
+                REVERSE=TUNING.reverse_pass2,
+                EVICT_PASS1="evict_last" if TUNING.eviction_hints else "",
+                EVICT_PASS2="evict_first" if TUNING.eviction_hints else "",
                 KEEP_FROM=_keep_from(logits, segment, block, lanes, cap),
-                EVICT_HEAD="evict_first" if CE_EVICTION_HINTS else "",
-                SPLIT=split, SEGMENT=segment, PHASE=0, PREFETCH_PASS2=CE_PREFETCH_PASS2,
-                num_warps=max(1, min(CE_NUM_WARPS, block // 512)),
+                EVICT_HEAD="evict_first" if TUNING.eviction_hints else "",
+                SPLIT=split, SEGMENT=segment, PHASE=0, PREFETCH_PASS2=TUNING.prefetch_pass2,
+                num_warps=max(1, min(TUNING.num_warps, block // 512)),
                 **({} if cap is None else dict(maxnreg=cap)))
     for phase in phases:
         meta["PHASE"] = phase
@@ -417,39 +426,39 @@ def ce_rows(
 
 
 def _split(n_cols: int, block: int) -> tuple[int, int]:
-    """(programs per row, whole-block columns per program): rows wider than CE_SPLIT_MIN_COLS go to 2, 4, ...
-    programs of at most CE_SPLIT_COLS columns, so that a wide row puts no more in flight per SM than a narrower one.
+    """(programs per row, whole-block columns per program): rows wider than TUNING.split_min_cols go to 2, 4, ...
+    programs of at most TUNING.split_cols columns, so that a wide row puts no more in flight per SM than a narrower one.
     Every program gets at least one whole block: rounding the count up to a power of two (the meeting reduces over
     it) can leave the last programs none (V = 300000: 8 programs of 3 blocks of 16384 for 18 blocks), and such a
     program would start past the row's whole blocks: it missed zeroing an ignored row's tail, and with pass 2's
     prefetch it would load and write a neighbour's block. Then the count halves until none is empty."""
     whole = n_cols // block
-    if not CE_SPLIT_COLS or n_cols <= CE_SPLIT_MIN_COLS:
+    if not TUNING.split_cols or n_cols <= TUNING.split_min_cols:
         return 1, whole * block
-    split = max(1, min(pow2(cdiv(n_cols, CE_SPLIT_COLS)), pow2(whole + 1) // 2))
+    split = max(1, min(pow2(cdiv(n_cols, TUNING.split_cols)), pow2(whole + 1) // 2))
     while split > 1 and (split - 1) * cdiv(whole, split) >= whole:
         split //= 2
     return split, cdiv(whole, split) * block
 
 
 def _register_cap(lanes: bool, n_cols: int) -> int | None:
-    """maxnreg for the row kernel: CE_MAX_REGISTERS on the lane-sum body of rows up to CE_MAX_REGISTERS_COLS wide
-    (the per-block body is at 32 registers already)."""
-    return CE_MAX_REGISTERS if lanes and n_cols <= CE_MAX_REGISTERS_COLS else None
+    """maxnreg for the row kernel: TUNING.max_registers on the lane-sum body of rows up to TUNING.max_registers_cols
+    wide (the per-block body is at 32 registers already)."""
+    return TUNING.max_registers if lanes and n_cols <= TUNING.max_registers_cols else None
 
 
 def _keep_from(logits: torch.Tensor, segment: int, block: int, lanes: bool, cap: int | None) -> int:
     """KEEP_FROM: pass 1 marks its loads evict_last only from this column of its segment on (a multiple of the
-    block), and the segment's head before it evict_first. With CE_KEEP_L2_SHARE, the tail kept is what one resident
+    block), and the segment's head before it evict_first. With TUNING.keep_l2_share, the tail kept is what one resident
     program may hold of that share of L2 (programs in flight at 32 warps: one per SM with lane sums at ptxas's 57
     registers, two at 32 registers — per-block sums, or lane sums under a register cap of 32); pass 2, in reverse,
     re-reads the tail first, and a head marked evict_last would only push other rows' tails out before they are
     re-read."""
-    if not CE_KEEP_L2_SHARE:
+    if not TUNING.keep_l2_share:
         return 0
     one_per_sm = lanes and (cap is None or cap > 32)
     in_flight = sm_count(logits.device) * (1 if one_per_sm else 2)
-    keep = int(CE_KEEP_L2_SHARE * _l2_bytes(logits.device)) // (in_flight * logits.element_size())
+    keep = int(TUNING.keep_l2_share * _l2_bytes(logits.device)) // (in_flight * logits.element_size())
     return max(0, segment - keep // block * block)
 
 

@@ -16,7 +16,7 @@ the work), so the backward GEMMs shrink ~200×. Finding the columns costs one re
 (_active_columns_kernel) and one host sync (the count sizes the GEMMs). When many columns carry gradient the
 gathers and the narrower GEMMs cost more than they save: on the H200 the kept-column path overtook the dense GEMMs
 between 50% and 60% of the columns at three chunk shapes (0.71-0.87x of dense at 50%, 1.01-1.40x at 60%;
-benchmarks/tools/tune_grad_filter.py --dense-share), so above DENSE_SHARE of the columns a chunk takes the dense
+benchmarks/tools/tune_grad_filter.py --dense-share), so above TUNING.dense_share of the columns a chunk takes the dense
 path.
 This is an approximation, off by default: the rare tokens' rows of dW get nothing from a chunk whose tokens all
 give them probability below eps.
@@ -25,6 +25,7 @@ give them probability below eps.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,15 +33,25 @@ import triton.language as tl
 
 from ._launch import cdiv, launch, sm_count
 
-# Above this share of active columns a chunk runs the dense GEMMs (just below the measured crossing, 50-60%).
-DENSE_SHARE = 0.5
-# Gathered operands of one slab of columns (dlogits columns, W rows, fp32 dW rows) stay within this many bytes,
-# except that a slab always holds at least MIN_SLAB_COLS columns (narrower GEMMs run far below the matmul rate).
-SLAB_BYTES = 256 << 20
-MIN_SLAB_COLS = 1024
-# The filter pass's tile: 16 rows × 128 columns over 4 warps ran at 2.9-3.1 TB/s on the H200, the best of six tiles
-# at three chunk shapes (benchmarks/tools/tune_grad_filter.py: 32×128 1.8-2.3, 16×512 over 8 warps 2.5-2.6 TB/s).
-_BLOCK_M, _BLOCK_V, _NUM_WARPS = 16, 128, 4
+
+@dataclass(frozen=True)
+class GradientFilterTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    # Above this share of active columns a chunk runs the dense GEMMs (just below the measured crossing, 50-60%).
+    dense_share: float = 0.5
+    # Gathered operands of one slab of columns (dlogits columns, W rows, fp32 dW rows) stay within this many bytes,
+    # except that a slab always holds at least min_slab_cols columns (narrower GEMMs run far below the matmul rate).
+    slab_bytes: int = 256 << 20
+    min_slab_cols: int = 1024
+    # The filter pass's tile: 16 rows × 128 columns over 4 warps ran at 2.9-3.1 TB/s on the H200, the best of six tiles
+    # at three chunk shapes (benchmarks/tools/tune_grad_filter.py: 32×128 1.8-2.3, 16×512 over 8 warps 2.5-2.6 TB/s).
+    block_m: int = 16
+    block_v: int = 128
+    num_warps: int = 4
+
+
+TUNING = GradientFilterTuning()
 
 
 @triton.jit
@@ -79,13 +90,13 @@ def column_flags(dlogits: torch.Tensor, scale: torch.Tensor, eps: float) -> torc
     flags = torch.zeros(v, dtype=torch.int32, device=dlogits.device)
     if m == 0:
         return flags
-    col_blocks = cdiv(v, _BLOCK_V)
+    col_blocks = cdiv(v, TUNING.block_v)
     # rows split over enough programs to fill the GPU ~4 times (a 32K-column vocabulary has only 256 column blocks)
-    row_splits = max(1, min(cdiv(m, _BLOCK_M), cdiv(4 * sm_count(dlogits.device), col_blocks)))
+    row_splits = max(1, min(cdiv(m, TUNING.block_m), cdiv(4 * sm_count(dlogits.device), col_blocks)))
     scale = scale.reshape(-1).float()
     launch(_active_columns_kernel, (col_blocks, row_splits),
            [dlogits, scale, flags, m, dlogits.stride(0), 0 if scale.numel() == 1 else 1, float(eps)],
-           dict(N_COLS=v, BLOCK_M=_BLOCK_M, BLOCK_V=_BLOCK_V, num_warps=_NUM_WARPS))
+           dict(N_COLS=v, BLOCK_M=TUNING.block_m, BLOCK_V=TUNING.block_v, num_warps=TUNING.num_warps))
     return flags
 
 
@@ -108,14 +119,15 @@ def sparse_gradients(dlogits: torch.Tensor, cols: torch.Tensor, weight: torch.Te
     """One chunk's gradients from the kept columns only: grad_h (M, H) = dlogits[:, cols]·W[cols] (written),
     dw_targets[cols] += dlogits[:, cols]ᵀ·h (the fp32 product added once per chunk, in the target's dtype),
     grad_b[cols] += column sums (fp32). mm_fp32(out, a, b, first): out (fp32) [+]= aᵀ·b, as linear-CE's dW GEMM.
-    Slabs of columns bound the gathered operands (SLAB_BYTES); with more than one slab grad_h is summed in fp32."""
+    Slabs of columns bound the gathered operands (TUNING.slab_bytes); with more than one slab grad_h is summed in
+    fp32."""
     m, hdim = h.shape
     if cols.numel() == 0:  # nothing carries gradient: dh is 0, dW and db unchanged
         if grad_h is not None:
             grad_h.zero_()
         return
     per_col = 2 * m + (2 * hdim if grad_h is not None else 0) + (4 * hdim if dw_targets is not None else 0)
-    slab = max(MIN_SLAB_COLS, SLAB_BYTES // per_col)
+    slab = max(TUNING.min_slab_cols, TUNING.slab_bytes // per_col)
     slabs = [cols[i : i + slab] for i in range(0, cols.numel(), slab)]
     gh32 = None
     if grad_h is not None and len(slabs) > 1:

@@ -5,6 +5,8 @@ Shared by cross_entropy.py and fused_linear_cross_entropy.py; the row kernel (_c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -12,11 +14,20 @@ import triton.language as tl
 from ._dispatch import use_triton
 from ._launch import launch
 
-# One program reads all labels, a block per round trip to memory: 8192 labels (a common batch) in one round over 16
-# warps. At 4096 over 4 warps the check took 6.1 µs of stream time for 8192 labels (H200,
-# benchmarks/tools/gpu_timeline.py).
-LABEL_BLOCK = 8192
-LABEL_WARPS = 16
+
+@dataclass(frozen=True)
+class LabelCheckTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    # One program reads all labels, a block per round trip to memory: 8192 labels (a common batch) in one round over 16
+    # warps. At 4096 over 4 warps the check took 6.1 µs of stream time for 8192 labels (H200,
+    # benchmarks/tools/gpu_timeline.py).
+    block: int = 8192
+    num_warps: int = 16
+
+
+TUNING = LabelCheckTuning()
+
 # Pinned host buffers + events of finished checks, per device, for the next check to reuse: a fresh pinned
 # tensor and event cost more host time than the check's own launch.
 _SPARE: dict[int, list] = {}
@@ -75,8 +86,8 @@ class LabelCheck:
         launch(_label_check_kernel, (1,),
                [self.labels if n else self.flag, self.flag, self.scale, self._host if to_host else self.flag, n,
                 vocab_size, ignore_index, float(loss_scale)],
-               dict(MEAN=reduction == "mean" and normalizer is None, TO_HOST=to_host, BLOCK=LABEL_BLOCK,
-                    num_warps=LABEL_WARPS))
+               dict(MEAN=reduction == "mean" and normalizer is None, TO_HOST=to_host, BLOCK=TUNING.block,
+                    num_warps=TUNING.num_warps))
         if to_host:
             self._event.record()
         if reduction == "mean" and normalizer is not None:

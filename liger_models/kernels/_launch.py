@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +24,16 @@ try:
 except ImportError:  # a Triton before 3.4: its hooks live elsewhere, so every launch takes Triton's own path
     knobs = None
 
-FAST_LAUNCH = True  # launch cached compiled kernels directly; False = always through Triton's launcher
+
+@dataclass(frozen=True)
+class LaunchTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    fast_launch: bool = True  # launch cached compiled kernels directly; False = always through Triton's launcher
+
+
+TUNING = LaunchTuning()
+
 _COMPILED: dict = {}
 _SM_COUNT: dict = {}
 
@@ -168,7 +178,7 @@ def launch(kernel, grid: tuple, args: list, meta: dict, kernel_info: tuple | Non
     pointers (the tensors were checked by Triton on the first, compiling call) and the constexpr values. Kernels
     made under ``TRITON_INTERPRET=1`` are not JITFunctions and always take Triton's path.
     """
-    if FAST_LAUNCH and runs_compiled(kernel):
+    if TUNING.fast_launch and runs_compiled(kernel):
         spec, values = _spec(args)
         info = kernel_info or _COMPILED.get(_key(kernel, args[0].get_device(), spec, meta))
         if info is None:

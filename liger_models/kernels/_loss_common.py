@@ -4,6 +4,7 @@ gradient computed in the forward by backward's grad_output, and handing such gra
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -12,9 +13,20 @@ import triton.language as tl
 
 from ._launch import cdiv, launch, sm_count
 
-SCALE_BLOCK = 4096
-SUM_BLOCK, SUM_WARPS = 8192, 16  # scaled_sum: one round trip for 8192 losses (6.3 µs at 2048 over 4 warps)
-SCALE_PROGRAMS_PER_SM = 8  # scale_'s grid: enough resident programs to stream at the copy rate when g != 1
+
+@dataclass(frozen=True)
+class LossScaleTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    scale_block: int = 4096
+    # scaled_sum: one round trip for 8192 losses (6.3 µs at 2048 over 4 warps)
+    sum_block: int = 8192
+    sum_warps: int = 16
+    scale_programs_per_sm: int = 8  # scale_'s grid: enough resident programs to stream at the copy rate when g != 1
+
+
+TUNING = LossScaleTuning()
+
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -84,7 +96,7 @@ def scaled_sum(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def _launch_scaled_sum(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     out = torch.empty((), dtype=torch.float32, device=x.device)
-    launch(_scaled_sum_kernel, (1,), [x, g, out, x.numel()], dict(BLOCK=SUM_BLOCK, num_warps=SUM_WARPS))
+    launch(_scaled_sum_kernel, (1,), [x, g, out, x.numel()], dict(BLOCK=TUNING.sum_block, num_warps=TUNING.sum_warps))
     return out
 
 
@@ -112,8 +124,9 @@ def scale_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     if strided and (x.dim() != 2 or x.stride(1) != 1):
         raise ValueError(f"scale_ needs a contiguous or row-strided 2-D tensor, got strides {x.stride()}")
     n_cols, stride_row = (x.shape[1], x.stride(0)) if strided else (1, 1)
-    launch(_scale_kernel, (min(cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * sm_count(x.device)),),
-           [x, g.reshape(1).float(), n, n_cols, stride_row], dict(BLOCK=SCALE_BLOCK, ROW_STRIDED=strided, num_warps=8))
+    launch(_scale_kernel, (min(cdiv(n, TUNING.scale_block), TUNING.scale_programs_per_sm * sm_count(x.device)),),
+           [x, g.reshape(1).float(), n, n_cols, stride_row],
+           dict(BLOCK=TUNING.scale_block, ROW_STRIDED=strided, num_warps=8))
     return x
 
 

@@ -19,6 +19,7 @@ vectors per thread moves the same bytes at the copy rate.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -26,8 +27,16 @@ import triton.language as tl
 
 from ._launch import cdiv, launch, on_input_device
 
-BLOCK = 4096  # elements per program: 16 per thread at 8 warps, two 16-byte loads of each bf16 tensor
-NUM_WARPS = 8
+
+@dataclass(frozen=True)
+class AdamWTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    block: int = 4096  # elements per program: 16 per thread at 8 warps, two 16-byte loads of each bf16 tensor
+    num_warps: int = 8
+
+
+TUNING = AdamWTuning()
 
 
 def adamw_reference_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, *,
@@ -112,7 +121,7 @@ def adamw_step_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tens
         adamw_reference_(p, g, m, v, step, lr=lr.reshape(()).double() if on_device else lr, beta1=beta1, beta2=beta2,
                          eps=eps, weight_decay=weight_decay)
         return
-    launch(_adamw_kernel, (cdiv(n, BLOCK),),
+    launch(_adamw_kernel, (cdiv(n, TUNING.block),),
            [p, g, m, v, step, lr if on_device else step, n, 0.0 if on_device else float(lr), float(beta1),
             float(beta2), 1.0 - beta1, 1.0 - beta2, math.log(beta1), math.log(beta2), float(eps), float(weight_decay)],
-           dict(LR_ON_DEVICE=on_device, BLOCK=BLOCK, num_warps=NUM_WARPS))
+           dict(LR_ON_DEVICE=on_device, BLOCK=TUNING.block, num_warps=TUNING.num_warps))

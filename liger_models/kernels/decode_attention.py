@@ -29,6 +29,8 @@ Loops with runtime bounds are `while` loops (see rms_norm.py: Triton 3.6's inter
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,17 +38,26 @@ import triton.language as tl
 from ._dispatch import interpreting, use_triton
 from ._launch import cdiv, on_input_device, pow2, sm_count
 
-# Schedule (benchmarks/bench_decode_attention.py times the alternatives; LIGER_TUNE sets them there).
-BLOCK_N = 64  # keys per tile
-BLOCK_M_MAX = 64  # query rows per program (halved for heads wider than 128: the fp32 accumulator is BLOCK_M × D)
-NUM_WARPS = 4
-PROGRAMS_PER_SM = 2  # key chunks are sized so that the split kernel has about this many programs per SM
-MIN_QUERIES = 1  # calls with fewer new tokens take SDPA (liger_models/modules/attention.py)
-# (batch, head, token) rows per merge program. One on the GPU: an H200 run of 16 rows with a loop over the chunks
-# took 10.4 / 22.8 / 56.8 µs for the 8B tree cases and 14.4 µs for one token, against 9.2 / 20.9 / 54.7 and 9.5 with
-# one row each. Under the interpreter every program costs Python time, so there rows come in blocks.
-MERGE_ROWS = 1
-MERGE_ROWS_INTERPRETED = 64
+
+@dataclass(frozen=True)
+class DecodeAttentionTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    # Schedule (benchmarks/bench_decode_attention.py times the alternatives; LIGER_TUNE sets them there).
+    block_n: int = 64  # keys per tile
+    # query rows per program (halved for heads wider than 128: the fp32 accumulator is BLOCK_M × D)
+    block_m_max: int = 64
+    num_warps: int = 4
+    programs_per_sm: int = 2  # key chunks are sized so that the split kernel has about this many programs per SM
+    min_queries: int = 1  # calls with fewer new tokens take SDPA (liger_models/modules/attention.py)
+    # (batch, head, token) rows per merge program. One on the GPU: an H200 run of 16 rows with a loop over the chunks
+    # took 10.4 / 22.8 / 56.8 µs for the 8B tree cases and 14.4 µs for one token, against 9.2 / 20.9 / 54.7 and 9.5 with
+    # one row each. Under the interpreter every program costs Python time, so there rows come in blocks.
+    merge_rows: int = 1
+    merge_rows_interpreted: int = 64
+
+
+TUNING = DecodeAttentionTuning()
 
 
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -157,9 +168,9 @@ def _merge_kernel(O_PART, LSE_PART, OUT, num_rows, num_heads, q_len, num_splits,
 
 def _splits(programs: int, kv_len: int, device: torch.device) -> tuple[int, int]:
     """(number of key chunks, keys per chunk): enough programs to fill the GPU, chunks a whole number of tiles."""
-    tiles = cdiv(kv_len, BLOCK_N)
-    splits = max(1, min(tiles, cdiv(PROGRAMS_PER_SM * sm_count(device), programs)))
-    chunk = cdiv(tiles, splits) * BLOCK_N
+    tiles = cdiv(kv_len, TUNING.block_n)
+    splits = max(1, min(tiles, cdiv(TUNING.programs_per_sm * sm_count(device), programs)))
+    chunk = cdiv(tiles, splits) * TUNING.block_n
     return cdiv(kv_len, chunk), chunk
 
 
@@ -191,7 +202,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     mask = mask.view(torch.uint8)  # same bytes; Triton loads them as integers
     group = Hq // Hkv
     block_d = max(16, pow2(D))  # a 16-bit tl.dot needs K ≥ 16 on the GPU
-    block_m = min(BLOCK_M_MAX if block_d <= 128 else BLOCK_M_MAX // 2, max(16, pow2(group * T)))
+    block_m = min(TUNING.block_m_max if block_d <= 128 else TUNING.block_m_max // 2, max(16, pow2(group * T)))
     row_blocks = cdiv(group * T, block_m)
     splits, chunk = _splits(B * Hkv * row_blocks, S, q.device)
     acc = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64 (the CPU tests' models)
@@ -202,12 +213,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2),
         Hkv, T, S, chunk, splits, D, scale,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=TUNING.block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
         UPCAST=interpreting() and q.element_size() < 4,
-        ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=NUM_WARPS)
+        ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=TUNING.num_warps)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     rows = B * Hq * T
-    block_r = MERGE_ROWS_INTERPRETED if interpreting() else MERGE_ROWS
+    block_r = TUNING.merge_rows_interpreted if interpreting() else TUNING.merge_rows
     _merge_kernel[(cdiv(rows, block_r),)](o_part, lse_part, out, rows, Hq, T, splits, D, out.stride(0),
                                          out.stride(1), out.stride(2), BLOCK_R=block_r, BLOCK_S=pow2(splits),
                                          BLOCK_D=block_d, num_warps=1)

@@ -11,12 +11,12 @@ Algorithm, per chunk of M token rows (all gradients are computed in the forward 
   3. dh_c = D·W                             cuBLAS, straight into the grad_hidden slice
   4. dW_acc += Dᵀ·h_c                       cuBLAS with an fp32 C (addmm(out_dtype=float32), beta=1)
   5. db_acc += column sums of D (fp32)
-  then grad_W = dW_acc cast to the weight dtype (or, SINGLE_CHUNK_IN_ACCUMULATOR with N ≤ 2H, one chunk in a scratch
-  the accumulator's size and step 4 as one GEMM straight into grad_W). Backward only multiplies the gradients by
-  grad_output, with a kernel that reads grad_output on the device and does nothing when it is 1 (no host sync). A
+  then grad_W = dW_acc cast to the weight dtype (or, TUNING.single_chunk_in_accumulator with N ≤ 2H, one chunk in a
+  scratch the accumulator's size and step 4 as one GEMM straight into grad_W). Backward only multiplies the gradients
+  by grad_output, with a kernel that reads grad_output on the device and does nothing when it is 1 (no host sync). A
   grad_output that is not a power of two rounds the bf16 gradients a second time (unbiased, ≤ 2⁻⁹ relative per
-  element, never compounding across chunks or steps); a factor known up front belongs in loss_scale, which is
-  folded in before the single rounding.
+  element, never compounding across chunks or steps); a factor known up front belongs in loss_scale, which is folded
+  in before the single rounding.
 
 Counting (H200: ≈790 TFLOP/s dense bf16 peak, 655 measured on 8192³; 4.3 TB/s HBM; ridge ≈ 185 FLOP/B).
 The three headline shapes (BT8192/H4096/V128256, BT8192/H2048/V256000, BT16384/H2048/V128256) all need
@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -55,7 +56,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._ce_core import ce_rows
-from ._grad_filter import DENSE_SHARE, active_columns, sparse_gradients
+from . import _grad_filter
+from ._grad_filter import active_columns, sparse_gradients
 from ._custom_ops import absent, custom_op, refuse_double_backward
 from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled, scaled_sum,
                            take_grads, token_accuracy, weighted_scale, z_loss_term)
@@ -64,35 +66,43 @@ from ._labels import LabelCheck
 from ._launch import on_input_device
 from .cross_entropy import cross_entropy_reference, loss_extras_reference
 
-# Tunables: bytes of logits scratch when grad_W's storage is not available (frozen W or bf16 accumulation),
-# and whether grad_W's storage serves as the scratch when it holds at least as many rows.
-LOGITS_BUDGET_BYTES = 256 << 20
-GRAD_WEIGHT_AS_SCRATCH = True
-# Whether the scratch is split in two so that one chunk's CE pass (memory-bound Triton, a side CUDA stream) runs
-# while the previous chunk's gradient GEMMs (compute-bound cuBLAS) run: the pass costs 1-5 ms of the 40-45 ms op
-# at the headline shapes, serialised. Halved chunks keep M ≥ 1024 rows per GEMM but double the fp32 dW accumulator
-# passes; off until bench_fused_linear_cross_entropy's "overlap" variant says which wins.
-OVERLAP_CE = False
-# Whether N token rows whose logits fit in the bytes of the fp32 V×H accumulator (N ≤ 2H for bf16) run as one chunk
-# in a scratch of that size instead of the accumulator: dW is then one GEMM written straight into grad_W (cuBLAS
-# accumulates in fp32 and rounds once, as accumulator + final cast do), so the accumulator's read-modify-write
-# passes and the final cast (6·V·H bytes) disappear, at the same peak memory. Covers BT8192/H4096 and Medusa's
-# 8K-token heads at 8B width. Measured on the H200 (2026-11-29, BENCHMARKS.md): BT8192/H4096/V128256 40.17 →
-# 38.78 ms (random logits), Medusa 8K-token steps +3-5%, the 8B-width training step +2%, peak memory unchanged.
-SINGLE_CHUNK_IN_ACCUMULATOR = True
-# A cap on the logits scratch in bytes (None: none; the fused_linear_cross_entropy argument max_scratch_bytes
-# overrides it per call). Below grad_W's size it also changes where dW is formed: with fp32 accumulation over several
-# chunks, the accumulator is two vocabulary halves whose first half's storage has exactly grad_W's bytes, and dW is
-# cast into that storage in place (_accumulator_becoming_grad), so the op's peak is the fp32 accumulator + the cap
-# instead of the accumulator + grad_W (4·V·H + cap bytes instead of 6·V·H for bf16). The price is more, smaller
-# chunks, each re-reading and re-writing the accumulator in two half-GEMMs. H200, 2026-11-30 (BENCHMARKS.md,
-# "The logits-scratch cap"), Gemma-2B's loss (16384 × 2048 × 256000): 82.9 ms uncapped; a 1536-row cap
-# (750 MiB) 88.5 ms and 0.24 GiB less, 1024 rows 91.5 ms and 0.49 GiB less; its whole step 37.2k → 36.8k tok/s
-# at 40.0 → 39.7 GiB peak: a knob for fitting a batch, not a default.
-MAX_SCRATCH_BYTES: int | None = None
-# The gradient filter's threshold when a call passes none (None: exact gradients; `--loss-grad-filter-eps` sets it
-# for a training run). See _grad_filter.py.
-GRAD_FILTER_EPS: float | None = None
+
+@dataclass(frozen=True)
+class LinearCrossEntropyTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    # Tunables: bytes of logits scratch when grad_W's storage is not available (frozen W or bf16 accumulation),
+    # and whether grad_W's storage serves as the scratch when it holds at least as many rows.
+    logits_budget_bytes: int = 256 << 20
+    grad_weight_as_scratch: bool = True
+    # Whether the scratch is split in two so that one chunk's CE pass (memory-bound Triton, a side CUDA stream) runs
+    # while the previous chunk's gradient GEMMs (compute-bound cuBLAS) run: the pass costs 1-5 ms of the 40-45 ms op
+    # at the headline shapes, serialised. Halved chunks keep M ≥ 1024 rows per GEMM but double the fp32 dW accumulator
+    # passes; off until bench_fused_linear_cross_entropy's "overlap" variant says which wins.
+    overlap_ce: bool = False
+    # Whether N token rows whose logits fit in the bytes of the fp32 V×H accumulator (N ≤ 2H for bf16) run as one chunk
+    # in a scratch of that size instead of the accumulator: dW is then one GEMM written straight into grad_W (cuBLAS
+    # accumulates in fp32 and rounds once, as accumulator + final cast do), so the accumulator's read-modify-write
+    # passes and the final cast (6·V·H bytes) disappear, at the same peak memory. Covers BT8192/H4096 and Medusa's
+    # 8K-token heads at 8B width. Measured on the H200 (2026-11-29, BENCHMARKS.md): BT8192/H4096/V128256 40.17 →
+    # 38.78 ms (random logits), Medusa 8K-token steps +3-5%, the 8B-width training step +2%, peak memory unchanged.
+    single_chunk_in_accumulator: bool = True
+    # A cap on the logits scratch in bytes (None: none; the fused_linear_cross_entropy argument max_scratch_bytes
+    # overrides it per call). Below grad_W's size it also changes where dW is formed: with fp32 accumulation over
+    # several chunks, the accumulator is two vocabulary halves whose first half's storage has exactly grad_W's bytes,
+    # and dW is cast into that storage in place (_accumulator_becoming_grad), so the op's peak is the fp32 accumulator
+    # + the cap instead of the accumulator + grad_W (4·V·H + cap bytes instead of 6·V·H for bf16). The price is more,
+    # smaller chunks, each re-reading and re-writing the accumulator in two half-GEMMs. H200, 2026-11-30
+    # (BENCHMARKS.md, "The logits-scratch cap"), Gemma-2B's loss (16384 × 2048 × 256000): 82.9 ms uncapped; a 1536-row
+    # cap (750 MiB) 88.5 ms and 0.24 GiB less, 1024 rows 91.5 ms and 0.49 GiB less; its whole step 37.2k → 36.8k tok/s
+    # at 40.0 → 39.7 GiB peak: a knob for fitting a batch, not a default.
+    max_scratch_bytes: int | None = None
+    # The gradient filter's threshold when a call passes none (None: exact gradients; `--loss-grad-filter-eps` sets it
+    # for a training run). See _grad_filter.py.
+    grad_filter_eps: float | None = None
+
+
+TUNING = LinearCrossEntropyTuning()
 
 
 def target_rank_reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
@@ -205,7 +215,7 @@ def _accumulate_dw(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, fi
         torch.addmm(acc, dlogits.t(), h, out_dtype=acc.dtype, beta=beta, out=acc)
     else:  # exact fallback (CPU, older torch): fp32 GEMMs over vocabulary slabs that fit the budget
         hf = h.to(acc.dtype)
-        slab = max(1, LOGITS_BUDGET_BYTES // (4 * (dlogits.shape[0] + h.shape[1])))
+        slab = max(1, TUNING.logits_budget_bytes // (4 * (dlogits.shape[0] + h.shape[1])))
         for v in range(0, acc.shape[0], slab):
             part = acc[v : v + slab]
             torch.addmm(part, dlogits[:, v : v + slab].t().to(acc.dtype), hf, beta=beta, out=part)
@@ -214,18 +224,18 @@ def _accumulate_dw(acc: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, fi
 def _scratch(n: int, h: torch.Tensor, vocab: int, grad_w: torch.Tensor | None, use_grad_w: bool,
              cap_rows: int | None, cap_is_size: bool = False) -> tuple[list[torch.Tensor], int]:
     """The logits buffers of the chunk loop and the rows each holds: one buffer, or two halves when the CE pass
-    is overlapped (OVERLAP_CE) and there is more than one chunk. Storage: grad_W's (H rows of V) when allowed and
+    is overlapped (TUNING.overlap_ce) and there is more than one chunk. Storage: grad_W's (H rows of V) when allowed and
     at least the budget (equal chunks without a second V·H-sized buffer: Mistral's V 32768 at H 4096 and a 256 MiB
     budget are exactly equal), else a new budget-sized tensor; never more than cap_rows rows. cap_is_size: the
     scratch is cap_rows rows even above the budget (the accumulator becoming grad_W: the cap is the bytes the
     caller gave the scratch; the budget's 524 rows at V 256000 would triple the chunks and their accumulator
     passes)."""
-    budget_rows = max(1, LOGITS_BUDGET_BYTES // (vocab * h.element_size()))
+    budget_rows = max(1, TUNING.logits_budget_bytes // (vocab * h.element_size()))
     if cap_rows is not None:
         budget_rows = cap_rows if cap_is_size else min(budget_rows, cap_rows)
     storage = grad_w.view(-1) if use_grad_w and h.shape[1] >= budget_rows else None
     capacity = h.shape[1] if storage is not None else budget_rows
-    count = 2 if OVERLAP_CE and n > capacity and capacity >= 2 else 1
+    count = 2 if TUNING.overlap_ce and n > capacity and capacity >= 2 else 1
     rows = min(n, capacity // count)
     if storage is None:
         storage = torch.empty(count * rows * vocab, dtype=h.dtype, device=h.device)
@@ -284,14 +294,14 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     need_h, need_w, need_b = need
     backward = scale is not None
     grad_h = torch.empty(n, hdim, dtype=h.dtype, device=h.device) if need_h else None
-    cap = MAX_SCRATCH_BYTES if max_scratch_bytes is None else max_scratch_bytes
+    cap = TUNING.max_scratch_bytes if max_scratch_bytes is None else max_scratch_bytes
     cap_rows = None if cap is None else max(1, cap // (vocab * h.element_size()))
-    one_chunk = (need_w and accum_dtype != weight.dtype and SINGLE_CHUNK_IN_ACCUMULATOR
+    one_chunk = (need_w and accum_dtype != weight.dtype and TUNING.single_chunk_in_accumulator
                  and n * h.element_size() <= hdim * torch.finfo(accum_dtype).bits // 8
                  and (cap_rows is None or n <= cap_rows))
     exact = accum_dtype == weight.dtype or one_chunk  # one GEMM's own fp32 accumulation is the accumulator
     # fp32 accumulation over chunks, under a cap too small for grad_W's storage as the scratch: the accumulator
-    # becomes grad_W in place (MAX_SCRATCH_BYTES)
+    # becomes grad_W in place (TUNING.max_scratch_bytes)
     in_place = need_w and not exact and cap_rows is not None and cap_rows < hdim and weight.element_size() == 2
     acc_w = halves = None  # dW accumulates in acc_w, or in the two halves of an accumulator becoming grad_W
     if in_place:
@@ -306,7 +316,7 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
         buffers, rows = [torch.empty(n, vocab, dtype=h.dtype, device=h.device)], n
     else:
         buffers, rows = _scratch(n, h, vocab, grad_w,
-                                 GRAD_WEIGHT_AS_SCRATCH and acc_w is not None and acc_w is not grad_w, cap_rows,
+                                 TUNING.grad_weight_as_scratch and acc_w is not None and acc_w is not grad_w, cap_rows,
                                  cap_is_size=in_place)
     side = _ce_stream(h.device) if len(buffers) == 2 and h.is_cuda else None
     main = torch.cuda.current_stream(h.device) if side is not None else None
@@ -320,7 +330,7 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
         first = i == 0  # the first chunk sets dW: a dense GEMM with beta 0, or zeros and then its kept rows
         if filtered:
             cols = active_columns(logits, chunk_scale(s, e), grad_filter_eps)
-            if cols.numel() <= DENSE_SHARE * vocab:
+            if cols.numel() <= _grad_filter.TUNING.dense_share * vocab:
                 if first and dw_targets is not None:
                     for target in dw_targets:
                         target.zero_()
@@ -697,8 +707,8 @@ def fused_linear_cross_entropy(
     included as argmax breaks them: 0 = top-1 correct; -1 at ignored positions). A weight with requires_grad=False
     gets no dW work; dW is accumulated in accum_dtype (float32, or the weight's dtype) and returned in the weight's
     dtype. A label outside [0, V) that is not ignore_index raises ValueError (the call waits for the check with its
-    kernels queued, _labels.LabelCheck). max_scratch_bytes caps the logits scratch (default MAX_SCRATCH_BYTES,
-    none): a lower peak for more chunks. grad_filter_eps (default GRAD_FILTER_EPS, None: exact gradients) skips,
+    kernels queued, _labels.LabelCheck). max_scratch_bytes caps the logits scratch (default TUNING.max_scratch_bytes,
+    none): a lower peak for more chunks. grad_filter_eps (default TUNING.grad_filter_eps, None: exact gradients) skips,
     per token chunk, the vocabulary columns whose every per-token loss gradient ∂ℓ_t/∂z_tj is below it in
     magnitude (an approximation for peaked distributions, as cut-cross-entropy's filter_eps; rule and cost in
     _grad_filter.py; the reference path treats all tokens as one chunk).
@@ -722,7 +732,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"accum_dtype must be torch.float32 or the weight's dtype, got {accum_dtype}")
     if max_scratch_bytes is not None and max_scratch_bytes < 1:
         raise ValueError(f"max_scratch_bytes must be a positive byte count or None, got {max_scratch_bytes}")
-    grad_filter_eps = GRAD_FILTER_EPS if grad_filter_eps is None else grad_filter_eps
+    grad_filter_eps = TUNING.grad_filter_eps if grad_filter_eps is None else grad_filter_eps
     if grad_filter_eps is not None and not 0 < grad_filter_eps < 1:  # also rejects NaN
         raise ValueError(f"grad_filter_eps must be None or in (0, 1), got {grad_filter_eps}")
     check_class_weights(class_weights, weight.shape[0], weight.device, label_smoothing)

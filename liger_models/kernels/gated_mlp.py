@@ -29,6 +29,7 @@ a view of a leaf, or a gate/up pair that shares elements gets fresh gradient mem
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +42,18 @@ from ._dispatch import once_differentiable, row_view, use_triton
 from ._launch import cdiv, launch, on_input_device, pow2
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
-# Streaming tile: elements per program and per thread (→ num_warps); benchmarks/tools/tune_streaming.py sweeps them.
-_TILE = 2048
-_ELEMS_PER_THREAD = 16
+
+
+@dataclass(frozen=True)
+class GatedTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    # Streaming tile: elements per program and per thread (→ num_warps); benchmarks/tools/tune_streaming.py sweeps them.
+    tile: int = 2048
+    elems_per_thread: int = 16
+
+
+TUNING = GatedTuning()
 
 
 def gated_mlp_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -152,10 +162,10 @@ def _gated_bwd_kernel(
 
 
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
-    """A streaming layout: _TILE elements per program (a row slice, or several short rows)."""
-    block_c = min(pow2(n_cols), _TILE)
-    block_r = min(_TILE // block_c, pow2(n_rows))
-    warps = max(1, min(16, block_r * block_c // (32 * _ELEMS_PER_THREAD)))
+    """A streaming layout: TUNING.tile elements per program (a row slice, or several short rows)."""
+    block_c = min(pow2(n_cols), TUNING.tile)
+    block_r = min(TUNING.tile // block_c, pow2(n_rows))
+    warps = max(1, min(16, block_r * block_c // (32 * TUNING.elems_per_thread)))
     return (cdiv(n_rows, block_r) * cdiv(n_cols, block_c),), block_r, block_c, warps
 
 

@@ -23,6 +23,7 @@ a `range` bound under NumPy ≥ 2.4 (it calls int() on a 1-element array); on th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -257,23 +258,36 @@ def _norm_bwd_kernel(
         tl.store(DB_PART + pid * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
 
 
-# Tiling. A row up to _MAX_FUSED_*_N elements is held in registers; longer rows are split into _SPLIT_BLOCK_N
-# column blocks. Compiled for sm_90 (ptxas, bf16, no spills): the forward needs 32–61 registers; the backward,
-# which carries the next tile's raw loads, the fp32 dW tile and w through its loop, ~80 registers at 8 elements
-# per thread and 124–128 at 16, and spills at 32 (a fused 16K row), hence its lower fused limit.
-# Bytes in flight per SM are what hide HBM latency: the forward gets them from many resident programs, the
-# persistent backward from two tiles in flight per program (its hand-pipelined loop) × resident programs.
-_MAX_FUSED_FWD_N = 16384
-_MAX_FUSED_BWD_N = 8192
-_SPLIT_BLOCK_N = 4096
-_FWD_TILE, _FWD_ELEMS_PER_THREAD = 4096, 16
-_BWD_TILE, _BWD_ELEMS_PER_THREAD = 4096, 16
-_PROGRAMS_PER_SM: int | None = None  # backward grid override (benchmarks/tools/tune_norms.py); None = occupancy
-# Rows of 8K-16K columns: one backward reading each row twice, the second time from L2 (numbers: _norm_backward.py).
-_WIDE_BWD = True
-_WIDE_CHUNK, _WIDE_ELEMS_PER_THREAD = 4096, 4
-_WIDE_L2_HINTS_MIN_CHUNKS = 4
-_WIDE_LN_ELEMS_PER_THREAD, _WIDE_LN_MAX_CHUNKS, _WIDE_LN_L2_HINTS_MIN_CHUNKS = 8, 3, 99  # LayerNorm: never hints
+@dataclass(frozen=True)
+class NormTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    # Tiling. A row up to _MAX_FUSED_*_N elements is held in registers; longer rows are split into split_block_n
+    # column blocks. Compiled for sm_90 (ptxas, bf16, no spills): the forward needs 32–61 registers; the backward,
+    # which carries the next tile's raw loads, the fp32 dW tile and w through its loop, ~80 registers at 8 elements
+    # per thread and 124–128 at 16, and spills at 32 (a fused 16K row), hence its lower fused limit.
+    # Bytes in flight per SM are what hide HBM latency: the forward gets them from many resident programs, the
+    # persistent backward from two tiles in flight per program (its hand-pipelined loop) × resident programs.
+    max_fused_fwd_n: int = 16384
+    max_fused_bwd_n: int = 8192
+    split_block_n: int = 4096
+    fwd_tile: int = 4096
+    fwd_elems_per_thread: int = 16
+    bwd_tile: int = 4096
+    bwd_elems_per_thread: int = 16
+    programs_per_sm: int | None = None  # backward grid override (benchmarks/tools/tune_norms.py); None = occupancy
+    # Rows of 8K-16K columns: one backward reading each row twice, the second time from L2 (numbers: _norm_backward.py).
+    wide_bwd: bool = True
+    wide_chunk: int = 4096
+    wide_elems_per_thread: int = 4
+    wide_l2_hints_min_chunks: int = 4
+    # LayerNorm's wide backward: 8 elements per thread, rows of at most 3 chunks, no L2 hints (99)
+    wide_ln_elems_per_thread: int = 8
+    wide_ln_max_chunks: int = 3
+    wide_ln_l2_hints_min_chunks: int = 99
+
+
+TUNING = NormTuning()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -286,7 +300,7 @@ def _tiling(n_rows: int, n_cols: int, max_fused: int, tile: int, per_thread: int
     block_n = pow2(n_cols)
     split = block_n > max_fused
     if split:
-        block_n = min(_SPLIT_BLOCK_N, max_fused)
+        block_n = min(TUNING.split_block_n, max_fused)
     block_m = 1 if split else min(max(1, tile // block_n), pow2(n_rows))
     num_warps = min(16, max(1, block_m * block_n // (32 * per_thread)))
     return split, block_m, block_n, num_warps
@@ -305,7 +319,8 @@ def norm_forward(
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows == 0:
         return y, r, mean, rstd
-    split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_FWD_N, _FWD_TILE, _FWD_ELEMS_PER_THREAD)
+    split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, TUNING.max_fused_fwd_n, TUNING.fwd_tile,
+                                                 TUNING.fwd_elems_per_thread)
     # Unused pointers are None (constexpr): no argument to check, no driver query.
     args = [x, residual, weight, bias, y, r, mean, rstd, n_rows, n_cols, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps, offset]
@@ -327,8 +342,10 @@ def norm_backward(
     if n_rows == 0:
         zeros = torch.zeros_like(weight)
         return dx, zeros if need_dw else None, zeros.to(db_dtype or weight.dtype, copy=True) if need_db else None
-    split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, _MAX_FUSED_BWD_N, _BWD_TILE, _BWD_ELEMS_PER_THREAD)
-    if split and _WIDE_BWD and n_cols <= (_WIDE_LN_MAX_CHUNKS if center else _WIDE_MAX_CHUNKS) * _WIDE_CHUNK:
+    split, block_m, block_n, num_warps = _tiling(n_rows, n_cols, TUNING.max_fused_bwd_n, TUNING.bwd_tile,
+                                                 TUNING.bwd_elems_per_thread)
+    wide_chunks = TUNING.wide_ln_max_chunks if center else _WIDE_MAX_CHUNKS
+    if split and TUNING.wide_bwd and n_cols <= wide_chunks * TUNING.wide_chunk:
         return _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db, db_dtype)
     n_col_blocks = cdiv(n_cols, block_n) if split else 1
     c0 = c1 = None
@@ -348,12 +365,12 @@ def norm_backward(
 
 def _wide_backward(dy, x, weight, mean, rstd, dres, dx, offset, center, gemma, need_dw, need_db, db_dtype):
     n_rows, n_cols = x.shape
-    n_chunks = cdiv(n_cols, _WIDE_CHUNK)
-    per_thread, hints_from = ((_WIDE_LN_ELEMS_PER_THREAD, _WIDE_LN_L2_HINTS_MIN_CHUNKS) if center
-                              else (_WIDE_ELEMS_PER_THREAD, _WIDE_L2_HINTS_MIN_CHUNKS))
+    n_chunks = cdiv(n_cols, TUNING.wide_chunk)
+    per_thread, hints_from = ((TUNING.wide_ln_elems_per_thread, TUNING.wide_ln_l2_hints_min_chunks) if center
+                              else (TUNING.wide_elems_per_thread, TUNING.wide_l2_hints_min_chunks))
     meta = dict(CENTER=center, GEMMA=gemma, HAS_DRES=dres is not None, COMPUTE_DW=need_dw, COMPUTE_DB=need_db,
-                N_CHUNKS=n_chunks, CHUNK=_WIDE_CHUNK, L2_HINTS=n_chunks >= hints_from,
-                num_warps=max(1, min(32, _WIDE_CHUNK // (32 * per_thread))))
+                N_CHUNKS=n_chunks, CHUNK=TUNING.wide_chunk, L2_HINTS=n_chunks >= hints_from,
+                num_warps=max(1, min(32, TUNING.wide_chunk // (32 * per_thread))))
     args = [dy, x, weight, mean, rstd, dres, dx, rstd if need_dw else None, rstd if need_db else None,
             n_rows, n_cols, dy.stride(0), x.stride(0), dres.stride(0) if dres is not None else 0, offset]
     return _persistent_backward(_norm_bwd_wide_kernel, args, meta, 7, n_rows, 1, dx, weight, need_dw, need_db,
@@ -369,8 +386,8 @@ def _persistent_backward(kernel, args: list, meta: dict, dw_arg: int, row_units:
     device, n_cols = dx.device, dx.shape[1]
     info = None if interpreting() else compiled(kernel, args, meta, device)
     resident = 4 if info is None else info[2]
-    if _PROGRAMS_PER_SM is not None:
-        resident = _PROGRAMS_PER_SM * sm_count(device)
+    if TUNING.programs_per_sm is not None:
+        resident = TUNING.programs_per_sm * sm_count(device)
     n_prog = max(1, min(row_units, resident // n_col_blocks))
     for i, needed in ((dw_arg, need_dw), (dw_arg + 1, need_db)):
         if needed:

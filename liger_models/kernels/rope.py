@@ -29,6 +29,7 @@ copies (TO_DST), so no input is modified behind autograd's back; ``rope`` copies
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,14 +40,22 @@ from ._custom_ops import custom_op, refuse_double_backward
 from ._dispatch import once_differentiable, use_triton
 from ._launch import launch, on_input_device, pow2
 
-# Tiling: _TOKENS_PER_PROGRAM tokens × all heads per program (heads in tiles of at most _HEAD_TILE elements per
-# half-rotation), _ELEMS_PER_THREAD elements per thread (→ num_warps); benchmarks/tools/tune_streaming.py sweeps
-# them.
-# H200, B4 T4096 Hq32 Hkv8 D128 bf16: 1 token × 4 warps runs the forward in 0.091 ms and the backward in 0.093
-# ms (0.87 of the copy bandwidth each); 2 or 4 tokens per program, or 2 or 8 warps, were 2-25% slower.
-_TOKENS_PER_PROGRAM = 1
-_HEAD_TILE = 4096
-_ELEMS_PER_THREAD = 40
+
+@dataclass(frozen=True)
+class RopeTuning:
+    """Launch and schedule settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    # Tiling: tokens_per_program tokens × all heads per program (heads in tiles of at most head_tile elements per
+    # half-rotation), elems_per_thread elements per thread (→ num_warps); benchmarks/tools/tune_streaming.py sweeps
+    # them.
+    # H200, B4 T4096 Hq32 Hkv8 D128 bf16: 1 token × 4 warps runs the forward in 0.091 ms and the backward in 0.093
+    # ms (0.87 of the copy bandwidth each); 2 or 4 tokens per program, or 2 or 8 warps, were 2-25% slower.
+    tokens_per_program: int = 1
+    head_tile: int = 4096
+    elems_per_thread: int = 40
+
+
+TUNING = RopeTuning()
 
 
 def rope_reference(
@@ -225,7 +234,7 @@ def _launch(q, k, cos, sin, dst_q, dst_k, backward: bool, to_dst: bool | None = 
         cos, sin = cos.contiguous(), sin.contiguous()
         cos_strides = cos.stride()
     blocks_per_seq, meta = _config(seq_len, n_q_heads, n_k_heads, head_dim, rot, backward, to_dst,
-                                   _TOKENS_PER_PROGRAM, _HEAD_TILE, _ELEMS_PER_THREAD)
+                                   TUNING.tokens_per_program, TUNING.head_tile, TUNING.elems_per_thread)
     q_strides, k_strides = q.stride(), k.stride()
     launch(_rope_kernel, (bsz * blocks_per_seq,),
            [q, k, dst_q, dst_k, cos, sin, seq_len, *q_strides[:3], *k_strides[:3],

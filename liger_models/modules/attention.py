@@ -5,8 +5,9 @@ reads kv head h // (Hq/Hkv)). Which keys a query at absolute index i may see:
   causal       j ≤ i
   window W     i − j < W                    (exactly W keys including itself; HF eager/SDPA convention)
   documents    doc[j] == doc[i]             (packed sequences: position_ids that do not step by +1 start a new doc)
-  padding      attention_mask[j] == 1       (or j == i, so a padded query row is never empty: SDPA would give NaN,
-                                             which would then leak into real rows through the padded values)
+  padding      attention_mask[j] == 1       as HF: a padded query too sees only real keys; one that has none in
+                                             its range sees itself (an empty row would give NaN in SDPA, which would
+                                             then leak into real rows through the padded values)
 Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast path; no mask tensor); on CUDA for
 long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
 tensor); a speculative tree's verification call (inference), liger_models/kernels/decode_attention.py (the keys split over
@@ -21,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from liger_models.kernels import decode_attention as decode_attention_kernels
 from liger_models.kernels.rope import rope_packed
@@ -43,8 +45,6 @@ _SDPA_LIMITED = ("cuda",)  # device types whose SDPA kernels have those limits
 @functools.cache
 def _flex_attention(compiled: bool):
     """flex_attention, compiled for CUDA (uncompiled it materialises the scores; fine only for CPU tests)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention) if compiled else flex_attention
 
 
@@ -123,8 +123,21 @@ class AttentionMask:
         if self.documents is not None:
             ok = ok & (self.documents[b, q_idx] == self.documents[b, kv_idx])
         if self.padding is not None:
-            ok = ok & (self.padding[b, kv_idx] | (kv_idx == q_idx + self.past))
+            q_slot = q_idx + self.past
+            alone = (kv_idx == q_slot) & ~self._sees_a_real_key(window)[b, q_slot]
+            ok = ok & (self.padding[b, kv_idx] | alone)
         return ok
+
+    def _sees_a_real_key(self, window: int | None) -> torch.Tensor:
+        """(B, S) bool: whether the query in each slot has a real (unpadded) key among those causality and the
+        window allow it (slots i − W < j ≤ i). A padded query between real tokens (PEFT's virtual tokens before a
+        left-padded prompt, right padding) then attends as HF's does; documents never come with padding."""
+        if ("sees", window) not in self._masks:
+            real = self.padding.to(torch.int32).cumsum(-1)  # real keys in slots ≤ i
+            if window is not None and window < real.shape[-1]:
+                real = real - F.pad(real, (window, 0))[:, : real.shape[-1]]  # minus those in slots ≤ i − W
+            self._masks[("sees", window)] = real > 0
+        return self._masks[("sees", window)]
 
     def boolean(self, window: int | None) -> torch.Tensor:
         """(B or 1, 1, T, past + T or capacity) True where attention is allowed."""
@@ -139,8 +152,6 @@ class AttentionMask:
     def block(self, window: int | None):
         """flex_attention BlockMask for the same rule."""
         if ("block", window) not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             batch = self.batch
             mask_mod = lambda b, h, q_idx, kv_idx: self._allowed(q_idx, kv_idx, window, b)  # noqa: E731
             self._masks[("block", window)] = create_block_mask(
@@ -227,7 +238,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
                                               enable_gqa=q.shape[1] != k.shape[1])
         return attend_softcapped_math(q, k, v, mask.boolean(window), scale, softcap)
     gqa = q.shape[1] != k.shape[1]
-    if (mask.tree is not None and mask.q_len >= decode_attention_kernels.MIN_QUERIES
+    if (mask.tree is not None and mask.q_len >= decode_attention_kernels.TUNING.min_queries
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and decode_attention_kernels.runs_kernel(q, k, v)):
         # A speculative tree (or a graphed decoding call): tens of queries over the whole cache, where SDPA's

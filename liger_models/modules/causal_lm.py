@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from liger_models import hub
 from liger_models.kernels.cross_entropy import cross_entropy
 from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
@@ -231,6 +232,9 @@ class LigerForCausalLM(nn.Module):
         self.generation_config = {}
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A labelled forward computes its loss without forming logits. With this set it also returns them, detached
+        # (what HF Trainer's compute_metrics / preprocess_logits_for_metrics receive); costs B·T·V activations.
+        self.logits_with_loss = False
         self.tie_weights()
         self.reset_parameters()
         self.register_state_dict_post_hook(_tied_head_as_its_own_tensor)
@@ -271,7 +275,8 @@ class LigerForCausalLM(nn.Module):
                 logits_to_keep: int | torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, return_dict: bool | None = None,
                 **kwargs: Any) -> CausalLMOutput | tuple:
-        """Loss (with labels; logits None) or logits (B, T or num_logits_to_keep, V); see the module docstring.
+        """Loss (with labels; logits None unless ``logits_with_loss``) or logits (B, T or num_logits_to_keep, V); see
+        the module docstring.
 
         attention_mask: HF's (B, past + T) 0/1 mask; padded keys are hidden. As in HF, position_ids still default
         to past..past+T−1 (pass cumsum-based ones for left padding, as ``generate`` does), and labels at padding
@@ -319,22 +324,29 @@ class LigerForCausalLM(nn.Module):
             softcap = self.config.logit_softcap  # applied inside the loss kernels, to fp32 logits
             if not is_plain_linear(self.lm_head):
                 # A wrapped head (PEFT's LoRA on lm_head) computes more than hidden · Wᵀ: its logits are formed.
-                loss = cross_entropy(self.lm_head(hidden), targets, normalizer=normalizer, softcap=softcap)
-                return CausalLMOutput(loss=loss, past_key_values=past_key_values)
+                logits = self.lm_head(hidden)
+                # a copy: the loss may write its gradient over the logits
+                kept = self._capped(logits.detach().clone()) if self.logits_with_loss else None
+                loss = cross_entropy(logits, targets, normalizer=normalizer, softcap=softcap)
+                return CausalLMOutput(loss=loss, logits=kept, past_key_values=past_key_values)
+            logits = None
+            if self.logits_with_loss:
+                with torch.no_grad():
+                    logits = self.compute_logits(hidden)
             hidden, weight = autocast_operands(hidden, self.lm_head.weight)
             loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer, softcap=softcap)
-            return CausalLMOutput(loss=loss, past_key_values=past_key_values)
+            return CausalLMOutput(loss=loss, logits=logits, past_key_values=past_key_values)
         hidden = keep_positions(hidden, num_logits_to_keep, logits_to_keep)
         return CausalLMOutput(logits=self.compute_logits(hidden), past_key_values=past_key_values)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head(hidden), soft-capped as HF does when the config says so (Gemma 2: c·tanh(z / c) in the logits'
         dtype, three rounded ops as there). Every path that returns or samples logits goes through here."""
-        logits = self.lm_head(hidden)
+        return self._capped(self.lm_head(hidden))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         softcap = self.config.logit_softcap
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        return logits
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
     generate = generate
 
@@ -492,9 +504,7 @@ class LigerForCausalLM(nn.Module):
                         device: torch.device | str | int | None = None) -> "LigerForCausalLM":
         """Load an HF-format directory (config.json + safetensors); dtype (None or "auto") defaults to the config's,
         else the checkpoint's."""
-        from liger_models.hub import load_pretrained
-
-        return load_pretrained(path, cls, dtype=dtype, device=device)
+        return hub.load_pretrained(path, cls, dtype=dtype, device=device)
 
     @classmethod
     def from_hub(cls, repo_id: str, revision: str | None = None, cache_dir: str | Path | None = None,
@@ -503,9 +513,7 @@ class LigerForCausalLM(nn.Module):
                  token: str | bool | None = None) -> "LigerForCausalLM":
         """Download (or find in the HF cache) *.json, *.safetensors and tokenizer files, then ``from_pretrained``;
         ``token`` (else HF_TOKEN / the stored login) for gated repos."""
-        from liger_models.hub import snapshot
-
-        path = snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+        path = hub.snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                         token=token)
         return cls.from_pretrained(path, dtype=dtype, device=device)
 
@@ -513,12 +521,10 @@ class LigerForCausalLM(nn.Module):
                         safe_serialization: bool = True) -> None:
         """Write HF-format safetensors (+ index when sharded) and config.json, atomically. safe_serialization is
         accepted as transformers' callers pass it; only safetensors are written."""
-        from liger_models.hub import save_pretrained
-
         if not safe_serialization:
             raise ValueError("save_pretrained writes safetensors only (safe_serialization=False asks for "
                              "pytorch_model.bin, which this library does not write)")
-        save_pretrained(self, directory, max_shard_size=max_shard_size)
+        hub.save_pretrained(self, directory, max_shard_size=max_shard_size)
 
 
 class Backbone:

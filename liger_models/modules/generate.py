@@ -41,6 +41,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .cache import KVCache
+from .graphed_decoding import GraphedCall, StaticKVCache
 from .inputs import _integral, check_input_ids, checks_its_own_token_ids
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -473,6 +474,41 @@ def new_token_budget(model, max_new_tokens: int | None, prompt_length: int, max_
     return DEFAULT_MAX_NEW_TOKENS
 
 
+# What a decoding step's arguments may hold (prepare_inputs_for_generation's keys); a patched hook that returns
+# anything else would be asking for something this loop does not do.
+_STEP_KEYS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", "past_key_values", "use_cache",
+                        "cache_position"})
+
+
+def prompt_learning_prefix(model, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The embeddings PEFT's prompt learning (prompt tuning, P-tuning) puts before the prompt, (B, V, H), or None.
+
+    PEFT's ``generate`` swaps the model's ``prepare_inputs_for_generation`` for its own, which replaces the first
+    step's input_ids by ``inputs_embeds`` = [virtual tokens | the prompt's embeddings]. This loop does not go through
+    that hook at every step, so it asks it once for the prefill and keeps the virtual tokens (they do not depend on
+    the prompt); anything else the hook would change is refused rather than ignored (prefix tuning's transformers
+    Cache among it)."""
+    hook = model.__dict__.get("prepare_inputs_for_generation")  # set on the instance: someone patched it
+    if hook is None:
+        return None
+    mask = torch.ones_like(input_ids) if mask is None else mask
+    step = hook(input_ids, past_key_values=None, attention_mask=mask, use_cache=True)
+    unknown = sorted(k for k, v in step.items() if v is not None and k not in _STEP_KEYS)
+    cache = step.get("past_key_values")
+    if unknown or (cache is not None and not isinstance(cache, KVCache)):
+        what = ", ".join(unknown) if unknown else f"past_key_values of type {type(cache).__name__}"
+        raise ValueError(f"generate: the patched prepare_inputs_for_generation asks for {what}, which this model's "
+                         "decoding loop does not take (PEFT's prefix tuning is not supported; prompt tuning is)")
+    embeds = step.get("inputs_embeds")
+    if embeds is None:
+        return None
+    virtual = embeds.shape[1] - input_ids.shape[1]
+    if embeds.dim() != 3 or embeds.shape[0] != input_ids.shape[0] or virtual < 0:
+        raise ValueError(f"generate: the patched prepare_inputs_for_generation returned inputs_embeds of shape "
+                         f"{tuple(embeds.shape)} for input_ids of shape {tuple(input_ids.shape)}")
+    return embeds[:, :virtual].detach() if virtual else None
+
+
 @torch.no_grad()
 @checks_its_own_token_ids
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, *, do_sample: bool | None = None,
@@ -515,26 +551,35 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     mask = prompt_mask(input_ids, attention_mask, explicit_pad, eos)  # (B, T) or None
     rules = LogitsRules(settings, eos, mask, prompt_length)
     stops = stop_strings_of(settings, tokenizer)
-    positions = None if mask is None else padded_positions(mask)
     pad = fill_token(model.config.vocab_size, explicit_pad, eos.tolist())
     rotary = model.model.rotary
-    capacity = prompt_length + min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
+    # PEFT's prompt learning: virtual tokens before the prompt, in the cache and the attention mask; positions then
+    # count the cache's slots (HF + PEFT drop position_ids there), padding or not.
+    prefix = prompt_learning_prefix(model, input_ids, mask)
+    virtual = 0 if prefix is None else prefix.shape[1]
+    attn_mask = mask  # the model's mask: the prompt's, after the virtual tokens' ones
+    if prefix is not None and mask is not None:
+        attn_mask = torch.cat([torch.ones_like(mask[:, :1]).expand(-1, virtual), mask], dim=1)
+    positions = None if mask is None or prefix is not None else padded_positions(mask)
+    capacity = virtual + prompt_length + min(max_new_tokens, PREALLOCATED_NEW_TOKENS)
 
     def prefill(tokens: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
         cache = KVCache(0 if graphed is not None else capacity)  # graphed: copied into the static cache
-        out = model(tokens, num_logits_to_keep=1, past_key_values=cache, use_cache=True, attention_mask=mask,
+        inputs = {"input_ids": tokens} if prefix is None else \
+            {"inputs_embeds": torch.cat([prefix, model.model.embed_tokens(tokens).to(prefix.dtype)], dim=1)}
+        out = model(**inputs, num_logits_to_keep=1, past_key_values=cache, use_cache=True, attention_mask=attn_mask,
                     position_ids=positions)
         return out.logits[:, -1], cache
 
     graphed = None
     if cuda_graph:  # before the prefill: a model off CUDA is refused before any work
-        graphed = _graphed_step(model, input_ids.shape[0], prompt_length + max_new_tokens, mask)
+        graphed = _graphed_step(model, input_ids.shape[0], virtual + prompt_length + max_new_tokens, attn_mask)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     logits, cache = prefill(input_ids)
     if graphed is not None:
         graphed.cache.load(cache)
-    regime = rotary.regime(prompt_length)
+    regime = rotary.regime(virtual + prompt_length)
     tokens, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     can_finish = len(eos) > 0 or stops is not None  # otherwise no row ever finishes: nothing to read back
     # Asynchronous only where it pays: graph replays that can stop early and whose tokens need not be read each step.
@@ -547,8 +592,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
         if streamer is not None:
             streamer.put(nxt.cpu())
-        if mask is not None:  # the new token is real in every row (HF keeps finished rows' pads visible too)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if attn_mask is not None:  # the new token is real in every row (HF keeps finished rows' pads visible too)
+            attn_mask = torch.cat([attn_mask, torch.ones_like(attn_mask[:, :1])], dim=1)
+        if positions is not None:
             positions = torch.cat([positions, positions[:, -1:] + 1], dim=1)
         finished = None
         if step == max_new_tokens - 1:  # the budget is spent; a finish whose flag had not landed yet still counts
@@ -562,17 +608,17 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
             tokens = tokens[:, : prompt_length + finished + 1].contiguous()
         if finished is not None or step == max_new_tokens - 1:
             break
-        if rotary.regime(tokens.shape[1]) != regime:
-            regime = rotary.regime(tokens.shape[1])
+        if rotary.regime(virtual + tokens.shape[1]) != regime:
+            regime = rotary.regime(virtual + tokens.shape[1])
             logits, cache = prefill(tokens)
             if graphed is not None:
                 graphed.cache.load(cache)
         elif graphed is not None:  # the new token sits at slot T − 1; its position is that, or HF's with padding
-            slot = tokens.shape[1] - 1
+            slot = virtual + tokens.shape[1] - 1
             logits = graphed(nxt[:, None], slot if positions is None else positions[:, -1:], slot)[1][:, -1]
         else:
             out = model(nxt[:, None], num_logits_to_keep=1, past_key_values=cache, use_cache=True,
-                        attention_mask=mask, position_ids=None if positions is None else positions[:, -1:])
+                        attention_mask=attn_mask, position_ids=None if positions is None else positions[:, -1:])
             logits = out.logits[:, -1]
     if streamer is not None:
         streamer.end()
@@ -630,8 +676,6 @@ class FinishWatch:
 
 def _graphed_step(model, batch: int, capacity: int, mask: torch.Tensor | None):
     """One-token decoding steps replayed as a CUDA graph, over a static cache of ``capacity`` slots."""
-    from .graphed_decoding import GraphedCall, StaticKVCache
-
     device = model.lm_head.weight.device
     valid = None
     if mask is not None:  # left padding: the prompt's padded slots stay hidden; generated tokens are all real

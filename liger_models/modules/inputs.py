@@ -95,15 +95,26 @@ def check_position_ids(position_ids: torch.Tensor, input_ids: torch.Tensor) -> N
     _check_device("position_ids", position_ids, input_ids)
 
 
+def _reads_as_0_1(mask: torch.Tensor) -> bool:
+    if mask.dim() != 2:
+        return False  # the shape error is raised where the mask is read
+    return bool((((mask == 0) | (mask == 1)).all() & (mask == 1).any(dim=-1).all()))
+
+
 def check_attention_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> None:
-    """attention_mask: HF's 2-D padding mask, 1 (or True) at real tokens, as integers or bools, on input_ids' device.
-    Its shape, which depends on the cache's length, is checked where the mask is read (decoder.key_padding)."""
+    """attention_mask: HF's 2-D padding mask, 1 (or True) at real tokens, as integers, bools or floats, on input_ids'
+    device. Its shape, which depends on the cache's length, is checked where the mask is read (decoder.key_padding).
+
+    A float mask is taken when every value is 0 or 1 (PEFT's prompt learning concatenates a float ones mask for its
+    virtual tokens, and HF reads 2-D float masks as 0/1); that costs one read of the values, only for float masks.
+    Any other float mask may be additive (0 / -inf), which would read inverted, so it is refused; so is one with a row
+    of zeros only, which as an additive mask would mean "attend to everything" instead of "all padding"."""
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a tensor, got {type(attention_mask).__name__}")
-    if attention_mask.is_floating_point() or attention_mask.is_complex():
-        raise ValueError(f"attention_mask must be HF's 0/1 padding mask as integers or bools, got dtype "
-                         f"{attention_mask.dtype}: a float mask may be additive (0 / -inf), which would read "
-                         "inverted; pass mask.long() of a 0/1 mask")
+    if attention_mask.is_complex() or (attention_mask.is_floating_point() and not _reads_as_0_1(attention_mask)):
+        raise ValueError(f"attention_mask must be HF's 0/1 padding mask, got dtype {attention_mask.dtype} with values "
+                         "other than 0 and 1 or a row of zeros only: a float mask may be additive (0 / -inf), which "
+                         "would read inverted; pass mask.long() of a 0/1 mask")
     _check_device("attention_mask", attention_mask, input_ids)
 
 

@@ -72,30 +72,29 @@ def _check(logits, labels, reduction="mean", grad_scale=None, **opts):
 # and per-block sums; 64-column blocks with pass 1's loads split into an evict_first head and a 64-column evict_last
 # tail; rows split over programs (32-column blocks; rows of 300 / 517 over 2 / 4 programs of 5 / 4 whole blocks, the
 # last one short and with the partial block), with per-block and with lane sums and an evict_first head.
-SETTINGS = {"default": {}, "128-col-blocks": dict(CE_BLOCK_V=128, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=0.0),
-            "128-col-blocks-lanes": dict(CE_BLOCK_V=128, CE_LANE_SUMS=True, CE_LANE_SUMS_MIN_ROWS=0,
-                                         CE_MAX_REGISTERS=32),
-            "128-col-blocks-forward": dict(CE_BLOCK_V=128, CE_REVERSE_PASS2=False, CE_EVICTION_HINTS=False,
-                                           CE_LANE_SUMS=False),
-            "64-col-blocks-keep-tail": dict(CE_BLOCK_V=64, CE_LANE_SUMS=False, CE_KEEP_L2_SHARE=3e-5),
-            "split-rows": dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=150, CE_LANE_SUMS=False,
-                               CE_KEEP_L2_SHARE=0.0),
-            "split-rows-lanes-keep-tail": dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=150, CE_LANE_SUMS=True,
-                                               CE_LANE_SUMS_MIN_ROWS=0, CE_KEEP_L2_SHARE=2e-5),
-            "split-rows-no-prefetch": dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=150, CE_LANE_SUMS=False,
-                                           CE_KEEP_L2_SHARE=0.0, CE_PREFETCH_PASS2=False)}
+SETTINGS = {"default": {}, "128-col-blocks": dict(block_v=128, lane_sums=False, keep_l2_share=0.0),
+            "128-col-blocks-lanes": dict(block_v=128, lane_sums=True, lane_sums_min_rows=0,
+                                         max_registers=32),
+            "128-col-blocks-forward": dict(block_v=128, reverse_pass2=False, eviction_hints=False,
+                                           lane_sums=False),
+            "64-col-blocks-keep-tail": dict(block_v=64, lane_sums=False, keep_l2_share=3e-5),
+            "split-rows": dict(block_v=32, split_min_cols=0, split_cols=150, lane_sums=False,
+                               keep_l2_share=0.0),
+            "split-rows-lanes-keep-tail": dict(block_v=32, split_min_cols=0, split_cols=150, lane_sums=True,
+                                               lane_sums_min_rows=0, keep_l2_share=2e-5),
+            "split-rows-no-prefetch": dict(block_v=32, split_min_cols=0, split_cols=150, lane_sums=False,
+                                           keep_l2_share=0.0, prefetch_pass2=False)}
 
 
-def _use(monkeypatch, settings):
-    for name, value in settings.items():
-        monkeypatch.setattr(_ce_core, name, value)
+def _use(tune, settings):
+    tune(_ce_core, **settings)
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference(monkeypatch, settings, dtype, case):
-    _use(monkeypatch, SETTINGS[settings])
+def test_matches_reference(tune, settings, dtype, case):
+    _use(tune, SETTINGS[settings])
     opts, reduction = CASES[case]
     vocab = (67, 300, 517)[case % 3]
     logits = (torch.randn(7, vocab, device=DEVICE) * 3).to(dtype)
@@ -103,11 +102,11 @@ def test_matches_reference(monkeypatch, settings, dtype, case):
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(z_loss=1e-3)])
-def test_masked_vocabulary_tail(monkeypatch, opts):
+def test_masked_vocabulary_tail(tune, opts):
     """Logits of −inf over whole blocks (a padded vocabulary masked out) add nothing: finite loss, zero gradient
     there, the rest as the reference. (Smoothing's mean over −inf logits is −inf by definition; a softcap maps −inf
     to a finite logit.)"""
-    monkeypatch.setattr(_ce_core, "CE_BLOCK_V", 64)
+    tune(_ce_core, block_v=64)
     vocab = 300
     logits = torch.randn(5, vocab, device=DEVICE) * 3
     logits[:, 190:] = float("-inf")  # blocks 3 and 4 entirely, block 2 partly
@@ -117,10 +116,10 @@ def test_masked_vocabulary_tail(monkeypatch, opts):
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_in_place_gradient(monkeypatch, settings):
+def test_in_place_gradient(tune, settings):
     """Logits that are an autograd intermediate receive their gradient in place (no second N×V buffer); the target's
     logit dominates each row, so a kernel reading it after the gradient overwrote it would be far off."""
-    _use(monkeypatch, SETTINGS[settings])
+    _use(tune, SETTINGS[settings])
     opts, _ = CASES[-2]  # every option, reduction="mean": the gradient is computed in the forward
     labels = _labels(9, 300)
     logits = torch.randn(9, 300, device=DEVICE) * 3
@@ -149,7 +148,7 @@ def test_incoming_grad_scales_the_in_place_gradient(grad_scale):
 @pytest.mark.parametrize("g", [1.0, -0.375])
 def test_scale_in_place_strides_over_large_tensors(g):
     """_loss_common.scale_ runs a capped grid that strides (more blocks than programs here), and skips g == 1."""
-    x = torch.randn(_loss_common.SCALE_BLOCK * 41 + 123, device=DEVICE).to(torch.bfloat16)
+    x = torch.randn(_loss_common.TUNING.scale_block * 41 + 123, device=DEVICE).to(torch.bfloat16)
     expected = (x.float() * g).to(torch.bfloat16)
     _loss_common.scale_(x, torch.tensor(g, device=DEVICE))
     assert torch.equal(x, expected)
@@ -188,10 +187,10 @@ def test_bad_option_values_raise(opts):
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
-def test_confident_prediction_keeps_target_gradient(monkeypatch, settings):
+def test_confident_prediction_keeps_target_gradient(tune, settings):
     """A logit 30 above the rest in bf16: p_t − 1 ≈ −V·e⁻³⁰ must come out relative-accurate, not 0 (targets in
     whole blocks and in the partial last one)."""
-    _use(monkeypatch, SETTINGS[settings])
+    _use(tune, SETTINGS[settings])
     vocab = 300
     logits = torch.randn(4, vocab, device=DEVICE)
     labels = torch.tensor([3, 140, 255, 299], device=DEVICE)
@@ -250,7 +249,7 @@ def test_bad_label_raises(bad):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_label_check_counts_and_scale(dtype, reduction):
     """LabelCheck's one-program kernel over several blocks: bad-label count, first bad index, and the scale."""
-    n, vocab = 2 * label_check.LABEL_BLOCK + 37, 1000
+    n, vocab = 2 * label_check.TUNING.block + 37, 1000
     labels = torch.randint(-3, vocab + 3, (n,), device=DEVICE)
     labels[torch.rand(n, device=DEVICE) < 0.3] = IGNORE
     bad = ((labels < 0) | (labels >= vocab)) & (labels != IGNORE)
@@ -266,10 +265,10 @@ def test_label_check_counts_and_scale(dtype, reduction):
 
 
 @pytest.mark.parametrize("settings", ["default", "128-col-blocks-lanes"])
-def test_kernel_touches_nothing_when_the_label_check_failed(monkeypatch, settings):
+def test_kernel_touches_nothing_when_the_label_check_failed(tune, settings):
     """The row kernel reads LabelCheck's flag (on CUDA the host learns the verdict only after the kernel is queued):
     set, it writes no loss, statistic or gradient, in place or not."""
-    _use(monkeypatch, SETTINGS[settings])
+    _use(tune, SETTINGS[settings])
     logits = torch.randn(5, 300, device=DEVICE).to(torch.bfloat16)
     labels = _labels(5, 300)
     labels[2] = 300
@@ -300,12 +299,12 @@ def _check_in_place(logits, labels):
 
 @pytest.mark.parametrize("settings", ["split-rows", "split-rows-no-prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_rows_targets_in_every_kind_of_block(monkeypatch, settings, dtype):
+def test_split_rows_targets_in_every_kind_of_block(tune, settings, dtype):
     """V = 517 in 32-column blocks over 4 programs of 4 whole blocks ([128k, 128k + 128)), the last one also on the
     partial block [512, 517): targets in the block each program loads for pass 2 before the meeting (the last whole
     block of its segment: 96.., 224.., 352.., 480..), at a segment's first column, and in the partial block; the
     gradient written over the logits, whose targets dominate (a stale read would be far off)."""
-    _use(monkeypatch, SETTINGS[settings])
+    _use(tune, SETTINGS[settings])
     labels = torch.tensor([96, 127, 229, 383, 480, 511, 514, 0, 128, IGNORE], device=DEVICE)
     logits = torch.randn(len(labels), 517, device=DEVICE) * 2
     valid = labels != IGNORE
@@ -316,12 +315,12 @@ def test_split_rows_targets_in_every_kind_of_block(monkeypatch, settings, dtype)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_split_never_leaves_a_program_without_columns(monkeypatch, prefetch):
+def test_split_never_leaves_a_program_without_columns(tune, prefetch):
     """V = 18 whole 32-column blocks + 5: splitting over 8 programs (150 columns each, rounded up to a power of two)
     would give segments of 3 blocks and leave the last two programs none, and such a program would prefetch (and
     write) a neighbour's block. The split shrinks to 4 programs of 5 blocks instead; in place, targets everywhere."""
-    _use(monkeypatch, dict(CE_BLOCK_V=32, CE_SPLIT_MIN_COLS=0, CE_SPLIT_COLS=80, CE_LANE_SUMS=False,
-                           CE_KEEP_L2_SHARE=0.0, CE_PREFETCH_PASS2=prefetch))
+    _use(tune, dict(block_v=32, split_min_cols=0, split_cols=80, lane_sums=False,
+                           keep_l2_share=0.0, prefetch_pass2=prefetch))
     assert _ce_core._split(18 * 32 + 5, 32) == (4, 5 * 32)
     assert _ce_core._split(15 * 32 + 7, 32) == (8, 2 * 32)  # 8 programs of 2 blocks: the last has 1 and the tail
     labels = torch.tensor([0, 95, 160, 511, 544, 575, 580, 300, IGNORE], device=DEVICE)
@@ -332,10 +331,10 @@ def test_split_never_leaves_a_program_without_columns(monkeypatch, prefetch):
 
 
 @pytest.mark.parametrize("settings", ["default", "split-rows"])
-def test_loss_total_is_deterministic(monkeypatch, settings):
+def test_loss_total_is_deterministic(tune, settings):
     """mean / sum: the per-row losses summed in one fixed order (scaled_sum: one program on CUDA), times the scale: the
     same bits on every call, and the per-row losses' sum."""
-    _use(monkeypatch, SETTINGS[settings])
+    _use(tune, SETTINGS[settings])
     logits = torch.randn(7, 517, device=DEVICE)
     labels = _labels(7, 517)
     for reduction in ("sum", "mean"):
@@ -351,7 +350,7 @@ def test_scaled_sum_over_several_blocks():
     within the worst-case bound of its summation tree, depth ≤ 32 (≤ 3 terms per accumulator, ≤ 16 per thread,
     5 shuffle and 4 cross-warp levels): 32·2⁻²⁴·Σ|x|. A cancelling sum of randn needs that absolute bound (relative
     to the small result a 1e-6 rtol failed); an element dropped or counted twice is off by ~1, far beyond it."""
-    x = torch.randn(2 * _loss_common.SUM_BLOCK + 13, device=DEVICE)
+    x = torch.randn(2 * _loss_common.TUNING.sum_block + 13, device=DEVICE)
     g = torch.tensor(0.37, device=DEVICE)
     bound = 32 * 2.0**-24 * x.double().abs().sum().item() * g.item()
     out = _loss_common._launch_scaled_sum(x, g)  # the kernel itself, on the CPU too
@@ -482,19 +481,19 @@ def _gpu_reference_rows(logits, labels, rows, **opts):
 # sums, every pass-1 load evict_last, the 32-register cap at every width, no cap (57 registers, one program/SM), one
 # program per row at every width (the default splits 256000 over 4), and every row over 64K columns split (128256
 # over 2 programs, 152064 and 256000 over 4).
-GPU_SETTINGS = {"default": {}, "block-sums": dict(CE_LANE_SUMS=False), "all-evict-last": dict(CE_KEEP_L2_SHARE=0.0),
-                "32-registers-any-width": dict(CE_MAX_REGISTERS_COLS=1 << 30),
-                "no-register-cap": dict(CE_MAX_REGISTERS=None), "no-split": dict(CE_SPLIT_COLS=None),
-                "split-over-64k": dict(CE_SPLIT_MIN_COLS=65536),
-                "split-no-prefetch": dict(CE_PREFETCH_PASS2=False)}
+GPU_SETTINGS = {"default": {}, "block-sums": dict(lane_sums=False), "all-evict-last": dict(keep_l2_share=0.0),
+                "32-registers-any-width": dict(max_registers_cols=1 << 30),
+                "no-register-cap": dict(max_registers=None), "no-split": dict(split_cols=None),
+                "split-over-64k": dict(split_min_cols=65536),
+                "split-no-prefetch": dict(prefetch_pass2=False)}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("settings", GPU_SETTINGS)
 @pytest.mark.parametrize("n, vocab", [(8192, 128256), (4096, 256000), (3, 152064)])
 @pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)])
-def test_gpu_headline_shapes(monkeypatch, settings, n, vocab, opts):
-    _use(monkeypatch, GPU_SETTINGS[settings])
+def test_gpu_headline_shapes(tune, settings, n, vocab, opts):
+    _use(tune, GPU_SETTINGS[settings])
     torch.manual_seed(0)
     logits = (torch.randn(n, vocab, device="cuda") * 2).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (n,), device="cuda")
@@ -511,11 +510,11 @@ def test_gpu_headline_shapes(monkeypatch, settings, n, vocab, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_cols", [131072, 65536])
-def test_gpu_split_rows_in_place(monkeypatch, split_cols):
+def test_gpu_split_rows_in_place(tune, split_cols):
     """Rows split over 2 / 4 programs with the gradient written over the logits: every program reads its target
     logit before the meeting, so none can read a partner's gradient in its place (the target dominates each row,
     so a stale x_t would be far off); rows whose target lies in each segment, and ignored rows."""
-    monkeypatch.setattr(_ce_core, "CE_SPLIT_COLS", split_cols)
+    tune(_ce_core, split_cols=split_cols)
     n, vocab = 1031, 256000
     labels = torch.randint(0, vocab, (n,), device="cuda")
     labels[: n // 2] = torch.arange(n // 2, device="cuda") * (vocab // (n // 2))  # targets across every segment

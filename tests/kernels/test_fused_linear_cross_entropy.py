@@ -36,19 +36,19 @@ def _poisoned_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
 
 
-def _chunk(monkeypatch, mode):
+def _chunk(tune, mode):
     """A 4-row logits budget; mode picks whether grad_W's storage (H rows) may serve as the scratch instead, and
     whether the scratch is split for the overlapped schedule (then 4 or 7 chunks of 14 tokens)."""
-    monkeypatch.setattr(flce_mod, "GRAD_WEIGHT_AS_SCRATCH", mode.startswith("grad_w_scratch"))
-    monkeypatch.setattr(flce_mod, "OVERLAP_CE", mode.endswith("+overlap"))
-    monkeypatch.setattr(flce_mod, "SINGLE_CHUNK_IN_ACCUMULATOR", mode == "single_chunk")
-    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 4 * 517 * 4)
+    tune(flce_mod, grad_weight_as_scratch=mode.startswith("grad_w_scratch"))
+    tune(flce_mod, overlap_ce=mode.endswith("+overlap"))
+    tune(flce_mod, single_chunk_in_accumulator=mode == "single_chunk")
+    tune(flce_mod, logits_budget_bytes=4 * 517 * 4)
 
 
 @pytest.fixture
-def chunked_once(monkeypatch):
+def chunked_once(tune):
     """The interpreter is slow: tests that are not about chunking run one mode (grad_W's storage, the default)."""
-    _chunk(monkeypatch, SCRATCH_MODES[0])
+    _chunk(tune, SCRATCH_MODES[0])
 
 
 def _inputs(vocab, dtype, bias=False, b=B, t=T):
@@ -135,8 +135,8 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference(monkeypatch, dtype, case):
-    _chunk(monkeypatch, SCRATCH_MODES[(case + (dtype == torch.bfloat16)) % len(SCRATCH_MODES)])  # every mode
+def test_matches_reference(tune, dtype, case):
+    _chunk(tune, SCRATCH_MODES[(case + (dtype == torch.bfloat16)) % len(SCRATCH_MODES)])  # every mode
     vocab = (67, 300, 517)[case % 3]
     hidden, weight, bias, labels = _inputs(vocab, dtype, bias=case % 2 == 1)
     _check(hidden, weight, bias, labels, **CASES[case])
@@ -157,10 +157,10 @@ def test_gemma2_final_softcap_far_past_the_cap(chunked_once, dtype, opts):
 
 @pytest.mark.parametrize("opts", [dict(), dict(reduction="none", label_smoothing=0.1)])
 @pytest.mark.parametrize("rows", [16, 17])
-def test_single_chunk_in_accumulator(monkeypatch, opts, rows):
+def test_single_chunk_in_accumulator(tune, monkeypatch, opts, rows):
     """bf16, N ≤ 2H: one chunk, dW by one GEMM straight into grad_W (no fp32 accumulator); N = 2H + 1: the
     accumulator path as before. Either way the result matches the float64 reference."""
-    _chunk(monkeypatch, "single_chunk")
+    _chunk(tune, "single_chunk")
     accumulators = []
     accumulate = flce_mod._accumulate_dw
     monkeypatch.setattr(flce_mod, "_accumulate_dw", lambda acc, *a, **k: (accumulators.append(acc.dtype),
@@ -171,11 +171,11 @@ def test_single_chunk_in_accumulator(monkeypatch, opts, rows):
 
 
 @pytest.mark.parametrize("vocab,opts", [(301, dict()), (300, dict(reduction="none", z_loss=1e-3))])
-def test_accumulator_becoming_grad(monkeypatch, vocab, opts):
+def test_accumulator_becoming_grad(tune, monkeypatch, vocab, opts):
     """bf16 under a 3-row scratch cap (< H): five chunks accumulate dW in fp32 halves of the vocabulary, and
     grad_W is cast into the first half's own storage (odd V: one spare row); same results as the reference."""
-    _chunk(monkeypatch, "budget_scratch")
-    monkeypatch.setattr(flce_mod, "MAX_SCRATCH_BYTES", 3 * vocab * 2)
+    _chunk(tune, "budget_scratch")
+    tune(flce_mod, max_scratch_bytes=3 * vocab * 2)
     casts = []
     cast = flce_mod._cast_into_grad
     monkeypatch.setattr(flce_mod, "_cast_into_grad", lambda halves, g: (casts.append(g), cast(halves, g, first=7)))
@@ -185,13 +185,13 @@ def test_accumulator_becoming_grad(monkeypatch, vocab, opts):
     assert casts[0].untyped_storage().nbytes() == -(-vocab // 2) * H * 4  # ≤ grad_W's bytes + one row
 
 
-def test_cap_above_budget_sizes_the_scratch(monkeypatch):
+def test_cap_above_budget_sizes_the_scratch(tune, monkeypatch):
     """A cap below H but above the logits budget (Gemma: 1536 rows against the budget's 524) is the scratch's
     size when the accumulator becomes grad_W: chunks of cap rows, not of the smaller budget."""
-    _chunk(monkeypatch, "budget_scratch")
+    _chunk(tune, "budget_scratch")
     vocab = 300
-    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 4 * vocab * 2)
-    monkeypatch.setattr(flce_mod, "MAX_SCRATCH_BYTES", 6 * vocab * 2)
+    tune(flce_mod, logits_budget_bytes=4 * vocab * 2)
+    tune(flce_mod, max_scratch_bytes=6 * vocab * 2)
     chunk_rows = []
     ce_rows = flce_mod.ce_rows
     monkeypatch.setattr(flce_mod, "ce_rows", lambda logits, *a, **k: (chunk_rows.append(logits.shape[0]),
@@ -202,11 +202,11 @@ def test_cap_above_budget_sizes_the_scratch(monkeypatch):
 
 
 @pytest.mark.parametrize("budget_rows,shared", [(H, True), (H - 1, True), (H + 1, False)])
-def test_scratch_in_grad_w_when_it_holds_the_budget(monkeypatch, budget_rows, shared):
+def test_scratch_in_grad_w_when_it_holds_the_budget(tune, budget_rows, shared):
     """grad_W's storage (H rows of V) is the logits scratch whenever it holds at least the budget's rows: an
     equal-sized second buffer would only add V·H bytes to the peak (Mistral: V 32768, H 4096, 256 MiB budget)."""
     vocab, n = 37, 3 * H
-    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", budget_rows * vocab * 2)
+    tune(flce_mod, logits_budget_bytes=budget_rows * vocab * 2)
     h = torch.randn(n, H, device=DEVICE, dtype=torch.bfloat16)
     grad_w = torch.empty(vocab, H, device=DEVICE, dtype=torch.bfloat16)
     (buffer,), rows = flce_mod._scratch(n, h, vocab, grad_w, True, None)
@@ -239,13 +239,13 @@ def test_frozen_weight_or_hidden(chunked_once, monkeypatch, requires):
 @pytest.mark.parametrize("split_cols", [None, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_target_rank(chunked_once, monkeypatch, dtype, reduction, split_cols):
+def test_target_rank(chunked_once, tune, dtype, reduction, split_cols):
     """"none" ranks in the forward-only pass (backward redoes the chunks), "mean" in the fused pass; 128-column
     blocks make every row's rank a sum over 5 blocks' counts, and split_cols=200 splits each row over 4 programs
     (whose ranks, sums and maxima merge; the backward-only pass of "none" runs split without meeting)."""
-    monkeypatch.setattr(_ce_core, "CE_BLOCK_V", 128)
-    monkeypatch.setattr(_ce_core, "CE_SPLIT_COLS", split_cols)
-    monkeypatch.setattr(_ce_core, "CE_SPLIT_MIN_COLS", 0)
+    tune(_ce_core, block_v=128)
+    tune(_ce_core, split_cols=split_cols)
+    tune(_ce_core, split_min_cols=0)
     hidden, weight, _, labels = _inputs(517, dtype)
     (_, rank), (_, _) = _check(hidden, weight, None, labels, return_target_rank=True, reduction=reduction)
     assert rank.dtype == torch.int32 and rank.shape == labels.shape
@@ -268,13 +268,13 @@ def test_target_rank(chunked_once, monkeypatch, dtype, reduction, split_cols):
 
 @pytest.mark.parametrize("split_cols", [None, 200])
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_target_rank_breaks_ties_like_argmax(chunked_once, monkeypatch, reduction, split_cols):
+def test_target_rank_breaks_ties_like_argmax(chunked_once, tune, reduction, split_cols):
     """Tied logits rank as argmax breaks them, the first wins: a row of equal logits (a dead head at a zero hidden
     state) ranks its target at its own index, not first (strictly-above counting made such a head 100% top-1). Ties
     across 128-column blocks and, with split_cols, across the programs that share a row."""
-    monkeypatch.setattr(_ce_core, "CE_BLOCK_V", 128)
-    monkeypatch.setattr(_ce_core, "CE_SPLIT_COLS", split_cols)
-    monkeypatch.setattr(_ce_core, "CE_SPLIT_MIN_COLS", 0)
+    tune(_ce_core, block_v=128)
+    tune(_ce_core, split_cols=split_cols)
+    tune(_ce_core, split_min_cols=0)
     vocab = 517
     hidden, weight, _, labels = _inputs(vocab, torch.float32)
     hidden[1] = 0.0  # batch row 1: every logit exactly 0
@@ -485,17 +485,17 @@ def _eps_in_the_gap(hidden, weight, bias, labels, hot, **opts):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(FILTER_CASES)))
-def test_grad_filter_skips_cold_columns(monkeypatch, kept_columns, dtype, case):
+def test_grad_filter_skips_cold_columns(tune, kept_columns, dtype, case):
     """Filtered gradients match the float64 reference with the same filter: cold columns get exactly zero dW and
     db and nothing of dh, hot columns everything, in every chunking mode; the kept columns went through the
     gathered (sparse) GEMMs."""
     mode = FILTER_MODES[(case + (dtype == torch.bfloat16)) % len(FILTER_MODES)]
-    _chunk(monkeypatch, {"capped": "budget_scratch", "slabs": "grad_w_scratch"}.get(mode, mode))
+    _chunk(tune, {"capped": "budget_scratch", "slabs": "grad_w_scratch"}.get(mode, mode))
     if mode == "slabs":  # the kept columns in slabs of 50: dh summed over slabs in fp32
-        monkeypatch.setattr(grad_filter, "SLAB_BYTES", 1)
-        monkeypatch.setattr(grad_filter, "MIN_SLAB_COLS", 50)
+        tune(grad_filter, slab_bytes=1)
+        tune(grad_filter, min_slab_cols=50)
     if mode == "capped":  # 3-row chunks; bf16: into the fp32 accumulator's halves that become grad_W
-        monkeypatch.setattr(flce_mod, "MAX_SCRATCH_BYTES", 3 * 517 * dtype.itemsize)
+        tune(flce_mod, max_scratch_bytes=3 * 517 * dtype.itemsize)
     hidden, weight, bias, labels, hot = _filter_inputs(dtype, bias=case % 2 == 0)
     eps = _eps_in_the_gap(hidden, weight, bias, labels, hot, **FILTER_CASES[case])
     opts = dict(FILTER_CASES[case], grad_filter_eps=eps)
@@ -508,10 +508,10 @@ def test_grad_filter_skips_cold_columns(monkeypatch, kept_columns, dtype, case):
     assert (w.grad[~hot] == 0).all() and (w.grad[hot] != 0).any(1).all()
 
 
-def test_grad_filter_dense_share(monkeypatch, chunked_once):
+def test_grad_filter_dense_share(tune, monkeypatch, chunked_once):
     """Chunks with more kept columns than DENSE_SHARE run the dense GEMMs over all columns: exact gradients
     (dW then starts from zero rather than from the first chunk's GEMM)."""
-    monkeypatch.setattr(flce_mod, "DENSE_SHARE", 0.3)  # hot is ~40% of the columns
+    tune(grad_filter, dense_share=0.3)  # hot is ~40% of the columns
     monkeypatch.setattr(flce_mod, "sparse_gradients", lambda *a: pytest.fail("sparse path above DENSE_SHARE"))
     hidden, weight, bias, labels, hot = _filter_inputs(torch.float32, bias=True)
     eps = _eps_in_the_gap(hidden, weight, bias, labels, hot)
@@ -525,11 +525,11 @@ def test_grad_filter_dense_share(monkeypatch, chunked_once):
 
 
 @pytest.mark.parametrize("dense_first", [True, False])
-def test_grad_filter_mixed_chunks(monkeypatch, dense_first):
+def test_grad_filter_mixed_chunks(tune, monkeypatch, dense_first):
     """Dense and sparse chunks in one call, in either order (4-row chunks): the first chunk to write dW sets it
     (a dense GEMM with beta 0, or zeros then the kept rows), later ones add to it. Truth: the float64 dlogits with
     the cold columns dropped in the sparse chunks' rows only."""
-    _chunk(monkeypatch, "budget_scratch")
+    _chunk(tune, "budget_scratch")
     calls = []
     active = flce_mod.active_columns
 
@@ -554,10 +554,10 @@ def test_grad_filter_mixed_chunks(monkeypatch, dense_first):
         assert_matches(g, ref, name=name)
 
 
-def test_grad_filter_module_default(monkeypatch, chunked_once):
+def test_grad_filter_module_default(tune, chunked_once):
     """GRAD_FILTER_EPS (what --loss-grad-filter-eps sets for a run) filters calls that pass no grad_filter_eps."""
     hidden, weight, bias, labels, hot = _filter_inputs(torch.float32, bias=False)
-    monkeypatch.setattr(flce_mod, "GRAD_FILTER_EPS", _eps_in_the_gap(hidden, weight, None, labels, hot))
+    tune(flce_mod, grad_filter_eps=_eps_in_the_gap(hidden, weight, None, labels, hot))
     w = weight.clone().requires_grad_()
     fused_linear_cross_entropy(hidden, w, labels).backward()
     assert (w.grad[~hot] == 0).all() and (w.grad[hot] != 0).any(1).all()
@@ -636,23 +636,23 @@ def test_gpu_fp32_output_gemm_available():
 @pytest.mark.parametrize("mode", ["default", "overlap", "single", "capped"])
 @pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, loss_scale=0.5),
                                   dict(reduction="sum")])
-def test_gpu_real_size(monkeypatch, opts, mode):
+def test_gpu_real_size(tune, opts, mode):
     """2 chunks of 2048 rows in grad_W's storage; overlap: 4 chunks of 1024, CE on a side stream; single: the
     4096 rows (= 2H) as one chunk, dW one GEMM straight into grad_W; capped: a 768-row scratch, 6 chunks into an
     fp32 accumulator that becomes grad_W in place."""
-    monkeypatch.setattr(flce_mod, "OVERLAP_CE", mode == "overlap")
-    monkeypatch.setattr(flce_mod, "MAX_SCRATCH_BYTES", 768 * 128256 * 2 if mode == "capped" else None)
-    monkeypatch.setattr(flce_mod, "SINGLE_CHUNK_IN_ACCUMULATOR", mode == "single")
+    tune(flce_mod, overlap_ce=mode == "overlap")
+    tune(flce_mod, max_scratch_bytes=768 * 128256 * 2 if mode == "capped" else None)
+    tune(flce_mod, single_chunk_in_accumulator=mode == "single")
     _gpu_case(4096, 2048, 128256, **opts)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("frozen", [False, True])
-def test_gpu_overlapped_schedule_under_load(monkeypatch, frozen):
+def test_gpu_overlapped_schedule_under_load(tune, frozen):
     """Many chunks with the CE pass on the side stream (frozen W: 8 MiB budget halves; else 16 chunks of 256
     rows in grad_W's storage), reduction="none" (its backward reruns the chunk loop)."""
-    monkeypatch.setattr(flce_mod, "OVERLAP_CE", True)
-    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 8 << 20)
+    tune(flce_mod, overlap_ce=True)
+    tune(flce_mod, logits_budget_bytes=8 << 20)
     torch.manual_seed(0)
     n, hdim, vocab = 4096, 512, 32000
     hidden = torch.randn(n, hdim, device="cuda").to(torch.bfloat16)

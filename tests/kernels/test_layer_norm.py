@@ -76,21 +76,21 @@ def test_hidden_size_one_is_exact(dtype):
 
 @pytest.mark.parametrize("shape", [(3, 127), (2, 300)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_rows_split_path(monkeypatch, shape, dtype):
-    monkeypatch.setattr(rn, "_MAX_FUSED_FWD_N", 64)
-    monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
-    monkeypatch.setattr(rn, "_SPLIT_BLOCK_N", 64)
-    monkeypatch.setattr(rn, "_WIDE_BWD", False)
+def test_long_rows_split_path(tune, shape, dtype):
+    tune(rn, max_fused_fwd_n=64)
+    tune(rn, max_fused_bwd_n=64)
+    tune(rn, split_block_n=64)
+    tune(rn, wide_bwd=False)
     _check(*_inputs(shape, dtype, bias=True, mean=30.0))  # a mean ≫ std: the separate mean pass matters
 
 
 @pytest.mark.parametrize("shape", [(3, 127), (5, 250)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wide_rows_backward(monkeypatch, shape, bias, dtype):
-    monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
-    monkeypatch.setattr(rn, "_WIDE_CHUNK", 64)  # rows of 2 and 4 chunks (with a tail): the one-kernel backward
-    monkeypatch.setattr(rn, "_WIDE_LN_MAX_CHUNKS", 4)
+def test_wide_rows_backward(tune, shape, bias, dtype):
+    tune(rn, max_fused_bwd_n=64)
+    tune(rn, wide_chunk=64)  # rows of 2 and 4 chunks (with a tail): the one-kernel backward
+    tune(rn, wide_ln_max_chunks=4)
     _check(*_inputs(shape, dtype, bias=bias, mean=30.0))
 
 

@@ -80,13 +80,13 @@ def _run(task, loss_fn, run_dtype):
     return losses, params
 
 
-def _three_chunks_per_step(monkeypatch, dtype):
-    monkeypatch.setattr(flce_mod, "LOGITS_BUDGET_BYTES", 3 * VOCAB * dtype.itemsize)
-    monkeypatch.setattr(flce_mod, "GRAD_WEIGHT_AS_SCRATCH", False)
+def _three_chunks_per_step(tune, dtype):
+    tune(flce_mod, logits_budget_bytes=3 * VOCAB * dtype.itemsize)
+    tune(flce_mod, grad_weight_as_scratch=False)
 
 
-def test_fused_loss_trains_like_reference_fp32(monkeypatch):
-    _three_chunks_per_step(monkeypatch, torch.float32)
+def test_fused_loss_trains_like_reference_fp32(tune):
+    _three_chunks_per_step(tune, torch.float32)
     task = _task()
     ref_losses, ref_params = _run(task, fused_linear_cross_entropy_reference, torch.float32)
     losses, params = _run(task, fused_linear_cross_entropy, torch.float32)
@@ -95,8 +95,8 @@ def test_fused_loss_trains_like_reference_fp32(monkeypatch):
         assert (p - r).abs().max().item() <= 1e-5 * max(1.0, r.abs().max().item())
 
 
-def test_fused_loss_trains_like_reference_bf16(monkeypatch):
-    _three_chunks_per_step(monkeypatch, torch.bfloat16)
+def test_fused_loss_trains_like_reference_bf16(tune):
+    _three_chunks_per_step(tune, torch.bfloat16)
     loss_err = eager_loss_err = 0.0
     n_params = len(list(TinyLM().parameters()))
     param_err, eager_param_err = [0.0] * n_params, [0.0] * n_params

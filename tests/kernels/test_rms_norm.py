@@ -26,20 +26,20 @@ def _poisoned_allocations(monkeypatch):
 
 
 @pytest.fixture
-def split_rows(monkeypatch):
+def split_rows(tune):
     """Force the long-row path (column blocks of 64) so the interpreter covers it on small shapes."""
-    monkeypatch.setattr(rn, "_MAX_FUSED_FWD_N", 64)
-    monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
-    monkeypatch.setattr(rn, "_SPLIT_BLOCK_N", 64)
-    monkeypatch.setattr(rn, "_WIDE_BWD", False)
+    tune(rn, max_fused_fwd_n=64)
+    tune(rn, max_fused_bwd_n=64)
+    tune(rn, split_block_n=64)
+    tune(rn, wide_bwd=False)
 
 
 @pytest.fixture
-def wide_rows(monkeypatch):
+def wide_rows(tune):
     """Rows of 2-4 chunks of 64 take the one-kernel wide backward; longer ones the split path."""
-    monkeypatch.setattr(rn, "_MAX_FUSED_BWD_N", 64)
-    monkeypatch.setattr(rn, "_SPLIT_BLOCK_N", 64)
-    monkeypatch.setattr(rn, "_WIDE_CHUNK", 64)
+    tune(rn, max_fused_bwd_n=64)
+    tune(rn, split_block_n=64)
+    tune(rn, wide_chunk=64)
 
 
 def _inputs(shape, dtype, casting, device=DEVICE):

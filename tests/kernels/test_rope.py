@@ -219,11 +219,11 @@ def test_head_strided_views(dtype):
     assert_matches(dk_buf.transpose(1, 2), dk_ref, name="dk")
 
 
-def test_tiling_knobs(monkeypatch):
+def test_tiling_knobs(tune):
     """Several head tiles per program (q three, k one), several tokens per program with the last block partly
     masked, and the pass-through tail of partial rotary, all in one launch."""
-    monkeypatch.setattr(rope_mod, "_HEAD_TILE", 16)  # R = 12 → 8-wide half tiles → 2 heads per tile
-    monkeypatch.setattr(rope_mod, "_TOKENS_PER_PROGRAM", 4)
+    tune(rope_mod, head_tile=16)  # R = 12 → 8-wide half tiles → 2 heads per tile
+    tune(rope_mod, tokens_per_program=4)
     check_against_reference((2, 5, 5, 2, 16, 12), torch.float32, "per_batch")
     check_against_reference((1, 3, 6, 1, 16, 16), torch.bfloat16, "shared")
 

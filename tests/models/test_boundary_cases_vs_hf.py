@@ -132,20 +132,25 @@ def test_generate_recomputes_exactly_when_the_longrope_table_switches():
         assert switched == (length == ORIGINAL + 1), length
 
 
+@pytest.mark.parametrize("window", [None, 2])
 @pytest.mark.parametrize("past", [0, 3])
-def test_padding_mask_never_leaves_a_query_row_empty(past):
+def test_padding_mask_never_leaves_a_query_row_empty(past, window):
     # CPU SDPA returns 0 for a query that may see no key, so a left-padding mask without the "j == i" escape passes
     # every logits test on the CPU; fused GPU kernels give NaN there instead, which then reaches real rows through
-    # the padded values. So the rule itself is checked: padded keys hidden, except each query's own position.
+    # the padded values. So the rule itself is checked: padded keys hidden; a padded query that has a real key in
+    # its range sees those (as HF's masks do), one that has none sees itself. Padding at random slots covers left
+    # and right padding and PEFT's virtual tokens before a left-padded prompt.
     from liger_models.modules.attention import AttentionMask
 
-    lengths = torch.randint(1, 7, (3,))
     kv_len = 6 + past
-    real = torch.arange(kv_len)[None] >= (kv_len - lengths)[:, None]  # (B, S) left padding
-    allowed = AttentionMask(6, past, None, torch.device("cpu"), real).boolean(None)[:, 0]  # (B, T, S)
+    real = torch.rand(4, kv_len) < 0.5  # (B, S)
+    real[:, -1] = True
+    allowed = AttentionMask(6, past, None, torch.device("cpu"), real).boolean(window)[:, 0]  # (B, T, S)
     q_abs = torch.arange(past, kv_len)[None, :, None]
     kv = torch.arange(kv_len)[None, None, :]
-    expected = (kv <= q_abs) & (real[:, None, :] | (kv == q_abs))
+    in_range = (kv <= q_abs) & (True if window is None else q_abs - kv < window)
+    sees_real = (in_range & real[:, None, :]).any(-1, keepdim=True)
+    expected = in_range & (real[:, None, :] | ((kv == q_abs) & ~sees_real))
     assert torch.equal(allowed, expected)
     assert allowed.any(-1).all()
 

@@ -158,6 +158,34 @@ def test_trainer_evaluate_gives_hfs_eval_loss(llama_dir, tmp_path, loop):
     assert_same_losses(losses[:1], losses[1:])
 
 
+def test_trainer_compute_metrics_gets_hfs_logits_with_logits_with_loss(llama_dir, tmp_path, loop):
+    """compute_metrics receives the logits of a labelled forward once ``logits_with_loss`` is set (HF's eval loop
+    reads them from the same call that gives the loss), equal to HF's; without it the loss alone, as documented."""
+    ours, hf = load_pair(llama_dir)
+    seen: dict[str, list] = {}
+
+    def metrics_of(name):
+        def compute_metrics(pred):
+            seen[name] = [pred.predictions, pred.label_ids]
+            return {"n": float(len(pred.label_ids))}
+        return compute_metrics
+
+    for name, model in (("ours", ours), ("hf", hf)):
+        ours.logits_with_loss = True
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / name), per_device_eval_batch_size=2,
+                                              report_to=[], use_cpu=True, remove_unused_columns=False)
+        trainer = transformers.Trainer(model=model, args=args, eval_dataset=token_rows(), data_collator=pad_batch,
+                                       compute_metrics=metrics_of(name))
+        trainer.evaluate()
+    ours_logits, hf_logits = torch.as_tensor(seen["ours"][0]), torch.as_tensor(seen["hf"][0])
+    assert ours_logits.shape == hf_logits.shape and ours_logits.shape[-1] == ours.config.vocab_size
+    real = torch.as_tensor(seen["hf"][1]) != -100  # Trainer pads predictions with -100 across batches
+    assert (ours_logits[real] - hf_logits[real]).abs().max() <= 1e-4
+    ours.logits_with_loss = False
+    out = ours(torch.randint(3, 128, (2, 7)), labels=torch.randint(3, 128, (2, 7)))
+    assert out.logits is None and out.loss is not None
+
+
 # ---- TRL's SFTTrainer ------------------------------------------------------------------------------------------
 def word_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """A word-level tokenizer over WORDS whose ids fit the tiny checkpoints' vocabulary of 128."""

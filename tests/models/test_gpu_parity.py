@@ -90,6 +90,21 @@ def test_bf16_parity_real_width(name):
         assert our_err <= bound(hf_err), f"{name} grad {n}: ours {our_err:.2e} vs HF bf16 {hf_err:.2e}"
 
 
+def _flex_and_bool_mask_runs(model, ids, labels, **inputs):
+    """({path: fp32 logits}, {path: {name: fp32 grad}}) with every layer's attention through flex ("always") and
+    through the boolean mask ("never")."""
+    outs, grads = {}, {}
+    for flex in ("always", "never"):
+        for layer in model.model.layers:
+            layer.self_attn.flex = flex
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=labels, **inputs).loss.backward()
+        grads[flex] = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            outs[flex] = model(ids, **inputs).logits.float()
+    return outs, grads
+
+
 def test_packed_long_sequence_flex_matches_bool_mask_and_documents():
     """T = 4096 packed with a window: compiled flex_attention path vs explicit mask vs per-document runs."""
     torch.manual_seed(0)
@@ -101,19 +116,31 @@ def test_packed_long_sequence_flex_matches_bool_mask_and_documents():
     docs = [torch.randint(0, 1024, (1, n), device="cuda") for n in lengths]
     ids = torch.cat(docs, dim=1)
     position_ids = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
-    outs, grads = {}, {}
-    for flex in ("always", "never"):
-        for layer in model.model.layers:
-            layer.self_attn.flex = flex
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids, position_ids=position_ids).loss.backward()
-        grads[flex] = {n: p.grad.float().clone() for n, p in model.named_parameters()}
-        with torch.no_grad():
-            outs[flex] = model(ids, position_ids=position_ids).logits.float()
+    outs, grads = _flex_and_bool_mask_runs(model, ids, ids, position_ids=position_ids)
     with torch.no_grad():
         separate = torch.cat([model(d).logits.float() for d in docs], dim=1)  # each doc alone (its own flex/mask)
     assert rel_l2(outs["always"], outs["never"]) <= 1e-2
     assert rel_l2(outs["always"], separate) <= 1e-2
+    for n in grads["never"]:
+        assert rel_l2(grads["always"][n], grads["never"][n]) <= 2e-2, n
+
+
+def test_padded_long_batch_flex_matches_bool_mask():
+    """T = 1536 with left padding, right padding and a gap, windowed: the compiled flex BlockMask (its padding rule
+    reads a per-slot tensor inside mask_mod) gives the boolean mask's logits and gradients."""
+    torch.manual_seed(0)
+    model = LigerMistralForCausalLM.from_config(
+        MistralConfig.tiny(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                           vocab_size=1024, max_position_embeddings=4096, sliding_window=300),
+        dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, 1024, (3, 1536), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :400] = 0  # left padding
+    mask[1, -500:] = 0  # right padding, longer than the window
+    mask[2, 600:700] = 0  # a gap
+    outs, grads = _flex_and_bool_mask_runs(model, ids, ids.masked_fill(mask == 0, -100), attention_mask=mask)
+    assert torch.isfinite(outs["always"]).all()
+    assert rel_l2(outs["always"], outs["never"]) <= 1e-2
     for n in grads["never"]:
         assert rel_l2(grads["always"][n], grads["never"][n]) <= 2e-2, n
 

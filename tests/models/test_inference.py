@@ -270,6 +270,34 @@ def test_left_padded_forward_matches_hf(tmp_path, positions):
     assert (out[real] - ref[real]).abs().max().item() <= 1e-4
 
 
+def test_right_padded_forward_matches_hf_at_every_position(tmp_path):
+    """A padded query after real tokens sees those tokens and not itself, as in HF: logits equal HF's everywhere,
+    the padded positions included. (No window here: a padded query whose window holds no real key has an empty row
+    in HF's mask, which HF's kernels fill in their own way.)"""
+    hf = build_hf(transformers.LlamaConfig)
+    ours = LigerLlamaForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
+    ids, mask = left_padded(3, 11, [4, 0, 7])
+    ids, mask = ids.flip(-1), mask.flip(-1)  # right padding
+    with torch.no_grad():
+        out, ref = ours(ids, attention_mask=mask).logits, hf(ids, use_cache=False, attention_mask=mask).logits
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_padded_batch_takes_the_same_mask_through_flex_attention(window):
+    """The flex BlockMask applies the padding rule the boolean mask does (padded queries between real tokens too)."""
+    ours = LigerMistralForCausalLM.from_config(MistralConfig.tiny(sliding_window=window), dtype=torch.float32)
+    ids, mask = left_padded(3, 11, [4, 0, 7])
+    mask[0, 6] = 0  # a gap inside a row
+    logits = {}
+    for flex in ("never", "always"):
+        for layer in ours.model.layers:
+            layer.self_attn.flex = flex
+        with torch.no_grad():
+            logits[flex] = ours(ids, attention_mask=mask).logits
+    assert (logits["always"] - logits["never"]).abs().max().item() <= 1e-5
+
+
 def test_generate_left_padded_equals_hf(tmp_path):
     """Prompts of different lengths, left-padded: with an explicit attention_mask, and with the mask inferred from
     pad_token_id as HF's generate infers it."""

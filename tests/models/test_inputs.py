@@ -69,12 +69,29 @@ def test_position_ids_that_are_not_integers(model, ids):
         model(ids, position_ids=torch.arange(T, dtype=torch.float32)[None])
 
 
-@pytest.mark.parametrize("mask", [torch.ones(B, T), torch.zeros(B, T)], ids=["0/1", "additive"])
-def test_attention_mask_of_a_float_type(model, ids, mask):
-    # An additive mask of zeros reads as "all padded" through mask != 0: refused, whatever its values.
-    with pytest.raises(ValueError, match="attention_mask must be HF's 0/1 padding mask as integers or bools, got "
-                                         "dtype torch.float32: a float mask may be additive"):
-        model(ids, attention_mask=mask)
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(mask.shape).masked_fill(mask == 0, float("-inf"))
+
+
+@pytest.mark.parametrize("make", [lambda m: _additive(m), lambda m: torch.zeros(m.shape), lambda m: m * 0.5],
+                         ids=["additive", "additive-all-visible", "not-0/1"])
+def test_attention_mask_of_a_float_type_that_may_be_additive(model, ids, make):
+    # Additive masks (0 / -inf) would read inverted through mask != 0; a float row of zeros only is one of them
+    # ("attend to everything"), as are values other than 0 and 1.
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="attention_mask must be HF's 0/1 padding mask, got dtype torch.float32 with "
+                                         "values other than 0 and 1 or a row of zeros only"):
+        model(ids, attention_mask=make(mask))
+
+
+def test_attention_mask_of_floats_0_1_reads_as_the_integer_mask(model, ids):
+    # What PEFT's prompt learning passes: its virtual tokens' float ones concatenated with the user's mask.
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        assert torch.equal(model(ids, attention_mask=mask.float()).logits, expected)
 
 
 def test_attention_mask_of_the_wrong_shape(model, ids):

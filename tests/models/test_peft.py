@@ -159,3 +159,69 @@ def test_medusa_refuses_a_wrapped_base_lm_head(tmp_path):
     ids, labels = _batch()
     with pytest.raises(ValueError, match="lm_head.*not a plain nn.Linear"):
         medusa(ids, labels=labels)
+
+
+def test_prompt_tuning_with_padding_matches_hf_peft(tmp_path):
+    """PEFT's prompt tuning feeds inputs_embeds with its virtual tokens first and a float 0/1 attention mask; with a
+    left-padded row, the padded queries between the virtual tokens and the prompt see the virtual tokens as HF's do.
+    Loss and the prompt embeddings' gradient match HF + PEFT's."""
+    hf, ours = _pair("llama", tmp_path)
+    ids, labels = _batch()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    labels[1, :4] = -100
+    results = []
+    for model in (hf, ours):
+        torch.manual_seed(0)  # the same random virtual-token init on both sides
+        wrapped = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+        loss = wrapped(input_ids=ids, attention_mask=mask, labels=labels).loss
+        (grad,) = torch.autograd.grad(loss, [p for p in wrapped.parameters() if p.requires_grad])
+        results.append((loss.detach(), grad))
+    (hf_loss, hf_grad), (loss, grad) = results
+    assert abs(loss.item() - hf_loss.item()) <= 1e-5 * hf_loss.item()
+    assert max_rel(grad, hf_grad) <= FP32
+
+
+def _greedy_by_full_forwards(wrapped, ids, mask, steps: int) -> torch.Tensor:
+    """Greedy tokens from whole-sequence forwards of a PEFT-wrapped model (its forward puts the virtual tokens
+    first): the reference for decoding with a cache."""
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = wrapped(input_ids=ids, attention_mask=mask).logits[:, -1].argmax(-1, keepdim=True)
+            ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
+    return ids
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_prompt_tuning_generate_decodes_with_the_virtual_tokens(tmp_path, padded):
+    """PEFT's generate for prompt tuning patches prepare_inputs_for_generation to put its virtual tokens before the
+    prompt: ours decodes with them in the cache and the mask, giving the greedy tokens of HF + PEFT's forward (HF +
+    PEFT's own generate is no reference here: in transformers 5.25 / peft 0.21 its cached steps drift from its own
+    forward's greedy tokens)."""
+    hf, ours = _pair("llama", tmp_path)
+    ids = torch.randint(3, 128, (2, 7))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, :3], mask[1, :3] = 0, 0
+    wrapped = {}
+    for name, model in (("hf", hf), ("ours", ours)):
+        torch.manual_seed(0)
+        wrapped[name] = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+        with torch.no_grad():
+            wrapped[name].prompt_encoder["default"].embedding.weight.mul_(8)  # virtual tokens that change the output
+    with torch.no_grad():
+        out = wrapped["ours"].generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                       pad_token_id=0, eos_token_id=[])
+        plain = ours.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, eos_token_id=[])
+    assert torch.equal(out, _greedy_by_full_forwards(wrapped["hf"], ids, mask, 6))
+    assert not torch.equal(plain, out)  # the virtual tokens took part
+
+
+def test_generate_refuses_a_patched_step_it_cannot_honour(tmp_path):
+    """A patched prepare_inputs_for_generation asking for what the loop does not do (here an extra argument) is
+    refused by name rather than ignored."""
+    _, ours = _pair("llama", tmp_path)
+    base = ours.prepare_inputs_for_generation
+    ours.prepare_inputs_for_generation = lambda *a, **k: {**base(*a, **k), "task_ids": torch.zeros(1)}
+    with pytest.raises(ValueError, match="asks for task_ids, which this model's decoding loop does not take"):
+        ours.generate(torch.randint(3, 128, (1, 4)), max_new_tokens=2)

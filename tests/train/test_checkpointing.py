@@ -200,3 +200,48 @@ def test_ranks_restoring_an_interrupted_resave_together(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt.os, "rename", other_rank_first)
     latest = ckpt.find_latest(root)
     assert latest == root / "step_000003" and _model_value(latest) == 3.0
+
+
+def _write_bytes_checkpoint(root: Path, payload: bytes) -> Path:
+    def write(directory, final):
+        (directory / "blob.bin").write_bytes(payload)
+
+    return ckpt.save_checkpoint(root, 1, write, {"step": 1})
+
+
+def test_manifest_digest_is_sha256_over_piece_digests_and_catches_a_flip_in_any_piece(tmp_path, monkeypatch):
+    """Each file's digest is SHA-256 over the SHA-256 of its consecutive PIECE_BYTES pieces (hashed side by side),
+    so a flipped bit in any piece, the last partial one included, is found."""
+    import hashlib
+    import json
+
+    monkeypatch.setattr(ckpt, "PIECE_BYTES", 1000)
+    payload = bytes(random.getrandbits(8) for _ in range(3500))  # pieces of 1000, 1000, 1000, 500 bytes
+    checkpoint = _write_bytes_checkpoint(tmp_path / "checkpoints", payload)
+    manifest = json.loads((checkpoint / ckpt.MANIFEST_FILE).read_text())
+    assert manifest["format"] == 2 and manifest["piece_bytes"] == 1000
+    expected = hashlib.sha256(b"".join(hashlib.sha256(payload[i:i + 1000]).digest() for i in range(0, 3500, 1000)))
+    assert manifest["files"]["blob.bin"]["pieces_sha256"] == expected.hexdigest()
+    assert ckpt.damage(checkpoint) is None
+    for offset in (random.randrange(0, 3000), random.randrange(3000, 3500)):
+        flipped = bytearray(payload)
+        flipped[offset] ^= 1 << random.randrange(8)
+        (checkpoint / "blob.bin").write_bytes(bytes(flipped))
+        assert ckpt.damage(checkpoint) == "blob.bin's SHA-256 differs from its manifest's (its bytes changed)"
+    (checkpoint / "blob.bin").write_bytes(payload)
+    monkeypatch.setattr(ckpt, "PIECE_BYTES", 64)  # the manifest's own piece size is what verification uses
+    assert ckpt.damage(checkpoint) is None
+
+
+def test_a_format_1_manifest_of_whole_file_digests_still_verifies(tmp_path):
+    """Checkpoints written before piece digests carry each file's plain SHA-256: still checked, flips still found."""
+    import json
+
+    payload = os.urandom(2000)
+    checkpoint = _write_bytes_checkpoint(tmp_path / "checkpoints", payload)
+    files = sorted(p for p in checkpoint.iterdir() if p.name != ckpt.MANIFEST_FILE)
+    old = {"format": 1, "files": {p.name: {"size": p.stat().st_size, "sha256": ckpt.file_sha256(p)} for p in files}}
+    (checkpoint / ckpt.MANIFEST_FILE).write_text(json.dumps(old))
+    assert ckpt.damage(checkpoint) is None
+    (checkpoint / "blob.bin").write_bytes(payload[:-1] + bytes([payload[-1] ^ 4]))
+    assert ckpt.damage(checkpoint) == "blob.bin's SHA-256 differs from its manifest's (its bytes changed)"

@@ -173,11 +173,11 @@ def test_data_that_does_not_fit_the_model_fails_clearly(tiny_model_dir, tmp_path
 
 
 def test_loss_options_are_the_runs_only():
-    """--loss-scratch-mib and --loss-grad-filter-eps set linear-CE's MAX_SCRATCH_BYTES and GRAD_FILTER_EPS around the
-    training loop and restore them, also on error."""
+    """--loss-scratch-mib and --loss-grad-filter-eps set linear-CE's max_scratch_bytes and grad_filter_eps settings
+    around the training loop and restore them, also on error."""
     from liger_models.cli import build_parser
     from liger_models.kernels import fused_linear_cross_entropy as flce
-    from liger_models.train.run import _loss_options
+    from liger_models.recipes.training import loss_options as _loss_options
 
     for command in ("train", "train-medusa"):
         args = build_parser().parse_args([command, "--model", "m", "--data", "d.txt", "--loss-scratch-mib", "512",
@@ -187,15 +187,15 @@ def test_loss_options_are_the_runs_only():
                 ["--loss-grad-filter-eps", "nan"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["train", "--model", "m", "--data", "d.txt", *bad])
-    before = flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS
+    before = flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps
     with _loss_options(512, 1e-3):
-        assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == (512 << 20, 1e-3)
-    assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == before
+        assert (flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps) == (512 << 20, 1e-3)
+    assert (flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps) == before
     with pytest.raises(KeyError), _loss_options(8, 1e-3):
         raise KeyError("interrupted")
-    assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == before
+    assert (flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps) == before
     with _loss_options(None, None):
-        assert (flce.MAX_SCRATCH_BYTES, flce.GRAD_FILTER_EPS) == before
+        assert (flce.TUNING.max_scratch_bytes, flce.TUNING.grad_filter_eps) == before
 
 
 def test_adamw_choice():
@@ -246,13 +246,14 @@ def test_bad_numbers_are_rejected_by_the_parser(bad, message, capsys):
 def test_conflicting_options_fail_before_any_work(flags, problem, text_file, tmp_path, capsys, monkeypatch):
     """Options that cannot go together are refused before the model is loaded and the data tokenized (minutes
     for a large model), with the one-line error."""
-    import liger_models.train.run as run
+    from liger_models.recipes import finetune, medusa, training
 
     def no_work(*args, **kwargs):
         raise AssertionError("the run started loading before refusing its options")
 
-    monkeypatch.setattr(run, "resolve_model_dir", no_work)
-    monkeypatch.setattr(run.D, "init_distributed", no_work)
+    monkeypatch.setattr(finetune, "resolve_model", no_work)
+    monkeypatch.setattr(medusa, "resolve_model", no_work)
+    monkeypatch.setattr(training.D, "init_distributed", no_work)
     for command in ("train", "train-medusa") if "--stage" not in flags else ("train-medusa",):
         code = main([command, "--model", "m", "--data", str(text_file), "--output-dir", str(tmp_path), *flags])
         assert code == 2 and problem in capsys.readouterr().err
