@@ -44,6 +44,22 @@ CONFIGS: dict[str, tuple[dict, int, int]] = {
                            num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
                            tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=None,
                            max_position_embeddings=4096), 8, 2048),
+    # Gemma 2 9B width, 8 layers (4 sliding, 4 full, W 4096 ≥ seq: the windows never bind at 2048): attention
+    # soft-cap 50 (ours: flex_attention's score_mod; HF 5.25: eager, its default, as it refuses SDPA for Gemma 2)
+    # and final soft-cap 30 (ours: inside the linear-CE kernel).
+    "gemma2-9b-w8l": (dict(model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=8,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                           hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6,
+                           query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                           sliding_window=4096, rope_theta=10000.0, max_position_embeddings=8192), 4, 2048),
+    # Gemma 3 4B's text tower, 8 layers (layer 5 full, the rest sliding over W 1024 < seq), q/k norms, two RoPE
+    # tables (global linear ×8), no soft-caps.
+    "gemma3-4b-w8l": (dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=8,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208,
+                           hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6,
+                           query_pre_attn_scalar=256, sliding_window=1024, rope_theta=1000000.0,
+                           rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0),
+                           max_position_embeddings=131072), 8, 2048),
     # Issue 36: Qwen3-8B width (q/k norm, head_dim 128) and the MoE widths with a few layers (random init).
     "qwen3-8b-w8l": (dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=8,
                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
@@ -61,6 +77,9 @@ CONFIGS: dict[str, tuple[dict, int, int]] = {
                               rope_theta=1000000.0, sliding_window=None, router_aux_loss_coef=0.02,
                               max_position_embeddings=32768), 4, 2048),
 }
+# Attention implementation of the HF providers: SDPA, except where HF refuses it (5.25's Gemma 2: SDPA cannot
+# soft-cap the scores); that family runs HF's default, eager.
+HF_ATTENTION = {"gemma2": "eager"}
 # ours_inbwd: ours with the optimizer step inside backward (liger_models/train/step_in_backward.py): the same
 # AdamW updates bit for bit, each gradient freed once its parameter is stepped.
 # ours_graph: ours with the whole step (forward, backward, capturable fused AdamW) replayed from a CUDA graph
@@ -111,10 +130,11 @@ def _build(provider: str, cfg: dict):
 
         getattr(lk, f"apply_liger_kernel_to_{cfg['model_type']}")()
     hf_cfg = transformers.AutoConfig.for_model(**cfg)
-    hf_cfg._attn_implementation = "sdpa"
+    hf_cfg._attn_implementation = HF_ATTENTION.get(cfg["model_type"], "sdpa")
     hf_cfg.use_cache = False  # training: no KV cache (its config default would build and fill one every forward)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16,
+                                                              attn_implementation=hf_cfg._attn_implementation)
     if provider == "hf_liger" and not liger_modules(model):
         raise RuntimeError("liger-kernel's patch is not active: no liger_kernel module in the model")
     if provider == "hf_compile":

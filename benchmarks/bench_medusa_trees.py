@@ -51,7 +51,7 @@ def _trained_heads(args, out: Path, device: torch.device) -> tuple[Path, Path]:
     if args.heads is not None:
         return Path(args.heads), Path(args.data)
     from liger_models.cli import build_parser
-    from liger_models.train.demo import run_demo
+    from liger_models.recipes import run_demo
 
     demo = out / "demo"
     argv = ["demo", "--output-dir", str(demo), "--device", device.type] + (["--quick"] if args.quick else [])
@@ -73,7 +73,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads_dir, held_out = _trained_heads(args, out, device)
 
-    from liger_models.decoding_commands import calibration_prompts, timed_call
+    from liger_models.recipes.decoding import calibration_prompts, timed_call
     from liger_models.hub import load_tokenizer
     from liger_models.medusa import MedusaModel
     from liger_models.medusa.calibrate import BATCHES, rank_paths  # the batch sizes whose cut trees are scored

@@ -1,4 +1,4 @@
-"""Peak memory and time of tokenizing + packing one large .txt file: in pieces (liger_models/train/text_pieces.py,
+"""Peak memory and time of tokenizing + packing one large .txt file: in pieces (liger_models/text/pieces.py,
 what training does) against the whole text as one string (what it does for tokenizers it cannot cut). CPU.
 
 The bundled Shakespeare text repeated to about --mb MB (copies joined by a blank line), the demo's tokenizer (a
@@ -50,16 +50,17 @@ def _corpus(out: Path, mb: int) -> tuple[Path, Path]:
 def _one_mode(corpus: Path, tok_dir: Path, whole: bool) -> dict:
     """Build the dataset once in this process; what the parent prints."""
     from liger_models.hub import load_tokenizer
-    from liger_models.train import data
+    from liger_models.text.pieces import TextSplitter
+    from liger_models.train import dataset as datasets
     from liger_models.train.data import build_dataset, read_special_tokens
 
     if whole:  # the text as one string, as for a tokenizer that cannot cut it
-        class Whole(data.TextSplitter):
+        class Whole(TextSplitter):
             def __init__(self, tokenizer):
                 super().__init__(tokenizer)
                 self.reason = "benchmark: the whole text"
 
-        data.TextSplitter = Whole
+        datasets.TextSplitter = Whole
     tokenizer = load_tokenizer(tok_dir)
     special = read_special_tokens(tokenizer, tok_dir)
     before = _rss_kib()

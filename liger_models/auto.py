@@ -31,8 +31,9 @@ MODEL_CLASSES: dict[str, type[LigerForCausalLM]] = {
 def model_class(model_type: str | None) -> type[LigerForCausalLM]:
     """The Liger class for a config.json ``model_type``, or a clear error listing the supported ones."""
     if model_type == "gemma3":
-        raise ValueError("model_type 'gemma3' is the multimodal Gemma 3 (Gemma3ForConditionalGeneration), not "
-                         "supported; the text-only 'gemma3_text' (Gemma3ForCausalLM, e.g. gemma-3-1b) is")
+        raise ValueError("unsupported model_type 'gemma3': the multimodal Gemma 3 (Gemma3ForConditionalGeneration, "
+                         "4B-27B); the text-only 'gemma3_text' (Gemma3ForCausalLM: gemma-3-1b, gemma-3-270m) is "
+                         "supported")
     if model_type not in MODEL_CLASSES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}")
     return MODEL_CLASSES[model_type]

@@ -3,6 +3,9 @@
 fitted to trained heads), ``init-model`` and ``convert-native`` (Meta / Mistral native checkpoints → HF format).
 
 Several GPUs: launch the same command with ``torchrun --nproc-per-node N -m liger_models.cli ...`` (FSDP2).
+
+A recipe's flags are the fields of its config (liger_models/recipes/configs.py: ``--eval-data`` is ``eval_data``,
+with the same default); this module parses them into it, calls the recipe, and reports a user's error in one line.
 """
 
 from __future__ import annotations
@@ -10,7 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
+
+import torch
+
+from liger_models.convert.native import native_to_hf
+from liger_models.medusa.config import check_scheduler
+from liger_models.train.disk_space import DiskFull
+from liger_models.train.init_model import init_model_dir
 
 
 def _positive(value: str) -> int:
@@ -68,8 +77,6 @@ _beta = _float_where("in [0, 1)", lambda x: 0 <= x < 1)
 
 
 def _schedule(value: str) -> str:
-    from liger_models.medusa.config import check_scheduler
-
     try:
         check_scheduler(value)
     except ValueError as exc:
@@ -335,70 +342,25 @@ def _add_loading(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA, decode every step eagerly")
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    # Raised as the errors main() reports in one line with exit code 2, as for every other user error.
-    for flag, paths in (("--data", args.data), ("--eval-data", args.eval_data or [])):
-        for path in paths:
-            p = Path(path)
-            if not p.is_file():
-                raise FileNotFoundError(f"{flag} {path}: no such file")
-            if p.suffix not in (".txt", ".jsonl"):
-                raise ValueError(f"{flag} {path}: expected a .txt or .jsonl file")
-    init = getattr(args, "init_heads", None)
-    if init is not None:
-        _check_heads_dir(Path(init), "--init-heads")
-    if args.resume not in (None, "auto") and not Path(args.resume).is_dir():
-        raise FileNotFoundError(f"--resume {args.resume}: no such directory (or use 'auto')")
-    # Refused now rather than after the model is loaded and the data tokenized (minutes for a large model).
-    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
-        raise NotADirectoryError(f"--output-dir {args.output_dir}: a file, not a directory")
+def _recipes():
+    """liger_models.recipes, imported when a command runs rather than for ``--help`` or a parse error: the training
+    machinery it loads (torch.distributed's checkpoint modules) would double the time ``--help`` takes."""
+    from liger_models import recipes
 
-
-def _check_heads_dir(path: Path, flag: str) -> None:
-    """--init-heads / --medusa must hold Medusa heads: told now, by name, not after the base model has loaded (a
-    base model's own directory, the easy mistake, has a config.json but no heads file)."""
-    from liger_models.convert.medusa import VLLM_WEIGHTS_NAME
-    from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
-
-    if not path.is_dir():
-        raise FileNotFoundError(f"{flag} {path}: no such directory")
-    config = path / CONFIG_NAME
-    missing = [] if config.is_file() else [CONFIG_NAME]
-    # A vLLM-layout export keeps its heads in model.safetensors, as a base model does: its config says "medusa".
-    vllm = config.is_file() and read_json(str(config)).get("model_type") == "medusa"
-    files = (VLLM_WEIGHTS_NAME,) if vllm else (HEADS_NAME, LEGACY_HEADS_NAME)
-    if not any((path / name).is_file() for name in files):
-        missing.append(" (or ".join(files) + ")" * (len(files) - 1))
-    if missing:
-        raise FileNotFoundError(f"{flag} {path}: no Medusa heads there (missing {' and '.join(missing)}); "
-                                "give a directory written by train-medusa, e.g. a stage-1 checkpoint")
-
-
-def _check_medusa_option(args: argparse.Namespace) -> None:
-    """--medusa (generate, chat, calibrate-tree), when given, names a heads directory."""
-    if args.medusa is not None:
-        _check_heads_dir(Path(args.medusa).expanduser(), "--medusa")
+    return recipes
 
 
 def _run_train(args: argparse.Namespace) -> None:
-    from liger_models.train.run import train_causal_lm
-
-    _check_paths(args)
-    train_causal_lm(args)
+    recipes = _recipes()
+    recipes.train_causal_lm(recipes.FinetuneConfig.from_args(args))
 
 
 def _run_medusa(args: argparse.Namespace) -> None:
-    from liger_models.train.run import train_medusa
-
-    _check_paths(args)
-    train_medusa(args)
+    recipes = _recipes()
+    recipes.train_medusa(recipes.MedusaTrainingConfig.from_args(args))
 
 
 def _run_init(args: argparse.Namespace) -> None:
-    import torch
-
-    from liger_models.train.init_model import init_model_dir
-
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     out = init_model_dir(args.output_dir, args.preset, tokenizer_vocab=args.tokenizer_vocab, dtype=dtype,
                          device=args.device, seed=args.seed)
@@ -406,54 +368,35 @@ def _run_init(args: argparse.Namespace) -> None:
 
 
 def _run_convert_native(args: argparse.Namespace) -> None:
-    from liger_models.convert.native import native_to_hf
-
     out = native_to_hf(args.src, args.out, family=args.family, dtype=args.dtype, rope_scaling_factor=args.rope_factor,
                        max_shard_size=args.max_shard_size, llama3_specials=args.llama3_specials)
     print(f"wrote {out}")
 
 
 def _run_generate(args: argparse.Namespace) -> None:
-    from liger_models.decoding_commands import run_generate
-
-    for path in args.prompt_file or []:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--prompt-file {path}: no such file")
-    _check_medusa_option(args)
-    run_generate(args)  # checks the options themselves first
+    recipes = _recipes()
+    recipes.run_generate(recipes.GenerateConfig.from_args(args))
 
 
 def _run_chat(args: argparse.Namespace) -> None:
-    from liger_models.chat_command import run_chat
-
-    _check_medusa_option(args)
-    run_chat(args)  # checks the options themselves first
+    recipes = _recipes()
+    recipes.run_chat(recipes.ChatConfig.from_args(args))
 
 
 def _run_calibrate(args: argparse.Namespace) -> None:
-    from liger_models.decoding_commands import run_calibrate
-
-    for path in args.data:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--data {path}: no such file")
-    _check_medusa_option(args)
-    run_calibrate(args)
+    recipes = _recipes()
+    recipes.run_calibrate(recipes.CalibrateConfig.from_args(args))
 
 
 def _run_demo(args: argparse.Namespace) -> None:
-    from liger_models.train.demo import run_demo
-
-    run_demo(args)
+    recipes = _recipes()
+    recipes.run_demo(recipes.DemoConfig.from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``liger-models`` console script."""
-    from liger_models.train.disk_space import DiskFull
-
     args = build_parser().parse_args(argv)
     if getattr(args, "device", None) == "cuda":
-        import torch
-
         # Checked before any work (the demo would first train a tokenizer and write its output directory).
         if not torch.cuda.is_available():
             print("liger-models: error: --device cuda was asked for but CUDA is not available", file=sys.stderr)

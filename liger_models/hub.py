@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
 from liger_models import atomic
 from liger_models.input_files import read_json_object
@@ -142,8 +145,6 @@ class _Header(NamedTuple):
 def _read_headers(files: list[Path]) -> dict[str, _Header]:
     """Every tensor of the checkpoint, in file order: its file, shape and dtype (headers only, no data). Read once
     per load; the tied-head routing, the shape check and the dtype fallback all work from it."""
-    from safetensors import SafetensorError, safe_open
-
     headers: dict[str, _Header] = {}
     for file in files:
         try:
@@ -169,8 +170,6 @@ def _unreadable_weights(file: Path, error: Exception) -> str:
 
 
 def _read_tensor(headers: dict[str, _Header], name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
     with safe_open(str(headers[name].file), framework="pt", device="cpu") as f:
         return f.get_tensor(name)
 
@@ -252,8 +251,6 @@ def resolve_dtype(dtype: torch.dtype | str | None, config, headers: dict[str, _H
 def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = None,
                     device: torch.device | str | int | None = None):
     """Instantiate ``cls`` from an HF checkpoint directory (see the module docstring)."""
-    from safetensors import safe_open
-
     path = resolve_dir(path)
     raw = read_config(path)
     model_type, expected_type = config_model_type(raw, path), cls.config_class.model_type
@@ -307,6 +304,7 @@ def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path
     """
     if Path(repo_id).expanduser().is_dir():
         return resolve_dir(repo_id)
+    # Imported on a download only: huggingface_hub's API modules take a quarter of a second to import.
     from huggingface_hub import constants, errors, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, \
         RepositoryNotFoundError, RevisionNotFoundError
@@ -343,6 +341,17 @@ def snapshot(repo_id: str, *, revision: str | None = None, cache_dir: str | Path
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise FileNotFoundError(f"{where} and could not reach the Hub to download it ({cause})") from e
     return resolve_dir(local)
+
+
+def resolve_model(model: str) -> Path:
+    """``--model`` as a directory: a local model directory, or the local snapshot of a Hub repo id (downloaded if
+    needed). A path that does not exist is refused by name rather than looked up on the Hub."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return resolve_dir(path)
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"--model {model!r}: no such directory (and not a Hub repo id)")
+    return snapshot(model)
 
 
 def parse_size(size: int | str) -> int:
@@ -386,8 +395,6 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
     """``save_pretrained`` for tensors that are already HF-named (a tied ``lm_head.weight`` left out) and a config
     with ``to_hf()``: checkpoint converters write through here without building a model. A non-empty
     ``generation_config`` is written as generation_config.json (replacing one already in the directory)."""
-    from safetensors.torch import save_file
-
     # resolve(), not absolute(): a symlinked output directory is saved into its target (the swap below would
     # otherwise replace the link with a new directory beside it, on the link's filesystem).
     directory = Path(directory).expanduser().resolve()
@@ -477,8 +484,6 @@ def load_tokenizer(path: str | Path):
     """``tokenizers.Tokenizer`` from a checkpoint directory's tokenizer.json, with its truncation and padding
     settings switched off (fine-tuned repos often save them; they would silently cut documents short and pad
     them with tokens that training would then learn)."""
-    from tokenizers import Tokenizer
-
     file = Path(path).expanduser() / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {str(path)!r} (only fast-tokenizer files are supported)")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import torch
 from tokenizers import Tokenizer as FastTokenizer
 
 from liger_models.hub import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, LEGACY_CHAT_TEMPLATE_FILE
@@ -299,8 +300,6 @@ class Tokenizer:
                 raise ValueError(f"return_tensors={return_tensors!r}: only 'pt' (torch) is supported")
             if len({len(r) for r in rows}) > 1:
                 raise ValueError("texts of different lengths cannot form one tensor: pass padding=True")
-            import torch
-
             rows, masks = torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.long)
         elif single:
             rows, masks = rows[0], masks[0]

@@ -18,6 +18,9 @@ if not torch.cuda.is_available():
     # on the 2-core CI machine.
     torch.set_num_threads(1)
 
+# Loaded once this module has set TRITON_INTERPRET, as everything that imports triton must be.
+pytest_plugins = ["tests.training_fixtures"]
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

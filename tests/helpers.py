@@ -1,10 +1,16 @@
-"""Shared checks for kernel tests: poisoned outputs and the per-dtype tolerance protocol
-(docs/kernels.md#correctness-protocol)."""
+"""Shared test helpers: poisoned outputs and the per-dtype tolerance protocol of the kernel tests
+(docs/kernels.md#correctness-protocol); the tiny model and text the training and CLI tests run on."""
 
 from __future__ import annotations
 
+import importlib.resources
+from pathlib import Path
+
 import pytest
 import torch
+
+from liger_models import LigerLlamaForCausalLM, LlamaConfig
+from liger_models.text.bpe import save_tokenizer, train_bpe_tokenizer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # GPU tests that hold tens of GiB. `pytest -m gpu -n 4 --dist loadgroup` gives them all to one worker, so they run one
@@ -54,3 +60,20 @@ def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tenso
         # 2x eager's error, with a floor of one bf16 rounding so exact-ish eager results do not demand the impossible.
         bound = max(2 * eager_err, 4e-3 if out.dtype == torch.bfloat16 else 5e-4)
         assert err <= bound, f"{name}: {out.dtype} rel L2 err {err:.3e} > 2x eager's {eager_err:.3e}"
+
+
+EOS = "<|endoftext|>"
+
+
+def shakespeare(chars: int) -> str:
+    return importlib.resources.files("liger_models.data").joinpath("tiny_shakespeare.txt").read_text()[:chars]
+
+
+def make_tiny_model_dir(path: Path, *, tie: bool = False, vocab: int = 320) -> Path:
+    """A tiny random Llama (hidden 64, 2 layers, GQA) + tokenizer saved in HF format under ``path``."""
+    tokenizer = train_bpe_tokenizer(shakespeare(60_000).splitlines(), vocab_size=vocab, eos_token=EOS)
+    config = LlamaConfig.tiny(vocab_size=tokenizer.get_vocab_size(), bos_token_id=None,
+                              eos_token_id=tokenizer.token_to_id(EOS), pad_token_id=None, tie_word_embeddings=tie)
+    LigerLlamaForCausalLM.from_config(config).save_pretrained(path)
+    save_tokenizer(tokenizer, path, eos_token=EOS)
+    return path

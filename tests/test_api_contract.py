@@ -47,6 +47,9 @@ STABLE = [
     "liger_models.train.optim:FusedAdamW", "liger_models.train.cuda_graph:GraphedStep",
     "liger_models.convert.native:native_to_hf", "liger_models.convert.medusa:save_vllm",
     "liger_models.convert.medusa:load_vllm",
+    *(f"liger_models.recipes:{name}" for name in (
+        "FinetuneConfig", "MedusaTrainingConfig", "GenerateConfig", "ChatConfig", "CalibrateConfig", "DemoConfig",
+        "RunResult", "train_causal_lm", "train_medusa", "run_generate", "run_chat", "run_calibrate", "run_demo")),
 ]
 
 

@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from liger_models import atomic
 from liger_models.convert import sentencepiece_tokenizer as spt
@@ -160,9 +162,6 @@ def _load_pth(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:

@@ -44,6 +44,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 MODEL_TYPES = {1: "Unigram", 2: "BPE", 3: "word", 4: "char"}
 SPACE = "▁"  # U+2581, SentencePiece's visible space
@@ -263,8 +265,6 @@ def recover_merges(model: SentencePieceModel) -> list[tuple[str, str]]:
 def _added_tokens(model: SentencePieceModel):
     """Control and unknown pieces as special tokens (never produced from text, skipped on decode), user-defined
     ones as plain added tokens (matched whole, as SentencePiece does), in id order."""
-    from tokenizers import AddedToken
-
     # SentencePiece finds user-defined pieces in the normalized text (where "▁▁" is two spaces). Without a dummy
     # prefix the normalizer is Replace(" ", "▁") alone, which leaves the pieces' own text as is, so they can be
     # matched after it; with one, HF would prepend "▁" to their text too, so they are matched in the raw text.
@@ -279,15 +279,11 @@ def _added_tokens(model: SentencePieceModel):
 
 
 def _normalizer(model: SentencePieceModel):
-    from tokenizers import normalizers
-
     steps = [normalizers.Prepend(SPACE)] if model.add_dummy_prefix else []
     return normalizers.Sequence(steps + [normalizers.Replace(" ", SPACE)])
 
 
 def _decoder(model: SentencePieceModel):
-    from tokenizers import decoders
-
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if model.add_dummy_prefix:  # SentencePiece drops the dummy prefix's space when decoding
         steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -296,8 +292,6 @@ def _decoder(model: SentencePieceModel):
 
 def build_tokenizer(model: SentencePieceModel):
     """The `tokenizers.Tokenizer` equivalent to SentencePiece's encode of this (checked) BPE model."""
-    from tokenizers import Tokenizer, models, processors
-
     vocab = dict(model.ids)
     if len(vocab) != len(model.pieces):
         raise ValueError(f"the SentencePiece model has {len(model.pieces) - len(vocab)} duplicate pieces")

@@ -36,6 +36,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
 PAT_STR = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 NUM_SPECIAL_TOKENS = 256
@@ -159,8 +161,6 @@ def special_tokens(n_base: int, version: str) -> dict[str, int]:
 
 def build_tokenizer(ranks: dict[bytes, int], specials: dict[str, int]):
     """The `tokenizers.Tokenizer` equivalent to tiktoken's Encoding(PAT_STR, ranks, specials)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
     vocab = {token_string(token): rank for token, rank in ranks.items()}
     merges, _ = recover_merges(ranks)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False,

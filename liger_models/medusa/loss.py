@@ -111,7 +111,7 @@ def _term_normalizer(normalizers: list | None, i: int, targets: torch.Tensor, ig
     return n.clamp(min=1) if isinstance(n, torch.Tensor) else max(n, 1)
 
 
-def _weighted_ce(hidden, weight, targets, scale: float, normalizer, ignore_index: int):
+def _weighted_ce(hidden, weight, targets, scale: float, normalizer, ignore_index: int, softcap: float | None = None):
     """(weighted loss for the total, unweighted CE detached, target rank).
 
     A zero weight (a warm-up schedule at step 0) runs the term with loss_scale 0, so backward() has a graph and the
@@ -121,10 +121,11 @@ def _weighted_ce(hidden, weight, targets, scale: float, normalizer, ignore_index
     """
     hidden, weight = autocast_operands(hidden, weight)
     loss, rank = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, normalizer=normalizer,
-                                            loss_scale=scale, return_target_rank=True)
+                                            loss_scale=scale, return_target_rank=True, softcap=softcap)
     if scale == 0:
         with torch.no_grad():
-            ce = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, normalizer=normalizer)
+            ce = fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, normalizer=normalizer,
+                                            softcap=softcap)
         return loss, ce, rank
     return loss, loss.detach() / scale, rank
 
@@ -132,13 +133,15 @@ def _weighted_ce(hidden, weight, targets, scale: float, normalizer, ignore_index
 def medusa_loss(hidden: torch.Tensor, heads: MedusaHeads, labels: torch.Tensor, *,
                 position_ids: torch.Tensor | None = None, base_lm_head_weight: torch.Tensor | None = None,
                 base_loss_weight: float = 0.0, head_scales: Sequence[float], normalizer: Normalizer = None,
-                ignore_index: int = -100) -> MedusaOutput:
+                ignore_index: int = -100, base_logit_softcap: float | None = None) -> MedusaOutput:
     """The combined Medusa loss on the base's final hidden states `hidden` (B, T, H); labels (B, T) HF-aligned.
 
     head_scales: λ_k·sched(step) per head. base_loss_weight: w0 (the base term is skipped when 0).
     normalizer: None (mean over each term's local non-ignored targets), one number / one-element tensor for every
     term, or a (K+1,) sequence / tensor of per-term counts (index 0 the base head), e.g. from `medusa_target_counts`
     (in stage 1 too, where entry 0 goes unused); any other length raises a ValueError.
+    base_logit_softcap: the base model's final-logit soft-cap (Gemma 2's ``config.logit_softcap``), applied inside
+    the base term's loss kernel as the base model's own loss does; the heads' logits are not capped (they are new).
     """
     K = heads.num_heads
     if len(head_scales) != K:
@@ -153,7 +156,8 @@ def medusa_loss(hidden: torch.Tensor, heads: MedusaHeads, labels: torch.Tensor, 
             raise ValueError("a base loss weight needs the base lm_head weight")
         targets = shift_labels(labels, 1, position_ids, ignore_index)
         total, base_loss, _ = _weighted_ce(hidden, base_lm_head_weight, targets, base_loss_weight,
-                                           _term_normalizer(normalizers, 0, targets, ignore_index), ignore_index)
+                                           _term_normalizer(normalizers, 0, targets, ignore_index), ignore_index,
+                                           base_logit_softcap)
     losses, top1, top5, count = [], [], [], []
     for k in range(K):
         targets = shift_labels(labels, k + 2, position_ids, ignore_index)  # head k+1 predicts t + k + 2

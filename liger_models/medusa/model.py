@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import parse_dtype
 from liger_models.medusa.calibrate import load_medusa_choices
 from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, load_heads, read_json, save_heads
@@ -32,7 +33,7 @@ def _sharded(heads: nn.Module) -> bool:
     """Whether FSDP2 made each head its own unit (train/distributed.py)."""
     if not torch.distributed.is_available():  # a torch build without distributed support has no FSDP
         return False
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # here, past the check: such a build has no torch.distributed.fsdp
 
     return len(heads) > 0 and isinstance(heads[0], FSDPModule)
 
@@ -101,7 +102,8 @@ class MedusaModel(nn.Module):
                              "the wrapper adds; leave lm_head out of the adapter's target modules")
         return medusa_loss(hidden, self.heads, labels, position_ids=position_ids,
                            base_lm_head_weight=self.base.lm_head.weight, base_loss_weight=self.base_loss_weight,
-                           head_scales=self.head_scales(step, max_steps), normalizer=normalizer)
+                           head_scales=self.head_scales(step, max_steps), normalizer=normalizer,
+                           base_logit_softcap=getattr(self.base.config, "logit_softcap", None))
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any):
         """Medusa tree decoding with these heads (see `liger_models.medusa.decoding.medusa_generate`, which cuts the
@@ -183,7 +185,6 @@ class MedusaModel(nn.Module):
 def _load_base(name_or_path: str, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Module:
     if not name_or_path:
         raise ValueError("the Medusa config has no base_model_name_or_path: pass base=")
-    from liger_models import AutoLigerForCausalLM  # the package root imports the families, which sit below medusa
 
     if os.path.isdir(name_or_path):
         return AutoLigerForCausalLM.from_pretrained(name_or_path, dtype=dtype, device=device)

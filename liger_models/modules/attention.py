@@ -22,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from liger_models.kernels import decode_attention as decode_attention_kernels
 from liger_models.kernels._dispatch import use_triton
@@ -46,8 +47,6 @@ _SDPA_LIMITED = ("cuda",)  # device types whose SDPA kernels have those limits
 @functools.cache
 def _flex_attention(compiled: bool):
     """flex_attention, compiled for CUDA (uncompiled it materialises the scores; fine only for CPU tests)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention) if compiled else flex_attention
 
 
@@ -155,8 +154,6 @@ class AttentionMask:
     def block(self, window: int | None):
         """flex_attention BlockMask for the same rule."""
         if ("block", window) not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             batch = self.batch
             mask_mod = lambda b, h, q_idx, kv_idx: self._allowed(q_idx, kv_idx, window, b)  # noqa: E731
             self._masks[("block", window)] = create_block_mask(

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from liger_models import hub
 from liger_models.kernels.cross_entropy import cross_entropy
 from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
@@ -503,9 +504,7 @@ class LigerForCausalLM(nn.Module):
                         device: torch.device | str | int | None = None) -> "LigerForCausalLM":
         """Load an HF-format directory (config.json + safetensors); dtype (None or "auto") defaults to the config's,
         else the checkpoint's."""
-        from liger_models.hub import load_pretrained
-
-        return load_pretrained(path, cls, dtype=dtype, device=device)
+        return hub.load_pretrained(path, cls, dtype=dtype, device=device)
 
     @classmethod
     def from_hub(cls, repo_id: str, revision: str | None = None, cache_dir: str | Path | None = None,
@@ -514,9 +513,7 @@ class LigerForCausalLM(nn.Module):
                  token: str | bool | None = None) -> "LigerForCausalLM":
         """Download (or find in the HF cache) *.json, *.safetensors and tokenizer files, then ``from_pretrained``;
         ``token`` (else HF_TOKEN / the stored login) for gated repos."""
-        from liger_models.hub import snapshot
-
-        path = snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+        path = hub.snapshot(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                         token=token)
         return cls.from_pretrained(path, dtype=dtype, device=device)
 
@@ -524,12 +521,10 @@ class LigerForCausalLM(nn.Module):
                         safe_serialization: bool = True) -> None:
         """Write HF-format safetensors (+ index when sharded) and config.json, atomically. safe_serialization is
         accepted as transformers' callers pass it; only safetensors are written."""
-        from liger_models.hub import save_pretrained
-
         if not safe_serialization:
             raise ValueError("save_pretrained writes safetensors only (safe_serialization=False asks for "
                              "pytorch_model.bin, which this library does not write)")
-        save_pretrained(self, directory, max_shard_size=max_shard_size)
+        hub.save_pretrained(self, directory, max_shard_size=max_shard_size)
 
 
 class Backbone:

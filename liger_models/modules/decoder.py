@@ -118,14 +118,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config)
         self.rotary = RotaryEmbedding(config)
-        # Families with per-layer-type RoPE (Gemma 3) get one more table; each is computed once per call.
-        # layer_rope_table[i]: the index of layer i's table (0: self.rotary, 1: self.rotary_local).
+        # Families with per-layer-type RoPE (Gemma 3) get a second table; each table is computed once per call.
+        # layer_rope_table[i]: the table of layer i (0: self.rotary, the config's own; 1: self.rotary_local).
+        own = (config.rope_theta, config.rope_scaling)
         ropes = [config.layer_rope(i) for i in range(config.num_hidden_layers)]
-        other = [r for r in ropes if r != (config.rope_theta, config.rope_scaling)]
-        self.rotary_local = RotaryEmbedding(config, other[0]) if other else None
-        if len(set(map(repr, other))) > 1:
-            raise ValueError(f"at most two RoPE tables are supported, got {sorted(set(map(repr, ropes)))}")
-        self.layer_rope_table = [0 if r == (config.rope_theta, config.rope_scaling) else 1 for r in ropes]
+        others = list({repr(r): r for r in ropes if r != own}.values())
+        if len(others) > 1:
+            raise ValueError(f"at most two RoPE tables are supported, got {[own, *others]}")
+        self.rotary_local = RotaryEmbedding(config, others[0]) if others else None
+        self.layer_rope_table = [0 if r == own else 1 for r in ropes]
         self.gradient_checkpointing = False
         # How a checkpointed layer is run (torch.utils.checkpoint with its keyword arguments, possibly offloading what
         # it saves) and which layers are: every checkpoint_every-th. LigerForCausalLM.activation_checkpointing_enable

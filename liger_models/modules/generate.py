@@ -41,6 +41,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .cache import KVCache
+from .graphed_decoding import GraphedCall, StaticKVCache
 from .inputs import _integral, check_input_ids, checks_its_own_token_ids
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -675,8 +676,6 @@ class FinishWatch:
 
 def _graphed_step(model, batch: int, capacity: int, mask: torch.Tensor | None):
     """One-token decoding steps replayed as a CUDA graph, over a static cache of ``capacity`` slots."""
-    from .graphed_decoding import GraphedCall, StaticKVCache
-
     device = model.lm_head.weight.device
     valid = None
     if mask is not None:  # left padding: the prompt's padded slots stay hidden; generated tokens are all real

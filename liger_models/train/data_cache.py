@@ -1,7 +1,7 @@
 """On-disk cache of packed training data, so a resumed or repeated run (and every rank but one) skips tokenizing.
 
 One entry is one safetensors file, ``<key>.safetensors``, holding the int32 (N, T) ``input_ids``, ``labels`` and
-``position_ids`` of a :class:`~liger_models.train.data.PackedDataset`. The key is a SHA-256 over everything the
+``position_ids`` of a :class:`~liger_models.train.packing.PackedDataset`. The key is a SHA-256 over everything the
 windows depend on: each data file's bytes and suffix (in order), the serialized tokenizer (``Tokenizer.to_str()``:
 what tokenizer.json holds, as loaded), the special tokens and chat template text, the chat template choice,
 ``seq_len``, the ``tokenizers`` version and :data:`FORMAT_VERSION` (bump it whenever tokenizing or packing changes).

@@ -157,6 +157,8 @@ def apply_fsdp(root: nn.Module, units: Iterable[nn.Module], device: torch.device
     ``reduce_fp32``: reduce-scatter gradients in fp32 even when the parameters are bf16 (one rounding at the end
     instead of one per rank); the sharded gradients keep the parameters' dtype.
     """
+    # Imported when sharding: torch builds without distributed support lack these modules, and a single process
+    # never needs them.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

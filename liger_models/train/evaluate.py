@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from liger_models.train import distributed as D
-from liger_models.train.data import PackedDataset
+from liger_models.train.packing import PackedDataset
 
 
 def eval_batches(dataset: PackedDataset, batch_size: int, info: D.DistInfo, max_batches: int) -> list[dict]:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from liger_models.train.data import save_tokenizer, train_bpe_tokenizer
+from liger_models.llama import LigerLlamaForCausalLM, LlamaConfig
+from liger_models.text.bpe import save_tokenizer, train_bpe_tokenizer
 
 EOS = "<|endoftext|>"
 
@@ -42,8 +43,6 @@ def init_model_dir(out: str | Path, preset: str = "demo", *, tokenizer_text: str
 
     The model's vocab_size defaults to the tokenizer's (a preset or override may make it larger).
     """
-    from liger_models import LigerLlamaForCausalLM, LlamaConfig
-
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     out = Path(out)

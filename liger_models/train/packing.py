@@ -1,5 +1,11 @@
-"""Packing tokenized documents into fixed-length windows with per-document positions (the layout is described
-in data.py's module docstring, "Packing")."""
+"""Packing tokenized documents into fixed-length windows with per-document positions.
+
+Documents (BOS/EOS added the way the model's tokenizer does) are concatenated into one stream and cut into windows
+of ``seq_len`` tokens; a document may continue into the next window. ``position_ids`` restart at 0 at every document
+start and at every window start, which is how the models and the Medusa heads see boundaries (attention and every
+shifted label stop there). Labels are HF-aligned (= input ids, -100 where no loss); the last window is padded with
+ignored tokens.
+"""
 
 from __future__ import annotations
 

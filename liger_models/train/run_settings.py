@@ -9,19 +9,23 @@ difference named (old → new); ``--allow-changed-settings NAME,...`` (or ``all`
 printed and logged with the first resumed step's metrics, and the checkpoints after it record the new values.
 
 Free to change: ``--max-steps`` (a finished run is extended along the longer schedule), the number of processes at
-the same global batch (W ranks × B windows is one process × B·W, sample for sample: data.py's BatchStream), options
+the same global batch (W ranks × B windows is one process × B·W, sample for sample: batches.py's BatchStream), options
 that change memory or speed and not the math (``--activation-checkpointing``, ``--optimizer-in-backward``,
 ``--cuda-graph``, ``--adamw``, ``--loss-scratch-mib``), and logging, evaluation and checkpointing options.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
+
+from liger_models.hub import checkpoint_files, tokenizer_files
+from liger_models.train.checkpointing import file_sha256
+from liger_models.train.data_cache import file_digest
 
 SAMPLE = 4096  # bytes of a tensor hashed at each of its start, middle and end
 # Every name a resume checks, in the order differences are listed; each is the option's name (model-weights and
@@ -47,8 +51,6 @@ def weights_digest(model_dir: Path) -> str:
     """SHA-256 over each safetensors file's size and header (tensor names, dtypes, shapes, offsets) and SAMPLE bytes
     at each tensor's start, middle and end. Weights that differ anywhere but in a few isolated bytes differ in those
     samples; a 1B model read cold from disk takes 30 ms this way (every byte: 4 s; loading it: 5 s)."""
-    from liger_models.hub import checkpoint_files
-
     digest = hashlib.sha256()
     for file in checkpoint_files(model_dir):
         try:
@@ -78,33 +80,15 @@ def _sample_file(file: Path, digest) -> None:
 def tokenizer_digests(model_dir: Path) -> dict[str, str]:
     """{file: SHA-256} of --model's tokenizer files (tokenizer, special tokens, chat templates:
     hub.TOKENIZER_PATTERNS)."""
-    from liger_models.hub import tokenizer_files
-    from liger_models.train.checkpointing import file_sha256
-
     return {name: file_sha256(model_dir / name) for name in tokenizer_files(model_dir)}
 
 
-def collect(args: argparse.Namespace, *, model: str, model_dir: Path, dtype: str, world_size: int,
-            lr: float) -> dict[str, Any]:
-    """This run's settings (module docstring): ``model`` is --model resolved, ``dtype`` the one resolved ("bf16",
-    "fp32"), ``lr`` the peak learning rate resolved."""
-    from liger_models.train.data_cache import file_digest
-
-    settings = {
-        "model": model, "model-weights": weights_digest(model_dir), "tokenizer": tokenizer_digests(model_dir),
-        "data": [file_digest(path) for path in args.data], "seq-len": args.seq_len,
-        "chat-template": args.chat_template, "batch-size": args.batch_size * world_size,
-        "grad-accum": args.grad_accum, "lr": lr, "warmup-steps": args.warmup_steps,
-        "min-lr-ratio": args.min_lr_ratio, "weight-decay": args.weight_decay, "beta1": args.beta1,
-        "beta2": args.beta2, "max-grad-norm": args.max_grad_norm, "dtype": dtype, "seed": args.seed,
-        "loss-grad-filter-eps": getattr(args, "loss_grad_filter_eps", None),
-    }
-    if hasattr(args, "stage"):  # train-medusa
-        init = args.init_heads
-        settings.update({"init-heads": str(Path(init).expanduser().resolve()) if init else None,
-                         "head-lr-multiplier": args.head_lr_multiplier, "schedule": args.schedule,
-                         "lambda0": args.lambda0, "decay": args.decay, "base-loss-weight": args.base_loss_weight})
-    return settings
+def collect(*, model: str, model_dir: Path, data: Sequence[str | os.PathLike],
+            options: dict[str, Any]) -> dict[str, Any]:
+    """This run's settings (module docstring): ``model`` is --model resolved, ``options`` the recipe's other
+    settings by their names here (recipes/configs.py: ``resume_settings``), dtype and peak LR resolved."""
+    return {"model": model, "model-weights": weights_digest(model_dir), "tokenizer": tokenizer_digests(model_dir),
+            "data": [file_digest(path) for path in data], **options}
 
 
 # --------------------------------------------------------------------------------------------- the check

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from liger_models.medusa import medusa_target_counts
 from liger_models.modules import shift_labels, static_document_mask
 from liger_models.modules.inputs import token_ids_checked_already
 from liger_models.train import checkpointing as ckpt
@@ -34,7 +35,8 @@ from liger_models.train import distributed as D
 from liger_models.train import evaluate as ev
 from liger_models.train.cuda_graph import GraphedStep
 from liger_models.train.disk_space import reported as disk_full_reported
-from liger_models.train.data import IGNORE_INDEX, BatchStream, PackedDataset, batch_to
+from liger_models.train.batches import BatchStream
+from liger_models.train.packing import IGNORE_INDEX, PackedDataset, batch_to
 from liger_models.train.step_in_backward import OptimizerInBackward
 
 GRAPH_WARMUP = 3  # eager steps before the capture: Triton compiles, cuBLAS/cuDNN settle, AdamW builds its state
@@ -108,7 +110,6 @@ class MedusaTask:
         return [w for w in used if w.requires_grad]
 
     def counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        from liger_models.medusa import medusa_target_counts
 
         return medusa_target_counts(batch["labels"], self.num_heads, batch["position_ids"], IGNORE_INDEX)
 

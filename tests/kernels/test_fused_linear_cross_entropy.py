@@ -142,6 +142,19 @@ def test_matches_reference(tune, dtype, case):
     _check(hidden, weight, bias, labels, **CASES[case])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opts", [dict(softcap=30.0), dict(softcap=30.0, reduction="none", z_loss=1e-4)])
+def test_gemma2_final_softcap_far_past_the_cap(chunked_once, dtype, opts):
+    """Gemma 2's final cap (30) on logits up to ~±150: most columns sit where tanh has saturated (its derivative
+    4u/(1+u)², u = e^(−2|z|/c), down to ~1e-4), others near 0 where it is ~1, and targets fall in both. Loss and
+    gradients still match the float64 reference."""
+    hidden, weight, bias, labels = _inputs(300, dtype, bias=True)
+    weight = (weight.float() * 25).to(dtype)
+    logits = torch.nn.functional.linear(hidden.float(), weight.float(), bias.float())
+    assert logits.abs().max() > 90 and (logits.abs() < 15).float().mean() > 0.05  # both regimes present
+    _check(hidden, weight, bias, labels, **opts)
+
+
 @pytest.mark.parametrize("opts", [dict(), dict(reduction="none", label_smoothing=0.1)])
 @pytest.mark.parametrize("rows", [16, 17])
 def test_single_chunk_in_accumulator(tune, monkeypatch, opts, rows):

@@ -33,6 +33,13 @@ CASES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8, "rope_theta": 10000.0})),
     "gemma-mqa": (transformers.GemmaConfig, dict(num_key_value_heads=1, head_dim=32)),
+    "gemma2-softcaps-window": (transformers.Gemma2Config, dict(
+        head_dim=32, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+        final_logit_softcapping=1.0)),
+    "gemma3-qk-norm-two-ropes": (transformers.Gemma3TextConfig, dict(
+        head_dim=32, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=24, sliding_window_pattern=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
     "phi3-longrope-partial-window": (transformers.Phi3Config, dict(
         max_position_embeddings=64, original_max_position_embeddings=12, partial_rotary_factor=0.5,
         sliding_window=5, rope_parameters=_LONGROPE)),
@@ -94,7 +101,8 @@ def test_cached_decoding_fp32_equals_hf(tmp_path, case):
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
-@pytest.mark.parametrize("case", ["mistral-window", "llama-dynamic", "gemma-mqa", "phi3-longrope-partial-window"])
+@pytest.mark.parametrize("case", ["mistral-window", "llama-dynamic", "gemma-mqa", "phi3-longrope-partial-window",
+                                  "gemma2-softcaps-window", "gemma3-qk-norm-two-ropes"])
 def test_cached_decoding_bf16_within_hf_bf16_error(tmp_path, case):
     """bf16 on the CPU: greedy tokens may flip at near-ties (random tiny models have flat logits), so compare every
     step's logits on one fixed sequence against HF fp32; ours may be off by at most 2× HF bf16's own error."""

@@ -38,6 +38,9 @@ def _training_step(run, model, ids, **kwargs) -> tuple[torch.Tensor, dict[str, t
     (transformers.LlamaConfig, {}),
     (transformers.GemmaConfig, {"head_dim": 16, "hidden_activation": "gelu_pytorch_tanh"}),
     (transformers.Phi3Config, {"pad_token_id": 0}),
+    (transformers.Gemma2Config, {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 0.5,
+                                 "final_logit_softcapping": 0.3}),
+    (transformers.Gemma3TextConfig, {"head_dim": 16, "sliding_window": 4, "sliding_window_pattern": 2}),
 ])
 def test_compiled_model_equals_eager(config_cls, extra, tmp_path):
     torch._dynamo.reset()

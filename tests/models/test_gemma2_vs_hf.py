@@ -169,3 +169,43 @@ def test_config_defaults_layer_types_and_errors():
     assert {f"model.layers.0.{n}_layernorm.weight" for n in ("input", "post_attention", "pre_feedforward",
                                                                 "post_feedforward")} <= names
 
+
+
+def test_hidden_states_biases_and_the_wrapped_head_path(tmp_path):
+    """The final hidden states (before the capped head) equal HF's; attention_bias puts biases on q, k, v and o; a
+    head the fused loss cannot read (hooked, as PEFT's LoRA on lm_head is) still gets the final cap, through
+    cross_entropy on its logits."""
+    hf = build(attention_bias=True)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, proj).bias.normal_(std=0.1)
+    ours = check_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=12)
+    ids = torch.randint(3, 128, (2, 12))
+    with torch.no_grad():
+        ref = hf.model(ids, use_cache=False).last_hidden_state
+        err = (ours.base_model(ids).last_hidden_state - ref).abs().max().item()
+    assert err <= 1e-4 * max(1.0, ref.abs().max().item())
+    fused = ours(ids, labels=ids).loss
+    handle = ours.lm_head.register_forward_hook(lambda module, args, out: out)
+    try:
+        wrapped = ours(ids, labels=ids).loss
+    finally:
+        handle.remove()
+    assert abs(wrapped.item() - fused.item()) <= 1e-5 * max(1.0, fused.item())
+
+
+def test_medusa_base_loss_is_the_capped_loss():
+    """Stage 2's base term is the base model's own (capped) loss; the heads train on their own uncapped logits."""
+    from liger_models.medusa import MedusaModel
+
+    base = LigerGemma2ForCausalLM.from_config(Gemma2Config.tiny(final_logit_softcapping=0.5))
+    ids = torch.randint(3, 128, (2, 10))
+    medusa = MedusaModel.from_base(base, num_heads=2, stage=2)
+    out = medusa(ids, labels=ids)
+    with torch.no_grad():
+        own = base(ids, labels=ids).loss
+        uncapped = torch.nn.functional.cross_entropy(base.lm_head(base.model(ids))[:, :-1].flatten(0, 1),
+                                                     ids[:, 1:].flatten())
+    assert abs(out.base_loss.item() - own.item()) <= 1e-5 * own.item()
+    assert abs(own.item() - uncapped.item()) > 1e-3  # the cap changes this loss

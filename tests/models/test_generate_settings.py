@@ -6,7 +6,6 @@ Medusa tree decoding refusing what it cannot honour; the CUDA-graph path and the
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, NoRepeatNG
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from liger_models import LigerLlamaForCausalLM, LlamaConfig
-from liger_models.decoding_commands import decode, sampling_settings
+from liger_models.recipes import GenerateConfig
+from liger_models.recipes.decoding import decode
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.decoding import medusa_generate
 from liger_models.modules import graphed_decoding
@@ -452,24 +452,21 @@ def test_cuda_graph_path_applies_the_settings_on_gpu():
     _graphed_against_eager(model, tokenizer, "cuda")
 
 
-def _options(**given) -> argparse.Namespace:
-    options = dict(greedy=False, temperature=None, top_k=None, top_p=None, repetition_penalty=None,
-                   no_repeat_ngram_size=None, min_new_tokens=None, stop=None)
-    return argparse.Namespace(**{**options, **given})
+def _options(**given) -> GenerateConfig:
+    return GenerateConfig(model="m", **given)
 
 
 def test_cli_processor_options_reach_generate_and_medusa_refuses_them():
     args = _options(greedy=True, repetition_penalty=1.3, no_repeat_ngram_size=2, stop=["\n\n"])
     settings = dict(do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2, stop_strings=["\n\n"])
-    assert sampling_settings(args, medusa=False) == (settings, {})
+    assert args.sampling_settings(medusa=False) == (settings, {})
     with pytest.raises(ValueError, match="--repetition-penalty / --no-repeat-ngram-size / --stop: Medusa"):
-        sampling_settings(args, medusa=True)
+        args.sampling_settings(medusa=True)
     neutral = _options(repetition_penalty=1.0, min_new_tokens=0)  # overrides a file's values for Medusa
-    assert sampling_settings(neutral, medusa=True) == (
+    assert neutral.sampling_settings(medusa=True) == (
         dict(temperature=0.0, repetition_penalty=1.0, min_new_tokens=0),
         dict(do_sample=False, repetition_penalty=1.0, min_new_tokens=0))
-    assert sampling_settings(argparse.Namespace(greedy=True, temperature=None, top_k=None, top_p=None),
-                             medusa=False) == (dict(do_sample=False), {})  # a parser without the options
+    assert _options(greedy=True).sampling_settings(medusa=False) == (dict(do_sample=False), {})
 
 
 def test_cli_decode_cuts_each_row_at_its_stop_string():

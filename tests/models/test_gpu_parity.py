@@ -34,6 +34,16 @@ REAL = {
     "mistral-7b": (transformers.MistralConfig, dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
         rms_norm_eps=1e-5, sliding_window=4096)),
+    "gemma-2-9b": (transformers.Gemma2Config, dict(  # T = 1024 ≥ FLEX_MIN_LEN: the compiled flex score_mod path
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        sliding_window=4096, max_position_embeddings=8192)),
+    "gemma-3-4b-text": (transformers.Gemma3TextConfig, dict(  # window 512 < T; both RoPE tables, linear ×8
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=131072,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     "phi-3-mini": (transformers.Phi3Config, dict(
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
         rms_norm_eps=1e-5, sliding_window=2047, pad_token_id=32000)),

@@ -12,6 +12,8 @@ import torch
 
 from liger_models import LigerMistralForCausalLM, MistralConfig
 from liger_models.gemma.config import GemmaConfig
+from liger_models.gemma2 import Gemma2Config, LigerGemma2ForCausalLM
+from liger_models.gemma3 import Gemma3TextConfig, LigerGemma3ForCausalLM
 from liger_models.gemma.modeling import LigerGemmaForCausalLM
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.decoding import dense_medusa_choices, generate_medusa_buffers, medusa_generate
@@ -109,13 +111,18 @@ def test_medusa_graphed_sampling_equals_eager(eager_graphs, kind):
     assert not torch.equal(eager, greedy)  # the draws were really random
 
 
-@pytest.mark.parametrize("family", ["gemma", "qwen2-layer-windows"])
+@pytest.mark.parametrize("family", ["gemma", "qwen2-layer-windows", "gemma2-softcaps", "gemma3-two-ropes"])
 @pytest.mark.parametrize("new_tokens", [1, 2, 9])
 def test_generate_graphed_other_families(eager_graphs, family, new_tokens):
-    # Gemma's scaled embeddings and Qwen2's qkv bias with a window on some layers only; budgets of 1 (no graphed
-    # step at all) and 2 (exactly one).
+    # Gemma's scaled embeddings and Qwen2's qkv bias with a window on some layers only; Gemma 2's soft-capped
+    # scores and logits on a static cache (the capped-math attention path) and Gemma 3's two RoPE tables and q/k
+    # norms, with windows of 5 on their sliding layers; budgets of 1 (no graphed step at all) and 2 (exactly one).
     if family == "gemma":
         model = LigerGemmaForCausalLM.from_config(GemmaConfig.tiny(initializer_range=0.3), dtype=torch.float64)
+    elif family.startswith("gemma2"):
+        model = LigerGemma2ForCausalLM.from_config(Gemma2Config.tiny(initializer_range=0.3), dtype=torch.float64)
+    elif family.startswith("gemma3"):
+        model = LigerGemma3ForCausalLM.from_config(Gemma3TextConfig.tiny(initializer_range=0.3), dtype=torch.float64)
     else:
         cfg = Qwen2Config.tiny(initializer_range=0.3, use_sliding_window=True, sliding_window=3, max_window_layers=1)
         model = LigerQwen2ForCausalLM.from_config(cfg, dtype=torch.float64)

@@ -170,7 +170,7 @@ def test_save_is_atomic_and_keeps_other_files(checkpoint, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("safetensors.torch.save_file", fail)
+    monkeypatch.setattr("liger_models.hub.save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         model.save_pretrained(path)
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before

@@ -119,6 +119,36 @@ GEMMA_11_2B_IT = {  # google/gemma-1.1-2b-it: both activation keys
 CODEGEMMA_7B = {  # google/codegemma-7b
     **GEMMA_7B, "hidden_activation": "gelu_pytorch_tanh"}
 
+GEMMA2_2B = {  # google/gemma-2-2b: four norms per layer, softcaps 50 / 30, windows on even layers
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+    "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": 1, "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02,
+    "intermediate_size": 9216, "max_position_embeddings": 8192, "num_attention_heads": 8, "num_hidden_layers": 26,
+    "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32", "use_cache": True,
+    "vocab_size": 256000}
+GEMMA2_9B = {  # google/gemma-2-9b
+    **GEMMA2_2B, "hidden_size": 3584, "intermediate_size": 14336, "num_attention_heads": 16,
+    "num_hidden_layers": 42, "num_key_value_heads": 8}
+GEMMA2_27B = {  # google/gemma-2-27b: head_dim 128 and query_pre_attn_scalar 144 (not head_dim)
+    **GEMMA2_2B, "head_dim": 128, "hidden_size": 4608, "intermediate_size": 36864, "num_attention_heads": 32,
+    "num_hidden_layers": 46, "num_key_value_heads": 16, "query_pre_attn_scalar": 144}
+GEMMA3_1B = {  # google/gemma-3-1b-it: text-only Gemma 3, v4-style rope keys, pattern 6, window 512
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+    "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+    "intermediate_size": 6912, "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26,
+    "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+    "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 262144}
+GEMMA3_270M = {  # google/gemma-3-270m: explicit layer_types (and the _-prefixed pattern key HF ignores)
+    **{k: v for k, v in GEMMA3_1B.items() if k != "sliding_window_pattern"},
+    "_sliding_window_pattern": 6, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3, "use_bidirectional_attention": False,
+    "eos_token_id": 1}
+
 PHI3_MINI_4K = {  # microsoft/Phi-3-mini-4k-instruct
     "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_bias": False, "bos_token_id": 1,
     "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02,
@@ -159,6 +189,8 @@ REAL_CONFIGS = {
     "qwen2.5-7b-instruct": QWEN25_7B_INSTRUCT, "qwen2.5-7b-instruct-yarn": QWEN25_7B_INSTRUCT_YARN,
     "qwen2.5-coder-7b-instruct": QWEN25_CODER_7B_INSTRUCT,
     "gemma-2b": GEMMA_2B, "gemma-7b": GEMMA_7B, "gemma-1.1-2b-it": GEMMA_11_2B_IT, "codegemma-7b": CODEGEMMA_7B,
+    "gemma-2-2b": GEMMA2_2B, "gemma-2-9b": GEMMA2_9B, "gemma-2-27b": GEMMA2_27B, "gemma-3-1b": GEMMA3_1B,
+    "gemma-3-270m": GEMMA3_270M,
     "phi-3-mini-4k": PHI3_MINI_4K, "phi-3-mini-128k-su": PHI3_MINI_128K,
     "phi-3-mini-128k-longrope": PHI3_MINI_128K_LONGROPE, "phi-3.5-mini": PHI35_MINI,
     "phi-3-medium-4k": PHI3_MEDIUM_4K, "phi-3-medium-128k": PHI3_MEDIUM_128K, "phi-4-mini": PHI4_MINI,
@@ -180,6 +212,10 @@ def shrink(real: dict) -> dict:
     explicit_mismatch = real.get("head_dim") is not None and real["hidden_size"] != heads * head_dim
     cfg.update(num_hidden_layers=2, vocab_size=VOCAB, intermediate_size=64, num_attention_heads=new_heads,
                num_key_value_heads=new_kv, hidden_size=96 if explicit_mismatch else new_heads * head_dim)
+    if cfg.get("layer_types"):  # two consecutive entries, the first full layer among them where there is one
+        types = real["layer_types"]
+        first = max(0, types.index("full_attention") - 1) if "full_attention" in types else 0
+        cfg["layer_types"] = types[first : first + 2]
     if "max_window_layers" in cfg:  # keep "window layers start past the last layer" vs "inside the stack"
         cfg["max_window_layers"] = 2 if real["max_window_layers"] >= real["num_hidden_layers"] else 1
     # nn.Embedding rejects a padding_idx outside the (shrunk) table, in transformers as here.
@@ -295,6 +331,9 @@ UNSUPPORTED = {
     "phi-3-small": {"architectures": ["Phi3SmallForCausalLM"], "model_type": "phi3small", "hidden_size": 4096,
                     "num_attention_heads": 32, "num_key_value_heads": 8, "gegelu_limit": 20.0,
                     "blocksparse_block_size": 64, "mup_attn_multiplier": 1.0, "vocab_size": 100352},
+    # google/gemma-3-4b-it: the multimodal Gemma 3 (vision tower; text under text_config)
+    "gemma-3-4b": {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                   "text_config": {**GEMMA3_1B, "hidden_size": 2560}},
     # Qwen/Qwen2-57B-A14B: mixture of experts
     "qwen2-moe": {**QWEN2_7B, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
     # microsoft/Phi-3.5-MoE-instruct

@@ -146,7 +146,7 @@ def test_medusa_step_replays_bit_for_bit(tiny_tied_model_dir, stage):
 ])
 def test_trainer_refuses_what_a_graph_cannot_replay(command, flags, problem, tiny_model_dir, text_file, tmp_path,
                                                    monkeypatch):
-    from liger_models.train.run import train_causal_lm, train_medusa
+    from liger_models.recipes import train_causal_lm, train_medusa
     from tests.train.test_trainer import _args
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -224,7 +224,7 @@ def test_trainer_cuda_graph_follows_the_eager_run_and_resumes(tiny_model_dir, te
     resumed at step 5 continues like the uninterrupted one."""
     import shutil
 
-    from liger_models.train.run import train_causal_lm
+    from liger_models.recipes import train_causal_lm
 
     eager = train_causal_lm(_gpu_args("train", tiny_model_dir, text_file, tmp_path / "eager"))
     graphed = train_causal_lm(_gpu_args("train", tiny_model_dir, text_file, tmp_path / "graph", "--cuda-graph"))
@@ -246,7 +246,7 @@ def test_trainer_cuda_graph_follows_the_eager_run_and_resumes(tiny_model_dir, te
 @pytest.mark.gpu
 @pytest.mark.parametrize("stage", [1, 2])
 def test_trainer_cuda_graph_medusa(stage, tiny_model_dir, text_file, tmp_path):
-    from liger_models.train.run import train_medusa
+    from liger_models.recipes import train_medusa
 
     eager = train_medusa(_gpu_args("train-medusa", tiny_model_dir, text_file, tmp_path / "e", "--stage", str(stage),
                                    "--num-heads", "3"))

@@ -14,7 +14,7 @@ from liger_models.train.data import (BatchStream, Document, PackedDataset, build
                                      load_documents, pack_arrays, pack_documents, read_special_tokens,
                                      save_tokenizer, tokenize_document, train_bpe_tokenizer)
 
-from .conftest import EOS, shakespeare
+from tests.helpers import EOS, shakespeare
 
 LLAMA3_LIKE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -368,7 +368,7 @@ def _bos_tokenizer(tokenizer, tmp_path, template):
 @pytest.mark.parametrize("chat_template", ["model", "simple"])
 @pytest.mark.parametrize("seq_len", [7, 64])
 def test_batched_pipeline_is_bit_identical_to_per_document(tokenizer, tmp_path, monkeypatch, chat_template, seq_len):
-    import liger_models.train.data as data_module
+    import liger_models.train.dataset as data_module
 
     tok, special = _bos_tokenizer(tokenizer, tmp_path, LLAMA3_LIKE)
     assert special.adds_bos

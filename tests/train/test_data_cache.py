@@ -15,11 +15,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import liger_models.train.data as data_module
+import liger_models.train.dataset as data_module
 from liger_models.train import data_cache
 from liger_models.train.data import build_dataset, read_special_tokens, save_tokenizer, train_bpe_tokenizer
 
-from .conftest import EOS, shakespeare
+from tests.helpers import EOS, shakespeare
 
 CHAT = [{"role": "user", "content": "Who goes there?"}, {"role": "assistant", "content": "A friend, good sir."}]
 
@@ -157,38 +157,40 @@ def test_file_of_another_key_is_not_trusted(setup, tmp_path):
         assert data_cache.load(entry, "0" * 64) is None
 
 
-def _train_args(model_dir, data, out, *extra):
+def _train_config(model_dir, data, out, *extra):
     from liger_models.cli import build_parser
+    from liger_models.recipes.configs import FinetuneConfig
 
-    return build_parser().parse_args(["train", "--model", str(model_dir), "--data", str(data), "--output-dir",
-                                      str(out), "--seq-len", "16", *extra])
+    argv = ["train", "--model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--seq-len", "16"]
+    return FinetuneConfig.from_args(build_parser().parse_args(argv + list(extra)))
 
 
 def test_recipes_cache_under_output_dir_by_default(setup, model_dir, tmp_path, monkeypatch):
+    from liger_models.recipes.training import data as _data
     from liger_models.train import distributed as D
-    from liger_models.train.run import _data, check_options
 
     _, _, paths = setup
-    stream, _ = _data(_train_args(model_dir, paths[0], tmp_path / "run"), model_dir, 300, D.DistInfo())
+    stream, _ = _data(_train_config(model_dir, paths[0], tmp_path / "run"), model_dir, 300, D.DistInfo())
     assert len(list((tmp_path / "run" / ".data_cache").glob("*.safetensors"))) == 1
-    _data(_train_args(model_dir, paths[0], tmp_path / "other", "--data-cache", str(tmp_path / "dc")),
+    _data(_train_config(model_dir, paths[0], tmp_path / "other", "--data-cache", str(tmp_path / "dc")),
           model_dir, 300, D.DistInfo())
     assert len(list((tmp_path / "dc").glob("*.safetensors"))) == 1 and not (tmp_path / "other").exists()
-    _data(_train_args(model_dir, paths[0], tmp_path / "none", "--no-data-cache"), model_dir, 300, D.DistInfo())
+    _data(_train_config(model_dir, paths[0], tmp_path / "none", "--no-data-cache"), model_dir, 300, D.DistInfo())
     assert not (tmp_path / "none").exists()
     _no_tokenizing(monkeypatch)
-    again, _ = _data(_train_args(model_dir, paths[0], tmp_path / "run"), model_dir, 300, D.DistInfo())
+    again, _ = _data(_train_config(model_dir, paths[0], tmp_path / "run"), model_dir, 300, D.DistInfo())
     _assert_same(again.dataset, stream.dataset)
     with pytest.raises(ValueError, match="contradict"):
-        check_options(_train_args(model_dir, paths[0], tmp_path, "--data-cache", "x", "--no-data-cache"))
+        _train_config(model_dir, paths[0], tmp_path, "--data-cache", "x", "--no-data-cache").validate()
 
 
 RANK_SCRIPT = """
 import json, os, sys
-import liger_models.train.data as data
+import liger_models.train.dataset as data
 from liger_models.cli import build_parser
 from liger_models.train import distributed as D
-from liger_models.train.run import _data
+from liger_models.recipes.configs import FinetuneConfig
+from liger_models.recipes.training import data as _data
 
 tokenized = []
 real = data._tokenize_and_pack
@@ -196,7 +198,7 @@ data._tokenize_and_pack = lambda *a, **k: tokenized.append(1) or real(*a, **k)
 info = D.init_distributed("cpu")
 args = build_parser().parse_args(["train", "--model", sys.argv[1], "--data", sys.argv[2], "--output-dir", sys.argv[3],
                                   "--seq-len", "16"])
-stream, _ = _data(args, sys.argv[1], 300, info)
+stream, _ = _data(FinetuneConfig.from_args(args), sys.argv[1], 300, info)
 ids = stream.dataset.input_ids
 with open(os.path.join(sys.argv[3], f"rank{info.rank}.json"), "w") as f:
     json.dump({"tokenized": len(tokenized), "sum": int(ids.long().sum()), "shape": list(ids.shape)}, f)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from liger_models.cli import build_parser
 from liger_models.medusa import MedusaModel
-from liger_models.train.run import train_medusa
+from liger_models.recipes import train_medusa
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 

@@ -11,7 +11,7 @@ from tokenizers import processors
 from liger_models.train.data import (BatchStream, Document, SpecialTokens, pack_documents, tokenize_chunk,
                                      train_bpe_tokenizer)
 
-from .conftest import EOS, shakespeare
+from tests.helpers import EOS, shakespeare
 
 
 @pytest.fixture(scope="module")

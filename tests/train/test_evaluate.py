@@ -10,7 +10,7 @@ import torch
 from liger_models import AutoLigerForCausalLM
 from liger_models.hub import load_tokenizer
 from liger_models.train.data import build_dataset, read_special_tokens
-from liger_models.train.run import train_causal_lm, train_medusa
+from liger_models.recipes import train_causal_lm, train_medusa
 from tests.train.test_trainer import _args, run_until_crash
 
 pytestmark = pytest.mark.usefixtures("reference_path")
@@ -20,7 +20,7 @@ EVAL = ("--eval-every", "2", "--eval-batches", "3")
 
 @pytest.fixture(scope="module")
 def eval_file(tmp_path_factory):
-    from tests.train.conftest import shakespeare
+    from tests.helpers import shakespeare
 
     path = tmp_path_factory.mktemp("eval") / "held_out.txt"
     path.write_text(shakespeare(20_000)[12_000:], encoding="utf-8")  # text the training file does not hold

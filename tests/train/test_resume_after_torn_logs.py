@@ -7,7 +7,7 @@ import json
 import pytest
 
 from liger_models.cli import build_parser
-from liger_models.train.run import train_causal_lm
+from liger_models.recipes import train_causal_lm
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 

@@ -140,7 +140,7 @@ def test_medusa_stage2_cli_same_run_and_resume(tiny_model_dir, text_file, tmp_pa
     and checkpoint as the normal step; a run cut after its step-3 checkpoint resumes to the same end."""
     from safetensors.torch import load_file
 
-    from liger_models.train.run import train_medusa
+    from liger_models.recipes import train_medusa
     from tests.train.test_trainer import _args, run_until_crash
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -165,7 +165,7 @@ def test_medusa_stage2_cli_same_run_and_resume(tiny_model_dir, text_file, tmp_pa
 @pytest.mark.parametrize("flags, problem", [(("--grad-accum", "2", "--max-grad-norm", "0"), "gradient accumulation"),
                                             (("--grad-accum", "1"), "clipping")])
 def test_incompatible_settings_are_refused(flags, problem, tiny_model_dir, text_file, tmp_path, monkeypatch):
-    from liger_models.train.run import train_causal_lm
+    from liger_models.recipes import train_causal_lm
     from tests.train.test_trainer import _args
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -248,7 +248,7 @@ def test_trainer_steps_head_weights_in_the_forward_on_the_kernel_path(tiny_model
     normal step's exactly."""
     from safetensors.torch import load_file
 
-    from liger_models.train.run import train_medusa
+    from liger_models.recipes import train_medusa
     from tests.train.test_trainer import _args
 
     extra = ("--stage", "2", "--num-heads", "2", "--grad-accum", "1", "--max-grad-norm", "0", "--max-steps", "2")

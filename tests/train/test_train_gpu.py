@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from liger_models.cli import build_parser
 from liger_models.medusa import MedusaModel
-from liger_models.train.demo import run_demo
-from liger_models.train.run import train_causal_lm, train_medusa
+from liger_models.recipes import run_demo
+from liger_models.recipes import train_causal_lm, train_medusa
 
 pytestmark = pytest.mark.gpu
 

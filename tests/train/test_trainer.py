@@ -16,7 +16,7 @@ from liger_models.hub import load_tokenizer
 from liger_models.medusa import MedusaModel
 from liger_models.train import distributed as D
 from liger_models.train.data import BatchStream, build_dataset, read_special_tokens
-from liger_models.train.run import train_causal_lm, train_medusa
+from liger_models.recipes import train_causal_lm, train_medusa
 from liger_models.train.optim import warmup_cosine_factor
 from liger_models.train.trainer import CausalLMTask, MedusaTask, TrainConfig, Trainer
 from tests.helpers import INTERPRETER_ONLY
@@ -256,7 +256,7 @@ class _Built(Exception):
 def test_weight_decay_is_on_matrices_only(command, extra, tiny_model_dir, text_file, tmp_path, monkeypatch):
     """--weight-decay is "AdamW weight decay on matrices": never on a bias or a norm weight (1-D), for the heads'
     ResBlock biases and the stage-2 base's norms as for the causal LM; each group keeps its learning rate."""
-    import liger_models.train.run as run
+    import liger_models.recipes.training as run
 
     seen = []
 

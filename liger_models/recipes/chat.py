@@ -6,7 +6,7 @@ template training uses (the model's own or the built-in one: which, is logged at
 is printed and kept as the assistant's turn, so the next line continues the conversation. After every reply its
 tokens/s (and, with Medusa, tokens per base-model forward) go to stderr. ``/reset`` starts a new conversation,
 ``/exit`` or end of input (Ctrl-D) ends the session. Settings and loading are those of ``liger-models generate``
-(decoding_commands.py).
+(decoding.py).
 """
 
 from __future__ import annotations
@@ -14,25 +14,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-from liger_models.decoding_commands import (Decoded, check_decoding_options, describe_rate, encode_conversation,
-                                            locate, open_decoder, tokenizer_and_specials)
-from liger_models.train.data import chat_template_note
+from liger_models.recipes.configs import ChatConfig
+from liger_models.recipes.decoding import (Decoded, describe_rate, encode_conversation, locate, open_decoder,
+                                           tokenizer_and_specials)
+from liger_models.text.chat import chat_template_note
 
 PROMPT = "USER: "
 REPLY = "ASSISTANT: "
 
 
-def run_chat(args: argparse.Namespace, stdin=None, out=None, log=None) -> list[dict]:
-    """The chat loop (module docstring); returns the conversation as it stands when the session ends."""
+def run_chat(config: ChatConfig | argparse.Namespace, stdin=None, out=None, log=None) -> list[dict]:
+    """The chat loop (module docstring); returns the conversation as it stands when the session ends. A parsed
+    command line (cli.build_parser) is taken too, as its config."""
     stdin, out, log = stdin or sys.stdin, out or sys.stdout, log or sys.stderr
-    check_decoding_options(args)
-    sources = locate(args.model, args.medusa)
+    config = ChatConfig.coerce(config)
+    config.validate()
+    sources = locate(config.model, config.medusa)
     tokenizer, special = tokenizer_and_specials(sources.tokenizer_dir)
-    print(chat_template_note(special, args.chat_template), file=log, flush=True)  # refuses a missing model template
-    opening = [{"role": "system", "content": args.system}] if args.system else []
+    print(chat_template_note(special, config.chat_template), file=log, flush=True)  # refuses a missing model template
+    opening = [{"role": "system", "content": config.system}] if config.system else []
     encode_conversation(opening + [{"role": "user", "content": "Hi"}], tokenizer, special,
-                        args.chat_template)  # the template's mistakes (no template, a refused system turn) come now
-    decoder = open_decoder(args, sources, tokenizer, log)
+                        config.chat_template)  # the template's mistakes (no template, a refused system turn) come now
+    decoder = open_decoder(config, sources, tokenizer, log)
     interactive = stdin.isatty()
     messages = list(opening)
     warmed = False
@@ -50,7 +53,7 @@ def run_chat(args: argparse.Namespace, stdin=None, out=None, log=None) -> list[d
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})
-        ids = encode_conversation(messages, tokenizer, special, args.chat_template)
+        ids = encode_conversation(messages, tokenizer, special, config.chat_template)
         if not warmed:  # once, untimed: kernels compiled, a graph captured
             decoder.warm_up([ids])
             warmed = True

@@ -1,4 +1,4 @@
-"""The decoding commands of the CLI.
+"""The decoding recipes behind ``liger-models generate`` and ``calibrate-tree`` (chat.py: ``chat``).
 
 ``liger-models generate``: prompts in, text out, through plain decoding or Medusa tree decoding, with the time each
 took. ``liger-models calibrate-tree``: fit a Medusa tree to trained heads on prompts from a data file
@@ -43,13 +43,21 @@ from pathlib import Path
 
 import torch
 
+from liger_models.auto import AutoLigerForCausalLM
+from liger_models.hub import load_tokenizer, resolve_model
+from liger_models.input_files import read_text
+from liger_models.medusa import MedusaModel
+from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
+from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, read_json
+from liger_models.medusa.tree import TREE_TOKENS, default_medusa_choices, tree_for_batch
+from liger_models.modules.generate import Settings, eos_token_ids, pad_token, stop_strings_of
+from liger_models.recipes.configs import CalibrateConfig, DecodingConfig, GenerateConfig
+from liger_models.text.chat import chat_template_note, render_generation_prompt
+from liger_models.text.documents import load_documents
+from liger_models.text.tokenize import tokenize_chunk
+from liger_models.tokenizer import read_special_tokens
+
 WARM_UP_TOKENS = 4  # enough for the prefill, a graph capture and a few steps to compile every kernel once
-# The processor options, generate's setting → (argparse dest, option); left out, generation_config.json decides.
-PROCESSOR_OPTIONS = {"repetition_penalty": ("repetition_penalty", "--repetition-penalty"),
-                     "no_repeat_ngram_size": ("no_repeat_ngram_size", "--no-repeat-ngram-size"),
-                     "min_new_tokens": ("min_new_tokens", "--min-new-tokens"), "stop_strings": ("stop", "--stop")}
-# Their values that change nothing, the only ones Medusa tree decoding takes.
-NEUTRAL_PROCESSOR_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0}
 
 
 @dataclass
@@ -72,8 +80,6 @@ class PromptResult:
 
 def _medusa_base_source(medusa_dir: Path) -> tuple[str, bool]:
     """(where the base model lives, whether that is a local directory) for a heads directory given alone."""
-    from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, read_json
-
     raw = read_json(medusa_dir / CONFIG_NAME)
     if holds_base_model(raw):  # a stage-2 directory: the full base is there
         return str(medusa_dir), True
@@ -100,16 +106,14 @@ class Sources:
 
 
 def locate(model: str | None, medusa: str | None) -> Sources:
-    from liger_models.train.run import resolve_model_dir
-
     if model is None and medusa is None:
         raise ValueError("give --model, --medusa or both")
     medusa_dir = None if medusa is None else Path(medusa).expanduser()
     if model is not None:
-        model_dir = resolve_model_dir(model)
+        model_dir = resolve_model(model)
     else:
         source, local = _medusa_base_source(medusa_dir)
-        model_dir = Path(source) if local else resolve_model_dir(source)
+        model_dir = Path(source) if local else resolve_model(source)
     places = [model_dir] + ([medusa_dir] if medusa_dir not in (None, model_dir) else [])
     tokenizer_dir = next((d for d in places if (d / "tokenizer.json").is_file()), None)
     if tokenizer_dir is None:
@@ -119,9 +123,6 @@ def locate(model: str | None, medusa: str | None) -> Sources:
 
 def load_models(sources: Sources, dtype: torch.dtype | None, device: torch.device, *, load_tree: bool = True):
     """(base model, MedusaModel or None), in eval mode; ``load_tree``: the heads' calibrated tree too."""
-    from liger_models import AutoLigerForCausalLM
-    from liger_models.medusa import MedusaModel
-
     base = AutoLigerForCausalLM.from_pretrained(sources.model_dir, dtype=dtype, device=device).eval()
     if sources.medusa_dir is None:
         return base, None
@@ -142,8 +143,6 @@ def encode_prompt(text: str, tokenizer, special, *, chat: bool, system: str | No
 
 def encode_conversation(messages: list[dict], tokenizer, special, chat_template: str = "auto") -> list[int]:
     """A conversation's token ids up to where the assistant's reply starts, as training renders and encodes chat."""
-    from liger_models.train.data import render_generation_prompt
-
     doc = render_generation_prompt(messages, special, chat_template)
     return tokenizer.encode(doc.text, add_special_tokens=not doc.template_bos).ids
 
@@ -164,9 +163,6 @@ def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tok
            tree_tokens: int | None = None) -> list[Decoded]:
     """One call of plain (``model`` a causal LM) or Medusa (a MedusaModel) decoding on the prompts (token ids),
     left-padded into one batch when there are several, timed; each prompt's result, the call's time in each."""
-    from liger_models.medusa import MedusaModel
-    from liger_models.modules.generate import Settings, eos_token_ids, pad_token, stop_strings_of
-
     base = model.base if isinstance(model, MedusaModel) else model
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)  # id 0 at padding: any id does, the mask hides it
@@ -207,79 +203,14 @@ def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tok
     return results
 
 
-def processor_settings(args: argparse.Namespace) -> dict:
-    """generate's settings from the processor options given (a Namespace from a parser without them: none)."""
-    return {setting: getattr(args, dest) for setting, (dest, _) in PROCESSOR_OPTIONS.items()
-            if getattr(args, dest, None) is not None}
-
-
-def sampling_settings(args: argparse.Namespace, medusa: bool) -> tuple[dict, dict]:
-    """(settings for the decoding asked for, settings for --compare's plain decoding) from the CLI options."""
-    processors = processor_settings(args)
-    if medusa:
-        if args.top_k is not None or args.top_p is not None:
-            raise ValueError("--top-k / --top-p apply to plain decoding only: Medusa samples with typical acceptance "
-                             "(--temperature > 0)")
-        changing = [PROCESSOR_OPTIONS[key][1] for key, value in processors.items()
-                    if value != NEUTRAL_PROCESSOR_SETTINGS.get(key)]
-        if changing:
-            raise ValueError(f"{' / '.join(changing)}: Medusa tree decoding does not implement it (plain decoding "
-                             "does); only a neutral value (--repetition-penalty 1, --no-repeat-ngram-size 0, "
-                             "--min-new-tokens 0) is taken, to override generation_config.json")
-        temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
-        # --compare: plain decoding at the same temperature, without top-k / top-p cuts.
-        plain = (dict(do_sample=False) if temperature == 0 else
-                 dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0))
-        return dict(temperature=temperature, **processors), {**plain, **processors}
-    if args.greedy:
-        return dict(do_sample=False, **processors), {}
-    given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    settings = {key: value for key, value in given.items() if value is not None}
-    if settings:  # any of them asks for sampling (HF's generate would ignore them unless its config samples)
-        settings["do_sample"] = True
-    return {**settings, **processors}, {}
-
-
-def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype | None]:
-    from liger_models.hub import parse_dtype
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return device, parse_dtype({"auto": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[args.dtype])
-
-
 def tokenizer_and_specials(tokenizer_dir: Path):
-    from liger_models.hub import load_tokenizer
-    from liger_models.train.data import read_special_tokens
-
     tokenizer = load_tokenizer(tokenizer_dir)
     return tokenizer, read_special_tokens(tokenizer, tokenizer_dir)
 
 
 def read_prompt_file(path: str) -> str:
     """A prompt file's text, read as training reads a .txt document (UTF-8, a byte-order mark dropped)."""
-    from liger_models.input_files import read_text
-
     return read_text(path, name=f"--prompt-file {path}")
-
-
-def check_decoding_options(args: argparse.Namespace) -> None:
-    """Refuse the options (shared by generate and chat) that contradict each other or would do nothing, before
-    anything loads: each is a mistake worth a word."""
-    if args.default_tree and args.medusa is None:
-        raise ValueError("--default-tree chooses Medusa's tree: give --medusa")
-    if args.greedy and (args.temperature, args.top_k, args.top_p) != (None, None, None):
-        raise ValueError("--greedy contradicts --temperature / --top-k / --top-p: give one")
-    sampling_settings(args, args.medusa is not None)  # refuses --top-k / --top-p with Medusa
-
-
-def check_generate_options(args: argparse.Namespace) -> None:
-    check_decoding_options(args)
-    if args.compare and args.medusa is None:
-        raise ValueError("--compare measures Medusa decoding against plain decoding: give --medusa")
-    if args.tree_tokens is not None and args.medusa is None:
-        raise ValueError("--tree-tokens cuts Medusa's tree: give --medusa")
-    if not args.chat and (args.system is not None or args.chat_template is not None):
-        raise ValueError("--system and --chat-template shape chat prompts: add --chat")
 
 
 @dataclass
@@ -317,45 +248,41 @@ class Decoder:
                 self.batch(prompts, plain=True, max_new_tokens=tokens)
 
 
-def open_decoder(args: argparse.Namespace, sources: Sources, tokenizer, log) -> Decoder:
-    """Load the models of ``sources`` as the command's options say and report the Medusa tree on ``log``."""
-    from liger_models.medusa.tree import TREE_TOKENS, default_medusa_choices, tree_for_batch
-
-    device, dtype = _device_and_dtype(args)
-    sampling, plain_sampling = sampling_settings(args, args.medusa is not None)
-    base, medusa = load_models(sources, dtype, device, load_tree=not args.default_tree)
-    choices, tree_tokens = None, getattr(args, "tree_tokens", None)  # chat decodes one row: nothing to cut
+def open_decoder(config: DecodingConfig, sources: Sources, tokenizer, log, *, rows: int = 1,
+                 tree_tokens: int | None = None) -> Decoder:
+    """Load the models of ``sources`` as the config says and report the Medusa tree on ``log``. ``rows``: prompts
+    per call, ``tree_tokens``: the tree's cut per call (GenerateConfig's; chat decodes one row: nothing to cut)."""
+    device, dtype = config.device_and_dtype()
+    sampling, plain_sampling = config.sampling_settings(config.medusa is not None)
+    base, medusa = load_models(sources, dtype, device, load_tree=not config.default_tree)
+    choices = None
     tree_tokens = TREE_TOKENS if tree_tokens is None else tree_tokens
     if medusa is not None:
         choices = medusa.medusa_choices or default_medusa_choices(medusa.heads.num_heads)
         tree = "default" if medusa.medusa_choices is None else "calibrated"
-        rows = getattr(args, "batch_size", 1)
         cut = len(tree_for_batch(choices, rows, tree_tokens))
         cut_note = "" if cut == len(choices) else f"; {cut + 1} nodes per row in batches of {rows} (--tree-tokens)"
         print(f"[medusa] {len(choices) + 1}-node {tree} tree{cut_note}", file=log, flush=True)
-    call = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, tokenizer=tokenizer,
-                cuda_graph=device.type == "cuda" and not args.no_cuda_graph)
+    call = dict(max_new_tokens=config.max_new_tokens, seed=config.seed, tokenizer=tokenizer,
+                cuda_graph=device.type == "cuda" and not config.no_cuda_graph)
     return Decoder(base, medusa, choices, call, sampling, plain_sampling, tree_tokens)
 
 
-def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptResult]:
+def run_generate(config: GenerateConfig | argparse.Namespace, out=None, log=None) -> list[PromptResult]:
     """The command: load, encode each prompt, decode (and --compare), print the text to ``out`` (stdout) and the
-    timings to ``log`` (stderr)."""
+    timings to ``log`` (stderr). A parsed command line (cli.build_parser) is taken too, as its config."""
     out, log = out or sys.stdout, log or sys.stderr  # looked up now: a caller (or a test) may have replaced them
-    check_generate_options(args)
-    prompts = list(args.prompt or []) + [read_prompt_file(f) for f in args.prompt_file or []]
-    if not prompts:
-        raise ValueError("give at least one --prompt or --prompt-file")
-    sources = locate(args.model, args.medusa)
+    config = GenerateConfig.coerce(config)
+    config.validate()
+    prompts = list(config.prompt or []) + [read_prompt_file(f) for f in config.prompt_file or []]
+    sources = locate(config.model, config.medusa)
     tokenizer, special = tokenizer_and_specials(sources.tokenizer_dir)
-    if args.chat:
-        from liger_models.train.data import chat_template_note
-
-        print(chat_template_note(special, args.chat_template or "auto"), file=log, flush=True)
-    encoded = [encode_prompt(p, tokenizer, special, chat=args.chat, system=args.system,
-                             chat_template=args.chat_template or "auto") for p in prompts]
-    decoder = open_decoder(args, sources, tokenizer, log)
-    size = args.batch_size
+    if config.chat:
+        print(chat_template_note(special, config.chat_template or "auto"), file=log, flush=True)
+    encoded = [encode_prompt(p, tokenizer, special, chat=config.chat, system=config.system,
+                             chat_template=config.chat_template or "auto") for p in prompts]
+    decoder = open_decoder(config, sources, tokenizer, log, rows=config.batch_size, tree_tokens=config.tree_tokens)
+    size = config.batch_size
     batches = [list(range(start, min(start + size, len(prompts)))) for start in range(0, len(prompts), size)]
     results, warmed = [], set()
     for batch in batches:
@@ -364,11 +291,11 @@ def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptRes
         # shape pays compilation: once untimed at the start, and, for --compare, before every new shape by both
         # decoders, so that neither's time holds the other's compiles.
         shape = (len(chunk), max(len(ids) for ids in chunk))
-        if not warmed or (args.compare and shape not in warmed):
-            decoder.warm_up(chunk, args.compare, whole=args.compare)
+        if not warmed or (config.compare and shape not in warmed):
+            decoder.warm_up(chunk, config.compare, whole=config.compare)
         warmed.add(shape)
         decoded = decoder.batch(chunk)
-        plain = decoder.batch(chunk, plain=True) if args.compare else [None] * len(batch)
+        plain = decoder.batch(chunk, plain=True) if config.compare else [None] * len(batch)
         done = [PromptResult(prompts[i], encoded[i], d, p) for i, d, p in zip(batch, decoded, plain)]
         for result in done:
             print(result.decoded.text, file=out, flush=True)
@@ -381,8 +308,6 @@ def run_generate(args: argparse.Namespace, out=None, log=None) -> list[PromptRes
 def calibration_prompts(paths, tokenizer, special, *, count: int, prompt_tokens: int,
                         chat_template: str = "auto") -> list[list[int]]:
     """``count`` prompts evenly spaced through the data (module docstring), encoded as training encodes them."""
-    from liger_models.train.data import load_documents, tokenize_chunk
-
     docs = load_documents(paths, special, chat_template)
     ids, has_loss, lengths = tokenize_chunk(docs, tokenizer, special)
     candidates, offset = [], 0
@@ -404,23 +329,23 @@ def calibration_prompts(paths, tokenizer, special, *, count: int, prompt_tokens:
     return [candidates[i] for i in picks]
 
 
-def run_calibrate(args: argparse.Namespace, log=None):
-    """The calibrate-tree command: fit the tree, save it next to the heads, report what it gains."""
-    from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
-    from liger_models.medusa.tree import TREE_TOKENS, default_medusa_choices
-
+def run_calibrate(config: CalibrateConfig | argparse.Namespace, log=None):
+    """The calibrate-tree command: fit the tree, save it next to the heads, report what it gains. A parsed
+    command line (cli.build_parser) is taken too, as its config."""
     log = log or sys.stderr
-    device, dtype = _device_and_dtype(args)
-    sources = locate(args.model, args.medusa)
+    config = CalibrateConfig.coerce(config)
+    config.validate()
+    device, dtype = config.device_and_dtype()
+    sources = locate(config.model, config.medusa)
     tokenizer, special = tokenizer_and_specials(sources.tokenizer_dir)
     # The data is read before the weights load, so a mistake there costs no model load.
-    prompts = calibration_prompts(args.data, tokenizer, special, count=args.prompts, prompt_tokens=args.prompt_tokens,
-                                  chat_template=args.chat_template)
+    prompts = calibration_prompts(config.data, tokenizer, special, count=config.prompts,
+                                  prompt_tokens=config.prompt_tokens, chat_template=config.chat_template)
     # The tree already saved there (if any) is the one being replaced: not loaded, so a broken one is no obstacle.
     base, medusa = load_models(sources, dtype, device, load_tree=False)
     calibration = calibrate_medusa_choices(
-        base, medusa.heads, [torch.tensor(p, device=device) for p in prompts], new_tokens=args.new_tokens,
-        size=args.size, cuda_graph=device.type == "cuda" and not args.no_cuda_graph)
+        base, medusa.heads, [torch.tensor(p, device=device) for p in prompts], new_tokens=config.new_tokens,
+        size=config.size, cuda_graph=device.type == "cuda" and not config.no_cuda_graph)
     path = save_medusa_choices(sources.medusa_dir, calibration)
     default_nodes = len(default_medusa_choices(medusa.heads.num_heads)) + 1
     if calibration.kept_default:

@@ -2,7 +2,7 @@
 
 Encoding a text as one string holds the Rust tokenizer's Encoding of all of it (offsets, token strings, ~200 bytes
 per input character) and runs on one core. Cut into pieces of about PIECE_CHARS characters, it is read a block at a
-time and the pieces are encoded in parallel batches like JSONL documents (data.py), in memory that does not grow
+time and the pieces are encoded in parallel batches like JSONL documents (tokenize.py), in memory that does not grow
 with the file beyond the token ids themselves.
 
 Why the tokens stay the same. A model (BPE, WordPiece, ...) encodes each pre-token on its own, so only the
@@ -42,7 +42,7 @@ from tokenizers import Tokenizer
 
 from liger_models.input_files import not_utf8, read_text
 
-PIECE_CHARS = 1 << 15  # about 32 pieces per encode_batch call of data.ENCODE_CHUNK_CHARS: every core busy
+PIECE_CHARS = 1 << 15  # about 32 pieces per encode_batch call of train/dataset.ENCODE_CHUNK_CHARS: every core busy
 _READ_CHARS = 1 << 20
 # Above this a text encoded whole costs gigabytes (about 200 bytes per character): said once per file.
 LARGE_TEXT_BYTES = 16 << 20

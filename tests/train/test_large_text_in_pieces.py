@@ -1,4 +1,4 @@
-"""A .txt file streamed in pieces (liger_models/train/text_pieces.py) packs into exactly the windows of the whole
+"""A .txt file streamed in pieces (liger_models/text/pieces.py) packs into exactly the windows of the whole
 text encoded as one string, for the byte-level tokenizers whose pre-tokenizer is known (GPT-2's regex, Llama 3's
 tiktoken split, Qwen2's); other tokenizers encode the text whole.
 
@@ -18,11 +18,11 @@ import torch
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
 from liger_models.convert import tiktoken_tokenizer as tt
-from liger_models.train import data, text_pieces
+from liger_models.text import documents, pieces as text_pieces
 from liger_models.train.data import (Document, build_dataset, pack_arrays, read_special_tokens, tokenize_chunk,
                                      train_bpe_tokenizer)
-from liger_models.train.text_pieces import KNOWN_PATTERNS, TextSplitter
-from tests.train.conftest import shakespeare
+from liger_models.text.pieces import KNOWN_PATTERNS, TextSplitter
+from tests.helpers import shakespeare
 
 QWEN2 = next(p for p, name in KNOWN_PATTERNS.items() if name == "Qwen2")
 
@@ -209,11 +209,11 @@ def test_a_blank_text_is_no_document_and_pieces_are_one(gpt2, tmp_path, monkeypa
     special = read_special_tokens(gpt2, None)
     blank = tmp_path / "blank.txt"
     blank.write_text("\n\n  \n", encoding="utf-8")
-    assert list(data.iter_documents([blank], special, splitter=TextSplitter(gpt2))) == []
+    assert list(documents.iter_documents([blank], special, splitter=TextSplitter(gpt2))) == []
     path = tmp_path / "two.txt"
     path.write_text("First part.\n\nSecond part.\n\nThird part.", encoding="utf-8")
     monkeypatch.setattr(text_pieces, "PIECE_CHARS", 1)
-    docs = list(data.iter_documents([path], special, splitter=TextSplitter(gpt2)))
+    docs = list(documents.iter_documents([path], special, splitter=TextSplitter(gpt2)))
     assert [(d.first, d.last) for d in docs] == [(True, False), (False, False), (False, True)]
     dataset = build_dataset([path], gpt2, special, 8)
     starts = (dataset.position_ids.flatten() == 0).nonzero().flatten().tolist()

@@ -1,4 +1,6 @@
-"""Fixtures for the training tests: a tiny Llama with a freshly trained byte-level BPE tokenizer, and some text.
+"""Fixtures of the training and CLI tests (tests/train, tests/cli): a tiny Llama with a freshly trained byte-level BPE
+tokenizer, Medusa heads for it, and some text. Registered by tests/conftest.py (pytest_plugins), so that one session
+builds each of them once for both folders.
 
 Training tests exercise the loop, not the kernels (tests/kernels covers those under the Triton interpreter), so they
 run the PyTorch reference path (TRITON_INTERPRET=0); liger_models/kernels/_dispatch.py reads the variable at call time.
@@ -6,32 +8,15 @@ run the PyTorch reference path (TRITON_INTERPRET=0); liger_models/kernels/_dispa
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from liger_models import AutoLigerForCausalLM, LigerLlamaForCausalLM, LlamaConfig
+from liger_models import AutoLigerForCausalLM
 from liger_models.medusa import MedusaModel
-from liger_models.train.data import save_tokenizer, train_bpe_tokenizer
-
-EOS = "<|endoftext|>"
-
-
-def shakespeare(chars: int) -> str:
-    return importlib.resources.files("liger_models.data").joinpath("tiny_shakespeare.txt").read_text()[:chars]
-
-
-def make_tiny_model_dir(path: Path, *, tie: bool = False, vocab: int = 320) -> Path:
-    """A tiny random Llama (hidden 64, 2 layers, GQA) + tokenizer saved in HF format under ``path``."""
-    tokenizer = train_bpe_tokenizer(shakespeare(60_000).splitlines(), vocab_size=vocab, eos_token=EOS)
-    config = LlamaConfig.tiny(vocab_size=tokenizer.get_vocab_size(), bos_token_id=None,
-                              eos_token_id=tokenizer.token_to_id(EOS), pad_token_id=None, tie_word_embeddings=tie)
-    LigerLlamaForCausalLM.from_config(config).save_pretrained(path)
-    save_tokenizer(tokenizer, path, eos_token=EOS)
-    return path
+from tests.helpers import make_tiny_model_dir, shakespeare
 
 
 @pytest.fixture(scope="session")

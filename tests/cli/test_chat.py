@@ -10,9 +10,9 @@ import torch
 
 from liger_models import AutoLigerForCausalLM
 from liger_models.hub import load_tokenizer  # the fast tokenizer itself
-from liger_models.chat_command import PROMPT, REPLY, run_chat
+from liger_models.recipes.chat import PROMPT, REPLY, run_chat
 from liger_models.cli import build_parser, main
-from liger_models.decoding_commands import encode_conversation
+from liger_models.recipes.decoding import encode_conversation
 from liger_models.train.data import read_special_tokens
 
 pytestmark = pytest.mark.usefixtures("reference_path")

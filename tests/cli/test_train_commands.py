@@ -177,7 +177,7 @@ def test_loss_options_are_the_runs_only():
     around the training loop and restore them, also on error."""
     from liger_models.cli import build_parser
     from liger_models.kernels import fused_linear_cross_entropy as flce
-    from liger_models.train.run import _loss_options
+    from liger_models.recipes.training import loss_options as _loss_options
 
     for command in ("train", "train-medusa"):
         args = build_parser().parse_args([command, "--model", "m", "--data", "d.txt", "--loss-scratch-mib", "512",
@@ -246,13 +246,14 @@ def test_bad_numbers_are_rejected_by_the_parser(bad, message, capsys):
 def test_conflicting_options_fail_before_any_work(flags, problem, text_file, tmp_path, capsys, monkeypatch):
     """Options that cannot go together are refused before the model is loaded and the data tokenized (minutes
     for a large model), with the one-line error."""
-    import liger_models.train.run as run
+    from liger_models.recipes import finetune, medusa, training
 
     def no_work(*args, **kwargs):
         raise AssertionError("the run started loading before refusing its options")
 
-    monkeypatch.setattr(run, "resolve_model_dir", no_work)
-    monkeypatch.setattr(run.D, "init_distributed", no_work)
+    monkeypatch.setattr(finetune, "resolve_model", no_work)
+    monkeypatch.setattr(medusa, "resolve_model", no_work)
+    monkeypatch.setattr(training.D, "init_distributed", no_work)
     for command in ("train", "train-medusa") if "--stage" not in flags else ("train-medusa",):
         code = main([command, "--model", "m", "--data", str(text_file), "--output-dir", str(tmp_path), *flags])
         assert code == 2 and problem in capsys.readouterr().err

@@ -9,7 +9,7 @@ import pytest
 
 from liger_models.cli import build_parser, main
 from liger_models.medusa import MedusaModel
-from liger_models.train.demo import run_demo
+from liger_models.recipes import run_demo
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 

@@ -24,8 +24,20 @@ from pathlib import Path
 
 import torch
 
+from liger_models.auto import AutoLigerForCausalLM
+from liger_models.hub import load_tokenizer
+from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_models.medusa import MedusaModel, medusa_loss
+from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
+from liger_models.medusa.decoding import medusa_generate
 from liger_models.medusa.tree import default_medusa_choices
-from liger_models.train.data import build_dataset, read_special_tokens
+from liger_models.modules import shift_labels
+from liger_models.recipes.configs import DemoConfig, FinetuneConfig, MedusaTrainingConfig
+from liger_models.recipes.decoding import calibration_prompts
+from liger_models.recipes.finetune import train_causal_lm
+from liger_models.recipes.medusa import train_medusa
+from liger_models.tokenizer import read_special_tokens
+from liger_models.train.dataset import build_dataset
 from liger_models.train.init_model import bundled_text, init_model_dir
 
 MARKER = ".liger-demo"
@@ -85,28 +97,18 @@ def _build_base(size: DemoSize, train_txt: Path, out: Path, seed: int) -> Path:
                           max_position_embeddings=max(1024, size.seq_len))
 
 
-def _recipe_args(command: str, model: Path, data: Path, out: Path, size: DemoSize, steps: int, lr: float,
-                 device: str | None, seed: int, *extra: str) -> argparse.Namespace:
-    from liger_models.cli import build_parser
-
-    argv = [command, "--model", str(model), "--data", str(data), "--output-dir", str(out),
-            "--seq-len", str(size.seq_len), "--batch-size", str(size.batch), "--max-steps", str(steps),
-            "--lr", str(lr), "--warmup-steps", str(max(1, steps // 15)), "--save-every", "0", "--keep-last", "1",
-            "--log-every", str(max(1, steps // 10)), "--seed", str(seed), *extra]
-    if device:
-        argv += ["--device", device]
-    return build_parser().parse_args(argv)
+def _recipe_config(cls: type[FinetuneConfig], model: Path, data: Path, out: Path, size: DemoSize, steps: int,
+                   lr: float, device: str | None, seed: int, **extra) -> FinetuneConfig:
+    """A training recipe's config for one of the demo's runs: its size, few checkpoints, ten progress lines."""
+    return cls(model=str(model), data=[str(data)], output_dir=str(out), seq_len=size.seq_len, batch_size=size.batch,
+               max_steps=steps, lr=lr, warmup_steps=max(1, steps // 15), save_every=0, keep_last=1,
+               log_every=max(1, steps // 10), seed=seed, device=device, **extra)
 
 
 @torch.no_grad()
 def evaluate_heads(medusa, eval_txt: Path, model_dir: Path, seq_len: int, device: torch.device,
                    max_windows: int = 32) -> dict:
     """Held-out top-1 / top-5 accuracy of the base model's next token and of every head (no logits formed)."""
-    from liger_models.hub import load_tokenizer
-    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-    from liger_models.medusa import medusa_loss
-    from liger_models.modules import shift_labels
-
     tokenizer = load_tokenizer(model_dir)
     dataset = build_dataset([eval_txt], tokenizer, read_special_tokens(tokenizer, model_dir), seq_len)
     batch = {k: v.to(device) for k, v in dataset.batch(torch.arange(min(len(dataset), max_windows))).items()}
@@ -134,8 +136,6 @@ def _medusa_speed(medusa, tokenizer, prompt: str, device: torch.device, n: int,
                   medusa_choices=None) -> tuple[float, bool]:
     """Mean tokens per base forward with Medusa tree decoding (greedy; the default tree unless ``medusa_choices``),
     and whether it equals plain greedy."""
-    from liger_models.medusa.decoding import medusa_generate
-
     ids = torch.tensor([tokenizer.encode(prompt).ids], device=device)
     tokens, per_step = medusa_generate(medusa.base, medusa.heads, ids, max_new_tokens=n, eos_token_id=[],
                                        return_stats=True, medusa_choices=medusa_choices)
@@ -147,9 +147,6 @@ def _medusa_speed(medusa, tokenizer, prompt: str, device: torch.device, n: int,
 def _fit_tree(medusa, tokenizer, model_dir: Path, eval_txt: Path, heads_dir: Path, quick: bool):
     """A tree fitted to the trained heads on greedy continuations of held-out text (`liger-models calibrate-tree`),
     saved next to them."""
-    from liger_models.decoding_commands import calibration_prompts
-    from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
-
     special = read_special_tokens(tokenizer, model_dir)
     prompts = calibration_prompts([eval_txt], tokenizer, special, count=4 if quick else 12, prompt_tokens=32)
     device = medusa.base.lm_head.weight.device
@@ -163,63 +160,56 @@ def _pct(values) -> str:
     return "  ".join(f"{v * 100:5.1f}%" for v in values)
 
 
-def run_demo(args: argparse.Namespace) -> dict:
-    """Run the demo (see the module docstring); returns the numbers it prints."""
-    from liger_models.hub import load_tokenizer
-    from liger_models.medusa import MedusaModel
-    from liger_models.train.run import train_causal_lm, train_medusa
-
+def run_demo(config: DemoConfig | argparse.Namespace) -> dict:
+    """Run the demo (see the module docstring); returns the numbers it prints. A parsed command line
+    (cli.build_parser) is taken too, as its config."""
+    config = DemoConfig.coerce(config)
     t0 = time.perf_counter()
-    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-    size = QUICK if args.quick else (FULL_GPU if on_gpu else FULL_CPU)
-    pretrain_steps = args.pretrain_steps if args.pretrain_steps is not None else size.pretrain_steps
-    medusa_steps = args.medusa_steps or size.medusa_steps
-    out = Path(args.output_dir)
-    if args.model is not None and args.pretrain_steps is not None:  # it would be ignored without a word
-        raise ValueError("--pretrain-steps is for the demo's own pre-training, which --model skips; give one of them")
-    if args.model is not None and not Path(args.model).is_dir():  # before an earlier demo's output is replaced
-        raise FileNotFoundError(f"--model {args.model}: no such directory")
-    _prepare_output(out, None if args.model is None else Path(args.model))
+    on_gpu = (config.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    size = QUICK if config.quick else (FULL_GPU if on_gpu else FULL_CPU)
+    pretrain_steps = config.pretrain_steps if config.pretrain_steps is not None else size.pretrain_steps
+    medusa_steps = config.medusa_steps or size.medusa_steps
+    out = Path(config.output_dir)
+    config.validate()
+    _prepare_output(out, None if config.model is None else Path(config.model))
     text = bundled_text()[: size.text_chars]
     train_txt, eval_txt = _split_text(text, out)
     device = torch.device("cuda" if on_gpu else "cpu")
     print(f"liger-models demo on {device.type.upper()} → {out}", flush=True)
 
-    if args.model is None:
-        model_dir = _build_base(size, train_txt, out, args.seed)
+    if config.model is None:
+        model_dir = _build_base(size, train_txt, out, config.seed)
         print(f"[1/3] tokenizer ({size.vocab} BPE tokens) and a {size.layers}-layer Llama (hidden {size.hidden}, "
               f"GQA {size.heads}/{size.kv_heads}) in {model_dir}", flush=True)
         if pretrain_steps:
             print(f"[2/3] pre-training for {pretrain_steps} steps of {size.batch}×{size.seq_len} tokens", flush=True)
-            result = train_causal_lm(_recipe_args("train", model_dir, train_txt, out / "pretrain", size,
-                                                  pretrain_steps, size.pretrain_lr, args.device, args.seed))
+            result = train_causal_lm(_recipe_config(FinetuneConfig, model_dir, train_txt, out / "pretrain", size,
+                                                    pretrain_steps, size.pretrain_lr, config.device, config.seed))
             model_dir = result.checkpoint
     else:
-        model_dir = Path(args.model)
+        model_dir = Path(config.model)
         print(f"[1-2/3] using {model_dir}", flush=True)
 
     dtype = torch.bfloat16 if on_gpu else torch.float32
     tokenizer = load_tokenizer(model_dir)
-    torch.manual_seed(args.seed)
-    from liger_models import AutoLigerForCausalLM
-
+    torch.manual_seed(config.seed)
     fresh = MedusaModel.from_base(AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device),
                                   num_heads=NUM_HEADS)
     before = evaluate_heads(fresh, eval_txt, model_dir, size.seq_len, device)
     del fresh
 
     print(f"[3/3] Medusa stage 1: {NUM_HEADS} heads for {medusa_steps} steps (base frozen)", flush=True)
-    result = train_medusa(_recipe_args("train-medusa", model_dir, train_txt, out / "medusa", size, medusa_steps,
-                                       size.medusa_lr / 4, args.device, args.seed, "--stage", "1",
-                                       "--num-heads", str(NUM_HEADS)))
+    result = train_medusa(_recipe_config(MedusaTrainingConfig, model_dir, train_txt, out / "medusa", size,
+                                         medusa_steps, size.medusa_lr / 4, config.device, config.seed, stage=1,
+                                         num_heads=NUM_HEADS))
     medusa = MedusaModel.from_pretrained(str(result.checkpoint), dtype=dtype, device=device)
     after = evaluate_heads(medusa, eval_txt, model_dir, size.seq_len, device)
 
     prompt = "ROMEO:\n"
-    sample = _sample(medusa.base, tokenizer, prompt, device, 24 if args.quick else 60, args.seed)
-    speed, lossless = _medusa_speed(medusa, tokenizer, prompt, device, 16 if args.quick else 48)
-    fitted = _fit_tree(medusa, tokenizer, model_dir, eval_txt, result.checkpoint, args.quick)
-    fitted_speed, fitted_lossless = _medusa_speed(medusa, tokenizer, prompt, device, 16 if args.quick else 48,
+    sample = _sample(medusa.base, tokenizer, prompt, device, 24 if config.quick else 60, config.seed)
+    speed, lossless = _medusa_speed(medusa, tokenizer, prompt, device, 16 if config.quick else 48)
+    fitted = _fit_tree(medusa, tokenizer, model_dir, eval_txt, result.checkpoint, config.quick)
+    fitted_speed, fitted_lossless = _medusa_speed(medusa, tokenizer, prompt, device, 16 if config.quick else 48,
                                                   fitted.medusa_choices)
     nodes = len(default_medusa_choices(NUM_HEADS)) + 1
 

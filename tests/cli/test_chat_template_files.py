@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from liger_models.hub import load_tokenizer  # the fast tokenizer itself
-from liger_models.chat_command import run_chat
+from liger_models.recipes.chat import run_chat
 from liger_models.cli import build_parser, main
-from liger_models.decoding_commands import Decoded, run_generate
+from liger_models.recipes.decoding import Decoded, run_generate
 from liger_models.hub import ALLOW_PATTERNS, IGNORE_PATTERNS, tokenizer_files
 from liger_models.train.data import read_special_tokens, render_generation_prompt
 
@@ -114,7 +114,7 @@ class Recorder:
 def _chat(model: Path, lines: list[str], monkeypatch) -> tuple[list[list[int]], str]:
     """(the token ids chat decoded for each turn, its log)."""
     recorder = Recorder()
-    monkeypatch.setattr("liger_models.chat_command.open_decoder", lambda *args: recorder)
+    monkeypatch.setattr("liger_models.recipes.chat.open_decoder", lambda *args: recorder)
     log = io.StringIO()
     args = build_parser().parse_args(["chat", "--model", str(model), "--device", "cpu"])
     run_chat(args, stdin=io.StringIO("".join(line + "\n" for line in lines)), out=io.StringIO(), log=log)

@@ -43,7 +43,7 @@ def test_plain_greedy_prints_what_generate_returns(tiny_model_dir, capsys):
 
 
 def test_medusa_alone_finds_its_base_and_matches_plain_greedy(tiny_model_dir, heads_dir, capsys):
-    from liger_models.decoding_commands import run_generate
+    from liger_models.recipes.decoding import run_generate
     from liger_models.cli import build_parser
 
     args = build_parser().parse_args(["generate", "--device", "cpu", "--medusa", str(heads_dir), "--prompt",
@@ -62,7 +62,7 @@ def test_a_batch_of_prompts_decodes_each_as_alone(tiny_model_dir, heads_dir, cap
     # Three prompts of different lengths, two per call (left-padded): each continuation is the one it gets alone
     # (with the EOS that may end one row early, and the fill after it cut), one timing line per batch.
     from liger_models.cli import build_parser
-    from liger_models.decoding_commands import run_generate
+    from liger_models.recipes.decoding import run_generate
 
     prompts = ["ROMEO:", "To be, or not to be, that is", "O"]
     which = ["--medusa", str(heads_dir), "--compare"] if medusa else ["--model", str(tiny_model_dir), "--greedy"]
@@ -87,7 +87,7 @@ def test_warm_up_before_each_new_prompt_shape_when_comparing(tiny_model_dir, hea
     # length) untimed and whole, so Medusa's time never holds compilation that plain decoding then skips; without
     # it one short warm-up at the start.
     from liger_models.cli import build_parser
-    from liger_models.decoding_commands import Decoder, run_generate
+    from liger_models.recipes.decoding import Decoder, run_generate
 
     calls = []
     monkeypatch.setattr(Decoder, "warm_up", lambda self, prompts, compare=False, whole=False: calls.append(
@@ -106,7 +106,7 @@ def test_warm_up_before_each_new_prompt_shape_when_comparing(tiny_model_dir, hea
 
 
 def test_medusa_sampling_is_seeded_and_typical(tiny_model_dir, heads_dir, capsys):
-    from liger_models.decoding_commands import run_generate
+    from liger_models.recipes.decoding import run_generate
     from liger_models.cli import build_parser
 
     def run(seed: int):
@@ -124,7 +124,7 @@ def test_medusa_sampling_is_seeded_and_typical(tiny_model_dir, heads_dir, capsys
 
 
 def test_chat_prompts_are_rendered_as_training_renders_them(tiny_model_dir, tmp_path, capsys):
-    from liger_models.decoding_commands import encode_prompt
+    from liger_models.recipes.decoding import encode_prompt
 
     tokenizer = load_tokenizer(tiny_model_dir)
     special = read_special_tokens(tokenizer, tiny_model_dir)
@@ -312,10 +312,11 @@ def test_prompt_files_read_as_training_reads_text(tiny_model_dir, tmp_path, caps
 
 def test_sampling_options_mean_sampling():
     from liger_models.cli import build_parser
-    from liger_models.decoding_commands import sampling_settings
+    from liger_models.recipes import GenerateConfig
 
     def settings(*argv, medusa=False):
-        return sampling_settings(build_parser().parse_args(["generate", "--model", "m", *argv]), medusa)
+        config = GenerateConfig.from_args(build_parser().parse_args(["generate", "--model", "m", *argv]))
+        return config.sampling_settings(medusa)
 
     assert settings() == ({}, {})  # the checkpoint's generation_config.json decides
     assert settings("--top-k", "3") == ({"top_k": 3, "do_sample": True}, {})
@@ -328,7 +329,7 @@ def test_sampling_options_mean_sampling():
 
 
 def test_calibration_prompts_from_text_and_chat(tiny_model_dir, tmp_path):
-    from liger_models.decoding_commands import calibration_prompts
+    from liger_models.recipes.decoding import calibration_prompts
     from liger_models.train.data import load_documents, render_generation_prompt
 
     tokenizer = load_tokenizer(tiny_model_dir)
@@ -397,7 +398,7 @@ def test_a_gated_repo_is_one_line(capsys, monkeypatch):
     def gated(model, medusa):
         raise PermissionError("Hub repo 'org/model' is gated: accept its terms at https://huggingface.co/org/model")
 
-    monkeypatch.setattr("liger_models.decoding_commands.locate", gated)
+    monkeypatch.setattr("liger_models.recipes.decoding.locate", gated)
     code, out, err = _generate(["--model", "org/model", "--prompt", "x"], capsys)
     assert code == 2 and err == ("liger-models: error: Hub repo 'org/model' is gated: accept its terms at "
                                  "https://huggingface.co/org/model\n")
