@@ -159,6 +159,17 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
 
 
+def _add_lora(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-r", type=_positive, default=None, metavar="R",
+                   help="train LoRA adapters of rank R instead of the whole model (checkpoints hold the adapters)")
+    p.add_argument("--lora-alpha", type=_positive_float, default=None, help="LoRA alpha (default 2 × r)")
+    p.add_argument("--lora-targets", default="all-linear", metavar="NAMES",
+                   help="all-linear, or comma-separated HF names (q_proj,v_proj,...; Phi3: qkv_proj,...)")
+    p.add_argument("--lora-dropout", type=_beta, default=0.0, help="dropout on the adapters' input (default 0)")
+    p.add_argument("--lora-rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
+    p.add_argument("--qlora", action="store_true", help="with --lora-r: NF4 (4-bit) base weights, quantised on load")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``liger-models`` argument parser."""
     parser = argparse.ArgumentParser(
@@ -166,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Natively fused Llama-family models: training, Medusa heads and a demo. "
                     "Multi-GPU: torchrun --nproc-per-node N -m liger_models.cli <command> ... (FSDP2).",
     )
-    commands = "demo,train,train-medusa,generate,chat,calibrate-tree,init-model,convert-native"
+    commands = "demo,train,train-medusa,merge-lora,generate,chat,calibrate-tree,init-model,convert-native"
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + commands + "}")
 
     demo = sub.add_parser("demo", help="train a small Llama + Medusa heads on the bundled Shakespeare text",
@@ -197,7 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="causal-LM fine-tuning (fused linear-cross-entropy loss)",
                            description="Fine-tune a model on text or chat data with packed sequences.")
     _add_common(train, lr_default=2e-5, lr_help="peak learning rate (default 2e-5)", out_default="runs/train")
+    _add_lora(train)
     train.set_defaults(func=_run_train)
+
+    merge = sub.add_parser("merge-lora", help="merge a LoRA adapter into its base: a plain HF checkpoint",
+                           description="W + s·B·A for every adapted linear (fp32, rounded once), written with the "
+                                       "base's config and tokenizer files; transformers loads the result.")
+    merge.add_argument("--adapter", required=True, metavar="DIR", help="adapter_config.json + adapter_model.safetensors")
+    merge.add_argument("--out", required=True, metavar="DIR", help="HF checkpoint directory to write")
+    merge.add_argument("--model", default=None, metavar="DIR",
+                       help="the base (default: the adapter's base_model_name_or_path)")
+    merge.add_argument("--qlora-base", action="store_true",
+                       help="merge onto dequant(NF4(base)), the base a --qlora adapter trained against")
+    merge.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="default: the base's")
+    merge.set_defaults(func=_run_merge_lora)
 
     medusa = sub.add_parser("train-medusa", help="train Medusa heads (stage 1) or heads + base (stage 2)",
                             description="Medusa-1 (stage 1: frozen base, heads only) or Medusa-2 (stage 2: joint, "
@@ -223,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--decay", type=_non_negative_float, default=0.8, help="per-head weight decay^k (default 0.8)")
     medusa.add_argument("--base-loss-weight", type=_non_negative_float, default=None,
                         help="stage-2 weight of the base CE (default 1; stage 1 has none)")
+    _add_lora(medusa)
     medusa.set_defaults(func=_run_medusa)
 
     _add_generate(sub)
@@ -353,6 +378,13 @@ def _recipes():
 def _run_train(args: argparse.Namespace) -> None:
     recipes = _recipes()
     recipes.train_causal_lm(recipes.FinetuneConfig.from_args(args))
+
+
+def _run_merge_lora(args: argparse.Namespace) -> None:
+    from liger_models.recipes.lora import merge_lora_command
+
+    out = merge_lora_command(args)
+    print(f"wrote {out}")
 
 
 def _run_medusa(args: argparse.Namespace) -> None:

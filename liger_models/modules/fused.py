@@ -34,6 +34,7 @@ from liger_models.kernels.gated_mlp import gated_mlp_packed
 from liger_models.kernels.rms_norm import RMSNorm, norm_backward, norm_forward
 
 from .linear import _stacked, all_plain, is_plain_linear, packed_linear
+from .lora_linear import Group, core_backward_A, core_backward_input, core_forward, frozen_bases, is_lora_group
 
 
 class _NormLinear(torch.autograd.Function):
@@ -60,6 +61,75 @@ class _NormLinear(torch.autograd.Function):
         dx = dx.view(ctx.x_shape)
         dr = dx.to(ctx.residual_dtype) if ctx.residual_dtype is not None and ctx.needs_input_grad[1] else None
         return (dx, dr, dnw, None, None, None, None, *dws, *dbs)
+
+
+class _LoraNormLinear(torch.autograd.Function):
+    """_NormLinear for a LoRA group (modules/lora_linear.py): the normalised input is not saved but recomputed in
+    backward, where the adapters' dA needs it too; saved are the norm's input, rstd, x·A and any dropout masks."""
+
+    @staticmethod
+    def forward(ctx, x, residual, norm_weight, eps, offset, gemma, group, *params):
+        x2, res2 = row_view(x), None if residual is None else row_view(residual)
+        y, r, _, rstd = norm_forward(x2, res2, norm_weight, None, eps, offset, center=False, gemma=gemma)
+        out = y.new_empty((*x.shape[:-1], group.rows[-1][1]))
+        xa, masks = core_forward(y, group, list(params), out.view(-1, out.shape[-1]))
+        del y
+        ctx.save_for_backward(x2 if r is None else r, rstd, norm_weight, xa, *params)
+        ctx.group, ctx.masks, ctx.eps, ctx.offset, ctx.gemma = group, masks, eps, offset, gemma
+        ctx.x_shape, ctx.residual_dtype = x.shape, None if residual is None else residual.dtype
+        return out if r is None else (out, r.view(x.shape))
+
+    @staticmethod
+    def backward(ctx, dout, dres=None):
+        xs, rstd, norm_weight, xa, *params = ctx.saved_tensors
+        g = dout.reshape(-1, dout.shape[-1])
+        dy, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True)
+        dAs = []
+        if dxs:
+            y = norm_forward(xs, None, norm_weight, None, ctx.eps, ctx.offset, center=False, gemma=ctx.gemma)[0]
+            dAs = core_backward_A(dxs, y, ctx.group, params, ctx.masks)
+            del y
+        dx, dnw, _ = norm_backward(dy, xs, norm_weight, None, rstd, None if dres is None else row_view(dres),
+                                   ctx.offset, center=False, gemma=ctx.gemma, need_dw=ctx.needs_input_grad[2],
+                                   need_db=False)
+        dx = dx.view(ctx.x_shape)
+        dr = dx.to(ctx.residual_dtype) if ctx.residual_dtype is not None and ctx.needs_input_grad[1] else None
+        return (dx, dr, dnw, None, None, None, None, *dAs, *dBs)
+
+
+class _LoraGatedDown(torch.autograd.Function):
+    """_GatedDown with down_proj a LoraLinear: the adapters' dX joins dact before the activation's backward, whose
+    recomputed product (written over dact) then gives dA; gate_up, x·A and any dropout mask are saved."""
+
+    @staticmethod
+    def forward(ctx, gate_up, activation, group, *params):
+        gu2d = row_view(gate_up)
+        half = gu2d.shape[1] // 2
+        act = torch.empty((gu2d.shape[0], half), dtype=gu2d.dtype, device=gu2d.device)
+        if act.numel():
+            gated_forward(gu2d[:, :half], gu2d[:, half:], act, activation)
+        out = torch.empty((*gate_up.shape[:-1], group.rows[-1][1]), dtype=act.dtype, device=act.device)
+        xa, masks = core_forward(act, group, list(params), out.view(-1, out.shape[-1]))
+        del act
+        ctx.inplace = owns_memory(gate_up, gu2d, 2 * half)
+        ctx.save_for_backward(gu2d, xa, *params)
+        ctx.activation, ctx.group, ctx.masks, ctx.shape = activation, group, masks, gate_up.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gu2d, xa, *params = ctx.saved_tensors
+        half = gu2d.shape[1] // 2
+        g = dout.reshape(-1, dout.shape[-1])
+        dact, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True)
+        dgu = gu2d if ctx.inplace else torch.empty_like(gu2d)
+        if dact.numel():  # d gate_up, and the product written over dact for dA
+            gated_backward(dact, gu2d[:, :half], gu2d[:, half:], dgu[:, :half], dgu[:, half:], ctx.activation,
+                           product2d=dact if dxs else None)
+        if ctx.inplace:
+            increment_version(gu2d)
+        dAs = core_backward_A(dxs, dact, ctx.group, params, ctx.masks)
+        return (dgu.view(ctx.shape), None, None, *dAs, *dBs)
 
 
 def _norm_linear_forward(x, residual, norm_weight, weights, biases, eps, offset, gemma):
@@ -291,6 +361,12 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
                 linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
     """``h, stream = norm(x [, residual]); return cat([l(h) for l in linears], -1), stream`` (stream = x without a
     residual), saving for backward only the stream and rstd where the fused path applies."""
+    if (is_lora_group(linears) and _fusable(x) and frozen_bases(linears)
+            and not torch.compiler.is_compiling()):
+        group = Group(linears)
+        result = _LoraNormLinear.apply(x, residual, norm.weight, float(norm.eps), float(norm.offset),
+                                       norm.casting == "gemma", group, *group.adapter_params())
+        return (result, x) if residual is None else result
     if not _fusable(x) or not all_plain(linears):  # a wrapped projection (PEFT's LoRA) runs its own forward
         h, stream = (norm(x), x) if residual is None else add_norm(norm, x, residual)
         return packed_linear(h, linears), stream
@@ -307,6 +383,10 @@ def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
 
 def gated_down(gate_up: torch.Tensor, activation: str, down: nn.Linear) -> torch.Tensor:
     """``down(act(gate) * up)`` for gate_up (..., 2I) = [gate | up]; the product is never saved for backward."""
+    if (is_lora_group([down]) and _fusable(gate_up) and frozen_bases([down])
+            and not torch.compiler.is_compiling()):
+        group = Group([down])
+        return _LoraGatedDown.apply(gate_up, activation, group, *group.adapter_params())
     # Under autocast nn.Linear picks the GEMM dtype; a wrapped or hooked projection must run its own forward.
     if torch.is_autocast_enabled(gate_up.device.type) or not is_plain_linear(down):
         return down(gated_mlp_packed(gate_up, activation))

@@ -88,6 +88,11 @@ def all_plain(linears: list[nn.Module]) -> bool:
 
 def packed_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
     """``cat([l(x) for l in linears], -1)`` computed with one GEMM; output (..., sum of out_features)."""
+    if not all_plain(linears):
+        from .lora_linear import is_lora_group, lora_packed_linear  # lora_linear builds on this module
+
+        if is_lora_group(linears):
+            return lora_packed_linear(x, linears)
     # Under autocast nn.Linear picks the GEMM dtype; a wrapped or hooked projection must run its own forward.
     if torch.is_autocast_enabled(x.device.type) or not all_plain(linears):
         return torch.cat([lin(x) for lin in linears], dim=-1)

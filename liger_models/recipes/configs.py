@@ -95,6 +95,12 @@ class FinetuneConfig(_FromArgs):
     log_every: int = 10  # ≥ 1: a progress line every N steps
     seed: int = 0  # data order and initialisation
     quiet: bool = False  # no progress lines (metrics.jsonl is still written)
+    lora_r: int | None = None  # ≥ 1: train LoRA adapters of this rank instead of the whole model (liger_models.lora)
+    lora_alpha: float | None = None  # > 0 LoRA alpha (None: 2 × lora_r)
+    lora_targets: str = "all-linear"  # all-linear, or comma-separated HF linear names (q_proj,v_proj,...)
+    lora_dropout: float = 0.0  # in [0, 1): dropout on the adapters' input
+    lora_rslora: bool = False  # scale by alpha/sqrt(r) (rsLoRA)
+    qlora: bool = False  # with lora_r: NF4 base weights, quantised on load
 
     def validate(self) -> None:
         """Refuse missing files and options that cannot go together, before anything is loaded: the Trainer would
@@ -128,6 +134,9 @@ class FinetuneConfig(_FromArgs):
             "min-lr-ratio": self.min_lr_ratio, "weight-decay": self.weight_decay, "beta1": self.beta1,
             "beta2": self.beta2, "max-grad-norm": self.max_grad_norm, "dtype": dtype, "seed": self.seed,
             "loss-grad-filter-eps": self.loss_grad_filter_eps,
+            "lora": None if self.lora_r is None else {
+                "r": self.lora_r, "alpha": self.lora_alpha, "targets": self.lora_targets,
+                "dropout": self.lora_dropout, "rslora": self.lora_rslora, "qlora": self.qlora},
         }
 
     def _check_paths(self) -> None:
@@ -152,6 +161,10 @@ class FinetuneConfig(_FromArgs):
     def _check_options(self) -> None:
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # what init_distributed will find
         # Options that would otherwise be ignored without a word.
+        if self.lora_r is None and (self.qlora or self.lora_alpha is not None):
+            raise ValueError("--qlora / --lora-alpha train LoRA adapters: give --lora-r too")
+        if self.lora_r is not None and self.command != "train":
+            raise ValueError(f"--lora-r is not supported by {self.command} yet (only by train)")
         if self.data_cache and self.no_data_cache:
             raise ValueError("--data-cache DIR and --no-data-cache contradict each other; give one")
         if self.eval_every and not self.eval_data:

@@ -2,7 +2,8 @@
 
 The pieces and their order are training.py's; a checkpoint is an HF model directory with ``--model``'s tokenizer
 files (chat templates included) and generation_config.json copied in, so it loads, decodes and trains further as
-the model it came from.
+the model it came from. With ``lora_r`` only adapters train (liger_models.lora) and a checkpoint is a PEFT adapter
+directory instead; the base always comes from ``model``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import resolve_model
 from liger_models.recipes import training as T
 from liger_models.recipes.configs import FinetuneConfig
+from liger_models.recipes.lora import attach, lora_settings
 from liger_models.train.optim import decay_param_groups
 from liger_models.train.trainer import CausalLMTask
 
@@ -28,13 +30,24 @@ def train_causal_lm(config: FinetuneConfig | argparse.Namespace) -> T.RunResult:
         info, resume = T.setup(config)
         model_dir = resolve_model(config.model)
         settings = T.settings(config, info, model_dir, resume, config.lr)
-        model = AutoLigerForCausalLM.from_pretrained(resume or model_dir, dtype=T.dtype_of(config, info.device),
+        lora = lora_settings(config)
+        # A LoRA checkpoint holds the adapters only: the base always comes from --model.
+        source = model_dir if lora is not None else (resume or model_dir)
+        model = AutoLigerForCausalLM.from_pretrained(source, dtype=T.dtype_of(config, info.device),
                                                      device=info.device)
+        if lora is not None:
+            attach(model, lora, config.qlora, resume)
         stream, eval_data = T.data(config, model_dir, model.config.vocab_size, info)
         T.prepare(model, model.model.layers, config, info)
         groups = decay_param_groups(model, config.lr, config.weight_decay)
 
         def export(directory: Path, full_state: dict | None, final: Path) -> None:
+            if lora is not None:  # a PEFT adapter directory (HF + PEFT loads it onto --model)
+                from liger_models.lora import save_adapter
+
+                save_adapter(model, directory, base_model=T.base_name(config.model))
+                T.copy_tokenizer(model_dir, directory)
+                return
             target = model if full_state is None else T.shadow_base(model, full_state)
             if full_state is not None:
                 T.check_materialised(target)

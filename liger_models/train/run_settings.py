@@ -32,7 +32,7 @@ SAMPLE = 4096  # bytes of a tensor hashed at each of its start, middle and end
 # tokenizer: --model's weights and tokenizer files; batch-size: --batch-size × processes, the global batch).
 COMMON = ("model", "model-weights", "tokenizer", "data", "seq-len", "chat-template", "batch-size", "grad-accum",
           "lr", "warmup-steps", "min-lr-ratio", "weight-decay", "beta1", "beta2", "max-grad-norm", "dtype", "seed",
-          "loss-grad-filter-eps")
+          "loss-grad-filter-eps", "lora")
 MEDUSA = ("init-heads", "head-lr-multiplier", "schedule", "lambda0", "decay", "base-loss-weight")
 ALWAYS_ALLOWED = ("max-steps",)
 _HEX = re.compile(r"[0-9a-f]{64}")

@@ -1,0 +1,191 @@
+"""LoRA / QLoRA training step (issue 35): tokens/s and peak memory, every provider side by side on one GPU.
+
+Shapes: Qwen2.5-7B and Llama-3.1-8B (full depth, random init, bf16 weights), LoRA r=16, alpha=32 on every linear of
+the decoder, AdamW on the adapters, random tokens; each case with and without per-layer activation checkpointing.
+Providers:
+    hf_peft            transformers + PEFT (SDPA)
+    hf_peft_liger      + liger-kernel's patch (apply_liger_kernel_to_<family>)
+    hf_peft_bnb        QLoRA: bitsandbytes NF4 (double quant) base, prepare_model_for_kbit_training
+    hf_peft_bnb_liger  the same + liger-kernel
+    ours               liger_models.lora (fused LoRA in the packed projections)
+    ours_qlora         ours on an NF4 base (liger_models.lora.quantize_base_)
+Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a monkey-patch never leaks).
+
+    python benchmarks/bench_lora.py --out DIR [--configs qwen2.5-7b,llama-3.1-8b] [--providers ...]
+        [--batch 4 --seq 4096] [--checkpointing both|on|off]
+    python benchmarks/bench_lora.py --out DIR --longest [--providers ...]   # longest batch-1 sequence, QLoRA 8B
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=131072),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+}
+PROVIDERS = ("hf_peft", "hf_peft_liger", "hf_peft_bnb", "hf_peft_bnb_liger", "ours", "ours_qlora")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+R, ALPHA = 16, 32
+WARMUP, STEPS = 3, 6
+
+
+def _bnb_linears(model, torch):
+    """Every decoder nn.Linear → bitsandbytes Linear4bit (NF4, double quant, bf16 compute), quantised on the GPU one
+    at a time (what from_pretrained(quantization_config=...) does, without a checkpoint on disk)."""
+    import bitsandbytes as bnb
+
+    for name, module in list(model.named_modules()):
+        if not name.startswith("model.layers.") or not isinstance(module, torch.nn.Linear):
+            continue
+        q = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                              compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
+        q.weight = bnb.nn.Params4bit(module.weight.data.cpu(), requires_grad=False, compress_statistics=True,
+                                     quant_type="nf4").cuda()
+        if module.bias is not None:
+            q.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, q)
+
+
+def _build(provider: str, cfg: dict, checkpointing: bool):
+    import torch
+
+    if provider.startswith("ours"):
+        from liger_models.auto import model_class
+        from liger_models.lora import LoraSettings, add_lora, quantize_base_
+
+        cls = model_class(cfg["model_type"])
+        model = cls.from_config(cls.config_class.from_hf(dict(cfg)), dtype=torch.bfloat16, device="cuda")
+        if provider == "ours_qlora":
+            quantize_base_(model)
+            torch.cuda.empty_cache()
+        add_lora(model, LoraSettings(r=R, alpha=ALPHA, targets="all-linear"))
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        return model
+    import peft
+    import transformers
+
+    if "liger" in provider:
+        import liger_kernel.transformers as lk
+
+        getattr(lk, f"apply_liger_kernel_to_{cfg['model_type']}")()
+    config = transformers.AutoConfig.for_model(**cfg)
+    bnb = "bnb" in provider
+    with torch.device("cpu" if bnb else "cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                              attn_implementation="sdpa")
+    if bnb:
+        _bnb_linears(model, torch)
+        model.cuda()
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+    elif checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
+                                                      lora_dropout=0.0, task_type="CAUSAL_LM"))
+
+
+def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool, steps: int = STEPS) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    cfg = CONFIGS[name]
+    model = _build(provider, cfg, checkpointing)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    tokens = torch.randint(0, cfg["vocab_size"], (WARMUP + steps, batch, seq), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = None
+    for i, ids in enumerate(tokens):
+        if i == WARMUP:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return dict(config=name, provider=provider, batch=batch, seq=seq, checkpointing=checkpointing,
+                tokens_per_s=steps * batch * seq / elapsed, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                trainable=sum(p.numel() for p in params), loss=float(loss))
+
+
+def _run(args: list[str], timeout: int = 1800) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        oom = "OutOfMemoryError" in tail or "out of memory" in tail
+        return dict(error="OOM" if oom else tail)
+    return json.loads(lines[-1])
+
+
+def longest(name: str, provider: str, lo: int = 4096, hi: int = 1 << 20) -> int:
+    """The longest batch-1 sequence (multiple of 1024) one training step fits in, by bisection."""
+    best = 0
+    while lo <= hi:
+        mid = (lo + hi) // 2 // 1024 * 1024
+        row = _run([name, provider, "1", str(mid), "1", "1"])
+        if "error" in row:
+            hi = mid - 1024
+        else:
+            best, lo = mid, mid + 1024
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", nargs=6, metavar=("CONFIG", "PROVIDER", "BATCH", "SEQ", "CKPT", "STEPS"))
+    p.add_argument("--out")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--providers", default=",".join(PROVIDERS))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
+    p.add_argument("--longest", action="store_true", help="longest batch-1 QLoRA sequence of llama-3.1-8b instead")
+    args = p.parse_args()
+    if args.worker:
+        name, provider, batch, seq, ckpt, steps = args.worker
+        print(json.dumps(_worker(name, provider, int(batch), int(seq), ckpt == "1", int(steps))))
+        return
+    if not args.out:
+        p.error("--out DIR is required")
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    providers = args.providers.split(",")
+    if args.longest:
+        for provider in [p for p in providers if "bnb" in p or "qlora" in p]:
+            rows.append(dict(config="llama-3.1-8b", provider=provider, longest_seq=longest("llama-3.1-8b", provider)))
+            print(json.dumps(rows[-1]), flush=True)
+    else:
+        ckpts = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
+        for name in args.configs.split(","):
+            for ckpt in ckpts:
+                for provider in providers:
+                    row = _run([name, provider, str(args.batch), str(args.seq), "1" if ckpt else "0", str(STEPS)])
+                    row.update(config=name, provider=provider, checkpointing=ckpt)
+                    rows.append(row)
+                    print(json.dumps(rows[-1]), flush=True)
+    with open(os.path.join(args.out, "bench_lora.json"), "w") as f:
+        json.dump({"results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Put adapters on a model, freeze its base, merge and unmerge them, quantise the base to NF4."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liger_models.kernels.nf4 import dequantize_absmax, double_quantize, quantize_nf4
+from liger_models.modules.lora_linear import LoraLinear, NF4Weight
+
+from .config import LoraSettings, decoder_linears, resolve_targets
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
+    """Full name → LoraLinear that carries an adapter."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear) and m.lora_A is not None}
+
+
+def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Adapters on the targeted linears (fresh A, B = 0 unless settings.init is False); every other parameter is
+    frozen. Returns the adapted module names. Adapters are kept in ``dtype`` (fp32 by default, as PEFT: the
+    optimizer updates them in full precision; they are cast to the activations' dtype inside the GEMMs)."""
+    names = resolve_targets(model, settings.targets)
+    if lora_modules(model):
+        raise ValueError("the model already has LoRA adapters (merge or remove them first)")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in names:
+        module = LoraLinear.from_linear(model.get_submodule(name))
+        r, alpha = settings.rank_and_alpha(name)
+        module.add_adapter(r, alpha, settings.dropout, settings.use_rslora, settings.init, dtype)
+        module.train(model.training)
+        _replace(model, name, module)
+    model.pack_()  # the replaced linears keep their packed Parameters; re-register the state-dict copies
+    model.lora_settings = settings
+    return names
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Our-name → adapter tensor (``model.layers.0.self_attn.q_proj.lora_A.weight`` …)."""
+    out = {}
+    for name, m in lora_modules(model).items():
+        out[f"{name}.lora_A.weight"] = m.lora_A.weight
+        out[f"{name}.lora_B.weight"] = m.lora_B.weight
+    return out
+
+
+def merge_lora(model: nn.Module) -> None:
+    for m in lora_modules(model).values():
+        m.merge()
+
+
+def unmerge_lora(model: nn.Module) -> None:
+    for m in lora_modules(model).values():
+        m.unmerge()
+
+
+@torch.no_grad()
+def quantize_base_(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every decoder linear (not embeddings, norms or lm_head, as transformers' bitsandbytes path) to NF4 with
+    double quantisation, bitsandbytes' codes; the block scales are the double-quantised ones, expanded to fp32.
+    Modules whose name contains an entry of ``skip`` stay dense. Returns the quantised names."""
+    done = []
+    for name, lin in decoder_linears(model).items():
+        if any(s in name for s in skip) or (isinstance(lin, LoraLinear) and lin.quant is not None):
+            continue
+        weight = lin.weight
+        codes, absmax = quantize_nf4(weight)
+        dq = double_quantize(absmax)
+        absmax = dequantize_absmax(dq["absmax"], dq["nested_absmax"], dq["nested_quant_map"], dq["nested_offset"])
+        quant = NF4Weight(codes, absmax, tuple(weight.shape), weight.dtype)
+        bias = lin.bias
+        if bias is not None:
+            bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        new = LoraLinear(lin.in_features, lin.out_features, None, bias, quant=quant)
+        if isinstance(lin, LoraLinear) and lin.lora_A is not None:
+            new.lora_A, new.lora_B = lin.lora_A, lin.lora_B
+            new.r, new.lora_alpha, new.scaling, new.lora_dropout = lin.r, lin.lora_alpha, lin.scaling, lin.lora_dropout
+        new.train(lin.training)
+        _replace(model, name, new)
+        done.append(name)
+    return done

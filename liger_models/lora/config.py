@@ -1,0 +1,121 @@
+"""Which linears get adapters, with what rank and scale: our settings and PEFT's ``adapter_config.json`` fields.
+
+Targets are HF module names: a list of leaf names (``q_proj``, Phi3's ``qkv_proj``, …) that must each exist in the
+model, ``"all-linear"`` (every decoder linear; never lm_head, as PEFT), or a string that ``re.fullmatch``es full
+module names (PEFT's rule). An unknown target is an error, never a silent skip. ``rank_pattern`` / ``alpha_pattern``
+keys are regexes matched against a dotted suffix of the module name, as PEFT matches them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+ALL_LINEAR = "all-linear"
+# PEFT fields whose non-default value changes the math or the saved keys in a way not implemented here.
+_UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+                "fan_in_fan_out": False, "lora_bias": False, "use_qalora": False, "exclude_modules": None,
+                "trainable_token_indices": None}
+
+
+@dataclass
+class LoraSettings:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: list[str] | str = ALL_LINEAR
+    use_rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    init: str | bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
+            raise ValueError(f"LoRA rank r must be a positive integer, got {self.r!r}")
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or self.alpha <= 0:
+            raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.targets, (list, tuple, set)):
+            self.targets = list(self.targets)
+            if not self.targets:
+                raise ValueError("no LoRA targets given")
+        elif not isinstance(self.targets, str):
+            raise ValueError(f"targets must be a list of module names or a string, got {self.targets!r}")
+        for key, value in self.rank_pattern.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"rank_pattern[{key!r}] must be a positive integer, got {value!r}")
+
+    def rank_and_alpha(self, name: str) -> tuple[int, float]:
+        r = _pattern_value(self.rank_pattern, name, self.r)
+        return r, float(_pattern_value(self.alpha_pattern, name, self.alpha))
+
+    # ---- PEFT's adapter_config.json ----------------------------------------------------------------------------
+    def to_peft(self, leaf_targets: list[str], base_model: str | None = None) -> dict:
+        """adapter_config.json for HF + PEFT (and vLLM): the targeted leaf names, our r / alpha / patterns."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.r, "lora_alpha": self.alpha,
+                "lora_dropout": self.dropout, "use_rslora": self.use_rslora, "target_modules": sorted(leaf_targets),
+                "rank_pattern": dict(self.rank_pattern), "alpha_pattern": dict(self.alpha_pattern),
+                "bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+                "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
+                "revision": None, "layers_to_transform": None, "layers_pattern": None}
+
+    @classmethod
+    def from_peft(cls, cfg: dict, where: str = "adapter_config.json") -> "LoraSettings":
+        """Settings from a PEFT LoRA config; a field this implementation does not honour is refused by name."""
+        if cfg.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA")
+        if cfg.get("task_type") not in (None, "CAUSAL_LM"):
+            raise ValueError(f"{where}: task_type {cfg.get('task_type')!r} is not CAUSAL_LM")
+        for key, default in _UNSUPPORTED.items():
+            value = cfg.get(key, default)
+            if value not in (default, [], {}, None, False):
+                raise ValueError(f"{where}: {key}={value!r} is not supported")
+        if cfg.get("bias", "none") != "none":
+            raise ValueError(f"{where}: bias={cfg['bias']!r} is not supported (only 'none')")
+        targets = cfg.get("target_modules")
+        if targets is None:
+            raise ValueError(f"{where}: target_modules is missing")
+        return cls(r=cfg.get("r", 8), alpha=cfg.get("lora_alpha", 8), dropout=cfg.get("lora_dropout", 0.0) or 0.0,
+                   targets=targets if isinstance(targets, str) else list(targets),
+                   use_rslora=bool(cfg.get("use_rslora", False)), rank_pattern=dict(cfg.get("rank_pattern") or {}),
+                   alpha_pattern=dict(cfg.get("alpha_pattern") or {}))
+
+
+def _pattern_value(patterns: dict, name: str, default):
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", name):
+            return value
+    return default
+
+
+def decoder_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """Full name → module for every linear inside the decoder layers (what LoRA may target)."""
+    from liger_models.modules.lora_linear import LoraLinear
+
+    return {name: m for name, m in model.named_modules()
+            if name.startswith("model.layers.") and isinstance(m, (nn.Linear, LoraLinear))
+            and not name.endswith((".lora_A", ".lora_B"))}
+
+
+def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
+    """The full module names that ``targets`` selects (see the module docstring); errors name what exists."""
+    linears = decoder_linears(model)
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    if targets == ALL_LINEAR:
+        return list(linears)
+    if isinstance(targets, str):
+        chosen = [name for name in linears if re.fullmatch(targets, name)]
+        if not chosen:
+            raise ValueError(f"LoRA target pattern {targets!r} matches no linear of the model (its linears: "
+                             f"{', '.join(leaves)})")
+        return chosen
+    for t in targets:
+        if t in ("lm_head", "embed_tokens"):
+            raise ValueError(f"LoRA on {t} is not supported (decoder linears only: {', '.join(leaves)})")
+        if not any(name == t or name.endswith("." + t) for name in linears):
+            raise ValueError(f"unknown LoRA target {t!r}: this model's linears are {', '.join(leaves)} "
+                             f"(or {ALL_LINEAR!r})")
+    return [name for name in linears if any(name == t or name.endswith("." + t) for t in targets)]

@@ -1,0 +1,127 @@
+"""Adapters on disk in PEFT's format, and merged HF checkpoints.
+
+``adapter_model.safetensors`` keys are PEFT's: ``base_model.model.<HF module name>.lora_A.weight`` [r, in] and
+``….lora_B.weight`` [out, r]; ``adapter_config.json`` carries r, lora_alpha, target_modules (leaf names),
+use_rslora, rank_pattern / alpha_pattern. Phi3's packed qkv_proj / gate_up_proj are PEFT's module names too, so
+the packing never leaks into the files. Adapters are written in their own dtype (fp32 unless chosen otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .attach import add_lora, lora_modules, lora_state_dict
+from .config import LoraSettings
+
+PREFIX = "base_model.model."
+CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
+
+
+def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None = None) -> Path:
+    """adapter_config.json + adapter_model.safetensors that HF + PEFT's ``PeftModel.from_pretrained`` loads."""
+    from safetensors.torch import save_file
+
+    settings: LoraSettings | None = getattr(model, "lora_settings", None)
+    modules = lora_modules(model)
+    if settings is None or not modules:
+        raise ValueError("the model has no LoRA adapters to save (liger_models.lora.add_lora first)")
+    if any(m.merged for m in modules.values()):
+        raise ValueError("the adapters are merged into the base weights: unmerge before saving them")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {PREFIX + k: v.detach().to("cpu", copy=True).contiguous() for k, v in lora_state_dict(model).items()}
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in modules})
+    config = settings.to_peft(leaves, base_model)
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return directory
+
+
+def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.Tensor]]:
+    """(settings, our-name → tensor) of a PEFT LoRA adapter directory."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    cfg_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    for p in (cfg_path, weights_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"{str(p)!r} not found: an adapter directory holds {CONFIG_NAME} and "
+                                    f"{WEIGHTS_NAME}")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(cfg_path)!r}: not valid JSON ({e})") from e
+    settings = LoraSettings.from_peft(cfg, str(cfg_path))
+    tensors = {}
+    for key, value in load_file(str(weights_path)).items():
+        if not key.startswith(PREFIX):
+            raise ValueError(f"{str(weights_path)!r}: key {key!r} does not start with {PREFIX!r}")
+        name = key[len(PREFIX):]
+        if not name.endswith((".lora_A.weight", ".lora_B.weight")):
+            raise ValueError(f"{str(weights_path)!r}: {key!r} is not a LoRA A/B weight (only those are supported)")
+        tensors[name] = value
+    return settings, tensors
+
+
+def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = False) -> list[str]:
+    """Attach the PEFT adapter in ``directory`` to ``model``: same modules, ranks and scales; shapes must match the
+    base (an adapter for another model is refused naming the first mismatch). Returns the adapted names."""
+    settings, tensors = read_adapter(directory)
+    wanted = sorted({k.rsplit(".", 2)[0] for k in tensors})
+    # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).
+    names = add_lora(model, LoraSettings(r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
+                                         targets=settings.targets, use_rslora=settings.use_rslora,
+                                         rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern))
+    modules = lora_modules(model)
+    missing = [n for n in names if f"{n}.lora_A.weight" not in tensors]
+    unknown = [n for n in wanted if n not in modules]
+    if unknown:
+        raise ValueError(f"{directory}: adapter for {unknown[0]!r}, which this model does not have or target")
+    if missing:
+        raise ValueError(f"{directory}: no adapter weights for {missing[0]!r}, which target_modules selects")
+    with torch.no_grad():
+        for name, m in modules.items():
+            for part in ("lora_A", "lora_B"):
+                src, dst = tensors[f"{name}.{part}.weight"], getattr(m, part).weight
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(f"{directory}: {name}.{part}.weight has shape {tuple(src.shape)}, but this "
+                                     f"model needs {tuple(dst.shape)} (an adapter for a different base model?)")
+                dst.copy_(src)
+            m.lora_A.weight.requires_grad_(trainable)
+            m.lora_B.weight.requires_grad_(trainable)
+    return names
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF-named tensors with every adapter merged: W + s·B·A in fp32, rounded once to ``dtype`` (default: the base
+    weight's; for an NF4 base, dequant(NF4) + ΔW, what the adapter trained against, in the compute dtype)."""
+    from liger_models.modules.lora_linear import LoraLinear
+
+    state = {}
+    for key, value in model.state_dict().items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        state[key] = value
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLinear):
+            continue
+        base = m.base_weight(torch.float32) if m.quant is not None else m.weight.float()
+        out_dtype = dtype or (m.quant.dtype if m.quant is not None else m.weight.dtype)
+        w = base + m.delta_weight() if (m.lora_A is not None and not m.merged) else base
+        state[f"{name}.weight"] = w.to(out_dtype)
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def save_merged(model: nn.Module, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+    """A plain HF checkpoint (config.json + safetensors) with the adapters merged, that transformers loads."""
+    from liger_models.hub import save_state_dict
+
+    save_state_dict(merged_state_dict(model, dtype), model.config, directory,
+                    generation_config=getattr(model, "generation_config", None))

@@ -1,0 +1,105 @@
+"""bitsandbytes 4-bit HF checkpoints: load them as they are (NF4 bases in LoraLinear), and write them.
+
+What transformers + bitsandbytes save for a 4-bit model (kernels/nf4.py has the byte layout): config.json with
+``quantization_config`` {quant_method: bitsandbytes, load_in_4bit: true, bnb_4bit_quant_type: nf4, …}; per
+quantised linear ``<name>.weight`` (uint8 codes [n/2, 1]), ``.weight.absmax``, ``.weight.quant_map``, with double
+quantisation ``.weight.nested_absmax`` / ``.weight.nested_quant_map``, and ``.weight.quant_state.bitsandbytes__nf4``
+(JSON bytes: quant_type, blocksize, dtype, shape, nested_*); everything else (embeddings, norms, lm_head, modules in
+``llm_int8_skip_modules``) stays 16-bit under its HF name. Each tensor's JSON state is trusted over the config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from liger_models.kernels.nf4 import QUANT_STATE_KEY, bnb_tensors, from_bnb_tensors
+from liger_models.modules.lora_linear import LoraLinear, NF4Weight
+
+from .attach import _replace
+from .config import decoder_linears
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from liger_models.hub import checkpoint_files
+
+    tensors = {}
+    for file in checkpoint_files(path):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """A model from a bitsandbytes NF4 checkpoint: quantised linears become NF4-based LoraLinear (no adapter yet),
+    the rest loads as usual in ``dtype`` (default: the quant state's compute dtype)."""
+    from liger_models.auto import model_class
+    from liger_models.hub import config_model_type, read_config, resolve_dir
+
+    path = resolve_dir(path)
+    raw = read_config(path)
+    quant = raw.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "bitsandbytes" or not quant.get("load_in_4bit"):
+        raise ValueError(f"{str(path)!r}: config.json has no bitsandbytes 4-bit quantization_config")
+    if quant.get("bnb_4bit_quant_type", "fp4") != "nf4":
+        raise ValueError(f"{str(path)!r}: bnb_4bit_quant_type {quant.get('bnb_4bit_quant_type', 'fp4')!r} is not "
+                         "supported (only nf4)")
+    cls = model_class(config_model_type(raw, path))
+    config = cls.config_class.from_hf({k: v for k, v in raw.items() if k != "quantization_config"})
+    tensors = _read_tensors(path)
+    states = {k[: -len(".weight." + QUANT_STATE_KEY)] for k in tensors if k.endswith(".weight." + QUANT_STATE_KEY)}
+    if dtype is None:
+        dtypes = {json.loads(bytes(tensors[f"{n}.weight.{QUANT_STATE_KEY}"].tolist()))["dtype"] for n in states}
+        dtype = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else torch.bfloat16
+    with torch.device(device):
+        model = cls(config).to(dtype)
+    with torch.no_grad():
+        for name, lin in decoder_linears(model).items():
+            if name not in states:
+                continue
+            codes, absmax, state = from_bnb_tensors(tensors, name)
+            shape = tuple(state["shape"])
+            if shape != (lin.out_features, lin.in_features):
+                raise ValueError(f"{name}: quantised shape {shape} != the config's {(lin.out_features, lin.in_features)}")
+            bias = None
+            if lin.bias is not None:
+                bias = torch.nn.Parameter(tensors[f"{name}.bias"].to(device=device, dtype=dtype), requires_grad=False)
+            _replace(model, name, LoraLinear(lin.in_features, lin.out_features, None, bias,
+                                             quant=NF4Weight(codes.to(device), absmax.to(device), shape, dtype)))
+        expected = model.state_dict(keep_vars=True)
+        if config.tie_word_embeddings:
+            expected.pop("lm_head.weight", None)
+        missing = [k for k in expected if k not in tensors]
+        if missing:
+            raise ValueError(f"{str(path)!r}: {missing[0]!r} is missing from the checkpoint")
+        for key, p in expected.items():
+            p.copy_(tensors[key])
+    model.pack_()
+    return model.eval()
+
+
+@torch.no_grad()
+def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> None:
+    """Write ``model`` (dense) as bitsandbytes + transformers save a 4-bit NF4 model (every decoder linear)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name in decoder_linears(model):
+        weight = state.pop(f"{name}.weight")
+        for suffix, t in bnb_tensors(weight, double_quant).items():
+            state[f"{name}.{suffix}"] = t.contiguous()
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_hf()
+    config["quantization_config"] = {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": double_quant, "bnb_4bit_compute_dtype": str(model.dtype).removeprefix("torch."),
+        "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0,
+        "llm_int8_has_fp16_weight": False, "llm_int8_enable_fp32_cpu_offload": False}
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,71 @@
+"""LoRA in the training recipes: ``--lora-*`` options as LoraSettings, adapters on the loaded base (restored when
+resuming), and ``liger-models merge-lora``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def lora_settings(config):
+    """The config's --lora-* options as LoraSettings, or None without lora_r (full fine-tuning)."""
+    if config.lora_r is None:
+        return None
+    from liger_models.lora import LoraSettings
+
+    targets = config.lora_targets if config.lora_targets == "all-linear" else \
+        [t.strip() for t in config.lora_targets.split(",") if t.strip()]
+    alpha = config.lora_alpha if config.lora_alpha is not None else 2.0 * config.lora_r
+    return LoraSettings(r=config.lora_r, alpha=alpha, dropout=config.lora_dropout, targets=targets,
+                        use_rslora=config.lora_rslora)
+
+
+def attach(model, settings, qlora: bool, resume: Path | None) -> None:
+    """NF4 base with ``qlora``, adapters on the targets (everything else frozen); resuming, the checkpoint's adapter
+    weights exactly as saved (fp32)."""
+    from liger_models.lora import add_lora, quantize_base_, read_adapter
+    from liger_models.lora.attach import lora_state_dict
+
+    if qlora:
+        quantize_base_(model)
+    add_lora(model, settings)
+    if resume is not None:
+        _, tensors = read_adapter(resume)
+        ours = lora_state_dict(model)
+        if set(tensors) != set(ours) or any(tensors[k].shape != ours[k].shape for k in ours):
+            raise ValueError(f"--resume: {resume} holds adapters for other modules or ranks than --lora-* give")
+        with torch.no_grad():
+            for key, param in ours.items():
+                param.copy_(tensors[key])
+
+
+def merge_lora_command(args: argparse.Namespace) -> Path:
+    """``liger-models merge-lora``: --adapter merged into its base (--model or the adapter's base_model_name_or_path),
+    written with the base's tokenizer files to --out."""
+    from liger_models import AutoLigerForCausalLM
+    from liger_models.hub import resolve_model
+    from liger_models.lora import load_adapter, quantize_base_, save_merged
+    from liger_models.recipes import training as T
+
+    adapter = Path(args.adapter).expanduser()
+    base = args.model
+    if base is None:
+        config_path = adapter / "adapter_config.json"
+        if not config_path.is_file():
+            raise ValueError(f"--adapter {adapter}: no adapter_config.json")
+        base = json.loads(config_path.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"--adapter {adapter}: adapter_config.json names no base model: give --model")
+    model_dir = resolve_model(base)
+    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    model = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if args.qlora_base:
+        quantize_base_(model)
+    load_adapter(model, adapter)
+    out = Path(args.out).expanduser()
+    save_merged(model, out, dtype=dtype)
+    T.copy_tokenizer(model_dir, out)
+    return out

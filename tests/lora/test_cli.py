@@ -1,0 +1,98 @@
+"""`liger-models train --lora-r …` (and --qlora) saves adapters only and resumes bit for bit; `merge-lora` writes a
+merged HF checkpoint that transformers loads with the adapted model's logits."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from liger_models import AutoLigerForCausalLM
+from liger_models.cli import main
+from liger_models.lora import load_adapter, quantize_base_
+from liger_models.train import checkpointing as ckpt
+
+from ..models.parity import max_rel
+from ..helpers import make_tiny_model_dir, shakespeare
+
+pytest.importorskip("peft")
+RUN = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--save-every", "2", "--keep-last", "3",
+       "--lr", "1e-2", "--warmup-steps", "1", "--device", "cpu", "--dtype", "fp32", "--quiet",
+       "--lora-r", "4", "--lora-alpha", "8", "--lora-dropout", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def base_and_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_cli")
+    data = root / "data.txt"
+    data.write_text(shakespeare(6_000), encoding="utf-8")
+    return make_tiny_model_dir(root / "base"), data
+
+
+@pytest.fixture(autouse=True)
+def _reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch reference path: fast on CPU
+
+
+@pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
+def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_path, qlora):
+    base, data = base_and_data
+    extra = ["--qlora"] if qlora else []
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN, *extra]) == 0
+    last = out / "checkpoints" / ckpt.step_dir_name(4)
+    files = {p.name for p in last.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+    assert not any(name.startswith("model") and name.endswith(".safetensors") for name in files), files
+    model = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
+    load_adapter(model, last)  # a PEFT adapter of the base
+
+    # Resume from step 2 (step 4 removed): the run ends with the same adapter bytes.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / ckpt.step_dir_name(4))
+    assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(resumed), *RUN, *extra,
+                 "--resume", "auto"]) == 0
+    again = resumed / "checkpoints" / ckpt.step_dir_name(4) / "adapter_model.safetensors"
+    assert again.read_bytes() == (last / "adapter_model.safetensors").read_bytes()
+
+
+def test_resume_with_other_lora_settings_is_refused(base_and_data, tmp_path, capsys):
+    base, data = base_and_data
+    out = tmp_path / "run"
+    args = ["train", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN]
+    assert main([*args, "--max-steps", "2"]) == 0  # the last of a repeated option counts
+    capsys.readouterr()
+    assert main([*args, "--lora-r", "8", "--resume", "auto"]) != 0
+    err = capsys.readouterr().err
+    assert "other settings: lora" in err and "--allow-changed-settings lora" in err
+
+
+def test_qlora_needs_lora_r(base_and_data, tmp_path, capsys):
+    base, data = base_and_data
+    assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(tmp_path / "r"),
+                 "--qlora", "--device", "cpu", "--quiet"]) != 0
+    assert "--lora-r" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("qlora_base", [False, True])
+def test_merge_lora_writes_a_checkpoint_transformers_loads(base_and_data, tmp_path, qlora_base):
+    base, data = base_and_data
+    out = tmp_path / "run"
+    run = [*RUN[:RUN.index("--max-steps")], "--max-steps", "2", *RUN[RUN.index("--max-steps") + 2:]]
+    assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(out), *run]) == 0
+    adapter = out / "checkpoints" / ckpt.step_dir_name(2)
+    merged = tmp_path / "merged"
+    argv = ["merge-lora", "--adapter", str(adapter), "--out", str(merged), "--dtype", "fp32"]
+    assert main(argv + (["--qlora-base"] if qlora_base else [])) == 0
+    model = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if qlora_base:
+        quantize_base_(model)
+    load_adapter(model, adapter)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert max_rel(hf(input_ids=ids).logits, model.eval()(ids).logits) < 1e-5
+    assert (merged / "tokenizer.json").is_file()

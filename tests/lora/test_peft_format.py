@@ -1,0 +1,92 @@
+"""Adapters move between ours and HF + PEFT with the same logits (fp32, 1e-5), merge / unmerge, merged export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from liger_models import AutoLigerForCausalLM
+from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_modules, merge_lora, save_adapter,
+                               save_merged, unmerge_lora)
+
+from ..models.parity import max_rel
+from .common import CONFIGS, batch, pair, targets, with_adapters
+
+peft = pytest.importorskip("peft")
+FP32 = 1e-5
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_our_adapter_loads_in_hf_peft_with_the_same_logits(family, tmp_path):
+    hf, ours, _ = pair(family, tmp_path)
+    with_adapters(ours, family, "all-linear")
+    save_adapter(ours, tmp_path / "adapter", base_model="tiny")
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    loaded = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    ids, _ = batch()
+    with torch.no_grad():
+        assert max_rel(ours.eval()(ids).logits, loaded(input_ids=ids).logits) < FP32
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_hf_peft_adapter_loads_here_with_the_same_logits(family, tmp_path):
+    hf, ours, _ = pair(family, tmp_path)
+    names = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if family == "phi3" else \
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=names, init_lora_weights=False, use_rslora=True,
+                             rank_pattern={"v_proj": 2} if family != "phi3" else {})
+    trained = peft.get_peft_model(hf, config)
+    trained.save_pretrained(tmp_path / "hf_adapter")
+    load_adapter(ours, tmp_path / "hf_adapter")
+    ids, _ = batch()
+    with torch.no_grad():
+        assert max_rel(ours.eval()(ids).logits, trained.eval()(input_ids=ids).logits) < FP32
+
+
+def test_merge_unmerge_and_merged_export_loads_in_transformers(tmp_path):
+    hf, ours, _ = pair("qwen2", tmp_path)  # q/k/v biases
+    with_adapters(ours, "qwen2", "all-linear")
+    ids, _ = batch()
+    ours.eval()
+    with torch.no_grad():
+        adapted = ours(ids).logits
+        base_q = lora_modules(ours)["model.layers.0.self_attn.q_proj"].weight.clone()
+        merge_lora(ours)
+        assert max_rel(ours(ids).logits, adapted) < FP32
+        unmerge_lora(ours)
+        assert max_rel(ours(ids).logits, adapted) < FP32
+        assert max_rel(lora_modules(ours)["model.layers.0.self_attn.q_proj"].weight, base_q) < 1e-6
+    save_merged(ours, tmp_path / "merged")
+    hf_merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert max_rel(hf_merged(input_ids=ids).logits, adapted) < FP32
+
+
+def test_bad_input_is_refused_clearly(tmp_path):
+    _, ours, directory = pair("llama", tmp_path)
+    with pytest.raises(ValueError, match="unknown LoRA target 'qkv_proj'"):
+        add_lora(ours, LoraSettings(targets=["qkv_proj"]))
+    with pytest.raises(ValueError, match="positive integer"):
+        LoraSettings(r=0)
+    with pytest.raises(ValueError, match="lm_head"):
+        add_lora(ours, LoraSettings(targets=["lm_head"]))
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        LoraSettings(dropout=1.0)
+    # An adapter made for a different base shape.
+    _, other, _ = pair("llama", tmp_path / "wide", hidden_size=96)
+    with_adapters(other, "llama", "attention")
+    save_adapter(other, tmp_path / "wide_adapter")
+    with pytest.raises(ValueError, match="different base model"):
+        load_adapter(ours, tmp_path / "wide_adapter")
+    fresh = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)
+    (tmp_path / "dora").mkdir()
+    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps(cfg.to_dict(), default=list))
+    from safetensors.torch import save_file
+    save_file({}, str(tmp_path / "dora" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="use_dora"):
+        load_adapter(fresh, tmp_path / "dora")

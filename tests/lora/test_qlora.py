@@ -1,0 +1,122 @@
+"""QLoRA: NF4 bases (quantised on load, or read from a bitsandbytes 4-bit checkpoint) under the fused LoRA paths."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from liger_models.kernels import nf4
+from liger_models.lora import add_lora, load_bnb_4bit, lora_modules, quantize_base_, save_bnb_4bit, save_merged
+from liger_models.modules.lora_linear import LoraLinear
+
+from ..models.parity import causal_lm_loss, max_rel
+from .bnb import import_bnb
+from .common import CONFIGS, batch, pair, peft_float64, peft_name, with_adapters
+
+pytest.importorskip("peft")
+
+
+def _dequantised_hf(hf, ours):
+    """HF with every quantised linear's weight replaced by ours' dequantised NF4 weight."""
+    hf = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, m in ours.named_modules():
+            if isinstance(m, LoraLinear) and m.quant is not None:
+                hf.get_submodule(name).weight.copy_(m.base_weight(torch.float32))
+    return hf
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gemma"])
+def test_qlora_matches_float64_reference_on_the_dequantised_base(family, tmp_path):
+    hf, ours, _ = pair(family, tmp_path)
+    quantized = quantize_base_(ours)
+    assert quantized and all(ours.get_submodule(n).weight is None for n in quantized)
+    with_adapters(ours, family, "all-linear")
+    truth = peft_float64(_dequantised_hf(hf, ours), ours, tmp_path)
+    ours.train()
+    truth.train()
+    ids, labels = batch()
+    loss = ours(ids, labels=labels).loss
+    exact = truth(input_ids=ids, use_cache=False).logits
+    ref = causal_lm_loss(exact, labels)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    loss.backward()
+    ref.backward()
+    truth_params = dict(truth.named_parameters())
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert len(grads) == 2 * len(lora_modules(ours))
+    for name, grad in grads.items():
+        assert grad is not None and max_rel(grad, truth_params[peft_name(name)].grad) < 1e-4, name
+
+
+def test_nf4_weights_are_never_saved_for_backward(tmp_path):
+    """The dequantised weight is a per-call temporary: nothing of a weight's shape is kept for backward."""
+    _, ours, _ = pair("llama", tmp_path)
+    quantize_base_(ours)
+    with_adapters(ours, "llama", "all-linear")
+    shapes = {(m.out_features, m.in_features) for m in lora_modules(ours).values()}
+    shapes |= {(s[1], s[0]) for s in shapes}
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    ids, labels = batch()
+    ours.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = ours(ids, labels=labels).loss
+    loss.backward()
+    weight_like = [s for s in saved if s in shapes]
+    assert not weight_like, weight_like[:3]
+
+
+def test_bnb_checkpoint_loads_as_it_is_and_matches_quantise_on_load(tmp_path):
+    _, ours, directory = pair("qwen2", tmp_path)
+    save_bnb_4bit(ours, tmp_path / "bnb")
+    loaded = load_bnb_4bit(tmp_path / "bnb", dtype=torch.float32)
+    reference = copy.deepcopy(ours)
+    quantize_base_(reference)
+    ids, _ = batch()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference.eval()(ids).logits)
+    bnb = import_bnb()
+    if bnb is not None:  # bitsandbytes reads the file's quant states and dequantises what we do
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(tmp_path / "bnb" / "model.safetensors"))
+        # A row length that is a multiple of 64: bitsandbytes 0.50.2's CPU dequantize_4bit disagrees with its own
+        # quantiser (and with its CUDA layout) when blocks straddle rows of an even length, e.g. [64, 96].
+        name = "model.layers.1.self_attn.q_proj"
+        state = bnb.functional.QuantState.from_dict(
+            {k[len(name) + 8:]: v for k, v in tensors.items() if k.startswith(name + ".weight.")}, device="cpu")
+        theirs = bnb.functional.dequantize_4bit(tensors[name + ".weight"], state)
+        assert torch.equal(theirs, loaded.get_submodule(name).base_weight(torch.float32))
+
+
+def test_bnb_loader_refuses_what_it_cannot_read(tmp_path):
+    import json
+
+    _, ours, directory = pair("llama", tmp_path)
+    with pytest.raises(ValueError, match="no bitsandbytes 4-bit quantization_config"):
+        load_bnb_4bit(directory)
+    save_bnb_4bit(ours, tmp_path / "bnb")
+    cfg = json.loads((tmp_path / "bnb" / "config.json").read_text())
+    cfg["quantization_config"]["bnb_4bit_quant_type"] = "fp4"
+    (tmp_path / "bnb" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="fp4"):
+        load_bnb_4bit(tmp_path / "bnb")
+
+
+def test_qlora_merged_export_is_the_dequantised_base_plus_delta(tmp_path):
+    _, ours, _ = pair("llama", tmp_path)
+    quantize_base_(ours)
+    with_adapters(ours, "llama", "all-linear")
+    save_merged(ours, tmp_path / "merged", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids, _ = batch()
+    with torch.no_grad():
+        assert max_rel(hf(input_ids=ids).logits, ours.eval()(ids).logits) < 1e-5
