@@ -5,8 +5,10 @@ Math, per token and per q (or k) head x (head_dim D, rotary over all of it, h = 
   y = (w + offset) · x̂.to(dtype)      casting "llama" (Qwen3)    rounded to the activation dtype
   y = (x̂ · (offset + w)).to(dtype)    casting "gemma" (Gemma 3: offset 1, the (1 + w) norm)
   out = y·cos + rotate_half(y)·sin                               fp32, rounded once
-which is exactly the RMSNorm kernel's output fed to the RoPE kernel (the norm's output is rounded to the activation
-dtype in between, as there). v is not normed and not rotated.
+which is the RMSNorm kernel's output fed to the RoPE kernel (the norm's output is rounded to the activation dtype in
+between, as there): the same values in bf16 (the tests check it bit for bit); in fp32 the sum of squares may round
+differently (it is summed in two halves here). v is not normed and not rotated. Under torch.compile the same
+kernels run as custom ops (``_custom_ops.py``), so a compiled model computes what the eager one does.
 
 Backward, per head: dy = the inverse rotation of d out (sin → −sin, halves swapped), then the RMSNorm backward
 d x̂ = dy · (offset + w), d x = rstd · (d x̂ − x̂ · mean(d x̂ · x̂)), and d w = Σ over tokens and heads of dy · x̂ (x̂
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._custom_ops import absent, custom_op, refuse_double_backward
 from ._dispatch import once_differentiable, use_triton
 from ._launch import launch, on_input_device, pow2
 from .rms_norm import rms_norm_reference
@@ -214,6 +217,50 @@ class _QKNormRoPE(torch.autograd.Function):
         return dqkv, dqw, dkw, None, None, None, None, None, None, None, None
 
 
+@custom_op("qk_norm_rope")
+def _qk_norm_rope_op(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int, eps: float, offset: float,
+                     gemma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The normed, rotated q and k and a copy of v (an op's outputs may not be views of its input)."""
+    q, k = _forward(qkv, q_weight, k_weight, cos, sin, n_q_heads, n_kv_heads, head_dim, eps, offset, gemma)
+    v = qkv[..., (n_q_heads + n_kv_heads) * head_dim:].unflatten(-1, (n_kv_heads, head_dim))
+    return q, k, v.clone(memory_format=torch.contiguous_format)
+
+
+@_qk_norm_rope_op.register_fake
+def _(qkv, q_weight, k_weight, cos, sin, n_q_heads, n_kv_heads, head_dim, eps, offset, gemma):
+    b, t, _ = qkv.shape
+    return tuple(qkv.new_empty(b, t, h, head_dim) for h in (n_q_heads, n_kv_heads, n_kv_heads))
+
+
+@custom_op("qk_norm_rope_backward")
+def _qk_norm_rope_backward_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, qkv: torch.Tensor,
+                              q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              n_q_heads: int, n_kv_heads: int, head_dim: int, eps: float, offset: float,
+                              gemma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dq, dk, dv, qkv, q_weight, k_weight, cos, sin, n_q_heads, n_kv_heads, head_dim, eps, offset,
+                     gemma)
+
+
+@_qk_norm_rope_backward_op.register_fake
+def _(dq, dk, dv, qkv, q_weight, k_weight, cos, sin, n_q_heads, n_kv_heads, head_dim, eps, offset, gemma):
+    return torch.empty_like(qkv), torch.empty_like(q_weight), torch.empty_like(k_weight)
+
+
+def _qk_norm_rope_setup(ctx, inputs, output) -> None:
+    qkv, q_weight, k_weight, cos, sin, *ctx.args = inputs
+    ctx.save_for_backward(qkv, q_weight, k_weight, cos, sin)
+
+
+def _qk_norm_rope_grads(ctx, dq, dk, dv):
+    refuse_double_backward("qk_norm_rope")
+    dqkv, dqw, dkw = _qk_norm_rope_backward_op(dq, dk, dv, *ctx.saved_tensors, *ctx.args)
+    return dqkv, dqw, dkw, None, None, None, None, None, None, None, None
+
+
+_qk_norm_rope_op.register_autograd(_qk_norm_rope_grads, setup_context=_qk_norm_rope_setup)
+
+
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int, eps: float, offset: float = 0.0,
                  casting: str = "llama") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,6 +285,9 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     if not use_triton(qkv, q_weight, k_weight, cos, sin):
         return qk_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, n_q_heads, n_kv_heads, head_dim, eps,
                                       offset, casting)
+    if torch.compiler.is_compiling():
+        return _qk_norm_rope_op(qkv, q_weight, k_weight, cos.contiguous(), sin.contiguous(), n_q_heads, n_kv_heads,
+                                head_dim, float(eps), float(offset), casting == "gemma")
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     return _QKNormRoPE.apply(qkv, q_weight, k_weight, cos, sin, n_q_heads, n_kv_heads, head_dim, float(eps),

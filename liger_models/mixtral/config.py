@@ -39,6 +39,9 @@ class MixtralConfig(LigerConfig):
         for key in ("num_local_experts", "num_experts_per_tok"):
             _require(_is_int(getattr(self, key)) and getattr(self, key) > 0, f"{key} must be a positive integer",
                      getattr(self, key))
+        _require(self.num_experts_per_tok <= self.num_local_experts,
+                 f"num_experts_per_tok must be at most num_local_experts ({self.num_local_experts})",
+                 self.num_experts_per_tok)
         _require(0 <= self.router_jitter_noise < 1, "router_jitter_noise must be in [0, 1)", self.router_jitter_noise)
         super().__post_init__()
 

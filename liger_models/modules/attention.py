@@ -311,16 +311,15 @@ class Attention(nn.Module):
 
     def _fused_qk_norm(self, qkv: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether the q/k norms and RoPE run as one kernel pass (liger_models/kernels/qk_norm_rope.py): where the
-        Triton kernels run, the whole head is rotated, the norms are the plain modules with one eps, and
-        torch.compile is not tracing (the kernel is no custom op; the unfused path's pieces are)."""
-        return (use_triton(qkv) and cos.shape[-1] == self.head_dim and not torch.compiler.is_compiling()
+        Triton kernels run, the whole head is rotated, and the norms are the plain modules with one eps."""
+        return (use_triton(qkv) and cos.shape[-1] == self.head_dim
                 and self.q_norm.eps == self.k_norm.eps and self.q_norm.offset == self.k_norm.offset
                 and not (self.q_norm._forward_hooks or self.q_norm._forward_pre_hooks
                          or self.k_norm._forward_hooks or self.k_norm._forward_pre_hooks))
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """[q_norm(q) | k_norm(k) | v] as a fresh packed tensor, for ``rope_packed``: the unfused path (the PyTorch
-        reference, torch.compile, partial rotary). Each head's d features are normalised by the RMSNorm kernel (one
+        reference, partial rotary). Each head's d features are normalised by the RMSNorm kernel (one
         launch for all q heads, one for all k heads; the (B, T, H, d) views are its rows); the concatenation costs
         one copy of qkv, which rope then rotates in place (nothing else saves that copy)."""
         q_end, k_end = self.num_heads * self.head_dim, (self.num_heads + self.num_kv_heads) * self.head_dim

@@ -29,17 +29,20 @@ is active; ``load_balancing_loss`` is HF's Switch-style auxiliary loss over them
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from liger_models.kernels._custom_ops import absent, custom_op, refuse_double_backward
+from liger_models.kernels._dispatch import once_differentiable
 from liger_models.kernels.gated_mlp import gated_backward, gated_forward
 
 from .config import LigerConfig
 
-_RECORDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_logits", default=None)
+# The active recording's list, or None. A one-element list rather than a ContextVar: torch.compile traces reads
+# of a module global (as attention.py's _STATIC_DOCUMENT_MASK), not ContextVar.get.
+_RECORDED: list[list | None] = [None]
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 EXPERT_PATHS = ("auto", "grouped_mm", "padded")
 
@@ -49,11 +52,11 @@ def recording_router_logits():
     """Within this context every sparse layer's forward appends its router logits (N, E) to the yielded list, in
     layer order. A checkpointed layer's recomputation in backward runs outside it and appends nothing."""
     logits: list[torch.Tensor] = []
-    token = _RECORDED.set(logits)
+    previous, _RECORDED[0] = _RECORDED[0], logits
     try:
         yield logits
     finally:
-        _RECORDED.reset(token)
+        _RECORDED[0] = previous
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -77,39 +80,101 @@ def _use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor,
-                   path: str) -> torch.Tensor:
+                   path: str, bound: int) -> torch.Tensor:
     """rows (S, K) sorted by expert (counts (E,) rows each) times weight[e]ᵀ (E, N, K) of each row's expert → (S, N).
 
     "grouped_mm": one grouped GEMM over the groups' offsets. "padded": the rows scattered into a zero-padded
-    (E, C, K) batch (C = the largest group; one host read), one bmm, gathered back."""
+    (E, C, K) batch (C = the largest group, at most ``bound``; see _slots), one bmm, gathered back."""
     if path == "grouped_mm":
         return _GROUPED_MM(rows, weight.transpose(-2, -1), offs=torch.cumsum(counts, dim=0).to(torch.int32))
-    slot, capacity = _slots(counts, expert_of_row)
+    slot, capacity = _slots(counts, expert_of_row, bound)
     padded = rows.new_zeros(weight.shape[0], capacity, rows.shape[1])
     padded[expert_of_row, slot] = rows
     return torch.bmm(padded, weight.transpose(-2, -1))[expert_of_row, slot]
 
 
 def grouped_weight_grad(left: torch.Tensor, right: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor,
-                        path: str) -> torch.Tensor:
+                        path: str, bound: int) -> torch.Tensor:
     """Σ over each expert's rows of leftᵀ right: (E, P, Q) from left (S, P), right (S, Q) sorted by expert; zero for
     an expert without rows."""
     num_experts = counts.shape[0]
     if path == "grouped_mm":
         out = _GROUPED_MM(left.t(), right, offs=torch.cumsum(counts, dim=0).to(torch.int32))
         return out.masked_fill_((counts == 0)[:, None, None], 0)  # an empty group's block is not written
-    slot, capacity = _slots(counts, expert_of_row)
+    slot, capacity = _slots(counts, expert_of_row, bound)
     a = left.new_zeros(num_experts, capacity, left.shape[1])
     b = right.new_zeros(num_experts, capacity, right.shape[1])
     a[expert_of_row, slot], b[expert_of_row, slot] = left, right
     return torch.bmm(a.transpose(1, 2), b)
 
 
-def _slots(counts: torch.Tensor, expert_of_row: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Each sorted row's place within its expert's group, and the largest group (a host read)."""
+def _slots(counts: torch.Tensor, expert_of_row: torch.Tensor, bound: int) -> tuple[torch.Tensor, int]:
+    """Each sorted row's place within its expert's group, and the padded group size: the largest group (a host
+    read), or ``bound`` (the token count, which no group exceeds: a token picks an expert once) while a CUDA graph
+    is being captured, where a host read is not allowed."""
     starts = torch.cumsum(counts, dim=0) - counts
     slot = torch.arange(expert_of_row.shape[0], device=counts.device) - starts[expert_of_row]
+    if counts.is_cuda and torch.cuda.is_current_stream_capturing():
+        return slot, bound
     return slot, int(counts.max()) if counts.numel() else 0
+
+
+def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str):
+    """(y (N, D), the gate|up output (S, 2I), order, sorted expert ids, counts): the forward and what backward
+    needs (``_Experts``)."""
+    n_tokens, top_k = experts.shape
+    flat = experts.reshape(-1)  # (S,) in (token, slot) order
+    order = torch.argsort(flat, stable=True)
+    expert_of_row = flat[order]
+    # scatter_add, not bincount: no host read of the largest id (the grouped path then never syncs).
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    hidden = grouped_linear(x[order // top_k], gate_up, counts, expert_of_row, path, n_tokens)  # (S, 2I)
+    inter = hidden.shape[1] // 2
+    act = hidden.new_empty(hidden.shape[0], inter)
+    if act.numel():
+        gated_forward(hidden[:, :inter], hidden[:, inter:], act, activation)
+    out = grouped_linear(act, down, counts, expert_of_row, path, n_tokens)  # (S, D)
+    del act
+    y = _combine(out, weights.reshape(-1)[order], order, n_tokens, top_k).to(x.dtype)
+    return y, hidden, order, expert_of_row, counts
+
+
+def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, counts, activation: str, path: str,
+                 top_k: int, needs: tuple[bool, bool, bool, bool]):
+    """(d x, d weights, d gate_up, d down), None where ``needs`` (x, weights, gate_up, down) says no. Writes
+    d gate|up over ``hidden``'s memory."""
+    inter, n_tokens = hidden.shape[1] // 2, x.shape[0]
+    token = order // top_k
+    w_sorted = weights.reshape(-1)[order]
+    g = dy[token].to(hidden.dtype)  # (S, D): each row's share of its token's gradient (the sum's adjoint)
+    g_a = grouped_linear(g, down.transpose(-2, -1), counts, expert_of_row, path, n_tokens)  # (S, I) = g · down_e
+    d_act = (g_a * w_sorted[:, None]).to(hidden.dtype)
+    # d gate|up over the saved output's memory; the recomputed activation over d_act's.
+    if d_act.numel():
+        gated_backward(d_act, hidden[:, :inter], hidden[:, inter:], hidden[:, :inter], hidden[:, inter:],
+                       activation, product2d=d_act)
+    act, d_hidden = d_act, hidden
+    d_x = d_weights = d_gate_up = d_down = None
+    if needs[1]:
+        d_sorted = (g_a.float() * act.float()).sum(dim=-1)
+        d_weights = torch.empty_like(d_sorted)
+        d_weights[order] = d_sorted
+        d_weights = d_weights.view(weights.shape).to(weights.dtype)
+    del g_a
+    if needs[3]:
+        d_out = (g * w_sorted[:, None]).to(hidden.dtype)
+        d_down = grouped_weight_grad(d_out, act, counts, expert_of_row, path, n_tokens).to(down.dtype)
+        del d_out
+    del act, g
+    if needs[2]:
+        d_gate_up = grouped_weight_grad(d_hidden, x[token], counts, expert_of_row, path, n_tokens).to(gate_up.dtype)
+    if needs[0]:
+        d_rows = grouped_linear(d_hidden, gate_up.transpose(-2, -1), counts, expert_of_row, path, n_tokens)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        d_x = d_rows[inverse].view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return d_x, d_weights, d_gate_up, d_down
 
 
 class _Experts(torch.autograd.Function):
@@ -126,62 +191,68 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, experts, activation, path):
-        n_tokens, top_k = experts.shape
-        flat = experts.reshape(-1)  # (S,) in (token, slot) order
-        order = torch.argsort(flat, stable=True)
-        expert_of_row = flat[order]
-        # scatter_add, not bincount: no host read of the largest id (the grouped path then never syncs).
-        counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        hidden = grouped_linear(x[order // top_k], gate_up, counts, expert_of_row, path)  # (S, 2I)
-        inter = hidden.shape[1] // 2
-        act = hidden.new_empty(hidden.shape[0], inter)
-        if act.numel():
-            gated_forward(hidden[:, :inter], hidden[:, inter:], act, activation)
-        out = grouped_linear(act, down, counts, expert_of_row, path)  # (S, D)
-        del act
-        w_sorted = weights.reshape(-1)[order]
-        ctx.save_for_backward(x, weights, gate_up, down, hidden, order, expert_of_row, counts)
-        ctx.activation, ctx.path, ctx.top_k = activation, path, top_k
-        return _combine(out, w_sorted, order, n_tokens, top_k).to(x.dtype)
+        y, *saved = _experts_fwd(x, weights, gate_up, down, experts, activation, path)
+        ctx.save_for_backward(x, weights, gate_up, down, *saved)
+        ctx.activation, ctx.path, ctx.top_k = activation, path, experts.shape[1]
+        return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
-        x, weights, gate_up, down, hidden, order, expert_of_row, counts = ctx.saved_tensors
-        path, top_k, inter = ctx.path, ctx.top_k, hidden.shape[1] // 2
-        token = order // top_k
-        w_sorted = weights.reshape(-1)[order]
-        g = dy[token].to(hidden.dtype)  # (S, D): each row's share of its token's gradient (the sum's adjoint)
-        g_a = grouped_linear(g, down.transpose(-2, -1), counts, expert_of_row, path)  # (S, I) = g · down_e
-        d_act = (g_a * w_sorted[:, None]).to(hidden.dtype)
-        # d gate|up over the saved output's memory; the recomputed activation over d_act's.
-        if d_act.numel():
-            gated_backward(d_act, hidden[:, :inter], hidden[:, inter:], hidden[:, :inter], hidden[:, inter:],
-                           ctx.activation, product2d=d_act)
-        act, d_hidden = d_act, hidden
-        d_weights = None
-        if ctx.needs_input_grad[1]:
-            d_sorted = (g_a.float() * act.float()).sum(dim=-1)
-            d_weights = torch.empty_like(d_sorted)
-            d_weights[order] = d_sorted
-            d_weights = d_weights.view(weights.shape).to(weights.dtype)
-        del g_a
-        d_down = None
-        if ctx.needs_input_grad[3]:
-            d_out = (g * w_sorted[:, None]).to(hidden.dtype)
-            d_down = grouped_weight_grad(d_out, act, counts, expert_of_row, path).to(down.dtype)
-            del d_out
-        del act, g
-        d_gate_up = None
-        if ctx.needs_input_grad[2]:
-            d_gate_up = grouped_weight_grad(d_hidden, x[token], counts, expert_of_row, path).to(gate_up.dtype)
-        d_x = None
-        if ctx.needs_input_grad[0]:
-            d_rows = grouped_linear(d_hidden, gate_up.transpose(-2, -1), counts, expert_of_row, path)  # (S, D)
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=order.device)
-            d_x = d_rows[inverse].view(x.shape[0], top_k, -1).sum(dim=1).to(x.dtype)
-        return d_x, d_weights, d_gate_up, d_down, None, None, None
+        grads = _experts_bwd(dy, *ctx.saved_tensors, ctx.activation, ctx.path, ctx.top_k,
+                             tuple(ctx.needs_input_grad[:4]))
+        return (*grads, None, None, None)
+
+
+# ---- the same as custom ops, for torch.compile (liger_models/kernels/_custom_ops.py) -----------------------------
+
+@custom_op("moe_experts")
+def _experts_op(x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                experts: torch.Tensor, activation: str,
+                path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_Experts' forward: (y, gate|up output, order, sorted expert ids, counts)."""
+    return _experts_fwd(x, weights, gate_up, down, experts, activation, path)
+
+
+@_experts_op.register_fake
+def _(x, weights, gate_up, down, experts, activation, path):
+    rows = experts.numel()
+    return (x.new_empty(x.shape), x.new_empty(rows, gate_up.shape[1]), experts.new_empty(rows),
+            experts.new_empty(rows), experts.new_empty(gate_up.shape[0]))
+
+
+@custom_op("moe_experts_backward")
+def _experts_backward_op(dy: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, hidden: torch.Tensor, order: torch.Tensor, expert_of_row: torch.Tensor,
+                         counts: torch.Tensor, activation: str, path: str, top_k: int,
+                         needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_Experts' backward on a copy of the gate|up output (an op may not write its inputs); placeholders for the
+    gradients not asked for."""
+    grads = _experts_bwd(dy, x, weights, gate_up, down, hidden.clone(), order, expert_of_row, counts, activation,
+                         path, top_k, tuple(needs))
+    return tuple(absent(t) if g is None else g for g, t in zip(grads, (x, weights, gate_up, down)))
+
+
+@_experts_backward_op.register_fake
+def _(dy, x, weights, gate_up, down, hidden, order, expert_of_row, counts, activation, path, top_k, needs):
+    return tuple(torch.empty_like(t) if need else absent(t) for t, need in zip((x, weights, gate_up, down), needs))
+
+
+def _experts_setup(ctx, inputs, output) -> None:
+    x, weights, gate_up, down, experts, ctx.activation, ctx.path = inputs
+    ctx.save_for_backward(x, weights, gate_up, down, *output[1:])
+    ctx.top_k = experts.shape[1]
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _experts_grads(ctx, dy, *_):
+    refuse_double_backward("moe_experts")
+    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
+    grads = _experts_backward_op(dy, *ctx.saved_tensors, ctx.activation, ctx.path, ctx.top_k, needs)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
+
+
+_experts_op.register_autograd(_experts_grads, setup_context=_experts_setup)
 
 
 def _combine(out: torch.Tensor, w_sorted: torch.Tensor, order: torch.Tensor, n_tokens: int,
@@ -213,6 +284,8 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
         path = "grouped_mm" if _use_grouped_mm(x, gate_up, down) else "padded"
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
+    if torch.compiler.is_compiling():
+        return _experts_op(x, weights, gate_up, down, experts, activation, path)[0]
     return _Experts.apply(x, weights, gate_up, down, experts, activation, path)
 
 
@@ -276,7 +349,7 @@ class SparseMoeBlock(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)  # (N, E)
-        recorded = _RECORDED.get()
+        recorded = _RECORDED[0]
         if recorded is not None:
             recorded.append(logits)
         weights, experts = route(logits, self.top_k, self.renormalize, self.weights_in_logits_dtype)

@@ -10,8 +10,7 @@
 - HF defaults: vocab 151936, untied (≤4B checkpoints set tie_word_embeddings true), rope_theta 1e4 when absent
   (1e6 on the Hub), eps 1e-6.
 The q/k norms and RoPE run as one kernel pass over the packed projection output (liger_models/kernels/
-qk_norm_rope.py; bit-identical to the RMSNorm kernel followed by the RoPE kernel, which remain the path under
-torch.compile and on the PyTorch reference)."""
+qk_norm_rope.py; the RMSNorm kernel followed by the RoPE kernel remain the PyTorch reference's path)."""
 
 from __future__ import annotations
 

@@ -76,3 +76,24 @@ def test_bad_shapes_are_refused():
         qk_norm_rope(qkv, qw, kw, cos[..., :4], sin[..., :4], 2, 1, 8, 1e-6)
     with pytest.raises(ValueError, match="casting"):
         qk_norm_rope(qkv, qw, kw, cos, sin, 2, 1, 8, 1e-6, casting="phi")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("casting,offset", CASTINGS)
+def test_real_shapes_bf16_on_gpu(casting, offset):
+    """Qwen3-8B's heads (32 q, 8 kv, head_dim 128) and Gemma-3-1B's (4 q, 1 kv, 256) at 2 × 2048 tokens."""
+    for b, t, hq, hkv, d in ((2, 2048, 32, 8, 128), (2, 2048, 4, 1, 256)):
+        qkv, qw, kw, cos, sin = _inputs(b, t, hq, hkv, d, torch.bfloat16, per_row=True)
+        q, k, v = qk_norm_rope(qkv, qw, kw, cos, sin, hq, hkv, d, 1e-6, offset, casting)
+        leaves64 = [x.detach().double().requires_grad_() for x in (qkv, qw, kw)]
+        refs = qk_norm_rope_reference(*leaves64, cos.double(), sin.double(), hq, hkv, d, 1e-6, offset, casting)
+        eager = [x.detach().requires_grad_() for x in (qkv, qw, kw)]
+        lows = qk_norm_rope_reference(*eager, cos, sin, hq, hkv, d, 1e-6, offset, casting)
+        for out, ref, low in zip((q, k, v), refs, lows):
+            assert_matches(out, ref, eager=low)
+        grads = [torch.randn_like(x) for x in (q, k, v)]
+        torch.autograd.backward((q, k, v), grads)
+        torch.autograd.backward(refs, [g.double() for g in grads])
+        torch.autograd.backward(lows, grads)
+        for mine, truth, low in zip((qkv, qw, kw), leaves64, eager):
+            assert_matches(mine.grad, truth.grad, eager=low.grad)

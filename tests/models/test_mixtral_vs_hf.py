@@ -159,3 +159,20 @@ def test_jitter_only_in_training():
         assert torch.equal(model(ids).logits, model(ids).logits)
         model.train()
         assert not torch.equal(model(ids).logits, model(ids).logits)
+
+
+def test_bad_expert_counts_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="num_experts_per_tok must be at most num_local_experts"):
+        MixtralConfig.tiny(num_local_experts=2, num_experts_per_tok=3)
+    with pytest.raises(ValueError, match="num_local_experts must be a positive integer"):
+        MixtralConfig.tiny(num_local_experts=0)
+    # A checkpoint missing one expert's tensor names it.
+    model = LigerMixtralForCausalLM.from_config(MixtralConfig.tiny())
+    model.save_pretrained(tmp_path / "ckpt")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="experts.2.w3.weight"):
+        AutoLigerForCausalLM.from_pretrained(tmp_path / "ckpt")

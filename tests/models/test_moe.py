@@ -167,3 +167,28 @@ def test_autocast_runs_the_experts_in_bf16():
     assert gate_up.grad.dtype == torch.float32 and gate_up.grad.abs().sum() > 0
     ref = loop_reference(x, weights, experts, gate_up, down)
     assert (out.double() - ref).abs().max().item() <= 3e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_activation_checkpointing_keeps_loss_aux_loss_and_gradients(family):
+    # The recomputation in backward runs outside the recording: the aux loss is counted once, gradients unchanged.
+    from liger_models import (LigerMixtralForCausalLM, LigerQwen3MoeForCausalLM, MixtralConfig,
+                              Qwen3MoeConfig)
+
+    cls, config = {"mixtral": (LigerMixtralForCausalLM, MixtralConfig.tiny()),
+                   "qwen3_moe": (LigerQwen3MoeForCausalLM, Qwen3MoeConfig.tiny())}[family]
+    model = cls.from_config(config).train()
+    ids = torch.randint(3, 128, (2, 10))
+    results = []
+    for checkpointed in (False, True):
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=ids, output_router_logits=True)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.aux_loss.detach(), {n: p.grad.clone() for n, p in
+                                                                    model.named_parameters()}))
+    (loss0, aux0, grads0), (loss1, aux1, grads1) = results
+    assert torch.equal(loss0, loss1) and torch.equal(aux0, aux1)
+    for name, grad in grads0.items():
+        assert torch.equal(grads1[name], grad), name

@@ -10,9 +10,8 @@ from liger_models import AutoLigerForCausalLM, Gemma2Config, Gemma3TextConfig, L
 from liger_models import LigerGemma3ForCausalLM
 from liger_models.cli import main
 from liger_models.hub import load_tokenizer
-from liger_models.train.data import save_tokenizer, train_bpe_tokenizer
-
-from .conftest import EOS, shakespeare
+from liger_models.text.bpe import save_tokenizer, train_bpe_tokenizer
+from tests.helpers import EOS, shakespeare
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 

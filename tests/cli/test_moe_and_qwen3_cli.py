@@ -9,9 +9,8 @@ import pytest
 from liger_models import (AutoLigerForCausalLM, LigerMixtralForCausalLM, LigerQwen3ForCausalLM,
                           LigerQwen3MoeForCausalLM, MixtralConfig, Qwen3Config, Qwen3MoeConfig)
 from liger_models.cli import main
-from liger_models.train.data import save_tokenizer, train_bpe_tokenizer
-
-from .conftest import EOS, shakespeare
+from liger_models.text.bpe import save_tokenizer, train_bpe_tokenizer
+from tests.helpers import EOS, shakespeare
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 

@@ -1,0 +1,82 @@
+"""One mixture-of-experts layer, forward + backward (bf16): this project vs transformers 5.x's experts paths.
+
+Shapes are the MLP slots of Qwen3-30B-A3B (D 2048, 128 experts of 768, top-8, renormalised) and Mixtral-8x7B
+(D 4096, 8 experts of 14336, top-2) at 4 × 2048 tokens; router logits random (each layer's routing is what it is).
+Providers: "liger-models" is liger_models.modules.moe.SparseMoeBlock (sorted rows, torch grouped_mm, the fused gated
+kernel, a backward that saves only the gate|up output); "hf-grouped_mm" and "hf-eager" are transformers'
+Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock with experts_implementation "grouped_mm" (its default) and "eager"
+(a Python loop over experts). All run on the same weights. Peak memory is what a forward + backward allocates above
+its inputs; time is one forward + backward.
+
+    python benchmarks/bench_moe.py [--quick] [--out DIR] [--providers liger-models,hf-grouped_mm,hf-eager]
+"""
+
+from __future__ import annotations
+
+import torch
+from harness import parse_args, run_case, save, table
+
+CASES = {
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden=2048, inter=768, experts=128, top_k=8, tokens=8192),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden=4096, inter=14336, experts=8, top_k=2, tokens=8192),
+}
+
+
+def _configs(case: dict):
+    import transformers
+
+    from liger_models import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(hidden_size=case["hidden"], num_experts_per_tok=case["top_k"], num_hidden_layers=1,
+                  num_attention_heads=16, num_key_value_heads=4, vocab_size=1024)
+    if case["model_type"] == "qwen3_moe":
+        fields = dict(common, num_experts=case["experts"], moe_intermediate_size=case["inter"], norm_topk_prob=True)
+        return Qwen3MoeConfig(**fields), transformers.Qwen3MoeConfig(**fields)
+    fields = dict(common, num_local_experts=case["experts"], intermediate_size=case["inter"])
+    return MixtralConfig(**fields), transformers.MixtralConfig(**fields)
+
+
+def providers(case: dict) -> dict:
+    import transformers
+
+    from liger_models.modules.moe import SparseMoeBlock
+
+    ours_cfg, hf_cfg = _configs(case)
+    with torch.device("cuda"):
+        ours = SparseMoeBlock(ours_cfg).to(torch.bfloat16)
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.normal_(0.0, 0.02)
+        blocks = {}
+        for impl in ("grouped_mm", "eager"):
+            hf_cfg._experts_implementation = impl
+            module = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock \
+                if case["model_type"] == "mixtral" else transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock
+            block = module(hf_cfg).to(torch.bfloat16)
+            block.load_state_dict({"gate.weight": ours.gate.weight, "experts.gate_up_proj": ours.experts.gate_up_proj,
+                                   "experts.down_proj": ours.experts.down_proj})
+            blocks[impl] = block
+    x = torch.randn(1, case["tokens"], case["hidden"], device="cuda", dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+
+    def step(module):
+        def run():
+            out = module(x)
+            out.backward(dy)
+        return run
+
+    return {"liger-models": step(ours), "hf-grouped_mm": step(blocks["grouped_mm"]), "hf-eager": step(blocks["eager"])}
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    wanted = {p for p in args.providers.split(",") if p}
+    results = []
+    for name, case in CASES.items():
+        results += run_case(name, providers(case), extra=dict(case), wanted=wanted)
+    save("bench_moe", args.out, results)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
