@@ -95,9 +95,17 @@ def decoder_linears(model: nn.Module) -> dict[str, nn.Module]:
     """Full name → module for every linear inside the decoder layers (what LoRA may target)."""
     from liger_models.modules.lora_linear import LoraLinear
 
-    return {name: m for name, m in model.named_modules()
-            if name.startswith("model.layers.") and isinstance(m, (nn.Linear, LoraLinear))
-            and not name.endswith((".lora_A", ".lora_B"))}
+    found = {}
+    for name, m in model.named_modules():
+        if (not name.startswith("model.layers.") or not isinstance(m, (nn.Linear, LoraLinear))
+                or name.endswith((".lora_A", ".lora_B"))):
+            continue
+        # A mixture-of-experts block's router: its experts are stacked tensors that take no adapter, and HF names
+        # the block differently per family, so an adapter on the router alone is not offered.
+        if hasattr(model.get_submodule(name.rpartition(".")[0]), "experts"):
+            continue
+        found[name] = m
+    return found
 
 
 def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:

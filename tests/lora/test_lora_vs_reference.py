@@ -61,3 +61,22 @@ def test_some_siblings_adapted_rsLoRA_and_rank_pattern(tmp_path):
     """q and v adapted, k plain inside the packed q|k|v GEMM; a per-module rank; rsLoRA scaling."""
     _check("llama", "all-linear", tmp_path, targets=["q_proj", "v_proj", "up_proj"], use_rslora=True,
            rank_pattern={"v_proj": 2}, alpha_pattern={"up_proj": 3.0})
+
+
+@pytest.mark.parametrize("config_name", ["MixtralConfig", "Qwen3MoeConfig"])
+def test_moe_families_adapt_attention_only(config_name):
+    """all-linear on a mixture-of-experts model: the attention projections (the experts are stacked tensors and the
+    router is not offered); the adapters train, nothing else does."""
+    import liger_models
+    from liger_models.auto import model_class
+    from liger_models.lora import LoraSettings, add_lora
+
+    config = getattr(liger_models, config_name).tiny()
+    model = model_class(config.model_type).from_config(config)
+    names = add_lora(model, LoraSettings(r=4, alpha=8, init=False))
+    assert {n.rsplit(".", 1)[1] for n in names} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    model(ids, labels=ids).loss.backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained == {n for n, p in model.named_parameters() if p.requires_grad} and len(trained) == 2 * len(names)
