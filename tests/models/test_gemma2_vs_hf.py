@@ -1,7 +1,7 @@
 """Gemma 2 vs transformers (eager, the reference HF 5.25 itself defaults to): sandwich norms, query_pre_attn_scalar,
 attention and final soft-caps that bind, alternating windowed / full layers with the sequence past the window, GQA,
 head_dim ≠ hidden / heads; packed documents, cached decoding and the config round trip (the CLI:
-tests/cli/test_gemma_commands.py)."""
+tests/cli/test_gemma_cli.py)."""
 
 import copy
 
