@@ -138,7 +138,7 @@ def test_cached_decoding_across_the_window_equals_hf(tmp_path):
 
 def test_config_defaults_and_errors():
     cfg = Gemma3TextConfig.from_hf({"model_type": "gemma3_text", "num_hidden_layers": 12})
-    assert cfg.layer_types.count("full_attention") == 2 and cfg.layer_types[5] == cfg.layer_types[11] == "full_attention"
+    assert [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"] == [5, 11]
     assert (cfg.rope_theta, cfg.rope_local_base_freq, cfg.vocab_size) == (1e6, 1e4, 262208)
     assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
     assert cfg.layer_rope(0) == (1e4, None) and cfg.layer_rope(5) == (1e6, None)
