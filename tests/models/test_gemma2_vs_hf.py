@@ -216,3 +216,29 @@ def test_bf16_within_hf_bf16_error(tmp_path):
     error of HF's own bf16 run, both measured against HF in fp32."""
     hf = build()
     check_bf16_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=13)
+
+
+def test_padded_batches_match_hf(tmp_path):
+    """attention_mask through the soft-capped attention: left padding (windows binding) equals HF at the real
+    tokens; right padding (windows longer than the rows) equals HF at every position, padded queries included;
+    the flex score_mod path takes the same padding rule as the math path."""
+    from .test_inference import left_padded
+
+    hf = build()
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
+    ids, mask = left_padded(3, 12, [4, 0, 7])
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        out = ours(ids, attention_mask=mask, position_ids=positions).logits
+        ref = hf(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        assert (out[mask.bool()] - ref[mask.bool()]).abs().max().item() <= 1e-4
+        for layer in ours.model.layers:
+            layer.self_attn.flex = "always"
+        flex = ours(ids, attention_mask=mask, position_ids=positions).logits
+        assert (flex[mask.bool()] - out[mask.bool()]).abs().max().item() <= 1e-5
+    wide = build(sliding_window=64)
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(wide, tmp_path / "wide"), dtype=torch.float32)
+    ids, mask = ids.flip(-1), mask.flip(-1)
+    with torch.no_grad():
+        out, ref = ours(ids, attention_mask=mask).logits, wide(ids, attention_mask=mask, use_cache=False).logits
+    assert (out - ref).abs().max().item() <= 1e-4
