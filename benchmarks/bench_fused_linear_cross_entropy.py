@@ -18,6 +18,8 @@ max_scratch_bytes, the fp32 accumulator becoming grad_W in place; also at the Ge
 V256000); with overlap_ce flipped (`liger-models overlap`: the CE pass of each chunk on a side stream, overlapping
 the previous chunk's gradient GEMMs); and with single_chunk_in_accumulator flipped where N ≤ 2H (`liger-models
 chunked`: the default is one chunk there).
+The Gemma-2-9B step's loss (BT8192 H3584 V256000) runs with its final-logit soft-cap of 30 in every provider
+(`liger-models softcap30`: the cap inside the row kernel).
 `liger-models filtered` runs every case with grad_filter_eps=2⁻¹², cut-cross-entropy's default threshold for bf16
 (opt-in: each token chunk's backward GEMMs over the vocabulary columns whose per-token gradient reaches it;
 liger_models/kernels/_grad_filter.py). At the headline shapes both filtered providers' dh and dW are compared with this
@@ -39,6 +41,10 @@ from harness import Result, matmul_tflops, parse_args, run_case, save, table
 MiB = 1 << 20
 HEADLINE = [(8192, 4096, 128256), (8192, 2048, 256000), (16384, 2048, 128256)]
 GEMMA_STEP = (16384, 2048, 256000)  # the Gemma-2B e2e step's loss (bench_e2e): where the scratch cap is weighed
+# The Gemma-2-9B e2e step's loss (bench_e2e gemma2-9b-w8l, 4×2048) with its final-logit soft-cap of 30, every
+# provider capping: this project inside the row kernel, eager / torch.compile as HF (c·tanh(z/c) on the bf16
+# logits, then the upcast), liger-kernel and cut-cross-entropy through their softcap arguments.
+GEMMA2_STEP, GEMMA2_SOFTCAP = (8192, 3584, 256000), 30.0
 SWEEP = [(2048, 4096, 128256), (32768, 2048, 128256), (8192, 8192, 128256), (8192, 4096, 32000),
          (8192, 4096, 152064), (32768, 4096, 256000), (16384, 8192, 152064)]
 EAGER_MAX_ELEMENTS = 3 << 30  # eager holds bf16 + fp32 logits and their grads: ≈12 B per logit
@@ -98,6 +104,36 @@ def vs_exact(hidden, weight, labels) -> dict:
         out[name] = {"dh_rel_err": rel(fh, dh), "dw_rel_err": rel(fw, dw),
                      "rows_without_grad": ((fw == 0).all(1) & (dw != 0).any(1)).double().mean().item()}
         del fh, fw
+    return out
+
+
+def softcapped_providers(hidden, weight, labels, cap: float) -> dict:
+    """Every provider with a final-logit soft-cap of ``cap`` (GEMMA2_STEP)."""
+    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
+
+    def reference(h, w, y):  # HF's Gemma2ForCausalLM + ForCausalLMLoss: cap the bf16 logits, upcast, cross-entropy
+        logits = F.linear(h, w)
+        return F.cross_entropy((torch.tanh(logits / cap) * cap).float(), y, ignore_index=IGNORE)
+
+    def liger(h, w, y):
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, softcap=cap)(w, h, y)
+
+    def cce(h, w, y):
+        from cut_cross_entropy import linear_cross_entropy
+
+        return linear_cross_entropy(h, w, y, ignore_index=IGNORE, reduction="mean", softcap=cap)
+
+    out = {f"liger-models softcap{cap:g}": step(lambda h, w, y: fused_linear_cross_entropy(h, w, y, softcap=cap))}
+    if hidden.shape[0] * weight.shape[0] <= EAGER_MAX_ELEMENTS:
+        out["eager"] = step(reference)
+        out["torch.compile"] = step(torch.compile(reference, dynamic=False))
+    out["liger-kernel"] = step(liger)
+    out["cut-cross-entropy"] = step(cce)
     return out
 
 
@@ -182,6 +218,14 @@ def main() -> None:
                              vocab * hdim * 4 / MiB, rate, {"bt": n, "hidden": hdim, "vocab": vocab, "logits": kind},
                              wanted)
         del inputs
+    n, hdim, vocab = GEMMA2_STEP
+    case = f"linear-CE BT{n} H{hdim} V{vocab} random softcap{GEMMA2_SOFTCAP:g}"
+    inputs = make_inputs(n, hdim, vocab, "random")
+    results += time_case(case, softcapped_providers(*inputs, GEMMA2_SOFTCAP), 6.0 * n * hdim * vocab,
+                         (n + vocab) * hdim * 2 / MiB, vocab * hdim * 4 / MiB, rate,
+                         {"bt": n, "hidden": hdim, "vocab": vocab, "logits": "random", "softcap": GEMMA2_SOFTCAP},
+                         wanted)
+    del inputs
     for r in results:
         if r.provider in accuracy.get(r.case, {}):
             r.extra["vs_exact"] = accuracy[r.case][r.provider]

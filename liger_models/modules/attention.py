@@ -1,7 +1,8 @@
 """Causal self-attention: one QKV GEMM, fused RoPE in place on its output views, SDPA / flex attention, KV cache.
 
-Numerics follow HF ``eager_attention_forward`` (scores · head_dim^-0.5, fp32 softmax inside SDPA, GQA query head h
-reads kv head h // (Hq/Hkv)). Which keys a query at absolute index i may see:
+Numerics follow HF ``eager_attention_forward`` (scores · config.attention_scale, head_dim^-0.5 unless the family
+says otherwise; fp32 softmax inside SDPA; GQA query head h reads kv head h // (Hq/Hkv); Gemma 2's score soft-cap
+c·tanh(s/c) before the mask, see ``attend``). Which keys a query at absolute index i may see:
   causal       j ≤ i
   window W     i − j < W                    (exactly W keys including itself; HF eager/SDPA convention)
   documents    doc[j] == doc[i]             (packed sequences: position_ids that do not step by +1 start a new doc)
@@ -11,7 +12,8 @@ reads kv head h // (Hq/Hkv)). Which keys a query at absolute index i may see:
 Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast path; no mask tensor); on CUDA for
 long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
 tensor); a speculative tree's verification call (inference), liger_models/kernels/decode_attention.py (the keys split over
-programs); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill).
+programs); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill). Soft-capped scores
+(no SDPA hook): flex_attention with a score_mod on CUDA from FLEX_MIN_LEN queries, else HF eager's math.
 """
 
 from __future__ import annotations

@@ -207,3 +207,34 @@ def check_roundtrip(ours, directory: Path, seq_len: int = 10, max_shard_size: st
     with torch.no_grad():
         err = (back(ids).logits - ours(ids).logits).abs().max().item()
     assert err <= 1e-4, f"transformers reloading our checkpoint differs by {err:.3e}"
+
+
+def check_bf16_parity(hf, directory: Path, seq_len: int, *, batch: int = 2, floor: float = 2e-3):
+    """Ours in bf16 against HF in fp32 (the reference): logits, loss and every gradient no further from it than
+    2× HF's own bf16 run, plus ``floor`` (relative L2; tensors HF gets almost exactly). Returns ours."""
+    ours = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    ids = torch.randint(3, hf.config.vocab_size, (batch, seq_len))
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.double(), b.double()
+        return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+    with torch.no_grad():
+        ref = hf(ids, use_cache=False).logits
+        hf_err, err = rel(hf_bf16(ids, use_cache=False).logits, ref), rel(ours(ids).logits, ref)
+    assert err <= 2 * hf_err + floor, f"bf16 logits: ours {err:.2e} vs HF bf16 {hf_err:.2e}"
+    losses = {}
+    for tag, model in (("ref", hf), ("hf", hf_bf16), ("ours", ours)):
+        model.zero_grad(set_to_none=True)
+        loss = ours(ids, labels=ids).loss if model is ours else causal_lm_loss(
+            model(ids, use_cache=False).logits.float(), ids)
+        loss.backward()
+        losses[tag] = loss.item()
+    assert abs(losses["ours"] - losses["ref"]) <= 2 * abs(losses["hf"] - losses["ref"]) + 1e-3 * losses["ref"], losses
+    ref_params, hf_params = dict(hf.named_parameters()), dict(hf_bf16.named_parameters())
+    for name, p in ours.named_parameters():
+        hf_err = rel(hf_params[name].grad, ref_params[name].grad)
+        err = rel(p.grad, ref_params[name].grad)
+        assert err <= 2 * hf_err + floor, f"bf16 grad {name}: ours {err:.2e} vs HF bf16 {hf_err:.2e}"
+    return ours

@@ -1,7 +1,7 @@
 """Gemma 2 vs transformers (eager, the reference HF 5.25 itself defaults to): sandwich norms, query_pre_attn_scalar,
 attention and final soft-caps that bind, alternating windowed / full layers with the sequence past the window, GQA,
 head_dim ≠ hidden / heads; packed documents, cached decoding and the config round trip (the CLI:
-tests/cli/test_gemma_commands.py)."""
+tests/cli/test_gemma_cli.py)."""
 
 import copy
 
@@ -12,7 +12,7 @@ import transformers
 from liger_models import AutoLigerForCausalLM, Gemma2Config, LigerGemma2ForCausalLM
 from liger_models.modules import KVCache
 
-from .parity import build_hf, check_parity, check_roundtrip, save_hf
+from .parity import build_hf, check_bf16_parity, check_parity, check_roundtrip, save_hf
 
 # Layers: sliding, full, sliding, full. qpas 24 ≠ head_dim 32; window 5 < every sequence below.
 GEMMA2 = dict(head_dim=32, num_hidden_layers=4, sliding_window=5, query_pre_attn_scalar=24,
@@ -209,3 +209,36 @@ def test_medusa_base_loss_is_the_capped_loss():
                                                      ids[:, 1:].flatten())
     assert abs(out.base_loss.item() - own.item()) <= 1e-5 * own.item()
     assert abs(own.item() - uncapped.item()) > 1e-3  # the cap changes this loss
+
+
+def test_bf16_within_hf_bf16_error(tmp_path):
+    """bf16 (the Triton kernels' bf16 paths, the soft-caps in bf16): logits, loss and every gradient within 2× the
+    error of HF's own bf16 run, both measured against HF in fp32."""
+    hf = build()
+    check_bf16_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=13)
+
+
+def test_padded_batches_match_hf(tmp_path):
+    """attention_mask through the soft-capped attention: left padding (windows binding) equals HF at the real
+    tokens; right padding (windows longer than the rows) equals HF at every position, padded queries included;
+    the flex score_mod path takes the same padding rule as the math path."""
+    from .test_inference import left_padded
+
+    hf = build()
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
+    ids, mask = left_padded(3, 12, [4, 0, 7])
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        out = ours(ids, attention_mask=mask, position_ids=positions).logits
+        ref = hf(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        assert (out[mask.bool()] - ref[mask.bool()]).abs().max().item() <= 1e-4
+        for layer in ours.model.layers:
+            layer.self_attn.flex = "always"
+        flex = ours(ids, attention_mask=mask, position_ids=positions).logits
+        assert (flex[mask.bool()] - out[mask.bool()]).abs().max().item() <= 1e-5
+    wide = build(sliding_window=64)
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(wide, tmp_path / "wide"), dtype=torch.float32)
+    ids, mask = ids.flip(-1), mask.flip(-1)
+    with torch.no_grad():
+        out, ref = ours(ids, attention_mask=mask).logits, wide(ids, attention_mask=mask, use_cache=False).logits
+    assert (out - ref).abs().max().item() <= 1e-4
