@@ -1,7 +1,7 @@
-"""The package's layering is one-way: kernels ← modules ← families ← auto ← medusa ← train, convert ← recipes ← cli,
-with shared services (checkpoint I/O, tokenizer, text rendering, input files) at the bottom. Read from the source
-(ast), so a lower floor importing a higher one, an import cycle, or an import hidden in a function to dodge one fails
-here, named, before it fails someone at run time."""
+"""The package's layering is one-way: kernels ← modules ← families ← auto ← medusa, lora ← train, convert ←
+recipes ← cli, with shared services (checkpoint I/O, tokenizer, text rendering, input files) at the bottom. Read
+from the source (ast), so a lower floor importing a higher one, an import cycle, or an import hidden in a function
+to dodge one fails here, named, before it fails someone at run time."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ FLOORS = {
     "kernels": KERNELS,
     "modules": MODULES,
     "auto": AUTO,
-    "medusa": MEDUSA,
+    "medusa": MEDUSA, "lora": MEDUSA,
     "train": TRAIN, "convert": TRAIN,
     "recipes": RECIPES,
     "cli": CLI,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from liger_models.modules.lora_linear import LoraLinear
+
 ALL_LINEAR = "all-linear"
 # PEFT fields whose non-default value changes the math or the saved keys in a way not implemented here.
 _UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
@@ -93,8 +95,6 @@ def _pattern_value(patterns: dict, name: str, default):
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Module]:
     """Full name → module for every linear inside the decoder layers (what LoRA may target)."""
-    from liger_models.modules.lora_linear import LoraLinear
-
     found = {}
     for name, m in model.named_modules():
         if (not name.startswith("model.layers.") or not isinstance(m, (nn.Linear, LoraLinear))

@@ -12,7 +12,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+from liger_models.hub import save_state_dict
+from liger_models.modules.lora_linear import LoraLinear
 
 from .attach import add_lora, lora_modules, lora_state_dict
 from .config import LoraSettings
@@ -23,8 +27,6 @@ CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
 
 def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None = None) -> Path:
     """adapter_config.json + adapter_model.safetensors that HF + PEFT's ``PeftModel.from_pretrained`` loads."""
-    from safetensors.torch import save_file
-
     settings: LoraSettings | None = getattr(model, "lora_settings", None)
     modules = lora_modules(model)
     if settings is None or not modules:
@@ -43,8 +45,6 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None
 
 def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.Tensor]]:
     """(settings, our-name → tensor) of a PEFT LoRA adapter directory."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     cfg_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     for p in (cfg_path, weights_path):
@@ -100,8 +100,6 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
 def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """HF-named tensors with every adapter merged: W + s·B·A in fp32, rounded once to ``dtype`` (default: the base
     weight's; for an NF4 base, dequant(NF4) + ΔW, what the adapter trained against, in the compute dtype)."""
-    from liger_models.modules.lora_linear import LoraLinear
-
     state = {}
     for key, value in model.state_dict().items():
         if ".lora_A." in key or ".lora_B." in key:
@@ -121,7 +119,5 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
 
 def save_merged(model: nn.Module, directory: str | Path, dtype: torch.dtype | None = None) -> None:
     """A plain HF checkpoint (config.json + safetensors) with the adapters merged, that transformers loads."""
-    from liger_models.hub import save_state_dict
-
     save_state_dict(merged_state_dict(model, dtype), model.config, directory,
                     generation_config=getattr(model, "generation_config", None))

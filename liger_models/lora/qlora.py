@@ -14,8 +14,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from liger_models.kernels.nf4 import QUANT_STATE_KEY, bnb_tensors, from_bnb_tensors
+from liger_models.auto import model_class
+from liger_models.hub import checkpoint_files, config_model_type, read_config, resolve_dir
+from liger_models.kernels.nf4 import bnb_tensors, from_bnb_tensors, QUANT_STATE_KEY
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 
 from .attach import _replace
@@ -23,10 +26,6 @@ from .config import decoder_linears
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    from liger_models.hub import checkpoint_files
-
     tensors = {}
     for file in checkpoint_files(path):
         tensors.update(load_file(str(file)))
@@ -36,9 +35,6 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
     """A model from a bitsandbytes NF4 checkpoint: quantised linears become NF4-based LoraLinear (no adapter yet),
     the rest loads as usual in ``dtype`` (default: the quant state's compute dtype)."""
-    from liger_models.auto import model_class
-    from liger_models.hub import config_model_type, read_config, resolve_dir
-
     path = resolve_dir(path)
     raw = read_config(path)
     quant = raw.get("quantization_config")
@@ -63,7 +59,8 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
             codes, absmax, state = from_bnb_tensors(tensors, name)
             shape = tuple(state["shape"])
             if shape != (lin.out_features, lin.in_features):
-                raise ValueError(f"{name}: quantised shape {shape} != the config's {(lin.out_features, lin.in_features)}")
+                expected = (lin.out_features, lin.in_features)
+                raise ValueError(f"{name}: quantised shape {shape} != the config's {expected}")
             bias = None
             if lin.bias is not None:
                 bias = torch.nn.Parameter(tensors[f"{name}.bias"].to(device=device, dtype=dtype), requires_grad=False)
@@ -84,8 +81,6 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
 @torch.no_grad()
 def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> None:
     """Write ``model`` (dense) as bitsandbytes + transformers save a 4-bit NF4 model (every decoder linear)."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}

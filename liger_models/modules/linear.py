@@ -18,6 +18,8 @@ and drop or refuse them. ``state_dict(keep_vars=True)`` and ``named_parameters``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,13 +88,23 @@ def all_plain(linears: list[nn.Module]) -> bool:
     return all(is_plain_linear(lin) for lin in linears)
 
 
+# Packed paths for groups that are not all plain nn.Linear, as (applies(linears), forward(x, linears)). LoRA groups
+# (modules/lora_linear.py) register theirs when that module is imported, which happens before any LoraLinear exists;
+# it builds on this module, so this one cannot import it.
+_GROUP_PATHS: list[tuple[Callable[[list], bool], Callable[[torch.Tensor, list], torch.Tensor]]] = []
+
+
+def register_group_path(applies: Callable[[list], bool],
+                        forward: Callable[[torch.Tensor, list], torch.Tensor]) -> None:
+    _GROUP_PATHS.append((applies, forward))
+
+
 def packed_linear(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
     """``cat([l(x) for l in linears], -1)`` computed with one GEMM; output (..., sum of out_features)."""
     if not all_plain(linears):
-        from .lora_linear import is_lora_group, lora_packed_linear  # lora_linear builds on this module
-
-        if is_lora_group(linears):
-            return lora_packed_linear(x, linears)
+        for applies, forward in _GROUP_PATHS:
+            if applies(linears):
+                return forward(x, linears)
     # Under autocast nn.Linear picks the GEMM dtype; a wrapped or hooked projection must run its own forward.
     if torch.is_autocast_enabled(x.device.type) or not all_plain(linears):
         return torch.cat([lin(x) for lin in linears], dim=-1)

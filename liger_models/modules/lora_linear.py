@@ -30,7 +30,7 @@ from torch import nn
 
 from liger_models.kernels.nf4 import dequantize_nf4
 
-from .linear import _stacked, is_plain_linear
+from .linear import _stacked, is_plain_linear, register_group_path
 
 
 class NF4Weight(nn.Module):
@@ -297,3 +297,6 @@ def lora_packed_linear(x: torch.Tensor, linears: list[nn.Module]) -> torch.Tenso
         return torch.cat([lin.composed(x) if isinstance(lin, LoraLinear) else lin(x) for lin in linears], dim=-1)
     group = Group(linears)
     return _LoraPacked.apply(x, group, *group.adapter_params())
+
+
+register_group_path(is_lora_group, lora_packed_linear)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import resolve_model
+from liger_models.lora import save_adapter
 from liger_models.recipes import training as T
 from liger_models.recipes.configs import FinetuneConfig
 from liger_models.recipes.lora import attach, lora_settings
@@ -43,7 +44,6 @@ def train_causal_lm(config: FinetuneConfig | argparse.Namespace) -> T.RunResult:
 
         def export(directory: Path, full_state: dict | None, final: Path) -> None:
             if lora is not None:  # a PEFT adapter directory (HF + PEFT loads it onto --model)
-                from liger_models.lora import save_adapter
 
                 save_adapter(model, directory, base_model=T.base_name(config.model))
                 T.copy_tokenizer(model_dir, directory)

@@ -9,13 +9,17 @@ from pathlib import Path
 
 import torch
 
+from liger_models.auto import AutoLigerForCausalLM
+from liger_models.hub import resolve_model
+from liger_models.lora import add_lora, load_adapter, LoraSettings, quantize_base_, read_adapter, save_merged
+from liger_models.lora.attach import lora_state_dict
+from liger_models.recipes import training as T
+
 
 def lora_settings(config):
     """The config's --lora-* options as LoraSettings, or None without lora_r (full fine-tuning)."""
     if config.lora_r is None:
         return None
-    from liger_models.lora import LoraSettings
-
     targets = config.lora_targets if config.lora_targets == "all-linear" else \
         [t.strip() for t in config.lora_targets.split(",") if t.strip()]
     alpha = config.lora_alpha if config.lora_alpha is not None else 2.0 * config.lora_r
@@ -26,9 +30,6 @@ def lora_settings(config):
 def attach(model, settings, qlora: bool, resume: Path | None) -> None:
     """NF4 base with ``qlora``, adapters on the targets (everything else frozen); resuming, the checkpoint's adapter
     weights exactly as saved (fp32)."""
-    from liger_models.lora import add_lora, quantize_base_, read_adapter
-    from liger_models.lora.attach import lora_state_dict
-
     if qlora:
         quantize_base_(model)
     add_lora(model, settings)
@@ -45,11 +46,6 @@ def attach(model, settings, qlora: bool, resume: Path | None) -> None:
 def merge_lora_command(args: argparse.Namespace) -> Path:
     """``liger-models merge-lora``: --adapter merged into its base (--model or the adapter's base_model_name_or_path),
     written with the base's tokenizer files to --out."""
-    from liger_models import AutoLigerForCausalLM
-    from liger_models.hub import resolve_model
-    from liger_models.lora import load_adapter, quantize_base_, save_merged
-    from liger_models.recipes import training as T
-
     adapter = Path(args.adapter).expanduser()
     base = args.model
     if base is None:
