@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 CONTRACT = Path(__file__).with_name("api_contract.json")
+FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Phi3", "Mixtral", "Qwen3Moe")
 # The stable names, as "module:qualified.name" (a class pins its listed methods as "module:Class.method").
 STABLE = [
     "liger_models:AutoLigerForCausalLM.from_pretrained", "liger_models:AutoLigerForCausalLM.from_hub",
     "liger_models:model_class", "liger_models:load_tokenizer", "liger_models:reference_mode",
-    *(f"liger_models:Liger{f}ForCausalLM" for f in ("Llama", "Mistral", "Qwen2", "Gemma", "Phi3")),
-    *(f"liger_models:{f}Config" for f in ("Llama", "Mistral", "Qwen2", "Gemma", "Phi3")),
+    *(f"liger_models:Liger{f}ForCausalLM" for f in FAMILIES),
+    *(f"liger_models:{f}Config" for f in FAMILIES if f != "Gemma3"), "liger_models:Gemma3TextConfig",
     *(f"liger_models.modules.causal_lm:LigerForCausalLM.{m}" for m in (
         "forward", "generate", "save_pretrained", "from_pretrained", "from_hub", "from_config",
         "resize_token_embeddings", "gradient_checkpointing_enable", "activation_checkpointing_enable",
