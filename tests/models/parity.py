@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import transformers
 
 from liger_models import AutoLigerForCausalLM
+from liger_models.modules import KVCache
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -238,3 +239,32 @@ def check_bf16_parity(hf, directory: Path, seq_len: int, *, batch: int = 2, floo
         err = rel(p.grad, ref_params[name].grad)
         assert err <= 2 * hf_err + floor, f"bf16 grad {name}: ours {err:.2e} vs HF bf16 {hf_err:.2e}"
     return ours
+
+
+def check_packed_documents(hf, ours, lengths) -> list[torch.Tensor]:
+    """Documents of these lengths packed in one row (position_ids restarting at 0) give the logits HF gives each
+    document alone, within 1e-4. Returns the documents."""
+    docs = [torch.randint(3, 128, (1, n)) for n in lengths]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = ours(torch.cat(docs, dim=1), position_ids=position_ids).logits
+        ref = torch.cat([hf(doc, use_cache=False).logits for doc in docs], dim=1)
+    assert (packed - ref).abs().max().item() <= 1e-4
+    return docs
+
+
+def check_cached_generate(hf, ours, prompt_len: int, new_tokens: int, *, every_step: bool = True) -> None:
+    """Greedy generate equals HF's token for token; with ``every_step``, each cached step's logits also equal an
+    uncached HF forward over the whole sequence, within 1e-4."""
+    ids = torch.randint(3, 128, (2, prompt_len))
+    ref = copy.deepcopy(hf).generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(ours.generate(ids, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0), ref)
+    if not every_step:
+        return
+    cache, steps = KVCache(), []
+    with torch.no_grad():
+        steps.append(ours(ref[:, :prompt_len], past_key_values=cache, use_cache=True).logits[:, -1])
+        for t in range(prompt_len, ref.shape[1]):
+            steps.append(ours(ref[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        full = hf(ref, use_cache=False).logits[:, prompt_len - 1:]
+    assert (torch.stack(steps, dim=1) - full).abs().max().item() <= 1e-4

@@ -2,7 +2,6 @@
 past the window, two RoPE tables (local base unscaled, global base with linear scaling), query_pre_attn_scalar,
 sandwich norms; v5 nested and v4 flat rope configs, packed documents, cached decoding, the round trip."""
 
-import copy
 import json
 
 import pytest
@@ -10,9 +9,9 @@ import torch
 import transformers
 
 from liger_models import AutoLigerForCausalLM, Gemma3TextConfig, LigerGemma3ForCausalLM
-from liger_models.modules import KVCache
 
-from .parity import build_hf, check_bf16_parity, check_parity, check_roundtrip, save_hf
+from .parity import (build_hf, check_bf16_parity, check_cached_generate, check_packed_documents, check_parity,
+                     check_roundtrip, save_hf)
 
 # Pattern 3 over 6 layers: sliding, sliding, full, sliding, sliding, full. qpas 24 ≠ head_dim 32; window 5.
 GEMMA3 = dict(head_dim=32, num_hidden_layers=6, sliding_window=5, query_pre_attn_scalar=24,
@@ -111,29 +110,14 @@ def test_default_pattern_and_unscaled_global_rope(tmp_path):
 def test_packed_documents_match_separate_hf_runs(tmp_path):
     hf = build()
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
-    lengths = (7, 4, 8)
-    docs = [torch.randint(3, 128, (1, n)) for n in lengths]
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = ours(torch.cat(docs, dim=1), position_ids=position_ids).logits
-        ref = torch.cat([hf(doc, use_cache=False).logits for doc in docs], dim=1)
-    assert (packed - ref).abs().max().item() <= 1e-4
+    check_packed_documents(hf, ours, (7, 4, 8))
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_cached_decoding_across_the_window_equals_hf(tmp_path):
     hf = build()
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
-    ids = torch.randint(3, 128, (2, 6))
-    ref = copy.deepcopy(hf).generate(ids, max_new_tokens=9, do_sample=False, eos_token_id=[], pad_token_id=0)
-    assert torch.equal(ours.generate(ids, max_new_tokens=9, eos_token_id=[], pad_token_id=0), ref)
-    cache, steps = KVCache(), []
-    with torch.no_grad():
-        steps.append(ours(ref[:, :6], past_key_values=cache, use_cache=True).logits[:, -1])
-        for t in range(6, ref.shape[1]):
-            steps.append(ours(ref[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-        full = hf(ref, use_cache=False).logits[:, 5:]
-    assert (torch.stack(steps, dim=1) - full).abs().max().item() <= 1e-4
+    check_cached_generate(hf, ours, 6, 9)
 
 
 def test_config_defaults_and_errors():

@@ -1,7 +1,6 @@
 """Mixtral vs transformers: routed experts (top-2 of 4, renormalised, fp32 weights), the auxiliary loss with HF's
 coefficient, per-expert and stacked checkpoints, the sliding window, cached decoding, packed documents."""
 
-import copy
 import json
 
 import pytest
@@ -11,7 +10,7 @@ from safetensors import safe_open
 
 from liger_models import AutoLigerForCausalLM, LigerMixtralForCausalLM, MixtralConfig
 
-from .parity import build_hf, check_parity, check_roundtrip, save_hf
+from .parity import build_hf, check_cached_generate, check_packed_documents, check_parity, check_roundtrip, save_hf
 
 MOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
 
@@ -133,22 +132,14 @@ def test_v4_config_defaults(tmp_path):
 def test_packed_documents_match_separate_hf_runs(tmp_path):
     hf = build_moe()
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
-    lengths = (4, 7, 2)
-    docs = [torch.randint(3, 128, (1, n)) for n in lengths]
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = ours(torch.cat(docs, dim=1), position_ids=position_ids).logits
-        ref = torch.cat([hf(doc, use_cache=False).logits for doc in docs], dim=1)
-    assert (packed - ref).abs().max().item() <= 1e-4
+    check_packed_documents(hf, ours, (4, 7, 2))
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_cached_generate_equals_hf(tmp_path):
     hf = build_moe(sliding_window=5)
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
-    ids = torch.randint(3, 128, (2, 6))
-    ref = copy.deepcopy(hf).generate(ids, max_new_tokens=7, do_sample=False, eos_token_id=[], pad_token_id=0)
-    assert torch.equal(ours.generate(ids, max_new_tokens=7, eos_token_id=[], pad_token_id=0), ref)
+    check_cached_generate(hf, ours, 6, 7, every_step=False)
 
 
 def test_jitter_only_in_training():

@@ -2,7 +2,6 @@
 decoder_sparse_step (dense layers between sparse ones), the auxiliary loss, num_experts / num_local_experts, per-expert
 and stacked checkpoints, the window on every layer, cached decoding, packed documents."""
 
-import copy
 import json
 
 import pytest
@@ -12,7 +11,7 @@ from safetensors import safe_open
 
 from liger_models import AutoLigerForCausalLM, LigerQwen3MoeForCausalLM, Qwen3MoeConfig
 
-from .parity import build_hf, check_parity, check_roundtrip, save_hf
+from .parity import build_hf, check_cached_generate, check_packed_documents, check_parity, check_roundtrip, save_hf
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=24)
 
@@ -99,22 +98,14 @@ def test_sliding_window_every_layer(tmp_path):
 def test_packed_documents_match_separate_hf_runs(tmp_path):
     hf = build_moe()
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
-    lengths = (3, 6, 5)
-    docs = [torch.randint(3, 128, (1, n)) for n in lengths]
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = ours(torch.cat(docs, dim=1), position_ids=position_ids).logits
-        ref = torch.cat([hf(doc, use_cache=False).logits for doc in docs], dim=1)
-    assert (packed - ref).abs().max().item() <= 1e-4
+    check_packed_documents(hf, ours, (3, 6, 5))
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_cached_generate_equals_hf(tmp_path):
     hf = build_moe(norm_topk_prob=True)
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
-    ids = torch.randint(3, 128, (2, 5))
-    ref = copy.deepcopy(hf).generate(ids, max_new_tokens=7, do_sample=False, eos_token_id=[], pad_token_id=0)
-    assert torch.equal(ours.generate(ids, max_new_tokens=7, eos_token_id=[], pad_token_id=0), ref)
+    check_cached_generate(hf, ours, 5, 7, every_step=False)
 
 
 def test_config_defaults_and_errors():

@@ -1,16 +1,14 @@
 """Qwen3 vs transformers: per-head q/k RMSNorm before RoPE, head_dim ≠ hidden / heads, attention_bias on q/k/v/o,
 tied and untied heads, use_sliding_window / max_window_layers / layer_types, cached decoding, packed documents."""
 
-import copy
 
 import pytest
 import torch
 import transformers
 
 from liger_models import AutoLigerForCausalLM, LigerQwen3ForCausalLM, Qwen3Config
-from liger_models.modules import KVCache
 
-from .parity import build_hf, check_parity, check_roundtrip, save_hf
+from .parity import build_hf, check_cached_generate, check_packed_documents, check_parity, check_roundtrip, save_hf
 
 
 def test_qk_norm_head_dim_tied(tmp_path):
@@ -79,13 +77,7 @@ def test_explicit_layer_types(tmp_path):
 def test_packed_documents_match_separate_hf_runs(tmp_path):
     hf = build_hf(transformers.Qwen3Config, head_dim=16)
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
-    lengths = (5, 7, 3)
-    docs = [torch.randint(3, 128, (1, n)) for n in lengths]
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        packed = ours(torch.cat(docs, dim=1), position_ids=position_ids).logits
-        ref = torch.cat([hf(doc, use_cache=False).logits for doc in docs], dim=1)
-    assert (packed - ref).abs().max().item() <= 1e-4
+    check_packed_documents(hf, ours, (5, 7, 3))
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
@@ -93,17 +85,7 @@ def test_cached_decoding_across_the_window_equals_hf(tmp_path):
     hf = build_hf(transformers.Qwen3Config, head_dim=16, use_sliding_window=True, sliding_window=4,
                   max_window_layers=1)
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
-    ids = torch.randint(3, 128, (2, 6))
-    ref = copy.deepcopy(hf).generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=[], pad_token_id=0)
-    assert torch.equal(ours.generate(ids, max_new_tokens=8, eos_token_id=[], pad_token_id=0), ref)
-    # Every step's logits against an uncached HF forward over the whole sequence.
-    cache, steps = KVCache(), []
-    with torch.no_grad():
-        steps.append(ours(ref[:, :6], past_key_values=cache, use_cache=True).logits[:, -1])
-        for t in range(6, ref.shape[1]):
-            steps.append(ours(ref[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-        full = hf(ref, use_cache=False).logits[:, 5:]
-    assert (torch.stack(steps, dim=1) - full).abs().max().item() <= 1e-4
+    check_cached_generate(hf, ours, 6, 8)
 
 
 def test_config_defaults_and_tiny():
