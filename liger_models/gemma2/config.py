@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from liger_models.modules.config import _ACTIVATIONS, LigerConfig
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
+from liger_models.modules.config import _ACTIVATIONS, LigerConfig, check_layer_types
 
 
 @dataclass
@@ -70,12 +68,7 @@ class Gemma2Config(LigerConfig):
 
     def _check_windows(self) -> None:
         """layer_types first: a short list or an unknown type would fail later with an unrelated error."""
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected num_hidden_layers = "
-                             f"{self.num_hidden_layers}")
-        for layer_type in self.layer_types:
-            if layer_type not in LAYER_TYPES:
-                raise ValueError(f"unknown layer type {layer_type!r} in layer_types (supported: {LAYER_TYPES})")
+        check_layer_types(self.layer_types, self.num_hidden_layers)
         if self.sliding_window is None and "sliding_attention" in self.layer_types:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
         super()._check_windows()

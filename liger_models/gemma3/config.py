@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from liger_models.gemma2.config import LAYER_TYPES, Gemma2Config
+from liger_models.gemma2.config import Gemma2Config
+from liger_models.modules.config import LAYER_TYPES
 
 
 @dataclass

@@ -73,19 +73,25 @@ def _norm_rope_heads(X, Y, W, cos1, cos2, sin1, sin2, eps, offset, N_HEADS: tl.c
 
 
 @triton.jit
+def _token_cos_sin(COS, SIN, start, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One token's cos / sin halves as (1, BLOCK_R) rows, zero past HALF."""
+    cols = tl.arange(0, BLOCK_R)
+    cmask = cols < HALF
+    cos1 = tl.load(COS + start + cols, mask=cmask, other=0.0)[None, :]
+    cos2 = tl.load(COS + start + cols + HALF, mask=cmask, other=0.0)[None, :]
+    sin1 = tl.load(SIN + start + cols, mask=cmask, other=0.0)[None, :]
+    sin2 = tl.load(SIN + start + cols + HALF, mask=cmask, other=0.0)[None, :]
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
 def _qk_norm_rope_fwd_kernel(QKV, Q_OUT, K_OUT, QW, KW, COS, SIN, seq_len, stride_b, stride_t, stride_cos_b,
                              stride_cos_t, eps, offset, N_Q: tl.constexpr, N_K: tl.constexpr, D: tl.constexpr,
                              HALF: tl.constexpr, GEMMA: tl.constexpr, BLOCK_HQ: tl.constexpr,
                              BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     b, t = pid // seq_len, pid % seq_len
-    cols = tl.arange(0, BLOCK_R)
-    cs = b * stride_cos_b + t * stride_cos_t + cols
-    cmask = cols < HALF
-    cos1 = tl.load(COS + cs, mask=cmask, other=0.0)[None, :]
-    cos2 = tl.load(COS + cs + HALF, mask=cmask, other=0.0)[None, :]
-    sin1 = tl.load(SIN + cs, mask=cmask, other=0.0)[None, :]
-    sin2 = tl.load(SIN + cs + HALF, mask=cmask, other=0.0)[None, :]
+    cos1, cos2, sin1, sin2 = _token_cos_sin(COS, SIN, b * stride_cos_b + t * stride_cos_t, HALF, BLOCK_R)
     src = QKV + b * stride_b + t * stride_t
     _norm_rope_heads(src, Q_OUT + pid * N_Q * D, QW, cos1, cos2, sin1, sin2, eps, offset, N_Q, D, HALF, GEMMA,
                      BLOCK_HQ, BLOCK_R)
@@ -134,13 +140,7 @@ def _qk_norm_rope_bwd_kernel(DQ, DK, QKV, DQKV, QW, KW, DQW, DKW, COS, SIN, seq_
                              BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     b, t = pid // seq_len, pid % seq_len
-    cols = tl.arange(0, BLOCK_R)
-    cs = b * stride_cos_b + t * stride_cos_t + cols
-    cmask = cols < HALF
-    cos1 = tl.load(COS + cs, mask=cmask, other=0.0)[None, :]
-    cos2 = tl.load(COS + cs + HALF, mask=cmask, other=0.0)[None, :]
-    sin1 = tl.load(SIN + cs, mask=cmask, other=0.0)[None, :]
-    sin2 = tl.load(SIN + cs + HALF, mask=cmask, other=0.0)[None, :]
+    cos1, cos2, sin1, sin2 = _token_cos_sin(COS, SIN, b * stride_cos_b + t * stride_cos_t, HALF, BLOCK_R)
     src = QKV + b * stride_b + t * stride_t
     dst = DQKV + pid * (N_Q + 2 * N_K) * D
     _norm_rope_heads_bwd(DQ + b * stride_dq_b + t * stride_dq_t, stride_dq_h, src, dst, QW, DQW + pid * D,

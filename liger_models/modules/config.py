@@ -38,6 +38,21 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# HF's layer_types entries (v5): which layers attend within sliding_window.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_layer_types(layer_types: list[str], num_hidden_layers: int) -> None:
+    """One known type per layer; a short list or an unknown type would fail later with an unrelated error (HF
+    validates it the same way)."""
+    if len(layer_types) != num_hidden_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries, expected num_hidden_layers = "
+                         f"{num_hidden_layers}")
+    for layer_type in layer_types:
+        if layer_type not in LAYER_TYPES:
+            raise ValueError(f"unknown layer type {layer_type!r} in layer_types (supported: {LAYER_TYPES})")
+
+
 def _require(ok: bool, message: str, value: Any) -> None:
     if not ok:
         raise ValueError(f"{message}, got {value!r}")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from liger_models.modules.config import LigerConfig
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
+from liger_models.modules.config import LigerConfig, check_layer_types
 
 
 @dataclass
@@ -36,14 +34,9 @@ class Qwen2Config(LigerConfig):
         super().__post_init__()
 
     def _check_windows(self) -> None:
-        """layer_types first (HF validates it the same way; a short list would fail later with an IndexError)."""
+        """layer_types first (a short list would fail later with an IndexError)."""
         if self.layer_types is not None:
-            if len(self.layer_types) != self.num_hidden_layers:
-                raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected num_hidden_layers = "
-                                 f"{self.num_hidden_layers}")
-            for layer_type in self.layer_types:
-                if layer_type not in LAYER_TYPES:
-                    raise ValueError(f"unknown layer type {layer_type!r} in layer_types (supported: {LAYER_TYPES})")
+            check_layer_types(self.layer_types, self.num_hidden_layers)
         super()._check_windows()
 
     @property
