@@ -6,17 +6,14 @@ MoE models: a bf16 router may pick a different expert than the fp32 one where tw
 moves that token's output by a whole expert; HF bf16 flips a similar few. The model-level bound is on the relative L2
 error over all logits, where a handful of flipped tokens stays within it; the routed-experts test fixes the routing."""
 
-import copy
-
 import pytest
 import torch
 import transformers
 
-from liger_models import AutoLigerForCausalLM
-from liger_models.auto import model_class
 from liger_models.modules.moe import _use_grouped_mm, experts_forward, route
 
 from ..helpers import rel_l2
+from .test_gpu_parity import check_bf16_parity_real_width
 from .test_moe import loop_reference
 
 pytestmark = pytest.mark.gpu
@@ -37,42 +34,9 @@ REAL = {
 }
 
 
-def bound(hf_err: float) -> float:
-    return 2.0 * hf_err + 1e-3
-
-
 @pytest.mark.parametrize("name", list(REAL))
 def test_bf16_parity_real_width(name):
-    config_cls, kwargs = REAL[name]
-    torch.manual_seed(0)
-    config = config_cls(**{"num_hidden_layers": 2, **kwargs})
-    with torch.device("cuda"):
-        hf32 = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
-    with torch.no_grad():
-        for n, p in hf32.named_parameters():
-            if "norm" in n:
-                p.add_(0.1 * torch.randn_like(p))
-    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
-    ours = model_class(config.model_type).config_class.from_hf(config.to_dict())
-    ours = AutoLigerForCausalLM.from_config(ours, dtype=torch.bfloat16, device="cuda")
-    ours.load_state_dict(hf32.state_dict())  # HF v5's in-memory (stacked) expert names load too
-    ids = torch.randint(0, config.vocab_size, (2, 1024), device="cuda")
-    with torch.no_grad():
-        ref = hf32(ids).logits.float()
-        hf_err = rel_l2(hf16(ids).logits.float(), ref)
-        our_err = rel_l2(ours(ids).logits.float(), ref)
-        del ref
-    assert our_err <= bound(hf_err), f"logits: ours {our_err:.2e} vs HF bf16 {hf_err:.2e}"
-    losses = [m(ids, labels=ids).loss for m in (hf32, hf16, ours)]
-    for loss in losses:
-        loss.backward()
-    ref_loss, hf_loss, our_loss = (loss.item() for loss in losses)
-    assert abs(our_loss - ref_loss) <= 2 * abs(hf_loss - ref_loss) + 2e-3 * ref_loss, (our_loss, hf_loss, ref_loss)
-    ref_params, hf_params = dict(hf32.named_parameters()), dict(hf16.named_parameters())
-    for n, p in ours.named_parameters():
-        hf_err = rel_l2(hf_params[n].grad.float(), ref_params[n].grad)
-        our_err = rel_l2(p.grad.float(), ref_params[n].grad)
-        assert our_err <= bound(hf_err), f"{name} grad {n}: ours {our_err:.2e} vs HF bf16 {hf_err:.2e}"
+    check_bf16_parity_real_width(name, *REAL[name])
 
 
 @pytest.mark.parametrize("shape", [(4096, 2048, 768, 128, 8), (1531, 4096, 1792, 8, 2)])
