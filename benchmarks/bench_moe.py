@@ -13,6 +13,8 @@ its inputs; time is one forward + backward.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from harness import parse_args, run_case, save, table
 
@@ -49,6 +51,9 @@ def providers(case: dict) -> dict:
                 p.normal_(0.0, 0.02)
         blocks = {}
         for impl in ("grouped_mm", "eager"):
+            # transformers' experts read config._experts_implementation at every call, not at construction: each
+            # block needs a config of its own, or both run whichever was set last.
+            hf_cfg = copy.deepcopy(hf_cfg)
             hf_cfg._experts_implementation = impl
             module = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock \
                 if case["model_type"] == "mixtral" else transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock

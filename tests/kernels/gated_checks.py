@@ -99,6 +99,20 @@ def check_unpacked(fn, activation: str, layout: str, dtype: torch.dtype) -> None
     assert_matches(dup, du_ref, eager=du_eag, name="d up")
 
 
+def check_closed_form_backward(activation: str) -> None:
+    """gated_mlp_reference_backward (the CPU path's backward, no autograd) against autograd of the float64 reference,
+    over the activation's whole useful range, the far negative tail included; float64 to 1e-12, fp32 to 2e-6."""
+    x = torch.cat([torch.linspace(-40, 40, 4001, dtype=torch.float64), 3 * torch.randn(999, dtype=torch.float64)])
+    u, d = torch.randn_like(x), torch.randn_like(x)
+    g64, u64 = (t.clone().requires_grad_() for t in (x, u))
+    ref = torch.autograd.grad(gm.gated_mlp_reference(g64, u64, activation), (g64, u64), d)
+    for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        got = gm.gated_mlp_reference_backward(x.to(dtype), u.to(dtype), d.to(dtype), activation)
+        for g, r in zip(got, ref):
+            assert g.dtype == dtype
+            torch.testing.assert_close(g.double(), r, rtol=rtol, atol=rtol * r.abs().max().item())
+
+
 def check_launchers_poisoned(activation: str, rows: int, width: int, dtype: torch.dtype) -> None:
     """The launchers write every element of preallocated (NaN-poisoned) outputs, for odd shapes."""
     gate = (2 * torch.randn(rows, width, device=DEVICE)).to(dtype)

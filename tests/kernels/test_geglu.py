@@ -77,6 +77,11 @@ def test_exact_gelu_grid():
     check_exact_gelu_grid(checks.DEVICE, 2e-7)
 
 
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
+def test_closed_form_backward(activation):
+    checks.check_closed_form_backward(activation)
+
+
 def test_reference_path_matches(monkeypatch):
     monkeypatch.setattr(gm, "use_triton", lambda *tensors: False)
     for approximate, activation in APPROX.items():

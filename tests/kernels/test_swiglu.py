@@ -30,6 +30,10 @@ def test_launchers_write_every_element(rows, width, dtype):
     checks.check_launchers_poisoned("silu", rows, width, dtype)
 
 
+def test_closed_form_backward():
+    checks.check_closed_form_backward("silu")
+
+
 def test_reference_path_matches(monkeypatch):
     """CPU tensors outside the interpreter take the PyTorch path through the same autograd.Function."""
     monkeypatch.setattr(gm, "use_triton", lambda *tensors: False)

@@ -42,7 +42,12 @@ def _training_step(run, model, ids, **kwargs) -> tuple[torch.Tensor, dict[str, t
                                  "final_logit_softcapping": 0.3}),
     (transformers.Gemma3TextConfig, {"head_dim": 16, "sliding_window": 4, "sliding_window_pattern": 2}),
 ])
-def test_compiled_model_equals_eager(config_cls, extra, tmp_path):
+@pytest.mark.parametrize("kernels", ["interpreted", "cpu reference"])
+def test_compiled_model_equals_eager(config_cls, extra, kernels, tmp_path, monkeypatch):
+    """"cpu reference": a CPU without Triton's interpreter, where every custom op runs its PyTorch reference, as for
+    a user training on the CPU."""
+    if kernels == "cpu reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
     torch._dynamo.reset()
     model = AutoLigerForCausalLM.from_pretrained(save_hf(build_hf(config_cls, **extra), tmp_path / "hf"),
                                                  dtype=torch.float32)
