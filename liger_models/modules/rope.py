@@ -120,9 +120,14 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self, name: str, device: torch.device) -> torch.Tensor:
         key = (name, device)
-        if key not in self._on_device:
-            self._on_device[key] = getattr(self, name).to(device)
-        return self._on_device[key]
+        if key in self._on_device:
+            return self._on_device[key]
+        table = getattr(self, name).to(device)
+        # A compiled forward must not fill the cache: dynamo guards on the key being absent, so the next call would
+        # find it present and compile the whole model again. Traced, the copy is one small op of the graph.
+        if not torch.compiler.is_compiling():
+            self._on_device[key] = table
+        return table
 
     def regime(self, seq_len: int) -> object:
         """A key that changes when the table for already-cached positions would change (longrope's switch)."""

@@ -15,7 +15,9 @@ import torch
 import transformers
 
 from liger_models import AutoLigerForCausalLM
+from liger_models.auto import MODEL_CLASSES
 from liger_models.llama import LigerLlamaForCausalLM, LlamaConfig
+from liger_models.train.optim import FusedAdamW
 
 from .parity import build_hf, max_rel, save_hf
 
@@ -120,3 +122,21 @@ def test_inductor_training_steps_on_cuda_match_eager():
             optimizer.step()
     explained = torch._dynamo.explain(compiled)(batches[0], labels=batches[0])
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_CLASSES))
+def test_training_steps_compile_once(model_type):
+    """Three training steps (forward, backward, optimizer step) of a compiled model compile one graph: no state the
+    first call leaves behind (rotary tables cached per device, the optimizer's state) makes a later call recompile a
+    whole model."""
+    torch._dynamo.reset()
+    cls = MODEL_CLASSES[model_type]
+    model = cls.from_config(cls.config_class.tiny())
+    run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    optimizer = FusedAdamW(model.parameters(), lr=1e-3)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            ids = torch.randint(3, model.config.vocab_size, (2, 12))
+            run(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
