@@ -203,6 +203,8 @@ def _worker(name: str, provider: str) -> dict:
     model, _, _, step = training_step(name, provider, WARMUP + STEPS)
     forward = type(getattr(model, "_orig_mod", model)).forward
     patched = dict(liger_modules=liger_modules(model), forward=f"{forward.__module__}.{forward.__qualname__}")
+    if provider.startswith("hf") and ("num_experts" in cfg or "num_local_experts" in cfg):
+        patched["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
     for i in range(WARMUP):
         step(i)
     torch.cuda.synchronize()

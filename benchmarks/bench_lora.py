@@ -43,7 +43,8 @@ WARMUP, STEPS = 3, 6
 
 def _bnb_linears(model, torch):
     """Every decoder nn.Linear → bitsandbytes Linear4bit (NF4, double quant, bf16 compute), quantised on the GPU one
-    at a time (what from_pretrained(quantization_config=...) does, without a checkpoint on disk)."""
+    at a time from the bf16 weight already there (what from_pretrained(quantization_config=...) does, without a
+    checkpoint on disk; Params4bit quantises on its first move to a device, the one it is on included)."""
     import bitsandbytes as bnb
 
     for name, module in list(model.named_modules()):
@@ -51,7 +52,7 @@ def _bnb_linears(model, torch):
             continue
         q = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                               compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
-        q.weight = bnb.nn.Params4bit(module.weight.data.cpu(), requires_grad=False, compress_statistics=True,
+        q.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, compress_statistics=True,
                                      quant_type="nf4").cuda()
         if module.bias is not None:
             q.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
@@ -84,7 +85,7 @@ def _build(provider: str, cfg: dict, checkpointing: bool):
         getattr(lk, f"apply_liger_kernel_to_{cfg['model_type']}")()
     config = transformers.AutoConfig.for_model(**cfg)
     bnb = "bnb" in provider
-    with torch.device("cpu" if bnb else "cuda"):
+    with torch.device("cuda"):  # random init on the CPU took minutes at 8B
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                               attn_implementation="sdpa")
     if bnb:
@@ -103,7 +104,10 @@ def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool,
 
     torch.manual_seed(0)
     cfg = CONFIGS[name]
+    t0 = time.perf_counter()
     model = _build(provider, cfg, checkpointing)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
@@ -115,6 +119,7 @@ def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool,
         if i == WARMUP:
             torch.cuda.synchronize()
             start = time.perf_counter()
+            warmup_s = start - t0 - build_s
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -123,7 +128,8 @@ def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool,
     elapsed = time.perf_counter() - start
     return dict(config=name, provider=provider, batch=batch, seq=seq, checkpointing=checkpointing,
                 tokens_per_s=steps * batch * seq / elapsed, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                trainable=sum(p.numel() for p in params), loss=float(loss))
+                trainable=sum(p.numel() for p in params), loss=float(loss), build_s=round(build_s, 1),
+                warmup_s=round(warmup_s, 1))
 
 
 def _run(args: list[str], timeout: int = 1800) -> dict:
