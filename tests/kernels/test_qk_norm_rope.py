@@ -47,7 +47,13 @@ def test_forward_backward_against_float64(config, casting, offset, dtype):
     torch.autograd.backward((qe, ke, ve), grads)
     for name, mine, truth, low in zip(("qkv", "q_norm.weight", "k_norm.weight"), (qkv, qw, kw), leaves64, eager):
         scale = truth.grad.abs().max().item() if name != "qkv" else 0.0
-        assert_matches(mine.grad, truth.grad, eager=low.grad, name=f"d {name}", scale_floor=scale)
+        # Llama casting rounds x̂ to the input dtype before the weight (HF's numerics), so d weight = Σ dy·x̂ carries
+        # that rounding and its own. With one token it sums 6 rows of 8 values: over 1500 seeds the kernel's rel L2
+        # error averaged 2.4e-3 (eager bf16: 3.4e-3; rounding the exact result alone: 1.6e-3) and reached 6.1e-3,
+        # past one rounding's 4e-3 floor whenever eager happened to land near its own floor.
+        roundings = 2 if name != "qkv" and casting == "llama" else 1
+        assert_matches(mine.grad, truth.grad, eager=low.grad, name=f"d {name}", scale_floor=scale,
+                       roundings=roundings)
 
 
 def test_equals_the_unfused_kernels_bit_for_bit():
