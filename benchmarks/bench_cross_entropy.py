@@ -12,7 +12,7 @@ softmax itself, so the loss is its entropy as for a trained LM); memory-bound, s
 "liger-models" is what the call adds (the label check, the gradient's scale, autograd, and any host time the GPU
 waits for).
 At the headline shapes and three sweep shapes, variants of the row kernel are timed too (`liger-models bBLOCKwWARPS
-...`, see VARIANTS): the fastest sets liger_models/kernels/_ce_core.py's tunables (shared with fused_linear_cross_entropy).
+...`, see VARIANTS): the fastest sets liger_models/kernels/ops/_ce_core.py's tunables (shared with fused_linear_cross_entropy).
 
     python benchmarks/bench_cross_entropy.py [--quick] [--out DIR] [--providers liger-models,eager,...]
 """
@@ -28,7 +28,7 @@ from harness import copy_bandwidth_gbs, parse_args
 
 HEADLINE = [(8192, 128256), (4096, 256000)]
 SWEEP = [(2048, 128256), (16384, 32000), (16384, 152064), (16384, 256000), (32768, 128256), (32768, 256000)]
-# Settings of liger_models/kernels/_ce_core.py timed besides the default: bBLOCKwWARPS, "fwd" = pass 2 in forward order, "nohint"
+# Settings of liger_models/kernels/ops/_ce_core.py timed besides the default: bBLOCKwWARPS, "fwd" = pass 2 in forward order, "nohint"
 # = no eviction hints, "lanes" / "bsums" = pass 1 with per-thread / per-block partial sums, "keepN" = pass 1's loads
 # evict_last only in the tail of a row that N% of L2 holds for every resident row, "rN" = ptxas capped at N registers
 # per thread on rows up to 128K wide (the default: 32), "nocap" = no cap, "capall" = the cap at every width,
@@ -90,9 +90,9 @@ def make_inputs(n: int, vocab: int, kind: str):
 
 
 def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
-    from liger_models.kernels import _ce_core, _labels
+    from liger_models.kernels.ops import _ce_core, _labels
     from liger_models.kernels._tuning import tuned
-    from liger_models.kernels.cross_entropy import cross_entropy
+    from liger_models.kernels.ops.cross_entropy import cross_entropy
 
     logits, labels = make_inputs(n, vocab, kind)
     def reference(x, y):  # HF ForCausalLMLoss: logits.float(), F.cross_entropy(ignore_index=-100)

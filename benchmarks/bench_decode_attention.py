@@ -1,4 +1,4 @@
-"""Decoding attention at the shapes of graphed decoding calls: SDPA with the mask vs liger_models/kernels/decode_attention.py.
+"""Decoding attention at the shapes of graphed decoding calls: SDPA with the mask vs liger_models/kernels/ops/decode_attention.py.
 
 Each case is one layer's attention of a graphed call, built as the call builds it: q as a transposed view of the
 projection output, k / v as one layer's views of the static cache, the mask from `device_mask` (a Medusa tree of
@@ -57,7 +57,7 @@ def main() -> None:
     import torch.nn.functional as F
     import triton.testing
 
-    from liger_models.kernels import decode_attention as da
+    from liger_models.kernels.ops import decode_attention as da
     from liger_models.kernels._tuning import tuned
 
     def rel_l2(out, ref) -> float:

@@ -84,7 +84,7 @@ HF_ATTENTION = {"gemma2": "eager"}
 # AdamW updates bit for bit, each gradient freed once its parameter is stepped.
 # ours_graph: ours with the whole step (forward, backward, capturable fused AdamW) replayed from a CUDA graph
 # (liger_models/train/cuda_graph.py): the same kernels, no host time between them.
-# Every ours* provider steps with the project's FusedAdamW (liger_models/train/optim.py, liger_models/kernels/adamw.py), the
+# Every ours* provider steps with the project's FusedAdamW (liger_models/train/optim.py, liger_models/kernels/ops/adamw.py), the
 # one `liger-models train` builds; ours_torch_adamw is ours with torch's fused AdamW instead (the HF providers').
 # ours_compile: ours under torch.compile(fullgraph=True), inductor: the kernels are custom ops in one graph
 # (liger_models/kernels/_custom_ops.py), inductor compiles what lies between them.

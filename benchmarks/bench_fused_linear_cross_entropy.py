@@ -22,7 +22,7 @@ The Gemma-2-9B step's loss (BT8192 H3584 V256000) runs with its final-logit soft
 (`liger-models softcap30`: the cap inside the row kernel).
 `liger-models filtered` runs every case with grad_filter_eps=2⁻¹², cut-cross-entropy's default threshold for bf16
 (opt-in: each token chunk's backward GEMMs over the vocabulary columns whose per-token gradient reaches it;
-liger_models/kernels/_grad_filter.py). At the headline shapes both filtered providers' dh and dW are compared with this
+liger_models/kernels/ops/_grad_filter.py). At the headline shapes both filtered providers' dh and dW are compared with this
 project's exact ones (Result.extra["vs_exact"]: relative L2 errors, and the share of the lm_head's rows left with
 no gradient).
 
@@ -78,14 +78,14 @@ def cce_loss(h, w, y, filter_eps="auto"):
 
 
 def filtered_loss(h, w, y):
-    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     return fused_linear_cross_entropy(h, w, y, grad_filter_eps=FILTER_EPS)
 
 
 def vs_exact(hidden, weight, labels) -> dict:
     """dh and dW of the filtered providers against this project's exact (fp32-accumulated) ones."""
-    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     def grads(fn):
         return [g.double() for g in torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))]
@@ -109,7 +109,7 @@ def vs_exact(hidden, weight, labels) -> dict:
 
 def softcapped_providers(hidden, weight, labels, cap: float) -> dict:
     """Every provider with a final-logit soft-cap of ``cap`` (GEMMA2_STEP)."""
-    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     def step(fn):
         return lambda: torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight))
@@ -138,7 +138,7 @@ def softcapped_providers(hidden, weight, labels, cap: float) -> dict:
 
 
 def providers(hidden, weight, labels, variants: bool) -> dict:
-    import liger_models.kernels.fused_linear_cross_entropy as flce
+    import liger_models.kernels.ops.fused_linear_cross_entropy as flce
     from liger_models.kernels._tuning import tuned
 
     n, hdim, vocab = hidden.shape[0], hidden.shape[1], weight.shape[0]

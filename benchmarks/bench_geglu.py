@@ -17,7 +17,7 @@ from harness import parse_args
 
 
 def main() -> None:
-    from liger_models.kernels.geglu import geglu, geglu_packed
+    from liger_models.kernels.ops.geglu import geglu, geglu_packed
 
     args = parse_args(__doc__)
     tanh = dict(eager_act=partial(F.gelu, approximate="tanh"), ours=geglu, ours_packed=geglu_packed,

@@ -20,7 +20,7 @@ EPS = 1e-5
 
 
 def providers(rows: int, hidden: int, bias: bool) -> dict:
-    from liger_models.kernels.layer_norm import layer_norm
+    from liger_models.kernels.ops.layer_norm import layer_norm
 
     torch._dynamo.reset()  # a fresh compile per case: past 8 shapes Dynamo would silently run eager
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_().clone()

@@ -66,7 +66,7 @@ def _ours(lm_head: str, stage: int):
     base = LigerLlamaForCausalLM.from_config(LlamaConfig.from_hf(dict(MODEL)), dtype=torch.bfloat16, device=DEVICE)
     model = MedusaModel.from_base(base, stage=stage, num_heads=NUM_HEADS, share_lm_head=lm_head == "shared",
                                   heads_coefficient=LAMBDA0, decay_coefficient=DECAY)
-    opt = FusedAdamW(model.param_groups(LR, HEAD_LR_MULT), lr=LR)  # the project's AdamW (liger_models/kernels/adamw.py)
+    opt = FusedAdamW(model.param_groups(LR, HEAD_LR_MULT), lr=LR)  # the project's AdamW (liger_models/kernels/ops/adamw.py)
 
     def loss_fn(ids):
         return model(ids, labels=ids).loss

@@ -35,7 +35,7 @@ def _liger(module: str, name: str):
 
 
 def norm_providers(rows: int, hidden: int) -> dict:
-    from liger_models.kernels.rms_norm import rms_norm, rms_norm_reference
+    from liger_models.kernels.ops.rms_norm import rms_norm, rms_norm_reference
 
     torch._dynamo.reset()  # a fresh compile per case: past 8 shapes Dynamo would silently run eager
     x, w, dy = _intermediate(rows, hidden), _weight(hidden), torch.randn(rows, hidden, device="cuda",
@@ -59,7 +59,7 @@ def norm_providers(rows: int, hidden: int) -> dict:
 
 
 def add_norm_providers(rows: int, hidden: int) -> dict:
-    from liger_models.kernels.rms_norm import add_rms_norm, rms_norm_reference
+    from liger_models.kernels.ops.rms_norm import add_rms_norm, rms_norm_reference
 
     torch._dynamo.reset()  # a fresh compile per case: past 8 shapes Dynamo would silently run eager
     x, res, w = _intermediate(rows, hidden), _intermediate(rows, hidden), _weight(hidden)

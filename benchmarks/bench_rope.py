@@ -61,7 +61,7 @@ def _grads(b: int, t: int, hq: int, hkv: int, d: int):
 
 def ours_step(b: int, t: int, hq: int, hkv: int, d: int, grads=None):
     """fwd+bwd of this project's rope on (B, T, H, D) views, gradients handed over as (B, T, H, D) transposes."""
-    from liger_models.kernels.rope import rope
+    from liger_models.kernels.ops.rope import rope
 
     cos, sin = _cos_sin(t, d)
     q_lin, k_lin = _projections(b, t, hq, hkv, d)
@@ -76,7 +76,7 @@ def ours_step(b: int, t: int, hq: int, hkv: int, d: int, grads=None):
 
 def kernels_step(b: int, t: int, hq: int, hkv: int, d: int):
     """This project's forward (in place) and backward kernel launches alone, without autograd."""
-    from liger_models.kernels import rope as rp
+    from liger_models.kernels.ops import rope as rp
 
     cos, sin = _cos_sin(t, d)
     q_lin, k_lin = _projections(b, t, hq, hkv, d)

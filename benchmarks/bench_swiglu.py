@@ -78,7 +78,7 @@ def bench_gated(name: str, args, cases: list[tuple[str, int, int, dict]]) -> Non
 
 
 def main() -> None:
-    from liger_models.kernels.swiglu import swiglu, swiglu_packed
+    from liger_models.kernels.ops.swiglu import swiglu, swiglu_packed
 
     args = parse_args(__doc__)
     kwargs = dict(eager_act=F.silu, ours=swiglu, ours_packed=swiglu_packed,

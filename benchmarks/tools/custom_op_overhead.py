@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from liger_models.kernels.rms_norm import rms_norm_reference
+from liger_models.kernels.ops.rms_norm import rms_norm_reference
 
 
 class _Direct(torch.autograd.Function):

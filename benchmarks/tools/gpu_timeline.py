@@ -24,7 +24,7 @@ FLUSH_BYTES = 256 << 20  # as triton.testing.do_bench
 
 
 def _ce_step(n: int, vocab: int):
-    from liger_models.kernels.cross_entropy import cross_entropy
+    from liger_models.kernels.ops.cross_entropy import cross_entropy
 
     logits = (2 * torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16)).requires_grad_()
     labels = torch.randint(0, vocab, (n,), device="cuda")
@@ -39,7 +39,7 @@ def _rope_step():
 
 
 def _rms_norm_step():
-    from liger_models.kernels.rms_norm import rms_norm
+    from liger_models.kernels.ops.rms_norm import rms_norm
 
     x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)

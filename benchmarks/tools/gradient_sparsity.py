@@ -5,7 +5,7 @@ cut-cross-entropy's default (`filter_eps="auto"`: bf16 eps / 32 = 2⁻¹²) skip
 dlogits = softmax − onehot whose entries are all below the threshold, in both backward GEMMs. This counts such
 blocks at several thresholds and block shapes, and measures what dropping them does to dW = dlogitsᵀ·h: the share
 of vocabulary rows that get no gradient at all, the share off by more than 1%, and the whole matrix's relative
-error. It does the same for linear-CE's own opt-in filter (grad_filter_eps, liger_models/kernels/_grad_filter.py), which skips
+error. It does the same for linear-CE's own opt-in filter (grad_filter_eps, liger_models/kernels/ops/_grad_filter.py), which skips
 whole vocabulary columns of a token chunk ("column of N": all --tokens rows; linear-CE's chunks at H2048 are 2048
 rows). Logits: noise plus bench_cross_entropy's Zipf-like per-token bias of up to +20; labels drawn from the
 softmax (as for a trained model).
@@ -53,7 +53,7 @@ def measure(tokens: int, vocab: int) -> list[dict]:
     d = peaked_dlogits(tokens, vocab)
     h = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(1))
     out = []
-    # CCE's tiles, and linear-CE's grad_filter_eps rule: whole columns of a token chunk (liger_models/kernels/_grad_filter.py)
+    # CCE's tiles, and linear-CE's grad_filter_eps rule: whole columns of a token chunk (liger_models/kernels/ops/_grad_filter.py)
     for rows, cols in ((128, 128), (64, 256), (tokens, 1)):
         for log2_eps in (-12, -16, -24):
             skip = skipped_blocks(d, rows, cols, 2.0**log2_eps)

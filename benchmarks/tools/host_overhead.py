@@ -22,10 +22,10 @@ from harness import SLEEP_CYCLES, busy_gpu_ms, host_ms_per_call, parse_args  # n
 
 
 def steps() -> dict:
-    from liger_models.kernels.geglu import geglu
-    from liger_models.kernels.rms_norm import rms_norm
-    from liger_models.kernels.rope import rope
-    from liger_models.kernels.swiglu import swiglu_packed
+    from liger_models.kernels.ops.geglu import geglu
+    from liger_models.kernels.ops.rms_norm import rms_norm
+    from liger_models.kernels.ops.rope import rope
+    from liger_models.kernels.ops.swiglu import swiglu_packed
 
     def bf16(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
@@ -65,8 +65,8 @@ def loss_steps() -> dict:
     """The losses wait for their label check's result inside the call, so a GPU sleep queued ahead would be timed
     too: they run on tiny shapes with the GPU idle instead (a few µs of GPU work per call), where the time per call
     is the host's path plus one check's round trip."""
-    from liger_models.kernels.cross_entropy import cross_entropy
-    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from liger_models.kernels.ops.cross_entropy import cross_entropy
+    from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     logits = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     hidden = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -132,7 +132,7 @@ class _BareRoPE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        from liger_models.kernels import rope
+        from liger_models.kernels.ops import rope
 
         ctx.launch = _BareRoPE.LAUNCH  # the backward runs after the caller has restored LAUNCH
         if ctx.launch:
@@ -142,7 +142,7 @@ class _BareRoPE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk):
-        from liger_models.kernels import rope
+        from liger_models.kernels.ops import rope
 
         cos, sin = ctx.saved_tensors
         dq_out = torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
@@ -183,8 +183,8 @@ def _bare_rope_without_launches(*args):
 def bench_style_steps() -> dict:
     """The headline autograd steps exactly as bench_rms_norm / bench_rope time them (autograd.grad on intermediates),
     and for RoPE the floor under ours: a bare Function with the same launches, and with none."""
-    from liger_models.kernels.rms_norm import _RMSNormFunction, rms_norm
-    from liger_models.kernels.rope import rope
+    from liger_models.kernels.ops.rms_norm import _RMSNormFunction, rms_norm
+    from liger_models.kernels.ops.rope import rope
 
     x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16).requires_grad_().clone()
     w = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)

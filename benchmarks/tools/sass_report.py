@@ -69,7 +69,7 @@ def _opcode(text: str) -> str:
 
 
 def cross_entropy(args) -> None:
-    from liger_models.kernels import _ce_core
+    from liger_models.kernels.ops import _ce_core
 
     block = min(args.block, 1 << (args.vocab - 1).bit_length())
     signature = dict(LOGITS="*bf16", GRAD="*bf16", LABELS="*i64", LABEL_FLAG="*i64", LOSS="*fp32", LSE="*fp32",
@@ -91,7 +91,7 @@ def cross_entropy(args) -> None:
 
 
 def norm_backward(args) -> None:
-    from liger_models.kernels import rms_norm
+    from liger_models.kernels.ops import rms_norm
 
     signature = dict(DY="*bf16", X="*bf16", W="*bf16", RSTD="*fp32", DX="*bf16", DW_PART="*fp32", n_rows="i32",
                      n_cols="i32", stride_dy_row="i32", stride_x_row="i32", stride_dres_row="i32", offset="fp32")

@@ -20,9 +20,9 @@ import os
 import torch
 from triton.testing import do_bench
 
-from liger_models.kernels import _grad_filter as gf
+from liger_models.kernels.ops import _grad_filter as gf
 from liger_models.kernels._tuning import tuned
-from liger_models.kernels.fused_linear_cross_entropy import _accumulate_dw
+from liger_models.kernels.ops.fused_linear_cross_entropy import _accumulate_dw
 
 CHUNKS = [(2048, 128256), (2048, 256000), (4096, 128256)]
 # (chunk rows, H, V): the H2048 headline shapes' chunks (2048 rows: grad_W's storage as the scratch), and a

@@ -1,4 +1,4 @@
-"""Where the row-norm time goes (liger_models/kernels/rms_norm.py) on the GPU, and which tiling knobs are best.
+"""Where the row-norm time goes (liger_models/kernels/ops/rms_norm.py) on the GPU, and which tiling knobs are best.
 
 Sections (bf16, llama casting; GB/s counts 4 B/elem forward (x, y), 6 B/elem backward (dy, x, dx)):
   ref    minimal kernels written here, GPU time: one row per program forward; persistent backward with dW in
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 import liger_models.kernels._launch as fast
-import liger_models.kernels.rms_norm as rn
+import liger_models.kernels.ops.rms_norm as rn
 from liger_models.kernels._tuning import set_tuning
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*

@@ -1,4 +1,4 @@
-"""Sweep the tiling knobs of the streaming kernels (liger_models/kernels/gated_mlp.py, liger_models/kernels/rope.py) on the GPU.
+"""Sweep the tiling knobs of the streaming kernels (liger_models/kernels/ops/gated_mlp.py, liger_models/kernels/ops/rope.py) on the GPU.
 
 Gated MLP (swiglu 16384×14336, geglu tanh 16384×16384, packed, fwd+bwd): elements per program (tile) ×
 elements per thread (elems_per_thread → num_warps), timed on the same closures as the benchmarks. RoPE
@@ -19,11 +19,11 @@ import sys
 
 import torch
 
-import liger_models.kernels.gated_mlp as gm
-import liger_models.kernels.rope as rp
+import liger_models.kernels.ops.gated_mlp as gm
+import liger_models.kernels.ops.rope as rp
 from liger_models.kernels._tuning import tuned
-from liger_models.kernels.geglu import geglu_packed
-from liger_models.kernels.swiglu import swiglu_packed
+from liger_models.kernels.ops.geglu import geglu_packed
+from liger_models.kernels.ops.swiglu import swiglu_packed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: harness, bench_*
 from bench_rope import kernels_step  # noqa: E402

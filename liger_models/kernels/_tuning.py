@@ -5,7 +5,7 @@ The defaults are what the H200 benchmarks chose; each field's comment gives the 
 there is one way to change a setting, for a block of code, used by the tests that force a path and by the
 benchmark sweeps (benchmarks/harness.py's ``LIGER_TUNE=module.field=value``)::
 
-    from liger_models.kernels import fused_linear_cross_entropy as flce
+    from liger_models.kernels.ops import fused_linear_cross_entropy as flce
     with tuned(flce, logits_budget_bytes=4096):   # chunks of a few rows
         ...
 

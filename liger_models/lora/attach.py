@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from liger_models.kernels.nf4 import dequantize_absmax, double_quantize, quantize_nf4
+from liger_models.kernels.ops.nf4 import dequantize_absmax, double_quantize, quantize_nf4
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 
 from .config import LoraSettings, decoder_linears, resolve_targets

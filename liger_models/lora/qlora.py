@@ -1,6 +1,6 @@
 """bitsandbytes 4-bit HF checkpoints: load them as they are (NF4 bases in LoraLinear), and write them.
 
-What transformers + bitsandbytes save for a 4-bit model (kernels/nf4.py has the byte layout): config.json with
+What transformers + bitsandbytes save for a 4-bit model (kernels/ops/nf4.py has the byte layout): config.json with
 ``quantization_config`` {quant_method: bitsandbytes, load_in_4bit: true, bnb_4bit_quant_type: nf4, …}; per
 quantised linear ``<name>.weight`` (uint8 codes [n/2, 1]), ``.weight.absmax``, ``.weight.quant_map``, with double
 quantisation ``.weight.nested_absmax`` / ``.weight.nested_quant_map``, and ``.weight.quant_state.bitsandbytes__nf4``
@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from liger_models.auto import model_class
 from liger_models.hub import checkpoint_files, config_model_type, read_config, resolve_dir
-from liger_models.kernels.nf4 import bnb_tensors, from_bnb_tensors, QUANT_STATE_KEY
+from liger_models.kernels.ops.nf4 import bnb_tensors, from_bnb_tensors, QUANT_STATE_KEY
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 
 from .attach import _replace

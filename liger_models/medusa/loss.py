@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_models.medusa.config import check_scheduler
 from liger_models.medusa.heads import MedusaHeads
 from liger_models.modules import autocast_operands, model_output, shift_labels

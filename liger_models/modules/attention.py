@@ -11,7 +11,7 @@ c·tanh(s/c) before the mask, see ``attend``). Which keys a query at absolute in
                                              then leak into real rows through the padded values)
 Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast path; no mask tensor); on CUDA for
 long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
-tensor); a speculative tree's verification call (inference), liger_models/kernels/decode_attention.py (the keys split over
+tensor); a speculative tree's verification call (inference), liger_models/kernels/ops/decode_attention.py (the keys split over
 programs); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill). Soft-capped scores
 (no SDPA hook): flex_attention with a score_mod on CUDA from FLEX_MIN_LEN queries, else HF eager's math.
 """
@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from liger_models.kernels import decode_attention as decode_attention_kernels
+from liger_models.kernels.ops import decode_attention as decode_attention_kernels
 from liger_models.kernels._dispatch import use_triton
-from liger_models.kernels.qk_norm_rope import qk_norm_rope
-from liger_models.kernels.rope import rope_packed
+from liger_models.kernels.ops.qk_norm_rope import qk_norm_rope
+from liger_models.kernels.ops.rope import rope_packed
 
 from .cache import KVCache
 from .config import LigerConfig
@@ -303,7 +303,7 @@ class Attention(nn.Module):
         else:
             if hasattr(self, "q_norm"):
                 qkv = self._norm_heads(qkv)
-            # (B, T, H, D) views with q and k rotated in place; d qkv comes back as one tensor (see liger_models/kernels/rope.py).
+            # (B, T, H, D) views with q and k rotated in place; d qkv comes back as one tensor (see liger_models/kernels/ops/rope.py).
             q, k, v = rope_packed(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if cache is not None:
@@ -312,7 +312,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def _fused_qk_norm(self, qkv: torch.Tensor, cos: torch.Tensor) -> bool:
-        """Whether the q/k norms and RoPE run as one kernel pass (liger_models/kernels/qk_norm_rope.py): where the
+        """Whether the q/k norms and RoPE run as one kernel pass (liger_models/kernels/ops/qk_norm_rope.py): where the
         Triton kernels run, the whole head is rotated, and the norms are the plain modules with one eps."""
         return (use_triton(qkv) and cos.shape[-1] == self.head_dim
                 and self.q_norm.eps == self.k_norm.eps and self.q_norm.offset == self.k_norm.offset

@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from liger_models import hub
-from liger_models.kernels.cross_entropy import cross_entropy
-from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_models.kernels.ops.cross_entropy import cross_entropy
+from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
 from .cache import KVCache
 from .config import GenerationConfig, LigerConfig

@@ -29,9 +29,9 @@ from torch.autograd.graph import increment_version
 
 from liger_models.kernels._custom_ops import absent, custom_op, refuse_double_backward
 from liger_models.kernels._dispatch import row_view, use_triton
-from liger_models.kernels.gated_mlp import gated_backward, gated_forward, owns_memory
-from liger_models.kernels.gated_mlp import gated_mlp_packed
-from liger_models.kernels.rms_norm import RMSNorm, norm_backward, norm_forward
+from liger_models.kernels.ops.gated_mlp import gated_backward, gated_forward, owns_memory
+from liger_models.kernels.ops.gated_mlp import gated_mlp_packed
+from liger_models.kernels.ops.rms_norm import RMSNorm, norm_backward, norm_forward
 
 from .linear import _stacked, all_plain, is_plain_linear, packed_linear
 from .lora_linear import Group, core_backward_A, core_backward_input, core_forward, frozen_bases, is_lora_group

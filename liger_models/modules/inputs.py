@@ -13,7 +13,7 @@ compiled graph would break there), while a CUDA graph is captured (a sync is ill
 replays inputs copied into its static buffers, which the capturer checks) and on the meta device.
 
 Labels are checked by shape and dtype only: their values (in [0, vocab) or the ignore index) are checked by the loss
-itself (kernels/_labels.py ``LabelCheck``), on the device without stalling it, before any logit is read.
+itself (kernels/ops/_labels.py ``LabelCheck``), on the device without stalling it, before any logit is read.
 """
 
 from __future__ import annotations

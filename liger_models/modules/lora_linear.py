@@ -3,7 +3,7 @@
 ``LoraLinear`` replaces an ``nn.Linear`` under the same name (q_proj, …, Phi3's qkv_proj) and keeps its ``weight`` /
 ``bias`` Parameters (so packed q|k|v and gate|up buffers stay packed); its adapter is ``lora_A`` [r, in] and
 ``lora_B`` [out, r] (PEFT's shapes and key names), y = W·x + b + s·B·A·drop(x), s = alpha/r (alpha/√r rsLoRA).
-With ``quant`` set the base is NF4 (kernels/nf4.py) and ``weight`` is None; the weight is dequantised per call, in
+With ``quant`` set the base is NF4 (kernels/ops/nf4.py) and ``weight`` is None; the weight is dequantised per call, in
 forward and again in backward, and never saved.
 
 What is fused, for a group of sibling linears (q|k|v, gate|up, or one linear):
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_models.kernels.nf4 import dequantize_nf4
+from liger_models.kernels.ops.nf4 import dequantize_nf4
 
 from .linear import _stacked, is_plain_linear, register_group_path
 

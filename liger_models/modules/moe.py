@@ -36,7 +36,7 @@ from torch import nn
 
 from liger_models.kernels._custom_ops import absent, custom_op, refuse_double_backward
 from liger_models.kernels._dispatch import once_differentiable
-from liger_models.kernels.gated_mlp import gated_backward, gated_forward
+from liger_models.kernels.ops.gated_mlp import gated_backward, gated_forward
 
 from .config import LigerConfig
 

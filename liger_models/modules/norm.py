@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from liger_models.kernels.rms_norm import RMSNorm
+from liger_models.kernels.ops.rms_norm import RMSNorm
 
 from .config import LigerConfig
 

@@ -26,7 +26,7 @@ import torch
 
 from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import load_tokenizer
-from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from liger_models.medusa import MedusaModel, medusa_loss
 from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
 from liger_models.medusa.decoding import medusa_generate

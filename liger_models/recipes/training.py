@@ -30,7 +30,7 @@ from torch import nn
 
 from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import GENERATION_CONFIG, copy_tokenizer_files, load_tokenizer
-from liger_models.kernels import fused_linear_cross_entropy as flce
+from liger_models.kernels.ops import fused_linear_cross_entropy as flce
 from liger_models.kernels._tuning import tuned
 from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
 from liger_models.recipes.configs import FinetuneConfig, MedusaTrainingConfig

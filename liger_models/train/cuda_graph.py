@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from liger_models.kernels.cross_entropy import check_labels  # the loss kernels' own range check
+from liger_models.kernels.ops.cross_entropy import check_labels  # the loss kernels' own range check
 
 
 def _capturable(optimizer: torch.optim.Optimizer) -> bool:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from liger_models.kernels._dispatch import use_triton
-from liger_models.kernels.adamw import adamw_step_
+from liger_models.kernels.ops.adamw import adamw_step_
 
 
 def decay_param_groups(model: nn.Module, lr: float, weight_decay: float) -> list[dict]:
@@ -43,7 +43,7 @@ def with_live_flags(saved_groups: list[dict], live_groups: list[dict]) -> list[d
 
 
 class FusedAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW (fused) whose step runs liger_models/kernels/adamw.py: one pass per parameter tensor at the copy rate
+    """torch.optim.AdamW (fused) whose step runs liger_models/kernels/ops/adamw.py: one pass per parameter tensor at the copy rate
     (torch's multi-tensor kernel streams at ~60% of it on the H200; BENCHMARKS.md). Same math in fp32, same
     state (step as a 0-dim fp32 tensor on the parameter's device, exp_avg, exp_avg_sq) and state_dict, so
     checkpoints move freely between the two. Anything the kernel does not cover — a parameter that is not a plain

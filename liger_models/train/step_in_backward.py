@@ -39,7 +39,7 @@ from typing import Iterable
 
 import torch
 
-from liger_models.kernels.fused_linear_cross_entropy import consume_weight_grad
+from liger_models.kernels.ops.fused_linear_cross_entropy import consume_weight_grad
 
 
 class OptimizerInBackward:

@@ -176,7 +176,7 @@ def test_loss_options_are_the_runs_only():
     """--loss-scratch-mib and --loss-grad-filter-eps set linear-CE's max_scratch_bytes and grad_filter_eps settings
     around the training loop and restore them, also on error."""
     from liger_models.cli import build_parser
-    from liger_models.kernels import fused_linear_cross_entropy as flce
+    from liger_models.kernels.ops import fused_linear_cross_entropy as flce
     from liger_models.recipes.training import loss_options as _loss_options
 
     for command in ("train", "train-medusa"):

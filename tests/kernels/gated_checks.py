@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from liger_models.kernels import gated_mlp as gm
+from liger_models.kernels.ops import gated_mlp as gm
 from tests.helpers import DEVICE, assert_matches, poison_
 
 EAGER = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}

@@ -1,4 +1,4 @@
-"""liger_models/kernels/adamw.py and liger_models.train.optim.FusedAdamW against torch.optim.AdamW and an fp64 reference."""
+"""liger_models/kernels/ops/adamw.py and liger_models.train.optim.FusedAdamW against torch.optim.AdamW and an fp64 reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from liger_models.kernels.adamw import adamw_reference_, adamw_step_
+from liger_models.kernels.ops.adamw import adamw_reference_, adamw_step_
 from liger_models.train.optim import FusedAdamW, build_adamw
 from tests.helpers import DEVICE
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liger_models.kernels import _ce_core, _ce_meet, _loss_common
-from liger_models.kernels import _labels as label_check
-from liger_models.kernels.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
+from liger_models.kernels.ops import _ce_core, _ce_meet, _loss_common
+from liger_models.kernels.ops import _labels as label_check
+from liger_models.kernels.ops.cross_entropy import CrossEntropyLoss, cross_entropy, cross_entropy_reference
 from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
 
 IGNORE = -100
@@ -599,7 +599,7 @@ def test_gpu_bad_label_raises_with_the_kernel_already_queued():
 def test_losses_take_their_inputs_by_keyword():
     """The documented names work as keywords: the device wrapper took the first tensor positionally only
     (cross_entropy(logits=..., labels=...) raised "missing 1 required positional argument: 'x'")."""
-    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     logits, labels = torch.randn(5, 37, device=DEVICE), torch.randint(0, 37, (5,), device=DEVICE)
     assert torch.equal(cross_entropy(logits=logits, labels=labels), cross_entropy(logits, labels))

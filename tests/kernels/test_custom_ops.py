@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liger_models.kernels import gated_mlp as gated
-from liger_models.kernels import rms_norm as norms
-from liger_models.kernels import rope as ropes
+from liger_models.kernels.ops import gated_mlp as gated
+from liger_models.kernels.ops import rms_norm as norms
+from liger_models.kernels.ops import rope as ropes
 from tests.helpers import DEVICE
 
 
@@ -192,7 +192,7 @@ def test_fused_training_ops_pass_opcheck(bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_compiled_fused_training_paths_equal_eager(bias):
     """norm_linear (with and without a residual) and gated_down, as a decoder layer chains them."""
-    from liger_models.kernels.rms_norm import RMSNorm
+    from liger_models.kernels.ops.rms_norm import RMSNorm
     from liger_models.modules.fused import gated_down, norm_linear
 
     linears, down, norm = _projections(bias), torch.nn.Linear(12, 32, bias=bias), RMSNorm(32)
@@ -242,8 +242,8 @@ def _loss_tensors(out) -> tuple:
 
 
 def test_loss_ops_pass_opcheck():
-    from liger_models.kernels import cross_entropy as ce
-    from liger_models.kernels import fused_linear_cross_entropy as flce
+    from liger_models.kernels.ops import cross_entropy as ce
+    from liger_models.kernels.ops import fused_linear_cross_entropy as flce
 
     vocab, logits, weights = 40, torch.randn(2, 5, 40, requires_grad=True), torch.rand(40) + 0.5
     labels = _labels((2, 5), vocab)
@@ -262,7 +262,7 @@ def test_loss_ops_pass_opcheck():
 
 @pytest.mark.parametrize("options", _LOSS_OPTIONS, ids=str)
 def test_compiled_cross_entropy_equals_eager(options):
-    from liger_models.kernels.cross_entropy import cross_entropy
+    from liger_models.kernels.ops.cross_entropy import cross_entropy
 
     vocab = 40
     logits, labels, kwargs = torch.randn(2, 5, vocab, requires_grad=True), _labels((2, 5), vocab), _loss_kwargs(
@@ -274,7 +274,7 @@ def test_compiled_cross_entropy_equals_eager(options):
 @pytest.mark.parametrize("options", [*_LOSS_OPTIONS, {"bias": True, "reduction": "none", "return_target_rank": True},
                                      {"max_scratch_bytes": 200, "loss_scale": 0.5}], ids=str)
 def test_compiled_fused_linear_cross_entropy_equals_eager(options):
-    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     vocab, labels = 40, _labels((2, 5), 40)
     kwargs = _loss_kwargs({k: v for k, v in options.items() if k != "bias"}, vocab)
@@ -290,8 +290,8 @@ def test_compiled_fused_linear_cross_entropy_equals_eager(options):
 @pytest.mark.parametrize("fused", [False, True])
 def test_compiled_losses_raise_for_a_bad_label(fused):
     """The label check runs inside the op, at run time: the compiled call raises the eager call's ValueError."""
-    from liger_models.kernels.cross_entropy import cross_entropy
-    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from liger_models.kernels.ops.cross_entropy import cross_entropy
+    from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     labels = _labels((2, 5), 40)
     labels[1, 2] = 43
@@ -308,7 +308,7 @@ def test_compiled_losses_raise_for_a_bad_label(fused):
 
 
 def test_compiled_linear_cross_entropy_refuses_a_weight_grad_consumer():
-    from liger_models.kernels.fused_linear_cross_entropy import consume_weight_grad, fused_linear_cross_entropy
+    from liger_models.kernels.ops.fused_linear_cross_entropy import consume_weight_grad, fused_linear_cross_entropy
 
     hidden, weight = torch.randn(2, 5, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
     forget = consume_weight_grad(weight, lambda grad, node: None)

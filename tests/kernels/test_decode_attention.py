@@ -1,4 +1,4 @@
-"""Split-key decoding attention (liger_models/kernels/decode_attention.py) against the float64 reference, under arbitrary masks.
+"""Split-key decoding attention (liger_models/kernels/ops/decode_attention.py) against the float64 reference, under arbitrary masks.
 
 q comes as the attention layer hands it over (a transposed view of the (B, T, H, D) projection output), k and v as
 one layer's views of a static cache's (L, 2, B, Hkv, S, D) buffer; masks mix a visible prefix, a tree among the
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from liger_models.kernels.decode_attention import decode_attention, decode_attention_reference
+from liger_models.kernels.ops.decode_attention import decode_attention, decode_attention_reference
 from tests.helpers import DEVICE, assert_matches
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import liger_models.kernels.fused_linear_cross_entropy as flce_mod
-from liger_models.kernels import _ce_core
-from liger_models.kernels import _grad_filter as grad_filter
-from liger_models.kernels.fused_linear_cross_entropy import (
+import liger_models.kernels.ops.fused_linear_cross_entropy as flce_mod
+from liger_models.kernels.ops import _ce_core
+from liger_models.kernels.ops import _grad_filter as grad_filter
+from liger_models.kernels.ops.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
     consume_weight_grad,
     fused_linear_cross_entropy,

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from liger_models.kernels import gated_mlp as gm
-from liger_models.kernels.geglu import geglu, geglu_packed
+from liger_models.kernels.ops import gated_mlp as gm
+from liger_models.kernels.ops.geglu import geglu, geglu_packed
 from tests.helpers import BIG_MEMORY, poison_
 from tests.kernels import gated_checks as checks
 

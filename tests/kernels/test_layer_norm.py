@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import liger_models.kernels.rms_norm as rn
-from liger_models.kernels.layer_norm import LayerNorm, layer_norm, layer_norm_reference
+import liger_models.kernels.ops.rms_norm as rn
+from liger_models.kernels.ops.layer_norm import LayerNorm, layer_norm, layer_norm_reference
 from tests.helpers import DEVICE, assert_matches, poison_
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import liger_models.kernels.fused_linear_cross_entropy as flce_mod
-from liger_models.kernels.fused_linear_cross_entropy import (
+import liger_models.kernels.ops.fused_linear_cross_entropy as flce_mod
+from liger_models.kernels.ops.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from liger_models import reference_mode
-from liger_models.kernels.cross_entropy import cross_entropy
-from liger_models.kernels.fused_linear_cross_entropy import LossOutput, fused_linear_cross_entropy
+from liger_models.kernels.ops.cross_entropy import cross_entropy
+from liger_models.kernels.ops.fused_linear_cross_entropy import LossOutput, fused_linear_cross_entropy
 
 from ..helpers import DEVICE
 
@@ -153,7 +153,7 @@ def test_bad_class_weights_are_refused():
 def test_gpu_real_size_class_weights_and_outputs(reduction):
     """4096 tokens × 128256 columns in bf16 (two chunks in grad_W's storage) against the fp32 PyTorch path on the
     same bf16 values, and eager PyTorch in bf16 for the gradients' error budget."""
-    from liger_models.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_reference
+    from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_reference
 
     from ..helpers import assert_matches, rel_l2
 

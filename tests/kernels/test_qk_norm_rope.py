@@ -1,4 +1,4 @@
-"""Per-head q/k RMSNorm fused with RoPE (liger_models/kernels/qk_norm_rope.py): forward and backward against the
+"""Per-head q/k RMSNorm fused with RoPE (liger_models/kernels/ops/qk_norm_rope.py): forward and backward against the
 float64 reference, both castings (Qwen3's Llama-style, Gemma 3's (1 + w)), GQA / MQA / odd head counts, per-row and
 broadcast cos/sin, incoming gradients as SDPA's transposed views; and bit-identity with the unfused path (the
 RMSNorm kernel, then the RoPE kernel)."""
@@ -6,9 +6,9 @@ RMSNorm kernel, then the RoPE kernel)."""
 import pytest
 import torch
 
-from liger_models.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
-from liger_models.kernels.rms_norm import rms_norm
-from liger_models.kernels.rope import rope
+from liger_models.kernels.ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from liger_models.kernels.ops.rms_norm import rms_norm
+from liger_models.kernels.ops.rope import rope
 from tests.helpers import DEVICE, assert_matches
 
 from .test_rope import cos_sin

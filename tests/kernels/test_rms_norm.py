@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import liger_models.kernels.rms_norm as rn
-from liger_models.kernels.rms_norm import RMSNorm, add_rms_norm, rms_norm, rms_norm_reference
+import liger_models.kernels.ops.rms_norm as rn
+from liger_models.kernels.ops.rms_norm import RMSNorm, add_rms_norm, rms_norm, rms_norm_reference
 from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
 
 SHAPES = [(1, 1), (3, 127), (4, 1023), (2, 4097)]

@@ -7,8 +7,8 @@ are transposes of (B, H, T, D) tensors, as SDPA hands them back.
 import pytest
 import torch
 
-from liger_models.kernels import rope as rope_mod
-from liger_models.kernels.rope import rope, rope_packed, rope_reference
+from liger_models.kernels.ops import rope as rope_mod
+from liger_models.kernels.ops.rope import rope, rope_packed, rope_reference
 from tests.helpers import BIG_MEMORY, DEVICE, assert_matches, poison_
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from liger_models.kernels import gated_mlp as gm
-from liger_models.kernels.swiglu import swiglu, swiglu_packed
+from liger_models.kernels.ops import gated_mlp as gm
+from liger_models.kernels.ops.swiglu import swiglu, swiglu_packed
 from tests.helpers import BIG_MEMORY, DEVICE
 from tests.kernels import gated_checks as checks
 

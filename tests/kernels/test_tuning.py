@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 import liger_models.kernels as kernels
-from liger_models.kernels import fused_linear_cross_entropy as flce
+import liger_models.kernels.ops as ops
+from liger_models.kernels.ops import fused_linear_cross_entropy as flce
 from liger_models.kernels._tuning import set_tuning, tuned
 
-MODULES = [importlib.import_module(f"liger_models.kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+MODULES = [importlib.import_module(f"{package.__name__}.{m.name}") for package in (kernels, ops)
+           for m in pkgutil.iter_modules(package.__path__) if m.name != "ops"]
 TUNED = [m for m in MODULES if hasattr(m, "TUNING")]
 
 
@@ -51,7 +53,7 @@ def test_settings_read_from_other_modules_are_fields():
     for path in Path(kernels.__file__).parents[1].rglob("*.py"):
         source = path.read_text()
         aliases = {alias or name: name for name, alias in
-                   re.findall(r"from (?:\.|liger_models\.kernels) import (\w+)(?: as (\w+))?", source)}
+                   re.findall(r"from (?:\.+|liger_models\.kernels(?:\.ops)?) import (\w+)(?: as (\w+))?", source)}
         for alias, name in re.findall(r"\b(\w+)\.TUNING\.(\w+)", source):
             module = by_name.get(aliases.get(alias, alias))
             assert module is not None, f"{path}: {alias}.TUNING"

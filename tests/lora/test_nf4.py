@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from liger_models.kernels import nf4
+from liger_models.kernels.ops import nf4
 
 from .bnb import import_bnb
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from liger_models.kernels import nf4
+from liger_models.kernels.ops import nf4
 from liger_models.lora import add_lora, load_bnb_4bit, lora_modules, quantize_base_, save_bnb_4bit, save_merged
 from liger_models.modules.lora_linear import LoraLinear
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_models.kernels.gated_mlp import gated_mlp_reference
-from liger_models.kernels.rms_norm import RMSNorm, rms_norm_reference
+from liger_models.kernels.ops.gated_mlp import gated_mlp_reference
+from liger_models.kernels.ops.rms_norm import RMSNorm, rms_norm_reference
 from liger_models.llama.config import LlamaConfig
 from liger_models.modules.attention import AttentionMask
 from liger_models.modules.decoder import DecoderLayer

@@ -109,7 +109,7 @@ def test_inputs_on_another_device_than_the_ids(model, ids, name):
 
 @pytest.mark.parametrize("bad", [V, -1, -7])
 def test_labels_outside_the_vocabulary_are_the_losss_to_refuse(model, ids, bad):
-    # The loss kernels' own check (kernels/_labels.py LabelCheck), which the input checks leave the values to.
+    # The loss kernels' own check (kernels/ops/_labels.py LabelCheck), which the input checks leave the values to.
     labels = _with(ids, (0, 2), bad)
     with pytest.raises(ValueError, match=rf"label {bad} is outside the vocabulary \[0, {V}\) and is not "
                                          r"ignore_index=-100 \(1 such labels\)"):

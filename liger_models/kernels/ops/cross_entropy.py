@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from ._ce_core import ce_rows
-from ._custom_ops import absent, custom_op, refuse_double_backward
+from .._custom_ops import absent, custom_op, refuse_double_backward
 from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled, scaled_sum,
                            take_grads, token_accuracy, weighted_scale, z_loss_term)
 from ._labels import LabelCheck, check_labels, mean_denominator
-from ._dispatch import once_differentiable, use_triton
-from ._launch import on_input_device
+from .._dispatch import once_differentiable, use_triton
+from .._launch import on_input_device
 
 # check_labels: the CUDA-graph trainer checks every batch with it before copying it into the graph's inputs.
 __all__ = ["CrossEntropyLoss", "LossOutput", "check_labels", "cross_entropy", "cross_entropy_reference",

@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import interpreting, use_triton
-from ._launch import cdiv, on_input_device, pow2, sm_count
+from .._dispatch import interpreting, use_triton
+from .._launch import cdiv, on_input_device, pow2, sm_count
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._custom_ops import absent, custom_op, refuse_double_backward
-from ._dispatch import once_differentiable, use_triton
-from ._launch import launch, on_input_device, pow2
+from .._custom_ops import absent, custom_op, refuse_double_backward
+from .._dispatch import once_differentiable, use_triton
+from .._launch import launch, on_input_device, pow2
 from .rms_norm import rms_norm_reference
 from .rope import _rotate_reference, _split_heads
 

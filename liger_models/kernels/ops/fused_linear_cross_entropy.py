@@ -58,12 +58,12 @@ from torch import nn
 from ._ce_core import ce_rows
 from . import _grad_filter
 from ._grad_filter import active_columns, sparse_gradients
-from ._custom_ops import absent, custom_op, refuse_double_backward
+from .._custom_ops import absent, custom_op, refuse_double_backward
 from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled, scaled_sum,
                            take_grads, token_accuracy, weighted_scale, z_loss_term)
-from ._dispatch import once_differentiable, row_view, use_triton
+from .._dispatch import once_differentiable, row_view, use_triton
 from ._labels import LabelCheck
-from ._launch import on_input_device
+from .._launch import on_input_device
 from .cross_entropy import cross_entropy_reference, loss_extras_reference
 
 

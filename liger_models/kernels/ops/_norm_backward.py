@@ -1,4 +1,4 @@
-"""Two pieces of the row-norm backward (liger_models/kernels/rms_norm.py): the kernel for rows a little too long for registers
+"""Two pieces of the row-norm backward (liger_models/kernels/ops/rms_norm.py): the kernel for rows a little too long for registers
 (``_wide_backward``), and the deterministic reduction of the persistent backwards' fp32 dW / dB partials.
 
 Between _MAX_FUSED_BWD_N and 4 chunks of _WIDE_CHUNK columns (8K-16K at the defaults), a whole fp32 row of dy and
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch, pow2, sm_count
+from .._launch import cdiv, launch, pow2, sm_count
 
 MAX_CHUNKS = 4  # register tiles of dW (and dB) that _norm_bwd_wide_kernel carries: rows of at most 4 chunks
 

@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from ._custom_ops import custom_op, refuse_double_backward
-from ._dispatch import once_differentiable, row_view, use_triton
-from ._launch import cdiv, launch, on_input_device, pow2
+from .._custom_ops import custom_op, refuse_double_backward
+from .._dispatch import once_differentiable, row_view, use_triton
+from .._launch import cdiv, launch, on_input_device, pow2
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch, on_input_device
+from .._launch import cdiv, launch, on_input_device
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._dispatch import once_differentiable, use_triton
+from .._dispatch import once_differentiable, use_triton
 from .rms_norm import _rows, norm_backward, norm_forward, unit_stride
 
 

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
-from ._launch import launch
+from .._dispatch import use_triton
+from .._launch import launch
 
 
 @dataclass(frozen=True)

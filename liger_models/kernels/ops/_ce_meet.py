@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import pow2
+from .._launch import pow2
 
 
 @triton.jit

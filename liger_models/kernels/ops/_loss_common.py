@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch, sm_count
+from .._launch import cdiv, launch, sm_count
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._ce_meet import _exp, _share_partials, meeting_counters
-from ._launch import cdiv, launch, pow2, runs_compiled, sm_count
+from .._launch import cdiv, launch, pow2, runs_compiled, sm_count
 
 
 @dataclass(frozen=True)

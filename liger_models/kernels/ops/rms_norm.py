@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._custom_ops import absent, custom_op, refuse_double_backward
-from ._dispatch import interpreting, once_differentiable, row_view, use_triton
-from ._launch import cdiv, compiled, launch, on_input_device, pow2, sm_count
+from .._custom_ops import absent, custom_op, refuse_double_backward
+from .._dispatch import interpreting, once_differentiable, row_view, use_triton
+from .._launch import cdiv, compiled, launch, on_input_device, pow2, sm_count
 from ._norm_backward import MAX_CHUNKS as _WIDE_MAX_CHUNKS
 from ._norm_backward import _norm_bwd_wide_kernel, row_stats, sum_partials
 
