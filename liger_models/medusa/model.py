@@ -2,7 +2,8 @@
 
 Stage 1 (Medusa-1): the base is frozen (requires_grad off) and runs under no_grad; only the heads train and the
 base CE is dropped (w0 = 0). Stage 2 (Medusa-2): base and heads train jointly with the base CE on (w0 = 1) and the
-heads at 4× the learning rate (`param_groups`). Either way the base's decoder runs once and every loss term is a
+heads at 4× the learning rate (`param_groups`); a base carrying LoRA adapters (liger_models.lora) trains through
+them alone, its own weights frozen, and saves as the heads plus a PEFT adapter of the original base. Either way the base's decoder runs once and every loss term is a
 fused linear-cross-entropy on that one hidden-state tensor (see loss.py).
 
 Works with any base exposing `.model(input_ids, position_ids=...) -> final hidden states`, `.lm_head` (bias-free
@@ -19,6 +20,8 @@ from torch import nn
 
 from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import parse_dtype
+from liger_models.lora import load_adapter, lora_modules, save_adapter
+from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa.calibrate import load_medusa_choices
 from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, load_heads, read_json, save_heads
 from liger_models.medusa.config import MedusaConfig
@@ -58,8 +61,12 @@ class MedusaModel(nn.Module):
         # The tree `generate` verifies: a calibrated one loaded from medusa_choices.json (medusa/calibrate.py), else
         # None for decoding's default. Not saved by save_pretrained: it was fitted to the weights it was loaded with.
         self.medusa_choices: list[tuple[int, ...]] | None = None
-        # Stage 1 trains nothing of the base; stage 2 trains all of it.
-        base.requires_grad_(stage == 2)
+        # Stage 1 trains nothing of the base; stage 2 all of it, or its LoRA adapters alone where it carries some.
+        adapters = lora_modules(base)
+        base.requires_grad_(stage == 2 and not adapters)
+        for module in adapters.values():
+            module.lora_A.weight.requires_grad_(stage == 2)
+            module.lora_B.weight.requires_grad_(stage == 2)
 
     @classmethod
     def from_base(cls, base: nn.Module, *, stage: int = 1, **config_fields: Any) -> "MedusaModel":
@@ -140,9 +147,16 @@ class MedusaModel(nn.Module):
         fields merged into the base's config.json and `base_model_name_or_path` pointing at this directory (the
         base the heads belong to is the one saved here, not the original) — or at `location`, where a caller that
         writes into a temporary directory will move the files (an atomic checkpoint).
+
+        A base with LoRA adapters: the heads file and config as in stage 1 (`base_model_name_or_path` the original
+        base) plus the adapter in PEFT's format (adapter_config.json + adapter_model.safetensors), which
+        `from_pretrained` attaches again.
         """
         os.makedirs(directory, exist_ok=True)
-        if self.stage == 2:
+        if lora_modules(self.base):  # the heads, with the adapter of the base they name, which stays as it was
+            save_heads(self.heads, directory)
+            save_adapter(self.base, directory, base_model=self.config.base_model_name_or_path)
+        elif self.stage == 2:
             self.base.save_pretrained(directory)
             save_heads(self.heads, directory, merge_config=True,
                        base_model_name_or_path=os.path.abspath(location or directory))
@@ -158,16 +172,20 @@ class MedusaModel(nn.Module):
         calibrating a new tree, have no use for it).
 
         base: the base model; when None it is loaded from the directory (stage 2) or from the config's
-        `base_model_name_or_path` (a local directory or a Hub id). stage defaults to 2 for a directory that holds
-        a full base, else 1.
+        `base_model_name_or_path` (a local directory or a Hub id). A directory that holds a LoRA adapter as well
+        (stage 2 through adapters) attaches it to that base, unless the base carries adapters already. stage
+        defaults to 2 for a directory that holds a full base or an adapter, else 1.
         """
         raw = read_json(os.path.join(directory, CONFIG_NAME))
         vllm = raw.get("model_type") == "medusa"
         full = holds_base_model(raw)
+        adapted = os.path.isfile(os.path.join(directory, ADAPTER_CONFIG_NAME))
         if base is None:
             if vllm:
                 raise ValueError("a vLLM-layout Medusa checkpoint holds no base model: pass base=")
             base = _load_base(directory if full else raw.get("base_model_name_or_path", ""), dtype, device)
+        if adapted and not lora_modules(base):  # heads trained on the base through this adapter (stage 2)
+            load_adapter(base, directory)
         # The heads live beside the base: same dtype and device unless asked otherwise ("auto" too, as for the
         # causal-LM loaders; `device or` would read device 0 as "not given").
         dtype = parse_dtype(dtype) or base.lm_head.weight.dtype
@@ -176,7 +194,7 @@ class MedusaModel(nn.Module):
             heads = load_vllm(directory, base.lm_head, dtype=dtype, device=device)
         else:
             heads = load_heads(directory, base.lm_head, dtype=dtype, device=device)
-        model = cls(base, heads, stage=stage or (2 if full else 1))
+        model = cls(base, heads, stage=stage or (2 if full or adapted else 1))
         if load_tree:
             model.medusa_choices = load_medusa_choices(directory, heads.num_heads)
         return model

@@ -163,8 +163,11 @@ class FinetuneConfig(_FromArgs):
         # Options that would otherwise be ignored without a word.
         if self.lora_r is None and (self.qlora or self.lora_alpha is not None):
             raise ValueError("--qlora / --lora-alpha train LoRA adapters: give --lora-r too")
-        if self.lora_r is not None and self.command != "train":
-            raise ValueError(f"--lora-r is not supported by {self.command} yet (only by train)")
+        if self.lora_r is not None and self.command not in ("train", "train-medusa"):
+            raise ValueError(f"--lora-r is not supported by {self.command}")
+        if self.lora_r is not None and distributed:
+            # FSDP2 would shard the adapters with the layers; their saving and resuming read whole tensors.
+            raise ValueError("--lora-r is not supported under torchrun (FSDP2) yet: train LoRA on one GPU")
         if self.data_cache and self.no_data_cache:
             raise ValueError("--data-cache DIR and --no-data-cache contradict each other; give one")
         if self.eval_every and not self.eval_data:
@@ -236,6 +239,9 @@ class MedusaTrainingConfig(FinetuneConfig):
         check_scheduler(self.schedule)
         if self.stage == 1 and self.base_loss_weight is not None:
             raise ValueError("--base-loss-weight is for stage 2 only: stage 1 freezes the base and drops its loss")
+        if self.stage == 1 and self.lora_r is not None:
+            raise ValueError("--lora-r trains the base through adapters: that is stage 2 (--stage 2); stage 1 "
+                             "freezes the base")
 
     def _check_cuda_graph_schedule(self) -> None:
         if self.schedule != "constant":

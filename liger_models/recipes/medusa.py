@@ -3,7 +3,9 @@ and base together, the base loss on, the heads at ``head_lr_multiplier`` × the 
 
 The pieces and their order are training.py's. A stage-1 checkpoint is a heads directory in the Medusa/TGI format
 whose ``base_model_name_or_path`` is ``--model`` (its tokenizer files beside it); a stage-2 checkpoint holds the
-trained base plus the heads.
+trained base plus the heads. Stage 2 with ``lora_r`` trains the base through LoRA adapters (on an NF4 base with
+``qlora``), as the Medusa-2 recipe does: its checkpoint is the heads directory plus the adapter in PEFT's format,
+both of ``--model``, which MedusaModel.from_pretrained (and so ``liger-models generate --medusa``) attaches again.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from liger_models.hub import resolve_model
 from liger_models.medusa import MedusaHeads, MedusaModel
 from liger_models.recipes import training as T
 from liger_models.recipes.configs import MedusaTrainingConfig
+from liger_models.recipes.lora import attach, lora_settings
 from liger_models.train.trainer import MedusaTask
 
 
-def _medusa_model(config: MedusaTrainingConfig, model_dir: Path, dtype, device, resume: Path | None) -> MedusaModel:
+def _medusa_model(config: MedusaTrainingConfig, model_dir: Path, dtype, device, resume: Path | None,
+                  lora) -> MedusaModel:
     def with_this_runs_loss(medusa):
         # The loss settings are this run's (stage 2 usually changes the schedule), not the saved heads', whether the
         # heads come from --init-heads or from the checkpoint being resumed (which saved the same settings). So is
@@ -45,10 +49,12 @@ def _medusa_model(config: MedusaTrainingConfig, model_dir: Path, dtype, device, 
                                  f"drop it, or train new heads without {flag}")
         return with_this_runs_loss(medusa)
 
-    if resume is not None and config.stage == 2:
+    if resume is not None and config.stage == 2 and lora is None:
         medusa = MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2, load_tree=False)
         return loaded(medusa, "--resume", resume)
     base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
+    if lora is not None:  # adapters on --model's base, as the checkpoint being resumed saved them
+        attach(base, lora, config.qlora, resume)
     heads_dir = resume or config.init_heads
     if heads_dir is not None:
         medusa = MedusaModel.from_pretrained(str(heads_dir), base=base, dtype=dtype, device=device,
@@ -72,7 +78,8 @@ def train_medusa(config: MedusaTrainingConfig | argparse.Namespace) -> T.RunResu
         model_dir = resolve_model(config.model)
         lr = config.peak_lr()
         settings = T.settings(config, info, model_dir, resume, lr)
-        medusa = _medusa_model(config, model_dir, T.dtype_of(config, info.device), info.device, resume)
+        lora = lora_settings(config)
+        medusa = _medusa_model(config, model_dir, T.dtype_of(config, info.device), info.device, resume, lora)
         stream, eval_data = T.data(config, model_dir, medusa.config.vocab_size, info)
         T.prepare(medusa, medusa.base.model.layers, config, info, more_units=medusa.heads)
         # --weight-decay is on matrices only, as for the causal LM: not on the heads' biases nor the base's norms.
@@ -80,7 +87,7 @@ def train_medusa(config: MedusaTrainingConfig | argparse.Namespace) -> T.RunResu
 
         def export(directory: Path, full_state: dict | None, final: Path) -> None:
             target = medusa
-            if full_state is not None:
+            if full_state is not None and lora is None:  # adapters are saved from the model, as train's are
                 base = T.shadow_base(medusa.base, full_state, prefix="base.")
                 heads = MedusaHeads(medusa.config, base.lm_head, device="meta")
                 heads.load_state_dict({k[len("heads."):]: v for k, v in full_state.items()

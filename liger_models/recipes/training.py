@@ -32,6 +32,7 @@ from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import GENERATION_CONFIG, copy_tokenizer_files, load_tokenizer
 from liger_models.kernels.ops import fused_linear_cross_entropy as flce
 from liger_models.kernels._tuning import tuned
+from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
 from liger_models.recipes.configs import FinetuneConfig, MedusaTrainingConfig
 from liger_models.tokenizer import read_special_tokens
@@ -181,9 +182,12 @@ def _check_resume_kind(checkpoint: Path, wanted: int | None) -> None:
 
 
 def _kind_by_files(checkpoint: Path) -> int | None:
-    """The Medusa stage whose files ``checkpoint`` holds; None: a causal LM's."""
+    """The Medusa stage whose files ``checkpoint`` holds (2: a full base, or a LoRA adapter of it, beside the heads);
+    None: a causal LM's."""
     if not any((checkpoint / name).is_file() for name in (HEADS_NAME, LEGACY_HEADS_NAME)):
         return None
+    if (checkpoint / ADAPTER_CONFIG_NAME).is_file():
+        return 2
     config = checkpoint / CONFIG_NAME
     return 2 if config.is_file() and "model_type" in read_json(str(config)) else 1
 

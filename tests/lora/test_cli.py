@@ -96,10 +96,3 @@ def test_merge_lora_writes_a_checkpoint_transformers_loads(base_and_data, tmp_pa
     with torch.no_grad():
         assert max_rel(hf(input_ids=ids).logits, model.eval()(ids).logits) < 1e-5
     assert (merged / "tokenizer.json").is_file()
-
-
-def test_train_medusa_refuses_lora_for_now(base_and_data, tmp_path, capsys):
-    base, data = base_and_data
-    assert main(["train-medusa", "--model", str(base), "--data", str(data), "--output-dir", str(tmp_path / "m"),
-                 "--lora-r", "4", "--device", "cpu", "--quiet"]) != 0
-    assert "--lora-r is not supported by train-medusa yet" in capsys.readouterr().err
