@@ -31,6 +31,15 @@ RUN = ["--seq-len", "32", "--batch-size", "2", "--save-every", "5", "--keep-last
        "--device", "cpu", "--dtype", "fp32", "--quiet"]
 TIMEOUT = 180
 
+
+def _signals_as_in_a_terminal() -> None:
+    """The runs under test start with SIGINT and SIGTERM at their defaults, as from a terminal. A shell runs a
+    background job (`cmd &`, a CI script started that way) with SIGINT ignored, which children inherit and
+    StopOnSignal leaves alone by design (a nohup'd run keeps running): the signal tests would then test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 # Test-only fault injection: `python -c KILL_AT <function> <name regex> <n> <liger-models argv...>` runs the CLI and
 # SIGKILLs it just before the n-th call of <function> on a path whose last component matches <name regex>.
 KILL_AT = """
@@ -65,7 +74,8 @@ def _cli(argv) -> list[str]:
 
 def _run(cmd) -> tuple[int, int, str]:
     """(exit status, pid, stderr) of ``cmd`` run to its end."""
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_signals_as_in_a_terminal)
     try:
         _, err = proc.communicate(timeout=TIMEOUT)
     finally:
@@ -75,7 +85,7 @@ def _run(cmd) -> tuple[int, int, str]:
 
 def _start(cmd, log: Path) -> subprocess.Popen:
     with open(log, "w") as f:  # a file, not a pipe: nobody reads a pipe while the test waits
-        return subprocess.Popen(cmd, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=ENV, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_signals_as_in_a_terminal)
 
 
 def _steps(out: Path) -> list[int]:
@@ -159,7 +169,7 @@ print("survived the second signal", flush=True)
 
 def test_a_second_signal_ends_the_process_at_once_but_a_duplicate_delivery_does_not():
     proc = subprocess.run([sys.executable, "-c", SIGNAL_TWICE], env=ENV, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+                          preexec_fn=_signals_as_in_a_terminal, timeout=TIMEOUT)
     assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]
     assert proc.stdout == f"recorded {int(signal.SIGTERM)}\n"
 
