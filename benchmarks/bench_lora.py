@@ -9,6 +9,8 @@ Providers:
     hf_peft_bnb_liger  the same + liger-kernel
     ours               liger_models.lora (fused LoRA in the packed projections)
     ours_qlora         ours on an NF4 base (liger_models.lora.quantize_base_)
+    ours_offload       ours with the layer checkpoints in host memory (activation_checkpointing_enable(offload=True);
+                       with --checkpointing on only)
 Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a monkey-patch never leaks).
 
     python benchmarks/bench_lora.py --out DIR [--configs qwen2.5-7b,llama-3.1-8b] [--providers ...]
@@ -35,7 +37,7 @@ CONFIGS = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
 }
-PROVIDERS = ("hf_peft", "hf_peft_liger", "hf_peft_bnb", "hf_peft_bnb_liger", "ours", "ours_qlora")
+PROVIDERS = ("hf_peft", "hf_peft_liger", "hf_peft_bnb", "hf_peft_bnb_liger", "ours", "ours_qlora", "ours_offload")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 R, ALPHA = 16, 32
 WARMUP, STEPS = 3, 6
@@ -74,7 +76,7 @@ def _build(provider: str, cfg: dict, checkpointing: bool):
             torch.cuda.empty_cache()
         add_lora(model, LoraSettings(r=R, alpha=ALPHA, targets="all-linear"))
         if checkpointing:
-            model.activation_checkpointing_enable()
+            model.activation_checkpointing_enable(offload=provider == "ours_offload")
         return model
     import peft
     import transformers
@@ -185,6 +187,8 @@ def main() -> None:
         for name in args.configs.split(","):
             for ckpt in ckpts:
                 for provider in providers:
+                    if provider == "ours_offload" and not ckpt:  # offloads what the checkpoints save: none here
+                        continue
                     row = _run([name, provider, str(args.batch), str(args.seq), "1" if ckpt else "0", str(STEPS)])
                     row.update(config=name, provider=provider, checkpointing=ckpt)
                     rows.append(row)
