@@ -34,7 +34,8 @@ class MedusaOutput:
     loss: the scalar to backward. base_loss: the base head's CE (None when its weight is 0, e.g. stage 1).
     head_losses: (K,) unweighted CE per head. head_top1 / head_top5 / head_count: (K,) int64 counts of targets whose
     logit ranks first / in the top 5, and of non-ignored targets. logits / head_logits: only without labels
-    (inference): (B, T, V) and (K, B, T, V).
+    (inference): (B, T, V) and (K, B, T, V). aux_loss: a mixture-of-experts base's load-balancing loss, in stage 2
+    where its config sets ``output_router_logits`` (``loss`` holds it times ``router_aux_loss_coef``).
     """
 
     loss: torch.Tensor | None = None
@@ -45,6 +46,7 @@ class MedusaOutput:
     head_count: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     head_logits: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 def medusa_head_weights(num_heads: int, lambda0: float = 0.2, decay: float = 0.8) -> list[float]:

@@ -12,6 +12,7 @@ nn.Linear) and `.config` (hidden_size, vocab_size) — every `Liger<Family>ForCa
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -30,6 +31,7 @@ from liger_models.medusa.heads import MedusaHeads, base_logits
 from liger_models.medusa.loss import MedusaOutput, medusa_head_weights, medusa_loss, schedule_factor
 from liger_models.medusa.vllm_format import load_vllm
 from liger_models.modules.linear import is_plain_linear
+from liger_models.modules.moe import load_balancing_loss, recording_router_logits
 
 
 def _sharded(heads: nn.Module) -> bool:
@@ -94,8 +96,13 @@ class MedusaModel(nn.Module):
 
         normalizer: see `medusa_loss` (one global count, or per-term counts from `medusa_target_counts`).
         """
-        with torch.set_grad_enabled(self.stage == 2 and torch.is_grad_enabled()):
-            hidden = self.base.model(input_ids, position_ids=position_ids)  # (B, T, H)
+        # A mixture-of-experts base trained in stage 2 keeps its load-balancing term where its config asks for it,
+        # as its own forward adds it (modules/moe_causal_lm.py): without it the router drifts unbalanced.
+        balance = self.stage == 2 and labels is not None and getattr(self.base.config, "output_router_logits", False)
+        with contextlib.ExitStack() as stack:
+            routed = stack.enter_context(recording_router_logits()) if balance else []
+            with torch.set_grad_enabled(self.stage == 2 and torch.is_grad_enabled()):
+                hidden = self.base.model(input_ids, position_ids=position_ids)  # (B, T, H)
         if self.stage == 1 and torch.is_grad_enabled() and _sharded(self.heads):
             # FSDP2 reduce-scatters a unit's gradients once its inputs' gradients are computed. From a no_grad base
             # that never happens, so every head would stay gathered, its gradients unreduced, until the step's end.
@@ -107,10 +114,16 @@ class MedusaModel(nn.Module):
             raise ValueError(f"the base lm_head is a {type(self.base.lm_head).__name__}, not a plain nn.Linear: the "
                              "Medusa loss reads its weight directly (shared by the heads), which would skip what "
                              "the wrapper adds; leave lm_head out of the adapter's target modules")
-        return medusa_loss(hidden, self.heads, labels, position_ids=position_ids,
-                           base_lm_head_weight=self.base.lm_head.weight, base_loss_weight=self.base_loss_weight,
-                           head_scales=self.head_scales(step, max_steps), normalizer=normalizer,
-                           base_logit_softcap=getattr(self.base.config, "logit_softcap", None))
+        out = medusa_loss(hidden, self.heads, labels, position_ids=position_ids,
+                          base_lm_head_weight=self.base.lm_head.weight, base_loss_weight=self.base_loss_weight,
+                          head_scales=self.head_scales(step, max_steps), normalizer=normalizer,
+                          base_logit_softcap=getattr(self.base.config, "logit_softcap", None))
+        if routed:  # (empty with every layer dense: nothing to balance)
+            cfg = self.base.config
+            aux = load_balancing_loss(tuple(routed), cfg.experts_count, cfg.num_experts_per_tok)
+            out.loss = out.loss + cfg.router_aux_loss_coef * aux.to(out.loss.device)
+            out.aux_loss = aux.detach()
+        return out
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None, **kwargs: Any):
         """Medusa tree decoding with these heads (see `liger_models.medusa.decoding.medusa_generate`, which cuts the
