@@ -21,7 +21,7 @@ from torch import nn
 
 from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import parse_dtype
-from liger_models.lora import load_adapter, lora_modules, save_adapter
+from liger_models.lora import load_adapter, lora_modules, lora_state_dict, read_adapter, save_adapter
 from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa.calibrate import load_medusa_choices
 from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, load_heads, read_json, save_heads
@@ -197,8 +197,11 @@ class MedusaModel(nn.Module):
             if vllm:
                 raise ValueError("a vLLM-layout Medusa checkpoint holds no base model: pass base=")
             base = _load_base(directory if full else raw.get("base_model_name_or_path", ""), dtype, device)
-        if adapted and not lora_modules(base):  # heads trained on the base through this adapter (stage 2)
-            load_adapter(base, directory)
+        if adapted:  # heads trained on the base through this adapter (stage 2)
+            if not lora_modules(base):
+                load_adapter(base, directory)
+            else:
+                _check_same_adapter(base, directory)
         # The heads live beside the base: same dtype and device unless asked otherwise ("auto" too, as for the
         # causal-LM loaders; `device or` would read device 0 as "not given").
         dtype = parse_dtype(dtype) or base.lm_head.weight.dtype
@@ -211,6 +214,19 @@ class MedusaModel(nn.Module):
         if load_tree:
             model.medusa_choices = load_medusa_choices(directory, heads.num_heads)
         return model
+
+
+def _check_same_adapter(base: nn.Module, directory: str) -> None:
+    """A base that carries adapters already must carry this directory's (a resumed run restores them first): heads
+    decoded or trained on other adapters than their own would be silently wrong."""
+    _, saved = read_adapter(directory)
+    ours = lora_state_dict(base)
+    differs = sorted(set(saved) ^ set(ours)) or [k for k in sorted(ours) if ours[k].shape != saved[k].shape
+                                                 or not torch.equal(ours[k].detach().cpu().float(), saved[k].float())]
+    if differs:
+        raise ValueError(f"the base passed carries other LoRA adapters than the ones {directory} holds for its heads "
+                         f"(first difference: {differs[0]}): pass the base without adapters, and the directory's "
+                         "are attached")
 
 
 def _load_base(name_or_path: str, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Module:

@@ -112,3 +112,21 @@ def test_lora_under_torchrun_is_refused(base_and_data, tmp_path, monkeypatch, co
         config = FinetuneConfig(model=str(base), data=[str(data)], output_dir=str(tmp_path / "r"), lora_r=4)
     with pytest.raises(ValueError, match=r"--lora-r is not supported under torchrun \(FSDP2\) yet"):
         config.validate()
+
+
+def test_heads_refuse_a_base_with_other_adapters(base_and_data, tmp_path):
+    base, data = base_and_data
+    out = tmp_path / "run"
+    argv = ["train-medusa", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN,
+            "--max-steps", "2"]
+    assert main(argv) == 0
+    heads = out / "checkpoints" / ckpt.step_dir_name(2)
+    same = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
+    load_adapter(same, heads)
+    MedusaModel.from_pretrained(str(heads), base=same)  # its own adapters: taken as they are
+    other = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
+    load_adapter(other, heads)
+    with torch.no_grad():
+        next(iter(lora_modules(other).values())).lora_B.weight.add_(1.0)
+    with pytest.raises(ValueError, match="carries other LoRA adapters than the ones .* holds for its heads"):
+        MedusaModel.from_pretrained(str(heads), base=other)
