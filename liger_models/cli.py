@@ -167,6 +167,9 @@ def _add_lora(p: argparse.ArgumentParser) -> None:
                    help="all-linear, or comma-separated HF names (q_proj,v_proj,...; Phi3: qkv_proj,...)")
     p.add_argument("--lora-dropout", type=_beta, default=0.0, help="dropout on the adapters' input (default 0)")
     p.add_argument("--lora-rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
+    p.add_argument("--lora-modules-to-save", default=None, metavar="NAMES",
+                   help="embed_tokens and/or lm_head (comma-separated): trained whole beside the adapters and saved "
+                        "in the adapter, as PEFT's modules_to_save (untied embeddings only)")
     p.add_argument("--qlora", action="store_true", help="with --lora-r: NF4 (4-bit) base weights, quantised on load")
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from liger_models.kernels.ops.nf4 import dequantize_absmax, double_quantize, quantize_nf4
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 
-from .config import LoraSettings, decoder_linears, resolve_targets
+from .config import LoraSettings, decoder_linears, modules_to_save, resolve_targets
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -22,10 +22,11 @@ def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
 
 
 def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torch.float32) -> list[str]:
-    """Adapters on the targeted linears (fresh A, B = 0 unless settings.init is False); every other parameter is
-    frozen. Returns the adapted module names. Adapters are kept in ``dtype`` (fp32 by default, as PEFT: the
+    """Adapters on the targeted linears (fresh A, B = 0 unless settings.init is False) and settings.modules_to_save
+    trainable whole; every other parameter is frozen. Returns the adapted module names. Adapters are kept in ``dtype`` (fp32 by default, as PEFT: the
     optimizer updates them in full precision; they are cast to the activations' dtype inside the GEMMs)."""
     names = resolve_targets(model, settings.targets)
+    whole = modules_to_save(model, settings.modules_to_save)
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters (merge or remove them first)")
     for p in model.parameters():
@@ -37,16 +38,22 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
         module.train(model.training)
         _replace(model, name, module)
     model.pack_()  # the replaced linears keep their packed Parameters; re-register the state-dict copies
+    for module in whole.values():
+        module.weight.requires_grad_(True)
     model.lora_settings = settings
     return names
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our-name → adapter tensor (``model.layers.0.self_attn.q_proj.lora_A.weight`` …)."""
+    """Our-name → tensor of what the adapter trains: each A and B (``model.layers.0.self_attn.q_proj.lora_A.weight``
+    …) and the whole weight of each of its modules_to_save (``lm_head.weight``)."""
     out = {}
     for name, m in lora_modules(model).items():
         out[f"{name}.lora_A.weight"] = m.lora_A.weight
         out[f"{name}.lora_B.weight"] = m.lora_B.weight
+    settings = getattr(model, "lora_settings", None)
+    for name, module in modules_to_save(model, settings.modules_to_save if settings else []).items():
+        out[f"{name}.weight"] = module.weight
     return out
 
 

@@ -16,8 +16,11 @@ from torch import nn
 from liger_models.modules.lora_linear import LoraLinear
 
 ALL_LINEAR = "all-linear"
+# What PEFT's modules_to_save may name here: the modules outside the decoder layers that train whole beside the
+# adapters (new tokens' rows in a chat fine-tune).
+SAVABLE = ("embed_tokens", "lm_head")
 # PEFT fields whose non-default value changes the math or the saved keys in a way not implemented here.
-_UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+_UNSUPPORTED = {"use_dora": False, "layers_to_transform": None, "layers_pattern": None,
                 "fan_in_fan_out": False, "lora_bias": False, "use_qalora": False, "exclude_modules": None,
                 "trainable_token_indices": None}
 
@@ -32,6 +35,7 @@ class LoraSettings:
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     init: str | bool = True
+    modules_to_save: list[str] = field(default_factory=list)  # of SAVABLE: trained whole, saved in the adapter
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
@@ -46,6 +50,11 @@ class LoraSettings:
                 raise ValueError("no LoRA targets given")
         elif not isinstance(self.targets, str):
             raise ValueError(f"targets must be a list of module names or a string, got {self.targets!r}")
+        self.modules_to_save = list(self.modules_to_save or [])
+        for name in self.modules_to_save:
+            if name not in SAVABLE:
+                raise ValueError(f"modules_to_save: {name!r} is not supported (only {', '.join(SAVABLE)}: the "
+                                 "decoder's linears take adapters)")
         for key, value in self.rank_pattern.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"rank_pattern[{key!r}] must be a positive integer, got {value!r}")
@@ -60,7 +69,8 @@ class LoraSettings:
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.r, "lora_alpha": self.alpha,
                 "lora_dropout": self.dropout, "use_rslora": self.use_rslora, "target_modules": sorted(leaf_targets),
                 "rank_pattern": dict(self.rank_pattern), "alpha_pattern": dict(self.alpha_pattern),
-                "bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+                "bias": "none", "use_dora": False, "fan_in_fan_out": False,
+                "modules_to_save": sorted(self.modules_to_save) or None,
                 "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
                 "revision": None, "layers_to_transform": None, "layers_pattern": None}
 
@@ -83,7 +93,8 @@ class LoraSettings:
         return cls(r=cfg.get("r", 8), alpha=cfg.get("lora_alpha", 8), dropout=cfg.get("lora_dropout", 0.0) or 0.0,
                    targets=targets if isinstance(targets, str) else list(targets),
                    use_rslora=bool(cfg.get("use_rslora", False)), rank_pattern=dict(cfg.get("rank_pattern") or {}),
-                   alpha_pattern=dict(cfg.get("alpha_pattern") or {}))
+                   alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
+                   modules_to_save=list(cfg.get("modules_to_save") or []))
 
 
 def _pattern_value(patterns: dict, name: str, default):
@@ -105,6 +116,21 @@ def decoder_linears(model: nn.Module) -> dict[str, nn.Module]:
         if hasattr(model.get_submodule(name.rpartition(".")[0]), "experts"):
             continue
         found[name] = m
+    return found
+
+
+def modules_to_save(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
+    """Full name → module for each of ``names`` (leaf names of SAVABLE). Refused on tied embeddings: the one matrix
+    is both modules, and PEFT would save two diverging copies of it."""
+    if names and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError(f"modules_to_save {names}: this model ties lm_head to embed_tokens; train it whole instead "
+                         "of through an adapter")
+    found = {}
+    for leaf in names:
+        matches = [n for n, _ in model.named_modules() if n == leaf or n.endswith("." + leaf)]
+        if len(matches) != 1:
+            raise ValueError(f"modules_to_save: {leaf!r} names {len(matches)} modules of this model, not one")
+        found[matches[0]] = model.get_submodule(matches[0])
     return found
 
 

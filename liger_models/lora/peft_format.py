@@ -19,7 +19,7 @@ from liger_models.hub import save_state_dict
 from liger_models.modules.lora_linear import LoraLinear
 
 from .attach import add_lora, lora_modules, lora_state_dict
-from .config import LoraSettings
+from .config import LoraSettings, modules_to_save
 
 PREFIX = "base_model.model."
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
@@ -61,8 +61,10 @@ def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.T
         if not key.startswith(PREFIX):
             raise ValueError(f"{str(weights_path)!r}: key {key!r} does not start with {PREFIX!r}")
         name = key[len(PREFIX):]
-        if not name.endswith((".lora_A.weight", ".lora_B.weight")):
-            raise ValueError(f"{str(weights_path)!r}: {key!r} is not a LoRA A/B weight (only those are supported)")
+        whole = name.endswith(".weight") and name[:-len(".weight")].rsplit(".", 1)[-1] in settings.modules_to_save
+        if not (whole or name.endswith((".lora_A.weight", ".lora_B.weight"))):
+            raise ValueError(f"{str(weights_path)!r}: {key!r} is neither a LoRA A/B weight nor one of "
+                             f"modules_to_save {settings.modules_to_save}")
         tensors[name] = value
     return settings, tensors
 
@@ -71,11 +73,12 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
     """Attach the PEFT adapter in ``directory`` to ``model``: same modules, ranks and scales; shapes must match the
     base (an adapter for another model is refused naming the first mismatch). Returns the adapted names."""
     settings, tensors = read_adapter(directory)
-    wanted = sorted({k.rsplit(".", 2)[0] for k in tensors})
+    wanted = sorted({k.rsplit(".", 2)[0] for k in tensors if k.endswith((".lora_A.weight", ".lora_B.weight"))})
     # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).
     names = add_lora(model, LoraSettings(r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
                                          targets=settings.targets, use_rslora=settings.use_rslora,
-                                         rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern))
+                                         rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern,
+                                         modules_to_save=settings.modules_to_save))
     modules = lora_modules(model)
     missing = [n for n in names if f"{n}.lora_A.weight" not in tensors]
     unknown = [n for n in wanted if n not in modules]
@@ -93,6 +96,14 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
                 dst.copy_(src)
             m.lora_A.weight.requires_grad_(trainable)
             m.lora_B.weight.requires_grad_(trainable)
+        for name, module in modules_to_save(model, settings.modules_to_save).items():
+            src = tensors.get(f"{name}.weight")
+            if src is None or tuple(src.shape) != tuple(module.weight.shape):
+                raise ValueError(f"{directory}: modules_to_save {name!r} needs a weight of shape "
+                                 f"{tuple(module.weight.shape)}, the file has "
+                                 f"{'none' if src is None else tuple(src.shape)}")
+            module.weight.copy_(src)
+            module.weight.requires_grad_(trainable)
     return names
 
 

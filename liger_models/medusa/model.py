@@ -66,9 +66,9 @@ class MedusaModel(nn.Module):
         # Stage 1 trains nothing of the base; stage 2 all of it, or its LoRA adapters alone where it carries some.
         adapters = lora_modules(base)
         base.requires_grad_(stage == 2 and not adapters)
-        for module in adapters.values():
-            module.lora_A.weight.requires_grad_(stage == 2)
-            module.lora_B.weight.requires_grad_(stage == 2)
+        if adapters:
+            for tensor in lora_state_dict(base).values():  # A, B and any modules_to_save weights
+                tensor.requires_grad_(stage == 2)
 
     @classmethod
     def from_base(cls, base: nn.Module, *, stage: int = 1, **config_fields: Any) -> "MedusaModel":

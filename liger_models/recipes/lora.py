@@ -23,8 +23,9 @@ def lora_settings(config):
     targets = config.lora_targets if config.lora_targets == "all-linear" else \
         [t.strip() for t in config.lora_targets.split(",") if t.strip()]
     alpha = config.lora_alpha if config.lora_alpha is not None else 2.0 * config.lora_r
+    whole = [m.strip() for m in (config.lora_modules_to_save or "").split(",") if m.strip()]
     return LoraSettings(r=config.lora_r, alpha=alpha, dropout=config.lora_dropout, targets=targets,
-                        use_rslora=config.lora_rslora)
+                        use_rslora=config.lora_rslora, modules_to_save=whole)
 
 
 def attach(model, settings, qlora: bool, resume: Path | None) -> None:

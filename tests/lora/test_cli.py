@@ -36,10 +36,11 @@ def _reference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch reference path: fast on CPU
 
 
-@pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
-def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_path, qlora):
+@pytest.mark.parametrize("kind", ["lora", "qlora", "modules_to_save"])
+def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_path, kind):
     base, data = base_and_data
-    extra = ["--qlora"] if qlora else []
+    extra = {"lora": [], "qlora": ["--qlora"],
+             "modules_to_save": ["--lora-modules-to-save", "embed_tokens,lm_head"]}[kind]
     out = tmp_path / "run"
     assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN, *extra]) == 0
     last = out / "checkpoints" / ckpt.step_dir_name(4)
@@ -48,6 +49,10 @@ def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_pa
     assert not any(name.startswith("model") and name.endswith(".safetensors") for name in files), files
     model = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
     load_adapter(model, last)  # a PEFT adapter of the base
+    if kind == "modules_to_save":  # the whole modules trained and came back with the adapter
+        plain = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
+        assert not torch.equal(model.lm_head.weight, plain.lm_head.weight)
+        assert not torch.equal(model.model.embed_tokens.weight, plain.model.embed_tokens.weight)
 
     # Resume from step 2 (step 4 removed): the run ends with the same adapter bytes.
     resumed = tmp_path / "resumed"
