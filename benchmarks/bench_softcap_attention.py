@@ -7,7 +7,7 @@ bench_e2e Gemma 2 shapes: the two paths modules/attention.py can take, next to S
   sdpa   F.scaled_dot_product_attention without the cap (not Gemma 2's numerics: what the cap costs)
 
 Inputs as the model lays them out (bench_attention.py): (B, T, H, D) views of one packed qkv output, bf16. Time:
-median of do_bench; peak: extra memory over the inputs. Not run yet: H200 numbers go to BENCHMARKS.md.
+median of do_bench; peak: extra memory over the inputs. H200 numbers: BENCHMARKS.md, "Soft-capped attention".
 
     python benchmarks/bench_softcap_attention.py [--out DIR]
 """
@@ -75,9 +75,10 @@ def main() -> None:
         cells = [f"{k} {v['ms']:.3f} ms ({v['tflops']:.0f} TFLOP/s, +{v['peak_mib']:.0f} MiB)" if "ms" in v
                  else f"{k} {v['error']}" for k, v in row.items() if k in paths]
         print(f"{name} {shape}: " + ", ".join(cells), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "softcap_attention.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        # Written after every shape: a run stopped by a time limit keeps the shapes it finished.
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "softcap_attention.json"), "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
