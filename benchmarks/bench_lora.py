@@ -193,7 +193,13 @@ def main() -> None:
                     row.update(config=name, provider=provider, checkpointing=ckpt)
                     rows.append(row)
                     print(json.dumps(rows[-1]), flush=True)
-    with open(os.path.join(args.out, "bench_lora.json"), "w") as f:
+                    _save(args.out, rows)  # after every row: a run stopped by a time limit keeps what it measured
+    _save(args.out, rows)
+
+
+def _save(out: str, rows: list[dict]) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_lora.json"), "w") as f:
         json.dump({"results": rows}, f, indent=2)
 
 
