@@ -5,6 +5,7 @@
 #   bash benchmarks/device_session.sh e2e-small         # call 2: bench_e2e on the 1B-class configs (e2e-overlap: overlap_ce)
 #   bash benchmarks/device_session.sh e2e-wide medusa   # call 3: bench_e2e on the wide configs, bench_medusa --quick
 #   bash benchmarks/device_session.sh tests medusa-trees   # pytest -m gpu, then fitted Medusa trees on the demo's heads
+#   bash benchmarks/device_session.sh moe softcap lora  # the MoE layer, soft-capped attention, LoRA / QLoRA steps
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
 set -o pipefail
 OUT=$(realpath -m "${OUT:-device_out}")
@@ -82,6 +83,19 @@ run_part() {
       python3 benchmarks/bench_medusa_batched.py --out "$OUT" ;;
     medusa-trees)  # fitted Medusa trees vs the default one on the demo's trained heads (trains them first)
       python3 benchmarks/bench_medusa_trees.py --out "$OUT/trees" ;;
+    e2e-families)  # the newer families against HF and HF + liger-kernel (its MoE runs have not finished in 70 s)
+      python3 benchmarks/bench_e2e.py --out "$OUT/e2e_families" --timeout 120 --providers "${FAMILY_PROVIDERS:-ours,hf_liger,hf}" \
+        --configs "${FAMILY_CONFIGS:-qwen3-8b-w8l,gemma2-9b-w8l,gemma3-4b-w8l,qwen3-30b-a3b-w4l,mixtral-8x7b-w2l}" ;;
+    e2e-compile)  # a compiled training step next to eager ours (each compiles once: the first steps are warm-up)
+      python3 benchmarks/bench_e2e.py --out "$OUT/e2e_compile" --timeout 400 --providers ours_compile,ours \
+        --configs "${COMPILE_CONFIGS:-llama-3-8b-w8l}" ;;
+    moe)  # one MoE layer: ours vs transformers' grouped_mm and eager experts
+      (cd benchmarks && python3 bench_moe.py --out "$OUT") ;;
+    softcap)  # Gemma 2's soft-capped attention: flex + score_mod vs HF's math vs uncapped SDPA
+      (cd benchmarks && python3 bench_softcap_attention.py --out "$OUT") ;;
+    lora)  # LoRA / QLoRA at Llama-3.1-8B, checkpointing on (HF providers build in ~2 min each; LORA_PROVIDERS to pick)
+      python3 benchmarks/bench_lora.py --out "$OUT/lora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" --checkpointing on \
+        --providers "${LORA_PROVIDERS:-ours,ours_qlora,ours_offload,hf_peft_bnb}" ;;
     multi-gpu)  # issue 7, on nvidia-h200-x2; all three jobs take ~12 min, so one call runs a subset (fine-tuning
                 # was measured on 2026-11-29; MULTI_GPU_JOBS=finetune for it alone)
       python3 benchmarks/multi_gpu.py --out "$OUT" --jobs "${MULTI_GPU_JOBS:-medusa-stage1,medusa-stage2}" ;;
