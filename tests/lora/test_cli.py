@@ -14,7 +14,6 @@ from liger_models.cli import main
 from liger_models.lora import load_adapter, quantize_base_
 from liger_models.train import checkpointing as ckpt
 
-from ..helpers import make_tiny_model_dir, shakespeare
 from ..models.parity import float64_reference
 from .common import assert_as_close_as_fp32_allows
 
@@ -24,17 +23,7 @@ RUN = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--save-every
        "--lora-r", "4", "--lora-alpha", "8", "--lora-dropout", "0.1"]
 
 
-@pytest.fixture(scope="module")
-def base_and_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora_cli")
-    data = root / "data.txt"
-    data.write_text(shakespeare(6_000), encoding="utf-8")
-    return make_tiny_model_dir(root / "base"), data
-
-
-@pytest.fixture(autouse=True)
-def _reference(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch reference path: fast on CPU
+pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
 @pytest.mark.parametrize("kind", ["lora", "qlora", "modules_to_save"])

@@ -18,24 +18,22 @@ from liger_models.medusa import MedusaModel
 from liger_models.recipes.configs import MedusaTrainingConfig
 from liger_models.train import checkpointing as ckpt
 
-from ..helpers import make_tiny_model_dir, shakespeare
 
 RUN = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--save-every", "2", "--keep-last", "3",
        "--lr", "1e-2", "--warmup-steps", "1", "--device", "cpu", "--dtype", "fp32", "--quiet", "--num-heads", "2",
        "--stage", "2", "--lora-r", "4", "--lora-alpha", "8"]
 
 
-@pytest.fixture(scope="module")
-def base_and_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("medusa_lora")
-    data = root / "data.txt"
-    data.write_text(shakespeare(6_000), encoding="utf-8")
-    return make_tiny_model_dir(root / "base"), data
+pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
-@pytest.fixture(autouse=True)
-def _reference(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch reference path: fast on CPU
+def _two_step_heads(base, data, tmp_path):
+    """A 2-step stage-2 LoRA run's checkpoint: heads plus adapter."""
+    out = tmp_path / "run"
+    argv = ["train-medusa", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN,
+            "--max-steps", "2"]
+    assert main(argv) == 0
+    return out / "checkpoints" / ckpt.step_dir_name(2)
 
 
 @pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
@@ -81,12 +79,7 @@ def test_stage2_through_adapters_saves_heads_and_adapter_and_resumes_bit_for_bit
 
 
 def test_generate_with_the_heads_decodes_on_the_adapted_base(base_and_data, tmp_path, capsys):
-    base, data = base_and_data
-    out = tmp_path / "run"
-    argv = ["train-medusa", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN,
-            "--max-steps", "2"]
-    assert main(argv) == 0
-    heads = out / "checkpoints" / ckpt.step_dir_name(2)
+    heads = _two_step_heads(*base_and_data, tmp_path)
     capsys.readouterr()
     assert main(["generate", "--medusa", str(heads), "--prompt", "ROMEO:", "--max-new-tokens", "8", "--device",
                  "cpu", "--dtype", "fp32", "--greedy", "--compare"]) == 0, capsys.readouterr().err
@@ -115,12 +108,8 @@ def test_lora_under_torchrun_is_refused(base_and_data, tmp_path, monkeypatch, co
 
 
 def test_heads_refuse_a_base_with_other_adapters(base_and_data, tmp_path):
-    base, data = base_and_data
-    out = tmp_path / "run"
-    argv = ["train-medusa", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN,
-            "--max-steps", "2"]
-    assert main(argv) == 0
-    heads = out / "checkpoints" / ckpt.step_dir_name(2)
+    base, _ = base_and_data
+    heads = _two_step_heads(*base_and_data, tmp_path)
     same = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
     load_adapter(same, heads)
     MedusaModel.from_pretrained(str(heads), base=same)  # its own adapters: taken as they are
