@@ -99,8 +99,7 @@ class MedusaModel(nn.Module):
         # A mixture-of-experts base trained in stage 2 keeps its load-balancing term where its config asks for it,
         # as its own forward adds it (modules/moe_causal_lm.py): without it the router drifts unbalanced.
         balance = self.stage == 2 and labels is not None and getattr(self.base.config, "output_router_logits", False)
-        with contextlib.ExitStack() as stack:
-            routed = stack.enter_context(recording_router_logits()) if balance else []
+        with recording_router_logits() if balance else contextlib.nullcontext([]) as routed:
             with torch.set_grad_enabled(self.stage == 2 and torch.is_grad_enabled()):
                 hidden = self.base.model(input_ids, position_ids=position_ids)  # (B, T, H)
         if self.stage == 1 and torch.is_grad_enabled() and _sharded(self.heads):

@@ -20,12 +20,15 @@ def lora_settings(config):
     """The config's --lora-* options as LoraSettings, or None without lora_r (full fine-tuning)."""
     if config.lora_r is None:
         return None
-    targets = config.lora_targets if config.lora_targets == "all-linear" else \
-        [t.strip() for t in config.lora_targets.split(",") if t.strip()]
+    targets = config.lora_targets if config.lora_targets == "all-linear" else _names(config.lora_targets)
     alpha = config.lora_alpha if config.lora_alpha is not None else 2.0 * config.lora_r
-    whole = [m.strip() for m in (config.lora_modules_to_save or "").split(",") if m.strip()]
     return LoraSettings(r=config.lora_r, alpha=alpha, dropout=config.lora_dropout, targets=targets,
-                        use_rslora=config.lora_rslora, modules_to_save=whole)
+                        use_rslora=config.lora_rslora, modules_to_save=_names(config.lora_modules_to_save or ""))
+
+
+def _names(text: str) -> list[str]:
+    """A comma-separated option's names."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def attach(model, settings, qlora: bool, resume: Path | None) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors import safe_open
 
 from liger_models import AutoLigerForCausalLM
 from liger_models.modules import KVCache
@@ -268,3 +269,12 @@ def check_cached_generate(hf, ours, prompt_len: int, new_tokens: int, *, every_s
             steps.append(ours(ref[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
         full = hf(ref, use_cache=False).logits[:, prompt_len - 1:]
     assert (torch.stack(steps, dim=1) - full).abs().max().item() <= 1e-4
+
+
+def stored_names(directory: Path) -> set[str]:
+    """The tensor names in a checkpoint directory's safetensors files."""
+    names = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            names |= set(f.keys())
+    return names

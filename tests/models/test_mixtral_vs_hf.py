@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 
 from liger_models import AutoLigerForCausalLM, LigerMixtralForCausalLM, MixtralConfig
 
-from .parity import build_hf, check_cached_generate, check_packed_documents, check_parity, check_roundtrip, save_hf
+from .parity import (build_hf, check_cached_generate, check_packed_documents, check_parity, check_roundtrip, save_hf,
+                     stored_names)
 
 MOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
 
@@ -21,38 +21,30 @@ def build_moe(**overrides):
     return hf
 
 
-def _names(directory):
-    names = set()
-    for file in directory.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as f:
-            names |= set(f.keys())
-    return names
-
-
 def test_parity_and_roundtrip(tmp_path):
     hf = build_moe()
     ours = check_parity(hf, save_hf(hf, tmp_path / "hf"), seq_len=13)
     assert isinstance(ours, LigerMixtralForCausalLM)
     assert ours.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 96, 64)
     check_roundtrip(ours, tmp_path / "ours")
-    names = _names(tmp_path / "ours")
+    names = stored_names(tmp_path / "ours")
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
     assert "model.layers.1.block_sparse_moe.gate.weight" in names
     assert not any("gate_up_proj" in n or ".mlp." in n for n in names)
-    assert names == _names(tmp_path / "hf")  # exactly what transformers' own save_pretrained writes
+    assert names == stored_names(tmp_path / "hf")  # exactly what transformers' own save_pretrained writes
 
 
 def test_stacked_checkpoint_loads(tmp_path):
     hf = build_moe()
     hf.save_pretrained(tmp_path / "stacked", save_original_format=False)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in _names(tmp_path / "stacked")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in stored_names(tmp_path / "stacked")
     ours = AutoLigerForCausalLM.from_pretrained(tmp_path / "stacked", dtype=torch.float32)
     ids = torch.randint(3, 128, (2, 9))
     with torch.no_grad():
         assert (ours(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4
 
 
-def test_load_state_dict_takes_per_expert_and_stacked_names():
+def test_load_state_dict_takes_per_expert_and_stackedstored_names():
     config = MixtralConfig.tiny()
     a, b = LigerMixtralForCausalLM.from_config(config), LigerMixtralForCausalLM.from_config(config)
     b.load_state_dict(a.state_dict(), strict=True)

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
 
 from liger_models import AutoLigerForCausalLM, LigerQwen3MoeForCausalLM, Qwen3MoeConfig
 
-from .parity import build_hf, check_cached_generate, check_packed_documents, check_parity, check_roundtrip, save_hf
+from .parity import (build_hf, check_cached_generate, check_packed_documents, check_parity, check_roundtrip, save_hf,
+                     stored_names)
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=24)
 
@@ -20,14 +20,6 @@ def build_moe(**overrides):
     hf = build_hf(transformers.Qwen3MoeConfig, **{**MOE, **overrides})
     hf.set_experts_implementation("eager")  # HF's grouped_mm has no float64 CPU kernel (the parity truth is float64)
     return hf
-
-
-def _names(directory):
-    names = set()
-    for file in directory.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as f:
-            names |= set(f.keys())
-    return names
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -47,8 +39,8 @@ def test_roundtrip_names_and_config_keys(tmp_path):
     assert [layer.sparse for layer in ours.model.layers] == [False, True]
     assert ours.model.layers[0].mlp.gate_proj.weight.shape == (40, 64)
     check_roundtrip(ours, tmp_path / "ours", max_shard_size="40KB")
-    assert _names(tmp_path / "ours") == _names(tmp_path / "hf")
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in _names(tmp_path / "ours")
+    assert stored_names(tmp_path / "ours") == stored_names(tmp_path / "hf")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in stored_names(tmp_path / "ours")
     cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert cfg["num_experts"] == cfg["num_local_experts"] == 4 and cfg["head_dim"] == 24
 
@@ -57,7 +49,7 @@ def test_stacked_checkpoint_and_v4_config(tmp_path):
     hf = build_moe(norm_topk_prob=True)
     directory = tmp_path / "stacked"
     hf.save_pretrained(directory, save_original_format=False)
-    assert "model.layers.1.mlp.experts.down_proj" in _names(directory)
+    assert "model.layers.1.mlp.experts.down_proj" in stored_names(directory)
     cfg = json.loads((directory / "config.json").read_text())
     cfg["num_experts"] = cfg.pop("num_local_experts")  # the Hub's (v4) key
     (directory / "config.json").write_text(json.dumps(cfg))

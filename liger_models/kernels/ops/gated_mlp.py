@@ -56,45 +56,43 @@ class GatedTuning:
 TUNING = GatedTuning()
 
 
+def _activation_reference(x: torch.Tensor, activation: str, grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """a(x), and a'(x) with ``grad`` (else None), in x's dtype with plain autograd-aware ops (module docstring).
+
+    The GELUs in their cancellation-free forms: 0.5·(1 + tanh z) = σ(2z) and 1 + erf(x/√2) = erfc(−x/√2). The
+    textbook 1 + tanh / 1 + erf loses every digit for x ≲ −7 even in float64 (1 + tanh(−17.6) is 2e-15 next to a
+    float64 spacing of 1e-16 at 1), which made this reference, not the kernel, wrong by 4% there."""
+    if activation == "silu":
+        s = torch.sigmoid(x) if grad else None
+        return F.silu(x), (s * (1.0 + x * (1.0 - s)) if grad else None)
+    if activation == "gelu_tanh":
+        k = 2.0 * math.sqrt(2.0 / math.pi)
+        s = torch.sigmoid(k * (x + 0.044715 * x * x * x))
+        return x * s, (s + x * s * (1.0 - s) * k * (1.0 + 3 * 0.044715 * x * x) if grad else None)
+    if activation == "gelu":
+        cdf = 0.5 * torch.erfc(x * -math.sqrt(0.5))
+        return x * cdf, (cdf + x * torch.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi) if grad else None)
+    raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+
+
 def gated_mlp_reference(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """act(gate) * up in fp32 (float64 for float64 inputs), rounded once to gate's dtype; autograd-aware."""
     compute = torch.promote_types(gate.dtype, torch.float32)
-    x, u = gate.to(compute), up.to(compute)
-    # The GELUs in their cancellation-free forms: 0.5·(1 + tanh z) = σ(2z) and 1 + erf(x/√2) = erfc(−x/√2). The
-    # textbook 1 + tanh / 1 + erf loses every digit for x ≲ −7 even in float64 (1 + tanh(−17.6) is 2e-15 next to a
-    # float64 spacing of 1e-16 at 1), which made this reference, not the kernel, wrong by 4% there.
-    if activation == "silu":
-        a = F.silu(x)
-    elif activation == "gelu_tanh":
-        a = x * torch.sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x))
-    elif activation == "gelu":
-        a = 0.5 * x * torch.erfc(x * -math.sqrt(0.5))
-    else:
-        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
-    return (a * u).to(gate.dtype)
+    a, _ = _activation_reference(gate.to(compute), activation, grad=False)
+    return (a * up.to(compute)).to(gate.dtype)
 
 
-def gated_mlp_reference_backward(gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor,
-                                 activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(d gate, d up) of gated_mlp_reference in closed form, fp32 (float64 for float64 inputs), not rounded.
+def gated_mlp_reference_backward(gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor, activation: str = "silu"
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of gated_mlp_reference in closed form, fp32 (float64 for float64 inputs), not rounded, and its
+    forward output (rounded as gated_mlp_reference rounds it, bit for bit).
 
     No autograd: a custom op's implementation runs below the autograd dispatcher while a compiled graph runs, where
     autograd.grad has no graph to differentiate."""
     compute = torch.promote_types(gate.dtype, torch.float32)
-    x, u, d = gate.to(compute), up.to(compute), dout.to(compute)
-    if activation == "silu":
-        s = torch.sigmoid(x)
-        a, da = x * s, s * (1.0 + x * (1.0 - s))
-    elif activation == "gelu_tanh":
-        k = 2.0 * math.sqrt(2.0 / math.pi)  # 0.5·(1 + tanh z) = σ(2z), as in the forward
-        s = torch.sigmoid(k * (x + 0.044715 * x * x * x))
-        a, da = x * s, s + x * s * (1.0 - s) * k * (1.0 + 3 * 0.044715 * x * x)
-    elif activation == "gelu":
-        cdf = 0.5 * torch.erfc(x * -math.sqrt(0.5))
-        a, da = x * cdf, cdf + x * torch.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
-    else:
-        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
-    return d * u * da, d * a
+    u, d = up.to(compute), dout.to(compute)
+    a, da = _activation_reference(gate.to(compute), activation, grad=True)
+    return d * u * da, d * a, (a * u).to(gate.dtype)
 
 
 @triton.jit
@@ -213,11 +211,10 @@ def gated_backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str, produc
     instead of re-reading gate/up in a separate forward pass."""
     n_rows, n_cols = gate2d.shape
     if not use_triton(dout2d, gate2d, up2d):
-        product = None if product2d is None else gated_mlp_reference(gate2d, up2d, activation)
-        dx, du = gated_mlp_reference_backward(gate2d, up2d, dout2d, activation)
+        dx, du, product = gated_mlp_reference_backward(gate2d, up2d, dout2d, activation)
         dgate2d.copy_(dx)
         dup2d.copy_(du)
-        if product2d is not None:
+        if product2d is not None:  # (product2d may alias dout2d: written last)
             product2d.copy_(product)
         return
     grid, block_r, block_c, warps = _grid(n_rows, n_cols)
