@@ -130,7 +130,7 @@ def providers(n: int, vocab: int, kind: str, variants: bool) -> dict:
     out = {"liger-models": ours({}), "liger-models kernel only": kernel_only()}
     if variants:
         out.update({f"liger-models {name}": ours(settings) for name, settings in VARIANTS.items()
-                    if any(default[k] != v for k, v in settings.items())})
+                    if any(getattr(_ce_core.TUNING, k) != v for k, v in settings.items())})
     if n * vocab <= EAGER_MAX_ELEMENTS:
         out["eager"] = step(reference)
         out["torch.compile"] = step(torch.compile(reference, dynamic=False))

@@ -102,11 +102,12 @@ def main() -> None:
         json.dump({"env": harness.environment(), "best_tune": tune, "results": rows}, f, indent=1)
     with open(os.path.join(args.out, "decode_attention_tune.txt"), "w") as f:
         f.write(tune)
+    default = f"{da.TUNING.block_m_max},{da.TUNING.num_warps},{da.TUNING.programs_per_sm}"
     print("| case | SDPA µs | ours µs (best schedule) | ours µs (current default) |")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['sdpa_us']:.1f} | {r['ours'][best]['us']:.1f} ({best}) | "
-              f"{r['ours'][default]['us']:.1f} |")
+              f"{r['ours'][default]['us'] if default in r['ours'] else float('nan'):.1f} |")
     print(f"best_tune: {tune}")
 
 

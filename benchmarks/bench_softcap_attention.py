@@ -18,7 +18,6 @@ import json
 import os
 
 import torch
-import torch.nn.functional as F
 from harness import median_ms, parse_args, peak_extra_mib
 
 from liger_models.modules.attention import AttentionMask, attend, attend_softcapped_math

@@ -87,7 +87,6 @@ def launch_paths() -> dict:
     import triton
     import triton.language as tl
     from liger_models.kernels import _launch
-    from liger_models.kernels._tuning import set_tuning
 
     @triton.jit
     def _tiny(X, n, BLOCK: tl.constexpr):

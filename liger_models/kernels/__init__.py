@@ -39,22 +39,35 @@ _MOVED_MODULES = ("adamw", "cross_entropy", "decode_attention", "fused_linear_cr
 _MOVED_IN, _REMOVED_IN = "0.2.0", "0.3.0"
 
 
-def _moved_module(name: str) -> types.ModuleType:
-    old, new = f"{__name__}.{name}", f"{__name__}.ops.{name}"
-    stand_in = types.ModuleType(old, f"Moved to {new}.")
+class _MovedModule(types.ModuleType):
+    """A 0.1.0 module path. Reads reach the moved module with a FutureWarning; a write (``module.flag = ...``, a
+    monkeypatch) is refused, naming the new path: it would land on this stand-in, which no op reads."""
 
-    def __getattr__(attr: str):
+    def __init__(self, old: str, new: str):
+        super().__init__(old, f"Moved to {new}.")
+        object.__setattr__(self, "_new", new)
+
+    def __getattr__(self, attr: str):
         if attr.startswith("__"):  # module protocol probes (inspect, pickle, doctest walk sys.modules): not a use
             raise AttributeError(attr)
-        value = getattr(importlib.import_module(new), attr)
-        warnings.warn(f"the module {old} moved to {new} in {_MOVED_IN}; the old path goes in {_REMOVED_IN}",
-                      FutureWarning, stacklevel=2)
-        return value
+        warnings.warn(f"the module {self.__name__} moved to {self._new} in {_MOVED_IN}; the old path goes in "
+                      f"{_REMOVED_IN}", FutureWarning, stacklevel=2)
+        return getattr(importlib.import_module(self._new), attr)
 
-    stand_in.__getattr__ = __getattr__
-    return stand_in
+    def __setattr__(self, attr: str, value) -> None:
+        if attr.startswith("__"):
+            object.__setattr__(self, attr, value)
+        else:
+            self._refuse_write(attr)
+
+    def __delattr__(self, attr: str) -> None:
+        self._refuse_write(attr)
+
+    def _refuse_write(self, attr: str):
+        raise AttributeError(f"the module {self.__name__} moved to {self._new} in {_MOVED_IN}: set {attr} there "
+                             f"(through the old path it would change nothing the ops read)")
 
 
 for _name in _MOVED_MODULES:
-    sys.modules.setdefault(f"{__name__}.{_name}", _moved_module(_name))
+    sys.modules.setdefault(f"{__name__}.{_name}", _MovedModule(f"{__name__}.{_name}", f"{__name__}.ops.{_name}"))
 del _name

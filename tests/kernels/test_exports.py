@@ -41,3 +41,17 @@ def test_importing_the_package_warns_about_nothing():
         import inspect
 
         inspect.getmodule(test_importing_the_package_warns_about_nothing)  # walks sys.modules, stand-ins included
+
+
+def test_writing_through_the_old_module_path_is_refused_naming_the_new_one(monkeypatch):
+    # A write through the stand-in would land where no op reads it (`liger_models.kernels.rms_norm.use_triton =
+    # ...` silently changing nothing): refused, naming the path that does act.
+    new = importlib.import_module("liger_models.kernels.ops.rms_norm")
+    old = importlib.import_module("liger_models.kernels.rms_norm")
+    original = new.use_triton
+    with pytest.raises(AttributeError, match=r"liger_models\.kernels\.rms_norm moved to "
+                                             r"liger_models\.kernels\.ops\.rms_norm .*: set use_triton there"):
+        monkeypatch.setattr(old, "use_triton", lambda *tensors: False)
+    with pytest.raises(AttributeError, match="set use_triton there"):
+        del old.use_triton
+    assert new.use_triton is original

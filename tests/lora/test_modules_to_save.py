@@ -13,7 +13,7 @@ import torch
 
 from liger_models.lora import LoraSettings, add_lora, load_adapter, lora_state_dict, merged_state_dict, save_adapter
 
-from .common import pair, peft_float64
+from .common import pair
 from .test_peft_format import assert_same_logits
 
 WHOLE = ["embed_tokens", "lm_head"]

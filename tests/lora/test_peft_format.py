@@ -15,7 +15,7 @@ from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_module
                                save_merged, unmerge_lora)
 
 from ..models.parity import max_rel
-from .common import (CONFIGS, assert_as_close_as_fp32_allows, batch, pair, peft_float64, targets,
+from .common import (CONFIGS, assert_as_close_as_fp32_allows, batch, pair, peft_float64,
                      with_adapters)
 
 peft = pytest.importorskip("peft")

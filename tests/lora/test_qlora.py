@@ -8,13 +8,12 @@ import pytest
 import torch
 import transformers
 
-from liger_models.kernels.ops import nf4
-from liger_models.lora import add_lora, load_bnb_4bit, lora_modules, quantize_base_, save_bnb_4bit, save_merged
+from liger_models.lora import load_bnb_4bit, lora_modules, quantize_base_, save_bnb_4bit, save_merged
 from liger_models.modules.lora_linear import LoraLinear
 
 from ..models.parity import causal_lm_loss, float64_reference, max_rel
 from .bnb import import_bnb
-from .common import CONFIGS, assert_as_close_as_fp32_allows, batch, pair, peft_float64, peft_name, with_adapters
+from .common import assert_as_close_as_fp32_allows, batch, pair, peft_float64, peft_name, with_adapters
 
 pytest.importorskip("peft")
 

@@ -1,18 +1,15 @@
 """Medusa loss vs a float64 materialised-logits reference: loss, metrics and gradients for every option; bf16 stage 2
 vs float64 within 2x of eager bf16 (interpreted kernels on CPU, Triton on the GPU)."""
 
-import contextlib
 import copy
-import importlib
 import math
-import pkgutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import liger_models.kernels
+from liger_models import reference_mode
 from liger_models.kernels._dispatch import use_triton
 from liger_models.medusa import (MedusaConfig, MedusaHeads, MedusaModel, medusa_head_weights, medusa_loss,
                                  medusa_target_counts, schedule_factor)
@@ -189,17 +186,6 @@ def test_reference_targets_sanity():
 BF16_FLOOR = 4e-3  # one bf16 rounding: the bound for tensors that eager gets almost exactly
 
 
-@contextlib.contextmanager
-def _eager_ops():
-    """Every kernel module takes its PyTorch reference path (CPU and CUDA alike) inside the block."""
-    with pytest.MonkeyPatch.context() as m:
-        for info in pkgutil.iter_modules(liger_models.kernels.__path__):
-            module = importlib.import_module(f"liger_models.kernels.{info.name}")
-            if hasattr(module, "use_triton"):
-                m.setattr(module, "use_triton", lambda *tensors: False)
-        yield
-
-
 def _eager_loss(model, hidden, labels, pos, scales):
     """Medusa stage-2 loss in plain PyTorch at the model's dtype: every ResBlock on its own (nn.Linear + SiLU), every
     head's logits materialised in bf16, fp32 cross-entropy (HF's numerics). Returns (loss, head CEs)."""
@@ -234,7 +220,7 @@ def _bf16_errors(model, ids, labels, pos, *, fixed_hidden: bool) -> dict[str, tu
     base64, sd64 = float64_copies(model.base, model.heads)
     named = {f"heads.{n}": (p, sd64[n]) for n, p in model.heads.named_parameters()}
     if fixed_hidden:
-        with torch.no_grad(), _eager_ops():  # only an input here: which kernels made it does not matter
+        with torch.no_grad(), reference_mode():  # only an input here: which kernels made it does not matter
             hidden = model.base.model(ids_d, position_ids=pos_d).requires_grad_()
         hidden64 = hidden.detach().cpu().double().requires_grad_()
         ref_base = SimpleNamespace(model=lambda *args, **kwargs: hidden64, lm_head=base64.lm_head)
@@ -244,7 +230,7 @@ def _bf16_errors(model, ids, labels, pos, *, fixed_hidden: bool) -> dict[str, tu
         ref_base = base64
         for (n, p), (_, p64) in zip(model.base.named_parameters(), base64.named_parameters()):
             named[f"base.{n}"] = (p, p64)
-    with _eager_ops():  # float64 through the kernels' PyTorch references (on CPU they would be interpreted)
+    with reference_mode():  # float64 through the kernels' PyTorch references (on CPU they would be interpreted)
         ref_loss, _, ref_ces, *_ = reference_loss(ref_base, sd64, model.config, ids, labels, pos, w0=1.0,
                                                   scales=scales, stage=2)
         ref_loss.backward()
@@ -260,7 +246,7 @@ def _bf16_errors(model, ids, labels, pos, *, fixed_hidden: bool) -> dict[str, tu
     ours = {n: p.grad for n, (p, _) in named.items()}
     for p, _ in named.values():
         p.grad = None
-    with _eager_ops():
+    with reference_mode():
         eager_hidden = hidden if fixed_hidden else model.base.model(ids_d, position_ids=pos_d)
         eager_loss, eager_ces = _eager_loss(model, eager_hidden, labels, pos, scales)
         eager_loss.backward()

@@ -3,10 +3,10 @@
 CPU (CI): our model with the kernels' PyTorch reference path against transformers' own implementation, from the
 same weights on the same tiny-shakespeare batches (fp32: curves equal to 1e-4; both learn). The interpreter runs of
 the Triton kernels are covered step by step by the gradient parity tests.
-GPU: Triton kernels against the reference ops (``use_triton`` patched off) in bf16, same curve within bf16 noise.
+GPU: Triton kernels against the reference ops (``reference_mode()``) in bf16, same curve within bf16 noise.
 """
 
-from importlib import import_module
+import contextlib
 from importlib.resources import files
 
 import pytest
@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from liger_models import GemmaConfig, LigerGemmaForCausalLM, LigerLlamaForCausalLM, LigerMistralForCausalLM, \
-    LigerPhi3ForCausalLM, LigerQwen2ForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+    LigerPhi3ForCausalLM, LigerQwen2ForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, reference_mode
 
 from .parity import build_hf, save_hf
 
@@ -25,7 +25,6 @@ FAMILIES = {
     "gemma": (transformers.GemmaConfig, LigerGemmaForCausalLM, GemmaConfig),
     "phi3": (transformers.Phi3Config, LigerPhi3ForCausalLM, Phi3Config),
 }
-KERNEL_MODULES = ["rms_norm", "rope", "gated_mlp", "cross_entropy", "fused_linear_cross_entropy"]
 STEPS = 30
 
 
@@ -51,30 +50,17 @@ def train(model, batches, lr=1e-3) -> list[float]:
     return losses
 
 
-@pytest.fixture
-def reference_ops(monkeypatch):
-    """Make every kernel take its PyTorch reference path (on CPU and CUDA alike)."""
-
-    def patch():
-        for name in KERNEL_MODULES:
-            module = import_module(f"liger_models.kernels.{name}")
-            if hasattr(module, "use_triton"):
-                monkeypatch.setattr(module, "use_triton", lambda *tensors: False)
-
-    return patch
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_loss_curve_matches_transformers(tmp_path, family, reference_ops):
+def test_loss_curve_matches_transformers(tmp_path, family):
     hf_config_cls, _, _ = FAMILIES[family]
     hf = build_hf(hf_config_cls, num_hidden_layers=2, pad_token_id=0).train()
     from liger_models import AutoLigerForCausalLM
 
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32).train()
-    reference_ops()
     batches = shakespeare_batches(STEPS, batch=2, seq_len=24)
     ref = train(hf, batches)
-    got = train(ours, batches)
+    with reference_mode():
+        got = train(ours, batches)
     diffs = [abs(a - b) for a, b in zip(got, ref)]
     # Steps agree to ~1e-7; some batches amplify that: HF against itself with weights perturbed by 1e-7 shows
     # the same one-step blips of ~1e-4 late in the run, so the max gets a 10x looser bound than the mean.
@@ -84,7 +70,7 @@ def test_loss_curve_matches_transformers(tmp_path, family, reference_ops):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fused_kernels_follow_reference_curve_gpu(family, reference_ops):
+def test_fused_kernels_follow_reference_curve_gpu(family):
     _, model_cls, config_cls = FAMILIES[family]
     config = config_cls.tiny(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
                              vocab_size=128, max_position_embeddings=1024)
@@ -95,9 +81,8 @@ def test_fused_kernels_follow_reference_curve_gpu(family, reference_ops):
     for use_reference in (False, True):
         model = model_cls.from_config(config, dtype=torch.bfloat16, device="cuda")
         model.load_state_dict(init)
-        if use_reference:
-            reference_ops()
-        curves.append(train(model, batches, lr=1e-3))
+        with reference_mode() if use_reference else contextlib.nullcontext():
+            curves.append(train(model, batches, lr=1e-3))
     fused, ref = curves
     diffs = [abs(a - b) for a, b in zip(fused, ref)]
     assert sum(diffs) / len(diffs) <= 0.02 * ref[0] and max(diffs) <= 0.05 * ref[0], (fused, ref)

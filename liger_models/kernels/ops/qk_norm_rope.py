@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._custom_ops import absent, custom_op, refuse_double_backward
+from .._custom_ops import custom_op, refuse_double_backward
 from .._dispatch import once_differentiable, use_triton
 from .._launch import launch, on_input_device, pow2
 from .rms_norm import rms_norm_reference
