@@ -34,7 +34,7 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
     for name in names:
         module = LoraLinear.from_linear(model.get_submodule(name))
         r, alpha = settings.rank_and_alpha(name)
-        module.add_adapter(r, alpha, settings.dropout, settings.use_rslora, settings.init, dtype)
+        module.add_adapter(r, alpha, settings.dropout, settings.use_rslora, settings.init, dtype, settings.use_dora)
         module.train(model.training)
         _replace(model, name, module)
     model.pack_()  # the replaced linears keep their packed Parameters; re-register the state-dict copies
@@ -46,11 +46,14 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Our-name → tensor of what the adapter trains: each A and B (``model.layers.0.self_attn.q_proj.lora_A.weight``
-    …) and the whole weight of each of its modules_to_save (``lm_head.weight``)."""
+    …), each DoRA magnitude (``….q_proj.lora_magnitude_vector``, PEFT's key) and the whole weight of each of its
+    modules_to_save (``lm_head.weight``)."""
     out = {}
     for name, m in lora_modules(model).items():
         out[f"{name}.lora_A.weight"] = m.lora_A.weight
         out[f"{name}.lora_B.weight"] = m.lora_B.weight
+        if m.use_dora:
+            out[f"{name}.lora_magnitude_vector"] = m.lora_magnitude_vector
     settings = getattr(model, "lora_settings", None)
     for name, module in modules_to_save(model, settings.modules_to_save if settings else []).items():
         out[f"{name}.weight"] = module.weight
@@ -86,7 +89,7 @@ def quantize_base_(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
             bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         new = LoraLinear(lin.in_features, lin.out_features, None, bias, quant=quant)
         if isinstance(lin, LoraLinear) and lin.lora_A is not None:
-            new.lora_A, new.lora_B = lin.lora_A, lin.lora_B
+            new.lora_A, new.lora_B, new.lora_magnitude_vector = lin.lora_A, lin.lora_B, lin.lora_magnitude_vector
             new.r, new.lora_alpha, new.scaling, new.lora_dropout = lin.r, lin.lora_alpha, lin.scaling, lin.lora_dropout
         new.train(lin.training)
         _replace(model, name, new)

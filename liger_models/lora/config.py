@@ -20,7 +20,7 @@ ALL_LINEAR = "all-linear"
 # adapters (new tokens' rows in a chat fine-tune).
 SAVABLE = ("embed_tokens", "lm_head")
 # PEFT fields whose non-default value changes the math or the saved keys in a way not implemented here.
-_UNSUPPORTED = {"use_dora": False, "layers_to_transform": None, "layers_pattern": None,
+_UNSUPPORTED = {"layers_to_transform": None, "layers_pattern": None,
                 "fan_in_fan_out": False, "lora_bias": False, "use_qalora": False, "exclude_modules": None,
                 "trainable_token_indices": None}
 
@@ -32,6 +32,7 @@ class LoraSettings:
     dropout: float = 0.0
     targets: list[str] | str = ALL_LINEAR
     use_rslora: bool = False
+    use_dora: bool = False  # weight-decomposed LoRA (DoRA): a trained magnitude per output row
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     init: str | bool = True
@@ -42,6 +43,8 @@ class LoraSettings:
             raise ValueError(f"LoRA rank r must be a positive integer, got {self.r!r}")
         if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or self.alpha <= 0:
             raise ValueError(f"lora alpha must be a positive number, got {self.alpha!r}")
+        if not isinstance(self.use_dora, bool):
+            raise ValueError(f"use_dora must be True or False, got {self.use_dora!r}")
         if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
         if isinstance(self.targets, (list, tuple, set)):
@@ -69,7 +72,7 @@ class LoraSettings:
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.r, "lora_alpha": self.alpha,
                 "lora_dropout": self.dropout, "use_rslora": self.use_rslora, "target_modules": sorted(leaf_targets),
                 "rank_pattern": dict(self.rank_pattern), "alpha_pattern": dict(self.alpha_pattern),
-                "bias": "none", "use_dora": False, "fan_in_fan_out": False,
+                "bias": "none", "use_dora": self.use_dora, "fan_in_fan_out": False,
                 "modules_to_save": sorted(self.modules_to_save) or None,
                 "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
                 "revision": None, "layers_to_transform": None, "layers_pattern": None}
@@ -92,7 +95,8 @@ class LoraSettings:
             raise ValueError(f"{where}: target_modules is missing")
         return cls(r=cfg.get("r", 8), alpha=cfg.get("lora_alpha", 8), dropout=cfg.get("lora_dropout", 0.0) or 0.0,
                    targets=targets if isinstance(targets, str) else list(targets),
-                   use_rslora=bool(cfg.get("use_rslora", False)), rank_pattern=dict(cfg.get("rank_pattern") or {}),
+                   use_rslora=bool(cfg.get("use_rslora", False)), use_dora=bool(cfg.get("use_dora", False)),
+                   rank_pattern=dict(cfg.get("rank_pattern") or {}),
                    alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
                    modules_to_save=list(cfg.get("modules_to_save") or []))
 

@@ -1,9 +1,10 @@
 """Adapters on disk in PEFT's format, and merged HF checkpoints.
 
 ``adapter_model.safetensors`` keys are PEFT's: ``base_model.model.<HF module name>.lora_A.weight`` [r, in] and
-``….lora_B.weight`` [out, r]; ``adapter_config.json`` carries r, lora_alpha, target_modules (leaf names),
-use_rslora, rank_pattern / alpha_pattern. Phi3's packed qkv_proj / gate_up_proj are PEFT's module names too, so
-the packing never leaks into the files. Adapters are written in their own dtype (fp32 unless chosen otherwise).
+``….lora_B.weight`` [out, r], and under DoRA ``….lora_magnitude_vector`` [out]; ``adapter_config.json`` carries r,
+lora_alpha, target_modules (leaf names), use_rslora, use_dora, rank_pattern / alpha_pattern. Phi3's packed qkv_proj /
+gate_up_proj are PEFT's module names too, so the packing never leaks into the files. Adapters are written in their
+own dtype (fp32 unless chosen otherwise).
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.T
             raise ValueError(f"{str(weights_path)!r}: key {key!r} does not start with {PREFIX!r}")
         name = key[len(PREFIX):]
         whole = name.endswith(".weight") and name[:-len(".weight")].rsplit(".", 1)[-1] in settings.modules_to_save
-        if not (whole or name.endswith((".lora_A.weight", ".lora_B.weight"))):
-            raise ValueError(f"{str(weights_path)!r}: {key!r} is neither a LoRA A/B weight nor one of "
-                             f"modules_to_save {settings.modules_to_save}")
+        magnitude = name.endswith(".lora_magnitude_vector")
+        if magnitude and not settings.use_dora:
+            raise ValueError(f"{str(weights_path)!r}: {key!r} is a DoRA magnitude, but {CONFIG_NAME} does not set "
+                             "use_dora")
+        if not (whole or magnitude or name.endswith((".lora_A.weight", ".lora_B.weight"))):
+            raise ValueError(f"{str(weights_path)!r}: {key!r} is neither a LoRA A/B weight, a DoRA magnitude nor "
+                             f"one of modules_to_save {settings.modules_to_save}")
         tensors[name] = value
     return settings, tensors
 
@@ -77,6 +82,7 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
     # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).
     names = add_lora(model, LoraSettings(r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
                                          targets=settings.targets, use_rslora=settings.use_rslora,
+                                         use_dora=settings.use_dora,
                                          rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern,
                                          modules_to_save=settings.modules_to_save))
     modules = lora_modules(model)
@@ -94,6 +100,13 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
                     raise ValueError(f"{directory}: {name}.{part}.weight has shape {tuple(src.shape)}, but this "
                                      f"model needs {tuple(dst.shape)} (an adapter for a different base model?)")
                 dst.copy_(src)
+            if m.use_dora:
+                src, dst = tensors.get(f"{name}.lora_magnitude_vector"), m.lora_magnitude_vector
+                if src is None or tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(f"{directory}: {name}.lora_magnitude_vector (DoRA) needs shape "
+                                     f"{tuple(dst.shape)}, the file has {'none' if src is None else tuple(src.shape)}")
+                dst.copy_(src)
+                dst.requires_grad_(trainable)
             m.lora_A.weight.requires_grad_(trainable)
             m.lora_B.weight.requires_grad_(trainable)
         for name, module in modules_to_save(model, settings.modules_to_save).items():
@@ -109,11 +122,12 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
 
 @torch.no_grad()
 def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """HF-named tensors with every adapter merged: W + s·B·A in fp32, rounded once to ``dtype`` (default: the base
-    weight's; for an NF4 base, dequant(NF4) + ΔW, what the adapter trained against, in the compute dtype)."""
+    """HF-named tensors with every adapter merged: W + s·B·A (times m / n per row under DoRA) in fp32, rounded once
+    to ``dtype`` (default: the base weight's; for an NF4 base, from dequant(NF4), what the adapter trained against,
+    in the compute dtype)."""
     state = {}
     for key, value in model.state_dict().items():
-        if ".lora_A." in key or ".lora_B." in key:
+        if ".lora_A." in key or ".lora_B." in key or key.endswith(".lora_magnitude_vector"):
             continue
         state[key] = value
     for name, m in model.named_modules():
@@ -121,7 +135,7 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
             continue
         base = m.base_weight(torch.float32) if m.quant is not None else m.weight.float()
         out_dtype = dtype or (m.quant.dtype if m.quant is not None else m.weight.dtype)
-        w = base + m.delta_weight() if (m.lora_A is not None and not m.merged) else base
+        w = m.merged_weight() if (m.lora_A is not None and not m.merged) else base
         state[f"{name}.weight"] = w.to(out_dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)

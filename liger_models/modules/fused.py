@@ -34,7 +34,8 @@ from liger_models.kernels.ops.gated_mlp import gated_mlp_packed
 from liger_models.kernels.ops.rms_norm import RMSNorm, norm_backward, norm_forward
 
 from .linear import _stacked, all_plain, is_plain_linear, packed_linear
-from .lora_linear import Group, core_backward_A, core_backward_input, core_forward, frozen_bases, is_lora_group
+from .lora_linear import (Group, core_backward_A, core_backward_input, core_backward_magnitude, core_forward,
+                          dora_scaled_grad, frozen_bases, is_lora_group)
 
 
 class _NormLinear(torch.autograd.Function):
@@ -72,29 +73,31 @@ class _LoraNormLinear(torch.autograd.Function):
         x2, res2 = row_view(x), None if residual is None else row_view(residual)
         y, r, _, rstd = norm_forward(x2, res2, norm_weight, None, eps, offset, center=False, gemma=gemma)
         out = y.new_empty((*x.shape[:-1], group.rows[-1][1]))
-        xa, masks = core_forward(y, group, list(params), out.view(-1, out.shape[-1]))
+        xa, masks, norms = core_forward(y, group, list(params), out.view(-1, out.shape[-1]))
         del y
         ctx.save_for_backward(x2 if r is None else r, rstd, norm_weight, xa, *params)
-        ctx.group, ctx.masks, ctx.eps, ctx.offset, ctx.gemma = group, masks, eps, offset, gemma
+        ctx.group, ctx.masks, ctx.norms, ctx.eps, ctx.offset, ctx.gemma = group, masks, norms, eps, offset, gemma
         ctx.x_shape, ctx.residual_dtype = x.shape, None if residual is None else residual.dtype
         return out if r is None else (out, r.view(x.shape))
 
     @staticmethod
     def backward(ctx, dout, dres=None):
         xs, rstd, norm_weight, xa, *params = ctx.saved_tensors
-        g = dout.reshape(-1, dout.shape[-1])
+        dout2 = dout.reshape(-1, dout.shape[-1])
+        g = dora_scaled_grad(dout2, ctx.group, params, ctx.norms)
         dy, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True)
-        dAs = []
+        dAs, dMs = [], []
         if dxs:
             y = norm_forward(xs, None, norm_weight, None, ctx.eps, ctx.offset, center=False, gemma=ctx.gemma)[0]
             dAs = core_backward_A(dxs, y, ctx.group, params, ctx.masks)
+            dMs = core_backward_magnitude(dout2, y, ctx.group, params, xa, ctx.norms)
             del y
         dx, dnw, _ = norm_backward(dy, xs, norm_weight, None, rstd, None if dres is None else row_view(dres),
                                    ctx.offset, center=False, gemma=ctx.gemma, need_dw=ctx.needs_input_grad[2],
                                    need_db=False)
         dx = dx.view(ctx.x_shape)
         dr = dx.to(ctx.residual_dtype) if ctx.residual_dtype is not None and ctx.needs_input_grad[1] else None
-        return (dx, dr, dnw, None, None, None, None, *dAs, *dBs)
+        return (dx, dr, dnw, None, None, None, None, *dAs, *dBs, *dMs)
 
 
 class _LoraGatedDown(torch.autograd.Function):
@@ -109,18 +112,19 @@ class _LoraGatedDown(torch.autograd.Function):
         if act.numel():
             gated_forward(gu2d[:, :half], gu2d[:, half:], act, activation)
         out = torch.empty((*gate_up.shape[:-1], group.rows[-1][1]), dtype=act.dtype, device=act.device)
-        xa, masks = core_forward(act, group, list(params), out.view(-1, out.shape[-1]))
+        xa, masks, norms = core_forward(act, group, list(params), out.view(-1, out.shape[-1]))
         del act
         ctx.inplace = owns_memory(gate_up, gu2d, 2 * half)
         ctx.save_for_backward(gu2d, xa, *params)
-        ctx.activation, ctx.group, ctx.masks, ctx.shape = activation, group, masks, gate_up.shape
+        ctx.activation, ctx.group, ctx.masks, ctx.norms, ctx.shape = activation, group, masks, norms, gate_up.shape
         return out
 
     @staticmethod
     def backward(ctx, dout):
         gu2d, xa, *params = ctx.saved_tensors
         half = gu2d.shape[1] // 2
-        g = dout.reshape(-1, dout.shape[-1])
+        dout2 = dout.reshape(-1, dout.shape[-1])
+        g = dora_scaled_grad(dout2, ctx.group, params, ctx.norms)
         dact, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True)
         dgu = gu2d if ctx.inplace else torch.empty_like(gu2d)
         if dact.numel():  # d gate_up, and the product written over dact for dA
@@ -129,7 +133,8 @@ class _LoraGatedDown(torch.autograd.Function):
         if ctx.inplace:
             increment_version(gu2d)
         dAs = core_backward_A(dxs, dact, ctx.group, params, ctx.masks)
-        return (dgu.view(ctx.shape), None, None, *dAs, *dBs)
+        dMs = core_backward_magnitude(dout2, dact, ctx.group, params, xa, ctx.norms)
+        return (dgu.view(ctx.shape), None, None, *dAs, *dBs, *dMs)
 
 
 def _norm_linear_forward(x, residual, norm_weight, weights, biases, eps, offset, gemma):

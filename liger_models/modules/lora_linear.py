@@ -18,6 +18,15 @@ What is fused, for a group of sibling linears (q|k|v, gate|up, or one linear):
     recomputes anyway).
 Saved per group: the input (or what norm_linear already saves), x·A (N × Σr), and with dropout each adapter's mask
 (N × in bytes; regenerating them from a seed is GPU work not done).
+
+DoRA (``use_dora``, PEFT's definition): an adapter also has a magnitude m (``lora_magnitude_vector``, one per output
+row, initialised to the row norms of W + s·B·A), and its rows are y = b + (m / n) ⊙ (W·x + s·B·A·x) with
+n = ‖W + s·B·A‖ per row held constant (no gradient through n: the DoRA paper's §4.3, as PEFT does). n is computed in
+fp32 from W + s·B·A formed one block of rows at a time (never the whole matrix; B·A per block is a thin GEMM);
+in the fused core the output rows are scaled in place; backward scales dY's rows by m / n before the
+LoRA backward, and dm = Σ_tokens dY ⊙ (W·x + s·B·A·x) / n recomputes W·x for the adapted rows in row blocks of
+tokens (one more GEMM over those rows, where saving the output would cost its size in memory and break the in-place
+RoPE that rotates q|k|v). With dropout active DoRA needs W·drop(x) as well, and the group takes ``composed``.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ class LoraLinear(nn.Module):
         self.quant = quant
         self.lora_A: nn.Linear | None = None
         self.lora_B: nn.Linear | None = None
+        self.lora_magnitude_vector: nn.Parameter | None = None  # DoRA's m; PEFT's key name
         self.r, self.lora_alpha, self.scaling, self.lora_dropout = 0, 0.0, 0.0, 0.0
         self.merged = False
 
@@ -84,9 +94,10 @@ class LoraLinear(nn.Module):
         return self.lora_A is not None and not self.merged
 
     def add_adapter(self, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
-                    init: str | bool = True, dtype: torch.dtype = torch.float32) -> None:
+                    init: str | bool = True, dtype: torch.dtype = torch.float32, use_dora: bool = False) -> None:
         """A [r, in] kaiming-uniform (a = √5, PEFT's default) or N(0, 1/r) ("gaussian"), B = 0; init=False draws
-        B too (a non-zero adapter, for tests)."""
+        B too (a non-zero adapter, for tests). With ``use_dora`` the magnitude starts at the row norms of
+        W + s·B·A (of the dequantised W for an NF4 base), so the adapted layer starts equal to W + s·B·A."""
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise ValueError(f"LoRA rank must be a positive integer, got {r!r}")
         if not 0.0 <= dropout < 1.0:
@@ -105,6 +116,22 @@ class LoraLinear(nn.Module):
                 nn.init.zeros_(self.lora_B.weight)
         self.r, self.lora_alpha, self.lora_dropout = r, float(alpha), float(dropout)
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.lora_magnitude_vector = None
+        if use_dora:
+            norms = dora_row_norms(self.base_weight(), self.lora_A.weight, self.lora_B.weight, self.scaling)
+            self.lora_magnitude_vector = nn.Parameter(norms.to(dtype))
+
+    @property
+    def use_dora(self) -> bool:
+        return self.lora_magnitude_vector is not None
+
+    def dora_norms(self) -> torch.Tensor:
+        """n, the row norms of the unmerged W + s·B·A (fp32, no gradient)."""
+        return dora_row_norms(self.base_weight(), self.lora_A.weight, self.lora_B.weight, self.scaling)
+
+    def dora_factor(self) -> torch.Tensor:
+        """m / n per output row (fp32); a gradient reaches m only."""
+        return self.lora_magnitude_vector.float() / self.dora_norms()
 
     def base_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.quant is not None:
@@ -116,37 +143,75 @@ class LoraLinear(nn.Module):
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
     @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """The weight that computes base + adapter in one GEMM, fp32: W + s·B·A, times m / n per row under DoRA."""
+        w = self.base_weight(torch.float32) + self.delta_weight()
+        return w * self.dora_factor()[:, None] if self.use_dora else w
+
+    @torch.no_grad()
     def merge(self) -> None:
-        """W += s·B·A (computed in fp32, rounded once); the adapter then adds nothing until ``unmerge``."""
+        """W := the merged weight (computed in fp32, rounded once); the adapter then adds nothing until ``unmerge``.
+        Under DoRA the row norms of the unmerged weight are kept for ``unmerge``."""
         if self.quant is not None:
             raise ValueError("merging into NF4 weights would re-quantise them; export a merged checkpoint instead "
                              "(liger_models.lora.save_merged)")
         if self.lora_A is not None and not self.merged:
-            self.weight.copy_(self.weight.float() + self.delta_weight())
+            if self.use_dora:
+                self._merged_factor = self.dora_factor()
+            self.weight.copy_(self.merged_weight())
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """W −= s·B·A: exact up to one rounding of W in its dtype."""
+        """W := W / (m / n) − s·B·A (DoRA) or W − s·B·A: exact up to one rounding of W in its dtype."""
         if self.merged:
-            self.weight.copy_(self.weight.float() - self.delta_weight())
+            w = self.weight.float()
+            if self.use_dora:
+                w = w / self._merged_factor[:, None]
+                del self._merged_factor
+            self.weight.copy_(w - self.delta_weight())
             self.merged = False
 
     def extra_repr(self) -> str:
         base = "nf4" if self.quant is not None else "dense"
         return (f"in_features={self.in_features}, out_features={self.out_features}, base={base}, r={self.r}, "
-                f"scaling={self.scaling:g}, dropout={self.lora_dropout:g}{', merged' if self.merged else ''}")
+                f"scaling={self.scaling:g}, dropout={self.lora_dropout:g}{', dora' if self.use_dora else ''}"
+                f"{', merged' if self.merged else ''}")
 
     def composed(self, x: torch.Tensor) -> torch.Tensor:
-        """The same output from plain ops (autocast, torch.compile, a trainable base): the reference path."""
-        y = F.linear(x, self.base_weight(x.dtype if self.quant is not None else None), self.bias)
+        """The same output from plain ops (autocast, torch.compile, a trainable base, DoRA with dropout): the
+        reference path."""
+        weight = self.base_weight(x.dtype if self.quant is not None else None)
+        y = F.linear(x, weight, self.bias)
         if not self.has_adapter:
             return y
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        return y + self.lora_B(self.lora_A(h.to(self.lora_A.weight.dtype))).to(y.dtype) * self.scaling
+        lora = self.lora_B(self.lora_A(h.to(self.lora_A.weight.dtype))).to(y.dtype) * self.scaling
+        if not self.use_dora:
+            return y + lora
+        factor = self.dora_factor().to(y.dtype)
+        base = F.linear(h, weight) if h is not x else y if self.bias is None else y - self.bias
+        return y + (factor - 1) * base + factor * lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lora_packed_linear(x, [self])
+
+
+_NORM_ROWS = 1024  # rows of W + s·B·A formed at a time for DoRA's norms (fp32: 4 × in_features bytes per row)
+_DORA_TOKENS = 4096  # tokens per block when backward recomputes W·x for DoRA's dm
+
+
+@torch.no_grad()
+def dora_row_norms(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """‖W + s·B·A‖ per row, in fp32, one block of rows at a time."""
+    a = lora_A.detach().to(device=weight.device, dtype=torch.float32)
+    b = lora_B.detach().to(device=weight.device, dtype=torch.float32)
+    norms = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for lo in range(0, weight.shape[0], _NORM_ROWS):
+        hi = min(lo + _NORM_ROWS, weight.shape[0])
+        block = torch.addmm(weight[lo:hi].detach().float(), b[lo:hi], a, alpha=scaling)
+        norms[lo:hi] = torch.linalg.vector_norm(block, dim=1)
+    return norms
 
 
 # ---- groups of sibling linears ------------------------------------------------------------------------------------
@@ -158,11 +223,14 @@ def is_lora_group(linears: list[nn.Module]) -> bool:
 
 
 def frozen_bases(linears: list[nn.Module]) -> bool:
-    """No base weight or bias needs a gradient (the fused LoRA core computes none)."""
+    """The fused LoRA core applies: no base weight or bias needs a gradient (it computes none), and no DoRA
+    adapter has its dropout active (that needs the base applied to the dropped input too; ``composed`` does it)."""
     for lin in linears:
         for p in (getattr(lin, "weight", None), getattr(lin, "bias", None)):
             if p is not None and p.requires_grad:
                 return False
+        if isinstance(lin, LoraLinear) and lin.has_adapter and lin.use_dora and lin.lora_dropout and lin.training:
+            return False
     return True
 
 
@@ -181,11 +249,13 @@ class Group:
         self.dropouts = [linears[i].lora_dropout if linears[i].training else 0.0 for i in self.adapted]
         self.any_dropout = any(p > 0 for p in self.dropouts)
         self.has_bias = linears[0].bias is not None
+        self.dora = [j for j, i in enumerate(self.adapted) if linears[i].use_dora]  # positions among the adapted
 
     def adapter_params(self) -> list[torch.Tensor]:
-        """A_1 … A_k, B_1 … B_k: the Function's differentiable inputs."""
+        """A_1 … A_k, B_1 … B_k, then the DoRA magnitudes: the Function's differentiable inputs."""
         lins = [self.linears[i] for i in self.adapted]
-        return [lin.lora_A.weight for lin in lins] + [lin.lora_B.weight for lin in lins]
+        return ([lin.lora_A.weight for lin in lins] + [lin.lora_B.weight for lin in lins]
+                + [lins[j].lora_magnitude_vector for j in self.dora])
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         ws = [lin.base_weight(dtype) if isinstance(lin, LoraLinear) and lin.quant is not None else lin.weight
@@ -197,7 +267,8 @@ class Group:
 
 
 def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out2d: torch.Tensor):
-    """out2d := x2·Wᵀ + b + Σ s_i·(drop_i(x2)·A_iᵀ)·B_iᵀ into each adapter's rows; returns (xa, masks)."""
+    """out2d := x2·Wᵀ + b + Σ s_i·(drop_i(x2)·A_iᵀ)·B_iᵀ into each adapter's rows, then each DoRA adapter's rows
+    := b + (m / n) ⊙ (out − b); returns (xa, masks, DoRA norms n)."""
     w, b = group.weight(x2.dtype), group.bias()
     if b is None:
         torch.mm(x2, w.t(), out=out2d)
@@ -205,9 +276,9 @@ def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out
         torch.addmm(b, x2, w.t(), out=out2d)
     k = len(group.adapted)
     if not k:
-        return None, []
+        return None, [], []
     As = [a.to(x2.dtype) for a in params[:k]]
-    Bs = [bm.to(x2.dtype) for bm in params[k:]]
+    Bs = [bm.to(x2.dtype) for bm in params[k:2 * k]]
     masks: list[torch.Tensor | None] = []
     if not group.any_dropout:
         xa = x2 @ torch.cat(As).t()  # one thin GEMM for every adapter
@@ -226,22 +297,45 @@ def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out
     for i, part, bm, s in zip(group.adapted, parts, Bs, group.scales):
         lo, hi = group.rows[i]
         out2d[:, lo:hi].addmm_(part, bm.t(), alpha=s)  # the GEMM adds into the packed output
-    return xa, masks
+    norms = []
+    for j, m in zip(group.dora, params[2 * k:]):
+        lo, hi = group.rows[group.adapted[j]]
+        norms.append(dora_row_norms(w[lo:hi], params[j], params[k + j], group.scales[j]))
+        factor = m.detach().float() / norms[-1]
+        rows = out2d[:, lo:hi]
+        if b is None:
+            rows.mul_(factor)
+        else:  # b + factor·(out − b)
+            rows.mul_(factor).add_(b[lo:hi].float() * (1 - factor))
+    return xa, masks, norms
+
+
+def dora_scaled_grad(g: torch.Tensor, group: Group, params: list[torch.Tensor], norms: list) -> torch.Tensor:
+    """dY with each DoRA adapter's rows times m / n: the gradient of the unscaled W·x + s·B·A·x."""
+    if not group.dora:
+        return g
+    k = len(group.adapted)
+    g = g.clone()
+    for j, m, n in zip(group.dora, params[2 * k:], norms):
+        lo, hi = group.rows[group.adapted[j]]
+        g[:, lo:hi].mul_(m.detach().float() / n)
+    return g
 
 
 def core_backward_input(g: torch.Tensor, group: Group, params: list[torch.Tensor], xa: torch.Tensor | None,
                         masks: list, need_dx: bool):
-    """(dx or None, s·dY_i·B_i per adapter, dB per adapter). dx includes the adapters' path."""
+    """(dx or None, s·dY_i·B_i per adapter, dB per adapter). dx includes the adapters' path; under DoRA ``g`` is
+    already scaled (``dora_scaled_grad``)."""
     k = len(group.adapted)
     w = group.weight(g.dtype) if need_dx else None
     dx = g @ w if need_dx else None
     if not k:
         return dx, [], []
     As = [a.to(g.dtype) for a in params[:k]]
-    Bs = [bm.to(g.dtype) for bm in params[k:]]
+    Bs = [bm.to(g.dtype) for bm in params[k:2 * k]]
     dxs, dBs = [], []
     xa_parts = xa.split(group.ranks, dim=1)
-    for i, bm, s, part, bparam in zip(group.adapted, Bs, group.scales, xa_parts, params[k:]):
+    for i, bm, s, part, bparam in zip(group.adapted, Bs, group.scales, xa_parts, params[k:2 * k]):
         lo, hi = group.rows[i]
         gi = g[:, lo:hi]
         dxs.append((gi @ bm) * s)
@@ -272,23 +366,47 @@ def core_backward_A(dxs: list[torch.Tensor], x2: torch.Tensor, group: Group, par
     return out
 
 
+def core_backward_magnitude(dout: torch.Tensor, x2: torch.Tensor, group: Group, params: list[torch.Tensor],
+                            xa: torch.Tensor, norms: list) -> list[torch.Tensor]:
+    """dm per DoRA adapter: Σ_tokens dY ⊙ (W·x + s·B·A·x) / n (dY unscaled), W·x recomputed for its rows a block
+    of tokens at a time and summed in fp32."""
+    if not group.dora:
+        return []
+    k = len(group.adapted)
+    w = group.weight(x2.dtype)
+    xa_parts = xa.split(group.ranks, dim=1)
+    out = []
+    for j, m, n in zip(group.dora, params[2 * k:], norms):
+        lo, hi = group.rows[group.adapted[j]]
+        bm = params[k + j].to(x2.dtype)
+        total = torch.zeros(hi - lo, dtype=torch.float32, device=x2.device)
+        for t in range(0, x2.shape[0], _DORA_TOKENS):
+            z = x2[t:t + _DORA_TOKENS] @ w[lo:hi].t()
+            z.addmm_(xa_parts[j][t:t + _DORA_TOKENS], bm.t(), alpha=group.scales[j])
+            total += (dout[t:t + _DORA_TOKENS, lo:hi].float() * z.float()).sum(0)
+        out.append((total / n).to(m.dtype))
+    return out
+
+
 class _LoraPacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, *params):
         x2 = x.reshape(-1, x.shape[-1])
         out = x.new_empty((*x.shape[:-1], group.rows[-1][1]))
-        xa, masks = core_forward(x2, group, list(params), out.view(-1, out.shape[-1]))
-        ctx.group, ctx.masks, ctx.x_shape = group, masks, x.shape
+        xa, masks, norms = core_forward(x2, group, list(params), out.view(-1, out.shape[-1]))
+        ctx.group, ctx.masks, ctx.norms, ctx.x_shape = group, masks, norms, x.shape
         ctx.save_for_backward(x2, xa, *params)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x2, xa, *params = ctx.saved_tensors
-        g = grad_out.reshape(-1, grad_out.shape[-1])
+        dout = grad_out.reshape(-1, grad_out.shape[-1])
+        g = dora_scaled_grad(dout, ctx.group, params, ctx.norms)
         dx, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, ctx.needs_input_grad[0])
         dAs = core_backward_A(dxs, x2, ctx.group, params, ctx.masks)
-        return (None if dx is None else dx.view(ctx.x_shape), None, *dAs, *dBs)
+        dMs = core_backward_magnitude(dout, x2, ctx.group, params, xa, ctx.norms)
+        return (None if dx is None else dx.view(ctx.x_shape), None, *dAs, *dBs, *dMs)
 
 
 def lora_packed_linear(x: torch.Tensor, linears: list[nn.Module]) -> torch.Tensor:

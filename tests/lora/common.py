@@ -69,6 +69,8 @@ def peft_name(ours_name: str) -> str:
     """Our parameter name → PEFT's in-memory one (adapter name "default")."""
     for part in ("lora_A", "lora_B"):
         ours_name = ours_name.replace(f".{part}.weight", f".{part}.default.weight")
+    if ours_name.endswith(".lora_magnitude_vector"):  # DoRA
+        ours_name += ".default.weight"
     return "base_model.model." + ours_name
 
 
