@@ -23,8 +23,9 @@ def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
 
 def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torch.float32) -> list[str]:
     """Adapters on the targeted linears (fresh A, B = 0 unless settings.init is False) and settings.modules_to_save
-    trainable whole; every other parameter is frozen. Returns the adapted module names. Adapters are kept in ``dtype`` (fp32 by default, as PEFT: the
-    optimizer updates them in full precision; they are cast to the activations' dtype inside the GEMMs)."""
+    trainable whole; every other parameter is frozen. Returns the adapted module names. Adapters are kept in
+    ``dtype`` (fp32 by default, as PEFT: the optimizer updates them in full precision; they are cast to the
+    activations' dtype inside the GEMMs)."""
     names = resolve_targets(model, settings.targets)
     whole = modules_to_save(model, settings.modules_to_save)
     if lora_modules(model):

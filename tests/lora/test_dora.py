@@ -17,7 +17,7 @@ from liger_models.lora import (LoraSettings, load_adapter, lora_modules, merge_l
                                save_adapter, save_merged, unmerge_lora)
 from liger_models.modules.lora_linear import LoraLinear, dora_row_norms
 
-from ..models.parity import causal_lm_loss, float64_reference, max_rel
+from ..models.parity import causal_lm_loss, max_rel
 from .common import assert_as_close_as_fp32_allows, batch, pair, peft_float64, peft_name, with_adapters
 
 peft = pytest.importorskip("peft")
@@ -95,7 +95,8 @@ def test_row_norms_without_the_whole_matrix():
 
 
 def test_dropout_follows_doras_definition():
-    # Training with dropout: y = W·x + b + (m/n − 1)·W·drop(x) + (m/n)·s·B·A·drop(x) (PEFT's DoRA), n from W + s·B·A.
+    # Training with dropout: y = W·x + b + (m/n − 1)·W·drop(x) + (m/n)·s·B·A·drop(x) (PEFT's DoRA),
+    # n from W + s·B·A.
     torch.manual_seed(0)
     base = torch.nn.Linear(24, 20)
     lin = LoraLinear.from_linear(base)
