@@ -23,12 +23,15 @@ w3 up, w2 down). ``load_state_dict`` and ``from_pretrained`` accept those and th
 (``save_original_format=False`` checkpoints).
 
 ``output_router_logits``: each sparse layer's raw logits (N, E) are collected while ``recording_router_logits()``
-is active; ``load_balancing_loss`` is HF's Switch-style auxiliary loss over them.
+is active; ``load_balancing_loss`` is HF's Switch-style auxiliary loss over them. It multiplies two means over the
+batch, so data-parallel ranks do not get the whole batch's loss by adding up their own: within
+``balancing_over_ranks()`` each rank's is its share of the whole batch's.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +46,10 @@ from .config import LigerConfig
 # The active recording's list, or None. A one-element list rather than a ContextVar: torch.compile traces reads
 # of a module global (as attention.py's _STATIC_DOCUMENT_MASK), not ContextVar.get.
 _RECORDED: list[list | None] = [None]
+# While balancing_over_ranks() is active: the function that sums a tensor over the data-parallel ranks, in place.
+_SUM_OVER_RANKS: list[Callable[[torch.Tensor], torch.Tensor] | None] = [None]
+# False while stacked_state_dict() is active.
+_PER_EXPERT_NAMES = [True]
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 EXPERT_PATHS = ("auto", "grouped_mm", "padded")
 
@@ -57,6 +64,35 @@ def recording_router_logits():
         yield logits
     finally:
         _RECORDED[0] = previous
+
+
+@contextlib.contextmanager
+def balancing_over_ranks(sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]):
+    """Within this context ``load_balancing_loss`` balances the batch that data-parallel ranks split, not each rank's
+    part alone: ``sum_over_ranks`` (an in-place all-reduce) sums the experts' assignment counts and the row count over
+    the ranks, and each rank returns E · Σ_e f_e · p_e, with f_e the whole batch's share of assignments and p_e the
+    sum of this rank's probabilities of e over the whole batch's rows. The ranks' losses then add up to the whole
+    batch's, and their gradients to its gradient (f has none: it counts top-k choices). Every rank must run the same
+    forwards, as FSDP needs anyway."""
+    previous, _SUM_OVER_RANKS[0] = _SUM_OVER_RANKS[0], sum_over_ranks
+    try:
+        yield
+    finally:
+        _SUM_OVER_RANKS[0] = previous
+
+
+@contextlib.contextmanager
+def stacked_state_dict():
+    """Within this context ``state_dict()`` keeps each sparse block's stacked Parameters under their own names
+    (``mlp.experts.gate_up_proj``, ``mlp.gate.weight``), which ``load_state_dict`` accepts too, instead of the
+    per-expert names of checkpoints: for torch.distributed.checkpoint's ``get_model_state_dict``, which gathers FSDP
+    shards and maps every key back to a module attribute, and to which a per-expert view of a sharded Parameter
+    would be no tensor of its own."""
+    previous, _PER_EXPERT_NAMES[0] = _PER_EXPERT_NAMES[0], False
+    try:
+        yield
+    finally:
+        _PER_EXPERT_NAMES[0] = previous
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -310,6 +346,10 @@ def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, 
         counts = counts.scatter_add(0, chosen.reshape(-1), per_row.repeat_interleave(top_k))
         prob_sums = prob_sums + (probs.float() * per_row[:, None]).sum(dim=0)
         rows = rows + per_row.sum()
+    sum_over_ranks = _SUM_OVER_RANKS[0]
+    if sum_over_ranks is not None:  # balancing_over_ranks: the whole batch's f and row count
+        totals = sum_over_ranks(torch.cat([counts, rows.view(1)]))
+        counts, rows = totals[:-1], totals[-1]
     return num_experts * torch.sum((counts / rows) * (prob_sums / rows))
 
 
@@ -380,7 +420,9 @@ def per_expert_state_dict(block: SparseMoeBlock, state_dict: dict, block_prefix:
     """Rewrite block's entries of a state_dict (under block_prefix) to the on-disk names under disk_prefix: the
     router as ``gate.weight``, each expert's weights as their own tensors. With keep_vars (Parameters in the dict)
     they are views of the stacked Parameters (a loader copies into them); else own copies, since savers refuse
-    tensors that share storage."""
+    tensors that share storage. Nothing is renamed within ``stacked_state_dict()``."""
+    if not _PER_EXPERT_NAMES[0]:
+        return
     stacked = state_dict.pop(block_prefix + "experts.gate_up_proj")
     state_dict.pop(block_prefix + "experts.down_proj")
     keep_vars = isinstance(stacked, nn.Parameter)

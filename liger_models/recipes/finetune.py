@@ -43,15 +43,13 @@ def train_causal_lm(config: FinetuneConfig | argparse.Namespace) -> T.RunResult:
         groups = decay_param_groups(model, config.lr, config.weight_decay)
 
         def export(directory: Path, full_state: dict | None, final: Path) -> None:
-            if lora is not None:  # a PEFT adapter directory (HF + PEFT loads it onto --model)
-
-                save_adapter(model, directory, base_model=T.base_name(config.model))
-                T.copy_tokenizer(model_dir, directory)
-                return
             target = model if full_state is None else T.shadow_base(model, full_state)
             if full_state is not None:
                 T.check_materialised(target)
-            target.save_pretrained(directory)
+            if lora is not None:  # a PEFT adapter directory (HF + PEFT loads it onto --model)
+                save_adapter(target, directory, base_model=T.base_name(config.model))
+            else:
+                target.save_pretrained(directory)
             T.copy_tokenizer(model_dir, directory)
 
         return T.finish(config, info, model, CausalLMTask(), (stream, eval_data), groups, export, resume, settings)

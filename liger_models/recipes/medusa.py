@@ -87,13 +87,15 @@ def train_medusa(config: MedusaTrainingConfig | argparse.Namespace) -> T.RunResu
 
         def export(directory: Path, full_state: dict | None, final: Path) -> None:
             target = medusa
-            if full_state is not None and lora is None:  # adapters are saved from the model, as train's are
+            if full_state is not None:
                 base = T.shadow_base(medusa.base, full_state, prefix="base.")
                 heads = MedusaHeads(medusa.config, base.lm_head, device="meta")
                 heads.load_state_dict({k[len("heads."):]: v for k, v in full_state.items()
                                        if k.startswith("heads.")}, strict=True, assign=True)
                 target = MedusaModel(base, heads, stage=medusa.stage)
-                T.check_materialised(target.heads if medusa.stage == 1 else target)
+                T.check_materialised(target.heads)
+                if medusa.stage == 2:  # the whole base, or its adapters
+                    T.check_materialised(target.base)
             target.save_pretrained(str(directory), location=str(final))
             T.copy_tokenizer(model_dir, directory)
 

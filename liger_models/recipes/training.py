@@ -32,6 +32,7 @@ from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import GENERATION_CONFIG, copy_tokenizer_files, load_tokenizer
 from liger_models.kernels.ops import fused_linear_cross_entropy as flce
 from liger_models.kernels._tuning import tuned
+from liger_models.lora import add_lora, lora_modules, lora_state_dict
 from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
 from liger_models.recipes.configs import FinetuneConfig, MedusaTrainingConfig
@@ -88,8 +89,12 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 
 def shadow_base(base: nn.Module, state: dict[str, torch.Tensor], prefix: str = "") -> nn.Module:
-    """A CPU model holding ``state`` (gathered FSDP weights), built on meta so nothing is allocated twice."""
+    """A CPU model holding ``state`` (gathered FSDP weights), built on meta so nothing is allocated twice. Where
+    ``base`` carries LoRA adapters the shadow carries the same ones, and ``state`` may hold only what trains (the
+    frozen base then stays on meta: an adapter checkpoint does not hold it)."""
     shadow = AutoLigerForCausalLM.from_config(base.config, device="meta")
+    if lora_modules(base):
+        add_lora(shadow, base.lora_settings)
     sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     shadow.load_state_dict(sub, strict=False, assign=True)
     shadow.tie_weights()
@@ -97,7 +102,10 @@ def shadow_base(base: nn.Module, state: dict[str, torch.Tensor], prefix: str = "
 
 
 def check_materialised(module: nn.Module) -> None:
-    meta = [k for k, v in module.state_dict(keep_vars=True).items() if v.is_meta]
+    """Every tensor a checkpoint of ``module`` holds came with the gathered state: its whole state dict, or for a
+    model with LoRA adapters what its adapter file holds."""
+    tensors = lora_state_dict(module) if lora_modules(module) else module.state_dict(keep_vars=True)
+    meta = [k for k, v in tensors.items() if v.is_meta]
     if meta:
         raise RuntimeError(f"gathered checkpoint state is missing tensors: {meta[:5]}")
 
@@ -281,8 +289,9 @@ def finish(config: FinetuneConfig, info, model, task, data, groups, export, resu
                        keep_last=config.keep_last, quiet=config.quiet,
                        optimizer_in_backward=config.optimizer_in_backward, cuda_graph=config.cuda_graph,
                        eval_every=config.eval_every, eval_batches=config.eval_batches or TrainConfig.eval_batches)
+    # A LoRA checkpoint holds the adapters (and modules_to_save, heads): the frozen base is never gathered for it.
     trainer = Trainer(model, task, stream, optimizer, scheduler, loop, info, export, config.run_args(), eval_data,
-                      settings=current)
+                      settings=current, trained_only=config.lora_r is not None)
     if resume is not None:
         trainer.resume(resume)
         if info.is_main and not config.quiet:

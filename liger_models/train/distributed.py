@@ -10,11 +10,16 @@ say the same, but it needs PREMUL_SUM, which gloo lacks).
 
 Checkpoints hold full tensors: :func:`full_model_state` and :func:`full_optimizer_state` gather them (on CPU, on
 rank 0 only) through ``torch.distributed.checkpoint.state_dict``; the optimizer state is keyed by parameter name, so a
-checkpoint written by N ranks resumes on M ranks or on one process.
+checkpoint written by N ranks resumes on M ranks or on one process. A LoRA checkpoint needs only what trains:
+:func:`full_trained_state` gathers the adapters (and any other trainable parameter), never the frozen base.
+
+A mixture-of-experts model's load-balancing loss is not a sum over tokens, so the ranks compute it over the global
+micro-batch together (:func:`balanced_over_ranks`), as one process would over the same batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -28,8 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from liger_models.modules.moe import balancing_over_ranks, stacked_state_dict
 from liger_models.train.optim import with_live_flags
 
 
@@ -126,6 +133,14 @@ def gather_objects(obj) -> list:
     return out
 
 
+def balanced_over_ranks():
+    """A context in which a mixture-of-experts load-balancing loss is each rank's share of the global micro-batch's
+    (modules/moe.py ``balancing_over_ranks``); nothing to do when running alone."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return contextlib.nullcontext()
+    return balancing_over_ranks(all_reduce_sum)
+
+
 def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
     """Recompute each layer's activations in backward instead of keeping them (non-reentrant checkpointing).
 
@@ -175,10 +190,27 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The complete (unsharded) state dict on CPU; on rank 0 only when distributed (empty elsewhere)."""
+    """The complete (unsharded) state dict on CPU; on rank 0 only when distributed (empty elsewhere). Experts stay
+    stacked under their module names (moe.stacked_state_dict), which ``load_state_dict`` takes as they are."""
     if not dist.is_initialized():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=_FULL)
+    with stacked_state_dict():
+        return get_model_state_dict(model, options=_FULL)
+
+
+def full_trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter that trains (requires grad), whole, on CPU, by parameter name; on rank 0 only when distributed
+    (empty elsewhere). Gathered one tensor at a time, in ``named_parameters`` order on every rank, so a frozen base
+    is never gathered."""
+    keep = not dist.is_initialized() or dist.get_rank() == 0
+    state = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        whole = param.full_tensor() if isinstance(param, DTensor) else param
+        if keep:
+            state[name] = whole.detach().to("cpu", copy=True)
+    return state
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -5,7 +5,7 @@ per rank), so numbers compare across steps and runs; nothing random is drawn, so
 No gradients: a weight stepped inside the forward (step_in_backward.py) must never see an eval forward as a step.
 Every rank runs the same number of forwards, which FSDP needs. The normaliser is the count of targets over all eval
 batches and ranks, so the summed per-batch losses are the mean over the whole eval set (as the trainer does for
-gradient accumulation).
+gradient accumulation); a mixture-of-experts load-balancing loss is each round's, over every rank's batch.
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ def evaluate(model: nn.Module, task, batches: list[dict], info: D.DistInfo, step
     model.eval()
     try:
         stats = None
-        for batch in batches:
-            s = task.forward(model, batch, normalizer, step, max_steps)[1]
-            stats = s if stats is None else stats + s
+        with D.balanced_over_ranks():
+            for batch in batches:
+                s = task.forward(model, batch, normalizer, step, max_steps)[1]
+                stats = s if stats is None else stats + s
     finally:
         model.train(was_training)
     D.all_reduce_sum(stats)

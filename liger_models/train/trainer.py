@@ -4,7 +4,8 @@ One optimizer step = ``grad_accum`` micro-batches per rank. Before any forward, 
 and their non-ignored targets counted per loss term (one count for a causal LM; base + each Medusa head for Medusa,
 whose shifted targets differ), summed over micro-batches and all-reduced over ranks. That global count is passed as
 every micro-batch's ``normalizer``, so the summed micro-batch losses, and their gradients, equal the mean over the
-whole global batch, however it is split (FSDP sums ranks' gradients, see distributed.py).
+whole global batch, however it is split (FSDP sums ranks' gradients, see distributed.py). A mixture-of-experts
+load-balancing loss, which is no such mean, is computed over each global micro-batch by the ranks together.
 
 Each step logs loss, per-head top-1/top-5 accuracy, tokens/s, peak memory, LR and gradient norm to stderr and to
 ``<output_dir>/metrics.jsonl``; every ``save_every`` steps (and at the end) an atomic checkpoint is written.
@@ -198,7 +199,9 @@ class Trainer:
     """Runs the optimisation; ``export(dir, full_state, final_dir)`` writes the model files of a checkpoint (rank 0)
     into dir, which is renamed final_dir once the checkpoint is complete.
 
-    ``full_state`` is the gathered state dict under FSDP and None otherwise (the live model is whole then).
+    ``full_state`` is the gathered state dict under FSDP and None otherwise (the live model is whole then); with
+    ``trained_only`` (a checkpoint holds the LoRA adapters, not the frozen base they train on) it holds only the
+    parameters that train, by parameter name (D.full_trained_state).
     ``settings``: what defines the run (run_settings.py), saved with every checkpoint; :attr:`settings_changed`, set
     by a resume that changed some, is logged with the next step's metrics.
     A full disk while writing a checkpoint or a log raises disk_space.DiskFull, which says where and that the last
@@ -215,10 +218,11 @@ class Trainer:
     def __init__(self, model: nn.Module, task, stream: BatchStream, optimizer: torch.optim.Optimizer,
                  scheduler, config: TrainConfig, info: D.DistInfo,
                  export: Callable[[Path, dict | None, Path], None], run_args: dict | None = None,
-                 eval_data: PackedDataset | None = None, settings: dict | None = None):
+                 eval_data: PackedDataset | None = None, settings: dict | None = None, trained_only: bool = False):
         self.model, self.task, self.stream = model, task, stream
         self.optimizer, self.scheduler, self.config, self.info = optimizer, scheduler, config, info
         self.export, self.run_args, self.settings = export, run_args or {}, settings
+        self.trained_only = trained_only
         self.step = 0
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.in_backward = None
@@ -274,11 +278,12 @@ class Trainer:
     def _accumulate(self, micro: list[dict], normalizer: torch.Tensor) -> torch.Tensor:
         """Forward + backward over the micro-batches, gradients summed; returns the summed stats."""
         stats = None
-        for batch in micro:
-            loss, s = self.task.forward(self.model, batch, normalizer, self.step, self.config.max_steps)
-            # FSDP averages gradients over ranks; each loss is a share of the global mean, so they must add up.
-            (loss * self.info.world_size if self.info.distributed else loss).backward()
-            stats = s if stats is None else stats + s
+        with D.balanced_over_ranks():
+            for batch in micro:
+                loss, s = self.task.forward(self.model, batch, normalizer, self.step, self.config.max_steps)
+                # FSDP averages gradients over ranks; each loss is a share of the global mean, so they must add up.
+                (loss * self.info.world_size if self.info.distributed else loss).backward()
+                stats = s if stats is None else stats + s
         return stats
 
     def _accumulate_and_step(self, micro: list[dict], normalizer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,7 +419,9 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Write an atomic checkpoint of the current step (collective: every rank must call it)."""
-        full_state = D.full_model_state(self.model) if self.info.distributed else None
+        full_state = None
+        if self.info.distributed:
+            full_state = (D.full_trained_state if self.trained_only else D.full_model_state)(self.model)
         optim_state = D.full_optimizer_state(self.model, self.optimizer)
         rngs = D.gather_objects(ckpt.rng_state())
         path = None

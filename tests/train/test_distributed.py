@@ -1,11 +1,13 @@
 """FSDP2 (`fully_shard`) on 2 CPU processes (gloo, launched by torchrun) matches one process with the same global
-batch, and its checkpoints hold the full gathered weights, loadable on one process."""
+batch, and its checkpoints hold the full gathered weights, loadable on one process: full fine-tuning, LoRA adapters
+on a frozen base, and mixture-of-experts models with their load-balancing loss."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,9 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from liger_models import LigerMixtralForCausalLM, LigerQwen3MoeForCausalLM, MixtralConfig, Qwen3MoeConfig
 from liger_models.cli import build_parser
+from liger_models.hub import copy_tokenizer_files
 from liger_models.medusa import MedusaModel
-from liger_models.recipes import train_medusa
+from liger_models.recipes import train_causal_lm, train_medusa
+from liger_models.train import checkpointing as ckpt
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
@@ -138,3 +143,145 @@ def test_more_processes_per_node_than_gpus_fails_clearly(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", str(visible + 1))
     with pytest.raises(RuntimeError, match=f"LOCAL_RANK {visible + 1} .* sees {visible} GPU"):
         D.init_distributed("cuda")
+
+
+def _torchrun(args: list[str]) -> None:
+    """``liger-models <args>`` on two CPU processes under torchrun (gloo)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "LIGER_DEBUG": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "liger_models.cli", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _one_process(args: list[str]):
+    run = train_causal_lm if args[0] == "train" else train_medusa
+    return run(build_parser().parse_args(args))
+
+
+def _logged(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_steps(expected: list[dict], got: list[dict]) -> None:
+    """The same global batches (targets), loss and gradient norm, step for step."""
+    assert [m["step"] for m in got] == [m["step"] for m in expected]
+    for a, b in zip(expected, got):
+        assert a["targets"] == b["targets"]
+        torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-4, atol=0)
+
+
+def _assert_same_tensors(expected: dict, got: dict) -> None:
+    """Whole tensors (not one rank's shard) under the same names, equal up to AdamW turning the ranks' last-bit
+    gradient differences into ~1e-5 (see test_fsdp2_stage1_trains_heads_like_one_process)."""
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert got[key].shape == expected[key].shape, key
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-4, msg=key)
+
+
+def _without_last_step(run, copy):
+    """A copy of run's output directory as it stood after step 2 (step 3's checkpoint and log lines dropped)."""
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("step_000003"))
+    return copy
+
+
+def _lora_args(command, model_dir, data, out, batch_size):
+    medusa = ["--stage", "2", "--num-heads", "2"] if command == "train-medusa" else []
+    return [command, "--model", str(model_dir), "--data", str(data), "--output-dir", str(out), *medusa,
+            "--seq-len", "32", "--batch-size", str(batch_size), "--grad-accum", "2", "--max-steps", "3",
+            "--save-every", "2", "--keep-last", "3", "--lr", "1e-2", "--warmup-steps", "1", "--dtype", "fp32",
+            "--device", "cpu", "--quiet", "--lora-r", "4", "--lora-alpha", "8",
+            "--lora-modules-to-save", "embed_tokens,lm_head"]
+
+
+@pytest.mark.parametrize("command", ["train", "train-medusa"])
+def test_fsdp2_lora_matches_one_process_and_resumes_on_either(command, tiny_model_dir, text_file, tmp_path):
+    """LoRA under FSDP2 (``train``, and Medusa stage 2 through adapters): the adapters and modules_to_save shard
+    with their layers and the base stays frozen; two ranks train as one process does, and their checkpoint holds
+    the whole adapter (PEFT's files, written by rank 0), which resumes on two processes or one, as one process's
+    checkpoint resumes on two."""
+    def args(out, batch_size):
+        return _lora_args(command, tiny_model_dir, text_file, out, batch_size)
+
+    _torchrun(args(tmp_path / "fsdp", 2))
+    single = _one_process(args(tmp_path / "one", 4))
+    fsdp = _logged(tmp_path / "fsdp")
+    _assert_same_steps(single.history, fsdp)
+
+    last = tmp_path / "fsdp" / "checkpoints" / "step_000003"
+    files = ["adapter_model.safetensors", *(["medusa_lm_head.safetensors"] if command == "train-medusa" else [])]
+    assert (last / "adapter_config.json").is_file()
+    assert not any(p.name.startswith("model") for p in last.iterdir())  # no copy of the base
+    saved = {name: load_file(last / name) for name in files}
+    for name in files:
+        _assert_same_tensors(load_file(single.checkpoint / name), saved[name])
+    adapter = saved["adapter_model.safetensors"]
+    assert {"base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"} <= adapter.keys()
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())  # B left its zeros
+    # The frozen base has no optimizer state: only the adapters, modules_to_save (and heads) have.
+    trained = {k.removeprefix("base_model.model.") for k in adapter}
+    prefix = "base." if command == "train-medusa" else ""
+    optimized = set(ckpt.load_trainer_state(last)["optimizer"]["state"])
+    assert {k for k in optimized if not k.startswith("heads.")} == {prefix + k for k in trained}
+
+    # Step 3 again from step 2's checkpoint: two processes' on two (bit for bit) and on one, and one process's on
+    # two, each as the run it continues.
+    again = _without_last_step(tmp_path / "fsdp", tmp_path / "again")
+    _torchrun([*args(again, 2), "--resume", "auto"])
+    for name in files:
+        assert (again / "checkpoints" / "step_000003" / name).read_bytes() == (last / name).read_bytes(), name
+    on_one = _one_process([*args(_without_last_step(tmp_path / "fsdp", tmp_path / "on_one"), 4), "--resume", "auto"])
+    _assert_same_steps(fsdp[2:], on_one.history)
+    on_two = _without_last_step(tmp_path / "one", tmp_path / "on_two")
+    _torchrun([*args(on_two, 2), "--resume", "auto"])
+    _assert_same_steps(single.history[2:], _logged(on_two)[2:])
+    for name in files:
+        _assert_same_tensors(load_file(single.checkpoint / name), load_file(on_two / "checkpoints" / "step_000003" / name))
+
+
+MOE_FAMILIES = {"qwen3_moe": (LigerQwen3MoeForCausalLM, Qwen3MoeConfig),
+                "mixtral": (LigerMixtralForCausalLM, MixtralConfig)}
+
+
+def _tiny_moe_dir(family, tokenizer_dir, path):
+    """A tiny random MoE model with the tokenizer of ``tokenizer_dir``, its load-balancing loss on and weighted
+    enough (0.1) to move the loss in its third digit."""
+    cls, config_cls = MOE_FAMILIES[family]
+    llama = json.loads((tokenizer_dir / "config.json").read_text())
+    config = config_cls.tiny(vocab_size=llama["vocab_size"], bos_token_id=None, eos_token_id=llama["eos_token_id"],
+                             pad_token_id=None, output_router_logits=True, router_aux_loss_coef=0.1)
+    cls.from_config(config).save_pretrained(path)
+    copy_tokenizer_files(tokenizer_dir, path)
+    return path
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_fsdp2_moe_matches_one_process(family, tiny_model_dir, text_file, tmp_path):
+    """Stacked expert tensors shard like any other, the load-balancing loss is the global batch's (not the sum of
+    each rank's, which is not additive: it multiplies two means over the batch), and the checkpoint holds every
+    expert under HF's per-expert names; it resumes on one process as the two-rank run continued."""
+    model_dir = _tiny_moe_dir(family, tiny_model_dir, tmp_path / "model")
+
+    def args(out, batch_size):
+        return ["train", "--model", str(model_dir), "--data", str(text_file), "--output-dir", str(out),
+                "--seq-len", "32", "--batch-size", str(batch_size), "--grad-accum", "2", "--max-steps", "3",
+                "--save-every", "2", "--lr", "3e-3", "--warmup-steps", "1", "--dtype", "fp32", "--device", "cpu",
+                "--quiet", "--eval-data", str(text_file), "--eval-every", "2", "--eval-batches", "2"]
+
+    _torchrun(args(tmp_path / "fsdp", 2))
+    single = _one_process(args(tmp_path / "one", 4))
+    fsdp = _logged(tmp_path / "fsdp")
+    _assert_same_steps(single.history, fsdp)
+    evals = [json.loads(line) for line in (tmp_path / "fsdp" / "eval.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in evals] == [m["step"] for m in single.evals] == [2, 3]
+    for a, b in zip(single.evals, evals):
+        torch.testing.assert_close(b["loss"], a["loss"], rtol=1e-5, atol=0)
+    saved = load_file(tmp_path / "fsdp" / "checkpoints" / "step_000003" / "model.safetensors")
+    expert = {"qwen3_moe": "mlp.experts.3.down_proj", "mixtral": "block_sparse_moe.experts.3.w2"}[family]
+    assert f"model.layers.1.{expert}.weight" in saved
+    _assert_same_tensors(load_file(single.checkpoint / "model.safetensors"), saved)
+    resumed = _one_process([*args(_without_last_step(tmp_path / "fsdp", tmp_path / "resumed"), 4), "--resume",
+                            "auto"])
+    _assert_same_steps(fsdp[2:], resumed.history)
