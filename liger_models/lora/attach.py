@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from liger_models.kernels.ops.nf4 import dequantize_absmax, double_quantize, quantize_nf4
+from liger_models.modules.lora_embedding import LoraEmbedding
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 
 from .config import LoraSettings, decoder_linears, modules_to_save, resolve_targets
@@ -16,9 +17,11 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), leaf, module)
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
-    """Full name → LoraLinear that carries an adapter."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear) and m.lora_A is not None}
+def lora_modules(model: nn.Module) -> dict[str, LoraLinear | LoraEmbedding]:
+    """Full name → LoraLinear or LoraEmbedding that carries an adapter."""
+    return {name: m for name, m in model.named_modules()
+            if (isinstance(m, LoraLinear) and m.lora_A is not None)
+            or (isinstance(m, LoraEmbedding) and m.lora_embedding_A is not None)}
 
 
 def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torch.float32) -> list[str]:
@@ -28,14 +31,26 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
     activations' dtype inside the GEMMs)."""
     names = resolve_targets(model, settings.targets)
     whole = modules_to_save(model, settings.modules_to_save)
+    both = sorted(set(names) & set(whole))
+    if both:
+        raise ValueError(f"{', '.join(both)}: both a LoRA target and in modules_to_save; choose one")
+    tables = [name for name in names if isinstance(model.get_submodule(name), (nn.Embedding, LoraEmbedding))]
+    if settings.use_dora and tables:
+        raise ValueError(f"DoRA on the embedding table ({', '.join(tables)}) is not supported; DoRA adapts linears")
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters (merge or remove them first)")
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:
-        module = LoraLinear.from_linear(model.get_submodule(name))
         r, alpha = settings.rank_and_alpha(name)
-        module.add_adapter(r, alpha, settings.dropout, settings.use_rslora, settings.init, dtype, settings.use_dora)
+        target = model.get_submodule(name)
+        if isinstance(target, (nn.Embedding, LoraEmbedding)):
+            module = LoraEmbedding.from_embedding(target)
+            module.add_adapter(r, alpha, settings.use_rslora, settings.init, dtype)
+        else:
+            module = LoraLinear.from_linear(target)
+            module.add_adapter(r, alpha, settings.dropout, settings.use_rslora, settings.init, dtype,
+                               settings.use_dora)
         module.train(model.training)
         _replace(model, name, module)
     model.pack_()  # the replaced linears keep their packed Parameters; re-register the state-dict copies
@@ -46,15 +61,13 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our-name → tensor of what the adapter trains: each A and B (``model.layers.0.self_attn.q_proj.lora_A.weight``
-    …), each DoRA magnitude (``….q_proj.lora_magnitude_vector``, PEFT's key) and the whole weight of each of its
-    modules_to_save (``lm_head.weight``)."""
+    """Our-name → tensor of what the adapter trains, under PEFT's key names: each A and B
+    (``model.layers.0.self_attn.q_proj.lora_A.weight`` …; ``model.embed_tokens.lora_embedding_A`` …), each DoRA
+    magnitude (``….q_proj.lora_magnitude_vector``) and the whole weight of each of its modules_to_save
+    (``lm_head.weight``)."""
     out = {}
     for name, m in lora_modules(model).items():
-        out[f"{name}.lora_A.weight"] = m.lora_A.weight
-        out[f"{name}.lora_B.weight"] = m.lora_B.weight
-        if m.use_dora:
-            out[f"{name}.lora_magnitude_vector"] = m.lora_magnitude_vector
+        out.update({f"{name}.{suffix}": p for suffix, p in m.adapter_tensors().items()})
     settings = getattr(model, "lora_settings", None)
     for name, module in modules_to_save(model, settings.modules_to_save if settings else []).items():
         out[f"{name}.weight"] = module.weight

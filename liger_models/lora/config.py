@@ -1,9 +1,10 @@
 """Which linears get adapters, with what rank and scale: our settings and PEFT's ``adapter_config.json`` fields.
 
-Targets are HF module names: a list of leaf names (``q_proj``, Phi3's ``qkv_proj``, …) that must each exist in the
-model, ``"all-linear"`` (every decoder linear; never lm_head, as PEFT), or a string that ``re.fullmatch``es full
-module names (PEFT's rule). An unknown target is an error, never a silent skip. ``rank_pattern`` / ``alpha_pattern``
-keys are regexes matched against a dotted suffix of the module name, as PEFT matches them.
+Targets are HF module names: a list of leaf names (``q_proj``, Phi3's ``qkv_proj``, …, ``lm_head``,
+``embed_tokens``) that must each exist in the model, ``"all-linear"`` (every decoder linear; never lm_head, as PEFT),
+or a string that ``re.fullmatch``es full module names (PEFT's rule). An unknown target is an error, never a silent
+skip. ``rank_pattern`` / ``alpha_pattern`` keys are regexes matched against a dotted suffix of the module name, as
+PEFT matches them.
 """
 
 from __future__ import annotations
@@ -138,22 +139,39 @@ def modules_to_save(model: nn.Module, names: list[str]) -> dict[str, nn.Module]:
     return found
 
 
+def outer_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Full name → module of the targets outside the decoder layers: the token embeddings and lm_head."""
+    found = {}
+    for name in ("model.embed_tokens", "lm_head"):
+        try:
+            found[name] = model.get_submodule(name)
+        except AttributeError:
+            continue
+    return found
+
+
 def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
-    """The full module names that ``targets`` selects (see the module docstring); errors name what exists."""
+    """The full module names that ``targets`` selects (see the module docstring); errors name what exists.
+    lm_head and embed_tokens are chosen only by name or pattern, never by all-linear (as PEFT), and are refused when
+    the model ties them (one matrix: an adapter merged into it would change both)."""
     linears = decoder_linears(model)
-    leaves = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    candidates = {**linears, **outer_modules(model)}
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in candidates})
     if targets == ALL_LINEAR:
         return list(linears)
     if isinstance(targets, str):
-        chosen = [name for name in linears if re.fullmatch(targets, name)]
+        chosen = [name for name in candidates if re.fullmatch(targets, name)]
         if not chosen:
-            raise ValueError(f"LoRA target pattern {targets!r} matches no linear of the model (its linears: "
-                             f"{', '.join(leaves)})")
-        return chosen
-    for t in targets:
-        if t in ("lm_head", "embed_tokens"):
-            raise ValueError(f"LoRA on {t} is not supported (decoder linears only: {', '.join(leaves)})")
-        if not any(name == t or name.endswith("." + t) for name in linears):
-            raise ValueError(f"unknown LoRA target {t!r}: this model's linears are {', '.join(leaves)} "
-                             f"(or {ALL_LINEAR!r})")
-    return [name for name in linears if any(name == t or name.endswith("." + t) for t in targets)]
+            raise ValueError(f"LoRA target pattern {targets!r} matches no module of the model that takes an "
+                             f"adapter (its linears and embeddings: {', '.join(leaves)})")
+    else:
+        for t in targets:
+            if not any(name == t or name.endswith("." + t) for name in candidates):
+                raise ValueError(f"unknown LoRA target {t!r}: this model's linears and embeddings are "
+                                 f"{', '.join(leaves)} (or {ALL_LINEAR!r})")
+        chosen = [name for name in candidates if any(name == t or name.endswith("." + t) for t in targets)]
+    outer = [name for name in chosen if name not in linears]
+    if outer and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError(f"LoRA on {', '.join(outer)}: this model ties lm_head to embed_tokens (one matrix, which "
+                         "an adapter merged into it would change for both); adapt the decoder's linears instead")
+    return chosen

@@ -3,7 +3,11 @@
 ``adapter_model.safetensors`` keys are PEFT's: ``base_model.model.<HF module name>.lora_A.weight`` [r, in] and
 ``….lora_B.weight`` [out, r], and under DoRA ``….lora_magnitude_vector`` [out]; ``adapter_config.json`` carries r,
 lora_alpha, target_modules (leaf names), use_rslora, use_dora, rank_pattern / alpha_pattern. Phi3's packed qkv_proj /
-gate_up_proj are PEFT's module names too, so the packing never leaks into the files. Adapters are written in their
+gate_up_proj are PEFT's module names too, so the packing never leaks into the files. An adapter on the embedding table
+is ``….embed_tokens.lora_embedding_A`` [r, vocab] and ``….lora_embedding_B`` [hidden, r]. PEFT also writes the
+embedding layers' own tables where an adapter targets them (``….embed_tokens.base_layer.weight``, for a vocabulary
+resized before training); reading takes them into the base, as PEFT does. Writing leaves them out: the base here is
+the one the adapter names. Adapters are written in their
 own dtype (fp32 unless chosen otherwise).
 """
 
@@ -17,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from liger_models.hub import save_state_dict
+from liger_models.modules.lora_embedding import LoraEmbedding
 from liger_models.modules.lora_linear import LoraLinear
 
 from .attach import add_lora, lora_modules, lora_state_dict
@@ -24,6 +29,11 @@ from .config import LoraSettings, modules_to_save
 
 PREFIX = "base_model.model."
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
+# What an adapter's own tensors' keys end with (LoRA A / B of a linear or of the embedding table, DoRA's magnitude).
+_ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_embedding_A", ".lora_embedding_B")
+_MAGNITUDE = ".lora_magnitude_vector"
+_BASE_TABLE = ".base_layer.weight"  # PEFT's save_embedding_layers: a targeted embedding's or lm_head's own weight
+_TABLES = ("embed_tokens", "lm_head")
 
 
 def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None = None) -> Path:
@@ -63,11 +73,12 @@ def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.T
             raise ValueError(f"{str(weights_path)!r}: key {key!r} does not start with {PREFIX!r}")
         name = key[len(PREFIX):]
         whole = name.endswith(".weight") and name[:-len(".weight")].rsplit(".", 1)[-1] in settings.modules_to_save
-        magnitude = name.endswith(".lora_magnitude_vector")
+        magnitude = name.endswith(_MAGNITUDE)
         if magnitude and not settings.use_dora:
             raise ValueError(f"{str(weights_path)!r}: {key!r} is a DoRA magnitude, but {CONFIG_NAME} does not set "
                              "use_dora")
-        if not (whole or magnitude or name.endswith((".lora_A.weight", ".lora_B.weight"))):
+        table = name.endswith(_BASE_TABLE) and name[:-len(_BASE_TABLE)].rsplit(".", 1)[-1] in _TABLES
+        if not (whole or magnitude or table or name.endswith(_ADAPTER_SUFFIXES)):
             raise ValueError(f"{str(weights_path)!r}: {key!r} is neither a LoRA A/B weight, a DoRA magnitude nor "
                              f"one of modules_to_save {settings.modules_to_save}")
         tensors[name] = value
@@ -78,7 +89,7 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
     """Attach the PEFT adapter in ``directory`` to ``model``: same modules, ranks and scales; shapes must match the
     base (an adapter for another model is refused naming the first mismatch). Returns the adapted names."""
     settings, tensors = read_adapter(directory)
-    wanted = sorted({k.rsplit(".", 2)[0] for k in tensors if k.endswith((".lora_A.weight", ".lora_B.weight"))})
+    wanted = sorted({_module_of(k) for k in tensors if k.endswith(_ADAPTER_SUFFIXES)})
     # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).
     names = add_lora(model, LoraSettings(r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
                                          targets=settings.targets, use_rslora=settings.use_rslora,
@@ -86,29 +97,35 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
                                          rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern,
                                          modules_to_save=settings.modules_to_save))
     modules = lora_modules(model)
-    missing = [n for n in names if f"{n}.lora_A.weight" not in tensors]
-    unknown = [n for n in wanted if n not in modules]
+    missing = [n for n in names if not any(f"{n}{suffix}" in tensors for suffix in _ADAPTER_SUFFIXES)]
+    tables = [k[:-len(_BASE_TABLE)] for k in tensors if k.endswith(_BASE_TABLE)]
+    unknown = [n for n in wanted + tables if n not in modules]
     if unknown:
         raise ValueError(f"{directory}: adapter for {unknown[0]!r}, which this model does not have or target")
     if missing:
         raise ValueError(f"{directory}: no adapter weights for {missing[0]!r}, which target_modules selects")
     with torch.no_grad():
         for name, m in modules.items():
-            for part in ("lora_A", "lora_B"):
-                src, dst = tensors[f"{name}.{part}.weight"], getattr(m, part).weight
+            for suffix, dst in m.adapter_tensors().items():
+                key = f"{name}.{suffix}"
+                src = tensors.get(key)
+                if key.endswith(_MAGNITUDE) and (src is None or tuple(src.shape) != tuple(dst.shape)):
+                    raise ValueError(f"{directory}: {key} (DoRA) needs shape {tuple(dst.shape)}, the file has "
+                                     f"{'none' if src is None else tuple(src.shape)}")
+                if src is None:
+                    raise ValueError(f"{directory}: {key} is missing")
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"{directory}: {name}.{part}.weight has shape {tuple(src.shape)}, but this "
-                                     f"model needs {tuple(dst.shape)} (an adapter for a different base model?)")
-                dst.copy_(src)
-            if m.use_dora:
-                src, dst = tensors.get(f"{name}.lora_magnitude_vector"), m.lora_magnitude_vector
-                if src is None or tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"{directory}: {name}.lora_magnitude_vector (DoRA) needs shape "
-                                     f"{tuple(dst.shape)}, the file has {'none' if src is None else tuple(src.shape)}")
+                    raise ValueError(f"{directory}: {key} has shape {tuple(src.shape)}, but this model needs "
+                                     f"{tuple(dst.shape)} (an adapter for a different base model?)")
                 dst.copy_(src)
                 dst.requires_grad_(trainable)
-            m.lora_A.weight.requires_grad_(trainable)
-            m.lora_B.weight.requires_grad_(trainable)
+            table = tensors.get(f"{name}{_BASE_TABLE}")
+            if table is not None:
+                if tuple(table.shape) != tuple(m.weight.shape):
+                    raise ValueError(f"{directory}: {name}{_BASE_TABLE} has shape {tuple(table.shape)}, this model's "
+                                     f"{name} {tuple(m.weight.shape)} (a resized vocabulary needs the base resized "
+                                     "first)")
+                m.weight.copy_(table)
         for name, module in modules_to_save(model, settings.modules_to_save).items():
             src = tensors.get(f"{name}.weight")
             if src is None or tuple(src.shape) != tuple(module.weight.shape):
@@ -125,21 +142,30 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
     """HF-named tensors with every adapter merged: W + s·B·A (times m / n per row under DoRA) in fp32, rounded once
     to ``dtype`` (default: the base weight's; for an NF4 base, from dequant(NF4), what the adapter trained against,
     in the compute dtype)."""
-    state = {}
-    for key, value in model.state_dict().items():
-        if ".lora_A." in key or ".lora_B." in key or key.endswith(".lora_magnitude_vector"):
-            continue
-        state[key] = value
+    adapters = lora_modules(model)
+    own = {f"{name}.{suffix}" for name, m in adapters.items() for suffix in m.adapter_tensors()}
+    state = {key: value for key, value in model.state_dict().items() if key not in own}
     for name, m in model.named_modules():
-        if not isinstance(m, LoraLinear):
+        if isinstance(m, LoraLinear):
+            base = m.base_weight(torch.float32) if m.quant is not None else m.weight.float()
+            out_dtype = dtype or (m.quant.dtype if m.quant is not None else m.weight.dtype)
+        elif isinstance(m, LoraEmbedding):
+            base, out_dtype = m.weight.float(), dtype or m.weight.dtype
+        else:
             continue
-        base = m.base_weight(torch.float32) if m.quant is not None else m.weight.float()
-        out_dtype = dtype or (m.quant.dtype if m.quant is not None else m.weight.dtype)
-        w = m.merged_weight() if (m.lora_A is not None and not m.merged) else base
+        w = m.merged_weight() if (name in adapters and not m.merged) else base
         state[f"{name}.weight"] = w.to(out_dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
+
+
+def _module_of(key: str) -> str:
+    """The module name of an adapter tensor's key."""
+    for suffix in _ADAPTER_SUFFIXES:
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    raise ValueError(key)
 
 
 def save_merged(model: nn.Module, directory: str | Path, dtype: torch.dtype | None = None) -> None:

@@ -138,6 +138,13 @@ class LoraLinear(nn.Module):
             return self.quant.dequantize(dtype)
         return self.weight if dtype is None else self.weight.to(dtype)
 
+    def adapter_tensors(self) -> dict[str, nn.Parameter]:
+        """Key suffix → Parameter of what the adapter trains, under PEFT's names."""
+        tensors = {"lora_A.weight": self.lora_A.weight, "lora_B.weight": self.lora_B.weight}
+        if self.use_dora:
+            tensors["lora_magnitude_vector"] = self.lora_magnitude_vector
+        return tensors
+
     def delta_weight(self) -> torch.Tensor:
         """s·B·A in fp32."""
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())

@@ -71,6 +71,8 @@ def peft_name(ours_name: str) -> str:
         ours_name = ours_name.replace(f".{part}.weight", f".{part}.default.weight")
     if ours_name.endswith(".lora_magnitude_vector"):  # DoRA
         ours_name += ".default.weight"
+    if ours_name.endswith((".lora_embedding_A", ".lora_embedding_B")):  # a ParameterDict entry
+        ours_name += ".default"
     return "base_model.model." + ours_name
 
 

@@ -89,8 +89,13 @@ def test_bad_input_is_refused_clearly(tmp_path):
         add_lora(ours, LoraSettings(targets=["qkv_proj"]))
     with pytest.raises(ValueError, match="positive integer"):
         LoraSettings(r=0)
-    with pytest.raises(ValueError, match="lm_head"):
-        add_lora(ours, LoraSettings(targets=["lm_head"]))
+    _, tied, _ = pair("llama", tmp_path / "tied", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="LoRA on lm_head: this model ties lm_head to embed_tokens"):
+        add_lora(tied, LoraSettings(targets=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="DoRA on the embedding table"):
+        add_lora(ours, LoraSettings(targets=["embed_tokens"], use_dora=True))
+    with pytest.raises(ValueError, match="lm_head: both a LoRA target and in modules_to_save"):
+        add_lora(ours, LoraSettings(targets=["lm_head"], modules_to_save=["lm_head"]))
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
         LoraSettings(dropout=1.0)
     # An adapter made for a different base shape.
@@ -100,10 +105,10 @@ def test_bad_input_is_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="different base model"):
         load_adapter(ours, tmp_path / "wide_adapter")
     fresh = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)
-    (tmp_path / "dora").mkdir()
-    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps(cfg.to_dict(), default=list))
+    cfg = peft.LoraConfig(r=2, target_modules=["q_proj"], layers_to_transform=[0])
+    (tmp_path / "some_layers").mkdir()
+    (tmp_path / "some_layers" / "adapter_config.json").write_text(json.dumps(cfg.to_dict(), default=list))
     from safetensors.torch import save_file
-    save_file({}, str(tmp_path / "dora" / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match="use_dora"):
-        load_adapter(fresh, tmp_path / "dora")
+    save_file({}, str(tmp_path / "some_layers" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers_to_transform=\[0\] is not supported"):
+        load_adapter(fresh, tmp_path / "some_layers")

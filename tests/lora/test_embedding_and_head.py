@@ -1,0 +1,103 @@
+"""LoRA on embed_tokens and lm_head (PEFT's Embedding and Linear adapters on them) against HF + PEFT in float64:
+logits, loss and every adapter's gradient, with Gemma's √H embedding scale (a model-level multiply in Gemma, inside
+the embedding module in Gemma 3, where PEFT scales the delta too); adapters both ways in PEFT's format; merge and the
+merged export."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from liger_models.lora import LoraSettings, add_lora, load_adapter, lora_modules, merge_lora, save_merged, unmerge_lora
+from liger_models.modules.lora_embedding import LoraEmbedding
+
+from ..models.parity import causal_lm_loss, max_rel
+from .common import assert_as_close_as_fp32_allows, batch, pair, peft_float64, peft_name
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "v_proj", "embed_tokens", "lm_head"]
+
+
+def _adapted(family, tmp_path, **lora_kw):
+    hf, ours, _ = pair(family, tmp_path, tie_word_embeddings=False)
+    add_lora(ours, LoraSettings(**{"r": 4, "alpha": 8, "targets": TARGETS, "init": False, **lora_kw}))
+    return hf, ours
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma3", "qwen2"])
+def test_embedding_and_head_adapters_match_float64_hf_peft(family, tmp_path):
+    hf, ours = _adapted(family, tmp_path)
+    assert isinstance(ours.model.embed_tokens, LoraEmbedding)
+    assert {"model.embed_tokens", "lm_head"} <= set(lora_modules(ours))
+    truth = peft_float64(hf, ours, tmp_path)
+    ours.train()
+    truth.train()
+    ids, labels = batch()
+    logits = ours(ids).logits
+    exact = truth(input_ids=ids, use_cache=False).logits
+    assert (logits.double() - exact).abs().max().item() <= 1e-4 * max(1.0, exact.abs().max().item())
+    loss = ours(ids, labels=labels).loss
+    ref = causal_lm_loss(exact, labels)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    loss.backward()
+    ref.backward()
+    truth_params = dict(truth.named_parameters())
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert {"model.embed_tokens.lora_embedding_A", "model.embed_tokens.lora_embedding_B", "lm_head.lora_A.weight",
+            "lm_head.lora_B.weight"} <= set(grads)
+    for name, grad in grads.items():
+        assert grad is not None, f"{name}: no gradient"
+        assert max_rel(grad, truth_params[peft_name(name)].grad) < 1e-4, name
+    assert ours.model.embed_tokens.weight.grad is None and ours.lm_head.weight.grad is None
+
+
+def test_padding_row_of_the_embedding_adapter_gets_no_gradient(tmp_path):
+    hf, ours = _adapted("llama", tmp_path, targets=["embed_tokens"])
+    pad = ours.model.embed_tokens.padding_idx
+    assert pad is not None
+    ids, labels = batch()
+    ids[0, 1] = pad
+    ours(ids, labels=labels).loss.backward()
+    grad = ours.model.embed_tokens.lora_embedding_A.grad
+    assert torch.count_nonzero(grad[:, pad]) == 0 and torch.count_nonzero(grad) > 0
+
+
+def test_hf_peft_adapter_on_embedding_and_head_loads_here(tmp_path):
+    hf, ours, _ = pair("llama", tmp_path, tie_word_embeddings=False)
+    clean = copy.deepcopy(hf)
+    trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS,
+                                                      init_lora_weights=False))
+    trained.save_pretrained(tmp_path / "hf_adapter")
+    load_adapter(ours, tmp_path / "hf_adapter")
+    assert torch.count_nonzero(ours.model.embed_tokens.lora_embedding_A) > 0
+    ids, _ = batch()
+    with torch.no_grad():
+        exact = peft_float64(clean, ours, tmp_path / "float64").eval()(input_ids=ids.clone()).logits
+        assert_as_close_as_fp32_allows(ours.eval()(ids).logits, trained.eval()(input_ids=ids).logits, exact)
+
+
+def test_merge_unmerge_and_merged_export(tmp_path):
+    hf, ours = _adapted("gemma", tmp_path)
+    ids, _ = batch()
+    ours.eval()
+    with torch.no_grad():
+        exact = peft_float64(hf, ours, tmp_path / "float64").eval()(input_ids=ids).logits
+        bound = max(2 * max_rel(ours(ids).logits.double(), exact), 1e-5)
+        table = ours.model.embed_tokens.weight.clone()
+        merge_lora(ours)
+        merged_table = ours.model.embed_tokens.weight.clone()
+        assert not torch.equal(merged_table, table)
+        assert max_rel(ours(ids).logits.double(), exact) <= bound
+        unmerge_lora(ours)
+        assert max_rel(ours(ids).logits.double(), exact) <= bound
+        # E + Δ rounds to fp32 once and back: exact to an ulp of the merged table's entries (Δ dwarfs E here).
+        ulp = torch.finfo(torch.float32).eps * merged_table.abs().max()
+        assert (ours.model.embed_tokens.weight - table).abs().max() <= ulp
+    save_merged(ours, tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert max_rel(merged(input_ids=ids).logits.double(), exact) <= bound
