@@ -164,9 +164,12 @@ def _add_lora(p: argparse.ArgumentParser) -> None:
                    help="train LoRA adapters of rank R instead of the whole model (checkpoints hold the adapters)")
     p.add_argument("--lora-alpha", type=_positive_float, default=None, help="LoRA alpha (default 2 × r)")
     p.add_argument("--lora-targets", default="all-linear", metavar="NAMES",
-                   help="all-linear, or comma-separated HF names (q_proj,v_proj,...; Phi3: qkv_proj,...)")
+                   help="all-linear, or comma-separated HF names (q_proj,v_proj,...; Phi3: qkv_proj,...; lm_head, "
+                        "embed_tokens)")
     p.add_argument("--lora-dropout", type=_beta, default=0.0, help="dropout on the adapters' input (default 0)")
     p.add_argument("--lora-rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
+    p.add_argument("--lora-dora", action="store_true",
+                   help="DoRA: also train a magnitude per output row of each adapted linear (PEFT's use_dora)")
     p.add_argument("--lora-modules-to-save", default=None, metavar="NAMES",
                    help="embed_tokens and/or lm_head (comma-separated): trained whole beside the adapters and saved "
                         "in the adapter, as PEFT's modules_to_save (untied embeddings only)")

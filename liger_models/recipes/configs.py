@@ -100,6 +100,7 @@ class FinetuneConfig(_FromArgs):
     lora_targets: str = "all-linear"  # all-linear, or comma-separated HF linear names (q_proj,v_proj,...)
     lora_dropout: float = 0.0  # in [0, 1): dropout on the adapters' input
     lora_rslora: bool = False  # scale by alpha/sqrt(r) (rsLoRA)
+    lora_dora: bool = False  # DoRA: a trained magnitude per output row of each adapted linear
     lora_modules_to_save: str | None = None  # comma-separated: embed_tokens, lm_head, trained whole beside the adapters
     qlora: bool = False  # with lora_r: NF4 base weights, quantised on load
 
@@ -138,7 +139,9 @@ class FinetuneConfig(_FromArgs):
             "lora": None if self.lora_r is None else {
                 "r": self.lora_r, "alpha": self.lora_alpha, "targets": self.lora_targets,
                 "dropout": self.lora_dropout, "rslora": self.lora_rslora, "qlora": self.qlora,
-                "modules_to_save": self.lora_modules_to_save},
+                "modules_to_save": self.lora_modules_to_save,
+                # recorded only when set, so checkpoints written before the option existed still compare equal
+                **({"dora": True} if self.lora_dora else {})},
         }
 
     def _check_paths(self) -> None:
@@ -163,8 +166,10 @@ class FinetuneConfig(_FromArgs):
     def _check_options(self) -> None:
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # what init_distributed will find
         # Options that would otherwise be ignored without a word.
-        if self.lora_r is None and (self.qlora or self.lora_alpha is not None or self.lora_modules_to_save):
-            raise ValueError("--qlora / --lora-alpha / --lora-modules-to-save train LoRA adapters: give --lora-r too")
+        if self.lora_r is None and (self.qlora or self.lora_alpha is not None or self.lora_modules_to_save
+                                    or self.lora_dora):
+            raise ValueError("--qlora / --lora-alpha / --lora-dora / --lora-modules-to-save train LoRA adapters: give "
+                             "--lora-r too")
         if self.lora_r is not None and self.command not in ("train", "train-medusa"):
             raise ValueError(f"--lora-r is not supported by {self.command}")
         if self.qlora and distributed:

@@ -3,6 +3,7 @@ merged HF checkpoint that transformers loads with the adapted model's logits."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -26,11 +27,13 @@ RUN = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--save-every
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
-@pytest.mark.parametrize("kind", ["lora", "qlora", "modules_to_save"])
+@pytest.mark.parametrize("kind", ["lora", "qlora", "modules_to_save", "dora", "tables"])
 def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_path, kind):
     base, data = base_and_data
     extra = {"lora": [], "qlora": ["--qlora"],
-             "modules_to_save": ["--lora-modules-to-save", "embed_tokens,lm_head"]}[kind]
+             "modules_to_save": ["--lora-modules-to-save", "embed_tokens,lm_head"],
+             "dora": ["--lora-dora", "--lora-targets", "q_proj,v_proj,lm_head"],  # with RUN's dropout: composed
+             "tables": ["--lora-targets", "q_proj,embed_tokens,lm_head"]}[kind]
     out = tmp_path / "run"
     assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN, *extra]) == 0
     last = out / "checkpoints" / ckpt.step_dir_name(4)
@@ -39,6 +42,11 @@ def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_pa
     assert not any(name.startswith("model") and name.endswith(".safetensors") for name in files), files
     model = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
     load_adapter(model, last)  # a PEFT adapter of the base
+    if kind == "dora":
+        assert json.loads((last / "adapter_config.json").read_text())["use_dora"] is True
+        assert model.model.layers[0].self_attn.q_proj.use_dora and model.lm_head.use_dora
+    if kind == "tables":  # the embedding adapter's A starts at zero: it trained
+        assert torch.count_nonzero(model.model.embed_tokens.lora_embedding_A) > 0
     if kind == "modules_to_save":  # the whole modules trained and came back with the adapter
         plain = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
         assert not torch.equal(model.lm_head.weight, plain.lm_head.weight)
