@@ -33,6 +33,7 @@ from .decoder import DecoderModel
 from .generate import generate
 from .inputs import check_labels
 from .linear import is_plain_linear, pack_linears_
+from .lora_embedding import LoraEmbedding
 from .loss import autocast_operands, shift_labels
 from .output import model_output
 
@@ -396,8 +397,10 @@ class LigerForCausalLM(nn.Module):
         self.lm_head = value
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        """Parameters counted as HF counts them: a tied head once; exclude_embeddings drops nn.Embedding weights."""
-        embeddings = {f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
+        """Parameters counted as HF counts them: a tied head once; exclude_embeddings drops the embedding tables
+        (a LoRA-adapted one included; its adapter counts)."""
+        embeddings = {f"{name}.weight" for name, m in self.named_modules()
+                      if isinstance(m, (nn.Embedding, LoraEmbedding))}
         return sum(p.numel() for name, p in self.named_parameters()
                    if (p.requires_grad or not only_trainable) and not (exclude_embeddings and name in embeddings))
 

@@ -101,3 +101,14 @@ def test_merge_unmerge_and_merged_export(tmp_path):
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
         assert max_rel(merged(input_ids=ids).logits.double(), exact) <= bound
+
+
+def test_parameter_counts_see_the_adapted_table_as_the_embedding(tmp_path):
+    _, plain, _ = pair("llama", tmp_path / "plain", tie_word_embeddings=False)
+    _, ours = _adapted("llama", tmp_path)
+    adapter = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    table = ours.model.embed_tokens.weight.numel()
+    assert ours.num_parameters() == plain.num_parameters() + adapter
+    assert ours.num_parameters(exclude_embeddings=True) == plain.num_parameters(exclude_embeddings=True) + adapter
+    assert ours.num_parameters(only_trainable=True) == adapter
+    assert plain.num_parameters() - plain.num_parameters(exclude_embeddings=True) == table
