@@ -7,10 +7,12 @@ Providers:
     hf_peft_liger      + liger-kernel's patch (apply_liger_kernel_to_<family>)
     hf_peft_bnb        QLoRA: bitsandbytes NF4 (double quant) base, prepare_model_for_kbit_training
     hf_peft_bnb_liger  the same + liger-kernel
+    hf_peft_dora       transformers + PEFT with use_dora (DoRA)
     ours               liger_models.lora (fused LoRA in the packed projections)
     ours_qlora         ours on an NF4 base (liger_models.lora.quantize_base_)
     ours_offload       ours with the layer checkpoints in host memory (activation_checkpointing_enable(offload=True);
                        with --checkpointing on only)
+    ours_dora          ours with use_dora (DoRA's magnitudes in the fused paths)
 Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a monkey-patch never leaks).
 
     python benchmarks/bench_lora.py --out DIR [--configs qwen2.5-7b,llama-3.1-8b] [--providers ...]
@@ -37,7 +39,8 @@ CONFIGS = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
 }
-PROVIDERS = ("hf_peft", "hf_peft_liger", "hf_peft_bnb", "hf_peft_bnb_liger", "ours", "ours_qlora", "ours_offload")
+PROVIDERS = ("hf_peft", "hf_peft_liger", "hf_peft_bnb", "hf_peft_bnb_liger", "hf_peft_dora", "ours", "ours_qlora",
+             "ours_offload", "ours_dora")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 R, ALPHA = 16, 32
 WARMUP, STEPS = 3, 6
@@ -74,7 +77,7 @@ def _build(provider: str, cfg: dict, checkpointing: bool):
         if provider == "ours_qlora":
             quantize_base_(model)
             torch.cuda.empty_cache()
-        add_lora(model, LoraSettings(r=R, alpha=ALPHA, targets="all-linear"))
+        add_lora(model, LoraSettings(r=R, alpha=ALPHA, targets="all-linear", use_dora=provider == "ours_dora"))
         if checkpointing:
             model.activation_checkpointing_enable(offload=provider == "ours_offload")
         return model
@@ -98,7 +101,8 @@ def _build(provider: str, cfg: dict, checkpointing: bool):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     return peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
-                                                      lora_dropout=0.0, task_type="CAUSAL_LM"))
+                                                      lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                      use_dora=provider == "hf_peft_dora"))
 
 
 def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool, steps: int = STEPS) -> dict:

@@ -96,6 +96,9 @@ run_part() {
     lora)  # LoRA / QLoRA at Llama-3.1-8B, checkpointing on (HF providers build in ~2 min each; LORA_PROVIDERS to pick)
       python3 benchmarks/bench_lora.py --out "$OUT/lora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" --checkpointing on \
         --providers "${LORA_PROVIDERS:-ours,ours_qlora,ours_offload,hf_peft_bnb}" ;;
+    lora-dora)  # DoRA at Llama-3.1-8B, checkpointing on: ours against HF + PEFT's use_dora
+      python3 benchmarks/bench_lora.py --out "$OUT/lora_dora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" \
+        --checkpointing on --providers ours,ours_dora,hf_peft_dora ;;
     multi-gpu)  # issue 7, on nvidia-h200-x2; all three jobs take ~12 min, so one call runs a subset (fine-tuning
                 # was measured on 2026-11-29; MULTI_GPU_JOBS=finetune for it alone)
       python3 benchmarks/multi_gpu.py --out "$OUT" --jobs "${MULTI_GPU_JOBS:-medusa-stage1,medusa-stage2}" ;;
