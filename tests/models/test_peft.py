@@ -225,3 +225,25 @@ def test_generate_refuses_a_patched_step_it_cannot_honour(tmp_path):
     ours.prepare_inputs_for_generation = lambda *a, **k: {**base(*a, **k), "task_ids": torch.zeros(1)}
     with pytest.raises(ValueError, match="asks for task_ids, which this model's decoding loop does not take"):
         ours.generate(torch.randint(3, 128, (1, 4)), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("variant", ["dora", "tables"])
+def test_peft_dora_and_table_adapters_match_hf_peft(variant, tmp_path):
+    # PEFT's DoRA (its own magnitude path around our projections) and its Embedding / lm_head adapters (our loss
+    # then forms logits): the same loss and adapter gradients as HF + PEFT.
+    hf, ours = _pair("llama", tmp_path, tie_word_embeddings=False)
+    kw = ({"use_dora": True, "target_modules": ALL_LINEAR["llama"]} if variant == "dora"
+          else {"target_modules": ["q_proj", "embed_tokens", "lm_head"]})
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **kw)
+    theirs, mine = peft.get_peft_model(hf, config), peft.get_peft_model(ours, config)
+    _copy_adapters(theirs, mine)
+    ids, labels = _batch()
+    loss, ref = mine(input_ids=ids, labels=labels).loss, theirs(input_ids=ids, labels=labels).loss
+    assert abs(loss.item() - ref.item()) <= FP32 * abs(ref.item())
+    loss.backward()
+    ref.backward()
+    ref_params = dict(theirs.named_parameters())
+    trained = {n: p for n, p in mine.named_parameters() if p.requires_grad}
+    assert any(("magnitude" if variant == "dora" else "lora_embedding") in n for n in trained)
+    for name, p in trained.items():
+        assert max_rel(p.grad, ref_params[name].grad) < 1e-4, name
