@@ -45,15 +45,23 @@ from .linear import _stacked, is_plain_linear, register_group_path
 class NF4Weight(nn.Module):
     """A frozen NF4 base weight: codes (uint8, two per byte) and fp32 block scales expanded at load.
 
-    The scales are held as the bytes of an fp32 tensor (a uint8 buffer): ``model.to(torch.bfloat16)`` casts every
-    floating buffer, which would round them."""
+    Both are frozen uint8 Parameters, the scales as the bytes of their fp32 tensor (``absmax`` views them back):
+      * Parameters, so FSDP2's ``fully_shard`` shards them with their layer (dim 0 of the flat bytes) and all-gathers
+        the whole before the layer's forward and backward, where they are dequantised; buffers it would replicate on
+        every rank. A unit that mixes them with float parameters is gathered as bytes (FSDP2 does so for mixed
+        dtypes), and only trainable parameters need one dtype;
+      * uint8, so ``model.to(torch.bfloat16)`` (which casts floating tensors only) cannot round the scales, and
+        nothing can give them a gradient or optimizer state (an integer tensor cannot require grad);
+      * outside ``state_dict`` and ``load_state_dict`` (as non-persistent buffers are): the quantised base is
+        rebuilt from the dense checkpoint (``quantize_base_``) or read under bitsandbytes' keys (lora/qlora.py), so
+        a model's state dict, its merged export and an adapter checkpoint never carry it."""
 
     def __init__(self, codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype):
         super().__init__()
         self.shape, self.dtype = tuple(shape), dtype
-        self.register_buffer("codes", codes.reshape(-1).contiguous(), persistent=False)
-        self.register_buffer("absmax_bytes", absmax.to(torch.float32).contiguous().view(torch.uint8),
-                             persistent=False)
+        self.codes = nn.Parameter(codes.reshape(-1).contiguous(), requires_grad=False)
+        self.absmax_bytes = nn.Parameter(absmax.to(torch.float32).contiguous().view(torch.uint8),
+                                         requires_grad=False)
 
     @property
     def absmax(self) -> torch.Tensor:
@@ -61,6 +69,14 @@ class NF4Weight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize_nf4(self.codes, self.absmax, self.shape, dtype or self.dtype)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass  # see the class docstring
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix))
 
 
 class LoraLinear(nn.Module):

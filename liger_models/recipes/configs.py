@@ -172,11 +172,6 @@ class FinetuneConfig(_FromArgs):
                              "--lora-r too")
         if self.lora_r is not None and self.command not in ("train", "train-medusa"):
             raise ValueError(f"--lora-r is not supported by {self.command}")
-        if self.qlora and distributed:
-            raise ValueError("--qlora is not supported under torchrun (FSDP2): the NF4 base is held in buffers "
-                             "(uint8 codes and scales), which fully_shard does not shard, so every rank would hold "
-                             "the whole base; train QLoRA on one GPU, or LoRA on a bf16 base (--lora-r without "
-                             "--qlora) under torchrun")
         if self.data_cache and self.no_data_cache:
             raise ValueError("--data-cache DIR and --no-data-cache contradict each other; give one")
         if self.eval_every and not self.eval_data:

@@ -95,16 +95,16 @@ def test_stage1_with_lora_is_refused(base_and_data, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command", ["train", "train-medusa"])
-def test_qlora_under_torchrun_is_refused_lora_is_not(base_and_data, tmp_path, monkeypatch, command):
-    """LoRA trains under torchrun (tests/train/test_distributed.py); an NF4 base is refused there by name, not
-    replicated on every rank without a word."""
+def test_lora_and_qlora_are_accepted_under_torchrun(base_and_data, tmp_path, monkeypatch, command):
+    """LoRA and QLoRA train under torchrun (tests/train/test_distributed.py: the NF4 base shards with its layers);
+    --qlora still needs --lora-r there."""
     base, data = base_and_data
     monkeypatch.setenv("WORLD_SIZE", "2")
     config_cls = FinetuneConfig if command == "train" else partial(MedusaTrainingConfig, stage=2)
     config_cls(model=str(base), data=[str(data)], output_dir=str(tmp_path / "r"), lora_r=4).validate()
-    config = config_cls(model=str(base), data=[str(data)], output_dir=str(tmp_path / "r"), lora_r=4, qlora=True)
-    with pytest.raises(ValueError, match=r"--qlora is not supported under torchrun \(FSDP2\): .*buffers"):
-        config.validate()
+    config_cls(model=str(base), data=[str(data)], output_dir=str(tmp_path / "r"), lora_r=4, qlora=True).validate()
+    with pytest.raises(ValueError, match="give --lora-r too"):
+        config_cls(model=str(base), data=[str(data)], output_dir=str(tmp_path / "r"), qlora=True).validate()
 
 
 def test_heads_refuse_a_base_with_other_adapters(base_and_data, tmp_path):

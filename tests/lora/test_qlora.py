@@ -8,8 +8,9 @@ import pytest
 import torch
 import transformers
 
-from liger_models.lora import load_bnb_4bit, lora_modules, quantize_base_, save_bnb_4bit, save_merged
+from liger_models.lora import load_bnb_4bit, lora_modules, lora_state_dict, quantize_base_, save_bnb_4bit, save_merged
 from liger_models.modules.lora_linear import LoraLinear
+from liger_models.train.optim import decay_param_groups
 
 from ..models.parity import causal_lm_loss, float64_reference, max_rel
 from .bnb import import_bnb
@@ -71,6 +72,38 @@ def test_nf4_weights_are_never_saved_for_backward(tmp_path):
     loss.backward()
     weight_like = [s for s in saved if s in shapes]
     assert not weight_like, weight_like[:3]
+
+
+def test_nf4_tensors_are_frozen_uint8_parameters_outside_the_state_dict(tmp_path):
+    """Codes and scales are Parameters (what fully_shard shards: tests/train/test_distributed.py), uint8 so that
+    ``.to(dtype)`` leaves them as they are (scales held as fp32 would be rounded by ``.to(torch.bfloat16)``), and
+    frozen: no trainable count, optimizer group, state dict or adapter file holds them."""
+    _, ours, _ = pair("llama", tmp_path)
+    quantized = quantize_base_(ours)
+    with_adapters(ours, "llama", "all-linear")
+    nf4 = {n: p for n, p in ours.named_parameters() if ".quant." in n}
+    assert len(nf4) == 2 * len(quantized)
+    assert all(p.dtype == torch.uint8 and not p.requires_grad for p in nf4.values())
+    saved = {n: p.detach().clone() for n, p in nf4.items()}
+    weights = {n: ours.get_submodule(n).base_weight(torch.float32) for n in quantized}
+    ours.to(torch.bfloat16)
+    assert ours.dtype == torch.bfloat16
+    assert all(p.dtype == torch.uint8 and torch.equal(p, saved[n]) for n, p in ours.named_parameters() if n in saved)
+    for name, weight in weights.items():  # dequantised from the same fp32 scales, to fp32
+        assert torch.equal(ours.get_submodule(name).base_weight(torch.float32), weight), name
+
+    adapters = lora_state_dict(ours)
+    state = ours.state_dict()
+    assert not [k for k in [*state, *adapters] if ".quant." in k]
+    ours.load_state_dict(state)  # strict: nothing missing
+    with pytest.raises(RuntimeError, match=r"Unexpected key.*quant\.codes"):
+        ours.load_state_dict({**state, f"{quantized[0]}.quant.codes": saved[f"{quantized[0]}.quant.codes"]})
+    assert {n for n, p in ours.named_parameters() if p.requires_grad} == set(adapters)
+    assert ours.num_parameters(only_trainable=True) == sum(p.numel() for p in adapters.values())
+    optimized = [p for group in decay_param_groups(ours, 1e-3, 0.0) for p in group["params"]]
+    assert {id(p) for p in optimized} == {id(p) for p in adapters.values()}
+    with pytest.raises(RuntimeError, match="floating point"):
+        nf4[f"{quantized[0]}.quant.codes"].requires_grad_(True)
 
 
 def test_bnb_checkpoint_loads_as_it_is_and_matches_quantise_on_load(tmp_path):

@@ -1,6 +1,7 @@
 """FSDP2 (`fully_shard`) on 2 CPU processes (gloo, launched by torchrun) matches one process with the same global
 batch, and its checkpoints hold the full gathered weights, loadable on one process: full fine-tuning, LoRA adapters
-on a frozen base, and mixture-of-experts models with their load-balancing loss."""
+on a frozen base (dense, or NF4 whose codes and scales shard with their layer), and mixture-of-experts models with
+their load-balancing loss."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from liger_models import LigerMixtralForCausalLM, LigerQwen3MoeForCausalLM, Mixt
 from liger_models.cli import build_parser
 from liger_models.hub import copy_tokenizer_files
 from liger_models.medusa import MedusaModel
+from liger_models.modules.lora_linear import NF4Weight
 from liger_models.recipes import train_causal_lm, train_medusa
 from liger_models.train import checkpointing as ckpt
 
@@ -196,17 +198,25 @@ def _lora_args(command, model_dir, data, out, batch_size):
             "--lora-modules-to-save", "embed_tokens,lm_head"]
 
 
-@pytest.mark.parametrize("command", ["train", "train-medusa"])
-def test_fsdp2_lora_matches_one_process_and_resumes_on_either(command, tiny_model_dir, text_file, tmp_path):
-    """LoRA under FSDP2 (``train``, and Medusa stage 2 through adapters): the adapters and modules_to_save shard
-    with their layers and the base stays frozen; two ranks train as one process does, and their checkpoint holds
-    the whole adapter (PEFT's files, written by rank 0), which resumes on two processes or one, as one process's
-    checkpoint resumes on two."""
+@pytest.mark.parametrize("command, qlora", [("train", False), ("train-medusa", False), ("train", True)],
+                         ids=["train-lora", "train-medusa-lora", "train-qlora"])
+def test_fsdp2_lora_matches_one_process_and_resumes_on_either(command, qlora, tiny_model_dir, text_file, tmp_path,
+                                                              monkeypatch):
+    """LoRA under FSDP2 (``train``, and Medusa stage 2 through adapters), and QLoRA (``train --qlora``: an NF4 base,
+    whose codes and scales shard with their layers, test_fsdp2_shards_the_nf4_base; Medusa stage 2 adds heads,
+    which hold none): the adapters and modules_to_save shard with their layers and the base stays frozen; two ranks
+    train as one process does, and their checkpoint holds the whole adapter (PEFT's files, written by rank 0), which
+    resumes on two processes or one, as one process's checkpoint resumes on two."""
     def args(out, batch_size):
-        return _lora_args(command, tiny_model_dir, text_file, out, batch_size)
+        return _lora_args(command, tiny_model_dir, text_file, out, batch_size) + (["--qlora"] if qlora else [])
 
+    dequantised = []
+    real = NF4Weight.dequantize
+    # The one-process runs train on the NF4 base (counted here); two ranks match them, so theirs does too.
+    monkeypatch.setattr(NF4Weight, "dequantize", lambda self, dtype=None: dequantised.append(1) or real(self, dtype))
     _torchrun(args(tmp_path / "fsdp", 2))
     single = _one_process(args(tmp_path / "one", 4))
+    assert bool(dequantised) == qlora
     fsdp = _logged(tmp_path / "fsdp")
     _assert_same_steps(single.history, fsdp)
 
@@ -239,6 +249,84 @@ def test_fsdp2_lora_matches_one_process_and_resumes_on_either(command, tiny_mode
     _assert_same_steps(single.history[2:], _logged(on_two)[2:])
     for name in files:
         _assert_same_tensors(load_file(single.checkpoint / name), load_file(on_two / "checkpoints" / "step_000003" / name))
+
+
+NF4_SHARD_SCRIPT = """
+import json, os, sys
+import torch
+from torch.distributed.tensor import DTensor
+from liger_models import AutoLigerForCausalLM
+from liger_models.lora import LoraSettings
+from liger_models.modules.lora_linear import NF4Weight
+from liger_models.recipes.lora import attach
+from liger_models.train import distributed as D
+
+info = D.init_distributed("cpu")
+torch.manual_seed(0)  # the same adapters (B drawn: not zero) and batch on both ranks
+model = AutoLigerForCausalLM.from_pretrained(sys.argv[1], dtype=getattr(torch, sys.argv[3]))
+attach(model, LoraSettings(r=4, alpha=8, targets="all-linear", init=False), qlora=True, resume=None)
+ids = torch.randint(0, model.config.vocab_size, (2, 24))
+alone = model(ids, labels=ids).loss
+alone.backward()
+grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+model.zero_grad(set_to_none=True)
+D.apply_fsdp(model, model.model.layers, info.device)
+
+
+def nf4():
+    return {f"{n}.{k}": p for n, m in model.named_modules() if isinstance(m, NF4Weight)
+            for k, p in m.named_parameters(recurse=False)}
+
+
+def held():  # name -> [this rank's elements, the whole's, dtype], for each sharded (DTensor) NF4 parameter
+    return {n: [p.to_local().numel(), p.numel(), str(p.to_local().dtype)] for n, p in nf4().items()
+            if isinstance(p, DTensor)}
+
+
+sharded = held()
+loss = model(ids, labels=ids).loss
+loss.backward()
+out = {"nf4": len(nf4()), "sharded": sharded, "after_backward": held(), "loss": [alone.item(), loss.item()],
+       "grad_rel": {n: ((p.grad.full_tensor() - grads[n]).abs().max() / grads[n].abs().max()).item()
+                    for n, p in model.named_parameters() if p.requires_grad},
+       "nf4_grads": sum(p.grad is not None for p in nf4().values())}
+with open(os.path.join(sys.argv[2], f"rank{info.rank}.json"), "w") as f:
+    json.dump(out, f)
+D.destroy_distributed()
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp2_shards_the_nf4_base(dtype, tiny_model_dir, tmp_path):
+    """``fully_shard`` shards an NF4 base's codes and scales (frozen uint8 Parameters) with their layer: each of two
+    ranks holds half of each, before a step and again after it, while the layer's forward and backward dequantise
+    the whole (all-gathered) weight: the loss and every adapter gradient (averaged over ranks that ran the same
+    batch) are the unsharded model's. Nothing gives the NF4 tensors a gradient. bf16: a unit that mixes bf16
+    norms, fp32 adapters and uint8 codes."""
+    script = tmp_path / "nf4_shards.py"
+    script.write_text(NF4_SHARD_SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           str(tiny_model_dir), str(tmp_path), dtype]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    linears = config["num_hidden_layers"] * 7  # q, k, v, o, gate, up, down
+    for rank in ranks:
+        assert rank["nf4"] == 2 * linears  # codes and scales of each
+        assert rank["sharded"].keys() == rank["after_backward"].keys() and len(rank["sharded"]) == 2 * linears
+        assert rank["after_backward"] == rank["sharded"]  # gathered for the step, freed after it
+        assert rank["nf4_grads"] == 0
+        torch.testing.assert_close(rank["loss"][1], rank["loss"][0], rtol=1e-6, atol=0)
+        assert len(rank["grad_rel"]) == 2 * linears and max(rank["grad_rel"].values()) <= 1e-6, rank["grad_rel"]
+    for name, (mine, whole, local_dtype) in ranks[0]["sharded"].items():
+        theirs, _, _ = ranks[1]["sharded"][name]
+        assert local_dtype == "torch.uint8", name
+        assert mine == -(-whole // 2) and mine + theirs == whole, (name, mine, theirs, whole)  # dim-0 chunks
+    held = [sum(v[0] for v in rank["sharded"].values()) for rank in ranks]
+    whole = sum(v[1] for v in ranks[0]["sharded"].values())
+    assert all(abs(h / whole - 0.5) < 0.01 for h in held), (held, whole)
 
 
 MOE_FAMILIES = {"qwen3_moe": (LigerQwen3MoeForCausalLM, Qwen3MoeConfig),
