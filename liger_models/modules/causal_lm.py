@@ -34,6 +34,7 @@ from .generate import generate
 from .inputs import check_labels
 from .linear import is_plain_linear, pack_linears_
 from .lora_embedding import LoraEmbedding
+from .lora_linear import NF4Weight
 from .loss import autocast_operands, shift_labels
 from .output import model_output
 
@@ -398,10 +399,15 @@ class LigerForCausalLM(nn.Module):
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameters counted as HF counts them: a tied head once; exclude_embeddings drops the embedding tables
-        (a LoRA-adapted one included; its adapter counts)."""
+        (a LoRA-adapted one included; its adapter counts); an NF4 weight counts its weights (two per code byte, as
+        HF counts bitsandbytes' 4-bit ones), not the bytes of its codes and scales."""
         embeddings = {f"{name}.weight" for name, m in self.named_modules()
                       if isinstance(m, (nn.Embedding, LoraEmbedding))}
-        return sum(p.numel() for name, p in self.named_parameters()
+        counted = {}  # parameter name → the weights it stands for, where that is not its numel
+        for name, m in self.named_modules():
+            if isinstance(m, NF4Weight):
+                counted[f"{name}.codes"], counted[f"{name}.absmax_bytes"] = 2 * m.codes.numel(), 0
+        return sum(counted.get(name, p.numel()) for name, p in self.named_parameters()
                    if (p.requires_grad or not only_trainable) and not (exclude_embeddings and name in embeddings))
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,

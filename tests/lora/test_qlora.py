@@ -153,3 +153,12 @@ def test_qlora_merged_export_is_the_dequantised_base_plus_delta(tmp_path):
     with torch.no_grad():
         exact = float64_reference(hf)(input_ids=ids).logits  # the merged file's weights, in float64
         assert_as_close_as_fp32_allows(ours.eval()(ids).logits, hf(input_ids=ids).logits, exact)
+
+
+def test_parameter_counts_of_an_nf4_base_are_its_weights(tmp_path):
+    # HF counts a bitsandbytes 4-bit weight as its number of weights (two per stored byte); the block scales are
+    # not parameters there.
+    _, dense, _ = pair("llama", tmp_path)
+    before = (dense.num_parameters(), dense.num_parameters(exclude_embeddings=True))
+    quantize_base_(dense)
+    assert (dense.num_parameters(), dense.num_parameters(exclude_embeddings=True)) == before
