@@ -23,7 +23,8 @@ def lora_settings(config):
     targets = config.lora_targets if config.lora_targets == "all-linear" else _names(config.lora_targets)
     alpha = config.lora_alpha if config.lora_alpha is not None else 2.0 * config.lora_r
     return LoraSettings(r=config.lora_r, alpha=alpha, dropout=config.lora_dropout, targets=targets,
-                        use_rslora=config.lora_rslora, use_dora=config.lora_dora, modules_to_save=_names(config.lora_modules_to_save or ""))
+                        use_rslora=config.lora_rslora, use_dora=config.lora_dora,
+                        modules_to_save=_names(config.lora_modules_to_save or ""))
 
 
 def _names(text: str) -> list[str]:
