@@ -80,11 +80,14 @@ def test_qlora_needs_lora_r(base_and_data, tmp_path, capsys):
     assert "--lora-r" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("qlora_base", [False, True])
-def test_merge_lora_writes_a_checkpoint_transformers_loads(base_and_data, tmp_path, qlora_base):
+@pytest.mark.parametrize("kind", ["lora", "qlora_base", "dora", "tables"])
+def test_merge_lora_writes_a_checkpoint_transformers_loads(base_and_data, tmp_path, kind):
     base, data = base_and_data
+    qlora_base = kind == "qlora_base"
     out = tmp_path / "run"
     run = [*RUN[:RUN.index("--max-steps")], "--max-steps", "2", *RUN[RUN.index("--max-steps") + 2:]]
+    run += {"dora": ["--lora-dora", "--lora-targets", "q_proj,v_proj,lm_head"],
+            "tables": ["--lora-targets", "q_proj,embed_tokens,lm_head"]}.get(kind, [])
     assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(out), *run]) == 0
     adapter = out / "checkpoints" / ckpt.step_dir_name(2)
     merged = tmp_path / "merged"
