@@ -6,6 +6,7 @@
 #   bash benchmarks/device_session.sh e2e-wide medusa   # call 3: bench_e2e on the wide configs, bench_medusa --quick
 #   bash benchmarks/device_session.sh tests medusa-trees   # pytest -m gpu, then fitted Medusa trees on the demo's heads
 #   bash benchmarks/device_session.sh moe softcap lora  # the MoE layer, soft-capped attention, LoRA / QLoRA steps
+#   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
 set -o pipefail
 OUT=$(realpath -m "${OUT:-device_out}")
@@ -20,6 +21,9 @@ run_part() {
     tests-loss)  # the loss kernels' GPU tests alone
       python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_cross_entropy.py \
         tests/kernels/test_fused_linear_cross_entropy.py ;;
+    liger-tests)  # Liger-Kernel's own loss tests on our kernels, every case (fetched here first: carry .liger_tests;
+                  # benchmarks/tools/liger_tests_on_ours/run.py)
+      python3 benchmarks/tools/liger_tests_on_ours/run.py --dir .liger_tests -- -q -rA --junitxml "$OUT/liger_tests.xml" ;;
     ce-quick)  # cross-entropy at the headline shapes with its variants and peers
       (cd benchmarks && python3 bench_cross_entropy.py --quick --out "$OUT") ;;
     kernels)  # block/warp/grid variants of the CE row kernel, and linear-CE with the overlapped CE pass
