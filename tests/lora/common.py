@@ -8,7 +8,7 @@ import transformers
 from liger_models import AutoLigerForCausalLM
 from liger_models.lora import LoraSettings, add_lora, save_adapter
 
-from ..models.parity import build_hf, float64_reference, max_rel, save_hf
+from ..models.parity import build_hf, causal_lm_loss, float64_reference, max_rel, save_hf
 
 CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "gemma": transformers.GemmaConfig, "phi3": transformers.Phi3Config,
@@ -74,6 +74,32 @@ def peft_name(ours_name: str) -> str:
     if ours_name.endswith((".lora_embedding_A", ".lora_embedding_B")):  # a ParameterDict entry
         ours_name += ".default"
     return "base_model.model." + ours_name
+
+
+def assert_matches_float64_peft(ours, truth) -> dict[str, torch.Tensor]:
+    """One training step's numbers of ours (fp32) against ``truth`` (``peft_float64``: HF + PEFT in float64 with the
+    same adapters), both in train mode: logits within 1e-4 of the largest, loss within 1e-5 relative, every trained
+    gradient within 1e-4 of its max, no gradient on a frozen parameter. Returns ours' trained gradients by name."""
+    ours.train()
+    truth.train()
+    ids, labels = batch()
+    logits = ours(ids).logits
+    exact = truth(input_ids=ids, use_cache=False).logits
+    assert (logits.double() - exact).abs().max().item() <= 1e-4 * max(1.0, exact.abs().max().item())
+    loss = ours(ids, labels=labels).loss
+    ref = causal_lm_loss(exact, labels)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    loss.backward()
+    ref.backward()
+    truth_params = dict(truth.named_parameters())
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    for name, grad in grads.items():
+        assert grad is not None, f"{name}: no gradient"
+        ref_name = peft_name(name) if "lora_" in name else "base_model.model." + name
+        assert max_rel(grad, truth_params[ref_name].grad) < 1e-4, name
+    frozen = [n for n, p in ours.named_parameters() if not p.requires_grad and p.grad is not None]
+    assert not frozen, f"frozen parameters got gradients: {frozen[:3]}"
+    return grads
 
 
 def assert_as_close_as_fp32_allows(ours: torch.Tensor, peer: torch.Tensor, exact: torch.Tensor) -> None:
