@@ -34,7 +34,7 @@ from .generate import generate
 from .inputs import check_labels
 from .linear import is_plain_linear, pack_linears_
 from .lora_embedding import LoraEmbedding
-from .lora_linear import NF4Weight
+from .lora_linear import LoraLinear, NF4Weight
 from .loss import autocast_operands, shift_labels
 from .output import model_output
 
@@ -533,7 +533,26 @@ class LigerForCausalLM(nn.Module):
         if not safe_serialization:
             raise ValueError("save_pretrained writes safetensors only (safe_serialization=False asks for "
                              "pytorch_model.bin, which this library does not write)")
+        self._refuse_what_a_dense_checkpoint_cannot_hold()
         hub.save_pretrained(self, directory, max_shard_size=max_shard_size)
+
+    def _refuse_what_a_dense_checkpoint_cannot_hold(self) -> None:
+        """NF4 weights are not in the state dict (a checkpoint would lack those linears, and transformers would
+        initialise them at random), and LoRA adapters would sit under names transformers ignores: each is refused,
+        naming the writer that keeps it."""
+        quantised = [n for n, m in self.named_modules() if isinstance(m, LoraLinear) and m.quant is not None]
+        if quantised:
+            raise ValueError(f"save_pretrained: {len(quantised)} linears ({quantised[0]}, ...) hold NF4 weights, "
+                             "which a checkpoint of dense weights would leave out; write a bitsandbytes 4-bit "
+                             "checkpoint with liger_models.lora.save_bnb_4bit(model, dir), or a dense one with the "
+                             "adapters merged with liger_models.lora.save_merged(model, dir)")
+        adapted = [n for n, m in self.named_modules()
+                   if isinstance(m, (LoraLinear, LoraEmbedding)) and m.carries_adapter]
+        if adapted:
+            raise ValueError(f"save_pretrained: the model carries LoRA adapters ({adapted[0]}, ...), which an HF "
+                             "checkpoint would hold under names transformers ignores; save the adapter with "
+                             "liger_models.lora.save_adapter(model, dir), or a checkpoint with the adapters merged "
+                             "with liger_models.lora.save_merged(model, dir)")
 
 
 class Backbone:

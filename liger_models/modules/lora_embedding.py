@@ -46,6 +46,11 @@ class LoraEmbedding(nn.Module):
     def has_adapter(self) -> bool:
         return self.lora_embedding_A is not None and not self.merged
 
+    @property
+    def carries_adapter(self) -> bool:
+        """An adapter is attached, merged into the table or not."""
+        return self.lora_embedding_A is not None
+
     use_dora = False  # PEFT's DoRA on embeddings is not offered here (refused in liger_models.lora)
 
     def add_adapter(self, r: int, alpha: float, use_rslora: bool = False, init: str | bool = True,

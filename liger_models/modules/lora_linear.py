@@ -109,6 +109,11 @@ class LoraLinear(nn.Module):
     def has_adapter(self) -> bool:
         return self.lora_A is not None and not self.merged
 
+    @property
+    def carries_adapter(self) -> bool:
+        """An adapter is attached, merged into the weight or not."""
+        return self.lora_A is not None
+
     def add_adapter(self, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
                     init: str | bool = True, dtype: torch.dtype = torch.float32, use_dora: bool = False) -> None:
         """A [r, in] kaiming-uniform (a = √5, PEFT's default) or N(0, 1/r) ("gaussian"), B = 0; init=False draws

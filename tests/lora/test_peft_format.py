@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from liger_models import AutoLigerForCausalLM
-from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_modules, merge_lora, save_adapter,
-                               save_merged, unmerge_lora)
+from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_modules, merge_lora, quantize_base_,
+                               save_adapter, save_merged, unmerge_lora)
 
 from ..models.parity import max_rel
 from .common import (CONFIGS, assert_as_close_as_fp32_allows, batch, pair, peft_float64,
@@ -112,3 +112,20 @@ def test_bad_input_is_refused_clearly(tmp_path):
     save_file({}, str(tmp_path / "some_layers" / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=r"layers_to_transform=\[0\] is not supported"):
         load_adapter(fresh, tmp_path / "some_layers")
+
+
+def test_save_pretrained_refuses_adapters_and_nf4_naming_the_writer_that_keeps_them(tmp_path):
+    # An HF checkpoint would carry adapters under names transformers ignores, and NF4 weights not at all (they are
+    # not in the state dict): transformers would load the bare base, or initialise those linears at random.
+    _, ours, _ = pair("llama", tmp_path)
+    with_adapters(ours, "llama", "attention")
+    with pytest.raises(ValueError, match=r"carries LoRA adapters .*save_adapter\(model, dir\).*save_merged"):
+        ours.save_pretrained(tmp_path / "adapted")
+    merge_lora(ours)  # merged, the adapter tensors are still attached
+    with pytest.raises(ValueError, match="carries LoRA adapters"):
+        ours.save_pretrained(tmp_path / "merged")
+    _, quantised, _ = pair("llama", tmp_path / "q")
+    quantize_base_(quantised)
+    with pytest.raises(ValueError, match=r"hold NF4 weights.*save_bnb_4bit\(model, dir\)"):
+        quantised.save_pretrained(tmp_path / "nf4")
+    assert not (tmp_path / "adapted").exists() and not (tmp_path / "nf4").exists()
