@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .lora_linear import check_rank
+
 
 class LoraEmbedding(nn.Module):
     """A frozen embedding table and at most one LoRA adapter (see the module docstring)."""
@@ -57,8 +59,7 @@ class LoraEmbedding(nn.Module):
                     dtype: torch.dtype = torch.float32) -> None:
         """A = 0 and B ~ N(0, 1) (PEFT's embedding init, also for "gaussian"); init=False draws A too (a non-zero
         adapter, for tests)."""
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise ValueError(f"LoRA rank must be a positive integer, got {r!r}")
+        check_rank(r)
         device = self.weight.device
         a = torch.zeros(r, self.num_embeddings, device=device, dtype=dtype)
         if init is False:

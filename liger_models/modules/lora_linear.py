@@ -42,6 +42,11 @@ from liger_models.kernels.ops.nf4 import dequantize_nf4
 from .linear import _stacked, is_plain_linear, register_group_path
 
 
+def check_rank(r) -> None:
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"LoRA rank must be a positive integer, got {r!r}")
+
+
 class NF4Weight(nn.Module):
     """A frozen NF4 base weight: codes (uint8, two per byte) and fp32 block scales expanded at load.
 
@@ -119,8 +124,7 @@ class LoraLinear(nn.Module):
         """A [r, in] kaiming-uniform (a = √5, PEFT's default) or N(0, 1/r) ("gaussian"), B = 0; init=False draws
         B too (a non-zero adapter, for tests). With ``use_dora`` the magnitude starts at the row norms of
         W + s·B·A (of the dequantised W for an NF4 base), so the adapted layer starts equal to W + s·B·A."""
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise ValueError(f"LoRA rank must be a positive integer, got {r!r}")
+        check_rank(r)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"lora_dropout must be in [0, 1), got {dropout!r}")
         device = self.quant.codes.device if self.quant is not None else self.weight.device
@@ -139,8 +143,7 @@ class LoraLinear(nn.Module):
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.lora_magnitude_vector = None
         if use_dora:
-            norms = dora_row_norms(self.base_weight(), self.lora_A.weight, self.lora_B.weight, self.scaling)
-            self.lora_magnitude_vector = nn.Parameter(norms.to(dtype))
+            self.lora_magnitude_vector = nn.Parameter(self.dora_norms().to(dtype))
 
     @property
     def use_dora(self) -> bool:
@@ -171,10 +174,13 @@ class LoraLinear(nn.Module):
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
     @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """The weight that computes base + adapter in one GEMM, fp32: W + s·B·A, times m / n per row under DoRA."""
+    def merged_weight(self, factor: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight that computes base + adapter in one GEMM, fp32: W + s·B·A, times m / n per row under DoRA
+        (``factor``: m / n when the caller has it already)."""
         w = self.base_weight(torch.float32) + self.delta_weight()
-        return w * self.dora_factor()[:, None] if self.use_dora else w
+        if not self.use_dora:
+            return w
+        return w * (self.dora_factor() if factor is None else factor)[:, None]
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -184,9 +190,10 @@ class LoraLinear(nn.Module):
             raise ValueError("merging into NF4 weights would re-quantise them; export a merged checkpoint instead "
                              "(liger_models.lora.save_merged)")
         if self.lora_A is not None and not self.merged:
-            if self.use_dora:
-                self._merged_factor = self.dora_factor()
-            self.weight.copy_(self.merged_weight())
+            factor = self.dora_factor() if self.use_dora else None
+            if factor is not None:
+                self._merged_factor = factor
+            self.weight.copy_(self.merged_weight(factor))
             self.merged = True
 
     @torch.no_grad()
