@@ -362,6 +362,19 @@ class StopStrings:
         """The first index ≥ start of ``ids`` whose token completes a stop string, or None."""
         return next((i for i in range(start, len(ids)) if self.ends_with_stop(ids[: i + 1])), None)
 
+    def text_through_stop(self, prompt: list[int], new_ids: list[int]) -> str:
+        """The text of ``new_ids`` (decoded without special tokens), cut right after the stop string that their last
+        token completes: that token may run on past the string (a stop string "::i" completed by the token "ir"),
+        and a user reads the text up to the string. The string may start in the prompt; the text is left whole when
+        decoding the prompt alone does not give the start of the joint text (a merge across the boundary)."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        head, text, before = decode(prompt), decode(prompt + new_ids), decode(prompt + new_ids[:-1])
+        if not text.startswith(head):
+            return decode(new_ids)
+        new = next((i for i, (a, b) in enumerate(zip(text, before)) if a != b), min(len(text), len(before)))
+        ends = [at + len(s) for s in self.strings if (at := text.find(s, max(0, new - len(s) + 1))) >= 0]
+        return text[len(head):min(ends)] if ends else text[len(head):]
+
 
 def stop_strings_of(settings: Settings, tokenizer) -> StopStrings | None:
     """The resolved stop_strings as a StopStrings, None when there are none: an empty list turns the file's off (None

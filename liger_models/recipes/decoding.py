@@ -199,7 +199,11 @@ def decode(model, prompts: list[list[int]], device: torch.device, *, max_new_tok
         stop = min((i for i in ends if i is not None), default=None)
         new_ids = new_ids if stop is None else new_ids[: stop + 1]  # a row that stopped early was filled after it
         per_step = None if steps is None or not steps[row] else sum(steps[row]) / len(steps[row])
-        results.append(Decoded(tokenizer.decode(new_ids, skip_special_tokens=True), new_ids, seconds, per_step))
+        if stops is not None and stop is not None and stop == ends[-1] != ends[0]:  # ended by a stop string
+            text = stops.text_through_stop(prompts[row], new_ids)
+        else:
+            text = tokenizer.decode(new_ids, skip_special_tokens=True)
+        results.append(Decoded(text, new_ids, seconds, per_step))
     return results
 
 

@@ -140,6 +140,31 @@ def test_stop_strings_match_where_hf_criteria_match():
         assert [ours.ends_with_stop(seq) for seq in sequences[:, :length].tolist()] == expected, length
 
 
+def test_text_through_stop_ends_at_the_first_stop_string():
+    """A sequence stopped by a stop string reads up to that string's end: the stopping token's text past it is cut
+    (a token running on past the string), and a string that starts in the prompt is found across the boundary."""
+    tokenizer, _ = _tokenizers()
+    generator = torch.Generator().manual_seed(1)
+    sequences = torch.randint(3, 128, (60, 10), generator=generator).tolist()
+    texts = [tokenizer.decode(seq) for seq in sequences]
+    strings = sorted({text[i: i + w] for text in texts[:20] for i, w in ((4, 2), (9, 3), (13, 1)) if len(text) >= i + w})
+    stops, prompt_length, run_on = StopStrings(strings, tokenizer, "test"), 3, 0
+    for seq in sequences:
+        end = stops.first_stop(seq, prompt_length)
+        if end is None:
+            continue
+        prompt, new = seq[:prompt_length], seq[prompt_length: end + 1]
+        text = stops.text_through_stop(prompt, new)
+        head = tokenizer.decode(prompt)
+        whole = head + text
+        assert any(whole.endswith(s) for s in strings), (whole, text)
+        # No stop string ends earlier after the prompt (one inside the prompt alone stops nothing, as in HF).
+        assert not any(whole.find(s, max(0, len(head) - len(s) + 1), len(whole) - 1) >= 0 for s in strings), whole
+        assert tokenizer.decode(new).startswith(text)
+        run_on += text != tokenizer.decode(new)
+    assert run_on >= 5  # the stopping token ran past the string in these cases: the cut was needed
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # generate against HF's generate, each setting from the argument and from generation_config.json
 
