@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from liger_models.kernels.ops.nf4 import dequantize_absmax, double_quantize, quantize_nf4
 from liger_models.modules.lora_embedding import LoraEmbedding
+from liger_models.modules.lora_experts import LoraExperts
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 
-from .config import LoraSettings, decoder_linears, modules_to_save, resolve_targets
+from .config import (ALL_LINEAR, FUSED_GATE_UP_FACTOR, FUSED_GATE_UP_PATTERN, LoraSettings, pattern_value,
+                     decoder_linears, modules_to_save, resolve_parameters, resolve_targets)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -17,11 +21,25 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), leaf, module)
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoraLinear | LoraEmbedding]:
-    """Full name → LoraLinear or LoraEmbedding that carries an adapter."""
+def lora_modules(model: nn.Module) -> dict[str, LoraLinear | LoraEmbedding | LoraExperts]:
+    """Full name → LoraLinear, LoraEmbedding or LoraExperts that carries an adapter."""
     return {name: m for name, m in model.named_modules()
-            if (isinstance(m, LoraLinear) and m.lora_A is not None)
+            if (isinstance(m, (LoraLinear, LoraExperts)) and m.lora_A is not None)
             or (isinstance(m, LoraEmbedding) and m.lora_embedding_A is not None)}
+
+
+def _with_fused_gate_up(settings: LoraSettings, stacks: list[str]) -> LoraSettings:
+    """all-linear's rank and alpha for the experts' gate|up stacks (config.py's docstring), written into the
+    patterns as PEFT writes them, unless the patterns already name those stacks."""
+    gate_up = [s for s in stacks if s.endswith(".gate_up_proj")]
+    if settings.targets != ALL_LINEAR or not gate_up:
+        return settings
+    rank, alpha = dict(settings.rank_pattern), dict(settings.alpha_pattern)
+    if pattern_value(rank, gate_up[0], None) is None:
+        rank[FUSED_GATE_UP_PATTERN] = settings.r * FUSED_GATE_UP_FACTOR
+    if pattern_value(alpha, gate_up[0], None) is None:
+        alpha[FUSED_GATE_UP_PATTERN] = settings.alpha * FUSED_GATE_UP_FACTOR
+    return dataclasses.replace(settings, rank_pattern=rank, alpha_pattern=alpha)
 
 
 def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torch.float32) -> list[str]:
@@ -30,6 +48,12 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
     ``dtype`` (fp32 by default, as PEFT: the optimizer updates them in full precision; they are cast to the
     activations' dtype inside the GEMMs)."""
     names = resolve_targets(model, settings.targets)
+    routers, stacks = resolve_parameters(model, settings)
+    if (routers or stacks) and (settings.dropout or settings.use_dora):
+        raise ValueError(f"LoRA on the mixture-of-experts parameters ({(routers + stacks)[0]}, …) takes neither "
+                         f"dropout nor DoRA (PEFT's target_parameters refuses both): set lora dropout to 0 and "
+                         f"use_dora off, or name the attention projections as targets instead of {ALL_LINEAR!r}")
+    settings = _with_fused_gate_up(settings, stacks)
     whole = modules_to_save(model, settings.modules_to_save)
     both = sorted(set(names) & set(whole))
     if both:
@@ -53,6 +77,20 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
                                settings.use_dora)
         module.train(model.training)
         _replace(model, name, module)
+    for name in routers:  # PEFT's key for a router is its weight's name (target_parameters "gate.weight")
+        r, alpha = settings.rank_and_alpha(f"{name}.weight")
+        module = LoraLinear.from_linear(model.get_submodule(name))
+        module.add_adapter(r, alpha, 0.0, settings.use_rslora, settings.init, dtype)
+        module.train(model.training)
+        _replace(model, name, module)
+    for name in stacks:
+        experts_name, _, stack = name.rpartition(".")
+        module = LoraExperts.from_experts(model.get_submodule(experts_name))
+        r, alpha = settings.rank_and_alpha(name)
+        module.add_adapter(stack, r, alpha, settings.use_rslora, settings.init, dtype)
+        module.train(model.training)
+        _replace(model, experts_name, module)
+    names = names + routers + sorted({s.rpartition(".")[0] for s in stacks})
     model.pack_()  # the replaced linears keep their packed Parameters; re-register the state-dict copies
     for module in whole.values():
         module.weight.requires_grad_(True)

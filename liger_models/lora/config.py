@@ -5,6 +5,14 @@ Targets are HF module names: a list of leaf names (``q_proj``, Phi3's ``qkv_proj
 or a string that ``re.fullmatch``es full module names (PEFT's rule). An unknown target is an error, never a silent
 skip. ``rank_pattern`` / ``alpha_pattern`` keys are regexes matched against a dotted suffix of the module name, as
 PEFT matches them.
+
+Mixture-of-experts blocks (Mixtral, Qwen3-MoE) hold their experts as stacked Parameters and their router as a
+linear that transformers does not make an ``nn.Linear``; PEFT adapts them through ``target_parameters`` (names a
+parameter's full name ends with: ``gate_up_proj`` and ``down_proj`` of the experts, ``gate.weight`` of the router),
+and so do we (modules/lora_experts.py, a LoraLinear on the router). ``"all-linear"`` on such a model adapts what
+HF + PEFT's ``"all-linear"`` adapts there: the attention projections, every router, and both expert stacks, the
+gate|up stack at rank 2r and alpha 2·alpha (PEFT maps transformers v4's separate gate and up projections, r each,
+onto the fused stack that way), unless rank_pattern / alpha_pattern name it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,11 @@ ALL_LINEAR = "all-linear"
 # What PEFT's modules_to_save may name here: the modules outside the decoder layers that train whole beside the
 # adapters (new tokens' rows in a chat fine-tune).
 SAVABLE = ("embed_tokens", "lm_head")
+# The mixture-of-experts parameters LoRA may target (PEFT's target_parameters): the stacked experts' and the router's.
+EXPERT_STACKS = ("gate_up_proj", "down_proj")
+ROUTER_WEIGHT = "gate.weight"
+# all-linear's rank / alpha pattern and factor for the fused gate|up stack (module docstring), as PEFT writes it
+FUSED_GATE_UP_PATTERN, FUSED_GATE_UP_FACTOR = rf".*\.{EXPERT_STACKS[0]}", 2
 # PEFT fields whose non-default value changes the math or the saved keys in a way not implemented here.
 _UNSUPPORTED = {"layers_to_transform": None, "layers_pattern": None,
                 "fan_in_fan_out": False, "lora_bias": False, "use_qalora": False, "exclude_modules": None,
@@ -38,6 +51,8 @@ class LoraSettings:
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     init: str | bool = True
     modules_to_save: list[str] = field(default_factory=list)  # of SAVABLE: trained whole, saved in the adapter
+    # PEFT's target_parameters: mixture-of-experts parameters by the end of their full name (module docstring)
+    target_parameters: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
@@ -59,19 +74,28 @@ class LoraSettings:
             if name not in SAVABLE:
                 raise ValueError(f"modules_to_save: {name!r} is not supported (only {', '.join(SAVABLE)}: the "
                                  "decoder's linears take adapters)")
+        self.target_parameters = list(self.target_parameters or [])
+        for name in self.target_parameters:
+            if not isinstance(name, str) or not (name.endswith(EXPERT_STACKS) or name.endswith(ROUTER_WEIGHT)):
+                raise ValueError(f"target_parameters: {name!r} is not supported (only the mixture-of-experts "
+                                 f"blocks' stacked experts, {' and '.join(EXPERT_STACKS)}, and their router "
+                                 f"{ROUTER_WEIGHT!r})")
         for key, value in self.rank_pattern.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"rank_pattern[{key!r}] must be a positive integer, got {value!r}")
 
     def rank_and_alpha(self, name: str) -> tuple[int, float]:
-        r = _pattern_value(self.rank_pattern, name, self.r)
-        return r, float(_pattern_value(self.alpha_pattern, name, self.alpha))
+        r = pattern_value(self.rank_pattern, name, self.r)
+        return r, float(pattern_value(self.alpha_pattern, name, self.alpha))
 
     # ---- PEFT's adapter_config.json ----------------------------------------------------------------------------
-    def to_peft(self, leaf_targets: list[str], base_model: str | None = None) -> dict:
-        """adapter_config.json for HF + PEFT (and vLLM): the targeted leaf names, our r / alpha / patterns."""
+    def to_peft(self, leaf_targets: list[str], base_model: str | None = None,
+                parameters: list[str] | None = None) -> dict:
+        """adapter_config.json for HF + PEFT (and vLLM): the targeted leaf names (and parameter names), our r /
+        alpha / patterns."""
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.r, "lora_alpha": self.alpha,
                 "lora_dropout": self.dropout, "use_rslora": self.use_rslora, "target_modules": sorted(leaf_targets),
+                "target_parameters": sorted(parameters) if parameters else None,
                 "rank_pattern": dict(self.rank_pattern), "alpha_pattern": dict(self.alpha_pattern),
                 "bias": "none", "use_dora": self.use_dora, "fan_in_fan_out": False,
                 "modules_to_save": sorted(self.modules_to_save) or None,
@@ -99,10 +123,11 @@ class LoraSettings:
                    use_rslora=bool(cfg.get("use_rslora", False)), use_dora=bool(cfg.get("use_dora", False)),
                    rank_pattern=dict(cfg.get("rank_pattern") or {}),
                    alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
-                   modules_to_save=list(cfg.get("modules_to_save") or []))
+                   modules_to_save=list(cfg.get("modules_to_save") or []),
+                   target_parameters=list(cfg.get("target_parameters") or []))
 
 
-def _pattern_value(patterns: dict, name: str, default):
+def pattern_value(patterns: dict, name: str, default):
     for pattern, value in patterns.items():
         if re.match(rf"(.*\.)?({pattern})$", name):
             return value
@@ -175,3 +200,28 @@ def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
         raise ValueError(f"LoRA on {', '.join(outer)}: this model ties lm_head to embed_tokens (one matrix, which "
                          "an adapter merged into it would change for both); adapt the decoder's linears instead")
     return chosen
+
+
+def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """Full name → mixture-of-experts block (``experts`` and the ``gate`` router) of each sparse decoder layer."""
+    return {name: m for name, m in model.named_modules()
+            if name.startswith("model.layers.") and hasattr(m, "experts") and hasattr(m, "gate")}
+
+
+def resolve_parameters(model: nn.Module, settings: "LoraSettings") -> tuple[list[str], list[str]]:
+    """(router module names, expert stack names ``<block>.experts.<stack>``) that ``settings`` adapts: its
+    target_parameters (a parameter's full name equals one or ends with "." + one, PEFT's rule; a name that matches
+    nothing is an error), and every router and stack under all-linear."""
+    blocks = moe_blocks(model)
+    routers = {f"{b}.{ROUTER_WEIGHT}": f"{b}.gate" for b in blocks}
+    stacks = {f"{b}.experts.{s}": f"{b}.experts.{s}" for b in blocks for s in EXPERT_STACKS}
+    candidates = {**routers, **stacks}
+    chosen = set(candidates) if settings.targets == ALL_LINEAR else set()
+    for target in settings.target_parameters:
+        hits = {key for key in candidates if key == target or key.endswith("." + target)}
+        if not hits:
+            raise ValueError(f"target_parameters: {target!r} matches no parameter of this model (the "
+                             f"mixture-of-experts parameters: {', '.join(EXPERT_STACKS)} and {ROUTER_WEIGHT}"
+                             f"{'' if blocks else '; this model has no mixture-of-experts blocks'})")
+        chosen |= hits
+    return ([routers[k] for k in routers if k in chosen], [stacks[k] for k in stacks if k in chosen])

@@ -13,6 +13,7 @@ own dtype (fp32 unless chosen otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -22,10 +23,11 @@ from torch import nn
 
 from liger_models.hub import save_state_dict
 from liger_models.modules.lora_embedding import LoraEmbedding
+from liger_models.modules.lora_experts import LoraExperts
 from liger_models.modules.lora_linear import LoraLinear
 
 from .attach import add_lora, lora_modules, lora_state_dict
-from .config import LoraSettings, modules_to_save
+from .config import ROUTER_WEIGHT, LoraSettings, moe_blocks, modules_to_save
 
 PREFIX = "base_model.model."
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
@@ -48,8 +50,12 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {PREFIX + k: v.detach().to("cpu", copy=True).contiguous() for k, v in lora_state_dict(model).items()}
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
-    leaves = sorted({name.rsplit(".", 1)[-1] for name in modules})
-    config = settings.to_peft(leaves, base_model)
+    routers = set(modules) & _routers(model)
+    experts = [m for m in modules.values() if isinstance(m, LoraExperts)]
+    leaves = sorted({name.rsplit(".", 1)[-1] for name, m in modules.items()
+                     if name not in routers and not isinstance(m, LoraExperts)})
+    parameters = sorted({stack for m in experts for stack in m.lora} | ({ROUTER_WEIGHT} if routers else set()))
+    config = settings.to_peft(leaves, base_model, parameters)
     (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return directory
 
@@ -89,13 +95,15 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
     """Attach the PEFT adapter in ``directory`` to ``model``: same modules, ranks and scales; shapes must match the
     base (an adapter for another model is refused naming the first mismatch). Returns the adapted names."""
     settings, tensors = read_adapter(directory)
-    wanted = sorted({_module_of(k) for k in tensors if k.endswith(_ADAPTER_SUFFIXES)})
+    # PEFT nests one wrapper per adapted expert stack: "experts.base_layer.lora_A" is the experts' too.
+    wanted = sorted({_module_of(k).replace(".base_layer", "") for k in tensors if k.endswith(_ADAPTER_SUFFIXES)})
     # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).
     names = add_lora(model, LoraSettings(r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
                                          targets=settings.targets, use_rslora=settings.use_rslora,
                                          use_dora=settings.use_dora,
                                          rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern,
-                                         modules_to_save=settings.modules_to_save))
+                                         modules_to_save=settings.modules_to_save,
+                                         target_parameters=settings.target_parameters))
     modules = lora_modules(model)
     missing = [n for n in names if not any(f"{n}{suffix}" in tensors for suffix in _ADAPTER_SUFFIXES)]
     tables = [k[:-len(_BASE_TABLE)] for k in tensors if k.endswith(_BASE_TABLE)]
@@ -143,9 +151,18 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
     to ``dtype`` (default: the base weight's; for an NF4 base, from dequant(NF4), what the adapter trained against,
     in the compute dtype)."""
     adapters = lora_modules(model)
-    own = {f"{name}.{suffix}" for name, m in adapters.items() for suffix in m.adapter_tensors()}
-    state = {key: value for key, value in model.state_dict().items() if key not in own}
+    own = {id(p) for m in adapters.values() for p in m.adapter_tensors().values()}
+    own_names = {n for n, p in model.named_parameters() if id(p) in own}
+    # The routers and expert stacks of mixture-of-experts blocks go to disk under the family's names (Mixtral's
+    # block_sparse_moe.…, one tensor per expert), which the layers' state-dict hooks write: their merged weights
+    # stand in for the Parameters while the state dict is taken.
+    routers = _routers(model)
+    moe = {name: m for name, m in adapters.items() if isinstance(m, LoraExperts) or name in routers}
+    with _merged_in_place(moe, dtype):
+        state = {key: value for key, value in model.state_dict().items() if key not in own_names}
     for name, m in model.named_modules():
+        if name in moe:
+            continue
         if isinstance(m, LoraLinear):
             base = m.base_weight(torch.float32) if m.quant is not None else m.weight.float()
             out_dtype = dtype or (m.quant.dtype if m.quant is not None else m.weight.dtype)
@@ -158,6 +175,32 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
+
+
+@contextlib.contextmanager
+def _merged_in_place(modules: dict[str, nn.Module], dtype: torch.dtype | None):
+    """Within: each module's adapted Parameters (a router's weight, the experts' stacks) replaced by new ones
+    holding the merged weights in ``dtype`` (default their own); the originals are put back untouched after."""
+    swapped = []
+    for m in modules.values():
+        if m.merged:  # the Parameters hold the merged weights already
+            continue
+        merged = ({"weight": m.merged_weight()} if isinstance(m, LoraLinear)
+                  else {stack: m.merged_weight(stack) for stack in m.lora})
+        for attr, weight in merged.items():
+            original = getattr(m, attr)
+            swapped.append((m, attr, original))
+            setattr(m, attr, nn.Parameter(weight.to(dtype or original.dtype), requires_grad=False))
+    try:
+        yield
+    finally:
+        for m, attr, original in reversed(swapped):
+            setattr(m, attr, original)
+
+
+def _routers(model: nn.Module) -> set[str]:
+    """The names of the mixture-of-experts blocks' routers (each block's ``gate`` beside its ``experts``)."""
+    return {f"{block}.gate" for block in moe_blocks(model)}
 
 
 def _module_of(key: str) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -155,9 +156,23 @@ def _slots(counts: torch.Tensor, expert_of_row: torch.Tensor, bound: int) -> tup
     return slot, int(counts.max()) if counts.numel() else 0
 
 
-def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str):
-    """(y (N, D), the gate|up output (S, 2I), order, sorted expert ids, counts): the forward and what backward
-    needs (``_Experts``)."""
+class ExpertsLora(NamedTuple):
+    """Adapters on the stacked experts, as the grouped GEMMs take them: a1 (E, r1, D) and b1 (E, 2I, r1) on
+    gate|up with scale s1, a2 (E, r2, I) and b2 (E, D, r2) on down with s2; None (and 0.0) where one is not
+    adapted. In the activations' dtype (modules/lora_experts.py: ``ExpertsAdapter.stacks``)."""
+
+    a1: torch.Tensor | None
+    b1: torch.Tensor | None
+    s1: float
+    a2: torch.Tensor | None
+    b2: torch.Tensor | None
+    s2: float
+
+
+def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str, lora: ExpertsLora | None = None):
+    """(y (N, D), the gate|up output (S, 2I), order, sorted expert ids, counts, u1, u2): the forward and what
+    backward needs (``_Experts``); u1 = A1_e·x and u2 = A2_e·act per sorted row where ``lora`` adapts gate|up / down
+    (else None)."""
     n_tokens, top_k = experts.shape
     flat = experts.reshape(-1)  # (S,) in (token, slot) order
     order = torch.argsort(flat, stable=True)
@@ -165,52 +180,92 @@ def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str)
     # scatter_add, not bincount: no host read of the largest id (the grouped path then never syncs).
     counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat))
-    hidden = grouped_linear(x[order // top_k], gate_up, counts, expert_of_row, path, n_tokens)  # (S, 2I)
+
+    def linear(rows, weight):
+        return grouped_linear(rows, weight, counts, expert_of_row, path, n_tokens)
+
+    rows = x[order // top_k]
+    hidden = linear(rows, gate_up)  # (S, 2I)
+    u1 = u2 = None
+    if lora is not None and lora.a1 is not None:  # + s·B_e·(A_e·x), accumulated into the base output
+        u1 = linear(rows, lora.a1)
+        hidden.add_(linear(u1, lora.b1), alpha=lora.s1)
+    del rows
     inter = hidden.shape[1] // 2
     act = hidden.new_empty(hidden.shape[0], inter)
     if act.numel():
         gated_forward(hidden[:, :inter], hidden[:, inter:], act, activation)
-    out = grouped_linear(act, down, counts, expert_of_row, path, n_tokens)  # (S, D)
+    out = linear(act, down)  # (S, D)
+    if lora is not None and lora.a2 is not None:
+        u2 = linear(act, lora.a2)
+        out.add_(linear(u2, lora.b2), alpha=lora.s2)
     del act
     y = _combine(out, weights.reshape(-1)[order], order, n_tokens, top_k).to(x.dtype)
-    return y, hidden, order, expert_of_row, counts
+    return y, hidden, order, expert_of_row, counts, u1, u2
 
 
 def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, counts, activation: str, path: str,
-                 top_k: int, needs: tuple[bool, bool, bool, bool]):
-    """(d x, d weights, d gate_up, d down), None where ``needs`` (x, weights, gate_up, down) says no. Writes
-    d gate|up over ``hidden``'s memory."""
+                 top_k: int, needs: tuple[bool, ...], lora: ExpertsLora | None = None, u1=None, u2=None):
+    """(d x, d weights, d gate_up, d down, d a1, d b1, d a2, d b2), None where ``needs`` (the same order; the last
+    four only with ``lora``) says no or there is no such adapter. Writes d gate|up over ``hidden``'s memory."""
     inter, n_tokens = hidden.shape[1] // 2, x.shape[0]
+    needs = tuple(needs) + (False,) * (8 - len(needs))
+
+    def linear(rows, weight):
+        return grouped_linear(rows, weight, counts, expert_of_row, path, n_tokens)
+
+    def weight_grad(left, right):
+        return grouped_weight_grad(left, right, counts, expert_of_row, path, n_tokens)
+
     token = order // top_k
     w_sorted = weights.reshape(-1)[order]
     g = dy[token].to(hidden.dtype)  # (S, D): each row's share of its token's gradient (the sum's adjoint)
-    g_a = grouped_linear(g, down.transpose(-2, -1), counts, expert_of_row, path, n_tokens)  # (S, I) = g · down_e
+    g_a = linear(g, down.transpose(-2, -1))  # (S, I) = g · down_e
+    down_lora = lora is not None and lora.a2 is not None
+    if down_lora:  # + s·(g·B_e)·A_e: g_a is then g times the adapted down_e, as d w and d act need
+        g_b2 = linear(g, lora.b2.transpose(-2, -1))  # (S, r)
+        g_a.add_(linear(g_b2, lora.a2.transpose(-2, -1)), alpha=lora.s2)
     d_act = (g_a * w_sorted[:, None]).to(hidden.dtype)
     # d gate|up over the saved output's memory; the recomputed activation over d_act's.
     if d_act.numel():
         gated_backward(d_act, hidden[:, :inter], hidden[:, inter:], hidden[:, :inter], hidden[:, inter:],
                        activation, product2d=d_act)
     act, d_hidden = d_act, hidden
-    d_x = d_weights = d_gate_up = d_down = None
+    grads = [None] * 8  # x, weights, gate_up, down, a1, b1, a2, b2
     if needs[1]:
         d_sorted = (g_a.float() * act.float()).sum(dim=-1)
         d_weights = torch.empty_like(d_sorted)
         d_weights[order] = d_sorted
-        d_weights = d_weights.view(weights.shape).to(weights.dtype)
+        grads[1] = d_weights.view(weights.shape).to(weights.dtype)
     del g_a
-    if needs[3]:
+    if needs[3] or (down_lora and needs[7]):
         d_out = (g * w_sorted[:, None]).to(hidden.dtype)
-        d_down = grouped_weight_grad(d_out, act, counts, expert_of_row, path, n_tokens).to(down.dtype)
+        if needs[3]:
+            grads[3] = weight_grad(d_out, act).to(down.dtype)
+        if down_lora and needs[7]:  # d B_e = s·Σ d_outᵀ·u2
+            grads[7] = (weight_grad(d_out, u2) * lora.s2).to(lora.b2.dtype)
         del d_out
+    if down_lora and needs[6]:  # d A_e = s·Σ (w·g·B_e)ᵀ·act
+        grads[6] = (weight_grad((g_b2 * w_sorted[:, None]).to(hidden.dtype), act) * lora.s2).to(lora.a2.dtype)
     del act, g
+    rows = x[token] if needs[2] or (lora is not None and lora.a1 is not None and needs[4]) else None
     if needs[2]:
-        d_gate_up = grouped_weight_grad(d_hidden, x[token], counts, expert_of_row, path, n_tokens).to(gate_up.dtype)
+        grads[2] = weight_grad(d_hidden, rows).to(gate_up.dtype)
+    up_lora = lora is not None and lora.a1 is not None
+    d_b1 = linear(d_hidden, lora.b1.transpose(-2, -1)) if up_lora and (needs[0] or needs[4]) else None  # (S, r)
+    if up_lora and needs[5]:  # d B_e = s·Σ d(gate|up)ᵀ·u1
+        grads[5] = (weight_grad(d_hidden, u1) * lora.s1).to(lora.b1.dtype)
+    if up_lora and needs[4]:  # d A_e = s·Σ (d(gate|up)·B_e)ᵀ·x
+        grads[4] = (weight_grad(d_b1, rows) * lora.s1).to(lora.a1.dtype)
+    del rows
     if needs[0]:
-        d_rows = grouped_linear(d_hidden, gate_up.transpose(-2, -1), counts, expert_of_row, path, n_tokens)
+        d_rows = linear(d_hidden, gate_up.transpose(-2, -1))
+        if d_b1 is not None:
+            d_rows.add_(linear(d_b1, lora.a1.transpose(-2, -1)), alpha=lora.s1)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        d_x = d_rows[inverse].view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
-    return d_x, d_weights, d_gate_up, d_down
+        grads[0] = d_rows[inverse].view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return tuple(grads) if lora is not None else tuple(grads[:4])
 
 
 class _Experts(torch.autograd.Function):
@@ -223,69 +278,96 @@ class _Experts(torch.autograd.Function):
       d w = ⟨g_a, a⟩              (= ⟨g, down_e a⟩, the weight's gradient, with a = act(gate)·up recomputed)
       d a = w · g_a  → d gate|up  by the fused gated kernel, written over the saved gate|up output
       d down_e = Σ (w g)ᵀ a,  d gate_up_e = Σ d(gate|up)ᵀ x_r,  d x_r = d(gate|up) · gate_up_e
+    With adapters (``ExpertsLora``) down_e and gate_up_e above are the adapted W_e + s·B_e·A_e, applied as two thin
+    grouped GEMMs each way; forward also saves u = A_e·(its input) per row (S × r), and
+      d B_e = s·Σ (d out)ᵀ u,  d A_e = s·Σ ((d out)·B_e)ᵀ (the input)   for each adapted stack.
     """
 
     @staticmethod
-    def forward(ctx, x, weights, gate_up, down, experts, activation, path):
-        y, *saved = _experts_fwd(x, weights, gate_up, down, experts, activation, path)
-        ctx.save_for_backward(x, weights, gate_up, down, *saved)
-        ctx.activation, ctx.path, ctx.top_k = activation, path, experts.shape[1]
+    def forward(ctx, x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, s2):
+        lora = _lora_or_none(a1, b1, s1, a2, b2, s2)
+        y, *saved = _experts_fwd(x, weights, gate_up, down, experts, activation, path, lora)
+        ctx.save_for_backward(x, weights, gate_up, down, *saved[:4], a1, b1, a2, b2, *saved[4:])
+        ctx.activation, ctx.path, ctx.top_k, ctx.scales = activation, path, experts.shape[1], (s1, s2)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        grads = _experts_bwd(dy, *ctx.saved_tensors, ctx.activation, ctx.path, ctx.top_k,
-                             tuple(ctx.needs_input_grad[:4]))
-        return (*grads, None, None, None)
+        *base, a1, b1, a2, b2, u1, u2 = ctx.saved_tensors
+        lora = _lora_or_none(a1, b1, ctx.scales[0], a2, b2, ctx.scales[1])
+        needs = tuple(ctx.needs_input_grad[:4]) + tuple(ctx.needs_input_grad[i] for i in (7, 8, 10, 11))
+        grads = _experts_bwd(dy, *base, ctx.activation, ctx.path, ctx.top_k, needs, lora, u1, u2)
+        grads = tuple(grads) + (None,) * (8 - len(grads))
+        return (*grads[:4], None, None, None, grads[4], grads[5], None, grads[6], grads[7], None)
+
+
+def _lora_or_none(a1, b1, s1, a2, b2, s2) -> ExpertsLora | None:
+    return None if a1 is None and a2 is None else ExpertsLora(a1, b1, s1, a2, b2, s2)
 
 
 # ---- the same as custom ops, for torch.compile (liger_models/kernels/_custom_ops.py) -----------------------------
 
 @custom_op("moe_experts")
 def _experts_op(x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                experts: torch.Tensor, activation: str,
-                path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_Experts' forward: (y, gate|up output, order, sorted expert ids, counts)."""
-    return _experts_fwd(x, weights, gate_up, down, experts, activation, path)
+                experts: torch.Tensor, activation: str, path: str, a1: Optional[torch.Tensor],
+                b1: Optional[torch.Tensor], s1: float, a2: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+                s2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor, torch.Tensor]:
+    """_Experts' forward: (y, gate|up output, order, sorted expert ids, counts, u1, u2), placeholders for the u of
+    a stack without an adapter."""
+    out = _experts_fwd(x, weights, gate_up, down, experts, activation, path, _lora_or_none(a1, b1, s1, a2, b2, s2))
+    return (*out[:5], *(absent(x) if u is None else u for u in out[5:]))
 
 
 @_experts_op.register_fake
-def _(x, weights, gate_up, down, experts, activation, path):
+def _(x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, s2):
     rows = experts.numel()
     return (x.new_empty(x.shape), x.new_empty(rows, gate_up.shape[1]), experts.new_empty(rows),
-            experts.new_empty(rows), experts.new_empty(gate_up.shape[0]))
+            experts.new_empty(rows), experts.new_empty(gate_up.shape[0]),
+            absent(x) if a1 is None else x.new_empty(rows, a1.shape[1]),
+            absent(x) if a2 is None else x.new_empty(rows, a2.shape[1]))
 
 
 @custom_op("moe_experts_backward")
 def _experts_backward_op(dy: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                          down: torch.Tensor, hidden: torch.Tensor, order: torch.Tensor, expert_of_row: torch.Tensor,
-                         counts: torch.Tensor, activation: str, path: str, top_k: int,
-                         needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         counts: torch.Tensor, activation: str, path: str, top_k: int, needs: list[bool],
+                         a1: Optional[torch.Tensor], b1: Optional[torch.Tensor], s1: float,
+                         a2: Optional[torch.Tensor], b2: Optional[torch.Tensor], s2: float, u1: torch.Tensor,
+                         u2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """_Experts' backward on a copy of the gate|up output (an op may not write its inputs); placeholders for the
-    gradients not asked for."""
+    gradients not asked for (x, weights, gate_up, down, a1, b1, a2, b2)."""
+    lora = _lora_or_none(a1, b1, s1, a2, b2, s2)
     grads = _experts_bwd(dy, x, weights, gate_up, down, hidden.clone(), order, expert_of_row, counts, activation,
-                         path, top_k, tuple(needs))
-    return tuple(absent(t) if g is None else g for g, t in zip(grads, (x, weights, gate_up, down)))
+                         path, top_k, tuple(needs), lora, u1, u2)
+    grads = tuple(grads) + (None,) * (8 - len(grads))
+    return tuple(absent(x) if g is None else g for g in grads)
 
 
 @_experts_backward_op.register_fake
-def _(dy, x, weights, gate_up, down, hidden, order, expert_of_row, counts, activation, path, top_k, needs):
-    return tuple(torch.empty_like(t) if need else absent(t) for t, need in zip((x, weights, gate_up, down), needs))
+def _(dy, x, weights, gate_up, down, hidden, order, expert_of_row, counts, activation, path, top_k, needs, a1, b1,
+      s1, a2, b2, s2, u1, u2):
+    like = (x, weights, gate_up, down, a1, b1, a2, b2)
+    return tuple(torch.empty_like(t) if need and t is not None else absent(x) for t, need in zip(like, needs))
 
 
 def _experts_setup(ctx, inputs, output) -> None:
-    x, weights, gate_up, down, experts, ctx.activation, ctx.path = inputs
-    ctx.save_for_backward(x, weights, gate_up, down, *output[1:])
-    ctx.top_k = experts.shape[1]
+    x, weights, gate_up, down, experts, ctx.activation, ctx.path, a1, b1, s1, a2, b2, s2 = inputs
+    ctx.save_for_backward(x, weights, gate_up, down, *output[1:5], a1, b1, a2, b2, *output[5:])
+    ctx.top_k, ctx.scales = experts.shape[1], (s1, s2)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _experts_grads(ctx, dy, *_):
     refuse_double_backward("moe_experts")
-    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
-    grads = _experts_backward_op(dy, *ctx.saved_tensors, ctx.activation, ctx.path, ctx.top_k, needs)
-    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
+    *base, a1, b1, a2, b2, u1, u2 = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[i]) for i in (0, 1, 2, 3, 7, 8, 10, 11)]
+    grads = _experts_backward_op(dy, *base, ctx.activation, ctx.path, ctx.top_k, needs, a1, b1, ctx.scales[0],
+                                 a2, b2, ctx.scales[1], u1, u2)
+    grads = [g if need else None for g, need in zip(grads, needs)]
+    return (*grads[:4], None, None, None, grads[4], grads[5], None, grads[6], grads[7], None)
 
 
 _experts_op.register_autograd(_experts_grads, setup_context=_experts_setup)
@@ -302,27 +384,36 @@ def _combine(out: torch.Tensor, w_sorted: torch.Tensor, order: torch.Tensor, n_t
 
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, activation: str, path: str = "auto") -> torch.Tensor:
+                    down: torch.Tensor, activation: str, path: str = "auto",
+                    lora: ExpertsLora | None = None) -> torch.Tensor:
     """Σ_j weights[:, j] · expert_{experts[:, j]}(x) for x (N, D), weights / experts (N, k), gate_up (E, 2I, D),
-    down (E, D, I) → (N, D) in x's dtype; differentiable in x, weights, gate_up and down. path: "auto"
-    (grouped_mm where ``_use_grouped_mm``, else padded), or one of them forced (tests run both)."""
+    down (E, D, I) → (N, D) in x's dtype; differentiable in x, weights, gate_up, down and the adapters of ``lora``
+    (each expert's weights then W_e + s·B_e·A_e, never formed). path: "auto" (grouped_mm where
+    ``_use_grouped_mm``, else padded), or one of them forced (tests run both)."""
     if path not in EXPERT_PATHS:
         raise ValueError(f"path must be one of {EXPERT_PATHS}, got {path!r}")
     if experts.shape != weights.shape or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
         raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be (N, k) "
                          f"for x {tuple(x.shape)}")
+    factors = () if lora is None else tuple(t for t in (lora.a1, lora.b1, lora.a2, lora.b2) if t is not None)
     if torch.is_autocast_enabled(x.device.type):  # the GEMMs in autocast's dtype, as nn.Linear's would run
         dtype = torch.get_autocast_dtype(x.device.type)
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
-    if x.dtype != gate_up.dtype or x.dtype != down.dtype:
-        raise TypeError(f"x ({x.dtype}) and the expert weights ({gate_up.dtype}, {down.dtype}) must share a dtype")
+        if lora is not None:
+            cast = [None if t is None else t.to(dtype) for t in (lora.a1, lora.b1, lora.a2, lora.b2)]
+            lora = ExpertsLora(cast[0], cast[1], lora.s1, cast[2], cast[3], lora.s2)
+            factors = tuple(t for t in cast if t is not None)
+    if x.dtype != gate_up.dtype or x.dtype != down.dtype or any(t.dtype != x.dtype for t in factors):
+        raise TypeError(f"x ({x.dtype}), the expert weights ({gate_up.dtype}, {down.dtype}) and their adapters "
+                        f"({', '.join(str(t.dtype) for t in factors) or 'none'}) must share a dtype")
     if path == "auto":
-        path = "grouped_mm" if _use_grouped_mm(x, gate_up, down) else "padded"
+        path = "grouped_mm" if _use_grouped_mm(x, gate_up, down, *factors) else "padded"
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
+    a1, b1, s1, a2, b2, s2 = lora if lora is not None else (None, None, 0.0, None, None, 0.0)
     if torch.compiler.is_compiling():
-        return _experts_op(x, weights, gate_up, down, experts, activation, path)[0]
-    return _Experts.apply(x, weights, gate_up, down, experts, activation, path)
+        return _experts_op(x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, s2)[0]
+    return _Experts.apply(x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, s2)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, ...], num_experts: int, top_k: int,
@@ -365,6 +456,10 @@ class Experts(nn.Module):
     def num_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
+    def adapters(self, dtype: torch.dtype) -> ExpertsLora | None:
+        """The LoRA adapters the grouped GEMMs apply (modules/lora_experts.py's LoraExperts has them)."""
+        return None
+
 
 class SparseMoeBlock(nn.Module):
     """HF names: ``gate`` (the router, a bias-free (E, D) linear) and ``experts`` (stacked, see Experts)."""
@@ -394,7 +489,7 @@ class SparseMoeBlock(nn.Module):
             recorded.append(logits)
         weights, experts = route(logits, self.top_k, self.renormalize, self.weights_in_logits_dtype)
         out = experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
-                              self.activation, self.path)
+                              self.activation, self.path, self.experts.adapters(x.dtype))
         return out.view(shape)
 
 

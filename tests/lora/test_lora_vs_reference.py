@@ -43,9 +43,9 @@ def test_some_siblings_adapted_rsLoRA_and_rank_pattern(tmp_path):
 
 
 @pytest.mark.parametrize("config_name", ["MixtralConfig", "Qwen3MoeConfig"])
-def test_moe_families_adapt_attention_only(config_name):
-    """all-linear on a mixture-of-experts model: the attention projections (the experts are stacked tensors and the
-    router is not offered); the adapters train, nothing else does."""
+def test_moe_families_all_linear_targets(config_name):
+    """all-linear on a mixture-of-experts model: the attention projections, each router and each block's expert
+    stacks (tests/lora/test_moe_experts.py checks the numbers); the adapters train, nothing else does."""
     import liger_models
     from liger_models.auto import model_class
     from liger_models.lora import LoraSettings, add_lora
@@ -53,9 +53,11 @@ def test_moe_families_adapt_attention_only(config_name):
     config = getattr(liger_models, config_name).tiny()
     model = model_class(config.model_type).from_config(config)
     names = add_lora(model, LoraSettings(r=4, alpha=8, init=False))
-    assert {n.rsplit(".", 1)[1] for n in names} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert {n.rsplit(".", 1)[1] for n in names} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate", "experts"}
     model.train()
     ids = torch.randint(0, config.vocab_size, (2, 12))
     model(ids, labels=ids).loss.backward()
     trained = {n for n, p in model.named_parameters() if p.grad is not None}
-    assert trained == {n for n, p in model.named_parameters() if p.requires_grad} and len(trained) == 2 * len(names)
+    experts = [n for n in names if n.endswith("experts")]
+    assert trained == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert len(trained) == 2 * (len(names) - len(experts)) + 4 * len(experts)  # A and B per adapter, 2 per stack

@@ -1,0 +1,199 @@
+"""LoRA on mixture-of-experts models (Mixtral, Qwen3-MoE): adapters on the stacked experts and the routers, in
+PEFT's target_parameters layout, against float64 HF + PEFT; the grouped GEMMs against a per-expert loop; PEFT files
+both ways; merge and merged export; all-linear's choice of targets."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+
+from liger_models import AutoLigerForCausalLM
+from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_state_dict, merge_lora, save_adapter,
+                               save_merged, unmerge_lora)
+from liger_models.modules.moe import ExpertsLora, experts_forward
+
+from ..models.parity import build_hf, causal_lm_loss, float64_reference, max_rel, save_hf
+from .common import batch
+
+FAMILIES = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                                    num_experts_per_tok=2, norm_topk_prob=True)),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def _pair(family: str, tmp_path):
+    """(HF fp32 with its per-expert loop (float64 has no grouped_mm CPU kernel), ours fp32, checkpoint dir)."""
+    config, overrides = FAMILIES[family]
+    hf = build_hf(config, **overrides)
+    hf.set_experts_implementation("eager")
+    directory = save_hf(hf, tmp_path / family)
+    return hf, AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32), directory
+
+
+def _peft_names(ours) -> dict[str, str]:
+    """Our trained parameter name → HF + PEFT's in-memory name of the same tensor (adapter "default")."""
+    key_of = {id(p): key for key, p in lora_state_dict(ours).items()}
+    out = {}
+    for name, p in ours.named_parameters():
+        if id(p) in key_of:
+            key = key_of[id(p)]
+            for part in ("lora_A", "lora_B"):
+                key = key.replace(f".{part}.weight", f".{part}.default.weight")
+            out[name] = "base_model.model." + key
+    return out
+
+
+def _assert_step_matches(ours, truth) -> None:
+    """Logits, loss and every adapter gradient of one training step equal float64 HF + PEFT's."""
+    ours.train()
+    truth.train()
+    ids, labels = batch()
+    logits = ours(ids).logits
+    exact = truth(input_ids=ids, use_cache=False).logits
+    assert (logits.double() - exact).abs().max().item() <= 1e-5 * max(1.0, exact.abs().max().item())
+    loss = ours(ids, labels=labels).loss
+    ref = causal_lm_loss(exact, labels)
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    loss.backward()
+    ref.backward()
+    theirs = dict(truth.named_parameters())
+    names = _peft_names(ours)
+    trained = [n for n, p in ours.named_parameters() if p.requires_grad]
+    assert trained and set(trained) == set(names)  # nothing but the adapters trains
+    for name in trained:
+        grad = dict(ours.named_parameters())[name].grad
+        assert grad is not None and grad.abs().max() > 0, name
+        assert max_rel(grad, theirs[names[name]].grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_all_linear_matches_float64_peft(family, tmp_path):
+    """all-linear: attention, routers and both expert stacks adapted (gate|up at 2r, as HF + PEFT's all-linear);
+    our saved adapter, loaded by PEFT's own loader into float64 HF, gives the same step."""
+    hf, ours, _ = _pair(family, tmp_path)
+    names = add_lora(ours, LoraSettings(r=4, alpha=8, init=False))
+    assert {n.split(".", 3)[-1] for n in names} >= {"self_attn.q_proj", "mlp.gate", "mlp.experts"}
+    experts = ours.model.layers[0].mlp.experts
+    assert experts.lora["gate_up_proj"].r == 8 and experts.lora["down_proj"].r == 4
+    assert experts.lora["gate_up_proj"].scaling == experts.lora["down_proj"].scaling == 2.0
+    save_adapter(ours, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["down_proj", "gate.weight", "gate_up_proj"]
+    assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    truth = peft.PeftModel.from_pretrained(float64_reference(hf), tmp_path / "adapter", is_trainable=True).double()
+    _assert_step_matches(ours, truth)
+
+
+@pytest.mark.parametrize("stacks", [["gate_up_proj"], ["down_proj"], ["gate.weight", "experts.down_proj"]])
+def test_some_parameters_match_float64_peft(stacks, tmp_path):
+    """One stack alone (PEFT then names its wrapper without base_layer), or a router and one stack; rsLoRA."""
+    hf, ours, _ = _pair("qwen3_moe", tmp_path)
+    add_lora(ours, LoraSettings(r=3, alpha=5, init=False, targets=["q_proj"], target_parameters=stacks,
+                                use_rslora=True))
+    save_adapter(ours, tmp_path / "adapter")
+    truth = peft.PeftModel.from_pretrained(float64_reference(hf), tmp_path / "adapter", is_trainable=True).double()
+    _assert_step_matches(ours, truth)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_peft_adapter_trained_on_hf_loads_here(family, tmp_path):
+    """HF + PEFT's own all-linear adapter on a MoE model (its v5 target_parameters form): the same logits here."""
+    hf, ours, _ = _pair(family, tmp_path)
+    torch.manual_seed(1)
+    theirs = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                     init_lora_weights=False))
+    theirs.save_pretrained(tmp_path / "theirs")
+    names = load_adapter(ours, tmp_path / "theirs")
+    assert any(n.endswith("mlp.experts") for n in names) and any(n.endswith("mlp.gate") for n in names)
+    ids, _ = batch()
+    with torch.no_grad():
+        expected = theirs.eval()(input_ids=ids, use_cache=False).logits
+        got = ours.eval()(ids).logits
+    assert (got - expected).abs().max().item() <= 1e-5 * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.parametrize("path", ["padded", "grouped_mm"])
+def test_grouped_gemms_equal_a_per_expert_loop(path):
+    """experts_forward (fp32) with adapters on both stacks against W_e + s·B_e·A_e applied per expert and per slot
+    in float64: output and every gradient (x, routing weights, experts' weights, the four factors), an expert with
+    no tokens (its factors get zero gradient) and two tokens on the same pair included."""
+    n, d, inter, e, k, r = 13, 16, 8, 5, 2, 4
+    x = torch.randn(n, d)
+    weights = torch.rand(n, k)
+    experts = torch.stack([torch.randperm(e - 1)[:k] for _ in range(n)])  # the last expert gets no token
+    experts[0] = experts[1]
+    stacks = [0.3 * torch.randn(e, 2 * inter, d), 0.3 * torch.randn(e, d, inter)]
+    factors = [0.3 * torch.randn(e, r, d), 0.3 * torch.randn(e, 2 * inter, r), 0.3 * torch.randn(e, r, inter),
+               0.3 * torch.randn(e, d, r)]
+    leaves = [t.requires_grad_() for t in (x, weights, *stacks, *factors)]
+    out = experts_forward(x, weights, experts, *stacks, "silu", path,
+                          ExpertsLora(factors[0], factors[1], 0.7, factors[2], factors[3], 1.3))
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    x64, w64, gate_up, down, a1, b1, a2, b2 = exact
+    ref = torch.zeros(n, d, dtype=torch.float64)
+    for t in range(n):
+        for j in range(k):
+            i = int(experts[t, j])
+            g, u = ((gate_up[i] + 0.7 * b1[i] @ a1[i]) @ x64[t]).chunk(2)
+            ref[t] = ref[t] + w64[t, j] * ((down[i] + 1.3 * b2[i] @ a2[i]) @ (torch.nn.functional.silu(g) * u))
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    grad = torch.randn_like(ref)
+    mine = torch.autograd.grad(out, leaves, grad.float())
+    truth = torch.autograd.grad(ref, exact, grad)
+    names = ("x", "weights", "gate_up", "down", "a1", "b1", "a2", "b2")
+    for name, m, t in zip(names, mine, truth):
+        assert (m.double() - t).abs().max().item() <= 1e-5 * max(1.0, t.abs().max().item()), name
+    for m in mine[4:]:
+        assert torch.all(m[e - 1] == 0) and m[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_merge_unmerge_and_merged_export(family, tmp_path):
+    """merge gives the adapted logits with the adapters folded in; unmerge restores the base; the merged export
+    (per-expert names on disk, Mixtral's block_sparse_moe router included) loads in transformers with the same
+    logits."""
+    _, ours, _ = _pair(family, tmp_path)
+    add_lora(ours, LoraSettings(r=4, alpha=8, init=False))
+    ours.eval()
+    ids, _ = batch()
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    with torch.no_grad():
+        adapted = ours(ids).logits
+        merge_lora(ours)
+        merged = ours(ids).logits
+        unmerge_lora(ours)
+        again = ours(ids).logits
+    assert max_rel(merged, adapted) < 1e-5 and max_rel(again, adapted) < 1e-5
+    for n, p in ours.named_parameters():
+        assert (p - before[n]).abs().max() <= 1e-6 * max(1.0, before[n].abs().max().item()), n
+    kept = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    save_merged(ours, tmp_path / "merged")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert max_rel(theirs, adapted) < 1e-5
+    for n, p in ours.named_parameters():  # the export left the model as it was
+        assert torch.equal(p, kept[n]), n
+
+
+def test_parameter_targets_refuse_dropout_dora_and_unknown_names(tmp_path):
+    _, ours, _ = _pair("mixtral", tmp_path)
+    with pytest.raises(ValueError, match="neither dropout nor DoRA"):
+        add_lora(ours, LoraSettings(r=4, dropout=0.1))
+    with pytest.raises(ValueError, match="neither dropout nor DoRA"):
+        add_lora(ours, LoraSettings(r=4, targets=["q_proj"], target_parameters=["down_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="not supported"):
+        LoraSettings(target_parameters=["o_proj.weight"])
+    _, dense, _ = (None, *_dense(tmp_path))
+    with pytest.raises(ValueError, match="no mixture-of-experts blocks"):
+        add_lora(dense, LoraSettings(targets=["q_proj"], target_parameters=["down_proj"]))
+
+
+def _dense(tmp_path):
+    hf = build_hf(transformers.LlamaConfig)
+    return AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "llama"), dtype=torch.float32), None
