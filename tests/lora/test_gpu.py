@@ -108,3 +108,43 @@ def test_native_lora_fp32_on_the_gpu(family, kind, tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_native_lora_bf16_on_the_gpu(family, kind, tmp_path):
     check_bf16(family, kind, tmp_path, "cuda")
+
+
+def test_expert_adapters_in_grouped_mm_bf16_on_the_gpu():
+    """The routed experts with adapters on both stacks in bf16 through torch's grouped GEMM (r = 16: the strides it
+    needs), against the per-expert float64 loop: output and every gradient within bf16's bound, beside the same
+    math in bf16 with the adapters merged into each expert's weights (what HF + PEFT's target_parameters runs)."""
+    from liger_models.modules.moe import ExpertsLora, _use_grouped_mm, experts_forward
+    from tests.helpers import assert_matches
+
+    n, d, inter, e, k, r = 1024, 512, 256, 8, 2, 16
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(n, d, device=device)
+    weights = torch.softmax(torch.randn(n, k, device=device), -1)
+    experts = torch.stack([torch.randperm(e)[:k] for _ in range(n)]).to(device)
+    stacks = [torch.randn(e, 2 * inter, d, device=device) / d ** 0.5,
+              torch.randn(e, d, inter, device=device) / inter ** 0.5]
+    factors = [torch.randn(e, r, d, device=device) / d ** 0.5, torch.randn(e, 2 * inter, r, device=device) / r ** 0.5,
+               torch.randn(e, r, inter, device=device) / inter ** 0.5, torch.randn(e, d, r, device=device) / r ** 0.5]
+    grad = torch.randn(n, d, device=device)
+
+    def run(values, dtype, merged=False):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in values]
+        routed = experts.to(leaves[0].device)
+        xx, ww, gu, dn, a1, b1, a2, b2 = leaves
+        if merged:
+            out = experts_forward(xx, ww, routed, gu + 0.5 * b1 @ a1, dn + 2.0 * b2 @ a2, "silu", "padded")
+        else:
+            lora = ExpertsLora(a1, b1, 0.5, a2, b2, 2.0)
+            assert dtype != torch.bfloat16 or _use_grouped_mm(xx, gu, dn, a1, b1, a2, b2)
+            out = experts_forward(xx, ww, routed, gu, dn, "silu", "auto", lora)
+        return out, torch.autograd.grad(out, leaves, grad.to(leaves[0].device, dtype))
+
+    values = [x, weights, *stacks, *factors]
+    ours, ours_grads = run(values, dtype)
+    exact, exact_grads = run([v.cpu() for v in values], torch.float64)  # padded path, float64 on the CPU
+    eager, eager_grads = run(values, dtype, merged=True)
+    assert_matches(ours.cpu(), exact, eager=eager.cpu(), name="out")
+    names = ("x", "weights", "gate_up", "down", "a1", "b1", "a2", "b2")
+    for name, mine, truth, low in zip(names, ours_grads, exact_grads, eager_grads):
+        assert_matches(mine.cpu(), truth, eager=low.cpu(), name=f"d {name}")

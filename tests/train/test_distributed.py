@@ -380,3 +380,23 @@ def test_fsdp2_moe_matches_one_process(family, tiny_model_dir, text_file, tmp_pa
     resumed = _one_process([*args(_without_last_step(tmp_path / "fsdp", tmp_path / "resumed"), 4), "--resume",
                             "auto"])
     _assert_same_steps(fsdp[2:], resumed.history)
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_fsdp2_moe_lora_matches_one_process(family, tiny_model_dir, text_file, tmp_path):
+    """LoRA all-linear on a mixture-of-experts base under FSDP2: the adapters of the expert stacks (E·r rows each,
+    PEFT's layout) and of the routers shard with their layers; two ranks train as one process does, the
+    load-balancing loss over the global batch, and the checkpoint holds every adapter under PEFT's names."""
+    model_dir = _tiny_moe_dir(family, tiny_model_dir, tmp_path / "model")
+
+    def args(out, batch_size):
+        return _lora_args("train", model_dir, text_file, out, batch_size)
+
+    _torchrun(args(tmp_path / "fsdp", 2))
+    single = _one_process(args(tmp_path / "one", 4))
+    _assert_same_steps(single.history, _logged(tmp_path / "fsdp"))
+    adapter = load_file(tmp_path / "fsdp" / "checkpoints" / "step_000003" / "adapter_model.safetensors")
+    layer = "base_model.model.model.layers.1.mlp"
+    for key in ("experts.base_layer.lora_A.weight", "experts.lora_B.weight", "gate.lora_B.weight"):
+        assert adapter[f"{layer}.{key}"].abs().max() > 0, key
+    _assert_same_tensors(load_file(single.checkpoint / "adapter_model.safetensors"), adapter)
