@@ -65,7 +65,7 @@ class LoraSettings:
             raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
         if isinstance(self.targets, (list, tuple, set)):
             self.targets = list(self.targets)
-            if not self.targets:
+            if not self.targets and not self.target_parameters:
                 raise ValueError("no LoRA targets given")
         elif not isinstance(self.targets, str):
             raise ValueError(f"targets must be a list of module names or a string, got {self.targets!r}")

@@ -28,6 +28,7 @@ from liger_models.modules.lora_linear import LoraLinear
 
 from .attach import add_lora, lora_modules, lora_state_dict
 from .config import ROUTER_WEIGHT, LoraSettings, moe_blocks, modules_to_save
+from .per_expert_adapters import convert_per_expert
 
 PREFIX = "base_model.model."
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
@@ -95,6 +96,10 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
     """Attach the PEFT adapter in ``directory`` to ``model``: same modules, ranks and scales; shapes must match the
     base (an adapter for another model is refused naming the first mismatch). Returns the adapted names."""
     settings, tensors = read_adapter(directory)
+    blocks = moe_blocks(model)
+    if blocks:  # an adapter saved against transformers v4's per-expert linears: in the stacked layout
+        settings, tensors = convert_per_expert(settings, tensors, next(iter(blocks.values())).num_experts,
+                                               str(directory))
     # PEFT nests one wrapper per adapted expert stack: "experts.base_layer.lora_A" is the experts' too.
     wanted = sorted({_module_of(k).replace(".base_layer", "") for k in tensors if k.endswith(_ADAPTER_SUFFIXES)})
     # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).

@@ -4,6 +4,7 @@ both ways; merge and merged export; all-linear's choice of targets."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import peft
@@ -226,3 +227,71 @@ def test_compiled_training_step_matches_eager(family):
     assert max_rel(c_loss, loss) < 1e-6 and max_rel(c_logits, logits) < 1e-5
     for name, grad in grads.items():
         assert max_rel(c_grads[name], grad) < 1e-4, name
+
+
+def _per_expert_adapter(hf, directory, family: str, r: int = 4, alpha: float = 8.0):
+    """A transformers-v4-era PEFT adapter (per-expert linears, Mixtral's router too) with random A and B, and the
+    HF model with those deltas merged into its stacked weights by hand (s·B·A per expert linear)."""
+    from safetensors.torch import save_file
+
+    config = hf.config
+    experts, hidden = FAMILIES[family][1].get("num_local_experts") or config.num_experts, config.hidden_size
+    inter = config.intermediate_size if family == "mixtral" else config.moe_intermediate_size
+    names = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"), "qwen3_moe": ("mlp", "gate_proj", "up_proj",
+                                                                           "down_proj")}[family]
+    merged, tensors, s = copy.deepcopy(hf), {}, alpha / r
+    for i, layer in enumerate(merged.model.layers):
+        prefix = f"base_model.model.model.layers.{i}.{names[0]}"
+        with torch.no_grad():
+            for e in range(experts):
+                for name, (fan_in, fan_out), rows in ((names[1], (hidden, inter), slice(0, inter)),
+                                                      (names[2], (hidden, inter), slice(inter, 2 * inter)),
+                                                      (names[3], (inter, hidden), None)):
+                    a, b = 0.3 * torch.randn(r, fan_in), 0.3 * torch.randn(fan_out, r)
+                    tensors[f"{prefix}.experts.{e}.{name}.lora_A.weight"] = a
+                    tensors[f"{prefix}.experts.{e}.{name}.lora_B.weight"] = b
+                    target = layer.mlp.experts.down_proj[e] if rows is None else layer.mlp.experts.gate_up_proj[e, rows]
+                    target += s * b @ a
+            if family == "mixtral":
+                a, b = 0.3 * torch.randn(r, hidden), 0.3 * torch.randn(experts, r)
+                tensors[f"{prefix}.gate.lora_A.weight"], tensors[f"{prefix}.gate.lora_B.weight"] = a, b
+                layer.mlp.gate.weight += s * b @ a
+    directory.mkdir()
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    targets = list(names[1:]) + (["gate"] if family == "mixtral" else [])
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "target_modules": targets}))
+    return merged
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_transformers_v4_per_expert_adapter_loads_stacked(family, tmp_path):
+    """An adapter saved against transformers v4's per-expert linears loads into the stacked experts: the logits of
+    HF with the deltas merged by hand, and of HF + PEFT's own conversion of the same files."""
+    hf, ours, _ = _pair(family, tmp_path)
+    merged = _per_expert_adapter(hf, tmp_path / "v4", family)
+    names = load_adapter(ours, tmp_path / "v4")
+    assert sum(n.endswith("mlp.experts") for n in names) == hf.config.num_hidden_layers
+    assert ours.model.layers[0].mlp.experts.lora["gate_up_proj"].r == 8
+    ids, _ = batch()
+    with torch.no_grad():
+        got = ours.eval()(ids).logits
+        expected = merged(input_ids=ids).logits
+        theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "v4").eval()(input_ids=ids).logits
+    assert max_rel(got, expected) < 1e-5 and max_rel(theirs, expected) < 1e-5
+
+
+def test_per_expert_adapter_missing_up_or_an_expert_is_refused(tmp_path):
+    hf, ours, _ = _pair("mixtral", tmp_path)
+    _per_expert_adapter(hf, tmp_path / "v4", "mixtral")
+    path = tmp_path / "v4" / "adapter_model.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    save_file({k: v for k, v in tensors.items() if ".experts.2.w2." not in k}, str(path))
+    with pytest.raises(ValueError, match=r"down adapters for experts \[0, 1, 3\]"):
+        load_adapter(ours, tmp_path / "v4")
+    save_file({k: v for k, v in tensors.items() if ".w3." not in k}, str(path))
+    _, fresh, _ = _pair("mixtral", tmp_path / "again")
+    with pytest.raises(ValueError, match="without the other"):
+        load_adapter(fresh, tmp_path / "v4")
