@@ -3,7 +3,8 @@
 Before transformers v5 stacked the experts, PEFT adapted each expert's linears as modules of their own:
 ``….block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2`` (Mixtral's gate / up / down) or
 ``….mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (Qwen3-MoE), and Mixtral's router as
-``….block_sparse_moe.gate``. Most MoE adapters on the Hub are such files. They are the same math as the stacked layout of modules/lora_experts.py:
+``….block_sparse_moe.gate``. Most MoE adapters on the Hub are such files. They are the same math as the stacked
+layout of modules/lora_experts.py:
   * gate and up (rank r each) become one adapter of rank 2r on the gate|up stack: A_e = [A_gate; A_up] (2r, D),
     B_e = the block diagonal of B_gate and B_up (2I, 2r); at alpha 2·alpha the scale alpha/r is unchanged (PEFT
     converts them the same way; under rsLoRA alpha·√2 keeps alpha/√r, where PEFT's 2·alpha would not);
