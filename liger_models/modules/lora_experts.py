@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .lora_linear import check_rank
@@ -57,9 +58,15 @@ class ExpertsAdapter(nn.Module):
             nn.init.zeros_(self.lora_B)
 
     def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A (E, r, in), B (E, out, r)) in ``dtype``, contiguous, differentiable back to lora_A / lora_B."""
+        """(A (E, r', in), B (E, out, r')) in ``dtype``, contiguous, differentiable back to lora_A / lora_B. r' is r
+        padded with zero rows of A and columns of B to a multiple of 16 bytes, the stride torch's grouped GEMM
+        needs (moe.py ``_use_grouped_mm``): at r = 4 in bf16 the experts' base GEMMs would otherwise fall back to
+        the padded-batch path. The product B·A and every gradient of lora_A / lora_B are unchanged."""
         a = self.lora_A.to(dtype).view(self.num_experts, self.r, -1)
         b = self.lora_B.to(dtype).view(self.lora_B.shape[0], self.r, self.num_experts).permute(2, 0, 1)
+        extra = -self.r % (128 // torch.finfo(dtype).bits)  # 16 bytes of elements
+        if extra:
+            a, b = F.pad(a, (0, 0, 0, extra)), F.pad(b, (0, extra))
         return a.contiguous(), b.contiguous()
 
     @torch.no_grad()

@@ -295,3 +295,21 @@ def test_per_expert_adapter_missing_up_or_an_expert_is_refused(tmp_path):
     _, fresh, _ = _pair("mixtral", tmp_path / "again")
     with pytest.raises(ValueError, match="without the other"):
         load_adapter(fresh, tmp_path / "v4")
+
+
+@pytest.mark.parametrize("r", [1, 4, 8, 12])
+def test_stacks_pad_the_rank_to_grouped_mm_strides_without_changing_the_product(r):
+    """bf16 stacks carry r rounded up to 8 (16 bytes, torch's grouped GEMM stride rule) with zero rows / columns:
+    B·A is the same, and the padding passes no gradient to anything."""
+    from liger_models.modules.lora_experts import ExpertsAdapter
+
+    adapter = ExpertsAdapter(3, 24, 40, r, 8.0, False, "cpu", torch.float32)
+    adapter.reset(False)
+    a, b = adapter.stacks(torch.bfloat16)
+    assert a.shape == (3, -(-r // 8) * 8, 24) and b.shape == (3, 40, -(-r // 8) * 8)
+    a32, b32 = adapter.stacks(torch.float32)
+    assert torch.equal(torch.bmm(b.float(), a.float()), torch.bmm(b32.to(torch.bfloat16).float(),
+                                                                  a32.to(torch.bfloat16).float()))
+    (a.float().sum() + b.float().sum()).backward()
+    assert torch.equal(adapter.lora_A.grad, torch.ones_like(adapter.lora_A))
+    assert torch.equal(adapter.lora_B.grad, torch.ones_like(adapter.lora_B))
