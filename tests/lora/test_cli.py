@@ -103,3 +103,51 @@ def test_merge_lora_writes_a_checkpoint_transformers_loads(base_and_data, tmp_pa
         exact = float64_reference(hf)(input_ids=ids).logits  # the merged file's weights, in float64
         assert_as_close_as_fp32_allows(model.eval()(ids).logits, hf(input_ids=ids).logits, exact)
     assert (merged / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_lora_trains_the_experts_resumes_and_merges(base_and_data, tmp_path, family, capsys):
+    """`train --lora-r` on a mixture-of-experts base: all-linear adapts the routers and expert stacks too (PEFT's
+    target_parameters in the adapter), a resume ends with the same bytes, and `merge-lora` writes a checkpoint
+    (per-expert names) that transformers loads with the adapted logits. Dropout is refused there, by name."""
+    import liger_models
+    from liger_models.hub import copy_tokenizer_files
+
+    base, data = base_and_data
+    llama = json.loads((base / "config.json").read_text())
+    config_cls = {"qwen3_moe": liger_models.Qwen3MoeConfig, "mixtral": liger_models.MixtralConfig}[family]
+    config = config_cls.tiny(vocab_size=llama["vocab_size"], bos_token_id=None, eos_token_id=llama["eos_token_id"],
+                             pad_token_id=None)
+    moe = tmp_path / "moe"
+    AutoLigerForCausalLM.from_config(config).save_pretrained(moe)
+    copy_tokenizer_files(base, moe)
+    run = [*RUN[:RUN.index("--lora-dropout")], "--max-steps", "4"]
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(moe), "--data", str(data), "--output-dir", str(out), *run]) == 0
+    last = out / "checkpoints" / ckpt.step_dir_name(4)
+    assert json.loads((last / "adapter_config.json").read_text())["target_parameters"] == [
+        "down_proj", "gate.weight", "gate_up_proj"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / ckpt.step_dir_name(4))
+    assert main(["train", "--model", str(moe), "--data", str(data), "--output-dir", str(resumed), *run,
+                 "--resume", "auto"]) == 0
+    again = resumed / "checkpoints" / ckpt.step_dir_name(4) / "adapter_model.safetensors"
+    assert again.read_bytes() == (last / "adapter_model.safetensors").read_bytes()
+
+    merged = tmp_path / "merged"
+    assert main(["merge-lora", "--adapter", str(last), "--out", str(merged), "--dtype", "fp32"]) == 0
+    model = AutoLigerForCausalLM.from_pretrained(moe, dtype=torch.float32)
+    load_adapter(model, last)
+    assert torch.count_nonzero(model.model.layers[0].mlp.experts.lora["down_proj"].lora_B) > 0  # it trained
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    hf.set_experts_implementation("eager")  # float64 below: HF's grouped_mm has no float64 CPU kernel
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        exact = float64_reference(hf)(input_ids=ids).logits
+        assert_as_close_as_fp32_allows(model.eval()(ids).logits, hf(input_ids=ids).logits, exact)
+
+    capsys.readouterr()
+    refused = ["train", "--model", str(moe), "--data", str(data), "--output-dir", str(tmp_path / "dropout"), *RUN]
+    assert main(refused) == 2
+    assert "neither dropout nor DoRA" in capsys.readouterr().err
