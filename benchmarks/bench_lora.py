@@ -2,6 +2,8 @@
 
 Shapes: Qwen2.5-7B and Llama-3.1-8B (full depth, random init, bf16 weights), LoRA r=16, alpha=32 on every linear of
 the decoder, AdamW on the adapters, random tokens; each case with and without per-layer activation checkpointing.
+Mixture-of-experts shapes (qwen3-30b-a3b-w4l, mixtral-8x7b-w2l: bench_e2e's, a few layers at real width) adapt the
+routers and expert stacks too, as PEFT's all-linear does there.
 Providers:
     hf_peft            transformers + PEFT (SDPA)
     hf_peft_liger      + liger-kernel's patch (apply_liger_kernel_to_<family>)
@@ -29,6 +31,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import CONFIGS as E2E_CONFIGS  # noqa: E402
+
 CONFIGS = {
     "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
@@ -39,6 +44,10 @@ CONFIGS = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
 }
+# Mixture-of-experts shapes of bench_e2e.py (real widths, a few layers): all-linear adapts the attention, the routers
+# and both expert stacks on every provider (PEFT's target_parameters; ours inside the grouped expert GEMMs).
+MOE_CONFIGS = ("qwen3-30b-a3b-w4l", "mixtral-8x7b-w2l")
+CONFIGS.update({name: E2E_CONFIGS[name][0] for name in MOE_CONFIGS})
 PROVIDERS = ("hf_peft", "hf_peft_liger", "hf_peft_bnb", "hf_peft_bnb_liger", "hf_peft_dora", "ours", "ours_qlora",
              "ours_offload", "ours_dora")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -100,7 +109,8 @@ def _build(provider: str, cfg: dict, checkpointing: bool):
     elif checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    return peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
+    targets = "all-linear" if "num_experts_per_tok" in cfg else TARGETS  # MoE: PEFT maps it to its parameters
+    return peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=targets,
                                                       lora_dropout=0.0, task_type="CAUSAL_LM",
                                                       use_dora=provider == "hf_peft_dora"))
 

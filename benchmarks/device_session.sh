@@ -6,6 +6,7 @@
 #   bash benchmarks/device_session.sh e2e-wide medusa   # call 3: bench_e2e on the wide configs, bench_medusa --quick
 #   bash benchmarks/device_session.sh tests medusa-trees   # pytest -m gpu, then fitted Medusa trees on the demo's heads
 #   bash benchmarks/device_session.sh moe softcap lora  # the MoE layer, soft-capped attention, LoRA / QLoRA steps
+#   bash benchmarks/device_session.sh lora-moe          # LoRA on experts + routers, ours vs HF + PEFT (MoE widths)
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
 set -o pipefail
@@ -103,6 +104,9 @@ run_part() {
     lora-dora)  # DoRA at Llama-3.1-8B, checkpointing on: ours against HF + PEFT's use_dora
       python3 benchmarks/bench_lora.py --out "$OUT/lora_dora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" \
         --checkpointing on --providers ours,ours_dora,hf_peft_dora ;;
+    lora-moe)  # LoRA on the experts and routers: Qwen3-30B-A3B (4 layers) and Mixtral-8x7B (2 layers) widths
+      python3 benchmarks/bench_lora.py --out "$OUT/lora_moe" --configs qwen3-30b-a3b-w4l,mixtral-8x7b-w2l \
+        --checkpointing off --batch 4 --seq 2048 --providers "${LORA_PROVIDERS:-ours,hf_peft}" ;;
     multi-gpu)  # issue 7, on nvidia-h200-x2; all three jobs take ~12 min, so one call runs a subset (fine-tuning
                 # was measured on 2026-11-29; MULTI_GPU_JOBS=finetune for it alone)
       python3 benchmarks/multi_gpu.py --out "$OUT" --jobs "${MULTI_GPU_JOBS:-medusa-stage1,medusa-stage2}" ;;
