@@ -258,6 +258,13 @@ def test_loss_ops_pass_opcheck():
         torch.library.opcheck(flce._fused_linear_cross_entropy_op, (
             hidden, weight, b, labels, torch.tensor(6.0) if reduction == "mean" else None, class_weights, -100, 0.0,
             1e-3, 5.0, reduction, 0.5, torch.float32, True, True, b is not None, rank, None, None, True, True))
+    u, lw = torch.randn(2, 5, 3, requires_grad=True), torch.randn(vocab, 3, requires_grad=True)
+    for reduction, b, need_u, need_lw in (("mean", bias, True, True), ("none", None, True, False),
+                                          ("sum", None, False, True)):
+        torch.library.opcheck(flce._fused_linear_cross_entropy_op, (
+            hidden, weight, b, labels, None, weights if reduction == "none" else None, -100, 0.1, 1e-3, None,
+            reduction, 1.0, torch.float32, True, False, b is not None, True, None, None, True, True, u, lw, need_u,
+            need_lw))
 
 
 @pytest.mark.parametrize("options", _LOSS_OPTIONS, ids=str)
@@ -285,6 +292,28 @@ def test_compiled_fused_linear_cross_entropy_equals_eager(options):
         return _loss_tensors(fused_linear_cross_entropy(hidden, weight, labels, *bias, **kwargs))
 
     _compiled_equals_eager(fn, hidden, weight, *([bias] if bias is not None else []))
+
+
+@pytest.mark.parametrize("options", [{}, {"bias": True, "reduction": "none", "return_target_rank": True},
+                                     {"weighted": True, "return_z_loss": True, "return_token_accuracy": True},
+                                     {"max_scratch_bytes": 200, "reduction": "sum", "label_smoothing": 0.1}], ids=str)
+def test_compiled_fused_linear_cross_entropy_with_low_rank_equals_eager(options):
+    """The low-rank term (a LoRA adapter on the head: u = s·A·h, computed outside the op as a model does) through
+    the custom op: gradients reach h, A and B, with W frozen."""
+    from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+    vocab, labels = 40, _labels((2, 5), 40)
+    kwargs = _loss_kwargs({k: v for k, v in options.items() if k != "bias"}, vocab)
+    hidden, weight = torch.randn(2, 5, 16, requires_grad=True), torch.randn(vocab, 16)
+    lora_a, lora_b = torch.randn(3, 16, requires_grad=True), torch.randn(vocab, 3, requires_grad=True)
+    bias = torch.randn(vocab) if options.get("bias") else None
+
+    def fn(hidden, lora_a, lora_b):
+        u = torch.nn.functional.linear(hidden, lora_a * 0.5)
+        return _loss_tensors(fused_linear_cross_entropy(hidden, weight, labels, bias, low_rank=(u, lora_b),
+                                                        **kwargs))
+
+    _compiled_equals_eager(fn, hidden, lora_a, lora_b)
 
 
 @pytest.mark.parametrize("fused", [False, True])

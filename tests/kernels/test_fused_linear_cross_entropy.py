@@ -59,8 +59,12 @@ def _inputs(vocab, dtype, bias=False, b=B, t=T):
     return hidden, weight, (torch.randn(vocab, device=DEVICE).to(dtype) if bias else None), labels
 
 
-def _grads(fn, tensors, labels, g, **opts):
+def _grads(fn, tensors, labels, g, u_view=None, **opts):
+    """tensors: (hidden, weight, bias) or, with the low-rank term, (hidden, weight, bias, u, B), each with its
+    requires_grad; u_view(u) is what the call gets as u (a view of the leaf, e.g. a strided slice)."""
     leaves = [None if t is None else t.detach().clone().requires_grad_(rg) for t, rg in tensors]
+    if len(leaves) == 5:
+        opts["low_rank"] = ((u_view or (lambda u: u))(leaves[3]), leaves[4])
     out = fn(*leaves[:2], labels, leaves[2], **opts)
     loss = out[0] if isinstance(out, tuple) else out
     wanted = [t for t in leaves if t is not None and t.requires_grad]
@@ -76,9 +80,10 @@ def _assert_loss_of_bf16_logits(loss, ref, eager):
     assert err <= 2 * eager_err + 1e-6, f"loss: rel err {err:.3e} > 2x eager's {eager_err:.3e}"
 
 
-def _check(hidden, weight, bias, labels, *, requires=(True, True, True), **opts):
-    """Loss, rank and the gradients of hidden / weight / bias vs float64 (and eager in the input dtype)."""
-    tensors = list(zip((hidden, weight, bias), requires))
+def _check(hidden, weight, bias, labels, *, requires=(True,) * 5, low_rank=(), **opts):
+    """Loss, rank and the gradients of hidden / weight / bias (and of the low-rank term's u / B when low_rank is
+    given: (u, B)) vs float64 (and eager in the input dtype)."""
+    tensors = list(zip((hidden, weight, bias, *low_rank), requires))
     out, grads = _grads(fused_linear_cross_entropy, tensors, labels, _incoming(opts, labels), **opts)
     t64 = [(None if t is None else t.double(), rg) for t, rg in tensors]
     out64, grads64 = _grads(fused_linear_cross_entropy_reference, t64, labels, _incoming(opts, labels), **opts)
@@ -91,7 +96,7 @@ def _check(hidden, weight, bias, labels, *, requires=(True, True, True), **opts)
         assert_matches(loss, loss64, name="loss")
     else:
         _assert_loss_of_bf16_logits(loss, loss64, first(eager))
-    for name, got, ref, eager, t in zip(("dh", "dW", "db"), grads, grads64, grads_eager, (hidden, weight, bias)):
+    for name, got, ref, eager, (t, _) in zip(("dh", "dW", "db", "du", "dB"), grads, grads64, grads_eager, tensors):
         if ref is None:
             assert got is None, name
             continue
@@ -470,10 +475,12 @@ def kept_columns(monkeypatch):
     return kept
 
 
-def _eps_in_the_gap(hidden, weight, bias, labels, hot, **opts):
+def _eps_in_the_gap(hidden, weight, bias, labels, hot, low_rank=None, **opts):
     """The geometric middle between the largest cold and the smallest hot per-token gradient (float64)."""
     ce = {k: v for k, v in opts.items() if k in ("z_loss", "softcap")}
     z = torch.nn.functional.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    if low_rank is not None:
+        z = z + low_rank[0].double() @ low_rank[1].double().t()
     z = z.reshape(-1, weight.shape[0]).requires_grad_()
     flat = labels.reshape(-1)
     (g,) = torch.autograd.grad(flce_mod.cross_entropy_reference(z, flat, reduction="none", **ce).sum(), z)
@@ -604,6 +611,224 @@ def test_grad_filter_bad_label_raises(chunked_once):
         fused_linear_cross_entropy(*leaves[:2], labels, leaves[2], grad_filter_eps=1e-3)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The low-rank term (low_rank=(u, B): logits = h·Wᵀ + b + u·Bᵀ, a LoRA adapter on the head). u·Bᵀ is as large as
+# h·Wᵀ (both ~N(0, 4) per logit), so an error in the term or in its gradients shows at the tolerances above.
+
+
+def _low_rank(hidden, vocab, rank):
+    """u with hidden's leading shape and B (V, r) in hidden's dtype."""
+    u = torch.randn(*hidden.shape[:-1], rank, device=DEVICE).to(hidden.dtype)
+    lw = (torch.randn(vocab, rank, device=DEVICE) * 2 / rank**0.5).to(hidden.dtype)
+    return u, lw
+
+
+def _class_weights(vocab):
+    return torch.rand(vocab, device=DEVICE) + 0.5
+
+
+# (vocabulary, rank, bias, options); "class_weights": True draws one weight per class
+LOW_RANK_CASES = [
+    (67, 1, False, dict()),
+    (300, 3, True, dict(reduction="sum", loss_scale=0.3)),
+    (517, 16, False, dict(reduction="none", loss_scale=2.0)),
+    (517, 3, True, dict(label_smoothing=0.1, z_loss=1e-3, normalizer=40)),
+    (300, 1, False, dict(softcap=2.0, loss_scale=0.5)),
+    (67, 16, True, dict(label_smoothing=0.05, z_loss=1e-4, softcap=3.0, reduction="none")),
+    (300, 3, False, dict(class_weights=True, z_loss=1e-3)),
+    (517, 1, True, dict(class_weights=True, reduction="none", softcap=3.0)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(LOW_RANK_CASES)))
+def test_low_rank_matches_reference(tune, dtype, case):
+    """Loss and the gradients of h, W, b, u and B against float64 over every scratch mode (several chunks, the
+    overlapped schedule, one chunk in the accumulator's bytes), for each reduction and loss option."""
+    _chunk(tune, SCRATCH_MODES[(case + (dtype == torch.bfloat16)) % len(SCRATCH_MODES)])
+    vocab, rank, bias, opts = LOW_RANK_CASES[case]
+    hidden, weight, b, labels = _inputs(vocab, dtype, bias=bias)
+    if opts.get("class_weights"):
+        opts = dict(opts, class_weights=_class_weights(vocab))
+    _check(hidden, weight, b, labels, low_rank=_low_rank(hidden, vocab, rank), **opts)
+
+
+@pytest.mark.parametrize("requires", [(True, False, False, True, True), (False, False, False, False, True),
+                                      (False, True, True, True, False), (True, True, False, False, False)])
+def test_low_rank_gradients_only_where_asked(chunked_once, monkeypatch, requires):
+    """The LoRA case (frozen W and b, trained u and B) and other subsets: each gradient asked for matches, none other
+    is computed, and neither a frozen W nor a frozen B reaches a dW / dB GEMM."""
+    vocab, rank = 300, 3
+    accumulated = []
+    accumulate = flce_mod._accumulate_dw
+    monkeypatch.setattr(flce_mod, "_accumulate_dw", lambda acc, *a, **k: (accumulated.append(tuple(acc.shape)),
+                                                                          accumulate(acc, *a, **k)))
+    hidden, weight, bias, labels = _inputs(vocab, torch.float32, bias=True)
+    _check(hidden, weight, bias, labels, requires=requires, low_rank=_low_rank(hidden, vocab, rank),
+           label_smoothing=0.1)
+    assert ((vocab, H) in accumulated) == requires[1]
+    assert ((vocab, rank) in accumulated) == requires[4]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_low_rank_strided_inputs(chunked_once, reduction):
+    """u as a slice of a wider tensor (row-strided: used in place), u as a transposed view (copied), and hidden as a
+    transposed view, against the float64 gradients of the tensors they are views of."""
+    vocab, rank = 300, 3
+    hidden, weight, bias, labels = _inputs(vocab, torch.float32, bias=True)
+    _, lw = _low_rank(hidden, vocab, rank)
+    wide = torch.randn(B, T, rank + 5, device=DEVICE)
+    _check(hidden, weight, bias, labels, low_rank=(wide, lw), u_view=lambda w: w[..., 2 : 2 + rank],
+           reduction=reduction)
+    swapped = torch.randn(T, B, rank, device=DEVICE)
+    _check(hidden.transpose(0, 1).contiguous().transpose(0, 1), weight, bias, labels, low_rank=(swapped, lw),
+           u_view=lambda s: s.transpose(0, 1), reduction=reduction)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_low_rank_target_rank_and_extras(chunked_once, dtype, reduction):
+    """Ranks, the z-loss term and the token accuracy are those of the logits with the low-rank term."""
+    vocab, rank = 517, 3
+    hidden, weight, _, labels = _inputs(vocab, dtype)
+    u, lw = _low_rank(hidden, vocab, rank)
+    opts = dict(reduction=reduction, z_loss=1e-3, return_target_rank=True, return_z_loss=True,
+                return_token_accuracy=True)
+    out, out64 = _check(hidden, weight, None, labels, low_rank=(u, lw), **opts)
+    logits = (hidden @ weight.t() + u @ lw.t()).float()  # what the kernel ranks: in the input dtype
+    valid = labels != IGNORE
+    target = logits.gather(-1, labels.clamp(min=0)[..., None])
+    margin = 1e-5 if dtype == torch.float32 else 3e-2  # near-ties only may move a rank (see test_target_rank)
+    lo = (logits > target + margin * target.abs().clamp(min=1)).sum(-1)
+    hi = (logits > target - margin * target.abs().clamp(min=1)).sum(-1)
+    rank_ = out.target_rank
+    assert torch.equal(rank_[~valid], torch.full_like(rank_[~valid], -1))
+    assert ((rank_[valid] >= lo[valid]) & (rank_[valid] <= hi[valid])).all()
+    top1 = (rank_[valid] == 0).float().mean()
+    assert torch.equal(out.token_accuracy, top1)
+    if dtype == torch.float32:
+        assert_matches(out.z_loss, out64.z_loss, name="z")
+
+
+@pytest.mark.parametrize("accum_dtype", [torch.float32, torch.bfloat16])
+def test_low_rank_under_a_scratch_cap(tune, monkeypatch, accum_dtype):
+    """bf16 under a 3-row scratch cap (< H): with fp32 accumulation dW accumulates in the halves that become grad_W,
+    with bf16 accumulation in grad_W itself; dB sums in fp32 either way."""
+    _chunk(tune, "budget_scratch")
+    vocab, rank = 301, 16
+    tune(flce_mod, max_scratch_bytes=3 * vocab * 2)
+    accumulators = {}
+    accumulate = flce_mod._accumulate_dw
+    monkeypatch.setattr(flce_mod, "_accumulate_dw", lambda acc, *a, **k: (
+        accumulators.setdefault(acc.shape[1], set()).add(acc.dtype), accumulate(acc, *a, **k)))
+    hidden, weight, bias, labels = _inputs(vocab, torch.bfloat16, bias=True)
+    _check(hidden, weight, bias, labels, low_rank=_low_rank(hidden, vocab, rank), accum_dtype=accum_dtype,
+           z_loss=1e-3)
+    assert accumulators == {H: {accum_dtype}, rank: {torch.float32}}
+
+
+def test_low_rank_with_a_weight_gradient_consumer(chunked_once):
+    """consume_weight_grad takes dW in the forward; u's and B's gradients arrive through backward as usual."""
+    vocab, rank = 300, 3
+    hidden, weight, _, labels = _inputs(vocab, torch.float32)
+    u, lw = _low_rank(hidden, vocab, rank)
+    w, u_, lw_ = (t.clone().requires_grad_() for t in (weight, u, lw))
+    handed = []
+    forget = consume_weight_grad(w, lambda grad, node: handed.append(grad))
+    try:
+        fused_linear_cross_entropy(hidden, w, labels, low_rank=(u_, lw_)).backward()
+    finally:
+        forget()
+    w64, u64, lw64 = (t.double().requires_grad_() for t in (weight, u, lw))
+    fused_linear_cross_entropy_reference(hidden.double(), w64, labels, low_rank=(u64, lw64)).backward()
+    assert w.grad is None and handed[-1] is None
+    assert_matches(handed[0], w64.grad, name="dW")
+    assert_matches(u_.grad, u64.grad, name="du")
+    assert_matches(lw_.grad, lw64.grad, name="dB")
+
+
+@pytest.mark.parametrize("mode,opts", [("grad_w_scratch", dict()), ("slabs", dict(reduction="none", z_loss=1e-3)),
+                                       ("capped", dict(reduction="sum", loss_scale=0.5))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_rank_with_the_gradient_filter(tune, kept_columns, mode, opts, dtype):
+    """grad_filter_eps with a (small) low-rank term: the kept columns are those of the full logits, their du and dB
+    contributions exact, the cold columns' rows of dB exactly zero; against the reference with the same filter.
+    slabs: the kept columns in slabs of 50, dh and du summed over slabs in fp32."""
+    _chunk(tune, "budget_scratch" if mode == "capped" else "grad_w_scratch")
+    if mode == "slabs":
+        tune(grad_filter, slab_bytes=1)
+        tune(grad_filter, min_slab_cols=50)
+    if mode == "capped":
+        tune(flce_mod, max_scratch_bytes=3 * 517 * dtype.itemsize)
+    hidden, weight, bias, labels, hot = _filter_inputs(dtype, bias=True)
+    u, lw = _low_rank(hidden, 517, 3)
+    lw = (lw.float() / 20).to(dtype)  # ~0.1 per logit: the hot / cold gap stays
+    eps = _eps_in_the_gap(hidden, weight, bias, labels, hot, low_rank=(u, lw), **opts)
+    _check(hidden, weight, bias, labels, low_rank=(u, lw), grad_filter_eps=eps, **opts)
+    hot_ids = hot.nonzero()[:, 0]
+    assert any(torch.equal(cols, hot_ids) for cols in kept_columns)
+    assert all(torch.equal(cols, hot_ids) or cols.numel() == 0 for cols in kept_columns)
+    lw_ = lw.clone().requires_grad_()
+    fused_linear_cross_entropy(hidden, weight, labels, bias, low_rank=(u, lw_), grad_filter_eps=eps,
+                               **opts).sum().backward()
+    assert (lw_.grad[~hot] == 0).all() and (lw_.grad[hot] != 0).any(1).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_low_rank_all_ignored_and_no_kept_column(chunked_once, reduction):
+    """Every label ignored: du and dB are exactly zero, with the gradient filter too (no column kept: du is written
+    as zeros, not left poisoned)."""
+    vocab = 67
+    hidden, weight, bias, labels = _inputs(vocab, torch.bfloat16, bias=True)
+    labels.fill_(IGNORE)
+    u, lw = _low_rank(hidden, vocab, 3)
+    for eps in (None, 0.5):
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias, u, lw)]
+        loss = fused_linear_cross_entropy(*leaves[:2], labels, leaves[2], low_rank=tuple(leaves[3:]),
+                                          reduction=reduction, z_loss=1e-2, grad_filter_eps=eps)
+        loss.sum().backward()
+        assert torch.equal(loss, torch.zeros_like(loss))
+        for t in leaves:
+            assert torch.equal(t.grad, torch.zeros_like(t)), "grads must be exactly zero"
+
+
+def test_low_rank_reference_mode():
+    """With the kernels off (reference_mode) the call computes the reference's loss and gradients."""
+    from liger_models import reference_mode
+
+    vocab = 300
+    hidden, weight, bias, labels = _inputs(vocab, torch.float32, bias=True)
+    tensors = [(t, True) for t in (hidden, weight, bias, *_low_rank(hidden, vocab, 3))]
+    with reference_mode():
+        out, grads = _grads(fused_linear_cross_entropy, tensors, labels, _incoming({}, labels), z_loss=1e-3)
+    t64 = [(t.double(), True) for t, _ in tensors]
+    out64, grads64 = _grads(fused_linear_cross_entropy_reference, t64, labels, _incoming({}, labels), z_loss=1e-3)
+    assert_matches(out, out64, name="loss")
+    for name, got, ref in zip(("dh", "dW", "db", "du", "dB"), grads, grads64):
+        assert_matches(got, ref, name=name)
+
+
+def test_low_rank_bad_arguments():
+    vocab = 67
+    hidden, weight, _, labels = _inputs(vocab, torch.float32)
+    u, lw = _low_rank(hidden, vocab, 3)
+    for low_rank, match in [
+        (u, "low_rank must be a pair"),
+        ((u, lw, lw), "low_rank must be a pair"),
+        ((u, None), "pair of tensors"),
+        ((u[:, :-1], lw), r"u must be \(\.\.\., r\) with hidden's leading shape \(2, 7\)"),
+        ((u[0], lw), "u must be"),
+        ((u[..., :0], lw[:, :0]), "r >= 1"),
+        ((u, lw[:-1]), r"B must be \(V, r\) = \(67, 3\), got \(66, 3\)"),
+        ((u, lw[:, :2]), r"B must be \(V, r\) = \(67, 3\)"),
+        ((u.double(), lw.double()), "share one floating dtype"),
+        ((u, lw.to(torch.bfloat16)), "share one floating dtype"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            fused_linear_cross_entropy(hidden, weight, labels, low_rank=low_rank)
+
+
+
 # GPU: real sizes (the lead runs `pytest -m gpu` on the H200)
 
 
@@ -706,6 +931,50 @@ def test_gpu_grad_filter_real_size(kept_columns, opts):
     assert_matches(dh, dh32.double(), eager=dh_eager, name="dh")
     assert_matches(dw, dw32.double(), eager=dw_eager, name="dW")
     assert (dw[~hot] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "overlap", "capped", "filtered"])
+@pytest.mark.parametrize("opts", [dict(), dict(reduction="none", label_smoothing=0.1, z_loss=1e-4, softcap=30.0,
+                                               loss_scale=0.5)])
+def test_gpu_low_rank_real_size(tune, kept_columns, mode, opts):
+    """A LoRA adapter on a frozen head at size: 4096 tokens, H 2048, V 32003 (no multiple of any block), r 16, bf16,
+    u = s·A·h formed outside the op (as the causal-LM loss does), so dh also carries (du·s)·A. The logits of the
+    base and of the adapter are of one size (~N(0, 4) and ~N(0, 1)). Loss, dh, dA and dB against float64, with
+    eager bf16 PyTorch's error as the bar. A 1024-row logits budget (frozen W: no grad_W storage) makes 4 chunks;
+    overlap: 8 of 512 rows, the CE pass on the side stream; capped: a 768-row scratch cap, 6 chunks; filtered: the
+    gradient filter at 1e-30 (every column kept: exact) with the gathered GEMMs forced for all of them."""
+    tune(flce_mod, logits_budget_bytes=1024 * 32003 * 2)
+    tune(flce_mod, overlap_ce=mode == "overlap")
+    tune(flce_mod, max_scratch_bytes=768 * 32003 * 2 if mode == "capped" else None)
+    if mode == "filtered":
+        tune(grad_filter, dense_share=1.0)
+        opts = dict(opts, grad_filter_eps=1e-30)
+    torch.manual_seed(0)
+    n, hdim, vocab, rank, scaling = 4096, 2048, 32003, 16, 2.0
+    hidden = (torch.randn(n, hdim, device="cuda") / 2).to(torch.bfloat16)
+    weight = (torch.randn(vocab, hdim, device="cuda") / hdim**0.5 * 4).to(torch.bfloat16)
+    lora_a = (torch.randn(rank, hdim, device="cuda") / hdim**0.5).to(torch.bfloat16)
+    lora_b = (torch.randn(vocab, rank, device="cuda") / rank**0.5).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::11] = IGNORE
+    g = torch.randn(n, device="cuda") if opts.get("reduction") == "none" else torch.tensor(1.0, device="cuda")
+    runs = []
+    for fn, dtype in ((fused_linear_cross_entropy, torch.bfloat16), (fused_linear_cross_entropy_reference,
+                                                                     torch.float64),
+                      (fused_linear_cross_entropy_reference, torch.bfloat16)):
+        h, a, b = (t.to(dtype, copy=True).requires_grad_() for t in (hidden, lora_a, lora_b))
+        u = torch.nn.functional.linear(h, a * scaling)
+        loss = fn(h, weight.to(dtype), labels, low_rank=(u, b), **opts)
+        loss.backward(g.to(loss.dtype))
+        runs.append((loss.detach(), h.grad, a.grad, b.grad))
+    ours, exact, eager = runs
+    if mode == "filtered":
+        assert len(kept_columns) == 4 and all(cols.numel() == vocab for cols in kept_columns)
+    _assert_loss_of_bf16_logits(ours[0], exact[0], eager[0])
+    for name, got, ref, eager_grad in zip(("dh", "dA", "dB"), ours[1:], exact[1:], eager[1:]):
+        assert got.dtype == torch.bfloat16, name
+        assert_matches(got, ref, eager=eager_grad, name=name)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ gradient, skipping the rest.
 Rule: within one token chunk, a vocabulary column j is skipped when every row t has |∂ℓ_t/∂z_tj| < eps, where ℓ_t
 is token t's own loss (the loss scale, the mean's denominator and grad_output excluded; the softcap derivative,
 z-loss and label smoothing included) and z the logits. A skipped column contributes nothing to dh, to its row of
-dW and to its bias entry; a kept column's contributions are exact, from every row of the chunk. So rows of dW are
+dW and to its bias entry (nor to du and its row of dB, with a low-rank term); a kept column's contributions are
+exact, from every row of the chunk. So rows of dW are
 either exact or zero for the chunk, and each row of dh misses Σ_skipped ∂ℓ/∂z_tj·W_j, every term below eps·|W_j|.
 
 Why columns and not tiles: cuBLAS runs the GEMMs (at ~700 TFLOP/s; a Triton GEMM that skips tiles, as
@@ -115,36 +116,52 @@ def _scatter_add_rows(targets: list[torch.Tensor], cols: torch.Tensor, rows: tor
 
 def sparse_gradients(dlogits: torch.Tensor, cols: torch.Tensor, weight: torch.Tensor, h: torch.Tensor,
                      grad_h: torch.Tensor | None, dw_targets: list[torch.Tensor] | None,
-                     grad_b: torch.Tensor | None, mm_fp32) -> None:
+                     grad_b: torch.Tensor | None, mm_fp32, low_rank: tuple | None = None) -> None:
     """One chunk's gradients from the kept columns only: grad_h (M, H) = dlogits[:, cols]·W[cols] (written),
     dw_targets[cols] += dlogits[:, cols]ᵀ·h (the fp32 product added once per chunk, in the target's dtype),
     grad_b[cols] += column sums (fp32). mm_fp32(out, a, b, first): out (fp32) [+]= aᵀ·b, as linear-CE's dW GEMM.
-    Slabs of columns bound the gathered operands (TUNING.slab_bytes); with more than one slab grad_h is summed in
-    fp32."""
+    low_rank: (u (M, r), B (V, r), grad_u (M, r) or None, grad_B (V, r) fp32 or None), the low-rank term's
+    gradients alike: grad_u = dlogits[:, cols]·B[cols] (written), grad_B[cols] += dlogits[:, cols]ᵀ·u.
+    Slabs of columns bound the gathered operands (TUNING.slab_bytes); with more than one slab grad_h and grad_u are
+    summed in fp32."""
     m, hdim = h.shape
-    if cols.numel() == 0:  # nothing carries gradient: dh is 0, dW and db unchanged
-        if grad_h is not None:
-            grad_h.zero_()
+    u, lw, grad_u, grad_lw = low_rank if low_rank is not None else (None, None, None, None)
+    if cols.numel() == 0:  # nothing carries gradient: dh and du are 0, dW, db and dB unchanged
+        for g in (grad_h, grad_u):
+            if g is not None:
+                g.zero_()
         return
-    per_col = 2 * m + (2 * hdim if grad_h is not None else 0) + (4 * hdim if dw_targets is not None else 0)
+    rank = 0 if u is None else u.shape[1]
+    per_col = (2 * m + (2 * hdim if grad_h is not None else 0) + (4 * hdim if dw_targets is not None else 0)
+               + (2 * rank if grad_u is not None else 0) + (4 * rank if grad_lw is not None else 0))
     slab = max(TUNING.min_slab_cols, TUNING.slab_bytes // per_col)
     slabs = [cols[i : i + slab] for i in range(0, cols.numel(), slab)]
-    gh32 = None
-    if grad_h is not None and len(slabs) > 1:
-        gh32 = torch.empty(m, hdim, dtype=torch.float32, device=h.device)
+    gh32 = gu32 = None
+    if len(slabs) > 1:
+        if grad_h is not None:
+            gh32 = torch.empty(m, hdim, dtype=torch.float32, device=h.device)
+        if grad_u is not None:
+            gu32 = torch.empty(m, rank, dtype=torch.float32, device=h.device)
     for k, part in enumerate(slabs):
         d = dlogits.index_select(1, part)
-        if grad_h is not None:
-            w = weight.index_select(0, part)
-            if gh32 is None:
-                torch.mm(d, w, out=grad_h)
+        for grad, grad32, w in ((grad_h, gh32, weight), (grad_u, gu32, lw)):  # d·W[cols] and d·B[cols]
+            if grad is None:
+                continue
+            w = w.index_select(0, part)
+            if grad32 is None:
+                torch.mm(d, w, out=grad)
             else:
-                mm_fp32(gh32, d.t(), w, first=k == 0)
+                mm_fp32(grad32, d.t(), w, first=k == 0)
         if dw_targets is not None:
             dw = torch.empty(part.numel(), hdim, dtype=torch.float32, device=h.device)
             mm_fp32(dw, d, h, first=True)
             _scatter_add_rows(dw_targets, part, dw)
+        if grad_lw is not None:
+            dlw = torch.empty(part.numel(), rank, dtype=torch.float32, device=h.device)
+            mm_fp32(dlw, d, u, first=True)
+            grad_lw.index_add_(0, part, dlw)
         if grad_b is not None:
             grad_b.index_add_(0, part, d.sum(0, dtype=torch.float32))
-    if gh32 is not None:
-        grad_h.copy_(gh32)
+    for grad, grad32 in ((grad_h, gh32), (grad_u, gu32)):
+        if grad32 is not None:
+            grad.copy_(grad32)

@@ -1,15 +1,23 @@
 """Fused linear + cross-entropy: loss of (h·Wᵀ + b) against labels without ever holding the N×V logits.
 
 Math: the cross_entropy options (ignore_index, label smoothing, z-loss, softcap, mean/sum/none, normaliser; see
-cross_entropy.py) on logits = h·Wᵀ + b, times loss_scale. HF numerics: HF's lm_head gives bf16 logits
-(cuBLAS, fp32 accumulate, one rounding), then upcasts them to fp32 for the loss; so does this op, chunk by chunk.
-Gradients: with D = dlogits (scaled by loss_scale / denominator),  dh = D·W,  dW = Dᵀ·h,  db = Σ_rows D.
+cross_entropy.py) on logits = h·Wᵀ + b (+ u·Bᵀ, the optional low-rank term), times loss_scale. HF numerics: HF's
+lm_head gives bf16 logits (cuBLAS, fp32 accumulate, one rounding), then upcasts them to fp32 for the loss; so does
+this op, chunk by chunk.
+Gradients: with D = dlogits (scaled by loss_scale / denominator),  dh = D·W,  dW = Dᵀ·h,  db = Σ_rows D, and for
+the low-rank term du = D·B,  dB = Dᵀ·u.
+
+The low-rank term (``low_rank=(u, B)``, u (..., r), B (V, r)) is a LoRA adapter on the head: the caller computes
+u = s·A·drop(h) with ordinary autograd (its gradient du reaches A and h through it), and the op adds u·Bᵀ to each
+chunk's logits, so an adapted lm_head never forms the N×V logits either. Costs per chunk: one thin GEMM more in the
+forward (M·V·r) and two in the gradients (du = D·B straight into the du slice, dB += Dᵀ·u into an fp32 V×r
+accumulator); the extra memory is that accumulator and du (N×r).
 
 Algorithm, per chunk of M token rows (all gradients are computed in the forward pass, so nothing N×V is saved):
-  1. L = h_c·Wᵀ (+ b)                      cuBLAS, bf16 out, into an M×V scratch
+  1. L = h_c·Wᵀ (+ b) (+ u_c·Bᵀ)           cuBLAS, bf16 out, into an M×V scratch
   2. one Triton pass over L (_ce_core.py)   loss, lse, target rank, and D written over L
-  3. dh_c = D·W                             cuBLAS, straight into the grad_hidden slice
-  4. dW_acc += Dᵀ·h_c                       cuBLAS with an fp32 C (addmm(out_dtype=float32), beta=1)
+  3. dh_c = D·W (du_c = D·B)                cuBLAS, straight into the grad_hidden (grad_u) slice
+  4. dW_acc += Dᵀ·h_c (dB_acc += Dᵀ·u_c)    cuBLAS with an fp32 C (addmm(out_dtype=float32), beta=1)
   5. db_acc += column sums of D (fp32)
   then grad_W = dW_acc cast to the weight dtype (or, TUNING.single_chunk_in_accumulator with N ≤ 2H, one chunk in a
   scratch the accumulator's size and step 4 as one GEMM straight into grad_W). Backward only multiplies the gradients
@@ -141,13 +149,20 @@ def fused_linear_cross_entropy_reference(
     class_weights: torch.Tensor | None = None,
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """Eager PyTorch: logits = F.linear(h, W, b) in the input dtype (as HF's lm_head), then fp32 cross-entropy.
+    """Eager PyTorch: logits = F.linear(h, W, b) in the input dtype (as HF's lm_head), with low_rank=(u, B) plus
+    u·Bᵀ added by torch.addmm (the sum rounded once to the input dtype, as the op's chunks round it), then fp32
+    cross-entropy.
 
     Same signature as `fused_linear_cross_entropy`; accum_dtype has no effect here (autograd's dW is one GEMM);
     grad_filter_eps filters with all tokens as one chunk.
     """
     logits = F.linear(hidden, weight, bias)
+    if low_rank is not None:
+        u, lw = low_rank
+        flat = torch.addmm(logits.reshape(-1, weight.shape[0]), u.reshape(-1, u.shape[-1]), lw.t())
+        logits = flat.view(logits.shape)
     if grad_filter_eps is not None and logits.requires_grad:
         kept = _kept_columns(logits.detach(), labels, grad_filter_eps, ignore_index=ignore_index,
                              label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
@@ -279,9 +294,11 @@ def _ce_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, scale=None,
-                need=(False, False, False), accum_dtype=torch.float32, max_scratch_bytes=None, grad_filter_eps=None):
+                need=(False,) * 5, accum_dtype=torch.float32, max_scratch_bytes=None, grad_filter_eps=None,
+                low_rank=None):
     """The chunk loop of the module docstring; loss given → forward (writes loss, lse, q, rank), scale given →
-    gradients (lse, q are inputs when loss is None). Returns (grad_h (N, H), grad_W, grad_b) or Nones.
+    gradients (lse, q are inputs when loss is None). low_rank: (u (N, r), B (V, r)) or None. need: which of
+    (h, W, b, u, B) get gradients. Returns (grad_h (N, H), grad_W, grad_b, grad_u (N, r), grad_B) or Nones.
     grad_filter_eps: each chunk's gradient GEMMs run over the columns that carry gradient (_grad_filter.py), or over
     all of them when too many do.
 
@@ -291,9 +308,13 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     """
     n, hdim = h.shape
     vocab = weight.shape[0]
-    need_h, need_w, need_b = need
+    need_h, need_w, need_b, need_u, need_lw = need
+    u, lw = low_rank if low_rank is not None else (None, None)
     backward = scale is not None
     grad_h = torch.empty(n, hdim, dtype=h.dtype, device=h.device) if need_h else None
+    # du is written chunk by chunk; dB (V × r, small) always sums in fp32, whatever accum_dtype says for dW
+    grad_u = torch.empty(n, u.shape[1], dtype=u.dtype, device=h.device) if need_u else None
+    acc_lw = torch.zeros(vocab, lw.shape[1], dtype=torch.float32, device=h.device) if need_lw else None
     cap = TUNING.max_scratch_bytes if max_scratch_bytes is None else max_scratch_bytes
     cap_rows = None if cap is None else max(1, cap // (vocab * h.element_size()))
     one_chunk = (need_w and accum_dtype != weight.dtype and TUNING.single_chunk_in_accumulator
@@ -335,10 +356,15 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
                     for target in dw_targets:
                         target.zero_()
                 sparse_gradients(logits, cols, weight, h[s:e], grad_h[s:e] if need_h else None, dw_targets,
-                                 acc_b, _accumulate_dw)
+                                 acc_b, _accumulate_dw,
+                                 None if u is None else (u[s:e], lw, grad_u[s:e] if need_u else None, acc_lw))
                 return
         if need_h:
             torch.mm(logits, weight, out=grad_h[s:e])
+        if need_u:
+            torch.mm(logits, lw, out=grad_u[s:e])
+        if need_lw:
+            _accumulate_dw(acc_lw, logits, u[s:e], first=False)
         if acc_w is not None:
             _accumulate_dw(acc_w, logits, h[s:e], first=first)
         elif halves is not None:
@@ -361,6 +387,13 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
             torch.mm(h_c, weight.t(), out=logits)
         else:
             torch.addmm(bias, h_c, weight.t(), out=logits)
+        if u is not None:
+            # The adapter's product added by the GEMM itself (beta = 1, fp32 accumulation): h·Wᵀ (+ b) is rounded to
+            # the logits' dtype once, then the sum once more. HF + PEFT round as often with fp32 adapters (the fp32
+            # term promotes the sum, which is cast back once) and more with adapters in the activations' dtype (the
+            # product, the scaling, the sum). One GEMM over [h | u]·[W | B]ᵀ would round once, but needs a V×(H + r)
+            # copy of the weights per call.
+            logits.addmm_(u[s:e], lw.t())
         if side is not None:
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -383,7 +416,8 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
         grad_w.copy_(acc_w)
     elif halves is not None:
         _cast_into_grad(halves, grad_w)
-    return grad_h, grad_w, None if acc_b is None else acc_b.to(bias.dtype)
+    return (grad_h, grad_w, None if acc_b is None else acc_b.to(bias.dtype), grad_u,
+            None if acc_lw is None else acc_lw.to(lw.dtype))
 
 
 # id(weight) → (weak reference to it, consumer). Keyed by id: a WeakKeyDictionary would compare tensors with ==.
@@ -435,24 +469,26 @@ def _check_unit_gradient(grad_out: torch.Tensor) -> None:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
-                labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras):
+                labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw):
         # row_w, with class weights (None: unweighted): for "none" each row's weight, for mean / sum each row's
-        # d(loss)/d(loss_t) (weighted_scale). extras: (z-loss term wanted, token accuracy wanted). Outputs: the
+        # d(loss)/d(loss_t) (weighted_scale). extras: (z-loss term wanted, token accuracy wanted). u, lw: the
+        # low-rank term's u and B, or None. need: gradients wanted for (hidden, weight, bias, u, B). Outputs: the
         # loss, then the rank, z and accuracy that were asked for.
         ctx.opts, ctx.loss_scale, ctx.accum_dtype, ctx.need = opts, loss_scale, accum_dtype, need
         ctx.hidden_shape, ctx.reduction, ctx.max_scratch_bytes = hidden.shape, reduction, max_scratch_bytes
         ctx.grad_filter_eps, ctx.row_w = grad_filter_eps, row_w
+        ctx.u_shape = None if u is None else u.shape
         fw = _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
-                      labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras)
+                      labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw)
         if reduction == "none":
-            ctx.save_for_backward(hidden, weight, bias, fw.flat, fw.lse, fw.q)
+            ctx.save_for_backward(hidden, weight, bias, fw.flat, fw.lse, fw.q, u, lw)
         else:
             grads = fw.grads
             ctx.consumer = _consumer_of(weight) if need[1] else None
             if ctx.consumer is not None:  # hand dW over now, so it need not live until backward
                 labels_ok.wait()  # never a dW from skipped CE passes (a bad label) into an optimizer step
                 ctx.consumer(grads[1], ctx)
-                grads = (grads[0], None, grads[2])
+                grads = (grads[0], None, *grads[2:])
             ctx.grads = grads
         outputs = [t for t in (fw.out, fw.rank, fw.z, fw.accuracy) if t is not None]
         if len(outputs) == 1:
@@ -464,26 +500,29 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, *_):
         if ctx.reduction == "none":
-            hidden, weight, bias, flat, lse, q = ctx.saved_tensors
-            grad_h, grad_w, grad_b = _deferred_grads(grad_out, hidden, weight, bias, flat, lse, q, ctx.row_w,
-                                                     ctx.opts, ctx.loss_scale, ctx.need, ctx.accum_dtype,
-                                                     ctx.max_scratch_bytes, ctx.grad_filter_eps)
+            hidden, weight, bias, flat, lse, q, u, lw = ctx.saved_tensors
+            grads = _deferred_grads(grad_out, hidden, weight, bias, flat, lse, q, ctx.row_w, ctx.opts,
+                                    ctx.loss_scale, ctx.need, ctx.accum_dtype, ctx.max_scratch_bytes,
+                                    ctx.grad_filter_eps, None if u is None else (u, lw))
         else:
             if ctx.consumer is not None:
                 _check_unit_gradient(grad_out)
                 ctx.consumer(None, ctx)
-            grad_h, grad_w, grad_b = take_grads(ctx)
-            for g in (grad_h, grad_w, grad_b):
+            grads = take_grads(ctx)
+            for g in grads:
                 if g is not None:
                     scale_(g, grad_out)
+        grad_h, grad_w, grad_b, grad_u, grad_lw = grads
         if grad_h is not None:
             grad_h = grad_h.view(ctx.hidden_shape)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None, None, None
+        if grad_u is not None:
+            grad_u = grad_u.view(ctx.u_shape)
+        return grad_h, grad_w, grad_b, *[None] * 12, grad_u, grad_lw
 
 
 class _Forward(NamedTuple):
     out: torch.Tensor  # the loss (0-dim, or per token in labels' shape)
-    grads: tuple | None  # mean / sum: (grad_h (N, H), grad_W, grad_b), each None unless needed
+    grads: tuple | None  # mean / sum: (grad_h (N, H), grad_W, grad_b, grad_u (N, r), grad_B), None if not needed
     flat: torch.Tensor
     lse: torch.Tensor
     q: torch.Tensor
@@ -493,9 +532,10 @@ class _Forward(NamedTuple):
 
 
 def _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank, labels_ok,
-             max_scratch_bytes, grad_filter_eps, row_w, extras) -> _Forward:
+             max_scratch_bytes, grad_filter_eps, row_w, extras, u=None, lw=None) -> _Forward:
     """The forward pass of the Function and of the custom op: losses, and for mean / sum all gradients."""
     h, flat = row_view(hidden), labels.reshape(-1)
+    low_rank = None if u is None else (row_view(u), lw)
     loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     lse, q = torch.empty_like(loss), torch.empty_like(loss)
     want_z, want_accuracy = extras
@@ -504,7 +544,7 @@ def _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dt
     grads = None
     if reduction == "none":
         _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
-                    max_scratch_bytes=max_scratch_bytes)
+                    max_scratch_bytes=max_scratch_bytes, low_rank=low_rank)
         row_scale = loss_scale if row_w is None else row_w * loss_scale
         out = (loss * row_scale).reshape(labels.shape)
     else:
@@ -512,7 +552,7 @@ def _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dt
         scale = labels_ok.scale if row_w is None else row_w
         grads = _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
                             scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype,
-                            max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps)
+                            max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps, low_rank=low_rank)
         out = scaled_sum(loss, scale) if scale.dim() == 0 else (loss * scale).sum()
         row_scale = scale
     z = accuracy = None
@@ -525,12 +565,15 @@ def _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dt
 
 
 def _deferred_grads(grad_out, hidden, weight, bias, flat, lse, q, row_w, opts, loss_scale, need, accum_dtype,
-                    max_scratch_bytes, grad_filter_eps):
+                    max_scratch_bytes, grad_filter_eps, low_rank=None):
     """reduction="none"'s backward: the chunks again, with the per-token grad_output as the rows' scale."""
     scale = grad_out.reshape(-1).float() * loss_scale
     scale = (scale if row_w is None else scale * row_w).contiguous()
+    if low_rank is not None:
+        low_rank = (row_view(low_rank[0]), low_rank[1])
     return _run_chunks(row_view(hidden), weight, bias, flat, opts, lse=lse, q=q, scale=scale, need=need,
-                       accum_dtype=accum_dtype, max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps)
+                       accum_dtype=accum_dtype, max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps,
+                       low_rank=low_rank)
 
 
 def _row_scales(labels, class_weights, ignore_index: int, reduction: str, normalizer, loss_scale: float):
@@ -542,6 +585,7 @@ def _row_scales(labels, class_weights, ignore_index: int, reduction: str, normal
 
 
 # ---- the custom ops torch.compile traces (_custom_ops.py) ---------------------------------------------------------
+# The low-rank term's arguments and gradients come last in the schemas (optional, so calls without it read as before).
 
 @custom_op("fused_linear_cross_entropy")
 def _fused_linear_cross_entropy_op(
@@ -550,38 +594,49 @@ def _fused_linear_cross_entropy_op(
     label_smoothing: float, z_loss: float, softcap: Optional[float], reduction: str, loss_scale: float,
     accum_dtype: torch.dtype, need_hidden: bool, need_weight: bool, need_bias: bool, with_rank: bool,
     max_scratch_bytes: Optional[int], grad_filter_eps: Optional[float], want_z: bool, want_accuracy: bool,
+    low_rank_input: Optional[torch.Tensor] = None, low_rank_weight: Optional[torch.Tensor] = None,
+    need_low_rank_input: bool = False, need_low_rank_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The triton path of `fused_linear_cross_entropy`, label check included: (loss, grad_h, grad_W, grad_b for
-    mean / sum, lse, q, the label flag, row scales, ranks, z-loss term, accuracy), placeholders for what was not
-    asked for. The check waits for its result here, at run time, as the eager call does."""
+    mean / sum, lse, q, the label flag, row scales, ranks, z-loss term, accuracy, grad_u, grad_B for mean / sum),
+    placeholders for what was not asked for. The check waits for its result here, at run time, as the eager call
+    does."""
     return _traced_forward(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing,
-                           z_loss, softcap, reduction, loss_scale, accum_dtype, (need_hidden, need_weight, need_bias),
-                           with_rank, max_scratch_bytes, grad_filter_eps, (want_z, want_accuracy))
+                           z_loss, softcap, reduction, loss_scale, accum_dtype,
+                           (need_hidden, need_weight, need_bias, need_low_rank_input, need_low_rank_weight),
+                           with_rank, max_scratch_bytes, grad_filter_eps, (want_z, want_accuracy), low_rank_input,
+                           low_rank_weight)
 
 
 @on_input_device  # launches, the check's event and its pinned copy all on the hidden states' device
 def _traced_forward(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss,
                     softcap, reduction, loss_scale, accum_dtype, need, with_rank, max_scratch_bytes, grad_filter_eps,
-                    extras):
+                    extras, u, lw):
     labels = labels.contiguous()
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
     row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale)
     fw = _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
-                  labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras)
+                  labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw)
     labels_ok.wait()
-    grads = fw.grads or (None, None, None)
-    grad_h = None if grads[0] is None else grads[0].view(hidden.shape)
-    return (fw.out, *(absent(fw.lse) if g is None else g for g in (grad_h, *grads[1:])), fw.lse, fw.q,
-            labels_ok.flag, *(absent(fw.lse) if t is None else t for t in (row_w, fw.rank, fw.z, fw.accuracy)))
+    grad_h, grad_w, grad_b, grad_u, grad_lw = fw.grads or (None,) * 5
+    grad_h = None if grad_h is None else grad_h.view(hidden.shape)
+    grad_u = None if grad_u is None else grad_u.view(u.shape)
+
+    def given(t):
+        return absent(fw.lse) if t is None else t
+
+    return (fw.out, *map(given, (grad_h, grad_w, grad_b)), fw.lse, fw.q, labels_ok.flag,
+            *map(given, (row_w, fw.rank, fw.z, fw.accuracy, grad_u, grad_lw)))
 
 
 @_fused_linear_cross_entropy_op.register_fake
 def _(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap,
       reduction, loss_scale, accum_dtype, need_hidden, need_weight, need_bias, with_rank, max_scratch_bytes,
-      grad_filter_eps, want_z, want_accuracy):
+      grad_filter_eps, want_z, want_accuracy, low_rank_input=None, low_rank_weight=None, need_low_rank_input=False,
+      need_low_rank_weight=False):
     f32 = dict(dtype=torch.float32, device=hidden.device)
     row = torch.empty(labels.numel(), **f32)
     loss_shape = labels.shape if reduction == "none" else ()
@@ -596,7 +651,9 @@ def _(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, lab
             torch.empty_like(row) if class_weights is not None else absent(row),
             torch.empty(labels.shape, dtype=torch.int32, device=hidden.device) if with_rank else absent(row),
             torch.empty(loss_shape, **f32) if want_z else absent(row),
-            torch.empty((), **f32) if want_accuracy else absent(row))
+            torch.empty((), **f32) if want_accuracy else absent(row),
+            like(low_rank_input, need_low_rank_input) if low_rank_input is not None else absent(row),
+            like(low_rank_weight, need_low_rank_weight) if low_rank_weight is not None else absent(row))
 
 
 @custom_op("fused_linear_cross_entropy_backward")
@@ -605,37 +662,45 @@ def _fused_linear_cross_entropy_backward_op(
     labels: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, label_flag: torch.Tensor, row_w: Optional[torch.Tensor],
     ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float], loss_scale: float,
     accum_dtype: torch.dtype, need_hidden: bool, need_weight: bool, need_bias: bool,
-    max_scratch_bytes: Optional[int], grad_filter_eps: Optional[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reduction="none"'s backward: (grad_h, grad_W, grad_b), placeholders for what was not asked for."""
+    max_scratch_bytes: Optional[int], grad_filter_eps: Optional[float], low_rank_input: Optional[torch.Tensor],
+    low_rank_weight: Optional[torch.Tensor], need_low_rank_input: bool, need_low_rank_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none"'s backward: (grad_h, grad_W, grad_b, grad_u, grad_B), placeholders for what was not asked
+    for."""
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=label_flag)
-    grads = _deferred_grads(grad_out, hidden, weight, bias, labels.contiguous().reshape(-1), lse, q, row_w, opts,
-                            loss_scale, (need_hidden, need_weight, need_bias), accum_dtype, max_scratch_bytes,
-                            grad_filter_eps)
-    grad_h = None if grads[0] is None else grads[0].view(hidden.shape)
-    return tuple(absent(lse) if g is None else g for g in (grad_h, *grads[1:]))
+    low_rank = None if low_rank_input is None else (low_rank_input, low_rank_weight)
+    need = (need_hidden, need_weight, need_bias, need_low_rank_input, need_low_rank_weight)
+    grad_h, grad_w, grad_b, grad_u, grad_lw = _deferred_grads(
+        grad_out, hidden, weight, bias, labels.contiguous().reshape(-1), lse, q, row_w, opts, loss_scale, need,
+        accum_dtype, max_scratch_bytes, grad_filter_eps, low_rank)
+    grad_h = None if grad_h is None else grad_h.view(hidden.shape)
+    grad_u = None if grad_u is None else grad_u.view(low_rank_input.shape)
+    return tuple(absent(lse) if g is None else g for g in (grad_h, grad_w, grad_b, grad_u, grad_lw))
 
 
 @_fused_linear_cross_entropy_backward_op.register_fake
 def _(grad_out, hidden, weight, bias, labels, lse, q, label_flag, row_w, ignore_index, label_smoothing, z_loss,
-      softcap, loss_scale, accum_dtype, need_hidden, need_weight, need_bias, max_scratch_bytes, grad_filter_eps):
+      softcap, loss_scale, accum_dtype, need_hidden, need_weight, need_bias, max_scratch_bytes, grad_filter_eps,
+      low_rank_input, low_rank_weight, need_low_rank_input, need_low_rank_weight):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if t is not None and needed else absent(lse)
-                 for t, needed in ((hidden, need_hidden), (weight, need_weight), (bias, need_bias)))
+                 for t, needed in ((hidden, need_hidden), (weight, need_weight), (bias, need_bias),
+                                   (low_rank_input, need_low_rank_input), (low_rank_weight, need_low_rank_weight)))
 
 
 def _fused_linear_cross_entropy_setup(ctx, inputs, output) -> None:
     hidden, weight, bias, labels, _, class_weights, *options, reduction, loss_scale, accum_dtype = inputs[:13]
     need, max_scratch_bytes, grad_filter_eps = inputs[13:16], inputs[17], inputs[18]
-    _, grad_h, grad_w, grad_b, lse, q, flag, row_w, *rest = output
-    ctx.mark_non_differentiable(grad_h, grad_w, grad_b, lse, q, flag, row_w, *rest)
-    ctx.reduction, ctx.need = reduction, need
+    u, lw, need_u, need_lw = inputs[21:25]  # defaults filled in when a call leaves them out
+    _, grad_h, grad_w, grad_b, lse, q, flag, row_w, rank, z, accuracy, grad_u, grad_lw = output
+    ctx.mark_non_differentiable(grad_h, grad_w, grad_b, lse, q, flag, row_w, rank, z, accuracy, grad_u, grad_lw)
+    ctx.reduction, ctx.need = reduction, (*need, need_u, need_lw)
     if reduction == "none":
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, q, flag, row_w)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, q, flag, row_w, u, lw)
         ctx.weighted = class_weights is not None
         ctx.options = (*options, loss_scale, accum_dtype, *need, max_scratch_bytes, grad_filter_eps)
     else:
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.save_for_backward(grad_h, grad_w, grad_b, grad_u, grad_lw)
 
 
 def _fused_linear_cross_entropy_grads(ctx, grad_out, *_):
@@ -643,11 +708,13 @@ def _fused_linear_cross_entropy_grads(ctx, grad_out, *_):
     if ctx.reduction != "none":  # the forward computed the gradients; grad_output scales them
         grads = [scaled(g, grad_out) if needed else None for g, needed in zip(ctx.saved_tensors, ctx.need)]
     else:
-        hidden, weight, bias, labels, lse, q, flag, row_w = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, q, flag, row_w, u, lw = ctx.saved_tensors
         grads = _fused_linear_cross_entropy_backward_op(grad_out, hidden, weight, bias, labels, lse, q, flag,
-                                                        row_w if ctx.weighted else None, *ctx.options)
+                                                        row_w if ctx.weighted else None, *ctx.options, u, lw,
+                                                        *ctx.need[3:])
         grads = [g if needed else None for g, needed in zip(grads, ctx.need)]
-    return *grads, *[None] * 18
+    # the inputs' gradients in schema order: hidden, weight, bias, 18 non-differentiable inputs, u, B, 2 flags
+    return *grads[:3], *[None] * 18, *grads[3:], None, None
 
 
 _fused_linear_cross_entropy_op.register_autograd(_fused_linear_cross_entropy_grads,
@@ -656,7 +723,8 @@ _fused_linear_cross_entropy_op.register_autograd(_fused_linear_cross_entropy_gra
 
 def _traced_fused_linear_cross_entropy(hidden, weight, bias, labels, normalizer, class_weights, ignore_index,
                                        label_smoothing, z_loss, softcap, reduction, loss_scale, accum_dtype,
-                                       return_target_rank, max_scratch_bytes, grad_filter_eps, want_z, want_accuracy):
+                                       return_target_rank, max_scratch_bytes, grad_filter_eps, want_z, want_accuracy,
+                                       u, lw):
     """`fused_linear_cross_entropy`'s triton path while torch.compile traces: the custom op, outputs as the eager
     call's."""
     if _GRAD_CONSUMERS:
@@ -665,12 +733,12 @@ def _traced_fused_linear_cross_entropy(hidden, weight, bias, labels, normalizer,
     if normalizer is not None:  # a tensor argument: a number would be baked into the graph
         normalizer = torch.as_tensor(normalizer)
     grad_on = torch.is_grad_enabled()
-    need = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    need = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias, u, lw)]
     out = _fused_linear_cross_entropy_op(
         hidden, weight, bias, labels, normalizer, class_weights, ignore_index, float(label_smoothing), float(z_loss),
-        None if softcap is None else float(softcap), reduction, float(loss_scale), accum_dtype, *need,
+        None if softcap is None else float(softcap), reduction, float(loss_scale), accum_dtype, *need[:3],
         return_target_rank, max_scratch_bytes, None if grad_filter_eps is None else float(grad_filter_eps), want_z,
-        want_accuracy)
+        want_accuracy, u, lw, *need[3:])
     loss, rank, z, accuracy = out[0], out[8], out[9], out[10]
     if want_z or want_accuracy:
         return LossOutput(loss, z if want_z else None, accuracy if want_accuracy else None,
@@ -699,8 +767,10 @@ def fused_linear_cross_entropy(
     class_weights: torch.Tensor | None = None,
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """Cross-entropy of hidden (..., H) · weight (V, H)ᵀ (+ bias (V,)) against labels (...), never holding N×V.
+    """Cross-entropy of hidden (..., H) · weight (V, H)ᵀ (+ bias (V,)) (+ u·Bᵀ) against labels (...), never holding
+    N×V.
 
     Returns the loss (0-dim fp32; fp32 of labels' shape for reduction="none") times loss_scale, and with
     return_target_rank=True also int32 ranks of labels' shape (logits above the target's, ties at a lower index
@@ -715,6 +785,10 @@ def fused_linear_cross_entropy(
     class_weights, return_z_loss, return_token_accuracy: as in `cross_entropy` (per-class weights as a per-row scale
     of the same passes; with either return flag the result is a LossOutput, whose target_rank holds the ranks when
     return_target_rank is set too). No logits are formed for any of them.
+    low_rank=(u, B): a low-rank term added to the logits, u (..., r) with hidden's leading shape, B (V, r), in
+    hidden's dtype; a LoRA adapter on the head is u = s·A·drop(hidden), computed by the caller with ordinary autograd
+    (the op returns du, which reaches A and hidden through it) and B = lora_B's weight. Every option above works with
+    it; du and dB (accumulated in fp32, returned in B's dtype) are computed as dh and dW are, only where asked for.
     """
     check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
     if hidden.dim() == 0:  # else an IndexError from hidden.shape[-1]
@@ -725,9 +799,11 @@ def fused_linear_cross_entropy(
         raise ValueError(f"weight must be (V, {hidden.shape[-1]}) with V >= 1, got {tuple(weight.shape)}")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
-    dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
+    u, lw = _check_low_rank(low_rank, hidden, weight)
+    dtypes = {t.dtype for t in (hidden, weight, bias, u, lw) if t is not None}
     if len(dtypes) > 1 or not hidden.dtype.is_floating_point:
-        raise ValueError(f"hidden, weight and bias must share one floating dtype, got {sorted(map(str, dtypes))}")
+        raise ValueError(f"hidden, weight, bias and low_rank must share one floating dtype, got "
+                         f"{sorted(map(str, dtypes))}")
     if accum_dtype not in (torch.float32, weight.dtype):
         raise ValueError(f"accum_dtype must be torch.float32 or the weight's dtype, got {accum_dtype}")
     if max_scratch_bytes is not None and max_scratch_bytes < 1:
@@ -737,12 +813,12 @@ def fused_linear_cross_entropy(
         raise ValueError(f"grad_filter_eps must be None or in (0, 1), got {grad_filter_eps}")
     check_class_weights(class_weights, weight.shape[0], weight.device, label_smoothing)
     labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
-    triton_path = use_triton(hidden, weight, bias, labels) and labels.numel() > 0
+    triton_path = use_triton(hidden, weight, bias, labels, u, lw) and labels.numel() > 0
     if triton_path and torch.compiler.is_compiling():
         return _traced_fused_linear_cross_entropy(
             hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap,
             reduction, loss_scale, accum_dtype, return_target_rank, max_scratch_bytes, grad_filter_eps,
-            return_z_loss, return_token_accuracy)
+            return_z_loss, return_token_accuracy, u, lw)
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
     if not triton_path:
         labels_ok.wait()
@@ -750,17 +826,17 @@ def fused_linear_cross_entropy(
             hidden, weight, labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, reduction=reduction, normalizer=normalizer, loss_scale=loss_scale,
             return_target_rank=return_target_rank, grad_filter_eps=grad_filter_eps, class_weights=class_weights,
-            return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+            return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy, low_rank=low_rank,
         )
     grad_on = torch.is_grad_enabled()
-    need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias, u, lw))
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
     row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale)
     out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, float(loss_scale),
                                          accum_dtype, need, return_target_rank, labels_ok, max_scratch_bytes,
                                          None if grad_filter_eps is None else float(grad_filter_eps), row_w,
-                                         (return_z_loss, return_token_accuracy))
+                                         (return_z_loss, return_token_accuracy), u, lw)
     labels_ok.wait()  # after every GEMM and CE pass is queued (they touch nothing if a label is bad)
     if not (return_z_loss or return_token_accuracy):
         return out
@@ -772,8 +848,26 @@ def fused_linear_cross_entropy(
     return LossOutput(loss, z, accuracy, rank)
 
 
+def _check_low_rank(low_rank, hidden: torch.Tensor, weight: torch.Tensor):
+    """(u, B) of a valid low_rank argument, (None, None) without one."""
+    if low_rank is None:
+        return None, None
+    if not isinstance(low_rank, (tuple, list)) or len(low_rank) != 2:
+        raise ValueError(f"low_rank must be a pair (u (..., r), B (V, r)), got {type(low_rank).__name__}")
+    u, lw = low_rank
+    if not isinstance(u, torch.Tensor) or not isinstance(lw, torch.Tensor):
+        raise ValueError("low_rank must be a pair of tensors (u (..., r), B (V, r))")
+    if u.dim() != hidden.dim() or u.shape[:-1] != hidden.shape[:-1] or u.shape[-1] < 1:
+        raise ValueError(f"low_rank's u must be (..., r) with hidden's leading shape {tuple(hidden.shape[:-1])} and "
+                         f"r >= 1, got {tuple(u.shape)}")
+    if lw.shape != (weight.shape[0], u.shape[-1]):
+        raise ValueError(f"low_rank's B must be (V, r) = ({weight.shape[0]}, {u.shape[-1]}), got {tuple(lw.shape)}")
+    return u, lw
+
+
 class FusedLinearCrossEntropyLoss(nn.Module):
-    """Module form of `fused_linear_cross_entropy`; weight, bias and the normaliser are passed to forward."""
+    """Module form of `fused_linear_cross_entropy`; weight, bias, the normaliser and the low-rank term are passed to
+    forward."""
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: float | None = None, reduction: str = "mean", loss_scale: float = 1.0,
@@ -784,5 +878,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
                          softcap=softcap, reduction=reduction, loss_scale=loss_scale, grad_filter_eps=grad_filter_eps)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                bias: torch.Tensor | None = None, normalizer=None) -> torch.Tensor:
-        return fused_linear_cross_entropy(hidden, weight, labels, bias, normalizer=normalizer, **self.opts)
+                bias: torch.Tensor | None = None, normalizer=None,
+                low_rank: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return fused_linear_cross_entropy(hidden, weight, labels, bias, normalizer=normalizer, low_rank=low_rank,
+                                          **self.opts)
