@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -32,7 +33,7 @@ from .config import GenerationConfig, LigerConfig
 from .decoder import DecoderModel
 from .generate import generate
 from .inputs import check_labels
-from .linear import is_plain_linear, pack_linears_
+from .linear import is_plain_linear, pack_linears_, runs_forward_hooks
 from .lora_embedding import LoraEmbedding
 from .lora_linear import LoraLinear, NF4Weight
 from .loss import autocast_operands, shift_labels
@@ -324,22 +325,51 @@ class LigerForCausalLM(nn.Module):
             check_labels(labels, hidden.shape[:2], hidden.device)
             targets = shift_labels(labels, 1, position_ids)  # (B, T)
             softcap = self.config.logit_softcap  # applied inside the loss kernels, to fp32 logits
-            if not is_plain_linear(self.lm_head):
-                # A wrapped head (PEFT's LoRA on lm_head) computes more than hidden · Wᵀ: its logits are formed.
+            operands = self._fused_head_operands(hidden)
+            if operands is None:
+                # A head the fused loss cannot read (PEFT's wrapped lm_head, DoRA or an NF4 base on ours, forward
+                # hooks): its logits are formed.
                 logits = self.lm_head(hidden)
                 # a copy: the loss may write its gradient over the logits
                 kept = self._capped(logits.detach().clone()) if self.logits_with_loss else None
                 loss = cross_entropy(logits, targets, normalizer=normalizer, softcap=softcap)
                 return CausalLMOutput(loss=loss, logits=kept, past_key_values=past_key_values)
+            hidden, weight, bias, low_rank = operands
             logits = None
             if self.logits_with_loss:
-                with torch.no_grad():
-                    logits = self.compute_logits(hidden)
-            hidden, weight = autocast_operands(hidden, self.lm_head.weight)
-            loss = fused_linear_cross_entropy(hidden, weight, targets, normalizer=normalizer, softcap=softcap)
+                with torch.no_grad():  # the logits this loss is computed from (an adapter's dropout mask included)
+                    logits = F.linear(hidden, weight, bias)
+                    if low_rank is not None:
+                        u, lw = low_rank
+                        logits.view(-1, logits.shape[-1]).addmm_(u.reshape(-1, u.shape[-1]), lw.t())
+                    logits = self._capped(logits)
+            loss = fused_linear_cross_entropy(hidden, weight, targets, bias, normalizer=normalizer, softcap=softcap,
+                                              low_rank=low_rank)
             return CausalLMOutput(loss=loss, logits=logits, past_key_values=past_key_values)
         hidden = keep_positions(hidden, num_logits_to_keep, logits_to_keep)
         return CausalLMOutput(logits=self.compute_logits(hidden), past_key_values=past_key_values)
+
+    def _fused_head_operands(self, hidden: torch.Tensor):
+        """(hidden, weight, bias, low_rank) of ``fused_linear_cross_entropy`` that compute lm_head(hidden), in
+        autocast's dtype under autocast (as lm_head's GEMM would run), or None when lm_head is not one the loss can
+        read: a plain nn.Linear, or our LoraLinear on a dense base with no adapter, a merged one or a plain LoRA
+        adapter, whose u·Bᵀ becomes the loss's low-rank term (LoraLinear.low_rank_terms; its dropout draws its mask
+        here). The cases where LoraLinear's own forward takes ``composed`` (autocast, torch.compile, a trainable
+        base) are readable too: u comes from plain autograd ops, the loss has a custom op for compile and computes
+        dW when W requires grad, and under autocast every operand is in autocast's dtype as the head's GEMMs would
+        have it. Not readable, so formed: PEFT's own wrapper of lm_head, a DoRA adapter (its per-row factor m / n
+        scales the base's logits too, no low-rank term), an NF4 base (never on lm_head here, but its weight is
+        codes), and a head with forward hooks, which a call would run."""
+        head = self.lm_head
+        if is_plain_linear(head):
+            return (*autocast_operands(hidden, head.weight), None, None)
+        if not isinstance(head, LoraLinear) or runs_forward_hooks(head) or head.quant is not None:
+            return None
+        if head.has_adapter and head.use_dora:
+            return None
+        hidden, weight = autocast_operands(hidden, head.weight)
+        bias = None if head.bias is None else head.bias.to(weight.dtype)
+        return hidden, weight, bias, head.low_rank_terms(hidden) if head.has_adapter else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head(hidden), soft-capped as HF does when the config says so (Gemma 2: c·tanh(z / c) in the logits'

@@ -80,8 +80,13 @@ class _PackedLinear(torch.autograd.Function):
 def is_plain_linear(module: nn.Module) -> bool:
     """Whether a fused path may read ``module.weight`` / ``.bias`` in place of calling it: exactly ``nn.Linear``
     (a subclass, e.g. a quantised linear, computes something else) with no forward hooks that a call would run."""
-    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-            and not _module_hooks._global_forward_hooks and not _module_hooks._global_forward_pre_hooks)
+    return type(module) is nn.Linear and not runs_forward_hooks(module)
+
+
+def runs_forward_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs forward hooks (its own or global ones), which reading its weights skips."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module_hooks._global_forward_hooks
+                or _module_hooks._global_forward_pre_hooks)
 
 
 def all_plain(linears: list[nn.Module]) -> bool:

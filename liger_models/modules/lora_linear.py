@@ -228,6 +228,19 @@ class LoraLinear(nn.Module):
         base = F.linear(h, weight) if h is not x else y if self.bias is None else y - self.bias
         return y + (factor - 1) * base + factor * lora
 
+    def low_rank_terms(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(u, B) with this layer's output = F.linear(x, W, b) + u·Bᵀ, both in the dtype of F.linear's output for x
+        (x's, or autocast's): u = drop(x)·(s·A)ᵀ (..., r) and B = lora_B's weight, differentiable (ordinary autograd
+        reaches A, B and x). For a plain adapter on a dense base; the causal-LM loss hands them to the fused
+        linear-cross-entropy, so an adapted lm_head never forms its output. s·A is formed in the adapter's dtype and
+        rounded once to x's (r × in elements), so u is one GEMM with one rounding, as the fused core's x·Aᵀ is (which
+        puts s into the B GEMM's alpha)."""
+        if not self.has_adapter or self.use_dora or self.quant is not None:
+            raise ValueError("low_rank_terms needs an unmerged plain LoRA adapter on a dense base (no DoRA, no NF4)")
+        h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        u = F.linear(h, (self.lora_A.weight * self.scaling).to(x.dtype))
+        return u, self.lora_B.weight.to(u.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lora_packed_linear(x, [self])
 
