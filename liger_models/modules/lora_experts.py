@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .lora_linear import check_rank
@@ -57,22 +56,11 @@ class ExpertsAdapter(nn.Module):
         else:
             nn.init.zeros_(self.lora_B)
 
-    def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A (E, r', in), B (E, out, r')) in ``dtype``, contiguous, differentiable back to lora_A / lora_B. r' is r
-        padded with zero rows of A and columns of B to a multiple of 16 bytes, the stride torch's grouped GEMM
-        needs (moe.py ``_use_grouped_mm``): at r = 4 in bf16 the experts' base GEMMs would otherwise fall back to
-        the padded-batch path. The product B·A and every gradient of lora_A / lora_B are unchanged."""
-        a = self.lora_A.to(dtype).view(self.num_experts, self.r, -1)
-        b = self.lora_B.to(dtype).view(self.lora_B.shape[0], self.r, self.num_experts).permute(2, 0, 1)
-        extra = -self.r % (128 // torch.finfo(dtype).bits)  # 16 bytes of elements
-        if extra:
-            a, b = F.pad(a, (0, 0, 0, extra)), F.pad(b, (0, extra))
-        return a.contiguous(), b.contiguous()
-
     @torch.no_grad()
     def delta(self) -> torch.Tensor:
         """s·B_e·A_e for every expert, (E, out, in) in fp32."""
-        a, b = self.stacks(torch.float32)
+        a = self.lora_A.float().view(self.num_experts, self.r, -1)
+        b = self.lora_B.float().view(self.lora_B.shape[0], self.r, self.num_experts).permute(2, 0, 1)
         return self.scaling * torch.bmm(b, a)
 
 
@@ -107,15 +95,15 @@ class LoraExperts(Experts):
     def has_adapter(self) -> bool:
         return len(self.lora) > 0 and not self.merged
 
-    def adapters(self, dtype: torch.dtype) -> ExpertsLora | None:
-        """The adapters as the grouped GEMMs take them, in ``dtype`` (None when none is active)."""
+    def adapters(self) -> ExpertsLora | None:
+        """The adapters as the routed experts take them (None while merged)."""
         if not self.has_adapter:
             return None
-        a1, b1 = self.lora["gate_up_proj"].stacks(dtype) if "gate_up_proj" in self.lora else (None, None)
-        a2, b2 = self.lora["down_proj"].stacks(dtype) if "down_proj" in self.lora else (None, None)
-        s1 = self.lora["gate_up_proj"].scaling if a1 is not None else 0.0
-        s2 = self.lora["down_proj"].scaling if a2 is not None else 0.0
-        return ExpertsLora(a1, b1, s1, a2, b2, s2)
+        def factors(name: str) -> tuple:
+            adapter = self.lora[name] if name in self.lora else None
+            return (None, None, 0.0) if adapter is None else (adapter.lora_A, adapter.lora_B, adapter.scaling)
+
+        return ExpertsLora(*factors("gate_up_proj"), *factors("down_proj"))
 
     def adapter_tensors(self) -> dict[str, nn.Parameter]:
         """Key suffix → Parameter under PEFT's names: the wrappers nest in STACKED order, the first adapted

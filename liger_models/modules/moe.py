@@ -157,9 +157,10 @@ def _slots(counts: torch.Tensor, expert_of_row: torch.Tensor, bound: int) -> tup
 
 
 class ExpertsLora(NamedTuple):
-    """Adapters on the stacked experts, as the grouped GEMMs take them: a1 (E, r1, D) and b1 (E, 2I, r1) on
-    gate|up with scale s1, a2 (E, r2, I) and b2 (E, D, r2) on down with s2; None (and 0.0) where one is not
-    adapted. In the activations' dtype (modules/lora_experts.py: ``ExpertsAdapter.stacks``)."""
+    """LoRA adapters on the stacked experts in PEFT's layout (modules/lora_experts.py): a1 (E·r1, D) and b1
+    (2I, E·r1) on gate|up with scale s1, a2 (E·r2, I) and b2 (D, E·r2) on down with s2 (expert e's A is rows
+    e·r…(e+1)·r, its B columns e, e + E, …); None (and 0.0) where a stack has none. Any float dtype: the GEMMs run
+    in the activations' dtype, and the gradients come back in the adapters' own."""
 
     a1: torch.Tensor | None
     b1: torch.Tensor | None
@@ -169,7 +170,53 @@ class ExpertsLora(NamedTuple):
     s2: float
 
 
-def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str, lora: ExpertsLora | None = None):
+class _Stacks(NamedTuple):
+    """ExpertsLora as the grouped GEMMs take it: a (E, r', in) and b (E, out, r') per stack in the activations'
+    dtype, contiguous, r' = r padded with zero rows of A and columns of B to 16 bytes (the strides torch's grouped
+    GEMM needs, ``_use_grouped_mm``: at r = 4 in bf16 the experts' base GEMMs would otherwise fall back to the
+    padded-batch path). Built per call from the adapters (in forward and again in backward), never saved: at
+    Qwen3-30B-A3B's width they are 41 MB per layer."""
+
+    a1: torch.Tensor | None
+    b1: torch.Tensor | None
+    s1: float
+    a2: torch.Tensor | None
+    b2: torch.Tensor | None
+    s2: float
+
+
+def _stack(a: torch.Tensor, b: torch.Tensor, num_experts: int, dtype: torch.dtype):
+    r = a.shape[0] // num_experts
+    a = a.detach().to(dtype).view(num_experts, r, -1)
+    b = b.detach().to(dtype).view(b.shape[0], r, num_experts).permute(2, 0, 1)
+    extra = -r % (128 // torch.finfo(dtype).bits)  # 16 bytes of elements
+    if extra:
+        a, b = F.pad(a, (0, 0, 0, extra)), F.pad(b, (0, extra))
+    return a.contiguous(), b.contiguous()
+
+
+def _stacks(a1, b1, s1, a2, b2, s2, num_experts: int, dtype: torch.dtype) -> _Stacks | None:
+    if a1 is None and a2 is None:
+        return None
+    up = _stack(a1, b1, num_experts, dtype) if a1 is not None else (None, None)
+    down = _stack(a2, b2, num_experts, dtype) if a2 is not None else (None, None)
+    return _Stacks(up[0], up[1], s1, down[0], down[1], s2)
+
+
+def _unstacked(grad_a: torch.Tensor | None, grad_b: torch.Tensor | None, a: torch.Tensor | None,
+               b: torch.Tensor | None, num_experts: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The stacks' gradients in the adapters' layout and dtype (the padding's rows and columns dropped)."""
+    if a is None:
+        return None, None
+    r = a.shape[0] // num_experts
+    if grad_a is not None:
+        grad_a = grad_a[:, :r].reshape(a.shape).to(a.dtype)
+    if grad_b is not None:
+        grad_b = grad_b[:, :, :r].permute(1, 2, 0).reshape(b.shape).to(b.dtype)
+    return grad_a, grad_b
+
+
+def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str, lora: _Stacks | None = None):
     """(y (N, D), the gate|up output (S, 2I), order, sorted expert ids, counts, u1, u2): the forward and what
     backward needs (``_Experts``); u1 = A1_e·x and u2 = A2_e·act per sorted row where ``lora`` adapts gate|up / down
     (else None)."""
@@ -205,7 +252,7 @@ def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str,
 
 
 def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, counts, activation: str, path: str,
-                 top_k: int, needs: tuple[bool, ...], lora: ExpertsLora | None = None, u1=None, u2=None):
+                 top_k: int, needs: tuple[bool, ...], lora: _Stacks | None = None, u1=None, u2=None):
     """(d x, d weights, d gate_up, d down, d a1, d b1, d a2, d b2), None where ``needs`` (the same order; the last
     four only with ``lora``) says no or there is no such adapter. Writes d gate|up over ``hidden``'s memory."""
     inter, n_tokens = hidden.shape[1] // 2, x.shape[0]
@@ -285,7 +332,7 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, s2):
-        lora = _lora_or_none(a1, b1, s1, a2, b2, s2)
+        lora = _stacks(a1, b1, s1, a2, b2, s2, gate_up.shape[0], x.dtype)
         y, *saved = _experts_fwd(x, weights, gate_up, down, experts, activation, path, lora)
         ctx.save_for_backward(x, weights, gate_up, down, *saved[:4], a1, b1, a2, b2, *saved[4:])
         ctx.activation, ctx.path, ctx.top_k, ctx.scales = activation, path, experts.shape[1], (s1, s2)
@@ -294,16 +341,22 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        *base, a1, b1, a2, b2, u1, u2 = ctx.saved_tensors
-        lora = _lora_or_none(a1, b1, ctx.scales[0], a2, b2, ctx.scales[1])
+        x, *base, a1, b1, a2, b2, u1, u2 = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[:4]) + tuple(ctx.needs_input_grad[i] for i in (7, 8, 10, 11))
-        grads = _experts_bwd(dy, *base, ctx.activation, ctx.path, ctx.top_k, needs, lora, u1, u2)
-        grads = tuple(grads) + (None,) * (8 - len(grads))
+        grads = _adapted_backward(dy, x, base, a1, b1, ctx.scales[0], a2, b2, ctx.scales[1], u1, u2,
+                                  ctx.activation, ctx.path, ctx.top_k, needs)
         return (*grads[:4], None, None, None, grads[4], grads[5], None, grads[6], grads[7], None)
 
 
-def _lora_or_none(a1, b1, s1, a2, b2, s2) -> ExpertsLora | None:
-    return None if a1 is None and a2 is None else ExpertsLora(a1, b1, s1, a2, b2, s2)
+def _adapted_backward(dy, x, base, a1, b1, s1, a2, b2, s2, u1, u2, activation, path, top_k, needs):
+    """_experts_bwd with the adapters' stacks rebuilt, its eight gradients (x, weights, gate_up, down, a1, b1, a2,
+    b2) with the adapters' in their own layout."""
+    lora = _stacks(a1, b1, s1, a2, b2, s2, base[1].shape[0], x.dtype)
+    grads = _experts_bwd(dy, x, *base, activation, path, top_k, needs, lora, u1, u2)
+    grads = tuple(grads) + (None,) * (8 - len(grads))
+    experts = base[1].shape[0]
+    return (*grads[:4], *_unstacked(grads[4], grads[5], a1, b1, experts), *_unstacked(grads[6], grads[7], a2, b2,
+                                                                                     experts))
 
 
 # ---- the same as custom ops, for torch.compile (liger_models/kernels/_custom_ops.py) -----------------------------
@@ -316,7 +369,8 @@ def _experts_op(x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, d
                                     torch.Tensor, torch.Tensor]:
     """_Experts' forward: (y, gate|up output, order, sorted expert ids, counts, u1, u2), placeholders for the u of
     a stack without an adapter."""
-    out = _experts_fwd(x, weights, gate_up, down, experts, activation, path, _lora_or_none(a1, b1, s1, a2, b2, s2))
+    lora = _stacks(a1, b1, s1, a2, b2, s2, gate_up.shape[0], x.dtype)
+    out = _experts_fwd(x, weights, gate_up, down, experts, activation, path, lora)
     return (*out[:5], *(absent(x) if u is None else u for u in out[5:]))
 
 
@@ -325,8 +379,13 @@ def _(x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, 
     rows = experts.numel()
     return (x.new_empty(x.shape), x.new_empty(rows, gate_up.shape[1]), experts.new_empty(rows),
             experts.new_empty(rows), experts.new_empty(gate_up.shape[0]),
-            absent(x) if a1 is None else x.new_empty(rows, a1.shape[1]),
-            absent(x) if a2 is None else x.new_empty(rows, a2.shape[1]))
+            absent(x) if a1 is None else x.new_empty(rows, _padded_rank(a1, gate_up.shape[0], x.dtype)),
+            absent(x) if a2 is None else x.new_empty(rows, _padded_rank(a2, gate_up.shape[0], x.dtype)))
+
+
+def _padded_rank(a: torch.Tensor, num_experts: int, dtype: torch.dtype) -> int:
+    r = a.shape[0] // num_experts
+    return r + -r % (128 // torch.finfo(dtype).bits)
 
 
 @custom_op("moe_experts_backward")
@@ -339,10 +398,8 @@ def _experts_backward_op(dy: torch.Tensor, x: torch.Tensor, weights: torch.Tenso
                                                     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """_Experts' backward on a copy of the gate|up output (an op may not write its inputs); placeholders for the
     gradients not asked for (x, weights, gate_up, down, a1, b1, a2, b2)."""
-    lora = _lora_or_none(a1, b1, s1, a2, b2, s2)
-    grads = _experts_bwd(dy, x, weights, gate_up, down, hidden.clone(), order, expert_of_row, counts, activation,
-                         path, top_k, tuple(needs), lora, u1, u2)
-    grads = tuple(grads) + (None,) * (8 - len(grads))
+    grads = _adapted_backward(dy, x, (weights, gate_up, down, hidden.clone(), order, expert_of_row, counts), a1, b1,
+                              s1, a2, b2, s2, u1, u2, activation, path, top_k, tuple(needs))
     return tuple(absent(x) if g is None else g for g in grads)
 
 
@@ -395,19 +452,13 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     if experts.shape != weights.shape or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
         raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be (N, k) "
                          f"for x {tuple(x.shape)}")
-    factors = () if lora is None else tuple(t for t in (lora.a1, lora.b1, lora.a2, lora.b2) if t is not None)
     if torch.is_autocast_enabled(x.device.type):  # the GEMMs in autocast's dtype, as nn.Linear's would run
         dtype = torch.get_autocast_dtype(x.device.type)
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
-        if lora is not None:
-            cast = [None if t is None else t.to(dtype) for t in (lora.a1, lora.b1, lora.a2, lora.b2)]
-            lora = ExpertsLora(cast[0], cast[1], lora.s1, cast[2], cast[3], lora.s2)
-            factors = tuple(t for t in cast if t is not None)
-    if x.dtype != gate_up.dtype or x.dtype != down.dtype or any(t.dtype != x.dtype for t in factors):
-        raise TypeError(f"x ({x.dtype}), the expert weights ({gate_up.dtype}, {down.dtype}) and their adapters "
-                        f"({', '.join(str(t.dtype) for t in factors) or 'none'}) must share a dtype")
+    if x.dtype != gate_up.dtype or x.dtype != down.dtype:
+        raise TypeError(f"x ({x.dtype}) and the expert weights ({gate_up.dtype}, {down.dtype}) must share a dtype")
     if path == "auto":
-        path = "grouped_mm" if _use_grouped_mm(x, gate_up, down, *factors) else "padded"
+        path = "grouped_mm" if _use_grouped_mm(x, gate_up, down) else "padded"
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
     a1, b1, s1, a2, b2, s2 = lora if lora is not None else (None, None, 0.0, None, None, 0.0)
@@ -456,7 +507,7 @@ class Experts(nn.Module):
     def num_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
-    def adapters(self, dtype: torch.dtype) -> ExpertsLora | None:
+    def adapters(self) -> ExpertsLora | None:
         """The LoRA adapters the grouped GEMMs apply (modules/lora_experts.py's LoraExperts has them)."""
         return None
 
@@ -489,7 +540,7 @@ class SparseMoeBlock(nn.Module):
             recorded.append(logits)
         weights, experts = route(logits, self.top_k, self.renormalize, self.weights_in_logits_dtype)
         out = experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
-                              self.activation, self.path, self.experts.adapters(x.dtype))
+                              self.activation, self.path, self.experts.adapters())
         return out.view(shape)
 
 

@@ -124,8 +124,9 @@ def test_expert_adapters_in_grouped_mm_bf16_on_the_gpu():
     experts = torch.stack([torch.randperm(e)[:k] for _ in range(n)]).to(device)
     stacks = [torch.randn(e, 2 * inter, d, device=device) / d ** 0.5,
               torch.randn(e, d, inter, device=device) / inter ** 0.5]
-    factors = [torch.randn(e, r, d, device=device) / d ** 0.5, torch.randn(e, 2 * inter, r, device=device) / r ** 0.5,
-               torch.randn(e, r, inter, device=device) / inter ** 0.5, torch.randn(e, d, r, device=device) / r ** 0.5]
+    # PEFT's layout (A (E·r, in), B (out, r·E)), fp32 as add_lora keeps adapters
+    factors = [torch.randn(e * r, d, device=device) / d ** 0.5, torch.randn(2 * inter, r * e, device=device) / r ** 0.5,
+               torch.randn(e * r, inter, device=device) / inter ** 0.5, torch.randn(d, r * e, device=device) / r ** 0.5]
     grad = torch.randn(n, d, device=device)
 
     def run(values, dtype, merged=False):
@@ -133,10 +134,13 @@ def test_expert_adapters_in_grouped_mm_bf16_on_the_gpu():
         routed = experts.to(leaves[0].device)
         xx, ww, gu, dn, a1, b1, a2, b2 = leaves
         if merged:
-            out = experts_forward(xx, ww, routed, gu + 0.5 * b1 @ a1, dn + 2.0 * b2 @ a2, "silu", "padded")
+            def delta(a, b):  # s·B_e·A_e of every expert from PEFT's layout
+                return b.view(b.shape[0], r, e).permute(2, 0, 1) @ a.view(e, r, -1)
+            out = experts_forward(xx, ww, routed, gu + 0.5 * delta(a1, b1), dn + 2.0 * delta(a2, b2), "silu",
+                                  "padded")
         else:
             lora = ExpertsLora(a1, b1, 0.5, a2, b2, 2.0)
-            assert dtype != torch.bfloat16 or _use_grouped_mm(xx, gu, dn, a1, b1, a2, b2)
+            assert dtype != torch.bfloat16 or _use_grouped_mm(xx, gu, dn)
             out = experts_forward(xx, ww, routed, gu, dn, "silu", "auto", lora)
         return out, torch.autograd.grad(out, leaves, grad.to(leaves[0].device, dtype))
 

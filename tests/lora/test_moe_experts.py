@@ -130,10 +130,13 @@ def test_grouped_gemms_equal_a_per_expert_loop(path):
     stacks = [0.3 * torch.randn(e, 2 * inter, d), 0.3 * torch.randn(e, d, inter)]
     factors = [0.3 * torch.randn(e, r, d), 0.3 * torch.randn(e, 2 * inter, r), 0.3 * torch.randn(e, r, inter),
                0.3 * torch.randn(e, d, r)]
-    leaves = [t.requires_grad_() for t in (x, weights, *stacks, *factors)]
+    # PEFT's layout, as LoraExperts holds them: A (E·r, in), B (out, r·E) with expert e's columns e, e + E, …
+    peft_layout = [factors[0].reshape(e * r, d), factors[1].permute(1, 2, 0).reshape(2 * inter, r * e),
+                   factors[2].reshape(e * r, inter), factors[3].permute(1, 2, 0).reshape(d, r * e)]
+    leaves = [t.requires_grad_() for t in (x, weights, *stacks, *peft_layout)]
     out = experts_forward(x, weights, experts, *stacks, "silu", path,
-                          ExpertsLora(factors[0], factors[1], 0.7, factors[2], factors[3], 1.3))
-    exact = [t.detach().double().requires_grad_() for t in leaves]
+                          ExpertsLora(peft_layout[0], peft_layout[1], 0.7, peft_layout[2], peft_layout[3], 1.3))
+    exact = [t.detach().double().requires_grad_() for t in (x, weights, *stacks, *factors)]
     x64, w64, gate_up, down, a1, b1, a2, b2 = exact
     ref = torch.zeros(n, d, dtype=torch.float64)
     for t in range(n):
@@ -143,7 +146,10 @@ def test_grouped_gemms_equal_a_per_expert_loop(path):
             ref[t] = ref[t] + w64[t, j] * ((down[i] + 1.3 * b2[i] @ a2[i]) @ (torch.nn.functional.silu(g) * u))
     assert (out.double() - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
     grad = torch.randn_like(ref)
-    mine = torch.autograd.grad(out, leaves, grad.float())
+    mine = list(torch.autograd.grad(out, leaves, grad.float()))
+    for i in (4, 6):  # back to the per-expert stacks the loop differentiates
+        mine[i] = mine[i].reshape(e, r, -1)
+        mine[i + 1] = mine[i + 1].reshape(-1, r, e).permute(2, 0, 1)
     truth = torch.autograd.grad(ref, exact, grad)
     names = ("x", "weights", "gate_up", "down", "a1", "b1", "a2", "b2")
     for name, m, t in zip(names, mine, truth):
@@ -300,16 +306,19 @@ def test_per_expert_adapter_missing_up_or_an_expert_is_refused(tmp_path):
 @pytest.mark.parametrize("r", [1, 4, 8, 12])
 def test_stacks_pad_the_rank_to_grouped_mm_strides_without_changing_the_product(r):
     """bf16 stacks carry r rounded up to 8 (16 bytes, torch's grouped GEMM stride rule) with zero rows / columns:
-    B·A is the same, and the padding passes no gradient to anything."""
+    B_e·A_e is each expert's own, and the padding passes no gradient back to the adapter."""
     from liger_models.modules.lora_experts import ExpertsAdapter
+    from liger_models.modules.moe import _stack, _unstacked
 
     adapter = ExpertsAdapter(3, 24, 40, r, 8.0, False, "cpu", torch.float32)
     adapter.reset(False)
-    a, b = adapter.stacks(torch.bfloat16)
-    assert a.shape == (3, -(-r // 8) * 8, 24) and b.shape == (3, 40, -(-r // 8) * 8)
-    a32, b32 = adapter.stacks(torch.float32)
-    assert torch.equal(torch.bmm(b.float(), a.float()), torch.bmm(b32.to(torch.bfloat16).float(),
-                                                                  a32.to(torch.bfloat16).float()))
-    (a.float().sum() + b.float().sum()).backward()
-    assert torch.equal(adapter.lora_A.grad, torch.ones_like(adapter.lora_A))
-    assert torch.equal(adapter.lora_B.grad, torch.ones_like(adapter.lora_B))
+    a, b = _stack(adapter.lora_A, adapter.lora_B, 3, torch.bfloat16)
+    padded = -(-r // 8) * 8
+    assert a.shape == (3, padded, 24) and b.shape == (3, 40, padded)
+    for e in range(3):
+        a_e = adapter.lora_A[e * r:(e + 1) * r].to(torch.bfloat16).float()
+        b_e = adapter.lora_B[:, e::3].to(torch.bfloat16).float()
+        assert torch.equal(b[e].float() @ a[e].float(), b_e @ a_e)
+    grad_a, grad_b = _unstacked(torch.ones_like(a), torch.ones_like(b), adapter.lora_A, adapter.lora_B, 3)
+    assert grad_a.shape == adapter.lora_A.shape and grad_b.shape == adapter.lora_B.shape
+    assert grad_a.dtype == grad_b.dtype == torch.float32
