@@ -6,6 +6,7 @@ exactly what they save on CUDA. Every tensor autograd saves passes a ``saved_ten
 counted once, parameters and buffers not at all (they exist anyway), a dequantised NF4 weight would count.
 
     python benchmarks/tools/lora_saved_activations.py [--config qwen2.5-7b] [--seq 128]
+    python benchmarks/tools/lora_saved_activations.py --config qwen3-30b-a3b-w4l --seq 64   # MoE: experts adapted
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def main() -> None:
             config = transformers.AutoConfig.for_model(**cfg)
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                                   attn_implementation="sdpa")
-            model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS))
+            moe = "num_experts_per_tok" in cfg  # all-linear there: the routers and expert stacks, as ours
+            model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA,
+                                                               target_modules="all-linear" if moe else TARGETS))
         else:
             from liger_models.auto import model_class
             from liger_models.lora import LoraSettings, add_lora, quantize_base_
