@@ -170,19 +170,12 @@ class ExpertsLora(NamedTuple):
     s2: float
 
 
-class _Stacks(NamedTuple):
+class _Stacks(ExpertsLora):
     """ExpertsLora as the grouped GEMMs take it: a (E, r', in) and b (E, out, r') per stack in the activations'
     dtype, contiguous, r' = r padded with zero rows of A and columns of B to 16 bytes (the strides torch's grouped
     GEMM needs, ``_use_grouped_mm``: at r = 4 in bf16 the experts' base GEMMs would otherwise fall back to the
     padded-batch path). Built per call from the adapters (in forward and again in backward), never saved: at
     Qwen3-30B-A3B's width they are 41 MB per layer."""
-
-    a1: torch.Tensor | None
-    b1: torch.Tensor | None
-    s1: float
-    a2: torch.Tensor | None
-    b2: torch.Tensor | None
-    s2: float
 
 
 def _stack(a: torch.Tensor, b: torch.Tensor, num_experts: int, dtype: torch.dtype):

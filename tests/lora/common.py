@@ -76,10 +76,11 @@ def peft_name(ours_name: str) -> str:
     return "base_model.model." + ours_name
 
 
-def assert_matches_float64_peft(ours, truth) -> dict[str, torch.Tensor]:
+def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """One training step's numbers of ours (fp32) against ``truth`` (``peft_float64``: HF + PEFT in float64 with the
     same adapters), both in train mode: logits within 1e-4 of the largest, loss within 1e-5 relative, every trained
-    gradient within 1e-4 of its max, no gradient on a frozen parameter. Returns ours' trained gradients by name."""
+    gradient within 1e-4 of its max, no gradient on a frozen parameter. ``names``: our parameter name → truth's,
+    where ``peft_name``'s rule does not give it. Returns ours' trained gradients by name."""
     ours.train()
     truth.train()
     ids, labels = batch()
@@ -95,7 +96,10 @@ def assert_matches_float64_peft(ours, truth) -> dict[str, torch.Tensor]:
     grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
     for name, grad in grads.items():
         assert grad is not None, f"{name}: no gradient"
-        ref_name = peft_name(name) if "lora_" in name else "base_model.model." + name
+        if names is not None and name in names:
+            ref_name = names[name]
+        else:
+            ref_name = peft_name(name) if "lora_" in name else "base_model.model." + name
         assert max_rel(grad, truth_params[ref_name].grad) < 1e-4, name
     frozen = [n for n, p in ours.named_parameters() if not p.requires_grad and p.grad is not None]
     assert not frozen, f"frozen parameters got gradients: {frozen[:3]}"
