@@ -35,6 +35,7 @@ from .generate import generate
 from .inputs import check_labels
 from .linear import is_plain_linear, pack_linears_, runs_forward_hooks
 from .lora_embedding import LoraEmbedding
+from .lora_experts import LoraExperts
 from .lora_linear import LoraLinear, NF4Weight
 from .loss import autocast_operands, shift_labels
 from .output import model_output
@@ -577,7 +578,7 @@ class LigerForCausalLM(nn.Module):
                              "checkpoint with liger_models.lora.save_bnb_4bit(model, dir), or a dense one with the "
                              "adapters merged with liger_models.lora.save_merged(model, dir)")
         adapted = [n for n, m in self.named_modules()
-                   if isinstance(m, (LoraLinear, LoraEmbedding)) and m.carries_adapter]
+                   if isinstance(m, (LoraLinear, LoraEmbedding, LoraExperts)) and m.carries_adapter]
         if adapted:
             raise ValueError(f"save_pretrained: the model carries LoRA adapters ({adapted[0]}, ...), which an HF "
                              "checkpoint would hold under names transformers ignores; save the adapter with "

@@ -95,6 +95,11 @@ class LoraExperts(Experts):
     def has_adapter(self) -> bool:
         return len(self.lora) > 0 and not self.merged
 
+    @property
+    def carries_adapter(self) -> bool:
+        """An adapter is attached, merged into the stacks or not."""
+        return len(self.lora) > 0
+
     def adapters(self) -> ExpertsLora | None:
         """The adapters as the routed experts take them (None while merged)."""
         if not self.has_adapter:

@@ -308,3 +308,12 @@ def test_stacks_pad_the_rank_to_grouped_mm_strides_without_changing_the_product(
     grad_a, grad_b = _unstacked(torch.ones_like(a), torch.ones_like(b), adapter.lora_A, adapter.lora_B, 3)
     assert grad_a.shape == adapter.lora_A.shape and grad_b.shape == adapter.lora_B.shape
     assert grad_a.dtype == grad_b.dtype == torch.float32
+
+
+def test_save_pretrained_refuses_expert_adapters(tmp_path):
+    """Adapters on the experts alone (no LoRA linear anywhere) are still refused by save_pretrained: a dense HF
+    checkpoint would hold them under names transformers ignores."""
+    _, ours, _ = _pair("qwen3_moe", tmp_path)
+    add_lora(ours, LoraSettings(r=4, targets=[], target_parameters=["down_proj"]))
+    with pytest.raises(ValueError, match="carries LoRA adapters"):
+        ours.save_pretrained(tmp_path / "out")
