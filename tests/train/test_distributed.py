@@ -205,11 +205,13 @@ def _lora_args(command, model_dir, data, out, batch_size):
             "--lora-modules-to-save", "embed_tokens,lm_head"]
 
 
-@pytest.mark.parametrize("command, qlora", [("train", False), ("train-medusa", False), ("train", True)],
-                         ids=["train-lora", "train-medusa-lora", "train-qlora"])
+@pytest.mark.parametrize("command, qlora", [("train", False), ("train-medusa", False), ("train", True),
+                                            ("train-medusa", True)],
+                         ids=["train-lora", "train-medusa-lora", "train-qlora", "train-medusa-qlora"])
 def test_fsdp2_lora_matches_one_process_and_resumes_on_either(command, qlora, tiny_model_dir, text_file, tmp_path,
                                                               monkeypatch):
-    """LoRA under FSDP2 (``train``, and Medusa stage 2 through adapters), and QLoRA (``train --qlora``: an NF4 base,
+    """LoRA under FSDP2 (``train``, and Medusa stage 2 through adapters), and QLoRA (``train --qlora`` and
+    ``train-medusa --stage 2 --qlora``: an NF4 base,
     whose codes and scales shard with their layers, test_fsdp2_shards_the_nf4_base; Medusa stage 2 adds heads,
     which hold none): the adapters and modules_to_save shard with their layers and the base stays frozen; two ranks
     train as one process does, and their checkpoint holds the whole adapter (PEFT's files, written by rank 0), which
