@@ -123,3 +123,42 @@ def test_fp4_and_foreign_tables_are_refused():
     tensors["m.weight.quant_state.bitsandbytes__fp4"] = tensors.pop("m.weight.quant_state.bitsandbytes__nf4")
     with pytest.raises(ValueError, match="FP4"):
         nf4.from_bnb_tensors(tensors, "m")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (37, 1000), (5, 64 * 256 + 3), (2, 3, 65)])
+def test_triton_dequantisation_equals_the_reference_bit_for_bit(shape, dtype):
+    """The one-pass Triton kernel (CUDA, or the interpreter here) against the PyTorch reference: the same bits in
+    every output dtype (round to nearest even, the bf16 one done on the fp32 bits), odd sizes (a last byte with
+    one weight, a last block short of 64), bitsandbytes' own quant_map as the table; a size mismatch is refused."""
+    from liger_models.kernels._dispatch import use_triton
+
+    w = torch.randn(shape) * torch.rand(()).add(0.01)
+    codes, absmax = nf4.quantize_nf4(w)
+    assert use_triton(codes)  # the kernel runs (CUDA or TRITON_INTERPRET=1), not the reference again
+    out = nf4.dequantize_nf4(codes, absmax, shape, dtype)
+    assert torch.equal(out, nf4.dequantize_nf4_reference(codes, absmax, shape, dtype))
+    table = nf4.nf4_code() * (1 + 1e-3 * torch.randn(16))  # a foreign table is taken as given
+    assert torch.equal(nf4.dequantize_nf4(codes, absmax, shape, dtype, table),
+                       nf4.dequantize_nf4_reference(codes, absmax, shape, dtype, table))
+    with pytest.raises(ValueError, match="code bytes"):
+        nf4.dequantize_nf4(codes[:-1], absmax, (codes.numel() * 2,), dtype)
+
+
+@pytest.mark.gpu
+def test_triton_dequantisation_on_the_gpu_equals_reference_and_bitsandbytes():
+    """At a Llama-3.1-8B MLP projection's size in bf16: the kernel's bits are the reference's and bitsandbytes'
+    dequantize_4bit's (when it imports)."""
+    shape = (14336, 4096)
+    w = (torch.randn(shape, device="cuda") * 0.02).to(torch.bfloat16)
+    codes, absmax = nf4.quantize_nf4(w)
+    out = nf4.dequantize_nf4(codes, absmax, shape, torch.bfloat16)
+    assert torch.equal(out, nf4.dequantize_nf4_reference(codes, absmax, shape, torch.bfloat16))
+    bnb = import_bnb()
+    if bnb is not None:
+        q, state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+        codes, absmax, _ = nf4.from_bnb_tensors(
+            {f"m.{k}" if k == "weight" else f"m.weight.{k}": v
+             for k, v in {"weight": q, **state.as_dict(packed=True)}.items()}, "m")
+        assert torch.equal(nf4.dequantize_nf4(codes, absmax, shape, torch.bfloat16),
+                           bnb.functional.dequantize_4bit(q, state))
