@@ -504,6 +504,14 @@ class Experts(nn.Module):
         """The LoRA adapters the grouped GEMMs apply (modules/lora_experts.py's LoraExperts has them)."""
         return None
 
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, activation: str,
+                path: str = "auto") -> torch.Tensor:
+        """experts_forward over this module's stacks. The block calls the module (rather than reading its
+        Parameters) so that a wrapper sees the call: PEFT's target_parameters wrapper parametrises
+        ``gate_up_proj`` / ``down_proj`` to W + s·B·A for the duration of the call, as it does around HF's."""
+        return experts_forward(x, weights, experts, self.gate_up_proj, self.down_proj, activation, path,
+                               self.adapters())
+
 
 class SparseMoeBlock(nn.Module):
     """HF names: ``gate`` (the router, a bias-free (E, D) linear) and ``experts`` (stacked, see Experts)."""
@@ -532,8 +540,7 @@ class SparseMoeBlock(nn.Module):
         if recorded is not None:
             recorded.append(logits)
         weights, experts = route(logits, self.top_k, self.renormalize, self.weights_in_logits_dtype)
-        out = experts_forward(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj,
-                              self.activation, self.path, self.experts.adapters())
+        out = self.experts(x, weights, experts, self.activation, self.path)
         return out.view(shape)
 
 
@@ -562,10 +569,16 @@ def per_expert_state_dict(block: SparseMoeBlock, state_dict: dict, block_prefix:
     tensors that share storage. Nothing is renamed within ``stacked_state_dict()``."""
     if not _PER_EXPERT_NAMES[0]:
         return
+    # A module PEFT wrapped (its LoRA around the router, its target_parameters wrappers around the experts) keeps
+    # the wrapper's names (``gate.base_layer.weight``, ``experts.base_layer.base_layer.gate_up_proj``), as HF +
+    # PEFT's state dict has them.
+    if block_prefix + "gate.weight" in state_dict:
+        state_dict[disk_prefix + "gate.weight"] = state_dict.pop(block_prefix + "gate.weight")
+    if block_prefix + "experts.gate_up_proj" not in state_dict:
+        return
     stacked = state_dict.pop(block_prefix + "experts.gate_up_proj")
     state_dict.pop(block_prefix + "experts.down_proj")
     keep_vars = isinstance(stacked, nn.Parameter)
-    state_dict[disk_prefix + "gate.weight"] = state_dict.pop(block_prefix + "gate.weight")
     for e, role, name in _per_expert(block.num_experts, disk_prefix, names):
         view = _expert_slice(block.experts, e, role)
         state_dict[name] = view if keep_vars else view.clone()

@@ -247,3 +247,45 @@ def test_peft_dora_and_table_adapters_match_hf_peft(variant, tmp_path):
     assert any(("magnitude" if variant == "dora" else "lora_embedding") in n for n in trained)
     for name, p in trained.items():
         assert max_rel(p.grad, ref_params[name].grad) < 1e-4, name
+
+
+MOE = {"qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                                       num_experts_per_tok=2, norm_topk_prob=True)),
+       "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2))}
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_peft_all_linear_on_a_moe_model_matches_hf_peft(family, tmp_path):
+    """PEFT's all-linear on our Mixtral / Qwen3-MoE: attention linears, the routers and its target_parameters
+    wrappers around the stacked experts (which parametrise gate_up_proj / down_proj for the duration of the experts'
+    call; the block calls its experts module, so the wrappers see it) give HF + PEFT's loss and every adapter's
+    gradient. lm_head is excluded by name: PEFT leaves out the output embedding only on transformers' own classes."""
+    config, overrides = MOE[family]
+    hf = build_hf(config, **overrides)
+    hf.set_experts_implementation("eager")  # the per-expert loop: the path PEFT's wrappers are written for
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / family), dtype=torch.float32)
+    ours_peft = peft.get_peft_model(ours, _lora("all-linear", init_lora_weights=False, exclude_modules=["lm_head"]))
+    hf_peft = peft.get_peft_model(hf, _lora("all-linear", init_lora_weights=False))
+    wrapped = {n.split(".lora_")[0].split("layers.0.")[-1] for n, _ in ours_peft.named_parameters()
+               if "lora_" in n and "layers.0." in n}
+    assert {"mlp.experts", "mlp.experts.base_layer", "mlp.gate"} <= wrapped
+    _copy_adapters(hf_peft, ours_peft)
+    ours_peft.train()
+    hf_peft.train()
+    ids, labels = _batch()
+    loss = ours_peft(ids, labels=labels).loss
+    ref = hf_peft(input_ids=ids, labels=labels).loss
+    assert abs(loss.item() - ref.item()) <= FP32 * abs(ref.item())
+    loss.backward()
+    ref.backward()
+    ours_grads = {n: p.grad for n, p in ours_peft.named_parameters() if p.requires_grad}
+    hf_grads = {n: p.grad for n, p in hf_peft.named_parameters() if p.requires_grad}
+    assert set(ours_grads) == set(hf_grads)
+    for name, ref_grad in hf_grads.items():
+        assert ours_grads[name] is not None and max_rel(ours_grads[name], ref_grad) < 1e-4, name
+    # PEFT's save_pretrained of our wrapped model: HF + PEFT loads it with the same logits.
+    ours_peft.save_pretrained(tmp_path / "adapter")
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert max_rel(ours_peft.eval()(ids).logits, loaded(input_ids=ids).logits) < FP32
