@@ -289,3 +289,20 @@ def test_peft_all_linear_on_a_moe_model_matches_hf_peft(family, tmp_path):
     loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert max_rel(ours_peft.eval()(ids).logits, loaded(input_ids=ids).logits) < FP32
+
+
+def test_peft_all_linear_takes_lm_head_unless_excluded(tmp_path):
+    """What docs/ecosystem.md says: PEFT's "all-linear" leaves lm_head out only on transformers' classes, so on ours
+    it adapts lm_head too; with exclude_modules=["lm_head"] it adapts exactly what it adapts on HF's model."""
+    hf, ours = _pair("llama", tmp_path)
+
+    def adapted(model, **kw):
+        wrapped = peft.get_peft_model(model, _lora("all-linear", **kw))
+        return {n.split(".lora_")[0].removeprefix("base_model.model.") for n, _ in wrapped.named_parameters()
+                if "lora_" in n}
+
+    theirs = adapted(hf)
+    assert "lm_head" not in theirs
+    assert adapted(AutoLigerForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32)) == theirs | {
+        "lm_head"}
+    assert adapted(ours, exclude_modules=["lm_head"]) == theirs
