@@ -34,8 +34,8 @@ from liger_models.kernels.ops.gated_mlp import gated_mlp_packed
 from liger_models.kernels.ops.rms_norm import RMSNorm, norm_backward, norm_forward
 
 from .linear import _stacked, all_plain, is_plain_linear, packed_linear
-from .lora_linear import (Group, core_backward_A, core_backward_input, core_backward_magnitude, core_forward,
-                          dora_scaled_grad, frozen_bases, is_lora_group)
+from .lora_linear import (Group, backward_weight, core_backward_A, core_backward_input, core_backward_magnitude,
+                          core_forward, dora_scaled_grad, frozen_bases, is_lora_group)
 
 
 class _NormLinear(torch.autograd.Function):
@@ -85,12 +85,13 @@ class _LoraNormLinear(torch.autograd.Function):
         xs, rstd, norm_weight, xa, *params = ctx.saved_tensors
         dout2 = dout.reshape(-1, dout.shape[-1])
         g = dora_scaled_grad(dout2, ctx.group, params, ctx.norms)
-        dy, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True)
+        w = backward_weight(ctx.group, g.dtype)
+        dy, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True, w)
         dAs, dMs = [], []
         if dxs:
             y = norm_forward(xs, None, norm_weight, None, ctx.eps, ctx.offset, center=False, gemma=ctx.gemma)[0]
             dAs = core_backward_A(dxs, y, ctx.group, params, ctx.masks)
-            dMs = core_backward_magnitude(dout2, y, ctx.group, params, xa, ctx.norms)
+            dMs = core_backward_magnitude(dout2, y, ctx.group, params, xa, ctx.norms, w)
             del y
         dx, dnw, _ = norm_backward(dy, xs, norm_weight, None, rstd, None if dres is None else row_view(dres),
                                    ctx.offset, center=False, gemma=ctx.gemma, need_dw=ctx.needs_input_grad[2],
@@ -125,7 +126,8 @@ class _LoraGatedDown(torch.autograd.Function):
         half = gu2d.shape[1] // 2
         dout2 = dout.reshape(-1, dout.shape[-1])
         g = dora_scaled_grad(dout2, ctx.group, params, ctx.norms)
-        dact, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True)
+        w = backward_weight(ctx.group, g.dtype)
+        dact, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True, w)
         dgu = gu2d if ctx.inplace else torch.empty_like(gu2d)
         if dact.numel():  # d gate_up, and the product written over dact for dA
             gated_backward(dact, gu2d[:, :half], gu2d[:, half:], dgu[:, :half], dgu[:, half:], ctx.activation,
@@ -133,7 +135,7 @@ class _LoraGatedDown(torch.autograd.Function):
         if ctx.inplace:
             increment_version(gu2d)
         dAs = core_backward_A(dxs, dact, ctx.group, params, ctx.masks)
-        dMs = core_backward_magnitude(dout2, dact, ctx.group, params, xa, ctx.norms)
+        dMs = core_backward_magnitude(dout2, dact, ctx.group, params, xa, ctx.norms, w)
         return (dgu.view(ctx.shape), None, None, *dAs, *dBs, *dMs)
 
 

@@ -370,12 +370,18 @@ def dora_scaled_grad(g: torch.Tensor, group: Group, params: list[torch.Tensor], 
     return g
 
 
+def backward_weight(group: Group, dtype: torch.dtype) -> torch.Tensor | None:
+    """The group's base weight for a backward that needs it twice (dX, and DoRA's dm): one dequantisation of an NF4
+    base instead of two. None without DoRA, where dX alone needs it and takes it itself (freed when dX is done)."""
+    return group.weight(dtype) if group.dora else None
+
+
 def core_backward_input(g: torch.Tensor, group: Group, params: list[torch.Tensor], xa: torch.Tensor | None,
-                        masks: list, need_dx: bool):
+                        masks: list, need_dx: bool, weight: torch.Tensor | None = None):
     """(dx or None, s·dY_i·B_i per adapter, dB per adapter). dx includes the adapters' path; under DoRA ``g`` is
-    already scaled (``dora_scaled_grad``)."""
+    already scaled (``dora_scaled_grad``). ``weight``: the group's base weight when the caller has it already."""
     k = len(group.adapted)
-    w = group.weight(g.dtype) if need_dx else None
+    w = (weight if weight is not None else group.weight(g.dtype)) if need_dx else None
     dx = g @ w if need_dx else None
     if not k:
         return dx, [], []
@@ -415,13 +421,13 @@ def core_backward_A(dxs: list[torch.Tensor], x2: torch.Tensor, group: Group, par
 
 
 def core_backward_magnitude(dout: torch.Tensor, x2: torch.Tensor, group: Group, params: list[torch.Tensor],
-                            xa: torch.Tensor, norms: list) -> list[torch.Tensor]:
+                            xa: torch.Tensor, norms: list, weight: torch.Tensor | None = None) -> list[torch.Tensor]:
     """dm per DoRA adapter: Σ_tokens dY ⊙ (W·x + s·B·A·x) / n (dY unscaled), W·x recomputed for its rows a block
-    of tokens at a time and summed in fp32."""
+    of tokens at a time and summed in fp32. ``weight``: the group's base weight when the caller has it already."""
     if not group.dora:
         return []
     k = len(group.adapted)
-    w = group.weight(x2.dtype)
+    w = weight if weight is not None else group.weight(x2.dtype)
     xa_parts = xa.split(group.ranks, dim=1)
     out = []
     for j, m, n in zip(group.dora, params[2 * k:], norms):
@@ -451,9 +457,10 @@ class _LoraPacked(torch.autograd.Function):
         x2, xa, *params = ctx.saved_tensors
         dout = grad_out.reshape(-1, grad_out.shape[-1])
         g = dora_scaled_grad(dout, ctx.group, params, ctx.norms)
-        dx, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, ctx.needs_input_grad[0])
+        w = backward_weight(ctx.group, g.dtype)
+        dx, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, ctx.needs_input_grad[0], w)
         dAs = core_backward_A(dxs, x2, ctx.group, params, ctx.masks)
-        dMs = core_backward_magnitude(dout, x2, ctx.group, params, xa, ctx.norms)
+        dMs = core_backward_magnitude(dout, x2, ctx.group, params, xa, ctx.norms, w)
         return (None if dx is None else dx.view(ctx.x_shape), None, *dAs, *dBs, *dMs)
 
 

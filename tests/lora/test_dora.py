@@ -205,3 +205,21 @@ def test_mismatched_dora_files_are_refused(tmp_path):
     _, fresh, _ = pair("llama", tmp_path / "fresh")
     with pytest.raises(ValueError, match=r"lora_magnitude_vector \(DoRA\) needs shape"):
         load_adapter(fresh, tmp_path / "no_magnitudes")
+
+
+def test_dora_on_nf4_dequantises_each_weight_once_per_backward(tmp_path, monkeypatch):
+    """DoRA on an NF4 base needs the base weight in backward twice (dX and dm): it is dequantised once for both.
+    One training step: each NF4 weight is dequantised once in forward and once in backward."""
+    from liger_models.modules.lora_linear import NF4Weight
+
+    _, ours, _ = pair("llama", tmp_path)
+    quantize_base_(ours)
+    with_adapters(ours, "llama", use_dora=True)
+    calls = []
+    real = NF4Weight.dequantize
+    monkeypatch.setattr(NF4Weight, "dequantize", lambda self, dtype=None: calls.append(id(self)) or real(self, dtype))
+    ours.train()
+    ids, labels = batch()
+    ours(ids, labels=labels).loss.backward()
+    counts = {q: calls.count(q) for q in set(calls)}
+    assert len(counts) == 2 * 7 and set(counts.values()) == {2}, sorted(counts.values())
