@@ -12,8 +12,8 @@ from liger_models.modules.lora_embedding import LoraEmbedding
 from liger_models.modules.lora_experts import LoraExperts
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 
-from .config import (ALL_LINEAR, FUSED_GATE_UP_FACTOR, FUSED_GATE_UP_PATTERN, LoraSettings, pattern_value,
-                     decoder_linears, modules_to_save, resolve_parameters, resolve_targets)
+from .config import (ALL_LINEAR, FUSED_GATE_UP_FACTOR, FUSED_GATE_UP_PATTERN, LoraSettings, decoder_linears,
+                     modules_to_save, moe_blocks, pattern_value, resolve_parameters, resolve_targets)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -122,20 +122,27 @@ def unmerge_lora(model: nn.Module) -> None:
         m.unmerge()
 
 
+def nf4_weight(weight: torch.Tensor) -> NF4Weight:
+    """``weight`` (any shape, row-major) in NF4 with double quantisation, bitsandbytes' codes; the block scales are
+    the double-quantised ones, expanded to fp32."""
+    codes, absmax = quantize_nf4(weight)
+    dq = double_quantize(absmax)
+    absmax = dequantize_absmax(dq["absmax"], dq["nested_absmax"], dq["nested_quant_map"], dq["nested_offset"])
+    return NF4Weight(codes, absmax, tuple(weight.shape), weight.dtype)
+
+
 @torch.no_grad()
 def quantize_base_(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
-    """Every decoder linear (not embeddings, norms or lm_head, as transformers' bitsandbytes path) to NF4 with
-    double quantisation, bitsandbytes' codes; the block scales are the double-quantised ones, expanded to fp32.
-    Modules whose name contains an entry of ``skip`` stay dense. Returns the quantised names."""
+    """Every decoder linear (not embeddings, norms, routers or lm_head, as transformers' bitsandbytes path) and
+    every mixture-of-experts stack (``experts.gate_up_proj`` / ``down_proj``, which transformers' bitsandbytes path
+    leaves dense: they are most of such a model's weights) to NF4 with double quantisation, bitsandbytes' codes; the
+    block scales are the double-quantised ones, expanded to fp32. Modules whose name contains an entry of ``skip``
+    stay dense. Returns the quantised names."""
     done = []
     for name, lin in decoder_linears(model).items():
         if any(s in name for s in skip) or (isinstance(lin, LoraLinear) and lin.quant is not None):
             continue
-        weight = lin.weight
-        codes, absmax = quantize_nf4(weight)
-        dq = double_quantize(absmax)
-        absmax = dequantize_absmax(dq["absmax"], dq["nested_absmax"], dq["nested_quant_map"], dq["nested_offset"])
-        quant = NF4Weight(codes, absmax, tuple(weight.shape), weight.dtype)
+        quant = nf4_weight(lin.weight)
         bias = lin.bias
         if bias is not None:
             bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
@@ -146,4 +153,8 @@ def quantize_base_(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
         new.train(lin.training)
         _replace(model, name, new)
         done.append(name)
+    for block in moe_blocks(model):
+        name = f"{block}.experts"
+        if not any(s in name for s in skip):
+            done += [f"{name}.{stack}" for stack in model.get_submodule(name).quantize_(nf4_weight)]
     return done

@@ -25,6 +25,7 @@ from liger_models.hub import save_state_dict
 from liger_models.modules.lora_embedding import LoraEmbedding
 from liger_models.modules.lora_experts import LoraExperts
 from liger_models.modules.lora_linear import LoraLinear
+from liger_models.modules.moe import Experts
 
 from .attach import add_lora, lora_modules, lora_state_dict
 from .config import ROUTER_WEIGHT, LoraSettings, moe_blocks, modules_to_save
@@ -161,8 +162,10 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dic
     # The routers and expert stacks of mixture-of-experts blocks go to disk under the family's names (Mixtral's
     # block_sparse_moe.…, one tensor per expert), which the layers' state-dict hooks write: their merged weights
     # stand in for the Parameters while the state dict is taken.
+    # NF4 expert stacks (QLoRA), adapted or not, are written dequantised the same way.
     routers = _routers(model)
     moe = {name: m for name, m in adapters.items() if isinstance(m, LoraExperts) or name in routers}
+    moe.update({name: m for name, m in model.named_modules() if isinstance(m, Experts) and m.nf4})
     with _merged_in_place(moe, dtype):
         state = {key: value for key, value in model.state_dict().items() if key not in own_names}
     for name, m in model.named_modules():
@@ -188,14 +191,18 @@ def _merged_in_place(modules: dict[str, nn.Module], dtype: torch.dtype | None):
     holding the merged weights in ``dtype`` (default their own); the originals are put back untouched after."""
     swapped = []
     for m in modules.values():
-        if m.merged:  # the Parameters hold the merged weights already
+        if getattr(m, "merged", False):  # the Parameters hold the merged weights already
             continue
-        merged = ({"weight": m.merged_weight()} if isinstance(m, LoraLinear)
-                  else {stack: m.merged_weight(stack) for stack in m.lora})
-        for attr, weight in merged.items():
-            original = getattr(m, attr)
-            swapped.append((m, attr, original))
-            setattr(m, attr, nn.Parameter(weight.to(dtype or original.dtype), requires_grad=False))
+        if isinstance(m, LoraLinear):
+            merged = {"weight": (m.merged_weight(), m.weight.dtype)}
+        else:  # experts: adapted stacks merged, NF4 ones dequantised (in their compute dtype)
+            adapted = m.lora if isinstance(m, LoraExperts) else {}
+            merged = {stack: (m.merged_weight(stack) if stack in adapted else m.dense_stack(stack, torch.float32),
+                              m.nf4[stack].dtype if stack in m.nf4 else getattr(m, stack).dtype)
+                      for stack in ("gate_up_proj", "down_proj") if stack in adapted or stack in m.nf4}
+        for attr, (weight, own_dtype) in merged.items():
+            swapped.append((m, attr, getattr(m, attr)))
+            setattr(m, attr, nn.Parameter(weight.to(dtype or own_dtype), requires_grad=False))
     try:
         yield
     finally:

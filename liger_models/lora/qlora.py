@@ -18,10 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from liger_models.auto import model_class
 from liger_models.hub import checkpoint_files, config_model_type, read_config, resolve_dir
-from liger_models.kernels.ops.nf4 import bnb_tensors, from_bnb_tensors, QUANT_STATE_KEY
+from liger_models.kernels.ops.nf4 import QUANT_STATE_KEY, bnb_tensors, bnb_tensors_of, from_bnb_tensors
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
+from liger_models.modules.moe import per_expert_tensors
 
-from .attach import _replace
+from .attach import _replace, lora_modules
 from .config import decoder_linears
 
 
@@ -80,16 +81,36 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
 
 @torch.no_grad()
 def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> None:
-    """Write ``model`` (dense) as bitsandbytes + transformers save a 4-bit NF4 model (every decoder linear)."""
+    """Write ``model`` as bitsandbytes + transformers save a 4-bit NF4 model: every decoder linear in NF4, the rest
+    (mixture-of-experts stacks included: transformers' bitsandbytes path keeps them dense) as they are. A model
+    already in NF4 (``quantize_base_``) is written as it is: each linear's own codes and fp32 block scales
+    (``double_quant`` does not apply to them: quantising the scales again would re-round them), and NF4 expert stacks
+    dequantised to the compute dtype, the weights the adapters trained against."""
+    if lora_modules(model):
+        raise ValueError("save_bnb_4bit writes the base: the model carries LoRA adapters (save them with "
+                         "save_adapter, or merge them first)")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    for name in decoder_linears(model):
-        weight = state.pop(f"{name}.weight")
-        for suffix, t in bnb_tensors(weight, double_quant).items():
-            state[f"{name}.{suffix}"] = t.contiguous()
+    linears = decoder_linears(model)
+    double_quant = double_quant and not any(isinstance(lin, LoraLinear) and lin.quant is not None
+                                            for lin in linears.values())
+    for name, lin in linears.items():
+        if isinstance(lin, LoraLinear) and lin.quant is not None:
+            q = lin.quant
+            tensors = bnb_tensors_of(q.codes, q.absmax, q.shape, q.dtype, double_quant=False)
+        else:
+            tensors = bnb_tensors(state.pop(f"{name}.weight"), double_quant)
+        state.update({f"{name}.{suffix}": t.contiguous() for suffix, t in tensors.items()})
+    for i, layer in enumerate(model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and experts.nf4:
+            dtype = model.dtype
+            views = per_expert_tensors(experts.dense_stack("gate_up_proj", dtype), experts.dense_stack(
+                "down_proj", dtype), f"model.layers.{i}.{layer._disk_block}.", layer._expert_names)
+            state.update({k: v.clone().contiguous() for k, v in views.items()})
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_hf()
     config["quantization_config"] = {

@@ -571,9 +571,10 @@ class LigerForCausalLM(nn.Module):
         """NF4 weights are not in the state dict (a checkpoint would lack those linears, and transformers would
         initialise them at random), and LoRA adapters would sit under names transformers ignores: each is refused,
         naming the writer that keeps it."""
-        quantised = [n for n, m in self.named_modules() if isinstance(m, LoraLinear) and m.quant is not None]
+        quantised = [n.removesuffix(".quant").replace(".nf4.", ".") for n, m in self.named_modules()
+                     if isinstance(m, NF4Weight)]
         if quantised:
-            raise ValueError(f"save_pretrained: {len(quantised)} linears ({quantised[0]}, ...) hold NF4 weights, "
+            raise ValueError(f"save_pretrained: {len(quantised)} weights ({quantised[0]}, ...) are NF4, "
                              "which a checkpoint of dense weights would leave out; write a bitsandbytes 4-bit "
                              "checkpoint with liger_models.lora.save_bnb_4bit(model, dir), or a dense one with the "
                              "adapters merged with liger_models.lora.save_merged(model, dir)")

@@ -69,7 +69,9 @@ class LoraExperts(Experts):
 
     def __init__(self, experts: Experts) -> None:
         nn.Module.__init__(self)
-        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        for name in STACKED:  # the same Parameters (None where the stack is NF4), and the same NF4 stacks
+            self.register_parameter(name, getattr(experts, name))
+        self.nf4 = experts.nf4
         self.lora = nn.ModuleDict()
         self.merged = False
 
@@ -81,9 +83,10 @@ class LoraExperts(Experts):
                     dtype: torch.dtype = torch.float32) -> None:
         if name not in STACKED:
             raise ValueError(f"experts take adapters on {' and '.join(STACKED)}, not {name!r}")
-        weight = getattr(self, name)
-        experts, out_features, in_features = weight.shape
-        adapter = ExpertsAdapter(experts, in_features, out_features, r, alpha, use_rslora, weight.device, dtype)
+        stack = self.stack(name)
+        experts, out_features, in_features = stack.shape
+        device = stack.codes.device if name in self.nf4 else stack.device
+        adapter = ExpertsAdapter(experts, in_features, out_features, r, alpha, use_rslora, device, dtype)
         adapter.reset(init)
         self.lora[name] = adapter
 
@@ -123,13 +126,17 @@ class LoraExperts(Experts):
 
     @torch.no_grad()
     def merged_weight(self, name: str) -> torch.Tensor:
-        """W + s·B_e·A_e for every expert, (E, out, in) in fp32 (the base alone where ``name`` has no adapter)."""
-        w = getattr(self, name).float()
+        """W + s·B_e·A_e for every expert, (E, out, in) in fp32 (the base alone where ``name`` has no adapter; an NF4
+        base dequantised, what the adapter trained against)."""
+        w = self.dense_stack(name, torch.float32)
         return w + self.lora[name].delta() if name in self.lora else w
 
     @torch.no_grad()
     def merge(self) -> None:
         """Each adapted stack := its merged weight (fp32, rounded once); the adapters add nothing until unmerge."""
+        if self.nf4:
+            raise ValueError("merging into NF4 experts would re-quantise them; export a merged checkpoint instead "
+                             "(liger_models.lora.save_merged)")
         if not self.merged:
             for name in self.lora:
                 getattr(self, name).copy_(self.merged_weight(name))

@@ -108,12 +108,18 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, experts
 
 
-def _use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """torch's grouped GEMM: CUDA, bf16, and rows whose byte strides are multiples of 16 (its kernel's demand)."""
+def _use_grouped_mm(x: torch.Tensor, *weights) -> bool:
+    """torch's grouped GEMM: CUDA, bf16, and rows whose byte strides are multiples of 16 (its kernel's demand).
+    ``weights``: the stacks (tensors in x's dtype, or NF4 stacks, which dequantise to it)."""
     if _GROUPED_MM is None or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
-    return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0
-               for w in weights)
+    size = x.element_size()
+    return all(w.shape[-1] * size % 16 == 0 and w.shape[-2] * size % 16 == 0 for w in weights)
+
+
+def _dense(stack, dtype: torch.dtype) -> torch.Tensor:
+    """A stack as the GEMMs take it: the tensor itself, or an NF4 stack (``NF4Weight``) dequantised to ``dtype``."""
+    return stack if isinstance(stack, torch.Tensor) else stack.dequantize(dtype)
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor,
@@ -325,16 +331,24 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, s2):
+        # NF4 stacks (QLoRA) are dequantised here and again in backward, never saved: a layer's dense experts are
+        # 1.2 GB at Qwen3-30B-A3B's width.
+        ctx.nf4 = tuple(None if isinstance(w, torch.Tensor) else w for w in (gate_up, down))
+        dense = [_dense(w, x.dtype) for w in (gate_up, down)]
         lora = _stacks(a1, b1, s1, a2, b2, s2, gate_up.shape[0], x.dtype)
-        y, *saved = _experts_fwd(x, weights, gate_up, down, experts, activation, path, lora)
-        ctx.save_for_backward(x, weights, gate_up, down, *saved[:4], a1, b1, a2, b2, *saved[4:])
+        y, *saved = _experts_fwd(x, weights, *dense, experts, activation, path, lora)
+        kept = [None if q is not None else w for q, w in zip(ctx.nf4, dense)]
+        ctx.save_for_backward(x, weights, *kept, *saved[:4], a1, b1, a2, b2, *saved[4:])
         ctx.activation, ctx.path, ctx.top_k, ctx.scales = activation, path, experts.shape[1], (s1, s2)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x, *base, a1, b1, a2, b2, u1, u2 = ctx.saved_tensors
+        x, weights, gate_up, down, *rest = ctx.saved_tensors
+        gate_up, down = (_dense(q, x.dtype) if q is not None else w for q, w in zip(ctx.nf4, (gate_up, down)))
+        base = [weights, gate_up, down, *rest[:4]]
+        a1, b1, a2, b2, u1, u2 = rest[4:]
         needs = tuple(ctx.needs_input_grad[:4]) + tuple(ctx.needs_input_grad[i] for i in (7, 8, 10, 11))
         grads = _adapted_backward(dy, x, base, a1, b1, ctx.scales[0], a2, b2, ctx.scales[1], u1, u2,
                                   ctx.activation, ctx.path, ctx.top_k, needs)
@@ -438,24 +452,30 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
                     lora: ExpertsLora | None = None) -> torch.Tensor:
     """Σ_j weights[:, j] · expert_{experts[:, j]}(x) for x (N, D), weights / experts (N, k), gate_up (E, 2I, D),
     down (E, D, I) → (N, D) in x's dtype; differentiable in x, weights, gate_up, down and the adapters of ``lora``
-    (each expert's weights then W_e + s·B_e·A_e, never formed). path: "auto" (grouped_mm where
+    (each expert's weights then W_e + s·B_e·A_e, never formed). gate_up / down may be NF4 stacks (QLoRA's frozen
+    ``NF4Weight``), dequantised in forward and again in backward. path: "auto" (grouped_mm where
     ``_use_grouped_mm``, else padded), or one of them forced (tests run both)."""
     if path not in EXPERT_PATHS:
         raise ValueError(f"path must be one of {EXPERT_PATHS}, got {path!r}")
     if experts.shape != weights.shape or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
         raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be (N, k) "
                          f"for x {tuple(x.shape)}")
+    dense = [w for w in (gate_up, down) if isinstance(w, torch.Tensor)]
     if torch.is_autocast_enabled(x.device.type):  # the GEMMs in autocast's dtype, as nn.Linear's would run
         dtype = torch.get_autocast_dtype(x.device.type)
-        x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
-    if x.dtype != gate_up.dtype or x.dtype != down.dtype:
-        raise TypeError(f"x ({x.dtype}) and the expert weights ({gate_up.dtype}, {down.dtype}) must share a dtype")
+        x = x.to(dtype)
+        gate_up, down = (w.to(dtype) if isinstance(w, torch.Tensor) else w for w in (gate_up, down))
+        dense = [w for w in (gate_up, down) if isinstance(w, torch.Tensor)]
+    if any(w.dtype != x.dtype for w in dense):
+        raise TypeError(f"x ({x.dtype}) and the expert weights ({', '.join(str(w.dtype) for w in dense)}) must "
+                        "share a dtype")
     if path == "auto":
         path = "grouped_mm" if _use_grouped_mm(x, gate_up, down) else "padded"
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
     a1, b1, s1, a2, b2, s2 = lora if lora is not None else (None, None, 0.0, None, None, 0.0)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # NF4 stacks dequantised in the graph (saved by autograd there)
+        gate_up, down = _dense(gate_up, x.dtype), _dense(down, x.dtype)
         return _experts_op(x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, s2)[0]
     return _Experts.apply(x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, s2)
 
@@ -489,16 +509,43 @@ def load_balancing_loss(router_logits: list[torch.Tensor] | tuple[torch.Tensor, 
 
 
 class Experts(nn.Module):
-    """The stacked expert weights: gate_up_proj (E, 2I, D), rows [gate | up] per expert, and down_proj (E, D, I)."""
+    """The stacked expert weights: gate_up_proj (E, 2I, D), rows [gate | up] per expert, and down_proj (E, D, I).
+
+    Quantised (``quantize_``, QLoRA) each stack is an NF4Weight in ``nf4`` under the same name and the Parameter is
+    None: dequantised per call, outside the state dict as the NF4 linears are (the frozen base is rebuilt from the
+    dense checkpoint)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.nf4 = nn.ModuleDict()
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up_proj.shape[0]
+        return self.stack("gate_up_proj").shape[0]
+
+    def stack(self, name: str):
+        """The stack ``name`` as the routed experts take it: the Parameter, or its NF4Weight when quantised."""
+        return self.nf4[name] if name in self.nf4 else getattr(self, name)
+
+    def dense_stack(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The stack's weights as a tensor (dequantised from NF4 when quantised), in ``dtype`` if given."""
+        if name in self.nf4:
+            return self.nf4[name].dequantize(dtype)
+        w = getattr(self, name)
+        return w if dtype is None else w.to(dtype)
+
+    @torch.no_grad()
+    def quantize_(self, quantize: Callable[[torch.Tensor], nn.Module]) -> list[str]:
+        """Each dense stack to ``quantize(weight)`` (an NF4Weight, lora.attach.quantize_base_'s); the names done."""
+        done = []
+        for name in ("gate_up_proj", "down_proj"):
+            if name not in self.nf4:
+                self.nf4[name] = quantize(getattr(self, name))
+                self.register_parameter(name, None)
+                done.append(name)
+        return done
 
     def adapters(self) -> ExpertsLora | None:
         """The LoRA adapters the grouped GEMMs apply (modules/lora_experts.py's LoraExperts has them)."""
@@ -509,8 +556,8 @@ class Experts(nn.Module):
         """experts_forward over this module's stacks. The block calls the module (rather than reading its
         Parameters) so that a wrapper sees the call: PEFT's target_parameters wrapper parametrises
         ``gate_up_proj`` / ``down_proj`` to W + s·B·A for the duration of the call, as it does around HF's."""
-        return experts_forward(x, weights, experts, self.gate_up_proj, self.down_proj, activation, path,
-                               self.adapters())
+        return experts_forward(x, weights, experts, self.stack("gate_up_proj"), self.stack("down_proj"),
+                               activation, path, self.adapters())
 
 
 class SparseMoeBlock(nn.Module):
@@ -553,12 +600,14 @@ def _per_expert(num_experts: int, disk_prefix: str, names: tuple[str, str, str])
             for e in range(num_experts) for role, name in zip(("gate", "up", "down"), names)]
 
 
-def _expert_slice(experts: Experts, e: int, role: str) -> torch.Tensor:
-    inter = experts.down_proj.shape[2]
-    if role == "down":
-        return experts.down_proj.detach()[e]
-    part = slice(0, inter) if role == "gate" else slice(inter, 2 * inter)
-    return experts.gate_up_proj.detach()[e, part]
+def per_expert_tensors(gate_up: torch.Tensor, down: torch.Tensor, disk_prefix: str,
+                       names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+    """The checkpoint's per-expert tensors of two stacks, as views of them, keyed by their names under
+    disk_prefix (``experts.{e}.{gate|up|down name}.weight``)."""
+    inter = down.shape[2]
+    parts = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
+    return {name: down[e] if role == "down" else gate_up[e, parts[role]]
+            for e, role, name in _per_expert(gate_up.shape[0], disk_prefix, names)}
 
 
 def per_expert_state_dict(block: SparseMoeBlock, state_dict: dict, block_prefix: str, disk_prefix: str,
@@ -579,9 +628,9 @@ def per_expert_state_dict(block: SparseMoeBlock, state_dict: dict, block_prefix:
     stacked = state_dict.pop(block_prefix + "experts.gate_up_proj")
     state_dict.pop(block_prefix + "experts.down_proj")
     keep_vars = isinstance(stacked, nn.Parameter)
-    for e, role, name in _per_expert(block.num_experts, disk_prefix, names):
-        view = _expert_slice(block.experts, e, role)
-        state_dict[name] = view if keep_vars else view.clone()
+    views = per_expert_tensors(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(), disk_prefix,
+                               names)
+    state_dict.update({name: view if keep_vars else view.clone() for name, view in views.items()})
 
 
 def stacked_from_per_expert(state_dict: dict, block_prefix: str, disk_prefixes: tuple[str, ...],

@@ -317,3 +317,56 @@ def test_save_pretrained_refuses_expert_adapters(tmp_path):
     add_lora(ours, LoraSettings(r=4, targets=[], target_parameters=["down_proj"]))
     with pytest.raises(ValueError, match="carries LoRA adapters"):
         ours.save_pretrained(tmp_path / "out")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_qlora_with_nf4_experts_matches_float64_peft_on_the_dequantised_base(family, tmp_path):
+    """QLoRA on a MoE model: quantize_base_ puts the attention linears and both expert stacks in NF4 (the routers
+    stay dense); all-linear adapters train against float64 HF + PEFT whose base holds the dequantised weights; no
+    dequantised expert stack is saved for backward."""
+    from liger_models.lora import quantize_base_
+    from liger_models.modules.lora_linear import LoraLinear
+
+    hf, ours, _ = _pair(family, tmp_path)
+    quantized = quantize_base_(ours)
+    assert {n.rsplit(".", 1)[1] for n in quantized} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
+                                                         "down_proj"}
+    base = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, m in ours.named_modules():
+            if isinstance(m, LoraLinear) and m.quant is not None:
+                base.get_submodule(name).weight.copy_(m.base_weight(torch.float32))
+            if name.endswith("mlp.experts"):
+                for stack in ("gate_up_proj", "down_proj"):
+                    getattr(base.get_submodule(name), stack).copy_(m.dense_stack(stack, torch.float32))
+    add_lora(ours, LoraSettings(r=4, alpha=8, init=False))
+    save_adapter(ours, tmp_path / "adapter")
+    truth = peft.PeftModel.from_pretrained(float64_reference(base), tmp_path / "adapter", is_trainable=True).double()
+    _assert_step_matches(ours, truth)
+
+    stacks = {tuple(ours.model.layers[0].mlp.experts.nf4[s].shape) for s in ("gate_up_proj", "down_proj")}
+    saved = []
+    ids, labels = batch()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        loss = ours(ids, labels=labels).loss
+    loss.backward()
+    assert not [s for s in saved if s in stacks]
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "attention"])
+def test_merged_export_of_a_qlora_moe_model(targets, tmp_path):
+    """save_merged on a MoE model with NF4 experts: the stacks are written dequantised (merged where adapted) under
+    the per-expert names; transformers loads the file with ours' logits. With adapters on the attention only the
+    NF4 experts must still be written (they are not in the state dict)."""
+    from liger_models.lora import quantize_base_
+
+    _, ours, _ = _pair("mixtral", tmp_path)
+    quantize_base_(ours)
+    add_lora(ours, LoraSettings(r=4, alpha=8, init=False,
+                                targets="all-linear" if targets == "all-linear" else ["q_proj", "v_proj"]))
+    save_merged(ours, tmp_path / "merged", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids, _ = batch()
+    with torch.no_grad():
+        assert max_rel(hf(ids).logits, ours.eval()(ids).logits) < 1e-5
+    assert ours.model.layers[0].mlp.experts.gate_up_proj is None  # the export left the NF4 stacks as they were

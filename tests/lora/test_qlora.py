@@ -151,3 +151,37 @@ def test_parameter_counts_of_an_nf4_base_are_its_weights(tmp_path):
     before = (dense.num_parameters(), dense.num_parameters(exclude_embeddings=True))
     quantize_base_(dense)
     assert (dense.num_parameters(), dense.num_parameters(exclude_embeddings=True)) == before
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "mixtral"])
+def test_a_model_already_in_nf4_saves_as_a_bnb_checkpoint_as_it_is(family, tmp_path):
+    """save_bnb_4bit of a model after quantize_base_ (what save_pretrained's refusal points to): the linears'
+    own codes and scales, mixture-of-experts stacks dequantised under the family's per-expert names (transformers'
+    bitsandbytes path keeps experts dense); it loads back with the same logits. Adapters are refused by name."""
+    from liger_models import AutoLigerForCausalLM
+    from liger_models.auto import model_class
+    import liger_models
+
+    if family == "qwen2":
+        _, ours, _ = pair(family, tmp_path)
+    else:
+        config = {"qwen3_moe": liger_models.Qwen3MoeConfig, "mixtral": liger_models.MixtralConfig}[family].tiny()
+        ours = model_class(config.model_type).from_config(config)
+    quantized = quantize_base_(ours)
+    assert any("experts" in n for n in quantized) == (family != "qwen2")
+    save_bnb_4bit(ours, tmp_path / "bnb")
+    loaded = load_bnb_4bit(tmp_path / "bnb", dtype=torch.float32)
+    ids, _ = batch()
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, ours.eval()(ids).logits)
+    if family != "qwen2":  # the experts were written dense, under the checkpoints' per-expert names
+        from safetensors.torch import load_file
+
+        expert = {"qwen3_moe": "mlp.experts.1.down_proj", "mixtral": "block_sparse_moe.experts.1.w2"}[family]
+        stored = load_file(str(tmp_path / "bnb" / "model.safetensors"))[f"model.layers.0.{expert}.weight"]
+        assert torch.equal(stored, ours.model.layers[0].mlp.experts.dense_stack("down_proj", stored.dtype)[1])
+    with pytest.raises(ValueError, match="bitsandbytes 4-bit checkpoint: load it with .*load_bnb_4bit"):
+        AutoLigerForCausalLM.from_pretrained(tmp_path / "bnb")
+    with_adapters(ours, "llama", "attention")
+    with pytest.raises(ValueError, match="carries LoRA adapters"):
+        save_bnb_4bit(ours, tmp_path / "again")

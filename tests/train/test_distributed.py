@@ -384,15 +384,17 @@ def test_fsdp2_moe_matches_one_process(family, tiny_model_dir, text_file, tmp_pa
     _assert_same_steps(fsdp[2:], resumed.history)
 
 
+@pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
-def test_fsdp2_moe_lora_matches_one_process(family, tiny_model_dir, text_file, tmp_path):
-    """LoRA all-linear on a mixture-of-experts base under FSDP2: the adapters of the expert stacks (E·r rows each,
-    PEFT's layout) and of the routers shard with their layers; two ranks train as one process does, the
-    load-balancing loss over the global batch, and the checkpoint holds every adapter under PEFT's names."""
+def test_fsdp2_moe_lora_matches_one_process(family, qlora, tiny_model_dir, text_file, tmp_path):
+    """LoRA all-linear on a mixture-of-experts base under FSDP2, and QLoRA (its NF4 expert stacks shard as uint8
+    with their layers and are dequantised per call): the adapters of the expert stacks (E·r rows each, PEFT's
+    layout) and of the routers shard with their layers; two ranks train as one process does, the load-balancing
+    loss over the global batch, and the checkpoint holds every adapter under PEFT's names."""
     model_dir = _tiny_moe_dir(family, tiny_model_dir, tmp_path / "model")
 
     def args(out, batch_size):
-        return _lora_args("train", model_dir, text_file, out, batch_size)
+        return _lora_args("train", model_dir, text_file, out, batch_size) + (["--qlora"] if qlora else [])
 
     _torchrun(args(tmp_path / "fsdp", 2))
     single = _one_process(args(tmp_path / "one", 4))

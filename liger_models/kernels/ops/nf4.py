@@ -209,8 +209,13 @@ def unpack_json(t: torch.Tensor) -> dict:
 def bnb_tensors(weight: torch.Tensor, double_quant: bool = True) -> dict[str, torch.Tensor]:
     """The tensors bitsandbytes saves for one NF4 linear, keyed by the suffix after the module name."""
     codes, absmax = quantize_nf4(weight)
-    state = {"quant_type": "nf4", "blocksize": BLOCK, "dtype": _DTYPE_NAMES[weight.dtype],
-             "shape": list(weight.shape)}
+    return bnb_tensors_of(codes, absmax, tuple(weight.shape), weight.dtype, double_quant)
+
+
+def bnb_tensors_of(codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                   double_quant: bool) -> dict[str, torch.Tensor]:
+    """bnb_tensors of a weight already in NF4 (its codes and fp32 block scales)."""
+    state = {"quant_type": "nf4", "blocksize": BLOCK, "dtype": _DTYPE_NAMES[dtype], "shape": list(shape)}
     out = {"weight": codes, "weight.quant_map": nf4_code()}
     if double_quant:
         dq = double_quantize(absmax)
