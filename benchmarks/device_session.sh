@@ -109,7 +109,7 @@ run_part() {
       (cd benchmarks && python3 bench_nf4.py --out "$OUT") ;;
     lora-moe)  # LoRA on the experts and routers: Qwen3-30B-A3B (4 layers) and Mixtral-8x7B (2 layers) widths
       python3 benchmarks/bench_lora.py --out "$OUT/lora_moe" --configs qwen3-30b-a3b-w4l,mixtral-8x7b-w2l \
-        --checkpointing off --batch 4 --seq 2048 --providers "${LORA_PROVIDERS:-ours,hf_peft}" ;;
+        --checkpointing off --batch 4 --seq 2048 --providers "${LORA_PROVIDERS:-ours,ours_qlora,hf_peft,hf_peft_bnb}" ;;
     multi-gpu)  # issue 7, on nvidia-h200-x2; all three jobs take ~12 min, so one call runs a subset (fine-tuning
                 # was measured on 2026-11-29; MULTI_GPU_JOBS=finetune for it alone)
       python3 benchmarks/multi_gpu.py --out "$OUT" --jobs "${MULTI_GPU_JOBS:-medusa-stage1,medusa-stage2}" ;;
