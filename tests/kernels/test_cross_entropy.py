@@ -90,15 +90,20 @@ def _use(tune, settings):
     tune(_ce_core, **settings)
 
 
-@pytest.mark.parametrize("settings", SETTINGS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_reference(tune, settings, dtype, case):
+def _check_case(tune, settings, dtype, case, **extra):
+    """CASES[case] on 7 fresh rows of logits ~N(0, 9) under SETTINGS[settings]."""
     _use(tune, SETTINGS[settings])
     opts, reduction = CASES[case]
     vocab = (67, 300, 517)[case % 3]
     logits = (torch.randn(7, vocab, device=DEVICE) * 3).to(dtype)
-    _check(logits, _labels(7, vocab), reduction, **opts)
+    _check(logits, _labels(7, vocab), reduction, **opts, **extra)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_reference(tune, settings, dtype, case):
+    _check_case(tune, settings, dtype, case)
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(z_loss=1e-3)])
@@ -465,6 +470,122 @@ def test_no_grad_and_module():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# use_token_scaling (each token's loss and gradient times its detached target probability: TRL's DFT loss; pass 1
+# and pass 2 in separate launches with p_t between them) and return_predicted_tokens (the argmax of each row, read
+# before the gradient may overwrite the logits).
+
+
+@pytest.mark.parametrize("settings", ["default", "128-col-blocks-lanes", "split-rows", "split-rows-lanes-keep-tail"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_token_scaling_matches_reference(tune, settings, dtype, case):
+    """Every option and reduction with p_t scaling, rows whole or split over programs (pass 2 alone: no meeting)."""
+    _check_case(tune, settings, dtype, case, use_token_scaling=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_token_scaling_with_class_weights(reduction):
+    """Each token's weighted loss times p_t; the weighted mean's denominator Σ w_t as without scaling."""
+    logits = torch.randn(9, 300, device=DEVICE) * 3
+    _check(logits, _labels(9, 300), reduction, use_token_scaling=True, z_loss=1e-3,
+           class_weights=torch.rand(300, device=DEVICE) + 0.5)
+
+
+@pytest.mark.parametrize("settings", ["default", "split-rows"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_token_scaling_in_place(tune, settings, reduction):
+    """The gradient written over the logits: p_t needs the target's logit, read before pass 2 overwrites it (the
+    target dominates each row, so a stale x_t would give p_t far off)."""
+    _use(tune, SETTINGS[settings])
+    labels = _labels(9, 300)
+    logits = torch.randn(9, 300, device=DEVICE) * 3
+    logits[torch.arange(9), labels.clamp(min=0)] += 6
+    leaf = logits.to(torch.bfloat16).requires_grad_()
+    inter = leaf * 1
+    g = torch.randn(9, device=DEVICE) if reduction == "none" else torch.tensor(1.0, device=DEVICE)
+    loss = cross_entropy(inter, labels, reduction=reduction, use_token_scaling=True, softcap=20.0)
+    (loss * g).sum().backward()
+    x64 = leaf.detach().double().requires_grad_()
+    loss64 = cross_entropy_reference(x64, labels, reduction=reduction, use_token_scaling=True, softcap=20.0)
+    (loss64 * g.double()).sum().backward()
+    xe = leaf.detach().clone().requires_grad_()
+    eager = cross_entropy_reference(xe, labels, reduction=reduction, use_token_scaling=True, softcap=20.0)
+    (eager * g).sum().backward()
+    assert_matches(loss, loss64.detach(), name="loss", scale_floor=1.0)
+    assert_matches(leaf.grad, x64.grad, eager=xe.grad, name="dlogits")
+    if reduction == "mean":
+        assert torch.equal(inter.detach(), leaf.grad), "the gradient was not written over the logits"
+
+
+def test_token_scaling_strided_and_module():
+    """A transposed view (copied) and a row-strided slice (in place through its stride); the module's option."""
+    labels = _labels(6, 67)
+    _check(torch.randn(67, 6, device=DEVICE).t() * 3, labels, "mean", use_token_scaling=True)
+    _check(torch.randn(6, 80, device=DEVICE)[:, 5:72] * 3, labels, "none", use_token_scaling=True, z_loss=1e-3)
+    logits = torch.randn(6, 67, device=DEVICE) * 3
+    loss = CrossEntropyLoss(reduction="sum", use_token_scaling=True)(logits, labels)
+    want = cross_entropy_reference(logits.double(), labels, reduction="sum", use_token_scaling=True)
+    assert_matches(loss, want, name="module loss", scale_floor=1.0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_token_scaling_all_ignored(reduction):
+    logits = torch.randn(4, 67, device=DEVICE, requires_grad=True)
+    labels = torch.full((4,), IGNORE, device=DEVICE)
+    loss = cross_entropy(logits * 1, labels, reduction=reduction, z_loss=1e-2, use_token_scaling=True)
+    loss.sum().backward()
+    assert torch.equal(loss, torch.zeros_like(loss))
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def _assert_predictions(predicted, logits, labels, softcap=None):
+    """predicted (int64, labels' shape) is the float64 argmax of the (capped) logits, -1 where ignored. The logits
+    are exact in fp32, so a row's prediction is checked wherever the top two are tied exactly (both take the lowest
+    index) or further apart than fp32 rounding of the cap can move them."""
+    assert predicted.dtype == torch.int64 and predicted.shape == labels.shape
+    valid = labels != IGNORE
+    assert torch.equal(predicted[~valid], torch.full_like(predicted[~valid], -1))
+    x = logits.double()
+    x = x if softcap is None else softcap * torch.tanh(x / softcap)
+    top2 = x.topk(2, -1).values
+    gap = top2[..., 0] - top2[..., 1]
+    clear = valid & ((gap == 0) | (gap > 1e-5 * x.abs().amax(-1)))
+    assert clear.sum() >= valid.sum() - 2
+    assert torch.equal(predicted[clear], x.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("opts", [dict(), dict(softcap=4.0, use_token_scaling=True, return_token_accuracy=True)])
+def test_predicted_tokens_before_the_in_place_gradient(dtype, reduction, opts):
+    """The logits an intermediate, the gradient written over them: the predictions are the argmax of the logits as
+    they were (ties: an all-equal row predicts 0), the loss and gradient as without them."""
+    vocab = 517
+    labels = _labels(9, vocab)
+    logits = (torch.randn(9, vocab, device=DEVICE) * 3).to(dtype)
+    logits[2] = 1.0
+    leaf = logits.clone().requires_grad_()
+    out = cross_entropy(leaf * 1, labels, reduction=reduction, return_predicted_tokens=True, **opts)
+    plain = cross_entropy(logits.clone().requires_grad_() * 1, labels, reduction=reduction, **opts)
+    plain = plain.loss if isinstance(plain, tuple) else plain
+    torch.testing.assert_close(out.loss, plain, rtol=0, atol=0)
+    _assert_predictions(out.predicted_tokens, logits, labels, opts.get("softcap"))
+    assert out.predicted_tokens[2] == 0
+    assert not out.predicted_tokens.requires_grad
+
+
+def test_predicted_tokens_strided_and_batched():
+    """(B, T, V) logits: predictions of labels' shape; a transposed view of the logits (copied first)."""
+    labels = _labels(6, 67).view(2, 3)
+    logits = torch.randn(2, 3, 67, device=DEVICE) * 3
+    out = cross_entropy(logits, labels, reduction="none", return_predicted_tokens=True)
+    _assert_predictions(out.predicted_tokens, logits, labels)
+    swapped = logits.reshape(6, 67).t().contiguous().t()
+    out = cross_entropy(swapped, labels.reshape(6), return_predicted_tokens=True)
+    _assert_predictions(out.predicted_tokens, logits.reshape(6, 67), labels.reshape(6))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU: real sizes (the lead runs `pytest -m gpu` on the H200)
 
 
@@ -532,6 +653,36 @@ def test_gpu_split_rows_in_place(tune, split_cols):
                                rtol=1e-5, atol=0)
     rows = torch.arange(0, n, 13, device="cuda")
     _, g = _gpu_reference_rows(logits, labels, rows, label_smoothing=0.05)
+    assert_matches(leaf.grad[rows], g.double(), name="dlogits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("settings", ["default", "no-split", "split-over-64k"])
+@pytest.mark.parametrize("n, vocab", [(8192, 128256), (4096, 256000)])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_gpu_token_scaling_and_predictions_headline_shapes(tune, settings, n, vocab, reduction):
+    """use_token_scaling (pass 1 and pass 2 as two launches, p_t between them; rows split over programs that meet in
+    pass 1 only) with the gradient written over the logits, and return_predicted_tokens read before it: loss against
+    the fp32 reference, dlogits of sampled rows against the fp32 reference's, predictions equal to the argmax of the
+    capped fp32 logits (the same values, as the op computes them)."""
+    _use(tune, GPU_SETTINGS[settings])
+    torch.manual_seed(0)
+    opts = dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, use_token_scaling=True)
+    logits = (torch.randn(n, vocab, device="cuda") * 2).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::7] = IGNORE
+    ref = cross_entropy_reference(logits, labels, reduction=reduction, **opts)
+    capped = 30.0 * torch.tanh(logits.float() / 30.0)
+    want = torch.where(labels != IGNORE, capped.argmax(-1), -1)
+    del capped
+    leaf = logits.clone().requires_grad_()
+    inter = leaf * 1
+    out = cross_entropy(inter, labels, reduction=reduction, return_predicted_tokens=True, **opts)
+    out.loss.sum().backward()  # for "none" the gradient of the sum, as for reduction="sum"
+    assert torch.equal(out.predicted_tokens, want)
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-7)
+    rows = torch.arange(0, n, 997, device="cuda")
+    _, g = _gpu_reference_rows(logits, labels, rows, **opts)
     assert_matches(leaf.grad[rows], g.double(), name="dlogits")
 
 

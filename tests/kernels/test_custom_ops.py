@@ -219,6 +219,9 @@ _LOSS_OPTIONS = [
     {"label_smoothing": 0.1, "softcap": 5.0, "return_token_accuracy": True},
     {"normalizer": 7},
     {"normalizer": "tensor"},
+    {"use_token_scaling": True, "return_predicted_tokens": True},
+    {"reduction": "none", "weighted": True, "use_token_scaling": True, "softcap": 5.0, "z_loss": 1e-3,
+     "return_z_loss": True, "return_predicted_tokens": True},
 ]
 
 
@@ -251,6 +254,9 @@ def test_loss_ops_pass_opcheck():
                                              ("sum", weights, (True, False))):
         torch.library.opcheck(ce._cross_entropy_op, (logits, labels, None, class_weights, -100, 0.0, 1e-3, None,
                                                      reduction, True, *extras))
+        # token scaling and the predicted tokens, the schema's last two arguments
+        torch.library.opcheck(ce._cross_entropy_op, (logits, labels, None, class_weights, -100, 0.0, 1e-3, 5.0,
+                                                     reduction, True, *extras, True, True))
     hidden, weight, bias = (torch.randn(2, 5, 16, requires_grad=True), torch.randn(vocab, 16, requires_grad=True),
                             torch.randn(vocab, requires_grad=True))
     for reduction, b, class_weights, rank in (("mean", None, None, False), ("none", bias, weights, True),
@@ -265,6 +271,10 @@ def test_loss_ops_pass_opcheck():
             hidden, weight, b, labels, None, weights if reduction == "none" else None, -100, 0.1, 1e-3, None,
             reduction, 1.0, torch.float32, True, False, b is not None, True, None, None, True, True, u, lw, need_u,
             need_lw))
+        torch.library.opcheck(flce._fused_linear_cross_entropy_op, (
+            hidden, weight, b, labels, None, weights if reduction == "sum" else None, -100, 0.0, 1e-3, 5.0,
+            reduction, 1.0, torch.float32, True, True, b is not None, False, None, None, False, False, u, lw, need_u,
+            need_lw, True, True))
 
 
 @pytest.mark.parametrize("options", _LOSS_OPTIONS, ids=str)
@@ -296,7 +306,9 @@ def test_compiled_fused_linear_cross_entropy_equals_eager(options):
 
 @pytest.mark.parametrize("options", [{}, {"bias": True, "reduction": "none", "return_target_rank": True},
                                      {"weighted": True, "return_z_loss": True, "return_token_accuracy": True},
-                                     {"max_scratch_bytes": 200, "reduction": "sum", "label_smoothing": 0.1}], ids=str)
+                                     {"max_scratch_bytes": 200, "reduction": "sum", "label_smoothing": 0.1},
+                                     {"reduction": "none", "use_token_scaling": True, "return_predicted_tokens": True}],
+                         ids=str)
 def test_compiled_fused_linear_cross_entropy_with_low_rank_equals_eager(options):
     """The low-rank term (a LoRA adapter on the head: u = s·A·h, computed outside the op as a model does) through
     the custom op: gradients reach h, A and B, with W frozen."""

@@ -14,6 +14,7 @@ from liger_models.kernels.ops import _ce_core
 from liger_models.kernels.ops import _grad_filter as grad_filter
 from liger_models.kernels.ops.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
+    LossOutput,
     consume_weight_grad,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
@@ -829,6 +830,222 @@ def test_low_rank_bad_arguments():
 
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# use_token_scaling (each token's loss and gradient times its detached target probability p_t: TRL's DFT loss) and
+# return_predicted_tokens (each token's argmax, taken from a chunk's logits before the gradient overwrites them).
+
+# (vocabulary, bias, options); "class_weights": True draws one weight per class
+TOKEN_SCALING_CASES = [
+    (67, False, dict()),
+    (300, True, dict(reduction="sum", loss_scale=0.3, label_smoothing=0.1)),
+    (517, False, dict(reduction="none", loss_scale=2.0, z_loss=1e-3)),
+    (300, True, dict(softcap=2.0, z_loss=1e-3, normalizer=40)),
+    (517, True, dict(class_weights=True, reduction="none", softcap=3.0)),
+    (67, False, dict(class_weights=True, reduction="sum", z_loss=1e-3)),
+    (300, False, dict(label_smoothing=0.05, z_loss=1e-4, softcap=3.0, reduction="none")),
+]
+
+
+def _scaled_logits_size(t, dtype):
+    """bf16: t / 4, so that the logits are ~N(0, 1/4) instead of ~N(0, 4). A token-scaled row's gradient is p_t·dℓ_t,
+    and p_t = exp(z_t − lse) takes the absolute bf16 rounding of the logits (up to |z|·2⁻⁹) as its relative error;
+    the rows of largest p_t, whose target logits are largest, dominate the gradients, so their bf16 error is about
+    2⁻⁹·max z_t: above 1e-2, the protocol's bound, for eager PyTorch itself at the other tests' logits (up to ±8),
+    ~5e-3 at these. fp32: t unchanged."""
+    return (t.float() / 4).to(dtype) if dtype == torch.bfloat16 and t is not None else t
+
+
+def _token_scaling_case(case, dtype):
+    vocab, bias, opts = TOKEN_SCALING_CASES[case]
+    hidden, weight, b, labels = _inputs(vocab, dtype, bias=bias)
+    if opts.get("class_weights"):
+        opts = dict(opts, class_weights=_class_weights(vocab))
+    weight, b = _scaled_logits_size(weight, dtype), _scaled_logits_size(b, dtype)
+    return hidden, weight, b, labels, dict(opts, use_token_scaling=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(TOKEN_SCALING_CASES)))
+def test_token_scaling_matches_reference(tune, dtype, case):
+    """Loss and the gradients of h, W and b against float64 over every scratch mode, for each reduction and loss
+    option (p_t is the probability of the softcapped logits; smoothing's, z-loss's and the class weight's terms are
+    scaled with the rest)."""
+    _chunk(tune, SCRATCH_MODES[(case + (dtype == torch.bfloat16)) % len(SCRATCH_MODES)])
+    hidden, weight, b, labels, opts = _token_scaling_case(case, dtype)
+    _check(hidden, weight, b, labels, **opts)
+
+
+def test_token_scaling_reference_is_the_scaled_per_token_loss():
+    """The reference itself: the per-token reference loss times softmax(capped logits)[target], detached, reduced
+    as without scaling (the mean over the non-ignored count, or the normaliser)."""
+    hidden, weight, bias, labels = _inputs(300, torch.float64, bias=True)
+    opts = dict(softcap=3.0, z_loss=1e-3, label_smoothing=0.1)
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    per_token = flce_mod.cross_entropy_reference(logits, labels, reduction="none", **opts)
+    capped = 3.0 * torch.tanh(logits / 3.0)
+    p = capped.softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    scaled = per_token * torch.where(labels != IGNORE, p, 0.0)
+    for reduction, normalizer, want in (("none", None, scaled), ("sum", None, scaled.sum()),
+                                        ("mean", None, scaled.sum() / (labels != IGNORE).sum()),
+                                        ("mean", 40, scaled.sum() / 40)):
+        got = fused_linear_cross_entropy_reference(hidden, weight, labels, bias, reduction=reduction,
+                                                   normalizer=normalizer, use_token_scaling=True, **opts)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [0, 2, 4])
+def test_token_scaling_with_low_rank(tune, dtype, case):
+    """The low-rank term's gradients du and dB carry p_t as dh and dW do."""
+    _chunk(tune, SCRATCH_MODES[(case + 1 + (dtype == torch.bfloat16)) % len(SCRATCH_MODES)])
+    hidden, weight, b, labels, opts = _token_scaling_case(case, dtype)
+    u, lw = _low_rank(hidden, weight.shape[0], 3)
+    _check(hidden, weight, b, labels, low_rank=(u, _scaled_logits_size(lw, dtype)), **opts)
+
+
+@pytest.mark.parametrize("mode,opts", [("grad_w_scratch", dict()), ("slabs", dict(reduction="none", z_loss=1e-3)),
+                                       ("capped", dict(reduction="sum", softcap=30.0))])
+def test_token_scaling_with_the_gradient_filter(tune, kept_columns, mode, opts):
+    """The filter's rule is on each token's unscaled loss gradient (p_t, as class weights and the mean's
+    denominator, is a row factor outside it): the same hot columns are kept, and the kept ones are exact."""
+    _chunk(tune, "budget_scratch" if mode == "capped" else "grad_w_scratch")
+    if mode == "slabs":
+        tune(grad_filter, slab_bytes=1)
+        tune(grad_filter, min_slab_cols=50)
+    if mode == "capped":
+        tune(flce_mod, max_scratch_bytes=3 * 517 * 4)
+    hidden, weight, bias, labels, hot = _filter_inputs(torch.float32, bias=True)
+    eps = _eps_in_the_gap(hidden, weight, bias, labels, hot, **opts)
+    _check(hidden, weight, bias, labels, grad_filter_eps=eps, use_token_scaling=True, **opts)
+    hot_ids = hot.nonzero()[:, 0]
+    assert any(torch.equal(cols, hot_ids) for cols in kept_columns)
+    assert all(torch.equal(cols, hot_ids) or cols.numel() == 0 for cols in kept_columns)
+
+
+def test_token_scaling_with_a_weight_gradient_consumer(chunked_once):
+    """consume_weight_grad gets the token-scaled dW in the forward."""
+    hidden, weight, _, labels = _inputs(300, torch.float32)
+    w = weight.clone().requires_grad_()
+    handed = []
+    forget = consume_weight_grad(w, lambda grad, node: handed.append(grad))
+    try:
+        fused_linear_cross_entropy(hidden, w, labels, use_token_scaling=True, z_loss=1e-3).backward()
+    finally:
+        forget()
+    w64 = weight.double().requires_grad_()
+    fused_linear_cross_entropy_reference(hidden.double(), w64, labels, use_token_scaling=True, z_loss=1e-3).backward()
+    assert w.grad is None and handed[-1] is None
+    assert_matches(handed[0], w64.grad, name="dW")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_token_scaling_all_ignored(chunked_once, reduction):
+    """Every label ignored: p_t is 0 everywhere, the loss and every gradient exactly zero (no NaN from the rows'
+    statistics)."""
+    hidden, weight, bias, labels = _inputs(67, torch.bfloat16, bias=True)
+    labels.fill_(IGNORE)
+    leaves = [t.detach().requires_grad_() for t in (hidden, weight, bias)]
+    loss = fused_linear_cross_entropy(leaves[0], leaves[1], labels, leaves[2], reduction=reduction, z_loss=1e-2,
+                                      use_token_scaling=True)
+    loss.sum().backward()
+    assert torch.equal(loss, torch.zeros_like(loss))
+    for t in leaves:
+        assert torch.equal(t.grad, torch.zeros_like(t)), "grads must be exactly zero"
+
+
+def test_token_scaling_strided_inputs_and_module(chunked_once):
+    """A transposed-view hidden and strided labels; the module passes the option on."""
+    hidden, weight, bias, labels = _inputs(300, torch.float32, bias=True)
+    swapped = hidden.transpose(0, 1).contiguous().transpose(0, 1)
+    strided_labels = torch.stack((labels, labels), -1)[..., 1]
+    assert not swapped.is_contiguous() and not strided_labels.is_contiguous()
+    _check(swapped, weight, bias, strided_labels, reduction="none", use_token_scaling=True)
+    module = FusedLinearCrossEntropyLoss(reduction="sum", z_loss=1e-3, use_token_scaling=True)
+    want = fused_linear_cross_entropy_reference(hidden.double(), weight.double(), labels, bias.double(),
+                                                reduction="sum", z_loss=1e-3, use_token_scaling=True)
+    assert_matches(module(hidden, weight, labels, bias), want, name="module loss")
+
+
+def _assert_predictions(predicted, logits64, labels, dtype, softcap=None):
+    """predicted (labels' shape, int64) is the float64 argmax of the (capped) logits wherever its top two are
+    further apart than rounding the logits to dtype can move them (twice the half-ulp of the largest, bf16; fp32:
+    the fp32 tolerance of docs/kernels.md) and, capped, than fp32 rounding of the cap; -1 where the label is
+    ignored."""
+    assert predicted.dtype == torch.int64 and predicted.shape == labels.shape
+    valid = labels != IGNORE
+    assert torch.equal(predicted[~valid], torch.full_like(predicted[~valid], -1))
+    top2 = logits64.topk(2, -1).values
+    rounding = (2**-8 if dtype == torch.bfloat16 else 1e-5) * logits64.abs().amax(-1)
+    clear = valid & (top2[..., 0] - top2[..., 1] > 2 * rounding)
+    x = logits64
+    if softcap is not None:
+        x = softcap * torch.tanh(logits64 / softcap)
+        capped2 = softcap * torch.tanh(top2 / softcap)
+        clear &= capped2[..., 0] - capped2[..., 1] > softcap * 2**-20
+    assert clear.sum() >= 0.5 * valid.sum(), "the test's logits lost their gaps"
+    assert torch.equal(predicted[clear], x.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,opts", [
+    ("grad_w_scratch", dict()),
+    ("budget_scratch+overlap", dict(reduction="none", softcap=3.0, return_target_rank=True)),
+    ("single_chunk", dict(reduction="sum", use_token_scaling=True, return_z_loss=True, z_loss=1e-3)),
+    ("budget_scratch", dict(z_loss=1e-3, return_token_accuracy=True, class_weights=True)),
+])
+def test_predicted_tokens(tune, dtype, mode, opts):
+    """Over several chunks (or one), with the other extras and options: the predictions are the argmax of the
+    logits, -1 where ignored; loss and gradients match the reference as without them."""
+    _chunk(tune, mode)
+    vocab = 517
+    hidden, weight, bias, labels = _inputs(vocab, dtype, bias=True)
+    if opts.get("class_weights"):
+        opts = dict(opts, class_weights=_class_weights(vocab))
+    if opts.get("use_token_scaling"):
+        weight, bias = _scaled_logits_size(weight, dtype), _scaled_logits_size(bias, dtype)
+    out, out64 = _check(hidden, weight, bias, labels, return_predicted_tokens=True, **opts)
+    assert isinstance(out, LossOutput)
+    assert (out.target_rank is not None) == bool(opts.get("return_target_rank"))
+    logits64 = torch.nn.functional.linear(hidden.double(), weight.double(), bias.double())
+    _assert_predictions(out.predicted_tokens, logits64, labels, dtype, opts.get("softcap"))
+    _assert_predictions(out64.predicted_tokens, logits64, labels, torch.float32, opts.get("softcap"))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_predicted_tokens_break_ties_like_argmax(chunked_once, reduction):
+    """Tied maxima predict the lowest index: a zero hidden state (every logit 0) predicts 0, and twin columns (equal
+    rows of W and of B) that hold the maximum of batch row 0's tokens (a constant feature of weight 50 in both)
+    predict the first twin; the low-rank term enters the logits that are compared."""
+    vocab = 517
+    hidden, weight, _, labels = _inputs(vocab, torch.float32)
+    hidden[1] = 0.0
+    hidden[0, :, 0] = 1.0
+    first, second = torch.randperm(vocab, device=DEVICE)[:2].sort().values.tolist()
+    weight[:, 0] = 0.0
+    weight[first, 0] = 50.0
+    weight[second] = weight[first]
+    u, lw = _low_rank(hidden, vocab, 2)
+    u[1] = 0.0
+    lw[second] = lw[first]
+    hidden.requires_grad_()
+    out = fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction, low_rank=(u, lw),
+                                     return_predicted_tokens=True)
+    valid = labels != IGNORE
+    assert torch.equal(out.predicted_tokens[1][valid[1]], torch.zeros_like(labels[1][valid[1]]))
+    assert torch.equal(out.predicted_tokens[0][valid[0]], torch.full_like(labels[0][valid[0]], first))
+
+
+def test_predicted_tokens_without_gradients(chunked_once):
+    """Under no_grad (evaluation: no gradient pass at all) the predictions are those of the training call."""
+    hidden, weight, bias, labels = _inputs(300, torch.bfloat16, bias=True)
+    with torch.no_grad():
+        out = fused_linear_cross_entropy(hidden, weight, labels, bias, return_predicted_tokens=True)
+    h = hidden.clone().requires_grad_()
+    trained = fused_linear_cross_entropy(h, weight, labels, bias, return_predicted_tokens=True)
+    assert torch.equal(out.predicted_tokens, trained.predicted_tokens)
+    torch.testing.assert_close(out.loss, trained.loss.detach(), rtol=1e-6, atol=0)
+
+
 # GPU: real sizes (the lead runs `pytest -m gpu` on the H200)
 
 
@@ -849,6 +1066,22 @@ def _gpu_case(n, hdim, vocab, **opts):
     torch.testing.assert_close(loss, ref.detach(), rtol=2e-3, atol=0)  # bf16 logits vs fp32 logits
     assert_matches(h.grad, hf.grad.double(), eager=he.grad, name="dh")
     assert_matches(w.grad, wf.grad.double(), eager=we.grad, name="dW")
+
+
+def _gpu_runs(hidden, weight, labels, **opts):
+    """Ours in bf16, the reference in fp32 and eager PyTorch in bf16, each on fresh leaves holding the same bf16
+    values and backpropagated with one incoming gradient (per token for reduction="none"): [(output, dh, dW)]."""
+    n = labels.numel()
+    g = torch.randn(n, device="cuda") if opts.get("reduction") == "none" else torch.tensor(1.0, device="cuda")
+    runs = []
+    for fn, dtype in ((fused_linear_cross_entropy, torch.bfloat16), (fused_linear_cross_entropy_reference,
+                                                                     torch.float32),
+                      (fused_linear_cross_entropy_reference, torch.bfloat16)):
+        h, w = (t.to(dtype, copy=True).requires_grad_() for t in (hidden, weight))
+        out = fn(h, w, labels, **opts)
+        (out[0] if isinstance(out, tuple) else out).backward(g)
+        runs.append((out, h.grad, w.grad))
+    return runs
 
 
 @pytest.mark.gpu
@@ -918,19 +1151,24 @@ def test_gpu_grad_filter_real_size(kept_columns, opts):
     labels, hot = _hot_and_cold(hidden, weight, labels, 0.02)
     hot_ids = hot.nonzero()[:, 0]
     eps = _eps_in_the_gap(hidden.float(), weight.float(), None, labels, hot, **opts)
-    g = torch.randn(n, device="cuda") if opts.get("reduction") == "none" else torch.tensor(1.0, device="cuda")
-    runs = []
-    for fn, dtype in ((fused_linear_cross_entropy, torch.bfloat16), (fused_linear_cross_entropy_reference,
-                                                                     torch.float32),
-                      (fused_linear_cross_entropy_reference, torch.bfloat16)):
-        h, w = (t.to(dtype, copy=True).requires_grad_() for t in (hidden, weight))  # fresh leaves each run
-        fn(h, w, labels, grad_filter_eps=eps, **opts).backward(g)
-        runs.append((h.grad, w.grad))
-    (dh, dw), (dh32, dw32), (dh_eager, dw_eager) = runs
+    runs = _gpu_runs(hidden, weight, labels, grad_filter_eps=eps, **opts)
+    (_, dh, dw), (_, dh32, dw32), (_, dh_eager, dw_eager) = runs
     assert len(kept_columns) == 3 and all(torch.equal(cols, hot_ids) for cols in kept_columns)
     assert_matches(dh, dh32.double(), eager=dh_eager, name="dh")
     assert_matches(dw, dw32.double(), eager=dw_eager, name="dW")
     assert (dw[~hot] == 0).all()
+
+
+def _gpu_schedule(tune, mode, vocab, opts):
+    """A real-size schedule: "overlap" runs the CE passes on the side stream, "capped" caps the scratch at 768 rows,
+    "filtered" adds the gradient filter at 1e-30 (every column kept: exact) with the gathered GEMMs forced for all
+    of them. Returns opts, with the filter's eps when filtered."""
+    tune(flce_mod, overlap_ce=mode == "overlap")
+    tune(flce_mod, max_scratch_bytes=768 * vocab * 2 if mode == "capped" else None)
+    if mode != "filtered":
+        return opts
+    tune(grad_filter, dense_share=1.0)
+    return dict(opts, grad_filter_eps=1e-30)
 
 
 @pytest.mark.gpu
@@ -945,11 +1183,7 @@ def test_gpu_low_rank_real_size(tune, kept_columns, mode, opts):
     overlap: 8 of 512 rows, the CE pass on the side stream; capped: a 768-row scratch cap, 6 chunks; filtered: the
     gradient filter at 1e-30 (every column kept: exact) with the gathered GEMMs forced for all of them."""
     tune(flce_mod, logits_budget_bytes=1024 * 32003 * 2)
-    tune(flce_mod, overlap_ce=mode == "overlap")
-    tune(flce_mod, max_scratch_bytes=768 * 32003 * 2 if mode == "capped" else None)
-    if mode == "filtered":
-        tune(grad_filter, dense_share=1.0)
-        opts = dict(opts, grad_filter_eps=1e-30)
+    opts = _gpu_schedule(tune, mode, 32003, opts)
     torch.manual_seed(0)
     n, hdim, vocab, rank, scaling = 4096, 2048, 32003, 16, 2.0
     hidden = (torch.randn(n, hdim, device="cuda") / 2).to(torch.bfloat16)
@@ -975,6 +1209,40 @@ def test_gpu_low_rank_real_size(tune, kept_columns, mode, opts):
     for name, got, ref, eager_grad in zip(("dh", "dA", "dB"), ours[1:], exact[1:], eager[1:]):
         assert got.dtype == torch.bfloat16, name
         assert_matches(got, ref, eager=eager_grad, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "overlap", "capped", "filtered"])
+@pytest.mark.parametrize("opts", [dict(), dict(reduction="none", label_smoothing=0.1, z_loss=1e-4, softcap=30.0,
+                                               loss_scale=0.5),
+                                  dict(reduction="sum", class_weights=True, z_loss=1e-4)])
+def test_gpu_token_scaling_and_predictions_real_size(tune, kept_columns, mode, opts):
+    """use_token_scaling with return_predicted_tokens at size: 4096 tokens, H 2048, V 128256, bf16; default: 2
+    chunks of 2048 rows in grad_W's storage; overlap: 4 of 1024, the two CE launches and p_t on the side stream;
+    capped: a 768-row scratch cap, 6 chunks into the fp32 accumulator that becomes grad_W; filtered: the gradient
+    filter at 1e-30 (every column kept: exact) through the gathered GEMMs, reading the row scales p_t·scale. Loss, dh
+    and dW against the fp32 reference on the same bf16 values, with eager bf16 PyTorch's error as the bar; logits
+    ~N(0, 1/4) (_scaled_logits_size says why). The predictions are the argmax of the fp32 logits wherever bf16
+    rounding cannot reorder the top two."""
+    tune(flce_mod, single_chunk_in_accumulator=False)  # N = 2H would be one chunk
+    opts = _gpu_schedule(tune, mode, 128256, opts)
+    torch.manual_seed(0)
+    n, hdim, vocab = 4096, 2048, 128256
+    hidden = (torch.randn(n, hdim, device="cuda") / 2).to(torch.bfloat16)
+    weight = (torch.randn(vocab, hdim, device="cuda") / hdim**0.5).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::11] = IGNORE
+    if opts.get("class_weights"):
+        opts = dict(opts, class_weights=torch.rand(vocab, device="cuda") + 0.5)
+    ours, exact, eager = _gpu_runs(hidden, weight, labels, use_token_scaling=True, return_predicted_tokens=True,
+                                   **opts)
+    if mode == "filtered":
+        assert len(kept_columns) == 2 and all(cols.numel() == vocab for cols in kept_columns)
+    _assert_loss_of_bf16_logits(ours[0].loss.detach(), exact[0].loss.detach().double(), eager[0].loss.detach())
+    for name, got, ref, eager_grad in zip(("dh", "dW"), ours[1:], exact[1:], eager[1:]):
+        assert_matches(got, ref.double(), eager=eager_grad, name=name)
+    logits = hidden.float() @ weight.float().t()
+    _assert_predictions(ours[0].predicted_tokens, logits, labels, torch.bfloat16, opts.get("softcap"))
 
 
 @pytest.mark.gpu

@@ -1,8 +1,10 @@
-"""The loss options trainers log or set: class weights, the z-loss term as its own output, token accuracy.
+"""The loss options trainers log or set: class weights, the z-loss term as its own output, token accuracy, the
+predicted tokens, token scaling (TRL's DFT loss).
 
 Both losses (cross_entropy on logits, fused_linear_cross_entropy on hidden states) against a float64 PyTorch
-reference: torch's F.cross_entropy(weight=...) for class weights, lse² for z-loss, argmax for accuracy. Fresh random
-inputs, ignored labels, odd sizes; the kernels' path (the interpreter on CPU) and the PyTorch path (reference_mode).
+reference: torch's F.cross_entropy(weight=...) for class weights, lse² for z-loss, argmax for accuracy and the
+predictions, TRL's dft_loss formula for token scaling. Fresh random inputs, ignored labels, odd sizes; the kernels'
+path (the interpreter on CPU) and the PyTorch path (reference_mode).
 """
 
 from __future__ import annotations
@@ -32,12 +34,17 @@ def _inputs(seed_shift: int = 0):
     return hidden, weight, labels, class_weights
 
 
-def _reference(logits64, labels, *, reduction, class_weights=None, z_loss=0.0, normalizer=None):
-    """float64: Σ_t w_t (CE_t + z·lse_t²) / Σ_t w_t (mean), over non-ignored t; torch's weighted CE when z = 0."""
+def _reference(logits64, labels, *, reduction, class_weights=None, z_loss=0.0, normalizer=None, dft=False):
+    """float64: Σ_t w_t (CE_t + z·lse_t²) / Σ_t w_t (mean), over non-ignored t; torch's weighted CE when z = 0.
+    dft: each token's term times p_t = exp(−CE_t), detached (TRL's dft_loss: −exp(logp).detach()·logp), the
+    denominator unchanged."""
     valid = labels != -100
     target = torch.where(valid, labels, 0)
     lse = torch.logsumexp(logits64, -1)
-    per_token = lse - logits64.gather(-1, target[:, None])[:, 0] + z_loss * lse.square()
+    logp = logits64.gather(-1, target[:, None])[:, 0] - lse
+    per_token = -logp + z_loss * lse.square()
+    if dft:
+        per_token = per_token * logp.exp().detach()
     w = torch.ones_like(lse) if class_weights is None else class_weights.double()[target]
     w = torch.where(valid, w, 0.0)
     per_token = per_token * w
@@ -187,3 +194,101 @@ def test_gpu_real_size_class_weights_and_outputs(reduction):
     assert abs(out.token_accuracy.item() - ref.token_accuracy.item()) <= 4 / n
     assert_matches(h.grad, hf.grad.double(), eager=he.grad, name="dh")
     assert_matches(w.grad, wf.grad.double(), eager=we.grad, name="dW")
+
+
+def test_loss_output_keeps_its_field_positions():
+    """predicted_tokens is the last field: the four before it keep their positions (out[1] is still the z-loss)."""
+    assert LossOutput._fields == ("loss", "z_loss", "token_accuracy", "target_rank", "predicted_tokens")
+    out = LossOutput(torch.tensor(1.0))
+    assert len(out) == 5 and out[1:] == (None,) * 4
+
+
+def _call(fused, logits, labels, **kw):
+    """Either loss on these exact logits: the fused op as logits · Iᵀ (exact in fp32)."""
+    if fused:
+        return fused_linear_cross_entropy(logits, torch.eye(logits.shape[-1], device=DEVICE), labels, **kw)
+    return cross_entropy(logits.clone(), labels, **kw)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("fused", [True, False], ids=["linear-CE", "CE"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_token_scaling_is_trl_dft_loss(path, fused, reduction, weighted):
+    """use_token_scaling: TRL's DFT per-token loss −p_t·log p_t with p_t detached (times the class weight, with the
+    z-loss term scaled by p_t too), the mean divided by the usual denominator; its gradient p_t·dCE_t/dx."""
+    hidden, weight, labels, class_weights = _inputs()
+    class_weights = class_weights if weighted else None
+    z_coef = 1e-3
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    with PATHS[path]():
+        if fused:
+            out = fused_linear_cross_entropy(h, w, labels, reduction=reduction, z_loss=z_coef,
+                                             class_weights=class_weights, use_token_scaling=True, return_z_loss=True)
+        else:
+            out = cross_entropy(h @ w.T, labels, reduction=reduction, z_loss=z_coef, class_weights=class_weights,
+                                use_token_scaling=True, return_z_loss=True)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = _reference(h64 @ w64.T, labels, reduction=reduction, class_weights=class_weights, z_loss=z_coef, dft=True)
+    torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=2e-5, atol=1e-6)
+    with torch.no_grad():  # the z-loss term, scaled as the loss is
+        z_only = _reference(h64 @ w64.T, labels, reduction=reduction, class_weights=class_weights, z_loss=z_coef,
+                            dft=True) - _reference(h64 @ w64.T, labels, reduction=reduction,
+                                                   class_weights=class_weights, dft=True)
+    torch.testing.assert_close(out.z_loss.double(), z_only, rtol=2e-5, atol=1e-8)
+    upstream = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    (out.loss.double() * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=2e-4, atol=2e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("fused", [True, False], ids=["linear-CE", "CE"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_predicted_tokens(path, fused, reduction):
+    """int64 argmax per token in labels' shape, -1 where ignored, ties to the lowest index (a row of equal logits
+    predicts 0; a row whose maximum sits in two columns predicts the first), the loss as without them."""
+    hidden, weight, labels, _ = _inputs()
+    logits64 = hidden.double() @ weight.double().T
+    logits64[1] = 0.0  # all tied
+    logits64[2, 7] = logits64[2, 40] = logits64[2].max() + 1  # tied maximum at columns 7 and 40
+    labels[1], labels[2] = 3, 40
+    logits = logits64.float()
+    with PATHS[path]():
+        plain = _call(fused, logits, labels, reduction=reduction)
+        out = _call(fused, logits, labels, reduction=reduction, return_predicted_tokens=True)
+    assert isinstance(out, LossOutput) and out.z_loss is None and out.token_accuracy is None
+    torch.testing.assert_close(out.loss, plain, rtol=0, atol=0)
+    predicted = out.predicted_tokens
+    assert predicted.dtype == torch.int64 and predicted.shape == labels.shape and not predicted.requires_grad
+    valid = labels != -100
+    assert torch.equal(predicted[~valid], torch.full_like(predicted[~valid], -1))
+    assert predicted[1] == 0 and predicted[2] == 7
+    top2 = logits64.topk(2, -1).values
+    clear = valid & (top2[:, 0] - top2[:, 1] > 1e-5 * logits64.abs().amax(-1))  # beyond fp32's rounding
+    assert clear.sum() >= valid.sum() - 4
+    assert torch.equal(predicted[clear], logits64.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("fused", [True, False], ids=["linear-CE", "CE"])
+def test_predicted_tokens_are_the_argmax_of_the_capped_logits(path, fused):
+    """With a softcap the prediction is the argmax of c·tanh(x/c) in fp32 (Liger-Kernel's convention): logits far
+    past the cap saturate to the same capped value, and the lowest such index wins even where a later raw logit is
+    larger; below saturation the cap is monotonic and changes nothing."""
+    hidden, weight, labels, _ = _inputs()
+    logits = (hidden @ weight.T) * 0.2
+    logits[1, 5], logits[1, 30] = 40.0, 90.0  # tanh(40) and tanh(90) are both 1.0 in fp32 at c = 1
+    labels[1] = 30  # the larger raw logit: ranked behind column 5, as the prediction says
+    with PATHS[path]():
+        out = _call(fused, logits, labels, softcap=1.0, return_predicted_tokens=True, return_token_accuracy=True)
+    capped = torch.tanh(logits)
+    assert capped[1, 5] == capped[1, 30] and logits[1].argmax() == 30
+    want = torch.where(labels != -100, capped.argmax(-1), -1)
+    assert want[1] == 5
+    assert torch.equal(out.predicted_tokens, want)
+    valid = labels != -100
+    torch.testing.assert_close(out.token_accuracy.double(),  # top-1 as the predictions count it
+                               (out.predicted_tokens == labels)[valid].double().mean(), rtol=0, atol=1e-7)

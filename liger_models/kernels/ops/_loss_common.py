@@ -1,5 +1,6 @@
 """What the two loss Functions share besides the row kernel (_ce_core.py): option checks, the in-place scaling of a
-gradient computed in the forward by backward's grad_output, and handing such gradients out exactly once."""
+gradient computed in the forward by backward's grad_output, handing such gradients out exactly once, and the two
+per-token options computed around the kernel (predicted tokens, token scaling)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._ce_core import ce_rows
 from .._launch import cdiv, launch, sm_count
 
 
@@ -23,6 +25,7 @@ class LossScaleTuning:
     sum_block: int = 8192
     sum_warps: int = 16
     scale_programs_per_sm: int = 8  # scale_'s grid: enough resident programs to stream at the copy rate when g != 1
+    argmax_slab_bytes: int = 64 << 20  # predicted_tokens with a softcap: the fp32 capped copy, this much at a time
 
 
 TUNING = LossScaleTuning()
@@ -137,18 +140,74 @@ def scaled(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 class LossOutput(NamedTuple):
-    """What a loss call returns when asked for more than the loss (``return_z_loss`` / ``return_token_accuracy``).
+    """What a loss call returns when asked for more than the loss (``return_z_loss`` / ``return_token_accuracy`` /
+    ``return_predicted_tokens``).
 
     loss: as without the extras. z_loss: the z-loss term's share of ``loss`` (already inside it), reduced the same
     way, detached, for logging. token_accuracy: the share of non-ignored tokens whose target is the argmax (ties
     go to the lowest index, as argmax breaks them), a 0-dim fp32 tensor, unweighted. target_rank: per-token ranks
-    (0 = top-1; -1 where ignored) when asked for with ``return_target_rank``. Unrequested fields are None.
+    (0 = top-1; -1 where ignored) when asked for with ``return_target_rank``. predicted_tokens: per-token argmax of
+    the logits the loss sees (soft-capped, when a softcap is set), int64 of labels' shape, the lowest index among
+    tied maxima, -1 where ignored. Unrequested fields are None. New fields are added at the end, so the earlier
+    ones keep their positions.
     """
 
     loss: torch.Tensor
     z_loss: torch.Tensor | None = None
     token_accuracy: torch.Tensor | None = None
     target_rank: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
+
+
+def predicted_tokens(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, softcap: float | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """LossOutput.predicted_tokens of logits (rows, V) and labels (rows,), into out (rows,) int64 when given.
+
+    Ties go to the lowest index (torch.argmax's documented rule, and Liger-Kernel's). With a softcap the argmax is
+    taken over c·tanh(x/c) in fp32, as the loss computes it: the cap is monotonic, but it saturates, so logits far
+    past it that differ can tie once capped, and the lowest of those indices is the prediction (as for the target's
+    rank). That costs an fp32 copy, made TUNING.argmax_slab_bytes of rows at a time so that a chunk of linear-CE's
+    logits scratch (up to grad_W's bytes) is not doubled. No host sync."""
+    rows = logits.shape[0]
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if softcap is None:
+        torch.argmax(logits, -1, out=out)
+    else:
+        step = max(1, TUNING.argmax_slab_bytes // (4 * logits.shape[1]))
+        for s in range(0, rows, step):
+            capped = softcap * torch.tanh(logits[s : s + step].float() / softcap)
+            torch.argmax(capped, -1, out=out[s : s + step])
+    return out.masked_fill_(labels == ignore_index, -1)
+
+
+def token_scaled_rows(logits: torch.Tensor, labels: torch.Tensor, *, grad: torch.Tensor | None, loss: torch.Tensor,
+                      lse: torch.Tensor, q: torch.Tensor, rank: torch.Tensor | None, scale: torch.Tensor | None,
+                      p: torch.Tensor, ignore_index: int, softcap: float | None, **opts) -> torch.Tensor | None:
+    """`ce_rows` (_ce_core.py) for use_token_scaling: each row's loss and gradient times its target probability
+    p_t = softmax(capped logits)[t], which is a constant (no gradient flows through it).
+
+    Pass 1 alone (loss, lse, q, rank), then p_t = exp(cap(x_t) − lse) in fp32 into p (rows,) (0 where ignored;
+    exp of a difference keeps a tiny p_t's relative precision, which 1 − q would not), then, when grad is given,
+    pass 2 alone with each row's gradient scale times p_t. x_t is read before pass 2, which may write the gradient
+    over the logits. The losses are left unscaled: callers fold p into their per-row scale, which also scales the
+    z-loss term and reduction "none"'s deferred gradient. Returns the gradient's row scale (scale · p), None
+    without grad. The kernel's one-launch mode is out of reach here, since p_t scales the gradient and is known only
+    after pass 1: pass 2 re-reads each row from memory rather than partly from L2."""
+    opts = dict(opts, ignore_index=ignore_index, softcap=softcap)
+    ce_rows(logits, labels, grad=None, loss=loss, lse=lse, q=q, rank=rank, scale=None, **opts)
+    valid = labels != ignore_index
+    # a clamped index: an out-of-range label must not reach the gather (the label check raises for it afterwards)
+    index = torch.where(valid, labels, 0).long().clamp_(0, logits.shape[1] - 1)
+    x_t = logits.gather(1, index[:, None])[:, 0].float()
+    if softcap is not None:
+        x_t = softcap * torch.tanh(x_t / softcap)
+    p.copy_(torch.where(valid, torch.exp(x_t - lse), 0.0))
+    if grad is None:
+        return None
+    row_scale = (p * scale).contiguous()
+    ce_rows(logits, labels, grad=grad, loss=None, lse=lse, q=q, rank=None, scale=row_scale, **opts)
+    return row_scale
 
 
 def check_class_weights(class_weights: torch.Tensor | None, vocab: int, device: torch.device,

@@ -1,9 +1,9 @@
 """Fused linear + cross-entropy: loss of (h·Wᵀ + b) against labels without ever holding the N×V logits.
 
-Math: the cross_entropy options (ignore_index, label smoothing, z-loss, softcap, mean/sum/none, normaliser; see
-cross_entropy.py) on logits = h·Wᵀ + b (+ u·Bᵀ, the optional low-rank term), times loss_scale. HF numerics: HF's
-lm_head gives bf16 logits (cuBLAS, fp32 accumulate, one rounding), then upcasts them to fp32 for the loss; so does
-this op, chunk by chunk.
+Math: the cross_entropy options (ignore_index, label smoothing, z-loss, softcap, mean/sum/none, normaliser, class
+weights, token scaling; see cross_entropy.py) on logits = h·Wᵀ + b (+ u·Bᵀ, the optional low-rank term), times
+loss_scale. HF numerics: HF's lm_head gives bf16 logits (cuBLAS, fp32 accumulate, one rounding), then upcasts them
+to fp32 for the loss; so does this op, chunk by chunk.
 Gradients: with D = dlogits (scaled by loss_scale / denominator),  dh = D·W,  dW = Dᵀ·h,  db = Σ_rows D, and for
 the low-rank term du = D·B,  dB = Dᵀ·u.
 
@@ -14,8 +14,9 @@ forward (M·V·r) and two in the gradients (du = D·B straight into the du slice
 accumulator); the extra memory is that accumulator and du (N×r).
 
 Algorithm, per chunk of M token rows (all gradients are computed in the forward pass, so nothing N×V is saved):
-  1. L = h_c·Wᵀ (+ b) (+ u_c·Bᵀ)           cuBLAS, bf16 out, into an M×V scratch
-  2. one Triton pass over L (_ce_core.py)   loss, lse, target rank, and D written over L
+  1. L = h_c·Wᵀ (+ b) (+ u_c·Bᵀ)           cuBLAS, bf16 out, into an M×V scratch (its argmax, when asked for)
+  2. one Triton pass over L (_ce_core.py)   loss, lse, target rank, and D written over L (with token scaling two
+                                            launches, the target probabilities p_t computed between them)
   3. dh_c = D·W (du_c = D·B)                cuBLAS, straight into the grad_hidden (grad_u) slice
   4. dW_acc += Dᵀ·h_c (dB_acc += Dᵀ·u_c)    cuBLAS with an fp32 C (addmm(out_dtype=float32), beta=1)
   5. db_acc += column sums of D (fp32)
@@ -67,8 +68,9 @@ from ._ce_core import ce_rows
 from . import _grad_filter
 from ._grad_filter import active_columns, sparse_gradients
 from .._custom_ops import absent, custom_op, refuse_double_backward
-from ._loss_common import (LossOutput, check_class_weights, check_options, row_weights, scale_, scaled, scaled_sum,
-                           take_grads, token_accuracy, weighted_scale, z_loss_term)
+from ._loss_common import (LossOutput, check_class_weights, check_options, predicted_tokens, row_weights, scale_,
+                           scaled, scaled_sum, take_grads, token_accuracy, token_scaled_rows, weighted_scale,
+                           z_loss_term)
 from .._dispatch import once_differentiable, row_view, use_triton
 from ._labels import LabelCheck
 from .._launch import on_input_device
@@ -150,6 +152,8 @@ def fused_linear_cross_entropy_reference(
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_token_scaling: bool = False,
+    return_predicted_tokens: bool = False,
 ):
     """Eager PyTorch: logits = F.linear(h, W, b) in the input dtype (as HF's lm_head), with low_rank=(u, B) plus
     u·Bᵀ added by torch.addmm (the sum rounded once to the input dtype, as the op's chunks round it), then fp32
@@ -170,14 +174,16 @@ def fused_linear_cross_entropy_reference(
     loss = cross_entropy_reference(
         logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
         softcap=softcap, reduction=reduction, normalizer=normalizer, class_weights=class_weights,
+        use_token_scaling=use_token_scaling,
     ) * loss_scale
-    if return_z_loss or return_token_accuracy:
-        z, accuracy = loss_extras_reference(
+    if return_z_loss or return_token_accuracy or return_predicted_tokens:
+        z, accuracy, predicted = loss_extras_reference(
             logits, labels, ignore_index=ignore_index, z_loss=z_loss, softcap=softcap, reduction=reduction,
-            normalizer=normalizer, loss_scale=loss_scale, class_weights=class_weights, want_z=return_z_loss,
-            want_accuracy=return_token_accuracy)
+            normalizer=normalizer, loss_scale=loss_scale, class_weights=class_weights,
+            use_token_scaling=use_token_scaling, want_z=return_z_loss, want_accuracy=return_token_accuracy,
+            want_predicted=return_predicted_tokens)
         rank = target_rank_reference(logits.detach(), labels, ignore_index, softcap) if return_target_rank else None
-        return LossOutput(loss, z, accuracy, rank)
+        return LossOutput(loss, z, accuracy, rank, predicted)
     if not return_target_rank:
         return loss
     with torch.no_grad():
@@ -295,12 +301,14 @@ def _ce_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, scale=None,
                 need=(False,) * 5, accum_dtype=torch.float32, max_scratch_bytes=None, grad_filter_eps=None,
-                low_rank=None):
+                low_rank=None, token_p=None, predicted=None):
     """The chunk loop of the module docstring; loss given → forward (writes loss, lse, q, rank), scale given →
     gradients (lse, q are inputs when loss is None). low_rank: (u (N, r), B (V, r)) or None. need: which of
     (h, W, b, u, B) get gradients. Returns (grad_h (N, H), grad_W, grad_b, grad_u (N, r), grad_B) or Nones.
     grad_filter_eps: each chunk's gradient GEMMs run over the columns that carry gradient (_grad_filter.py), or over
     all of them when too many do.
+    token_p (N,) fp32, forward only: use_token_scaling; each row's target probability is written there and multiplies
+    its gradient scale (token_scaled_rows; the losses stay unscaled). predicted (N,) int64: the predicted tokens.
 
     With two logits buffers, chunk i's CE pass is issued before chunk i−1's gradient GEMMs, which then read the
     other buffer; on CUDA the CE pass runs on a side stream, so it overlaps those GEMMs (events order each buffer's
@@ -347,10 +355,11 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
     def chunk_scale(s: int, e: int) -> torch.Tensor | None:  # the gradient scale: one for all rows, or per row
         return scale if scale is None or scale.dim() == 0 else scale[s:e]
 
-    def gradients(i: int, s: int, e: int, logits: torch.Tensor) -> None:  # dlogits of rows s:e are in logits
+    def gradients(i: int, s: int, e: int, logits: torch.Tensor, row_scale: torch.Tensor) -> None:
+        # dlogits of rows s:e are in logits, each row scaled by row_scale (0-dim or per row)
         first = i == 0  # the first chunk sets dW: a dense GEMM with beta 0, or zeros and then its kept rows
         if filtered:
-            cols = active_columns(logits, chunk_scale(s, e), grad_filter_eps)
+            cols = active_columns(logits, row_scale, grad_filter_eps)
             if cols.numel() <= _grad_filter.TUNING.dense_share * vocab:
                 if first and dw_targets is not None:
                     for target in dw_targets:
@@ -374,10 +383,10 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
         if need_b:
             acc_b.add_(logits.sum(0, dtype=torch.float32))
 
-    def finish(chunk: tuple) -> None:  # (i, s, e, logits, event of its CE pass on the side stream or None)
-        if chunk[4] is not None:
-            main.wait_event(chunk[4])
-        gradients(*chunk[:4])
+    def finish(chunk: tuple) -> None:  # (i, s, e, logits, row scale, event of its CE pass on the side stream or None)
+        if chunk[5] is not None:
+            main.wait_event(chunk[5])
+        gradients(*chunk[:5])
 
     pending = None  # a chunk whose CE pass is issued and whose gradients are not
     for i, s in enumerate(range(0, n, rows)):
@@ -394,14 +403,23 @@ def _run_chunks(h, weight, bias, labels, opts, *, lse, q, loss=None, rank=None, 
             # product, the scaling, the sum). One GEMM over [h | u]·[W | B]ᵀ would round once, but needs a V×(H + r)
             # copy of the weights per call.
             logits.addmm_(u[s:e], lw.t())
+        if predicted is not None:
+            # Before the CE pass writes the gradient over the logits: one more read of the chunk (memory-bound, on
+            # the GEMM's stream), paid only when the predictions are asked for.
+            predicted_tokens(logits, labels[s:e], opts["ignore_index"], opts["softcap"], out=predicted[s:e])
         if side is not None:
             side.wait_stream(main)
+        row_scale = chunk_scale(s, e)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            ce_rows(logits, labels[s:e], grad=logits if backward else None,
-                    loss=None if loss is None else loss[s:e], lse=lse[s:e], q=q[s:e],
-                    rank=None if rank is None else rank[s:e],
-                    scale=chunk_scale(s, e), **opts)
-        chunk = (i, s, e, logits, side.record_event() if side is not None else None)
+            passes = dict(grad=logits if backward else None, loss=None if loss is None else loss[s:e],
+                          lse=lse[s:e], q=q[s:e], rank=None if rank is None else rank[s:e], scale=row_scale)
+            if token_p is None:
+                ce_rows(logits, labels[s:e], **passes, **opts)
+            else:
+                row_scale = token_scaled_rows(logits, labels[s:e], **passes, p=token_p[s:e], **opts)
+                if side is not None and row_scale is not None:
+                    row_scale.record_stream(main)  # made on the side stream, read by the filter pass on main
+        chunk = (i, s, e, logits, row_scale, side.record_event() if side is not None else None)
         if len(buffers) == 1:
             finish(chunk)
             continue
@@ -469,17 +487,18 @@ def _check_unit_gradient(grad_out: torch.Tensor) -> None:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
-                labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw):
+                labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw, token_scaling):
         # row_w, with class weights (None: unweighted): for "none" each row's weight, for mean / sum each row's
-        # d(loss)/d(loss_t) (weighted_scale). extras: (z-loss term wanted, token accuracy wanted). u, lw: the
-        # low-rank term's u and B, or None. need: gradients wanted for (hidden, weight, bias, u, B). Outputs: the
-        # loss, then the rank, z and accuracy that were asked for.
+        # d(loss)/d(loss_t) (weighted_scale). extras: (z-loss term wanted, token accuracy wanted, predicted tokens
+        # wanted). u, lw: the low-rank term's u and B, or None. need: gradients wanted for (hidden, weight, bias, u,
+        # B). Outputs: the loss, then the rank, z, accuracy and predicted tokens that were asked for.
         ctx.opts, ctx.loss_scale, ctx.accum_dtype, ctx.need = opts, loss_scale, accum_dtype, need
         ctx.hidden_shape, ctx.reduction, ctx.max_scratch_bytes = hidden.shape, reduction, max_scratch_bytes
-        ctx.grad_filter_eps, ctx.row_w = grad_filter_eps, row_w
+        ctx.grad_filter_eps = grad_filter_eps
         ctx.u_shape = None if u is None else u.shape
         fw = _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
-                      labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw)
+                      labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw, token_scaling)
+        ctx.row_w = fw.row_w
         if reduction == "none":
             ctx.save_for_backward(hidden, weight, bias, fw.flat, fw.lse, fw.q, u, lw)
         else:
@@ -490,7 +509,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 ctx.consumer(grads[1], ctx)
                 grads = (grads[0], None, *grads[2:])
             ctx.grads = grads
-        outputs = [t for t in (fw.out, fw.rank, fw.z, fw.accuracy) if t is not None]
+        outputs = [t for t in (fw.out, fw.rank, fw.z, fw.accuracy, fw.predicted) if t is not None]
         if len(outputs) == 1:
             return fw.out
         ctx.mark_non_differentiable(*outputs[1:])
@@ -517,7 +536,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.view(ctx.hidden_shape)
         if grad_u is not None:
             grad_u = grad_u.view(ctx.u_shape)
-        return grad_h, grad_w, grad_b, *[None] * 12, grad_u, grad_lw
+        return grad_h, grad_w, grad_b, *[None] * 12, grad_u, grad_lw, None
 
 
 class _Forward(NamedTuple):
@@ -526,25 +545,31 @@ class _Forward(NamedTuple):
     flat: torch.Tensor
     lse: torch.Tensor
     q: torch.Tensor
-    rank: torch.Tensor | None  # the outputs asked for: ranks in labels' shape, z-loss term, token accuracy
-    z: torch.Tensor | None
+    rank: torch.Tensor | None  # the outputs asked for: ranks in labels' shape, z-loss term, token accuracy,
+    z: torch.Tensor | None  # predicted tokens in labels' shape
     accuracy: torch.Tensor | None
+    predicted: torch.Tensor | None
+    row_w: torch.Tensor | None  # "none"'s per-row weights of the deferred gradient: class weights × p_t, or None
 
 
 def _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank, labels_ok,
-             max_scratch_bytes, grad_filter_eps, row_w, extras, u=None, lw=None) -> _Forward:
+             max_scratch_bytes, grad_filter_eps, row_w, extras, u=None, lw=None, token_scaling=False) -> _Forward:
     """The forward pass of the Function and of the custom op: losses, and for mean / sum all gradients."""
     h, flat = row_view(hidden), labels.reshape(-1)
     low_rank = None if u is None else (row_view(u), lw)
     loss = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     lse, q = torch.empty_like(loss), torch.empty_like(loss)
-    want_z, want_accuracy = extras
+    want_z, want_accuracy, want_predicted = extras
     rank = (torch.empty(h.shape[0], dtype=torch.int32, device=h.device) if with_rank or want_accuracy
             else None)
+    token_p = torch.empty_like(loss) if token_scaling else None
+    predicted = torch.empty(h.shape[0], dtype=torch.int64, device=h.device) if want_predicted else None
     grads = None
     if reduction == "none":
         _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
-                    max_scratch_bytes=max_scratch_bytes, low_rank=low_rank)
+                    max_scratch_bytes=max_scratch_bytes, low_rank=low_rank, token_p=token_p, predicted=predicted)
+        if token_p is not None:  # the deferred gradient's row weights carry p_t too
+            row_w = token_p if row_w is None else row_w * token_p
         row_scale = loss_scale if row_w is None else row_w * loss_scale
         out = (loss * row_scale).reshape(labels.shape)
     else:
@@ -552,7 +577,10 @@ def _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dt
         scale = labels_ok.scale if row_w is None else row_w
         grads = _run_chunks(h, weight, bias, flat, opts, lse=lse, q=q, loss=loss, rank=rank,
                             scale=scale if any(need) else None, need=need, accum_dtype=accum_dtype,
-                            max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps, low_rank=low_rank)
+                            max_scratch_bytes=max_scratch_bytes, grad_filter_eps=grad_filter_eps, low_rank=low_rank,
+                            token_p=token_p, predicted=predicted)
+        if token_p is not None:
+            scale = scale * token_p
         out = scaled_sum(loss, scale) if scale.dim() == 0 else (loss * scale).sum()
         row_scale = scale
     z = accuracy = None
@@ -561,7 +589,8 @@ def _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dt
                         reduction if reduction == "none" else "sum", labels.shape)
     if want_accuracy:
         accuracy = token_accuracy(rank)
-    return _Forward(out, grads, flat, lse, q, rank.reshape(labels.shape) if with_rank else None, z, accuracy)
+    return _Forward(out, grads, flat, lse, q, rank.reshape(labels.shape) if with_rank else None, z, accuracy,
+                    None if predicted is None else predicted.reshape(labels.shape), row_w)
 
 
 def _deferred_grads(grad_out, hidden, weight, bias, flat, lse, q, row_w, opts, loss_scale, need, accum_dtype,
@@ -585,7 +614,8 @@ def _row_scales(labels, class_weights, ignore_index: int, reduction: str, normal
 
 
 # ---- the custom ops torch.compile traces (_custom_ops.py) ---------------------------------------------------------
-# The low-rank term's arguments and gradients come last in the schemas (optional, so calls without it read as before).
+# Options added later come last in the schemas, with defaults, so that earlier calls read as before: the low-rank
+# term's arguments and gradients, then use_token_scaling and the predicted tokens.
 
 @custom_op("fused_linear_cross_entropy")
 def _fused_linear_cross_entropy_op(
@@ -595,31 +625,32 @@ def _fused_linear_cross_entropy_op(
     accum_dtype: torch.dtype, need_hidden: bool, need_weight: bool, need_bias: bool, with_rank: bool,
     max_scratch_bytes: Optional[int], grad_filter_eps: Optional[float], want_z: bool, want_accuracy: bool,
     low_rank_input: Optional[torch.Tensor] = None, low_rank_weight: Optional[torch.Tensor] = None,
-    need_low_rank_input: bool = False, need_low_rank_weight: bool = False,
+    need_low_rank_input: bool = False, need_low_rank_weight: bool = False, use_token_scaling: bool = False,
+    want_predicted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The triton path of `fused_linear_cross_entropy`, label check included: (loss, grad_h, grad_W, grad_b for
-    mean / sum, lse, q, the label flag, row scales, ranks, z-loss term, accuracy, grad_u, grad_B for mean / sum),
-    placeholders for what was not asked for. The check waits for its result here, at run time, as the eager call
-    does."""
+    mean / sum, lse, q, the label flag, row scales (for "none" with token scaling: the row weights times p_t),
+    ranks, z-loss term, accuracy, grad_u, grad_B for mean / sum, predicted tokens), placeholders for what was not
+    asked for. The check waits for its result here, at run time, as the eager call does."""
     return _traced_forward(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing,
                            z_loss, softcap, reduction, loss_scale, accum_dtype,
                            (need_hidden, need_weight, need_bias, need_low_rank_input, need_low_rank_weight),
-                           with_rank, max_scratch_bytes, grad_filter_eps, (want_z, want_accuracy), low_rank_input,
-                           low_rank_weight)
+                           with_rank, max_scratch_bytes, grad_filter_eps, (want_z, want_accuracy, want_predicted),
+                           low_rank_input, low_rank_weight, use_token_scaling)
 
 
 @on_input_device  # launches, the check's event and its pinned copy all on the hidden states' device
 def _traced_forward(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss,
                     softcap, reduction, loss_scale, accum_dtype, need, with_rank, max_scratch_bytes, grad_filter_eps,
-                    extras, u, lw):
+                    extras, u, lw, token_scaling):
     labels = labels.contiguous()
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
     row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale)
     fw = _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
-                  labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw)
+                  labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw, token_scaling)
     labels_ok.wait()
     grad_h, grad_w, grad_b, grad_u, grad_lw = fw.grads or (None,) * 5
     grad_h = None if grad_h is None else grad_h.view(hidden.shape)
@@ -629,14 +660,14 @@ def _traced_forward(hidden, weight, bias, labels, normalizer, class_weights, ign
         return absent(fw.lse) if t is None else t
 
     return (fw.out, *map(given, (grad_h, grad_w, grad_b)), fw.lse, fw.q, labels_ok.flag,
-            *map(given, (row_w, fw.rank, fw.z, fw.accuracy, grad_u, grad_lw)))
+            *map(given, (fw.row_w, fw.rank, fw.z, fw.accuracy, grad_u, grad_lw, fw.predicted)))
 
 
 @_fused_linear_cross_entropy_op.register_fake
 def _(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap,
       reduction, loss_scale, accum_dtype, need_hidden, need_weight, need_bias, with_rank, max_scratch_bytes,
       grad_filter_eps, want_z, want_accuracy, low_rank_input=None, low_rank_weight=None, need_low_rank_input=False,
-      need_low_rank_weight=False):
+      need_low_rank_weight=False, use_token_scaling=False, want_predicted=False):
     f32 = dict(dtype=torch.float32, device=hidden.device)
     row = torch.empty(labels.numel(), **f32)
     loss_shape = labels.shape if reduction == "none" else ()
@@ -648,12 +679,13 @@ def _(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, lab
     return (torch.empty(loss_shape, **f32), like(hidden, need_hidden), like(weight, need_weight),
             like(bias, need_bias) if bias is not None else absent(row), row, torch.empty_like(row),
             torch.empty(2, dtype=torch.int64, device=hidden.device),
-            torch.empty_like(row) if class_weights is not None else absent(row),
+            torch.empty_like(row) if class_weights is not None or (use_token_scaling and not fused) else absent(row),
             torch.empty(labels.shape, dtype=torch.int32, device=hidden.device) if with_rank else absent(row),
             torch.empty(loss_shape, **f32) if want_z else absent(row),
             torch.empty((), **f32) if want_accuracy else absent(row),
             like(low_rank_input, need_low_rank_input) if low_rank_input is not None else absent(row),
-            like(low_rank_weight, need_low_rank_weight) if low_rank_weight is not None else absent(row))
+            like(low_rank_weight, need_low_rank_weight) if low_rank_weight is not None else absent(row),
+            torch.empty(labels.shape, dtype=torch.int64, device=hidden.device) if want_predicted else absent(row))
 
 
 @custom_op("fused_linear_cross_entropy_backward")
@@ -691,13 +723,14 @@ def _(grad_out, hidden, weight, bias, labels, lse, q, label_flag, row_w, ignore_
 def _fused_linear_cross_entropy_setup(ctx, inputs, output) -> None:
     hidden, weight, bias, labels, _, class_weights, *options, reduction, loss_scale, accum_dtype = inputs[:13]
     need, max_scratch_bytes, grad_filter_eps = inputs[13:16], inputs[17], inputs[18]
-    u, lw, need_u, need_lw = inputs[21:25]  # defaults filled in when a call leaves them out
-    _, grad_h, grad_w, grad_b, lse, q, flag, row_w, rank, z, accuracy, grad_u, grad_lw = output
-    ctx.mark_non_differentiable(grad_h, grad_w, grad_b, lse, q, flag, row_w, rank, z, accuracy, grad_u, grad_lw)
+    u, lw, need_u, need_lw, token_scaling = inputs[21:26]  # defaults filled in when a call leaves them out
+    _, grad_h, grad_w, grad_b, lse, q, flag, row_w, rank, z, accuracy, grad_u, grad_lw, predicted = output
+    ctx.mark_non_differentiable(grad_h, grad_w, grad_b, lse, q, flag, row_w, rank, z, accuracy, grad_u, grad_lw,
+                                predicted)
     ctx.reduction, ctx.need = reduction, (*need, need_u, need_lw)
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, bias, labels, lse, q, flag, row_w, u, lw)
-        ctx.weighted = class_weights is not None
+        ctx.weighted = class_weights is not None or token_scaling
         ctx.options = (*options, loss_scale, accum_dtype, *need, max_scratch_bytes, grad_filter_eps)
     else:
         ctx.save_for_backward(grad_h, grad_w, grad_b, grad_u, grad_lw)
@@ -713,8 +746,8 @@ def _fused_linear_cross_entropy_grads(ctx, grad_out, *_):
                                                         row_w if ctx.weighted else None, *ctx.options, u, lw,
                                                         *ctx.need[3:])
         grads = [g if needed else None for g, needed in zip(grads, ctx.need)]
-    # the inputs' gradients in schema order: hidden, weight, bias, 18 non-differentiable inputs, u, B, 2 flags
-    return *grads[:3], *[None] * 18, *grads[3:], None, None
+    # the inputs' gradients in schema order: hidden, weight, bias, 18 non-differentiable inputs, u, B, 4 flags
+    return *grads[:3], *[None] * 18, *grads[3:], None, None, None, None
 
 
 _fused_linear_cross_entropy_op.register_autograd(_fused_linear_cross_entropy_grads,
@@ -724,7 +757,7 @@ _fused_linear_cross_entropy_op.register_autograd(_fused_linear_cross_entropy_gra
 def _traced_fused_linear_cross_entropy(hidden, weight, bias, labels, normalizer, class_weights, ignore_index,
                                        label_smoothing, z_loss, softcap, reduction, loss_scale, accum_dtype,
                                        return_target_rank, max_scratch_bytes, grad_filter_eps, want_z, want_accuracy,
-                                       u, lw):
+                                       u, lw, use_token_scaling, want_predicted):
     """`fused_linear_cross_entropy`'s triton path while torch.compile traces: the custom op, outputs as the eager
     call's."""
     if _GRAD_CONSUMERS:
@@ -738,11 +771,11 @@ def _traced_fused_linear_cross_entropy(hidden, weight, bias, labels, normalizer,
         hidden, weight, bias, labels, normalizer, class_weights, ignore_index, float(label_smoothing), float(z_loss),
         None if softcap is None else float(softcap), reduction, float(loss_scale), accum_dtype, *need[:3],
         return_target_rank, max_scratch_bytes, None if grad_filter_eps is None else float(grad_filter_eps), want_z,
-        want_accuracy, u, lw, *need[3:])
-    loss, rank, z, accuracy = out[0], out[8], out[9], out[10]
-    if want_z or want_accuracy:
+        want_accuracy, u, lw, *need[3:], use_token_scaling, want_predicted)
+    loss, rank, z, accuracy, predicted = out[0], out[8], out[9], out[10], out[13]
+    if want_z or want_accuracy or want_predicted:
         return LossOutput(loss, z if want_z else None, accuracy if want_accuracy else None,
-                          rank if return_target_rank else None)
+                          rank if return_target_rank else None, predicted if want_predicted else None)
     return (loss, rank) if return_target_rank else loss
 
 
@@ -768,6 +801,8 @@ def fused_linear_cross_entropy(
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_token_scaling: bool = False,
+    return_predicted_tokens: bool = False,
 ):
     """Cross-entropy of hidden (..., H) · weight (V, H)ᵀ (+ bias (V,)) (+ u·Bᵀ) against labels (...), never holding
     N×V.
@@ -789,6 +824,9 @@ def fused_linear_cross_entropy(
     hidden's dtype; a LoRA adapter on the head is u = s·A·drop(hidden), computed by the caller with ordinary autograd
     (the op returns du, which reaches A and hidden through it) and B = lora_B's weight. Every option above works with
     it; du and dB (accumulated in fp32, returned in B's dtype) are computed as dh and dW are, only where asked for.
+    use_token_scaling, return_predicted_tokens: as in `cross_entropy` (each token's loss and gradient times its
+    detached target probability; each token's argmax in LossOutput.predicted_tokens), with every option above; the
+    predictions cost one more read of each chunk's logits, token scaling the CE pass in two launches.
     """
     check_options(reduction, label_smoothing, softcap, z_loss, normalizer)
     if hidden.dim() == 0:  # else an IndexError from hidden.shape[-1]
@@ -818,7 +856,7 @@ def fused_linear_cross_entropy(
         return _traced_fused_linear_cross_entropy(
             hidden, weight, bias, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap,
             reduction, loss_scale, accum_dtype, return_target_rank, max_scratch_bytes, grad_filter_eps,
-            return_z_loss, return_token_accuracy, u, lw)
+            return_z_loss, return_token_accuracy, u, lw, use_token_scaling, return_predicted_tokens)
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
     if not triton_path:
         labels_ok.wait()
@@ -827,25 +865,26 @@ def fused_linear_cross_entropy(
             z_loss=z_loss, softcap=softcap, reduction=reduction, normalizer=normalizer, loss_scale=loss_scale,
             return_target_rank=return_target_rank, grad_filter_eps=grad_filter_eps, class_weights=class_weights,
             return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy, low_rank=low_rank,
+            use_token_scaling=use_token_scaling, return_predicted_tokens=return_predicted_tokens,
         )
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias, u, lw))
     opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                 label_flag=labels_ok.flag)
     row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale)
+    extras = (return_z_loss, return_token_accuracy, return_predicted_tokens)
     out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, float(loss_scale),
                                          accum_dtype, need, return_target_rank, labels_ok, max_scratch_bytes,
                                          None if grad_filter_eps is None else float(grad_filter_eps), row_w,
-                                         (return_z_loss, return_token_accuracy), u, lw)
+                                         extras, u, lw, use_token_scaling)
     labels_ok.wait()  # after every GEMM and CE pass is queued (they touch nothing if a label is bad)
-    if not (return_z_loss or return_token_accuracy):
+    if not any(extras):
         return out
     out = list(out)
     loss = out.pop(0)
     rank = out.pop(0) if return_target_rank else None
-    z = out.pop(0) if return_z_loss else None
-    accuracy = out.pop(0) if return_token_accuracy else None
-    return LossOutput(loss, z, accuracy, rank)
+    z, accuracy, predicted = (out.pop(0) if wanted else None for wanted in extras)
+    return LossOutput(loss, z, accuracy, rank, predicted)
 
 
 def _check_low_rank(low_rank, hidden: torch.Tensor, weight: torch.Tensor):
@@ -871,11 +910,12 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                  softcap: float | None = None, reduction: str = "mean", loss_scale: float = 1.0,
-                 grad_filter_eps: float | None = None):
+                 grad_filter_eps: float | None = None, use_token_scaling: bool = False):
         super().__init__()
         check_options(reduction, label_smoothing, softcap, z_loss)
         self.opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                         softcap=softcap, reduction=reduction, loss_scale=loss_scale, grad_filter_eps=grad_filter_eps)
+                         softcap=softcap, reduction=reduction, loss_scale=loss_scale, grad_filter_eps=grad_filter_eps,
+                         use_token_scaling=use_token_scaling)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 bias: torch.Tensor | None = None, normalizer=None,

@@ -6,6 +6,8 @@ recorded in REFUSALS, so the harness's plugin reports a test that met one as xfa
 passed (a test that catches RuntimeError, NotImplementedError's base, cannot turn a refusal into a pass).
 
 Conventions mapped, each Liger's as its ops define it:
+- return_predicted_tokens and use_token_scaling are ours under the same names, with Liger's semantics; the
+  predictions come back in LossOutput.predicted_tokens, Liger's fourth output.
 - Liger's cross-entropy returns the loss and the z-loss term in the logits' dtype; ours in fp32: cast
   (differentiably) to the logits' dtype. Its linear-CE returns an fp32 loss and a z-loss term in the hidden dtype.
 - Liger's linear-CE accumulates dW in the weight's own dtype when accum_dtype is None (the weight as passed, so
@@ -49,15 +51,9 @@ class CrossEntropyOutput:
 
 
 def _refuse_missing(weight, lse_square_scale: float, label_smoothing: float, reduction: str,
-                    return_token_accuracy: bool, return_predicted_tokens: bool,
-                    use_token_scaling: bool = False) -> None:
+                    return_token_accuracy: bool) -> None:
     """Every option of the call that liger_models lacks, named together in one NotImplementedError."""
     missing = []
-    if return_predicted_tokens:
-        missing.append(("return_predicted_tokens", "no per-token argmax output; LossOutput.target_rank is the "
-                                                   "target's rank, not the predicted token"))
-    if use_token_scaling:
-        missing.append(("use_token_scaling", "no scaling of each token's loss by its detached target probability"))
     if return_token_accuracy and reduction == "none":
         missing.append(("return_token_accuracy with reduction='none'", "the accuracy is one share over the batch, "
                                                                        "not a value per token"))
@@ -83,26 +79,26 @@ def _labels_as_liger_asserts():
         raise AssertionError(f"Target out of bounds (liger_models: {error})") from error
 
 
-def _result(loss, z, accuracy, want_z: bool, want_accuracy: bool):
-    """Liger's Function output: (loss, z_loss, token_accuracy, predicted_tokens), None where not asked for."""
-    return loss, z if want_z else None, accuracy if want_accuracy else None, None
+def _extras(out, return_z_loss: bool, return_token_accuracy: bool, return_predicted_tokens: bool):
+    """(loss, z_loss, token_accuracy, predicted_tokens) of our result: a LossOutput when any extra was asked for, else
+    the loss alone."""
+    if return_z_loss or return_token_accuracy or return_predicted_tokens:
+        return out.loss, out.z_loss, out.token_accuracy, out.predicted_tokens
+    return out, None, None, None
 
 
 def cross_entropy_call(input, target, weight=None, ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                        reduction="mean", softcap=None, return_z_loss=False, return_token_accuracy=False,
                        return_predicted_tokens=False):
     """LigerCrossEntropyFunction.apply's arguments, in its order; its 4-tuple back."""
-    _refuse_missing(weight, lse_square_scale, label_smoothing, reduction, return_token_accuracy,
-                    return_predicted_tokens)
+    _refuse_missing(weight, lse_square_scale, label_smoothing, reduction, return_token_accuracy)
     with _labels_as_liger_asserts():
         out = cross_entropy(input, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
                             z_loss=lse_square_scale, softcap=softcap, reduction=reduction, class_weights=weight,
-                            return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
-    loss, z, accuracy = (out.loss, out.z_loss, out.token_accuracy) if return_z_loss or return_token_accuracy \
-        else (out, None, None)
-    loss = loss.to(input.dtype)
-    z = None if z is None else z.to(input.dtype)
-    return _result(loss, z, accuracy, return_z_loss, return_token_accuracy)
+                            return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                            return_predicted_tokens=return_predicted_tokens)
+    loss, z, accuracy, predicted = _extras(out, return_z_loss, return_token_accuracy, return_predicted_tokens)
+    return loss.to(input.dtype), None if z is None else z.to(input.dtype), accuracy, predicted
 
 
 def fused_linear_cross_entropy_call(input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
@@ -110,8 +106,7 @@ def fused_linear_cross_entropy_call(input, weight, target, bias=None, ce_weight=
                                     return_z_loss=False, accum_dtype=None, use_token_scaling=False,
                                     return_token_accuracy=False, return_predicted_tokens=False):
     """LigerFusedLinearCrossEntropyFunction.apply's arguments, in its order; its 4-tuple back."""
-    _refuse_missing(ce_weight, lse_square_scale, label_smoothing, reduction, return_token_accuracy,
-                    return_predicted_tokens, use_token_scaling)
+    _refuse_missing(ce_weight, lse_square_scale, label_smoothing, reduction, return_token_accuracy)
     out_dtype = input.dtype
     accum_dtype = weight.dtype if accum_dtype is None else accum_dtype
     device_type = input.device.type
@@ -122,11 +117,11 @@ def fused_linear_cross_entropy_call(input, weight, target, bias=None, ce_weight=
         out = fused_linear_cross_entropy(input, weight, target, bias, ignore_index=ignore_index,
                                          label_smoothing=label_smoothing, z_loss=lse_square_scale, softcap=softcap,
                                          reduction=reduction, accum_dtype=accum_dtype, class_weights=ce_weight,
-                                         return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy)
-    loss, z, accuracy = (out.loss, out.z_loss, out.token_accuracy) if return_z_loss or return_token_accuracy \
-        else (out, None, None)
-    z = None if z is None else z.to(out_dtype)
-    return _result(loss, z, accuracy, return_z_loss, return_token_accuracy)
+                                         return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                                         use_token_scaling=use_token_scaling,
+                                         return_predicted_tokens=return_predicted_tokens)
+    loss, z, accuracy, predicted = _extras(out, return_z_loss, return_token_accuracy, return_predicted_tokens)
+    return loss, None if z is None else z.to(out_dtype), accuracy, predicted
 
 
 def structured(result: tuple, return_z_loss: bool, return_token_accuracy: bool, return_predicted_tokens: bool):
