@@ -280,9 +280,9 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
         if quant:
             method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else quant
             if method == "bitsandbytes" and quant.get("load_in_4bit"):
-                raise ValueError(f"{str(path)!r} holds a bitsandbytes 4-bit checkpoint: load it with "
-                                 f"liger_models.lora.load_bnb_4bit(path) (an NF4 base for QLoRA), or load the "
-                                 f"unquantized weights ({e})") from e
+                raise ValueError(f"{str(path)!r} holds a quantized checkpoint (quantization_config: bitsandbytes "
+                                 f"4-bit): load it with liger_models.lora.load_bnb_4bit(path) (an NF4 base for "
+                                 f"QLoRA), or load the unquantized weights ({e})") from e
             raise ValueError(f"{str(path)!r} holds a quantized checkpoint (quantization_config: {method}), which "
                              f"is not supported: load the unquantized (bf16/fp16/fp32) weights instead ({e})") from e
         raise

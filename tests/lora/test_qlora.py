@@ -180,7 +180,7 @@ def test_a_model_already_in_nf4_saves_as_a_bnb_checkpoint_as_it_is(family, tmp_p
         expert = {"qwen3_moe": "mlp.experts.1.down_proj", "mixtral": "block_sparse_moe.experts.1.w2"}[family]
         stored = load_file(str(tmp_path / "bnb" / "model.safetensors"))[f"model.layers.0.{expert}.weight"]
         assert torch.equal(stored, ours.model.layers[0].mlp.experts.dense_stack("down_proj", stored.dtype)[1])
-    with pytest.raises(ValueError, match="bitsandbytes 4-bit checkpoint: load it with .*load_bnb_4bit"):
+    with pytest.raises(ValueError, match="quantized checkpoint .*bitsandbytes 4-bit.*load_bnb_4bit"):
         AutoLigerForCausalLM.from_pretrained(tmp_path / "bnb")
     with_adapters(ours, "llama", "attention")
     with pytest.raises(ValueError, match="carries LoRA adapters"):

@@ -547,6 +547,7 @@ def test_a_quantized_checkpoint_is_named_as_such(checkpoint):
     with pytest.raises(ValueError, match="quantized checkpoint.*bitsandbytes.*unquantized") as info:
         AutoLigerForCausalLM.from_pretrained(path)
     assert "down_proj.weight.absmax" in str(info.value)  # the details are kept
+    assert "load_bnb_4bit" in str(info.value)  # bitsandbytes 4-bit is read by the QLoRA loader
     # A stale quantization_config over plain weights (left by some merges) does not block loading.
     model.save_pretrained(path)
     _set_config(path, quantization_config={"quant_method": "gptq", "bits": 4})
