@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from liger_models.modules.lora_linear import LoraLinear
+from liger_models.modules.moe import STACKS as EXPERT_STACKS
 
 ALL_LINEAR = "all-linear"
 # What PEFT's modules_to_save may name here: the modules outside the decoder layers that train whole beside the
 # adapters (new tokens' rows in a chat fine-tune).
 SAVABLE = ("embed_tokens", "lm_head")
 # The mixture-of-experts parameters LoRA may target (PEFT's target_parameters): the stacked experts' and the router's.
-EXPERT_STACKS = ("gate_up_proj", "down_proj")
 ROUTER_WEIGHT = "gate.weight"
 # all-linear's rank / alpha pattern and factor for the fused gate|up stack (module docstring), as PEFT writes it
 FUSED_GATE_UP_PATTERN, FUSED_GATE_UP_FACTOR = rf".*\.{EXPERT_STACKS[0]}", 2
@@ -214,8 +214,8 @@ def resolve_parameters(model: nn.Module, settings: "LoraSettings") -> tuple[list
     nothing is an error), and every router and stack under all-linear."""
     blocks = moe_blocks(model)
     routers = {f"{b}.{ROUTER_WEIGHT}": f"{b}.gate" for b in blocks}
-    stacks = {f"{b}.experts.{s}": f"{b}.experts.{s}" for b in blocks for s in EXPERT_STACKS}
-    candidates = {**routers, **stacks}
+    stacks = [f"{b}.experts.{s}" for b in blocks for s in EXPERT_STACKS]
+    candidates = [*routers, *stacks]
     chosen = set(candidates) if settings.targets == ALL_LINEAR else set()
     for target in settings.target_parameters:
         hits = {key for key in candidates if key == target or key.endswith("." + target)}
@@ -224,4 +224,4 @@ def resolve_parameters(model: nn.Module, settings: "LoraSettings") -> tuple[list
                              f"mixture-of-experts parameters: {', '.join(EXPERT_STACKS)} and {ROUTER_WEIGHT}"
                              f"{'' if blocks else '; this model has no mixture-of-experts blocks'})")
         chosen |= hits
-    return ([routers[k] for k in routers if k in chosen], [stacks[k] for k in stacks if k in chosen])
+    return [routers[k] for k in routers if k in chosen], [k for k in stacks if k in chosen]

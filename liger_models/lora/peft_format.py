@@ -25,7 +25,7 @@ from liger_models.hub import save_state_dict
 from liger_models.modules.lora_embedding import LoraEmbedding
 from liger_models.modules.lora_experts import LoraExperts
 from liger_models.modules.lora_linear import LoraLinear
-from liger_models.modules.moe import Experts
+from liger_models.modules.moe import STACKS, Experts
 
 from .attach import add_lora, lora_modules, lora_state_dict
 from .config import ROUTER_WEIGHT, LoraSettings, moe_blocks, modules_to_save
@@ -199,7 +199,7 @@ def _merged_in_place(modules: dict[str, nn.Module], dtype: torch.dtype | None):
             adapted = m.lora if isinstance(m, LoraExperts) else {}
             merged = {stack: (m.merged_weight(stack) if stack in adapted else m.dense_stack(stack, torch.float32),
                               m.nf4[stack].dtype if stack in m.nf4 else getattr(m, stack).dtype)
-                      for stack in ("gate_up_proj", "down_proj") if stack in adapted or stack in m.nf4}
+                      for stack in STACKS if stack in adapted or stack in m.nf4}
         for attr, (weight, own_dtype) in merged.items():
             swapped.append((m, attr, getattr(m, attr)))
             setattr(m, attr, nn.Parameter(weight.to(dtype or own_dtype), requires_grad=False))

@@ -22,7 +22,9 @@ import re
 
 import torch
 
-from .config import EXPERT_STACKS, FUSED_GATE_UP_FACTOR, FUSED_GATE_UP_PATTERN, ROUTER_WEIGHT, LoraSettings
+from liger_models.modules.lora_experts import peft_prefixes
+
+from .config import FUSED_GATE_UP_FACTOR, FUSED_GATE_UP_PATTERN, ROUTER_WEIGHT, LoraSettings
 
 # A per-expert adapter tensor: (layer prefix, expert, linear, lora_A / lora_B).
 _PER_EXPERT = re.compile(r"^(.*\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -57,13 +59,13 @@ def convert_per_expert(settings: LoraSettings, tensors: dict[str, torch.Tensor],
             if experts != list(range(num_experts)) or len(parts) != 2 * num_experts:
                 raise ValueError(f"{where}: {layer} has {role} adapters for experts {experts} (with A and B each), "
                                  f"not for all {num_experts} of this model")
-        adapted = [s for s in EXPERT_STACKS if (s == "gate_up_proj" and "gate" in roles)
-                   or (s == "down_proj" and "down" in roles)]
-        stacks |= set(adapted)
-        for depth, stack in enumerate(adapted):  # PEFT's nesting: the first adapted stack innermost
-            prefix = f"{layer}.mlp.experts.{'base_layer.' * (len(adapted) - 1 - depth)}"
+        adapted = {"gate_up_proj"} if "gate" in roles else set()
+        adapted |= {"down_proj"} if "down" in roles else set()
+        stacks |= adapted
+        for stack, nesting in peft_prefixes(adapted).items():
             a, b = (_fused(roles["gate"], roles["up"], num_experts) if stack == "gate_up_proj"
                     else _stacked(roles["down"], num_experts))
+            prefix = f"{layer}.mlp.experts.{nesting}"
             rest[prefix + "lora_A.weight"], rest[prefix + "lora_B.weight"] = a, b
     rest.update(routers)
     targets = settings.targets

@@ -25,9 +25,15 @@ import torch
 from torch import nn
 
 from .lora_linear import check_rank
-from .moe import Experts, ExpertsLora
+from .moe import STACKS, Experts, ExpertsLora, stack_factors
 
-STACKED = ("gate_up_proj", "down_proj")  # the order of Experts' Parameters, which PEFT nests its wrappers in
+
+def peft_prefixes(stacks) -> dict[str, str]:
+    """Stack → the prefix of its adapter's keys after the experts' name, for the adapted ``stacks``: PEFT nests one
+    wrapper per adapted parameter in STACKS order, the first innermost (``base_layer.`` once per wrapper around
+    it)."""
+    adapted = [n for n in STACKS if n in stacks]
+    return {name: "base_layer." * (len(adapted) - 1 - depth) for depth, name in enumerate(adapted)}
 
 
 class ExpertsAdapter(nn.Module):
@@ -59,8 +65,7 @@ class ExpertsAdapter(nn.Module):
     @torch.no_grad()
     def delta(self) -> torch.Tensor:
         """s·B_e·A_e for every expert, (E, out, in) in fp32."""
-        a = self.lora_A.float().view(self.num_experts, self.r, -1)
-        b = self.lora_B.float().view(self.lora_B.shape[0], self.r, self.num_experts).permute(2, 0, 1)
+        a, b = stack_factors(self.lora_A, self.lora_B, self.num_experts, torch.float32)
         return self.scaling * torch.bmm(b, a)
 
 
@@ -69,7 +74,7 @@ class LoraExperts(Experts):
 
     def __init__(self, experts: Experts) -> None:
         nn.Module.__init__(self)
-        for name in STACKED:  # the same Parameters (None where the stack is NF4), and the same NF4 stacks
+        for name in STACKS:  # the same Parameters (None where the stack is NF4), and the same NF4 stacks
             self.register_parameter(name, getattr(experts, name))
         self.nf4 = experts.nf4
         self.lora = nn.ModuleDict()
@@ -81,8 +86,8 @@ class LoraExperts(Experts):
 
     def add_adapter(self, name: str, r: int, alpha: float, use_rslora: bool = False, init: str | bool = True,
                     dtype: torch.dtype = torch.float32) -> None:
-        if name not in STACKED:
-            raise ValueError(f"experts take adapters on {' and '.join(STACKED)}, not {name!r}")
+        if name not in STACKS:
+            raise ValueError(f"experts take adapters on {' and '.join(STACKS)}, not {name!r}")
         stack = self.stack(name)
         experts, out_features, in_features = stack.shape
         device = stack.codes.device if name in self.nf4 else stack.device
@@ -107,6 +112,7 @@ class LoraExperts(Experts):
         """The adapters as the routed experts take them (None while merged)."""
         if not self.has_adapter:
             return None
+
         def factors(name: str) -> tuple:
             adapter = self.lora[name] if name in self.lora else None
             return (None, None, 0.0) if adapter is None else (adapter.lora_A, adapter.lora_B, adapter.scaling)
@@ -114,12 +120,9 @@ class LoraExperts(Experts):
         return ExpertsLora(*factors("gate_up_proj"), *factors("down_proj"))
 
     def adapter_tensors(self) -> dict[str, nn.Parameter]:
-        """Key suffix → Parameter under PEFT's names: the wrappers nest in STACKED order, the first adapted
-        parameter innermost (``base_layer.`` once per wrapper around it)."""
-        names = [n for n in STACKED if n in self.lora]
+        """Key suffix → Parameter under PEFT's names (``peft_prefixes``)."""
         out = {}
-        for depth, name in enumerate(names):
-            prefix = "base_layer." * (len(names) - 1 - depth)
+        for name, prefix in peft_prefixes(self.lora).items():
             out[f"{prefix}lora_A.weight"] = self.lora[name].lora_A
             out[f"{prefix}lora_B.weight"] = self.lora[name].lora_B
         return out

@@ -52,6 +52,8 @@ _SUM_OVER_RANKS: list[Callable[[torch.Tensor], torch.Tensor] | None] = [None]
 # False while stacked_state_dict() is active.
 _PER_EXPERT_NAMES = [True]
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# The stacked expert Parameters, in Experts' order (PEFT nests its target_parameters wrappers in it).
+STACKS = ("gate_up_proj", "down_proj")
 EXPERT_PATHS = ("auto", "grouped_mm", "padded")
 
 
@@ -184,11 +186,19 @@ class _Stacks(ExpertsLora):
     Qwen3-30B-A3B's width they are 41 MB per layer."""
 
 
-def _stack(a: torch.Tensor, b: torch.Tensor, num_experts: int, dtype: torch.dtype):
+def _padded_rank(a: torch.Tensor, num_experts: int, dtype: torch.dtype) -> int:
+    """An adapter's rank r rounded up to 16 bytes of ``dtype`` (_Stacks)."""
     r = a.shape[0] // num_experts
+    return r + -r % (128 // torch.finfo(dtype).bits)
+
+
+def stack_factors(a: torch.Tensor, b: torch.Tensor, num_experts: int, dtype: torch.dtype):
+    """Per-expert (A (E, r', in), B (E, out, r')) of an adapter in PEFT's layout (ExpertsLora), in ``dtype``,
+    contiguous, detached, the rank padded with zeros to r' (_Stacks); B_e·A_e is each expert's own."""
+    r = a.shape[0] // num_experts
+    extra = _padded_rank(a, num_experts, dtype) - r
     a = a.detach().to(dtype).view(num_experts, r, -1)
     b = b.detach().to(dtype).view(b.shape[0], r, num_experts).permute(2, 0, 1)
-    extra = -r % (128 // torch.finfo(dtype).bits)  # 16 bytes of elements
     if extra:
         a, b = F.pad(a, (0, 0, 0, extra)), F.pad(b, (0, extra))
     return a.contiguous(), b.contiguous()
@@ -197,8 +207,8 @@ def _stack(a: torch.Tensor, b: torch.Tensor, num_experts: int, dtype: torch.dtyp
 def _stacks(a1, b1, s1, a2, b2, s2, num_experts: int, dtype: torch.dtype) -> _Stacks | None:
     if a1 is None and a2 is None:
         return None
-    up = _stack(a1, b1, num_experts, dtype) if a1 is not None else (None, None)
-    down = _stack(a2, b2, num_experts, dtype) if a2 is not None else (None, None)
+    up = stack_factors(a1, b1, num_experts, dtype) if a1 is not None else (None, None)
+    down = stack_factors(a2, b2, num_experts, dtype) if a2 is not None else (None, None)
     return _Stacks(up[0], up[1], s1, down[0], down[1], s2)
 
 
@@ -252,10 +262,9 @@ def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str,
 
 def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, counts, activation: str, path: str,
                  top_k: int, needs: tuple[bool, ...], lora: _Stacks | None = None, u1=None, u2=None):
-    """(d x, d weights, d gate_up, d down, d a1, d b1, d a2, d b2), None where ``needs`` (the same order; the last
-    four only with ``lora``) says no or there is no such adapter. Writes d gate|up over ``hidden``'s memory."""
+    """(d x, d weights, d gate_up, d down, d a1, d b1, d a2, d b2), None where ``needs`` (the same order) says no or
+    there is no such adapter. Writes d gate|up over ``hidden``'s memory."""
     inter, n_tokens = hidden.shape[1] // 2, x.shape[0]
-    needs = tuple(needs) + (False,) * (8 - len(needs))
 
     def linear(rows, weight):
         return grouped_linear(rows, weight, counts, expert_of_row, path, n_tokens)
@@ -267,6 +276,7 @@ def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, co
     w_sorted = weights.reshape(-1)[order]
     g = dy[token].to(hidden.dtype)  # (S, D): each row's share of its token's gradient (the sum's adjoint)
     g_a = linear(g, down.transpose(-2, -1))  # (S, I) = g · down_e
+    up_lora = lora is not None and lora.a1 is not None
     down_lora = lora is not None and lora.a2 is not None
     if down_lora:  # + s·(g·B_e)·A_e: g_a is then g times the adapted down_e, as d w and d act need
         g_b2 = linear(g, lora.b2.transpose(-2, -1))  # (S, r)
@@ -294,10 +304,9 @@ def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, co
     if down_lora and needs[6]:  # d A_e = s·Σ (w·g·B_e)ᵀ·act
         grads[6] = (weight_grad((g_b2 * w_sorted[:, None]).to(hidden.dtype), act) * lora.s2).to(lora.a2.dtype)
     del act, g
-    rows = x[token] if needs[2] or (lora is not None and lora.a1 is not None and needs[4]) else None
+    rows = x[token] if needs[2] or (up_lora and needs[4]) else None
     if needs[2]:
         grads[2] = weight_grad(d_hidden, rows).to(gate_up.dtype)
-    up_lora = lora is not None and lora.a1 is not None
     d_b1 = linear(d_hidden, lora.b1.transpose(-2, -1)) if up_lora and (needs[0] or needs[4]) else None  # (S, r)
     if up_lora and needs[5]:  # d B_e = s·Σ d(gate|up)ᵀ·u1
         grads[5] = (weight_grad(d_hidden, u1) * lora.s1).to(lora.b1.dtype)
@@ -311,7 +320,7 @@ def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, co
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         grads[0] = d_rows[inverse].view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
-    return tuple(grads) if lora is not None else tuple(grads[:4])
+    return tuple(grads)
 
 
 class _Experts(torch.autograd.Function):
@@ -358,10 +367,9 @@ class _Experts(torch.autograd.Function):
 def _adapted_backward(dy, x, base, a1, b1, s1, a2, b2, s2, u1, u2, activation, path, top_k, needs):
     """_experts_bwd with the adapters' stacks rebuilt, its eight gradients (x, weights, gate_up, down, a1, b1, a2,
     b2) with the adapters' in their own layout."""
-    lora = _stacks(a1, b1, s1, a2, b2, s2, base[1].shape[0], x.dtype)
-    grads = _experts_bwd(dy, x, *base, activation, path, top_k, needs, lora, u1, u2)
-    grads = tuple(grads) + (None,) * (8 - len(grads))
     experts = base[1].shape[0]
+    lora = _stacks(a1, b1, s1, a2, b2, s2, experts, x.dtype)
+    grads = _experts_bwd(dy, x, *base, activation, path, top_k, needs, lora, u1, u2)
     return (*grads[:4], *_unstacked(grads[4], grads[5], a1, b1, experts), *_unstacked(grads[6], grads[7], a2, b2,
                                                                                      experts))
 
@@ -388,11 +396,6 @@ def _(x, weights, gate_up, down, experts, activation, path, a1, b1, s1, a2, b2, 
             experts.new_empty(rows), experts.new_empty(gate_up.shape[0]),
             absent(x) if a1 is None else x.new_empty(rows, _padded_rank(a1, gate_up.shape[0], x.dtype)),
             absent(x) if a2 is None else x.new_empty(rows, _padded_rank(a2, gate_up.shape[0], x.dtype)))
-
-
-def _padded_rank(a: torch.Tensor, num_experts: int, dtype: torch.dtype) -> int:
-    r = a.shape[0] // num_experts
-    return r + -r % (128 // torch.finfo(dtype).bits)
 
 
 @custom_op("moe_experts_backward")
@@ -460,12 +463,11 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     if experts.shape != weights.shape or experts.dim() != 2 or experts.shape[0] != x.shape[0]:
         raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be (N, k) "
                          f"for x {tuple(x.shape)}")
-    dense = [w for w in (gate_up, down) if isinstance(w, torch.Tensor)]
     if torch.is_autocast_enabled(x.device.type):  # the GEMMs in autocast's dtype, as nn.Linear's would run
         dtype = torch.get_autocast_dtype(x.device.type)
         x = x.to(dtype)
         gate_up, down = (w.to(dtype) if isinstance(w, torch.Tensor) else w for w in (gate_up, down))
-        dense = [w for w in (gate_up, down) if isinstance(w, torch.Tensor)]
+    dense = [w for w in (gate_up, down) if isinstance(w, torch.Tensor)]  # NF4 stacks dequantise to x's dtype
     if any(w.dtype != x.dtype for w in dense):
         raise TypeError(f"x ({x.dtype}) and the expert weights ({', '.join(str(w.dtype) for w in dense)}) must "
                         "share a dtype")
@@ -540,7 +542,7 @@ class Experts(nn.Module):
     def quantize_(self, quantize: Callable[[torch.Tensor], nn.Module]) -> list[str]:
         """Each dense stack to ``quantize(weight)`` (an NF4Weight, lora.attach.quantize_base_'s); the names done."""
         done = []
-        for name in ("gate_up_proj", "down_proj"):
+        for name in STACKS:
             if name not in self.nf4:
                 self.nf4[name] = quantize(getattr(self, name))
                 self.register_parameter(name, None)
@@ -641,7 +643,7 @@ def stacked_from_per_expert(state_dict: dict, block_prefix: str, disk_prefixes: 
     for prefix in disk_prefixes:
         if prefix + "gate.weight" in state_dict:
             state_dict[block_prefix + "gate.weight"] = state_dict.pop(prefix + "gate.weight")
-        for stacked in ("gate_up_proj", "down_proj"):
+        for stacked in STACKS:
             if prefix + "experts." + stacked in state_dict:
                 state_dict[block_prefix + "experts." + stacked] = state_dict.pop(prefix + "experts." + stacked)
         entries = _per_expert(num_experts, prefix, names)

@@ -294,11 +294,11 @@ def test_stacks_pad_the_rank_to_grouped_mm_strides_without_changing_the_product(
     """bf16 stacks carry r rounded up to 8 (16 bytes, torch's grouped GEMM stride rule) with zero rows / columns:
     B_e·A_e is each expert's own, and the padding passes no gradient back to the adapter."""
     from liger_models.modules.lora_experts import ExpertsAdapter
-    from liger_models.modules.moe import _stack, _unstacked
+    from liger_models.modules.moe import stack_factors, _unstacked
 
     adapter = ExpertsAdapter(3, 24, 40, r, 8.0, False, "cpu", torch.float32)
     adapter.reset(False)
-    a, b = _stack(adapter.lora_A, adapter.lora_B, 3, torch.bfloat16)
+    a, b = stack_factors(adapter.lora_A, adapter.lora_B, 3, torch.bfloat16)
     padded = -(-r // 8) * 8
     assert a.shape == (3, padded, 24) and b.shape == (3, 40, padded)
     for e in range(3):

@@ -18,6 +18,7 @@ bits. A GEMM that decodes NF4 in its K-loop is not done.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -167,6 +168,13 @@ def _dequantize_nf4_kernel(CODES, ABSMAX, TABLE, OUT, n_bytes, n_values, BLOCK_B
         tl.store(OUT + out, values.to(OUT.dtype.element_ty), mask=out < n_values)
 
 
+@functools.lru_cache(maxsize=None)
+def _code_table(device: torch.device) -> torch.Tensor:
+    """NF4_CODE on ``device``, made once: a new tensor per call would copy it from the host (a blocking copy) in
+    every forward and backward of every NF4 linear."""
+    return nf4_code(device)
+
+
 def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
                    code: torch.Tensor | None = None) -> torch.Tensor:
     """dequantize_nf4_reference's result (bit for bit), on CUDA (or under Triton's interpreter) in one Triton pass
@@ -178,7 +186,7 @@ def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, 
     if codes.numel() * 2 < n or absmax.numel() * BLOCK < n:
         raise ValueError(f"NF4 weight of shape {tuple(shape)} needs {(n + 1) // 2} code bytes and "
                          f"{-(-n // BLOCK)} block scales, got {codes.numel()} and {absmax.numel()}")
-    table = nf4_code(codes.device) if code is None else code.to(device=codes.device, dtype=torch.float32)
+    table = _code_table(codes.device) if code is None else code.to(device=codes.device, dtype=torch.float32)
     out = torch.empty(shape, dtype=dtype, device=codes.device)
     if n == 0:
         return out
