@@ -18,6 +18,7 @@ import torch
 
 from liger_models.convert.native import native_to_hf
 from liger_models.medusa.config import check_scheduler
+from liger_models.train.bnb_optim import OPTIMIZERS
 from liger_models.train.disk_space import DiskFull
 from liger_models.train.init_model import init_model_dir
 
@@ -127,6 +128,12 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--adamw", default="liger", choices=("liger", "torch"),
                    help="AdamW's step on CUDA: this project's one-pass Triton kernel (FusedAdamW, default) or torch's "
                         "fused AdamW; same math, state and checkpoints")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="adamw (default: moments in the parameters' dtype); or bitsandbytes' (HF Trainer's names; "
+                        "pip install 'liger-models[bnb]'): adamw_8bit keeps the moments in 8 bits (2 bytes per "
+                        "trained parameter instead of 4 in bf16 or 8 in fp32), paged_adamw_32bit keeps fp32 moments "
+                        "in CUDA unified memory that pages out to host memory when the GPU runs short, "
+                        "paged_adamw_8bit both. One process (not under torchrun), not with --cuda-graph")
     p.add_argument("--loss-scratch-mib", type=_positive, default=None, metavar="MIB",
                    help="cap the fused linear-CE's logits scratch at MIB MiB: the fp32 dW accumulator then becomes "
                         "the gradient in place (peak 4·V·H bytes + MIB instead of 6·V·H for an untied or tied "

@@ -21,6 +21,13 @@ if not torch.cuda.is_available():
 # Loaded once this module has set TRITON_INTERPRET, as everything that imports triton must be.
 pytest_plugins = ["tests.training_fixtures"]
 
+# peft and transformers import bitsandbytes (a test dependency) when it is installed, and its first import on a CPU
+# with AVX-512 BF16 asks the Hub for a kernel. Imported first, here, the network-free way the package imports it,
+# it is already loaded when they ask: no test touches the network. (Imported here: it imports triton.)
+from tests.lora.bnb import import_bnb  # noqa: E402
+
+import_bnb()
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -28,6 +28,7 @@ from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS
 from liger_models.medusa.config import check_scheduler
 from liger_models.medusa.vllm_format import VLLM_WEIGHTS_NAME
 from liger_models.train import run_settings
+from liger_models.train.bnb_optim import check_optimizer
 from liger_models.train.trainer import refuse_cuda_graph_conflicts, refuse_in_backward_conflicts
 
 _Config = TypeVar("_Config", bound="_FromArgs")
@@ -82,6 +83,7 @@ class FinetuneConfig(_FromArgs):
     optimizer_in_backward: bool = False  # step each parameter inside backward (needs max_grad_norm 0, grad_accum 1)
     cuda_graph: bool = False  # replay each whole step from one CUDA graph after 3 eager steps
     adamw: str = "liger"  # liger | torch: AdamW's CUDA step (this project's Triton kernel or torch's fused one)
+    optimizer: str = "adamw"  # adamw, or bitsandbytes' adamw_8bit | paged_adamw_32bit | paged_adamw_8bit (bnb_optim.py)
     loss_scratch_mib: int | None = None  # ≥ 1: cap the fused linear-CE's logits scratch at this many MiB
     loss_grad_filter_eps: float | None = None  # in (0, 1): skip lm_head gradient columns below it (approximate)
     dtype: str = "auto"  # auto | bf16 | fp32 (auto: bf16 on CUDA, fp32 on CPU)
@@ -135,7 +137,7 @@ class FinetuneConfig(_FromArgs):
             "grad-accum": self.grad_accum, "lr": lr, "warmup-steps": self.warmup_steps,
             "min-lr-ratio": self.min_lr_ratio, "weight-decay": self.weight_decay, "beta1": self.beta1,
             "beta2": self.beta2, "max-grad-norm": self.max_grad_norm, "dtype": dtype, "seed": self.seed,
-            "loss-grad-filter-eps": self.loss_grad_filter_eps,
+            "loss-grad-filter-eps": self.loss_grad_filter_eps, "optimizer": self.optimizer,
             "lora": None if self.lora_r is None else {
                 "r": self.lora_r, "alpha": self.lora_alpha, "targets": self.lora_targets,
                 "dropout": self.lora_dropout, "rslora": self.lora_rslora, "qlora": self.qlora,
@@ -186,6 +188,7 @@ class FinetuneConfig(_FromArgs):
             raise ValueError(f"--warmup-steps {self.warmup_steps} is longer than --max-steps {self.max_steps}: the "
                              "learning rate would never reach --lr")
         self._check_medusa_options()
+        check_optimizer(self.optimizer, distributed=distributed, cuda_graph=self.cuda_graph, adamw=self.adamw)
         if self.optimizer_in_backward:
             refuse_in_backward_conflicts(self.grad_accum, self.max_grad_norm, distributed)
         if self.cuda_graph:

@@ -46,7 +46,7 @@ from liger_models.train import run_settings
 from liger_models.train.batches import BatchStream
 from liger_models.train.dataset import build_dataset
 from liger_models.train.interrupt import Interrupted, StopOnSignal
-from liger_models.train.optim import build_adamw, build_scheduler
+from liger_models.train.optim import build_optimizer, build_scheduler, trained_embeddings
 from liger_models.train.packing import PackedDataset
 from liger_models.train.trainer import TrainConfig, Trainer
 
@@ -280,8 +280,9 @@ def finish(config: FinetuneConfig, info, model, task, data, groups, export, resu
     how they differ from the resumed checkpoint's (allowed ones: :func:`settings`)."""
     stream, eval_data = data
     current, changes = settings_and_changes
-    optimizer = build_adamw(groups, betas=(config.beta1, config.beta2), capturable=config.cuda_graph,
-                            kernel=config.adamw == "liger")
+    optimizer = build_optimizer(config.optimizer, groups, betas=(config.beta1, config.beta2),
+                                capturable=config.cuda_graph, kernel=config.adamw == "liger",
+                                embeddings=trained_embeddings(model))
     warmup = config.warmup_steps if config.warmup_steps is not None else config.max_steps // 20
     scheduler = build_scheduler(optimizer, warmup, config.max_steps, config.min_lr_ratio)
     loop = TrainConfig(output_dir=config.output_dir, max_steps=config.max_steps, grad_accum=config.grad_accum,
@@ -293,7 +294,9 @@ def finish(config: FinetuneConfig, info, model, task, data, groups, export, resu
     trainer = Trainer(model, task, stream, optimizer, scheduler, loop, info, export, config.run_args(), eval_data,
                       settings=current, trained_only=config.lora_r is not None)
     if resume is not None:
-        trainer.resume(resume)
+        # Another --optimizer (let through by --allow-changed-settings) cannot take the saved state: its moments
+        # start from zero, as at a run's first step; _go_on_with says so.
+        trainer.resume(resume, optimizer_state=not any(c.name == "optimizer" for c in changes))
         if info.is_main and not config.quiet:
             print(f"resumed from {resume} at step {trainer.step}", flush=True)
     if changes:
@@ -317,6 +320,9 @@ def _go_on_with(changes: list[run_settings.Change], config: FinetuneConfig, trai
         _say(f"resuming {resume} at step {trainer.step} with changed settings (--allow-changed-settings): "
              f"{run_settings.describe(changes)}")
     trainer.settings_changed = run_settings.logged(changes)
+    if any(c.name == "optimizer" for c in changes) and trainer.info.is_main:
+        _say(f"--optimizer {config.optimizer}: the optimizer's state starts from zero (the checkpoint's is another "
+             "optimizer's)")
     if any(c.name == "seed" for c in changes):
         trainer.stream.load_state_dict({**trainer.stream.state_dict(), "seed": config.seed})
 

@@ -86,8 +86,9 @@ def destroy_distributed(clean: bool = True) -> None:
 
     ``clean`` (the run finished on this rank): first meet every other rank at a barrier, so no rank tears its
     connections down while a peer still finishes its last collectives. After an exception, leave at once: a barrier
-    could wait forever for a rank that died. Free every FSDP module first (run._in_process_group does): one that
-    outlives the group destroys its connections from whichever thread next collects garbage, and aborts the process."""
+    could wait forever for a rank that died. Free every FSDP module first (recipes/training.py's in_process_group
+    does): one that outlives the group destroys its connections from whichever thread next collects garbage, and
+    aborts the process."""
     if dist.is_initialized():
         if clean:
             dist.barrier()

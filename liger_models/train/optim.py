@@ -9,12 +9,14 @@ matters for long runs at small learning rates. ``--dtype fp32`` keeps everything
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from liger_models.kernels._dispatch import use_triton
 from liger_models.kernels.ops.adamw import adamw_step_
+from liger_models.train.bnb_optim import build_bnb_adamw
 
 
 def decay_param_groups(model: nn.Module, lr: float, weight_decay: float) -> list[dict]:
@@ -141,6 +143,33 @@ def build_adamw(
             return FusedAdamW(param_groups, betas=betas, eps=eps, capturable=capturable)
         return torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=True, capturable=capturable)
     return torch.optim.AdamW(param_groups, betas=betas, eps=eps)
+
+
+def build_optimizer(
+    name: str,
+    param_groups: list[dict],
+    *,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    capturable: bool = False,
+    kernel: bool = True,
+    embeddings: Sequence[torch.Tensor] = (),
+) -> torch.optim.Optimizer:
+    """``--optimizer name`` over ``param_groups``: :func:`build_adamw` for ``adamw`` (``capturable`` and ``kernel``
+    are its), else bitsandbytes' optimizer of that name (bnb_optim.py), which neither option applies to; there the
+    ``embeddings`` (trained embedding weights) keep 32-bit moments."""
+    if name == "adamw":
+        return build_adamw(param_groups, betas=betas, eps=eps, capturable=capturable, kernel=kernel)
+    if capturable:
+        raise ValueError(f"--optimizer {name} cannot be held in a CUDA graph (bitsandbytes' step is not capturable)")
+    if not any(g["params"] for g in param_groups):
+        raise ValueError("nothing to train: no parameter requires a gradient")
+    return build_bnb_adamw(name, param_groups, betas=betas, eps=eps, full_precision=embeddings)
+
+
+def trained_embeddings(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of ``model``'s embedding modules that train (a tied lm_head shares its embedding's)."""
+    return [m.weight for m in model.modules() if isinstance(m, nn.Embedding) and m.weight.requires_grad]
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1) -> float:

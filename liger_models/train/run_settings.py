@@ -2,11 +2,12 @@
 
 A run is its model (``--model`` as given, resolved: an absolute path or a Hub id; and a digest of its weights), its
 tokenizer files, its data (each ``--data`` file's SHA-256, the digests the data cache keys on) and every option that
-changes the math of a step: the learning-rate schedule and AdamW's settings, the global batch (``--batch-size`` ×
-processes) and ``--grad-accum``, ``--seq-len`` and the chat template, the dtype, the seed, the approximate loss, and
-Medusa's loss and learning-rate options. A resume whose settings differ from its checkpoint's is refused, each
-difference named (old → new); ``--allow-changed-settings NAME,...`` (or ``all``) lets named ones through, which is
-printed and logged with the first resumed step's metrics, and the checkpoints after it record the new values.
+changes the math of a step: the learning-rate schedule, the optimizer (``--optimizer``) and its settings, the global
+batch (``--batch-size`` × processes) and ``--grad-accum``, ``--seq-len`` and the chat template, the dtype, the seed,
+the approximate loss, and Medusa's loss and learning-rate options. A resume whose settings differ from its
+checkpoint's is refused, each difference named (old → new); ``--allow-changed-settings NAME,...`` (or ``all``) lets
+named ones through, which is printed and logged with the first resumed step's metrics, and the checkpoints after it
+record the new values (another ``--optimizer`` starts its state from zero: the saved one is another optimizer's).
 
 Free to change: ``--max-steps`` (a finished run is extended along the longer schedule), the number of processes at
 the same global batch (W ranks × B windows is one process × B·W, sample for sample: batches.py's BatchStream), options
@@ -32,9 +33,11 @@ SAMPLE = 4096  # bytes of a tensor hashed at each of its start, middle and end
 # tokenizer: --model's weights and tokenizer files; batch-size: --batch-size × processes, the global batch).
 COMMON = ("model", "model-weights", "tokenizer", "data", "seq-len", "chat-template", "batch-size", "grad-accum",
           "lr", "warmup-steps", "min-lr-ratio", "weight-decay", "beta1", "beta2", "max-grad-norm", "dtype", "seed",
-          "loss-grad-filter-eps", "lora")
+          "loss-grad-filter-eps", "optimizer", "lora")
 MEDUSA = ("init-heads", "head-lr-multiplier", "schedule", "lambda0", "decay", "base-loss-weight")
 ALWAYS_ALLOWED = ("max-steps",)
+# Settings checkpoints record since a later version, and the value a checkpoint that does not record one ran with.
+RECORDED_SINCE = {"optimizer": "adamw"}
 _HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -106,7 +109,8 @@ def parse_allowed(text: str | None) -> set[str]:
 
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[Change]:
     """The settings both record with different values, in :data:`COMMON` + :data:`MEDUSA` order. A name only one
-    side records (a checkpoint of another version) is not compared."""
+    side records (a checkpoint of another version) is not compared, except those of :data:`RECORDED_SINCE`."""
+    recorded = {**RECORDED_SINCE, **recorded}
     return [Change(name, recorded[name], current[name]) for name in COMMON + MEDUSA
             if name in recorded and name in current and recorded[name] != current[name]]
 

@@ -444,9 +444,10 @@ class Trainer:
         D.barrier()
         return D.broadcast_object(path)
 
-    def resume(self, ckpt_dir: str | Path) -> None:
+    def resume(self, ckpt_dir: str | Path, *, optimizer_state: bool = True) -> None:
         """Restore optimizer, scheduler, data position, RNG and step from ``ckpt_dir`` (the model's weights were
-        already loaded from its files by the caller). Every rank calls this."""
+        already loaded from its files by the caller). Every rank calls this. ``optimizer_state=False``: keep this
+        optimizer's fresh state (a resume into another kind of optimizer), the rest is restored all the same."""
         state = ckpt.load_trainer_state(ckpt_dir)
         if int(state["step"]) > self.config.max_steps:
             raise ValueError(f"--max-steps {self.config.max_steps} is below the step of the checkpoint resumed "
@@ -455,7 +456,8 @@ class Trainer:
         # the checkpoint's, which would silently replace them (the schedule's shape is this run's already).
         settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         base_lrs = list(self.scheduler.base_lrs)
-        D.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        if optimizer_state:
+            D.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         for group, own in zip(self.optimizer.param_groups, settings):
             group.update(own)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from liger_models.kernels.ops import _ce_core, _ce_meet, _loss_common
 from liger_models.kernels.ops import _labels as label_check
@@ -483,6 +484,27 @@ def test_token_scaling_matches_reference(tune, settings, dtype, case):
     _check_case(tune, settings, dtype, case, use_token_scaling=True)
 
 
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_class_weights_with_label_smoothing(tune, settings, dtype, reduction):
+    """The kernel reads the class weights in both passes (the smoothing term ε/V·Σ_j w_j·(lse − x_j) and the
+    gradient's ε/V·w_j per column), over whole, target, masked and split blocks; the reference is torch's own
+    F.cross_entropy(weight=w, label_smoothing=ε). One target has weight 0 (its smoothing term remains); z-loss and a
+    softcap ride along on the 517-column rows."""
+    _use(tune, SETTINGS[settings])
+    for vocab, extra in ((300, {}), (517, dict(z_loss=1e-3, softcap=5.0))):
+        labels = _labels(7, vocab)
+        weights = torch.rand(vocab, device=DEVICE) + 0.25
+        weights[labels[labels >= 0][0]] = 0.0
+        logits = (torch.randn(7, vocab, device=DEVICE) * 3).to(dtype)
+        loss, _ = _check(logits, labels, reduction, class_weights=weights, label_smoothing=0.2, **extra)
+        if not extra:
+            torch_loss = F.cross_entropy(logits.double(), labels, weight=weights.double(), label_smoothing=0.2,
+                                         reduction=reduction)
+            assert_matches(loss, torch_loss, name="loss vs torch", scale_floor=1.0)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_token_scaling_with_class_weights(reduction):
     """Each token's weighted loss times p_t; the weighted mean's denominator Σ w_t as without scaling."""
@@ -625,6 +647,29 @@ def test_gpu_headline_shapes(tune, settings, n, vocab, opts):
     loss.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
     rows = torch.arange(0, n, 997 if n > 997 else 1, device="cuda")
+    _, g = _gpu_reference_rows(logits, labels, rows, **opts)
+    assert_matches(x.grad[rows], g.double(), name="dlogits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab, split_cols", [(128256, None), (256000, None), (256000, 65536)])
+def test_gpu_class_weights_with_label_smoothing(tune, vocab, split_cols):
+    """The compiled kernel's class-weighted smoothing (w read in both passes) on bf16 rows whole and split over
+    programs, with z-loss, against the fp32 reference on the same values (sum: sampled rows are self-contained)."""
+    tune(_ce_core, split_cols=split_cols, split_min_cols=0 if split_cols else _ce_core.TUNING.split_min_cols)
+    n = 1031
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::9] = IGNORE
+    weights = torch.rand(vocab, device="cuda") + 0.25
+    weights[labels[1]] = 0.0  # a target of weight 0 keeps its smoothing term
+    logits = (torch.randn(n, vocab, device="cuda") * 2).to(torch.bfloat16)
+    opts = dict(class_weights=weights, label_smoothing=0.1, z_loss=1e-4)
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x, labels, reduction="sum", **opts)
+    loss.backward()
+    ref = cross_entropy_reference(logits, labels, reduction="sum", **opts)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    rows = torch.arange(0, n, 97, device="cuda")
     _, g = _gpu_reference_rows(logits, labels, rows, **opts)
     assert_matches(x.grad[rows], g.double(), name="dlogits")
 

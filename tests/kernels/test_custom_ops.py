@@ -222,6 +222,10 @@ _LOSS_OPTIONS = [
     {"use_token_scaling": True, "return_predicted_tokens": True},
     {"reduction": "none", "weighted": True, "use_token_scaling": True, "softcap": 5.0, "z_loss": 1e-3,
      "return_z_loss": True, "return_predicted_tokens": True},
+    # class weights with label smoothing: the kernel weighs its rows itself (no row-weights output)
+    {"weighted": True, "label_smoothing": 0.1, "z_loss": 1e-3, "return_z_loss": True},
+    {"reduction": "none", "weighted": True, "label_smoothing": 0.1, "use_token_scaling": True},
+    {"reduction": "none", "weighted": True, "label_smoothing": 0.1},
 ]
 
 
@@ -257,6 +261,9 @@ def test_loss_ops_pass_opcheck():
         # token scaling and the predicted tokens, the schema's last two arguments
         torch.library.opcheck(ce._cross_entropy_op, (logits, labels, None, class_weights, -100, 0.0, 1e-3, 5.0,
                                                      reduction, True, *extras, True, True))
+        # label smoothing (with class weights, the kernel weighs its rows: no row-weights output)
+        torch.library.opcheck(ce._cross_entropy_op, (logits, labels, None, class_weights, -100, 0.1, 1e-3, None,
+                                                     reduction, True, *extras))
     hidden, weight, bias = (torch.randn(2, 5, 16, requires_grad=True), torch.randn(vocab, 16, requires_grad=True),
                             torch.randn(vocab, requires_grad=True))
     for reduction, b, class_weights, rank in (("mean", None, None, False), ("none", bias, weights, True),

@@ -34,20 +34,22 @@ def _inputs(seed_shift: int = 0):
     return hidden, weight, labels, class_weights
 
 
-def _reference(logits64, labels, *, reduction, class_weights=None, z_loss=0.0, normalizer=None, dft=False):
-    """float64: Σ_t w_t (CE_t + z·lse_t²) / Σ_t w_t (mean), over non-ignored t; torch's weighted CE when z = 0.
-    dft: each token's term times p_t = exp(−CE_t), detached (TRL's dft_loss: −exp(logp).detach()·logp), the
-    denominator unchanged."""
+def _reference(logits64, labels, *, reduction, class_weights=None, z_loss=0.0, normalizer=None, dft=False,
+               smoothing=0.0):
+    """float64: Σ_t [w_t ((1−ε)·CE_t + z·lse_t²) + ε/V·Σ_j w_j (lse_t − x_tj)] / Σ_t w_t (mean), over non-ignored t;
+    torch's weighted CE (with label smoothing ε) when z = 0. dft: each token's term times p_t = exp(−CE_t), detached
+    (TRL's dft_loss: −exp(logp).detach()·logp), the denominator unchanged."""
     valid = labels != -100
     target = torch.where(valid, labels, 0)
     lse = torch.logsumexp(logits64, -1)
     logp = logits64.gather(-1, target[:, None])[:, 0] - lse
-    per_token = -logp + z_loss * lse.square()
+    per_token = -(1 - smoothing) * logp + z_loss * lse.square()
+    cw = torch.ones_like(logits64[0]) if class_weights is None else class_weights.double()
+    w = torch.where(valid, cw[target], 0.0)
+    per_token = per_token * w + smoothing / logits64.shape[-1] * ((lse[:, None] - logits64) * cw).sum(-1)
+    per_token = torch.where(valid, per_token, 0.0)
     if dft:
         per_token = per_token * logp.exp().detach()
-    w = torch.ones_like(lse) if class_weights is None else class_weights.double()[target]
-    w = torch.where(valid, w, 0.0)
-    per_token = per_token * w
     if reduction == "none":
         return per_token
     if reduction == "sum":
@@ -74,6 +76,46 @@ def test_class_weights_match_torch_weighted_cross_entropy(path, reduction, z_los
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=1e-6)
     upstream = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
     (loss.double() * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=2e-4, atol=2e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("fused", [True, False], ids=["linear-CE", "CE"])
+@pytest.mark.parametrize("reduction, extra", [(r, e) for r in ("mean", "sum", "none") for e in ("plain", "z-loss", "dft")]
+                         + [("mean", "normalizer")])
+def test_class_weights_with_label_smoothing_match_torch(path, fused, reduction, extra):
+    """torch's F.cross_entropy(weight=w, label_smoothing=ε): the smoothing term weighs every class, ε/V·Σ_j w_j·(lse −
+    x_j), and is not scaled by the target's weight; the mean divides by Σ w_t. A target of weight 0 keeps its
+    smoothing term. With z-loss (its term weighed by w_t, and returned), token scaling (the whole token term times
+    p_t) or a normaliser."""
+    hidden, weight, labels, class_weights = _inputs()
+    class_weights[labels[1]] = 0.0  # labels[1] is not ignored (every fifth is)
+    eps, z = 0.15, (1e-3 if extra == "z-loss" else 0.0)
+    normalizer = 29.0 if extra == "normalizer" else None
+    opts = dict(reduction=reduction, class_weights=class_weights, label_smoothing=eps, z_loss=z,
+                use_token_scaling=extra == "dft", normalizer=normalizer, return_z_loss=True)
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    with PATHS[path]():
+        out = (fused_linear_cross_entropy(h, w, labels, **opts) if fused
+               else cross_entropy(h @ w.T, labels, **opts))
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = _reference(h64 @ w64.T, labels, reduction=reduction, class_weights=class_weights, z_loss=z,
+                     dft=extra == "dft", smoothing=eps, normalizer=normalizer)
+    if extra == "plain":  # the oracle is torch's own weighted, smoothed cross-entropy
+        torch_ref = F.cross_entropy((h64 @ w64.T).detach(), labels, weight=class_weights.double(),
+                                    label_smoothing=eps, reduction=reduction, ignore_index=-100)
+        torch.testing.assert_close(ref.detach(), torch_ref, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=2e-5, atol=1e-6)
+    z_ref = _reference(h64.detach() @ w64.detach().T, labels, reduction=reduction, class_weights=class_weights,
+                       z_loss=z, dft=extra == "dft", normalizer=normalizer) - _reference(
+        h64.detach() @ w64.detach().T, labels, reduction=reduction, class_weights=class_weights,
+        dft=extra == "dft", normalizer=normalizer)
+    torch.testing.assert_close(out.z_loss.double(), z_ref, rtol=2e-5, atol=1e-7)
+    upstream = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    (out.loss.double() * upstream).sum().backward()
     (ref * upstream).sum().backward()
     torch.testing.assert_close(h.grad.double(), h64.grad, rtol=2e-4, atol=2e-6)
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=2e-4, atol=2e-6)
@@ -149,17 +191,16 @@ def test_bad_class_weights_are_refused():
     hidden, weight, labels, class_weights = _inputs()
     with pytest.raises(ValueError, match=r"class_weights must be a \(53,\) tensor"):
         fused_linear_cross_entropy(hidden, weight, labels, class_weights=class_weights[:-1])
-    with pytest.raises(ValueError, match="class_weights with label_smoothing"):
-        cross_entropy(hidden @ weight.T, labels, class_weights=class_weights, label_smoothing=0.1)
     with pytest.raises(ValueError, match="floating point"):
         cross_entropy(hidden @ weight.T, labels, class_weights=torch.ones(V, dtype=torch.int64, device=DEVICE))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_gpu_real_size_class_weights_and_outputs(reduction):
+@pytest.mark.parametrize("reduction, smoothing", [("mean", 0.0), ("none", 0.0), ("mean", 0.1), ("none", 0.1)])
+def test_gpu_real_size_class_weights_and_outputs(reduction, smoothing):
     """4096 tokens × 128256 columns in bf16 (two chunks in grad_W's storage) against the fp32 PyTorch path on the
-    same bf16 values, and eager PyTorch in bf16 for the gradients' error budget."""
+    same bf16 values, and eager PyTorch in bf16 for the gradients' error budget; with label smoothing the compiled
+    kernel reads the class weights in both passes."""
     from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy_reference
 
     from ..helpers import assert_matches, rel_l2
@@ -170,7 +211,7 @@ def test_gpu_real_size_class_weights_and_outputs(reduction):
     labels = torch.randint(0, vocab, (n,), device="cuda")
     labels[::11] = -100
     class_weights = torch.rand(vocab, device="cuda") + 0.5
-    opts = dict(class_weights=class_weights, z_loss=1e-4, reduction=reduction)
+    opts = dict(class_weights=class_weights, z_loss=1e-4, reduction=reduction, label_smoothing=smoothing)
     upstream = torch.randn(n, device="cuda") if reduction == "none" else torch.tensor(1.0, device="cuda")
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = fused_linear_cross_entropy(h, w, labels, return_z_loss=True, return_token_accuracy=True, **opts)

@@ -1,26 +1,15 @@
-"""bitsandbytes for bit-exactness checks, imported without touching the network, or None."""
+"""bitsandbytes for bit-exactness checks, imported without touching the network (the package's importer), or
+None where it is not installed or does not import here."""
 
 from __future__ import annotations
 
-import sys
+from liger_models.train.bnb_optim import import_bitsandbytes
 
 
 def import_bnb():
-    """bitsandbytes' CPU backend asks HF's ``kernels`` package for a Hub-hosted GEMM at import (a download); with
-    ``kernels`` masked that lookup fails at once and bitsandbytes falls back to its own CPU code."""
-    if "bitsandbytes" in sys.modules:
-        return sys.modules["bitsandbytes"]
-    missing = object()
-    saved = sys.modules.get("kernels", missing)
-    sys.modules["kernels"] = None  # import of kernels raises ImportError
     try:
-        import bitsandbytes
+        bitsandbytes = import_bitsandbytes()
         import bitsandbytes.functional  # noqa: F401
-    except Exception:
+    except Exception:  # not installed, or a build that fails to load on this machine: the comparisons skip
         return None
-    finally:
-        if saved is missing:
-            del sys.modules["kernels"]
-        else:
-            sys.modules["kernels"] = saved
     return bitsandbytes

@@ -26,6 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 from liger_models import AutoLigerForCausalLM  # noqa: E402
 from liger_models.modules import CausalLMOutput, causal_lm  # noqa: E402
 from liger_models.modules.generate import default_token_id  # noqa: E402
+from tests.lora.bnb import import_bnb  # noqa: E402
 
 from .parity import build_hf, max_rel, save_hf  # noqa: E402
 
@@ -145,6 +146,40 @@ def test_trainer_trains_like_hf_step_by_step_with_gradient_accumulation(llama_di
         assert int(calls[step]["num_items_in_batch"]) == int(calls[step + 1]["num_items_in_batch"]) \
             == targets[step] + targets[step + 1]
     assert mean_loss(ours, rows) < before - 0.1
+
+
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "paged_adamw_8bit"])
+def test_trainer_with_bitsandbytes_8bit_optimizers_trains_like_hf(llama_dir, tmp_path, loop, optim):
+    """The QLoRA recipe's usual optimizer through HF Trainer: bitsandbytes' 8-bit AdamW with Trainer's own 32-bit
+    override for embedding modules (it finds ours as nn.Embedding), losses equal to HF's model under the same
+    optimizer; the 8-bit state is really there."""
+    bnb = import_bnb()
+    if bnb is None:
+        pytest.skip("bitsandbytes does not import here")
+    shared_manager = bnb.optim.GlobalOptimManager.get_instance()
+    shared_manager.initialize()  # Trainer registers its embedding overrides in this process-wide manager
+    ours, hf = load_pair(llama_dir)
+    rows = token_rows()
+    before = mean_loss(ours, rows)
+    states = {}
+    for name, model in (("ours", ours), ("hf", hf)):
+        args = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                    max_steps=4, learning_rate=1e-2, optim=optim, lr_scheduler_type="constant", logging_steps=1,
+                    report_to=[], save_strategy="no", use_cpu=True, seed=0, remove_unused_columns=False)
+        trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**args), train_dataset=rows,
+                                       data_collator=pad_batch)
+        trainer.train()
+        states[name] = ([h["loss"] for h in trainer.state.log_history if "loss" in h], trainer.optimizer)
+    # Adam normalises each gradient: fp32 noise between the two models' gradients moves a near-zero moment's
+    # 8-bit code now and then, so the losses agree to 1e-4 rather than to fp32 rounding.
+    assert_same_losses(states["ours"][0], states["hf"][0], rel=1e-4)
+    assert mean_loss(ours, rows) < before - 0.1
+    optimizer = states["ours"][1]
+    embed = ours.model.embed_tokens.weight
+    assert optimizer.state[embed]["state1"].dtype == torch.float32  # Trainer's override for embeddings
+    large = [p for p in optimizer.state if p.numel() >= 4096 and p is not embed]  # bitsandbytes' 8-bit minimum
+    assert large and all(optimizer.state[p]["state1"].dtype == torch.uint8 for p in large)
+    shared_manager.initialize()  # leave no override behind for a later test's optimizer
 
 
 def test_trainer_evaluate_gives_hfs_eval_loss(llama_dir, tmp_path, loop):

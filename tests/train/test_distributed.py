@@ -261,7 +261,7 @@ def test_fsdp2_lora_matches_one_process_and_resumes_on_either(command, qlora, ti
 
 
 NF4_SHARD_SCRIPT = """
-import json, os, sys
+import gc, json, os, sys
 import torch
 from torch.distributed.tensor import DTensor
 from liger_models import AutoLigerForCausalLM
@@ -301,6 +301,10 @@ out = {"nf4": len(nf4()), "sharded": sharded, "after_backward": held(), "loss": 
        "nf4_grads": sum(p.grad is not None for p in nf4().values())}
 with open(os.path.join(sys.argv[2], f"rank{info.rank}.json"), "w") as f:
     json.dump(out, f)
+# The FSDP model must go before the process group (distributed.destroy_distributed says why): alive at exit, it tore
+# its connections down from the garbage collector's thread now and then, and the process aborted.
+del model, loss
+gc.collect()
 D.destroy_distributed()
 """
 

@@ -97,3 +97,20 @@ def test_optimizer_in_backward_matches_fused_adamw_on_cuda(tiny_tied_model_dir, 
         for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
             assert torch.equal(a, b), name
     assert max(live) <= 2
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "paged_adamw_8bit"])
+def test_bitsandbytes_optimizer_learns_on_cuda(name, tiny_model_dir, text_file, tmp_path):
+    """bitsandbytes' CUDA update kernels: the loss falls as with AdamW, and the resume's first step (torch's
+    optimizer-state loading makes a zero-gradient, zero-lr step on the fresh optimizer first) leaves the weights
+    unharmed: the resumed losses follow the uninterrupted run's."""
+    pytest.importorskip("bitsandbytes")
+    full = train_causal_lm(_args("train", tiny_model_dir, text_file, tmp_path / "a", "--optimizer", name))
+    losses = [m["loss"] for m in full.history]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.3
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step_000006", tmp_path / "b" / "checkpoints" / "step_000006")
+    resumed = train_causal_lm(_args("train", tiny_model_dir, text_file, tmp_path / "b", "--optimizer", name,
+                                    "--resume", "auto"))
+    for a, b in zip(full.history[6:], resumed.history):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)

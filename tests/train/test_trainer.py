@@ -260,11 +260,11 @@ def test_weight_decay_is_on_matrices_only(command, extra, tiny_model_dir, text_f
 
     seen = []
 
-    def capture(groups, **kwargs):
+    def capture(name, groups, **kwargs):
         seen.extend(groups)
         raise _Built
 
-    monkeypatch.setattr(run, "build_adamw", capture)
+    monkeypatch.setattr(run, "build_optimizer", capture)
     recipe = train_causal_lm if command == "train" else train_medusa
     with pytest.raises(_Built):
         recipe(_args(command, tiny_model_dir, text_file, tmp_path / "x", *extra, "--weight-decay", "0.5"))

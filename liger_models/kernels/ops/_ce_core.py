@@ -9,7 +9,9 @@ Pass 2 re-reads the row in REVERSE block order (the blocks pass 1 read last are 
 loads of the row's tail are marked evict_last, of its head evict_first (TUNING.keep_l2_share), pass-2 loads and the
 gradient stores evict_first) and writes
   g_j = scale · (p_j·(1 + 2z·lse) − ε/V − (1−ε)·[j=t])   with the target entry as −q + p_t·2z·lse + ε − ε/V,
-times the softcap derivative 1 − tanh² = 4u/(1+u)², u = e^{−2|x|/c}. `scale` is read from device memory (the
+times the softcap derivative 1 − tanh² = 4u/(1+u)², u = e^{−2|x|/c}. Class weights with label smoothing
+(CLASS_WEIGHTED, ce_rows' class_smoothing) weigh pass 1's Σx and the gradient's ε/V per column by w_j, one more
+read of w per row. `scale` is read from device memory (the
 mean's 1/denominator, a loss scale, or a per-row grad_output) so nothing here needs a host sync.
 
 Bytes per element (bf16): pass 1 reads 2, pass 2 reads 2 (partly from L2) and writes 2. Floor (one read + one
@@ -119,16 +121,19 @@ def _log1p(v):
 
 
 @triton.jit
-def _stats_block(x, m, s, sum_x, rank, x_t, t_off, offs, mask, softcap,
+def _stats_block(x, w, m, s, sum_x, rank, x_t, t_off, offs, mask, softcap,
                  MASKED: tl.constexpr, TARGET: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                 WITH_RANK: tl.constexpr):
+                 WITH_RANK: tl.constexpr, CLASS_WEIGHTED: tl.constexpr):
     """Pass 1 over one block: fold fp32 logits x (lanes × columns) into per-lane running maxima m and sums
-    s = Σ_{j≠t} e^{x_j − m}, Σx and the target's rank #{j: x_j > x_t, or x_j = x_t and j < t} (argmax's rule: the
-    first of tied logits wins), all reduced along axis 1 only. A lane is one thread's 16 bytes,
-    so the loop needs no shuffle and no barrier (see LANE in _ce_kernel). Per-element work only where needed: the
-    mask in the MASKED (last, partial) block, the target's exclusion (column t_off of offs) in a TARGET block."""
+    s = Σ_{j≠t} e^{x_j − m}, Σx (Σ w_j·x_j when CLASS_WEIGHTED, w the block's class weights) and the target's
+    rank #{j: x_j > x_t, or x_j = x_t and j < t} (argmax's rule: the first of tied logits wins), all reduced along
+    axis 1 only. A lane is one thread's 16 bytes, so the loop needs no shuffle and no barrier (see LANE in
+    _ce_kernel). Per-element work only where needed: the mask in the MASKED (last, partial) block, the target's
+    exclusion (column t_off of offs) in a TARGET block."""
     if HAS_SOFTCAP:
         x = _softcap(x, softcap)[0]
+    if HAS_SMOOTHING and CLASS_WEIGHTED:  # before the mask's −inf, which times a weight of 0 would be NaN
+        sum_x += tl.sum(tl.where(mask, x * w, 0.0) if MASKED else x * w, 1)
     if MASKED:
         x = tl.where(mask, x, float("-inf"))
     m_new = tl.maximum(m, tl.max(x, 1))
@@ -136,7 +141,7 @@ def _stats_block(x, m, s, sum_x, rank, x_t, t_off, offs, mask, softcap,
     if TARGET:
         e = tl.where(offs == t_off, 0.0, e)
     s = s * _exp(m - m_new) + tl.sum(e, 1)
-    if HAS_SMOOTHING:
+    if HAS_SMOOTHING and not CLASS_WEIGHTED:
         sum_x += tl.sum(tl.where(mask, x, 0.0) if MASKED else x, 1)
     if WITH_RANK:  # above the target, or tied with it at a lower column (t_off: the target's column - the block's)
         rank += tl.sum(((x > x_t) | ((x == x_t) & (offs < t_off))).to(tl.int32), 1)
@@ -151,14 +156,15 @@ def _merge_lanes(m, s, sum_x, rank):
 
 
 @triton.jit
-def _grad_values(x, offs, lse, coef, shift, t_coef, t_add, t_off, softcap, TARGET: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr):
-    """g_j = coef·p_j − shift for fp32 logits x at columns offs, the target's entry t_coef·p_t + t_add (column t_off
-    when TARGET; offs/t_off relative to the same origin)."""
+def _grad_values(x, w, offs, lse, coef, shift, t_coef, t_add, t_off, softcap, TARGET: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, CLASS_WEIGHTED: tl.constexpr):
+    """g_j = coef·p_j − shift (shift·w_j when CLASS_WEIGHTED, w the columns' class weights) for fp32 logits x at
+    columns offs, the target's entry t_coef·p_t + t_add (column t_off when TARGET; offs/t_off relative to the same
+    origin)."""
     if HAS_SOFTCAP:
         x, dcap = _softcap(x, softcap)
     p = _exp(x - lse)
-    g = p * coef - shift
+    g = p * coef - (shift * w if CLASS_WEIGHTED else shift)
     if TARGET:
         g = tl.where(offs == t_off, p * t_coef + t_add, g)
     if HAS_SOFTCAP:
@@ -167,25 +173,32 @@ def _grad_values(x, offs, lse, coef, shift, t_coef, t_add, t_off, softcap, TARGE
 
 
 @triton.jit
-def _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, t_off, softcap, N_COLS: tl.constexpr,
-                MASKED: tl.constexpr, TARGET: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVICT: tl.constexpr):
+def _grad_block(X, G, CW, start, offs, lse, coef, shift, t_coef, t_add, t_off, softcap, N_COLS: tl.constexpr,
+                MASKED: tl.constexpr, TARGET: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVICT: tl.constexpr,
+                CLASS_WEIGHTED: tl.constexpr):
     """Pass 2 over one block of the row: load, _grad_values, store (t_off relative to the block)."""
     cols = start + offs
+    w = 1.0
     if MASKED:
         mask = cols < N_COLS
         x = tl.load(X + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        if CLASS_WEIGHTED:
+            w = tl.load(CW + cols, mask=mask, other=0.0).to(tl.float32)
     else:
         mask = None
         x = tl.load(X + cols, eviction_policy=EVICT).to(tl.float32)
-    g = _grad_values(x, offs, lse, coef, shift, t_coef, t_add, t_off, softcap, TARGET, HAS_SOFTCAP)
+        if CLASS_WEIGHTED:
+            w = tl.load(CW + cols).to(tl.float32)
+    g = _grad_values(x, w, offs, lse, coef, shift, t_coef, t_add, t_off, softcap, TARGET, HAS_SOFTCAP,
+                     CLASS_WEIGHTED)
     tl.store(G + cols, g.to(G.dtype.element_ty), mask=mask, eviction_policy=EVICT)
 
 
 @triton.jit
-def _row_stats(X, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap, N_COLS: tl.constexpr,
+def _row_stats(X, CW, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap, N_COLS: tl.constexpr,
                SEGMENT: tl.constexpr, WITH_RANK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_SMOOTHING: tl.constexpr, LANES: tl.constexpr, BLOCK_V: tl.constexpr, EVICT_PASS1: tl.constexpr,
-               KEEP_FROM: tl.constexpr, EVICT_HEAD: tl.constexpr):
+               KEEP_FROM: tl.constexpr, EVICT_HEAD: tl.constexpr, CLASS_WEIGHTED: tl.constexpr):
     """Pass 1 over the whole blocks [seg_start, seg_end) of the row (and its partial last block when `last`):
     the merged (max, Σ_{j≠t} e^{x−max}, Σx, the target's rank), the running max started at x_t."""
     FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V  # columns in whole blocks: no mask there
@@ -198,76 +211,91 @@ def _row_stats(X, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap
     # whole block stays a branch; a per-element test would be if-converted into every block. (The loads stay here:
     # moved into _stats_block, as _grad_block does, ptxas gave the kernel 64 registers instead of 32 at 16384/32,
     # one program per SM instead of two; sass_report.py.)
+    w = 1.0  # the class weights of the block's columns, read only for CLASS_WEIGHTED smoothing
     for b in range(0, KEEP_FROM, BLOCK_V):  # the segment's head: pass 2 comes back to it last (below)
         start = seg_start + b
         if (start != t_start) & (start < seg_end):
             x = tl.load(X + start + lanes, eviction_policy=EVICT_HEAD).to(tl.float32)
-            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - start, lanes, None, softcap,
-                                             False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+            if CLASS_WEIGHTED:
+                w = tl.load(CW + start + lanes).to(tl.float32)
+            m, s, sum_x, rank = _stats_block(x, w, m, s, sum_x, rank, x_t, target - start, lanes, None, softcap,
+                                             False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK, CLASS_WEIGHTED)
     for b in range(KEEP_FROM, SEGMENT, BLOCK_V):
         start = seg_start + b
         if (start != t_start) & (start < seg_end):
             x = tl.load(X + start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
-            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - start, lanes, None, softcap,
-                                             False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+            if CLASS_WEIGHTED:
+                w = tl.load(CW + start + lanes).to(tl.float32)
+            m, s, sum_x, rank = _stats_block(x, w, m, s, sum_x, rank, x_t, target - start, lanes, None, softcap,
+                                             False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK, CLASS_WEIGHTED)
     if (t_start >= seg_start) & (t_start < seg_end):
         x = tl.load(X + t_start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
-        m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - t_start, lanes, None, softcap,
-                                         False, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+        if CLASS_WEIGHTED:
+            w = tl.load(CW + t_start + lanes).to(tl.float32)
+        m, s, sum_x, rank = _stats_block(x, w, m, s, sum_x, rank, x_t, target - t_start, lanes, None, softcap,
+                                         False, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK, CLASS_WEIGHTED)
     if FULL < N_COLS:
         if last:
             mask = FULL + lanes < N_COLS
             x = tl.load(X + FULL + lanes, mask=mask, other=0.0, eviction_policy=EVICT_PASS1).to(tl.float32)
-            m, s, sum_x, rank = _stats_block(x, m, s, sum_x, rank, x_t, target - FULL, lanes, mask, softcap,
-                                             True, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK)
+            if CLASS_WEIGHTED:
+                w = tl.load(CW + FULL + lanes, mask=mask, other=0.0).to(tl.float32)
+            m, s, sum_x, rank = _stats_block(x, w, m, s, sum_x, rank, x_t, target - FULL, lanes, mask, softcap,
+                                             True, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK, CLASS_WEIGHTED)
     return _merge_lanes(m, s, sum_x, rank)
 
 
 @triton.jit
-def _row_grad(X, G, seg_start, seg_end, last, t_start, target, offs, lse, coef, shift, t_coef, t_add, softcap,
+def _row_grad(X, G, CW, seg_start, seg_end, last, t_start, target, offs, lse, coef, shift, t_coef, t_add, softcap,
               x_first, N_COLS: tl.constexpr, SEGMENT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
-              REVERSE: tl.constexpr, EVICT_PASS2: tl.constexpr, PREFETCHED: tl.constexpr):
+              REVERSE: tl.constexpr, EVICT_PASS2: tl.constexpr, PREFETCHED: tl.constexpr,
+              CLASS_WEIGHTED: tl.constexpr):
     """Pass 2 over the same columns as _row_stats: write the gradient. PREFETCHED: x_first holds the raw values of
     the segment's last whole block, loaded before the meeting; that block is written first, and skipped below."""
     FULL: tl.constexpr = (N_COLS // BLOCK_V) * BLOCK_V
     first = seg_end - BLOCK_V
     if PREFETCHED:
         x = x_first.to(tl.float32)
+        w = 1.0
+        if CLASS_WEIGHTED:
+            w = tl.load(CW + first + offs).to(tl.float32)
         if first == t_start:
-            g = _grad_values(x, offs, lse, coef, shift, t_coef, t_add, target - first, softcap, True, HAS_SOFTCAP)
+            g = _grad_values(x, w, offs, lse, coef, shift, t_coef, t_add, target - first, softcap, True, HAS_SOFTCAP,
+                             CLASS_WEIGHTED)
         else:
-            g = _grad_values(x, offs, lse, coef, shift, t_coef, t_add, 0, softcap, False, HAS_SOFTCAP)
+            g = _grad_values(x, w, offs, lse, coef, shift, t_coef, t_add, 0, softcap, False, HAS_SOFTCAP,
+                             CLASS_WEIGHTED)
         tl.store(G + first + offs, g.to(G.dtype.element_ty), eviction_policy=EVICT_PASS2)
     else:
         first = -1  # nothing skipped
     if REVERSE and FULL < N_COLS:  # the blocks pass 1 read last first: they are the likeliest in L2
         if last:
-            _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
-                        True, True, HAS_SOFTCAP, EVICT_PASS2)
+            _grad_block(X, G, CW, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
+                        True, True, HAS_SOFTCAP, EVICT_PASS2, CLASS_WEIGHTED)
     for b in range(0, SEGMENT, BLOCK_V):
         start = seg_start + ((SEGMENT - BLOCK_V - b) if REVERSE else b)
         if (start != t_start) & (start < seg_end) & (start != first):
-            _grad_block(X, G, start, offs, lse, coef, shift, t_coef, t_add, 0, softcap, N_COLS,
-                        False, False, HAS_SOFTCAP, EVICT_PASS2)
+            _grad_block(X, G, CW, start, offs, lse, coef, shift, t_coef, t_add, 0, softcap, N_COLS,
+                        False, False, HAS_SOFTCAP, EVICT_PASS2, CLASS_WEIGHTED)
     if (t_start >= seg_start) & (t_start < seg_end) & (t_start != first):
-        _grad_block(X, G, t_start, offs, lse, coef, shift, t_coef, t_add, target - t_start, softcap, N_COLS,
-                    False, True, HAS_SOFTCAP, EVICT_PASS2)
+        _grad_block(X, G, CW, t_start, offs, lse, coef, shift, t_coef, t_add, target - t_start, softcap, N_COLS,
+                    False, True, HAS_SOFTCAP, EVICT_PASS2, CLASS_WEIGHTED)
     if not REVERSE and FULL < N_COLS:
         if last:
-            _grad_block(X, G, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
-                        True, True, HAS_SOFTCAP, EVICT_PASS2)
+            _grad_block(X, G, CW, FULL, offs, lse, coef, shift, t_coef, t_add, target - FULL, softcap, N_COLS,
+                        True, True, HAS_SOFTCAP, EVICT_PASS2, CLASS_WEIGHTED)
 
 
 @triton.jit
 def _ce_kernel(
-    LOGITS, GRAD, LABELS, LABEL_FLAG, LOSS, LSE, Q, RANK, SCALE, PARTIAL, COUNTERS,
+    LOGITS, GRAD, LABELS, LABEL_FLAG, LOSS, LSE, Q, RANK, SCALE, PARTIAL, COUNTERS, CW, W_SUM,
     stride_logits_row, stride_grad_row, stride_scale,
     ignore_index, label_smoothing, z_loss, softcap,
     N_COLS: tl.constexpr, FORWARD: tl.constexpr, BACKWARD: tl.constexpr, WITH_RANK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, LANE: tl.constexpr,
     REVERSE: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr, KEEP_FROM: tl.constexpr,
     EVICT_HEAD: tl.constexpr, SPLIT: tl.constexpr, SEGMENT: tl.constexpr, PHASE: tl.constexpr,
-    PREFETCH_PASS2: tl.constexpr,
+    PREFETCH_PASS2: tl.constexpr, CLASS_WEIGHTED: tl.constexpr,
 ):
     # SPLIT programs per row, each on SEGMENT columns of whole blocks (the last one also on the partial last block).
     # COUNTERS: one zeroed int32 meeting counter per row (SPLIT > 1 on the GPU; _ce_meet.meeting_counters).
@@ -311,9 +339,9 @@ def _ce_kernel(
             sum_x = 0.0
             rank = 0
             if PHASE != 2:
-                m, s, sum_x, rank = _row_stats(X, seg_start, seg_end, last, t_start, target, x_t, lanes, softcap,
-                                               N_COLS, SEGMENT, WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING, LANES,
-                                               BLOCK_V, EVICT_PASS1, KEEP_FROM, EVICT_HEAD)
+                m, s, sum_x, rank = _row_stats(X, CW, seg_start, seg_end, last, t_start, target, x_t, lanes,
+                                               softcap, N_COLS, SEGMENT, WITH_RANK, HAS_SOFTCAP, HAS_SMOOTHING,
+                                               LANES, BLOCK_V, EVICT_PASS1, KEEP_FROM, EVICT_HEAD, CLASS_WEIGHTED)
             if PREFETCH:  # pass 2's first block, loaded now: its latency overlaps the meeting's
                 x_first = tl.load(X + seg_end - BLOCK_V + offs, eviction_policy=EVICT_PASS2)
             if SPLIT > 1:
@@ -326,9 +354,14 @@ def _ce_kernel(
             if PHASE != 1:
                 if part == 0:  # one program per row stores the row's results
                     loss = (1.0 - label_smoothing) * (log_s + (m - x_t))
-                    if HAS_SMOOTHING:
-                        loss += label_smoothing * (lse - sum_x / N_COLS)
-                    loss += z_loss * lse * lse
+                    if CLASS_WEIGHTED:  # w_t·((1−ε)·nll + z·lse²) + ε/V·Σ_j w_j·(lse − x_j)
+                        w_t = tl.load(CW + target).to(tl.float32)
+                        loss = w_t * (loss + z_loss * lse * lse)
+                        loss += (label_smoothing / N_COLS) * (tl.load(W_SUM) * lse - sum_x)
+                    else:
+                        if HAS_SMOOTHING:
+                            loss += label_smoothing * (lse - sum_x / N_COLS)
+                        loss += z_loss * lse * lse
                     tl.store(LOSS + row, loss)
                     tl.store(LSE + row, lse)
                     tl.store(Q + row, q)
@@ -341,12 +374,22 @@ def _ce_kernel(
             # g_j = scale·(p_j·(1 + zc) − ε/V), the target's entry scale·(p_t·zc − q + ε − ε/V), zc = 2z·lse.
             scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
             zc = 2.0 * z_loss * lse
-            coef = scale * (1.0 + zc)
             shift = scale * (label_smoothing / N_COLS)
-            t_coef = scale * zc
-            t_add = scale * (label_smoothing - q) - shift
-            _row_grad(X, G, seg_start, seg_end, last, t_start, target, offs, lse, coef, shift, t_coef, t_add, softcap,
-                      x_first, N_COLS, SEGMENT, HAS_SOFTCAP, BLOCK_V, REVERSE, EVICT_PASS2, PREFETCH)
+            if CLASS_WEIGHTED:
+                # g_j = scale·(p_j·(w_t·(1 − ε + zc) + ε·W/V) − ε/V·w_j), W = Σ_j w_j; the target's entry
+                # scale·(p_t·(w_t·zc + ε·W/V) − w_t·(1 − ε)·q − ε/V·w_t) (the column shift is per column)
+                w_t = tl.load(CW + target).to(tl.float32)
+                spread = label_smoothing / N_COLS * tl.load(W_SUM)
+                coef = scale * (w_t * (1.0 - label_smoothing + zc) + spread)
+                t_coef = scale * (w_t * zc + spread)
+                t_add = -scale * w_t * (1.0 - label_smoothing) * q - shift * w_t
+            else:
+                coef = scale * (1.0 + zc)
+                t_coef = scale * zc
+                t_add = scale * (label_smoothing - q) - shift
+            _row_grad(X, G, CW, seg_start, seg_end, last, t_start, target, offs, lse, coef, shift, t_coef, t_add,
+                      softcap, x_first, N_COLS, SEGMENT, HAS_SOFTCAP, BLOCK_V, REVERSE, EVICT_PASS2, PREFETCH,
+                      CLASS_WEIGHTED)
     elif clean:
         if FORWARD and PHASE != 1:
             if part == 0:
@@ -380,9 +423,12 @@ def ce_rows(
     z_loss: float,
     softcap: float | None,
     label_flag: torch.Tensor,
+    class_smoothing: torch.Tensor | None = None,
 ) -> None:
     """Launch the row kernel on logits (rows, V) with unit column stride; label_flag is a _labels.LabelCheck's flag
-    (the kernel writes nothing when it is set).
+    (the kernel writes nothing when it is set). class_smoothing: the (V,) class weights w when they come with label
+    smoothing, which weighs every class (torch's F.cross_entropy(weight=w, label_smoothing=ε)); each row's loss is
+    then w_t·((1−ε)·nll + z·lse²) + ε/V·Σ_j w_j·(lse − x_j), its class weight included, and its gradient to match.
 
     loss given → FORWARD (writes loss, lse, q, and rank if given); grad given → BACKWARD (writes grad, which may be
     logits itself, scaled by `scale`: a 0-dim or (rows,) fp32 tensor). Without loss, lse and q are inputs.
@@ -405,8 +451,13 @@ def ce_rows(
             counters = meeting_counters(logits.device, rows)
         else:  # the interpreter runs programs one by one: publish in one launch, merge in the next
             phases = (1, 2)
+    weighted = class_smoothing is not None and label_smoothing > 0
+    if weighted:
+        class_smoothing = class_smoothing.contiguous()
+        w_sum = class_smoothing.float().sum()  # on the device: no host sync
     args = [logits, grad if backward else logits, labels, label_flag, loss if forward else dummy, lse, q,
             rank if rank is not None else dummy, scale if backward else dummy, partial, counters,
+            class_smoothing if weighted else dummy, w_sum if weighted else dummy,
             logits.stride(0), grad.stride(0) if backward else 0, scale.stride(0) if backward and scale.dim() else 0,
             ignore_index, float(label_smoothing), float(z_loss), float(softcap or 1.0)]
     meta = dict(N_COLS=n_cols, FORWARD=forward, BACKWARD=backward, WITH_RANK=rank is not None,
@@ -417,7 +468,7 @@ def ce_rows(
                 EVICT_PASS2="evict_first" if TUNING.eviction_hints else "",
                 KEEP_FROM=_keep_from(logits, segment, block, lanes, cap),
                 EVICT_HEAD="evict_first" if TUNING.eviction_hints else "",
-                SPLIT=split, SEGMENT=segment, PHASE=0, PREFETCH_PASS2=TUNING.prefetch_pass2,
+                SPLIT=split, SEGMENT=segment, PHASE=0, PREFETCH_PASS2=TUNING.prefetch_pass2, CLASS_WEIGHTED=weighted,
                 num_warps=max(1, min(TUNING.num_warps, block // 512)),
                 **({} if cap is None else dict(maxnreg=cap)))
     for phase in phases:

@@ -210,10 +210,8 @@ def token_scaled_rows(logits: torch.Tensor, labels: torch.Tensor, *, grad: torch
     return row_scale
 
 
-def check_class_weights(class_weights: torch.Tensor | None, vocab: int, device: torch.device,
-                        label_smoothing: float) -> None:
-    """class_weights: one fp weight per vocabulary entry on the logits' device, without label smoothing (torch's
-    smoothing term then weighs every class, which is not a per-token scale: not implemented)."""
+def check_class_weights(class_weights: torch.Tensor | None, vocab: int, device: torch.device) -> None:
+    """class_weights: one fp weight per vocabulary entry on the logits' device."""
     if class_weights is None:
         return
     if not isinstance(class_weights, torch.Tensor) or class_weights.shape != (vocab,):
@@ -223,9 +221,6 @@ def check_class_weights(class_weights: torch.Tensor | None, vocab: int, device: 
         raise ValueError(f"class_weights must be floating point, got {class_weights.dtype}")
     if class_weights.device != device:
         raise ValueError(f"class_weights is on {class_weights.device}, the logits' operands on {device}")
-    if label_smoothing:
-        raise ValueError("class_weights with label_smoothing > 0 is not supported (the smoothing term would weigh "
-                         "every class); pass one of them")
 
 
 def row_weights(labels: torch.Tensor, class_weights: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -236,10 +231,12 @@ def row_weights(labels: torch.Tensor, class_weights: torch.Tensor, ignore_index:
     return torch.where(valid, class_weights.float()[target], 0.0)
 
 
-def weighted_scale(row_w: torch.Tensor, reduction: str, normalizer, loss_scale: float) -> torch.Tensor:
+def weighted_scale(row_w: torch.Tensor, reduction: str, normalizer, loss_scale: float,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """d(loss)/d(per-token loss) per row for mean / sum with class weights: torch's weighted mean divides by the sum
-    of the targets' weights (a normaliser, when given, replaces it)."""
-    scale = row_w * loss_scale
+    of the targets' weights row_w (a normaliser, when given, replaces it). rows: the per-row factor of that scale
+    (default row_w itself)."""
+    scale = (row_w if rows is None else rows) * loss_scale
     if reduction != "mean":
         return scale
     if normalizer is None:
@@ -247,6 +244,32 @@ def weighted_scale(row_w: torch.Tensor, reduction: str, normalizer, loss_scale: 
     else:
         denom = torch.as_tensor(normalizer, device=row_w.device).reshape(()).float()
     return scale / torch.where(denom == 0, torch.ones_like(denom), denom)
+
+
+def row_kernel_options(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float | None,
+                       label_flag: torch.Tensor, class_weights: torch.Tensor | None) -> dict:
+    """The row kernel's options (ce_rows' keywords): the class weights go in only where it weighs its rows itself
+    (with label smoothing: class_weight_scales)."""
+    return dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                label_flag=label_flag, class_smoothing=class_weights if label_smoothing else None)
+
+
+def class_weight_scales(labels: torch.Tensor, class_weights: torch.Tensor, ignore_index: int, reduction: str,
+                        normalizer, loss_scale: float, label_smoothing: float):
+    """With class weights: (the per-row factor of the row kernel's losses and gradients, d(loss)/d(the kernel's
+    per-row loss) per row for mean / sum, None for "none").
+
+    Without smoothing the kernel's rows are unweighted and the factor is each target's class weight w_t. Label
+    smoothing weighs every class (ε/V·Σ_j w_j·(lse − x_j), torch's rule), which no per-row factor can do: the kernel
+    then weighs its rows itself (ce_rows' class_smoothing), the factor is None, and the mean still divides by the
+    targets' weights (every non-ignored row counts, a target of weight 0 too: its smoothing term remains)."""
+    flat = labels.reshape(-1)
+    row_w = row_weights(flat, class_weights, ignore_index)
+    if not label_smoothing:
+        return row_w, None if reduction == "none" else weighted_scale(row_w, reduction, normalizer, loss_scale)
+    if reduction == "none":
+        return None, None
+    return None, weighted_scale(row_w, reduction, normalizer, loss_scale, rows=(flat != ignore_index).float())
 
 
 def token_accuracy(rank: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,11 @@ sum by `normalizer` when given (the global count of non-ignored tokens, for grad
 parallelism) or else by the local count; a zero denominator counts as 1 (every label ignored → loss 0, no NaN).
 class_weights w (V,): each token's loss (z-loss included) times w_t, and the mean divides by Σ w_t over the
 non-ignored tokens (torch's F.cross_entropy(weight=w)); a per-row scale of the same kernel pass, so it costs nothing
-extra (not with label smoothing, whose weighted term is not a per-row scale). return_z_loss / return_token_accuracy
-add the z-loss term (for logging; it stays inside the loss) and the top-1 share to the result (a LossOutput), and
-return_predicted_tokens each token's argmax (read from the logits before the gradient may overwrite them).
+extra. With label smoothing the smoothing term weighs every class instead, ε/V·Σ_j w_j·(lse − x_j) (torch's rule,
+which Liger-Kernel follows): the kernel reads w itself then (one more read of w per row, from L2).
+return_z_loss / return_token_accuracy add the z-loss term (for logging; it stays inside the loss) and the top-1 share
+to the result (a LossOutput), and return_predicted_tokens each token's argmax (read from the logits before the
+gradient may overwrite them).
 use_token_scaling: each token's loss (z-loss and class weight included) times its target probability
 p_t = softmax(x)[t], a constant (no gradient through it), the mean's denominator unchanged: the loss is
 Σ_t p_t·ℓ_t / denominator and each row's gradient p_t·dℓ_t/dx (the DFT loss, TRL's loss_type="dft"; Liger-Kernel
@@ -39,9 +41,9 @@ from torch import nn
 
 from ._ce_core import ce_rows
 from .._custom_ops import absent, custom_op, refuse_double_backward
-from ._loss_common import (LossOutput, check_class_weights, check_options, predicted_tokens, row_weights, scale_,
-                           scaled, scaled_sum, take_grads, token_accuracy, token_scaled_rows, weighted_scale,
-                           z_loss_term)
+from ._loss_common import (LossOutput, check_class_weights, check_options, class_weight_scales, predicted_tokens,
+                           row_kernel_options, row_weights, scale_, scaled, scaled_sum, take_grads, token_accuracy,
+                           token_scaled_rows, weighted_scale, z_loss_term)
 from ._labels import LabelCheck, check_labels, mean_denominator
 from .._dispatch import once_differentiable, use_triton
 from .._launch import on_input_device
@@ -74,17 +76,18 @@ def cross_entropy_reference(
     target = torch.where(valid, flat, 0)
     lse = torch.logsumexp(x, dim=-1)
     loss = (1.0 - label_smoothing) * (lse - x.gather(-1, target[:, None]).squeeze(-1))
-    if label_smoothing:
-        loss = loss + label_smoothing * (lse - x.mean(-1))
     if z_loss:
         loss = loss + z_loss * lse.square()
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
-    if use_token_scaling:  # times the target's probability, detached; the denominator stays as it is
-        loss = loss * target_probability_reference(x, flat, ignore_index)
     weights = valid
     if class_weights is not None:  # each token's loss times its target's weight; the mean divides by their sum
         weights = torch.where(valid, class_weights.to(x.dtype)[target], 0.0)
         loss = loss * weights
+    if label_smoothing:  # ε/V·Σ_j w_j·(lse − x_j): with class weights every class is weighed (w ≡ 1 without)
+        w = torch.ones_like(x[0]) if class_weights is None else class_weights.to(x.dtype)
+        loss = loss + label_smoothing / x.shape[-1] * (w.sum() * lse - x @ w)
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if use_token_scaling:  # times the target's probability, detached; the denominator stays as it is
+        loss = loss * target_probability_reference(x, flat, ignore_index)
     out = reduce_loss(loss, weights, reduction, normalizer)
     return out.reshape(labels.shape) if reduction == "none" else out
 
@@ -236,6 +239,8 @@ def _forward(logits, labels, opts: dict, need_grad: bool, inplace: bool, scale: 
     if want_z:
         valid = flat != opts["ignore_index"]
         row_scale = (1.0 if row_w is None else row_w) if scale is None else scale
+        if opts["class_smoothing"] is not None:  # the kernel weighed its rows: so is the z-loss term inside them
+            row_scale = row_scale * row_weights(flat, opts["class_smoothing"], opts["ignore_index"])
         z = z_loss_term(lse, valid, opts["z_loss"], row_scale, "none" if scale is None else "sum", labels.shape)
     if want_accuracy:
         accuracy = token_accuracy(rank)
@@ -249,13 +254,15 @@ def _deferred_grad(grad_out, x, flat, lse, q, row_w, opts: dict, grad: torch.Ten
     ce_rows(x, flat, grad=grad, loss=None, lse=lse, q=q, rank=None, scale=scale, **opts)
 
 
-def _scales(labels, class_weights, ignore_index: int, reduction: str, normalizer, labels_ok: LabelCheck):
-    """(per-row class weights or None, d loss / d per-token loss: None for "none", else LabelCheck's 0-dim scale or
-    one per row with class weights)."""
-    row_w = None if class_weights is None else row_weights(labels.reshape(-1), class_weights, ignore_index)
-    if reduction == "none":
-        return row_w, None
-    return row_w, labels_ok.scale if row_w is None else weighted_scale(row_w, reduction, normalizer, 1.0)
+def _scales(labels, class_weights, ignore_index: int, reduction: str, normalizer, labels_ok: LabelCheck,
+            label_smoothing: float):
+    """(per-row class weights or None (also where the kernel weighs the rows itself: _loss_common's
+    class_weight_scales), d loss / d per-token loss: None for "none", else LabelCheck's 0-dim scale or one per row
+    with class weights)."""
+    if class_weights is None:
+        return None, None if reduction == "none" else labels_ok.scale
+    return class_weight_scales(labels, class_weights, ignore_index, reduction, normalizer, 1.0, label_smoothing)
+
 
 
 # ---- the custom ops torch.compile traces (_custom_ops.py) ---------------------------------------------------------
@@ -281,9 +288,8 @@ def _traced_forward(logits, labels, normalizer, class_weights, ignore_index, lab
                     reduction, need_grad, want_z, want_accuracy, use_token_scaling, want_predicted):
     labels = labels.contiguous()
     labels_ok = LabelCheck(labels, logits.shape[-1], ignore_index, reduction, normalizer)
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                label_flag=labels_ok.flag)
-    row_w, scale = _scales(labels, class_weights, ignore_index, reduction, normalizer, labels_ok)
+    opts = row_kernel_options(ignore_index, label_smoothing, z_loss, softcap, labels_ok.flag, class_weights)
+    row_w, scale = _scales(labels, class_weights, ignore_index, reduction, normalizer, labels_ok, label_smoothing)
     fw = _forward(logits, labels, opts, need_grad, False, scale, row_w, (want_z, want_accuracy, want_predicted),
                   use_token_scaling)
     labels_ok.wait()
@@ -301,7 +307,7 @@ def _(logits, labels, normalizer, class_weights, ignore_index, label_smoothing, 
     row = torch.empty(rows, **f32)
     return (torch.empty(loss_shape, **f32), grad, row, torch.empty_like(row),
             torch.empty(2, dtype=torch.int64, device=logits.device),
-            torch.empty_like(row) if class_weights is not None or use_token_scaling else absent(row),
+            torch.empty_like(row) if _row_weighted(class_weights, label_smoothing, use_token_scaling) else absent(row),
             torch.empty(loss_shape, **f32) if want_z else absent(row), torch.empty((), **f32) if want_accuracy
             else absent(row),
             torch.empty(labels.shape, dtype=torch.int64, device=logits.device) if want_predicted else absent(row))
@@ -311,18 +317,19 @@ def _(logits, labels, normalizer, class_weights, ignore_index, label_smoothing, 
 def _cross_entropy_backward_op(grad_out: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
                                lse: torch.Tensor, q: torch.Tensor, label_flag: torch.Tensor,
                                row_w: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
-                               z_loss: float, softcap: Optional[float]) -> torch.Tensor:
+                               z_loss: float, softcap: Optional[float],
+                               class_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """reduction="none"'s gradient pass, into a fresh tensor of the logits' shape."""
     x, _ = _logit_rows(logits)
     grad = torch.empty_like(x)
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                label_flag=label_flag)
+    opts = row_kernel_options(ignore_index, label_smoothing, z_loss, softcap, label_flag, class_weights)
     _deferred_grad(grad_out, x, labels.contiguous().reshape(-1), lse, q, row_w, opts, grad)
     return grad.view(logits.shape)
 
 
 @_cross_entropy_backward_op.register_fake
-def _(grad_out, logits, labels, lse, q, label_flag, row_w, ignore_index, label_smoothing, z_loss, softcap):
+def _(grad_out, logits, labels, lse, q, label_flag, row_w, ignore_index, label_smoothing, z_loss, softcap,
+      class_weights=None):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
@@ -332,10 +339,10 @@ def _cross_entropy_setup(ctx, inputs, output) -> None:
     _, grad, lse, q, flag, row_w, z, accuracy, predicted = output
     ctx.mark_non_differentiable(grad, lse, q, flag, row_w, z, accuracy, predicted)
     ctx.options, ctx.reduction, ctx.shape = options, reduction, logits.shape
-    ctx.weighted = class_weights is not None or token_scaling
+    ctx.weighted = _row_weighted(class_weights, options[1], token_scaling)
     ctx.inputs = len(inputs)
     if reduction == "none":
-        ctx.save_for_backward(logits, labels, lse, q, flag, row_w)
+        ctx.save_for_backward(logits, labels, lse, q, flag, row_w, class_weights)
     else:
         ctx.save_for_backward(grad)
 
@@ -345,13 +352,19 @@ def _cross_entropy_grads(ctx, grad_out, *_):
     if ctx.reduction != "none":  # the forward computed the gradient; grad_output scales it
         (grad,) = ctx.saved_tensors
         return scaled(grad, grad_out).view(ctx.shape), *[None] * (ctx.inputs - 1)
-    logits, labels, lse, q, flag, row_w = ctx.saved_tensors
+    logits, labels, lse, q, flag, row_w, class_weights = ctx.saved_tensors
     grad = _cross_entropy_backward_op(grad_out, logits, labels, lse, q, flag, row_w if ctx.weighted else None,
-                                      *ctx.options)
+                                      *ctx.options, class_weights)
     return grad, *[None] * (ctx.inputs - 1)
 
 
 _cross_entropy_op.register_autograd(_cross_entropy_grads, setup_context=_cross_entropy_setup)
+
+
+def _row_weighted(class_weights, label_smoothing: float, token_scaling: bool) -> bool:
+    """Whether the custom op's row-weights output is a tensor: the class weights as a per-row factor (not where the
+    kernel weighs its rows itself, with label smoothing) or the token scaling's p_t."""
+    return (class_weights is not None and not label_smoothing) or token_scaling
 
 
 def _traced_cross_entropy(logits, labels, normalizer, class_weights, ignore_index, label_smoothing, z_loss, softcap,
@@ -410,7 +423,7 @@ def cross_entropy(
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
-    check_class_weights(class_weights, logits.shape[-1], logits.device, label_smoothing)
+    check_class_weights(class_weights, logits.shape[-1], logits.device)
     triton_path = use_triton(logits, labels)
     labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
     if triton_path and torch.compiler.is_compiling():
@@ -436,9 +449,8 @@ def cross_entropy(
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     if inplace_grad is None:
         inplace_grad = logits.grad_fn is not None and logits._base is None
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                label_flag=labels_ok.flag)
-    row_w, scale = _scales(labels, class_weights, ignore_index, reduction, normalizer, labels_ok)
+    opts = row_kernel_options(ignore_index, label_smoothing, z_loss, softcap, labels_ok.flag, class_weights)
+    row_w, scale = _scales(labels, class_weights, ignore_index, reduction, normalizer, labels_ok, label_smoothing)
     out = _CrossEntropy.apply(logits, labels, opts, need_grad, inplace_grad and need_grad, scale, row_w, extras,
                               use_token_scaling)
     labels_ok.wait()

@@ -68,9 +68,9 @@ from ._ce_core import ce_rows
 from . import _grad_filter
 from ._grad_filter import active_columns, sparse_gradients
 from .._custom_ops import absent, custom_op, refuse_double_backward
-from ._loss_common import (LossOutput, check_class_weights, check_options, predicted_tokens, row_weights, scale_,
-                           scaled, scaled_sum, take_grads, token_accuracy, token_scaled_rows, weighted_scale,
-                           z_loss_term)
+from ._loss_common import (LossOutput, check_class_weights, check_options, class_weight_scales, predicted_tokens,
+                           row_kernel_options, row_weights, scale_, scaled, scaled_sum, take_grads, token_accuracy,
+                           token_scaled_rows, z_loss_term)
 from .._dispatch import once_differentiable, row_view, use_triton
 from ._labels import LabelCheck
 from .._launch import on_input_device
@@ -168,8 +168,10 @@ def fused_linear_cross_entropy_reference(
         flat = torch.addmm(logits.reshape(-1, weight.shape[0]), u.reshape(-1, u.shape[-1]), lw.t())
         logits = flat.view(logits.shape)
     if grad_filter_eps is not None and logits.requires_grad:
+        # the kernel's per-token gradient: class-weighted only where it weighs its rows itself (with smoothing)
         kept = _kept_columns(logits.detach(), labels, grad_filter_eps, ignore_index=ignore_index,
-                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                             class_weights=class_weights if label_smoothing else None)
         logits.register_hook(lambda grad: grad * kept.to(grad.dtype))
     loss = cross_entropy_reference(
         logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
@@ -585,6 +587,8 @@ def _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dt
         row_scale = scale
     z = accuracy = None
     if want_z:
+        if opts["class_smoothing"] is not None:  # the kernel weighed its rows: so is the z-loss term inside them
+            row_scale = row_scale * row_weights(flat, opts["class_smoothing"], opts["ignore_index"])
         z = z_loss_term(lse, flat != opts["ignore_index"], opts["z_loss"], row_scale,
                         reduction if reduction == "none" else "sum", labels.shape)
     if want_accuracy:
@@ -605,12 +609,16 @@ def _deferred_grads(grad_out, hidden, weight, bias, flat, lse, q, row_w, opts, l
                        low_rank=low_rank)
 
 
-def _row_scales(labels, class_weights, ignore_index: int, reduction: str, normalizer, loss_scale: float):
-    """With class weights, each row's weight ("none") or d(loss)/d(loss_t) (mean / sum); None without."""
+def _row_scales(labels, class_weights, ignore_index: int, reduction: str, normalizer, loss_scale: float,
+                label_smoothing: float):
+    """With class weights, each row's weight ("none"; None where the kernel weighs its rows itself, with label
+    smoothing: _loss_common's class_weight_scales) or d(loss)/d(loss_t) (mean / sum); None without."""
     if class_weights is None:
         return None
-    row_w = row_weights(labels.reshape(-1), class_weights, ignore_index)
-    return row_w if reduction == "none" else weighted_scale(row_w, reduction, normalizer, float(loss_scale))
+    row_w, scale = class_weight_scales(labels, class_weights, ignore_index, reduction, normalizer, float(loss_scale),
+                                       label_smoothing)
+    return row_w if reduction == "none" else scale
+
 
 
 # ---- the custom ops torch.compile traces (_custom_ops.py) ---------------------------------------------------------
@@ -646,9 +654,8 @@ def _traced_forward(hidden, weight, bias, labels, normalizer, class_weights, ign
                     extras, u, lw, token_scaling):
     labels = labels.contiguous()
     labels_ok = LabelCheck(labels, weight.shape[0], ignore_index, reduction, normalizer, loss_scale)
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                label_flag=labels_ok.flag)
-    row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale)
+    opts = row_kernel_options(ignore_index, label_smoothing, z_loss, softcap, labels_ok.flag, class_weights)
+    row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale, label_smoothing)
     fw = _forward(hidden, weight, bias, labels, opts, reduction, loss_scale, accum_dtype, need, with_rank,
                   labels_ok, max_scratch_bytes, grad_filter_eps, row_w, extras, u, lw, token_scaling)
     labels_ok.wait()
@@ -679,7 +686,8 @@ def _(hidden, weight, bias, labels, normalizer, class_weights, ignore_index, lab
     return (torch.empty(loss_shape, **f32), like(hidden, need_hidden), like(weight, need_weight),
             like(bias, need_bias) if bias is not None else absent(row), row, torch.empty_like(row),
             torch.empty(2, dtype=torch.int64, device=hidden.device),
-            torch.empty_like(row) if class_weights is not None or (use_token_scaling and not fused) else absent(row),
+            torch.empty_like(row) if ((class_weights is not None and (fused or not label_smoothing))
+                                      or (use_token_scaling and not fused)) else absent(row),
             torch.empty(labels.shape, dtype=torch.int32, device=hidden.device) if with_rank else absent(row),
             torch.empty(loss_shape, **f32) if want_z else absent(row),
             torch.empty((), **f32) if want_accuracy else absent(row),
@@ -696,11 +704,11 @@ def _fused_linear_cross_entropy_backward_op(
     accum_dtype: torch.dtype, need_hidden: bool, need_weight: bool, need_bias: bool,
     max_scratch_bytes: Optional[int], grad_filter_eps: Optional[float], low_rank_input: Optional[torch.Tensor],
     low_rank_weight: Optional[torch.Tensor], need_low_rank_input: bool, need_low_rank_weight: bool,
+    class_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """reduction="none"'s backward: (grad_h, grad_W, grad_b, grad_u, grad_B), placeholders for what was not asked
     for."""
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                label_flag=label_flag)
+    opts = row_kernel_options(ignore_index, label_smoothing, z_loss, softcap, label_flag, class_weights)
     low_rank = None if low_rank_input is None else (low_rank_input, low_rank_weight)
     need = (need_hidden, need_weight, need_bias, need_low_rank_input, need_low_rank_weight)
     grad_h, grad_w, grad_b, grad_u, grad_lw = _deferred_grads(
@@ -714,7 +722,7 @@ def _fused_linear_cross_entropy_backward_op(
 @_fused_linear_cross_entropy_backward_op.register_fake
 def _(grad_out, hidden, weight, bias, labels, lse, q, label_flag, row_w, ignore_index, label_smoothing, z_loss,
       softcap, loss_scale, accum_dtype, need_hidden, need_weight, need_bias, max_scratch_bytes, grad_filter_eps,
-      low_rank_input, low_rank_weight, need_low_rank_input, need_low_rank_weight):
+      low_rank_input, low_rank_weight, need_low_rank_input, need_low_rank_weight, class_weights=None):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) if t is not None and needed else absent(lse)
                  for t, needed in ((hidden, need_hidden), (weight, need_weight), (bias, need_bias),
                                    (low_rank_input, need_low_rank_input), (low_rank_weight, need_low_rank_weight)))
@@ -729,8 +737,8 @@ def _fused_linear_cross_entropy_setup(ctx, inputs, output) -> None:
                                 predicted)
     ctx.reduction, ctx.need = reduction, (*need, need_u, need_lw)
     if reduction == "none":
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, q, flag, row_w, u, lw)
-        ctx.weighted = class_weights is not None or token_scaling
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, q, flag, row_w, u, lw, class_weights)
+        ctx.weighted = (class_weights is not None and not options[1]) or token_scaling  # options[1]: smoothing
         ctx.options = (*options, loss_scale, accum_dtype, *need, max_scratch_bytes, grad_filter_eps)
     else:
         ctx.save_for_backward(grad_h, grad_w, grad_b, grad_u, grad_lw)
@@ -741,10 +749,10 @@ def _fused_linear_cross_entropy_grads(ctx, grad_out, *_):
     if ctx.reduction != "none":  # the forward computed the gradients; grad_output scales them
         grads = [scaled(g, grad_out) if needed else None for g, needed in zip(ctx.saved_tensors, ctx.need)]
     else:
-        hidden, weight, bias, labels, lse, q, flag, row_w, u, lw = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, q, flag, row_w, u, lw, class_weights = ctx.saved_tensors
         grads = _fused_linear_cross_entropy_backward_op(grad_out, hidden, weight, bias, labels, lse, q, flag,
                                                         row_w if ctx.weighted else None, *ctx.options, u, lw,
-                                                        *ctx.need[3:])
+                                                        *ctx.need[3:], class_weights)
         grads = [g if needed else None for g, needed in zip(grads, ctx.need)]
     # the inputs' gradients in schema order: hidden, weight, bias, 18 non-differentiable inputs, u, B, 4 flags
     return *grads[:3], *[None] * 18, *grads[3:], None, None, None, None
@@ -818,7 +826,7 @@ def fused_linear_cross_entropy(
     magnitude (an approximation for peaked distributions, as cut-cross-entropy's filter_eps; rule and cost in
     _grad_filter.py; the reference path treats all tokens as one chunk).
     class_weights, return_z_loss, return_token_accuracy: as in `cross_entropy` (per-class weights as a per-row scale
-    of the same passes; with either return flag the result is a LossOutput, whose target_rank holds the ranks when
+    of the same passes, read by the row kernel itself with label smoothing; with either return flag the result is a LossOutput, whose target_rank holds the ranks when
     return_target_rank is set too). No logits are formed for any of them.
     low_rank=(u, B): a low-rank term added to the logits, u (..., r) with hidden's leading shape, B (V, r), in
     hidden's dtype; a LoRA adapter on the head is u = s·A·drop(hidden), computed by the caller with ordinary autograd
@@ -849,7 +857,7 @@ def fused_linear_cross_entropy(
     grad_filter_eps = TUNING.grad_filter_eps if grad_filter_eps is None else grad_filter_eps
     if grad_filter_eps is not None and not 0 < grad_filter_eps < 1:  # also rejects NaN
         raise ValueError(f"grad_filter_eps must be None or in (0, 1), got {grad_filter_eps}")
-    check_class_weights(class_weights, weight.shape[0], weight.device, label_smoothing)
+    check_class_weights(class_weights, weight.shape[0], weight.device)
     labels = labels.contiguous()  # the kernel indexes labels by row: a strided view (a column, an expand) is copied
     triton_path = use_triton(hidden, weight, bias, labels, u, lw) and labels.numel() > 0
     if triton_path and torch.compiler.is_compiling():
@@ -869,9 +877,8 @@ def fused_linear_cross_entropy(
         )
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias, u, lw))
-    opts = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                label_flag=labels_ok.flag)
-    row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale)
+    opts = row_kernel_options(ignore_index, label_smoothing, z_loss, softcap, labels_ok.flag, class_weights)
+    row_w = _row_scales(labels, class_weights, ignore_index, reduction, normalizer, loss_scale, label_smoothing)
     extras = (return_z_loss, return_token_accuracy, return_predicted_tokens)
     out = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, opts, reduction, float(loss_scale),
                                          accum_dtype, need, return_target_rank, labels_ok, max_scratch_bytes,

@@ -57,9 +57,6 @@ def _refuse_missing(weight, lse_square_scale: float, label_smoothing: float, red
     if return_token_accuracy and reduction == "none":
         missing.append(("return_token_accuracy with reduction='none'", "the accuracy is one share over the batch, "
                                                                        "not a value per token"))
-    if weight is not None and label_smoothing:
-        missing.append(("class weights with label_smoothing", "torch's weighted smoothing term weighs every class, "
-                                                              "which is no per-token scale of the row kernel"))
     if weight is not None and lse_square_scale:
         missing.append(("class weights with lse_square_scale",
                         "Liger adds the z-loss unweighted and divides it by the token count, where the loss is "
