@@ -261,6 +261,7 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
         config = cls.config_class.from_hf(raw)
     except (ValueError, TypeError) as e:  # a value of the wrong type or range: say which file holds it
         raise ValueError(f"{str(path / 'config.json')!r}: {e}") from e
+    config.extra["_name_or_path"] = str(path)  # not written back (to_hf leaves out "_" keys)
     files = checkpoint_files(path)
     headers = _read_headers(files)
     dtype = resolve_dtype(dtype, config, headers)

@@ -367,6 +367,20 @@ class LigerConfig:
         """config.json's dict (``to_hf``), which PEFT reads model_type and tie_word_embeddings from."""
         return self.to_hf()
 
+    @property
+    def _name_or_path(self) -> str:
+        """The directory the model was loaded from ("" for one built from a config): HF's attribute, from which TRL's
+        DPO, KTO, GRPO and RLOO trainers load a reference model (with transformers) when given none."""
+        return self.extra.get("_name_or_path", "")
+
+    name_or_path = _name_or_path
+
+    @property
+    def _attn_implementation(self) -> str:
+        """The attention of transformers that computes what ours does, for a model those trainers load beside this
+        one: "sdpa", or "eager" where attention logits are soft-capped (transformers' SDPA path cannot cap them)."""
+        return "eager" if self.attention_softcap else "sdpa"
+
     def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None) -> "LigerConfig":
         """HF's accessor of a multimodal config's text part: these configs are all text."""
         return self

@@ -23,7 +23,9 @@ max_length minus the prompt length (argument, then the file, max_new_tokens from
 HF's rule), else 32 (ours; HF's global max_length 20 counts the prompt). stop_strings (with ``tokenizer=``) end a
 row at the token with which its decoded text comes to hold a stop string that ends inside that token's text (HF's
 StopStringCriteria; that token is kept). A ``streamer`` (HF's BaseStreamer protocol: TextStreamer works) gets
-``put(prompt)``, then ``put(tokens)`` with each step's (B,) tokens, then ``end()``.
+``put(prompt)``, then ``put(tokens)`` with each step's (B,) tokens, then ``end()``. A ``generation_config`` argument
+(an HF GenerationConfig, as TRL's GRPO / RLOO / online trainers pass, or a dict) sets what it sets as arguments do,
+keyword arguments over it (HF's precedence).
 Every other GenerationConfig field that would change the tokens (num_beams > 1, penalty_alpha, bad_words_ids,
 typical_p, …: ``REFUSED``), and HF generate's other arguments (assistant_model, logits_processor, …), are refused
 with a ValueError naming the setting and where it came from; fields that cannot change the tokens (use_cache,
@@ -120,8 +122,6 @@ REFUSED: dict[str, Refused] = {
     "eta_cutoff": Refused(_sampling(lambda v: 0 < v < 1), "eta sampling", 0.0),
     "top_h": Refused(_sampling(lambda v: True), "top-h sampling"),
     # HF generate's own arguments
-    "generation_config": Refused(_given, "a generation_config argument (pass its settings as keyword arguments: "
-                                         "generate(ids, **config.to_diff_dict()))"),
     "assistant_model": Refused(_given, "assisted decoding"),
     "assistant_tokenizer": Refused(_given, "assisted decoding"),
     "logits_processor": Refused(_given, "custom logits processors", []),
@@ -165,6 +165,22 @@ class Settings:
         where = ("argument" if key in self.arguments else
                  f"from {GENERATION_CONFIG_FILE}" if key in self.file else "HF's default")
         return f"{key}={self[key]!r} ({where})"
+
+
+def generation_config_values(config: Any) -> dict[str, Any]:
+    """The settings a ``generation_config`` argument sets: a dict's items, or those of an HF GenerationConfig (its
+    ``to_diff_dict()``: what differs from a fresh one, which TRL's trainers build and pass), None values left out. In
+    HF's generate they win over the checkpoint's generation_config.json and lose to keyword arguments."""
+    if isinstance(config, dict):
+        values = dict(config)
+    elif callable(getattr(config, "to_diff_dict", None)):
+        values = config.to_diff_dict()
+    elif callable(getattr(config, "to_dict", None)):
+        values = config.to_dict()
+    else:
+        raise TypeError(f"generate: generation_config must be a GenerationConfig or a dict, got "
+                        f"{type(config).__name__}")
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def check_keywords(keywords: dict[str, Any], known: frozenset[str], caller: str) -> None:
@@ -545,6 +561,16 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int | None = None, 
     streamer read every step's tokens back, which the replays otherwise run ahead of. The same computation: in
     fp32 the same tokens; in bf16 the masked attention over the static cache rounds apart from the eager kernel's,
     so a near-tied argmax may flip."""
+    config = hf_settings.pop("generation_config", None)
+    if config is not None:  # its settings as arguments, the keyword arguments over them (HF's precedence)
+        named = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                     top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                     no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens, min_length=min_length,
+                     max_length=max_length, stop_strings=stop_strings, eos_token_id=eos_token_id,
+                     pad_token_id=pad_token_id, **hf_settings)
+        given = {key: value for key, value in named.items() if value is not None}
+        return generate(model, input_ids, attention_mask=attention_mask, generator=generator, tokenizer=tokenizer,
+                        streamer=streamer, cuda_graph=cuda_graph, **{**generation_config_values(config), **given})
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, length) with at least one token (e.g. the BOS id), got shape "
                          f"{tuple(input_ids.shape)}")

@@ -346,6 +346,84 @@ def test_sft_trainer_trains_a_peft_adapter_like_hf(llama_dir, tmp_path, loop):
         assert_same_losses([h[key] for h in logs[0]], [h[key] for h in logs[1]])
 
 
+# ---- TRL's preference and online RL trainers ------------------------------------------------------------------
+def words(generator: torch.Generator, n: int) -> str:
+    return " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,), generator=generator))
+
+
+def assert_same_logs(ours: list[dict], hf: list[dict], keys: tuple[str, ...]) -> None:
+    """Each step's logged values equal HF's to fp32 rounding (1e-5 relative, absolute below 1)."""
+    assert len(ours) == len(hf) > 0
+    for a, b in zip(ours, hf):
+        for key in keys:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])
+
+
+@pytest.mark.parametrize("reference", ["loaded", "ours", "peft"])
+def test_dpo_trainer_trains_like_hf(llama_dir, tmp_path, loop, reference):
+    """TRL's DPOTrainer. Given no reference model it loads one with transformers from ``config._name_or_path`` and
+    ``config._attn_implementation`` (the directory ours was loaded from; "sdpa"); or the reference is ours, passed
+    in; or, with a PEFT adapter, the policy with its adapter disabled. Loss, rewards and log-probabilities equal HF's
+    model under the same trainer, step by step."""
+    g = torch.Generator().manual_seed(0)
+    data = datasets.Dataset.from_dict({"prompt": [words(g, 4) for _ in range(8)],
+                                       "chosen": [words(g, 3) for _ in range(8)],
+                                       "rejected": [words(g, 3) for _ in range(8)]})
+    ours, hf = load_pair(llama_dir)
+    assert ours.config._name_or_path == str(llama_dir) and ours.config._attn_implementation == "sdpa"
+    logs = []
+    for policy, ref in ((ours, load_pair(llama_dir)[0]), (hf, load_pair(llama_dir)[1])):
+        torch.manual_seed(0)  # the same random adapters on both
+        args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, logging_steps=1,
+                             learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", report_to=[],
+                             save_strategy="no", use_cpu=True, bf16=False, seed=0)
+        trainer = trl.DPOTrainer(model=policy, ref_model=ref if reference == "ours" else None, args=args,
+                                 train_dataset=data, processing_class=word_tokenizer(),
+                                 peft_config=lora() if reference == "peft" else None)
+        if reference == "loaded":
+            assert isinstance(trainer.ref_model, transformers.LlamaForCausalLM)
+        trainer.train()
+        logs.append([h for h in trainer.state.log_history if "loss" in h])
+    assert_same_logs(*logs, ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"))
+    assert any(h["rewards/chosen"] != 0 for h in logs[0])  # the policy moved away from the reference
+
+
+def test_config_names_its_directory_and_attention_as_hf_does(llama_dir, tmp_path):
+    """What TRL's trainers read to load a reference model: ``_name_or_path`` (the directory loaded from; "" for a
+    model built from a config; never written into config.json) and ``_attn_implementation`` ("eager" where attention
+    logits are soft-capped, which transformers' SDPA path would not do)."""
+    from liger_models import Gemma2Config, LlamaConfig
+
+    ours, _ = load_pair(llama_dir)
+    assert ours.config._name_or_path == ours.config.name_or_path == str(llama_dir)
+    ours.save_pretrained(tmp_path / "saved")
+    assert "_name_or_path" not in (tmp_path / "saved" / "config.json").read_text()
+    assert AutoLigerForCausalLM.from_pretrained(tmp_path / "saved").config._name_or_path == str(tmp_path / "saved")
+    assert LlamaConfig.tiny()._name_or_path == ""
+    assert Gemma2Config.tiny()._attn_implementation == "eager" and LlamaConfig.tiny()._attn_implementation == "sdpa"
+
+
+def test_grpo_trainer_generates_and_trains_like_hf(llama_dir, tmp_path, loop):
+    """TRL's GRPOTrainer samples completions through ``generate(..., generation_config=GenerationConfig(...))`` and
+    loads a reference model for its KL term (beta > 0) as DPO does: the same seeded completions (equal rewards), and
+    losses and KL equal to HF's model under the same trainer."""
+    g = torch.Generator().manual_seed(0)
+    data = datasets.Dataset.from_dict({"prompt": [words(g, 4) for _ in range(8)]})
+    ours, hf = load_pair(llama_dir)
+    logs = []
+    for model in (ours, hf):
+        args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                              max_completion_length=6, max_steps=2, learning_rate=0.05, beta=0.1, logging_steps=1,
+                              report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c))
+                                                                                      for c in completions],
+                                  args=args, train_dataset=data, processing_class=word_tokenizer())
+        trainer.train()
+        logs.append([h for h in trainer.state.log_history if "loss" in h])
+    assert_same_logs(*logs, ("loss", "reward", "kl"))
+    assert any(h["kl"] > 0 for h in logs[0])
+
+
 def test_peft_model_generates_and_calls_like_ours(llama_dir):
     ours, _ = load_pair(llama_dir)
     ids = torch.randint(3, 128, (2, 6))

@@ -376,10 +376,37 @@ def test_sampling_warpers_do_nothing_when_greedy(tiny):
     ("assistant_model", object()), ("logits_processor", [lambda ids, scores: scores]),
     ("stopping_criteria", [lambda ids, scores: False]), ("prefix_allowed_tokens_fn", lambda batch, ids: [3]),
     ("negative_prompt_ids", torch.ones(1, 2, dtype=torch.long)), ("custom_generate", "some/repo"),
-    ("synced_gpus", True), ("generation_config", transformers.GenerationConfig(max_new_tokens=3))])
+    ("synced_gpus", True)])
 def test_hf_generate_arguments_that_change_decoding_are_refused(tiny, key, value):
     with pytest.raises(ValueError, match=rf"generate does not implement .*: {key}="):
         tiny.generate(torch.randint(3, 128, (1, 4)), 2, **{key: value})
+
+
+def test_a_generation_config_argument_decodes_as_hfs(tmp_path):
+    """TRL's GRPO / RLOO trainers pass ``generation_config=GenerationConfig(...)`` (do_sample, top_k=0, top_p,
+    temperature, repetition_penalty, max_new_tokens, disable_compile, ...): its settings win over the checkpoint's
+    generation_config.json, keyword arguments win over it, and the tokens are HF's, greedy and seeded sampling. One
+    the loop does not implement is refused from there too, and a dict works as the object does."""
+    hf, ours = _pair(tmp_path, do_sample=True, top_k=5, repetition_penalty=1.3)  # the file's settings
+    ids, mask = _left_padded()
+    config = transformers.GenerationConfig(do_sample=True, top_k=0, top_p=0.9, temperature=0.8,
+                                           repetition_penalty=5.0, max_new_tokens=6, disable_compile=True,
+                                           eos_token_id=[], pad_token_id=0)
+    for seed in range(2):
+        theirs, mine = _both(hf, ours, ids, seed, attention_mask=mask, generation_config=config)
+        assert torch.equal(mine, theirs) and mine.shape[1] == PROMPT + 6, seed
+    greedy_hf, greedy = _both(hf, ours, ids, attention_mask=mask, generation_config=config, do_sample=False,
+                              max_new_tokens=4)  # keyword arguments over the object
+    assert torch.equal(greedy, greedy_hf) and greedy.shape[1] == PROMPT + 4
+    as_dict = ours.generate(ids, attention_mask=mask, generation_config=config.to_diff_dict(), do_sample=False,
+                            max_new_tokens=4)
+    assert torch.equal(as_dict, greedy)
+    # the setting matters here: without the object the file's (repetition_penalty 1.3, top_k 5) decode otherwise
+    assert not torch.equal(ours.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4), greedy)
+    with pytest.raises(ValueError, match="generate does not implement beam search: num_beams=4"):
+        ours.generate(ids, generation_config=transformers.GenerationConfig(num_beams=4))
+    with pytest.raises(TypeError, match="generation_config must be a GenerationConfig or a dict"):
+        ours.generate(ids, generation_config=3)
 
 
 def test_settings_that_cannot_change_the_tokens_are_accepted_and_typos_are_not(tiny):
