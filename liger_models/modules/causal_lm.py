@@ -226,6 +226,13 @@ class LigerForCausalLM(nn.Module):
     # has after its shift (counting labels[:, 0] too would divide by one token per row too many).
     loss_type: ClassVar[str] = "ForCausalLM"
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The decoder layers' class names, HF's attribute: Accelerate's FSDP ("transformer_based_wrap", what HF
+        Trainer's ``fsdp="full_shard auto_wrap"`` uses) makes each such layer a unit of its own. Without it that policy
+        wrapped nothing below the root, silently: every parameter gathered at once."""
+        return sorted({type(layer).__name__ for layer in self.model.layers})
+
     def __init__(self, config: LigerConfig) -> None:
         super().__init__()
         if not isinstance(config, self.config_class):

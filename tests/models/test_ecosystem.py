@@ -403,6 +403,24 @@ def test_config_names_its_directory_and_attention_as_hf_does(llama_dir, tmp_path
     assert Gemma2Config.tiny()._attn_implementation == "eager" and LlamaConfig.tiny()._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_accelerate_fsdp_wraps_each_decoder_layer_as_on_hf(tmp_path, family):
+    """Accelerate's FSDP2 "transformer_based_wrap" (HF Trainer's fsdp="full_shard auto_wrap") finds the layer
+    classes in ``_no_split_modules``: each decoder layer of ours becomes a unit, as each of HF's does; without the
+    attribute nothing below the root was wrapped."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    config = transformers.LlamaConfig if family == "llama" else transformers.Qwen3MoeConfig
+    ours, hf = load_pair(save_hf(build_hf(config), tmp_path))
+    wrapped = []
+    for model in (ours, hf):
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+        wrapped.append([name for name, module in model.named_modules() if policy(module)])
+    assert wrapped[0] == wrapped[1] == [f"model.layers.{i}" for i in range(ours.config.num_hidden_layers)]
+
+
 def test_grpo_trainer_generates_and_trains_like_hf(llama_dir, tmp_path, loop):
     """TRL's GRPOTrainer samples completions through ``generate(..., generation_config=GenerationConfig(...))`` and
     loads a reference model for its KL term (beta > 0) as DPO does: the same seeded completions (equal rewards), and
