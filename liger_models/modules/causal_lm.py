@@ -226,6 +226,12 @@ class LigerForCausalLM(nn.Module):
     # has after its shift (counting labels[:, 0] too would divide by one token per row too many).
     loss_type: ClassVar[str] = "ForCausalLM"
 
+    # HF's declaration (transformers v5's form) that lm_head's weight is the embedding's when the config ties them
+    # (the config decides: tie_word_embeddings false means untied). PEFT reads it to give a tied lm_head the same
+    # trainable-token rows as the embedding (trainable_token_indices, modules_to_save with ensure_weight_tying):
+    # without it the head kept the old rows while HF + PEFT's moved, silently.
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.embed_tokens.weight"}
+
     @property
     def _no_split_modules(self) -> list[str]:
         """The decoder layers' class names, HF's attribute: Accelerate's FSDP ("transformer_based_wrap", what HF

@@ -442,6 +442,38 @@ def test_grpo_trainer_generates_and_trains_like_hf(llama_dir, tmp_path, loop):
     assert any(h["kl"] > 0 for h in logs[0])
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_peft_trainable_tokens_match_hf_on_tied_and_untied_heads(tmp_path, loop, tied):
+    """PEFT's trainable_token_indices (new rows for added special tokens, a common chat-template fine-tune): on a tied
+    model PEFT gives lm_head the same rows as the embedding, which it finds through ``_tied_weights_keys``; without
+    it our head kept the old rows (logits 70 apart after a step's worth of change). Logits, loss and every gradient
+    equal HF + PEFT's, and the saved adapter gives HF + PEFT the same logits."""
+    ours, hf = load_pair(save_hf(build_hf(transformers.LlamaConfig, tie_word_embeddings=tied), tmp_path / "base"))
+    ids = torch.randint(3, 128, (2, 9))
+    ids[:, ::3] = torch.tensor([5, 6, 7])  # the trained tokens in the input and as targets
+    results = []
+    for model in (ours, hf):
+        torch.manual_seed(0)  # the same adapters on both
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                             trainable_token_indices=[5, 6, 7],
+                                                             init_lora_weights=False))
+        with torch.no_grad():
+            for name, p in wrapped.named_parameters():
+                if "trainable_tokens_delta" in name:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        out = wrapped(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in wrapped.named_parameters() if p.requires_grad}
+        results.append((wrapped(input_ids=ids).logits.detach(), out.loss.detach(), grads, wrapped))
+    (logits, loss, grads, wrapped), (hf_logits, hf_loss, hf_grads, _) = results
+    assert max_rel(logits, hf_logits) < 1e-5 and max_rel(loss, hf_loss) < 1e-5
+    assert grads.keys() == hf_grads.keys() and any("trainable_tokens" in n for n in grads)
+    assert all(max_rel(g, hf_grads[n]) < 1e-4 for n, g in grads.items())
+    wrapped.save_pretrained(tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(load_pair(tmp_path / "base")[1], tmp_path / "adapter")
+    assert max_rel(reloaded(input_ids=ids).logits.detach(), logits) < 1e-5
+
+
 def test_peft_model_generates_and_calls_like_ours(llama_dir):
     ours, _ = load_pair(llama_dir)
     ids = torch.randint(3, 128, (2, 6))
