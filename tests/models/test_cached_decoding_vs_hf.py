@@ -108,12 +108,19 @@ def test_cached_decoding_fp32_equals_hf(tmp_path, case):
     assert (mine[:, 1:] - theirs).abs().max().item() <= 1e-5
 
 
+def _rms(x: torch.Tensor) -> float:
+    return x.double().pow(2).mean().sqrt().item()
+
+
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @pytest.mark.parametrize("case", ["mistral-window", "llama-dynamic", "gemma-mqa", "phi3-longrope-partial-window",
                                   "gemma2-softcaps-window", "gemma3-qk-norm-two-ropes"])
 def test_cached_decoding_bf16_within_hf_bf16_error(tmp_path, case):
     """bf16 on the CPU: greedy tokens may flip at near-ties (random tiny models have flat logits), so compare every
-    step's logits on one fixed sequence against HF fp32; ours may be off by at most 2× HF bf16's own error."""
+    step's logits on one fixed sequence against HF fp32; ours may be off by at most 2× HF bf16's own error, both
+    measured as the root mean square over every logit. (The largest single error is a tail statistic: over 60-200
+    seeds its ratio ours / HF reached 1.86 (gemma2), 2.08 and 2.27 (mistral), where the RMS ratio stayed within
+    1.25, 1.54 and 1.33 (gemma3); a wrong window, base or factor moves the logits 10-80× bf16's error.)"""
     # Weights at std 0.1 rather than 0.02: attention is then sharp enough that a wrong window, NTK base or longrope
     # factor moves the logits 10-80× more than bf16 rounding does (at 0.02 some of those bugs hide in the noise).
     hf, ours = _pair(case, tmp_path, torch.bfloat16, initializer_range=0.1)
@@ -123,7 +130,7 @@ def test_cached_decoding_bf16_within_hf_bf16_error(tmp_path, case):
     chunks = [PROMPT] + [1] * NEW
     truth = _step_logits(copy.deepcopy(hf), seq, full_mask, _hf_cache(hf), chunks)
     hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
-    hf_err = (_step_logits(hf_bf16, seq, full_mask, _hf_cache(hf_bf16), chunks) - truth).abs().max().item()
-    err = (_step_logits(ours, seq, full_mask, KVCache(), chunks) - truth).abs().max().item()
-    assert 0 < hf_err < 0.05 * truth.abs().max().item(), hf_err  # a real bf16 run, and a sane one
+    hf_err = _rms(_step_logits(hf_bf16, seq, full_mask, _hf_cache(hf_bf16), chunks) - truth)
+    err = _rms(_step_logits(ours, seq, full_mask, KVCache(), chunks) - truth)
+    assert 0 < hf_err < 0.05 * _rms(truth), hf_err  # a real bf16 run, and a sane one (at most 0.015 seen)
     assert err <= 2 * hf_err, f"ours bf16 is {err:.3e} from HF fp32; HF bf16 is {hf_err:.3e}"
