@@ -392,5 +392,6 @@ class LigerConfig:
 
     @property
     def embed_scale(self) -> float:
-        """Multiplier of the embeddings when ``scale_embeddings`` (rounded to the activation dtype by the model)."""
+        """Multiplier of the embeddings when ``scale_embeddings`` (applied, rounded to the table's dtype, by the
+        embedding module: modules/embedding.py)."""
         return math.sqrt(self.hidden_size)

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import Attention, AttentionMask, document_ids
 from .cache import KVCache
 from .config import LigerConfig
+from .embedding import ScaledEmbedding
 from .fused import add_norm, norm_linear
 from .inputs import check_attention_mask, check_forward_inputs, check_position_ids
 from .mlp import GatedMLP
@@ -114,7 +115,8 @@ class DecoderModel(nn.Module):
         self.config = config
         pad = config.pad_token_id if config.pad_token_id is not None and 0 <= config.pad_token_id < config.vocab_size \
             else None
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad)
+        self.embed_tokens = (ScaledEmbedding(config.vocab_size, config.hidden_size, pad, embed_scale=config.embed_scale)
+                             if config.scale_embeddings else nn.Embedding(config.vocab_size, config.hidden_size, pad))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config)
         self.rotary = RotaryEmbedding(config)
@@ -145,8 +147,8 @@ class DecoderModel(nn.Module):
         simply those before it; position_ids (1, T) must then give each token's position, past + its depth.
 
         inputs_embeds (B, T, H), instead of input_ids: embeddings as ``embed_tokens`` gives them (HF's
-        ``get_input_embeddings()(ids)``; PEFT's prompt tuning prepends learned ones). Gemma's √H scaling follows, as
-        for looked-up ones: embed_tokens holds the unscaled table, where HF v5's Gemma embedding module scales inside.
+        ``get_input_embeddings()(ids)``; PEFT's prompt tuning prepends learned ones), taken as they are: Gemma's √H
+        scaling is inside the embedding module (modules/embedding.py), as in transformers v5.
 
         Every input is checked first (modules/inputs.py), token ids against the vocabulary included."""
         tokens = self.check_inputs(input_ids, inputs_embeds, position_ids, attention_mask)
@@ -186,9 +188,7 @@ class DecoderModel(nn.Module):
             cache: KVCache | None = None, *, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The stack on given positions and attention mask (``forward`` builds them; a CUDA-graphed decoding call
         passes masks computed on the device, modules/graphed_decoding.py)."""
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
-        if self.config.scale_embeddings:  # √H rounded to the activation dtype first, as HF does
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H), scaled (Gemma)
         tables = [self.rotary(position_ids)]  # (cos, sin), each (B or 1, T, R) fp32
         if self.rotary_local is not None:
             tables.append(self.rotary_local(position_ids))

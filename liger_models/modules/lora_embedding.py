@@ -3,8 +3,8 @@
 ``LoraEmbedding`` replaces ``embed_tokens`` under the same name and keeps its ``weight`` Parameter (so a tied lm_head
 still reads the same table). The adapter is ``lora_embedding_A`` [r, vocab] and ``lora_embedding_B`` [hidden, r],
 PEFT's shapes and key names; PEFT starts A at zero and B normal (the reverse of a linear's adapter), applies no
-dropout to an embedding's adapter, and adds the delta before any embedding scale (Gemma's √H multiplies both, here
-as in HF + PEFT). The delta is computed in the adapter's dtype and the sum rounded once to the table's dtype, as
+dropout to an embedding's adapter, and scales the delta by the table's embedding scale as the table's own output is
+scaled (Gemma's √H multiplies both; modules/embedding.py), as PEFT does with transformers' scaled embeddings. The delta is computed in the adapter's dtype and the sum rounded once to the table's dtype, as
 PEFT's sum of a bf16 lookup and an fp32 delta is. The lookup of A skips the padding row's gradient as the base
 table's does.
 """
@@ -17,16 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .embedding import ScaledEmbedding, scaled
 from .lora_linear import check_rank
 
 
 class LoraEmbedding(nn.Module):
     """A frozen embedding table and at most one LoRA adapter (see the module docstring)."""
 
-    def __init__(self, weight: nn.Parameter, padding_idx: int | None = None) -> None:
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None = None,
+                 embed_scale: float | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
         self.padding_idx = padding_idx
+        self.embed_scale = embed_scale  # the wrapped ScaledEmbedding's, or None
         self.weight = weight
         self.lora_embedding_A: nn.Parameter | None = None
         self.lora_embedding_B: nn.Parameter | None = None
@@ -37,12 +40,12 @@ class LoraEmbedding(nn.Module):
     def from_embedding(cls, embedding: nn.Module) -> "LoraEmbedding":
         if isinstance(embedding, LoraEmbedding):
             return embedding
-        if type(embedding) is not nn.Embedding:
+        if type(embedding) not in (nn.Embedding, ScaledEmbedding):
             raise TypeError(f"LoRA attaches to an nn.Embedding table, got {type(embedding).__name__}")
         for option in ("max_norm", "sparse", "scale_grad_by_freq"):
             if getattr(embedding, option):
                 raise ValueError(f"LoRA on an embedding with {option} set is not supported")
-        return cls(embedding.weight, embedding.padding_idx)
+        return cls(embedding.weight, embedding.padding_idx, getattr(embedding, "embed_scale", None))
 
     @property
     def has_adapter(self) -> bool:
@@ -100,7 +103,7 @@ class LoraEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         base = F.embedding(ids, self.weight, self.padding_idx)
-        if not self.has_adapter:
-            return base
-        after_a = F.embedding(ids, self.lora_embedding_A.t(), self.padding_idx)
-        return (base + (after_a @ self.lora_embedding_B.t()) * self.scaling).to(base.dtype)
+        if self.has_adapter:
+            after_a = F.embedding(ids, self.lora_embedding_A.t(), self.padding_idx)
+            base = (base + (after_a @ self.lora_embedding_B.t()) * self.scaling).to(base.dtype)
+        return scaled(base, self.embed_scale)

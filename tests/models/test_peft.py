@@ -169,11 +169,13 @@ def test_medusa_refuses_a_wrapped_base_lm_head(tmp_path):
         medusa(ids, labels=labels)
 
 
-def test_prompt_tuning_with_padding_matches_hf_peft(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_prompt_tuning_with_padding_matches_hf_peft(tmp_path, family):
     """PEFT's prompt tuning feeds inputs_embeds with its virtual tokens first and a float 0/1 attention mask; with a
     left-padded row, the padded queries between the virtual tokens and the prompt see the virtual tokens as HF's do.
-    Loss and the prompt embeddings' gradient match HF + PEFT's."""
-    hf, ours = _pair("llama", tmp_path)
+    Loss and the prompt embeddings' gradient match HF + PEFT's. Gemma: inputs_embeds are taken as they are (the √H
+    scale is inside the embedding module, as in transformers v5), so the virtual tokens are not scaled again."""
+    hf, ours = _pair(family, tmp_path)
     ids, labels = _batch()
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
@@ -188,6 +190,27 @@ def test_prompt_tuning_with_padding_matches_hf_peft(tmp_path):
     (hf_loss, hf_grad), (loss, grad) = results
     assert abs(loss.item() - hf_loss.item()) <= 1e-5 * hf_loss.item()
     assert max_rel(grad, hf_grad) <= FP32
+
+
+@pytest.mark.parametrize("config", [transformers.GemmaConfig, transformers.Gemma2Config,
+                                    transformers.Gemma3TextConfig], ids=["gemma", "gemma2", "gemma3"])
+def test_a_hook_on_the_input_embeddings_sees_and_changes_what_hfs_does(tmp_path, config):
+    """HF Trainer's and TRL's NEFTune add noise to the output of ``get_input_embeddings()`` by a forward hook: on the
+    families that scale their embeddings that output is scaled (transformers v5 scales inside the module), on ours
+    too. With the scale applied after the module, the hook saw unscaled vectors and its noise came out √H times
+    larger (logits far apart from HF's under the same hook)."""
+    hf = build_hf(config)
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path), dtype=torch.float32)
+    ids = torch.randint(3, 128, (2, 7))
+    seen, logits = [], []
+    for model in (hf, ours):
+        noise = torch.randn(2, 7, model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.3
+        handle = model.get_input_embeddings().register_forward_hook(
+            lambda module, args, out: (seen.append(out.detach()), out + noise)[1])
+        logits.append(model(ids).logits.detach())
+        handle.remove()
+    assert max_rel(seen[1], seen[0]) <= FP32
+    assert max_rel(logits[1], logits[0]) <= FP32
 
 
 def _greedy_by_full_forwards(wrapped, ids, mask, steps: int) -> torch.Tensor:
