@@ -33,5 +33,7 @@ class ScaledEmbedding(nn.Embedding):
 
 
 def scaled(x: torch.Tensor, embed_scale: float | None) -> torch.Tensor:
-    """x · embed_scale, the scale rounded to x's dtype first (transformers' rounding); x itself for None."""
-    return x if embed_scale is None else x * torch.tensor(embed_scale, dtype=x.dtype, device=x.device)
+    """x · embed_scale, the scale rounded to x's dtype first (transformers' rounding); x itself for None. The scale
+    is a 0-dim CPU tensor, which a CUDA product takes as a number: no host-to-device copy, which a CUDA graph being
+    captured (graphed decoding) would refuse."""
+    return x if embed_scale is None else x * torch.tensor(embed_scale, dtype=x.dtype)
