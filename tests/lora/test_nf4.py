@@ -101,9 +101,9 @@ def test_bit_identical_to_bitsandbytes(shape, dtype):
 
 def _check_nested_codes(ours, theirs, w):
     """The 8-bit codes of the centred block scales: ours are the nearest map value (bitsandbytes' CUDA kernel's
-    rule). bitsandbytes' CPU backend finds them with an approximate search (BinSearch) that now and then returns a
-    neighbour of the nearest (about 1 in 1000 here): wherever the two differ, ours must be strictly nearer or tied
-    (ties keep the lower value), and theirs one step away."""
+    rule). bitsandbytes' CPU backend finds them with an approximate search (BinSearch) that now and then returns
+    another code (about 1 in 1000 here; one step away mostly, three once in CI): wherever the two differ, ours must
+    be the nearest of the whole map (a tie keeps the lower code) and theirs no nearer."""
     mine, bnb_q = ours["weight.absmax"].long(), theirs["weight.absmax"].long()
     differ = mine != bnb_q
     if not differ.any():
@@ -113,8 +113,9 @@ def _check_nested_codes(ours, theirs, w):
     normed = centred / ours["weight.nested_absmax"].repeat_interleave(256)[: centred.numel()]
     code = nf4.dynamic_map()
     d_mine, d_bnb = (code[mine] - normed).abs(), (code[bnb_q] - normed).abs()
+    nearest = (code[None, :] - normed[differ][:, None]).abs().min(1).values
+    assert torch.equal(d_mine[differ], nearest)
     assert (d_mine[differ] <= d_bnb[differ]).all()
-    assert ((mine - bnb_q).abs()[differ] == 1).all()
 
 
 def test_fp4_and_foreign_tables_are_refused():
