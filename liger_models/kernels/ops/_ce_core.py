@@ -211,13 +211,16 @@ def _row_stats(X, CW, seg_start, seg_end, last, t_start, target, x_t, lanes, sof
     # whole block stays a branch; a per-element test would be if-converted into every block. (The loads stay here:
     # moved into _stats_block, as _grad_block does, ptxas gave the kernel 64 registers instead of 32 at 16384/32,
     # one program per SM instead of two; sass_report.py.)
-    w = 1.0  # the class weights of the block's columns, read only for CLASS_WEIGHTED smoothing
+    # w: the block's class weights (CLASS_WEIGHTED smoothing), defined in each block's branch: a value defined
+    # before a runtime branch must keep its type there, and a block of weights is not a scalar.
     for b in range(0, KEEP_FROM, BLOCK_V):  # the segment's head: pass 2 comes back to it last (below)
         start = seg_start + b
         if (start != t_start) & (start < seg_end):
             x = tl.load(X + start + lanes, eviction_policy=EVICT_HEAD).to(tl.float32)
             if CLASS_WEIGHTED:
                 w = tl.load(CW + start + lanes).to(tl.float32)
+            else:
+                w = 1.0
             m, s, sum_x, rank = _stats_block(x, w, m, s, sum_x, rank, x_t, target - start, lanes, None, softcap,
                                              False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK, CLASS_WEIGHTED)
     for b in range(KEEP_FROM, SEGMENT, BLOCK_V):
@@ -226,12 +229,16 @@ def _row_stats(X, CW, seg_start, seg_end, last, t_start, target, x_t, lanes, sof
             x = tl.load(X + start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
             if CLASS_WEIGHTED:
                 w = tl.load(CW + start + lanes).to(tl.float32)
+            else:
+                w = 1.0
             m, s, sum_x, rank = _stats_block(x, w, m, s, sum_x, rank, x_t, target - start, lanes, None, softcap,
                                              False, False, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK, CLASS_WEIGHTED)
     if (t_start >= seg_start) & (t_start < seg_end):
         x = tl.load(X + t_start + lanes, eviction_policy=EVICT_PASS1).to(tl.float32)
         if CLASS_WEIGHTED:
             w = tl.load(CW + t_start + lanes).to(tl.float32)
+        else:
+            w = 1.0
         m, s, sum_x, rank = _stats_block(x, w, m, s, sum_x, rank, x_t, target - t_start, lanes, None, softcap,
                                          False, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK, CLASS_WEIGHTED)
     if FULL < N_COLS:
@@ -240,6 +247,8 @@ def _row_stats(X, CW, seg_start, seg_end, last, t_start, target, x_t, lanes, sof
             x = tl.load(X + FULL + lanes, mask=mask, other=0.0, eviction_policy=EVICT_PASS1).to(tl.float32)
             if CLASS_WEIGHTED:
                 w = tl.load(CW + FULL + lanes, mask=mask, other=0.0).to(tl.float32)
+            else:
+                w = 1.0
             m, s, sum_x, rank = _stats_block(x, w, m, s, sum_x, rank, x_t, target - FULL, lanes, mask, softcap,
                                              True, True, HAS_SOFTCAP, HAS_SMOOTHING, WITH_RANK, CLASS_WEIGHTED)
     return _merge_lanes(m, s, sum_x, rank)

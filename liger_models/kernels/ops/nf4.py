@@ -257,6 +257,6 @@ def from_bnb_tensors(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch
         absmax = dequantize_absmax(absmax, tensors[f"{name}.weight.nested_absmax"],
                                    tensors[f"{name}.weight.nested_quant_map"], state["nested_offset"])
     code = tensors.get(f"{name}.weight.quant_map")
-    if code is not None and not torch.equal(code.to(torch.float32), nf4_code()):
+    if code is not None and not torch.equal(code.to(torch.float32), nf4_code(code.device)):
         raise ValueError(f"{name}: quant_map is not the NF4 table")
     return tensors[f"{name}.weight"], absmax.to(torch.float32), state
