@@ -46,8 +46,12 @@ def collect(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tenso
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     stack: list[str] = []
     names = {m: n for n, m in model.named_modules()}
-    handles = [m.register_forward_pre_hook(lambda m, a: stack.append(names[m])) for m in model.modules()]
-    handles += [m.register_forward_hook(lambda m, a, o: None if stack.pop() else None) for m in model.modules()]
+    # Containers only: the fused paths call a hooked projection or norm instead of reading its weight (a hook must
+    # run: modules/linear.py is_plain_linear, attention's q/k-norm check), so hooking leaves would measure the
+    # unfused step.
+    hooked = [m for m in model.modules() if next(m.children(), None) is not None]
+    handles = [m.register_forward_pre_hook(lambda m, a: stack.append(names[m])) for m in hooked]
+    handles += [m.register_forward_hook(lambda m, a, o: None if stack.pop() else None) for m in hooked]
     records: dict[int, dict] = {}
 
     def pack(t: torch.Tensor):
