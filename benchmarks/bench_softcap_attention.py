@@ -1,8 +1,9 @@
 """Soft-capped causal attention (Gemma 2: scores ← c·tanh(scores / c) before the mask), forward + backward, at the
 bench_e2e Gemma 2 shapes: the two paths modules/attention.py can take, next to SDPA without the cap as the floor.
 
+  kernel this project's Triton FlashAttention with the cap (liger_models/kernels/ops/softcap_attention.py)
   flex   torch.compile(flex_attention) with the soft-cap score_mod and a causal (± window) BlockMask: what a CUDA
-         call of FLEX_MIN_LEN+ queries runs
+         call of FLEX_MIN_LEN+ queries runs unless the kernel is preferred
   math   attend_softcapped_math: HF eager's op order, (B, Hq, T, T) scores in bf16 (the short-call / CPU path)
   sdpa   F.scaled_dot_product_attention without the cap (not Gemma 2's numerics: what the cap costs)
 
@@ -41,7 +42,9 @@ def step(shape: tuple, path: str):
     def run():
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
         q, k, v = (x.view(b, t, -1, d).transpose(1, 2) for x in (q, k, v))
-        if path == "flex":
+        if path == "kernel":
+            out = attend(q, k, v, mask, window, scale, flex="kernel", softcap=cap)
+        elif path == "flex":
             out = attend(q, k, v, mask, window, scale, flex="always", softcap=cap)
         elif path == "math":
             out = attend_softcapped_math(q, k, v, mask.boolean(window), scale, cap)
@@ -54,7 +57,7 @@ def step(shape: tuple, path: str):
 
 def main() -> None:
     args = parse_args(__doc__)
-    paths = [p for p in (args.providers.split(",") if args.providers else ("flex", "math", "sdpa"))]
+    paths = [p for p in (args.providers.split(",") if args.providers else ("kernel", "flex", "sdpa", "math"))]
     rows = []
     for name, shape in SHAPES.items():
         b, t, hq, _, d, window, _, _ = shape

@@ -6,6 +6,7 @@
 #   bash benchmarks/device_session.sh e2e-wide medusa   # call 3: bench_e2e on the wide configs, bench_medusa --quick
 #   bash benchmarks/device_session.sh tests medusa-trees   # pytest -m gpu, then fitted Medusa trees on the demo's heads
 #   bash benchmarks/device_session.sh moe softcap lora  # the MoE layer, soft-capped attention, LoRA / QLoRA steps
+#   bash benchmarks/device_session.sh softcap-sweep     # the soft-capped attention kernel's settings
 #   bash benchmarks/device_session.sh lora-moe          # LoRA on experts + routers, ours vs HF + PEFT (MoE widths)
 #   bash benchmarks/device_session.sh nf4               # NF4 dequantisation: Triton vs reference vs bitsandbytes
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
@@ -97,8 +98,15 @@ run_part() {
         --configs "${COMPILE_CONFIGS:-llama-3-8b-w8l}" ;;
     moe)  # one MoE layer: ours vs transformers' grouped_mm and eager experts
       (cd benchmarks && python3 bench_moe.py --out "$OUT") ;;
-    softcap)  # Gemma 2's soft-capped attention: flex + score_mod vs HF's math vs uncapped SDPA
+    softcap)  # Gemma 2's soft-capped attention: our kernel vs flex + score_mod vs uncapped SDPA vs HF's math
       (cd benchmarks && python3 bench_softcap_attention.py --out "$OUT") ;;
+    softcap-sweep)  # the soft-capped attention kernel's block / warp / stage settings at the same shapes
+      (cd benchmarks && for tune in "" softcap_attention.fwd_block_n_wide=64 softcap_attention.fwd_block_m=128 \
+          softcap_attention.num_stages=1 softcap_attention.num_stages=3 softcap_attention.bwd_block_m=64 \
+          softcap_attention.num_warps_wide=4 softcap_attention.bwd_block_n_wide=64; do
+         echo "## LIGER_TUNE=$tune"
+         LIGER_TUNE=$tune python3 bench_softcap_attention.py --providers kernel --out "$OUT/softcap_sweep" \
+           || echo "failed: $tune"; done) ;;
     lora)  # LoRA / QLoRA at Llama-3.1-8B, checkpointing on (HF providers build in ~2 min each; LORA_PROVIDERS to pick)
       python3 benchmarks/bench_lora.py --out "$OUT/lora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" --checkpointing on \
         --providers "${LORA_PROVIDERS:-ours,ours_qlora,ours_offload,hf_peft_bnb}" ;;

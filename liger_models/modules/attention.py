@@ -13,7 +13,8 @@ Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast
 long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
 tensor); a speculative tree's verification call (inference), liger_models/kernels/ops/decode_attention.py (the keys split over
 programs); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill). Soft-capped scores
-(no SDPA hook): flex_attention with a score_mod on CUDA from FLEX_MIN_LEN queries, else HF eager's math.
+(no SDPA hook): this project's Triton kernel where its TUNING prefers it (training calls), flex_attention with a
+score_mod on CUDA from FLEX_MIN_LEN queries, else HF eager's math.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from liger_models.kernels.ops import decode_attention as decode_attention_kernels
+from liger_models.kernels.ops import softcap_attention as softcap_attention_kernels
 from liger_models.kernels._dispatch import use_triton
 from liger_models.kernels.ops.qk_norm_rope import qk_norm_rope
 from liger_models.kernels.ops.rope import rope_packed
@@ -224,16 +226,29 @@ def attend_softcapped_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, al
     return torch.matmul(probs, v)
 
 
+def _kernel_takes(q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) -> bool:
+    """Whether the soft-capped attention kernel computes this call: a training-shaped one (no cache, padding or
+    tree; causal, window and documents are what the kernel masks) on tensors the Triton kernels run on."""
+    return (mask.tree is None and mask.padding is None and mask.supports_flex and isinstance(mask.past, int)
+            and mask.past == 0 and k.shape[2] == q.shape[2] and use_triton(q))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, window: int | None,
            scale: float, flex: str = "auto", softcap: float | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale + mask) v for q (B, Hq, T, D), k/v (B, Hkv, S, D) → (B, Hq, T, D).
 
-    flex: "auto" (CUDA and T ≥ FLEX_MIN_LEN when a mask is needed), "always" or "never" (tests pick the path).
+    flex: "auto" (CUDA and T ≥ FLEX_MIN_LEN when a mask is needed), "always" or "never" (tests pick the path);
+    "kernel": soft-capped calls the kernel takes run it whatever its TUNING prefers (the rest as "auto").
     softcap: scores ← c·tanh(scores / c) between the scaling and the mask (Gemma 2). SDPA has no hook for it, so
-    such a call runs flex_attention with a score_mod ("auto": on CUDA from FLEX_MIN_LEN queries, causal or not;
-    "always" runs it uncompiled on the CPU for tests) or else the eager math (``attend_softcapped_math``).
+    such a call runs this project's soft-capped attention kernel ("auto", where its TUNING prefers it and the call
+    is a training one it masks: liger_models/kernels/ops/softcap_attention.py), flex_attention with a score_mod
+    ("auto": on CUDA from FLEX_MIN_LEN queries, causal or not; "always" runs it uncompiled on the CPU for tests) or
+    else the eager math (``attend_softcapped_math``).
     """
     if softcap is not None:
+        if ((flex == "kernel" or (flex == "auto" and softcap_attention_kernels.TUNING.preferred))
+                and _kernel_takes(q, k, mask)):
+            return softcap_attention_kernels.softcap_attention(q, k, v, scale, softcap, window, mask.documents)
         use_flex = mask.supports_flex and mask.tree is None and (
             flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN))
         if use_flex:

@@ -367,3 +367,28 @@ def test_compiled_linear_cross_entropy_refuses_a_weight_grad_consumer():
                                                                                           _labels((2, 5), 40))
     finally:
         forget()
+
+
+# ---- Soft-capped attention ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("masking", [dict(), dict(window=5, documents=True)])
+def test_softcap_attention_op_passes_opcheck(masking):
+    from liger_models.kernels.ops import softcap_attention as sca
+
+    q = torch.randn(2, 4, 9, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 9, 16, requires_grad=True) for _ in range(2))
+    docs = torch.tensor([[0] * 4 + [1] * 5, [0] * 9]) if masking.get("documents") else None
+    torch.library.opcheck(sca._softcap_attention_op, (q, k, v, 0.25, 2.0, masking.get("window"), docs))
+
+
+def test_compiled_softcap_attention_equals_eager():
+    from liger_models.kernels.ops.softcap_attention import softcap_attention
+
+    qkv = torch.randn(2, 11, 8 * 16, requires_grad=True)
+    docs = torch.tensor([[0] * 5 + [1] * 6, [0] * 11])
+
+    def fn(qkv):
+        q, k, v = (x.view(2, 11, -1, 16).transpose(1, 2) for x in qkv.split([64, 32, 32], -1))
+        return softcap_attention(q, k, v, 0.25, 2.0, 4, docs)
+
+    _compiled_equals_eager(fn, qkv, ulps=True)

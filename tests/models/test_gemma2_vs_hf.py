@@ -11,6 +11,9 @@ import transformers
 
 from liger_models import AutoLigerForCausalLM, Gemma2Config, LigerGemma2ForCausalLM
 
+from liger_models.kernels.ops import softcap_attention
+from tests.helpers import INTERPRETER_ONLY
+
 from .parity import (build_hf, check_bf16_parity, check_cached_generate, check_packed_documents, check_parity,
                      check_roundtrip, save_hf)
 
@@ -86,6 +89,25 @@ def test_flex_score_mod_path_matches_hf(tmp_path):
     check_parity(hf, tmp_path / "hf", seq_len=15, ours=ours, grads=False)
 
 
+@INTERPRETER_ONLY  # the kernel itself on CPU tensors; compiled on CUDA: test_softcap_paths_on_cuda_equal_the_math_path
+def test_softcap_attention_kernel_matches_hf(tmp_path):
+    """This project's soft-capped attention kernel in every layer (windowed and full), through Triton's interpreter:
+    logits, loss and every gradient against float64 HF; packed documents against separate HF runs."""
+    hf = build()
+    ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
+    for layer in ours.model.layers:
+        layer.self_attn.flex = "kernel"
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        kernel = softcap_attention._SoftcapAttention.apply
+        mp.setattr(softcap_attention._SoftcapAttention, "apply", lambda *a: calls.append(1) or kernel(*a))
+        check_parity(hf, tmp_path / "hf", seq_len=17, batch=2, ours=ours)
+        assert len(calls) >= len(ours.model.layers)
+        calls.clear()
+        check_packed_documents(hf, ours, (6, 9, 3))
+        assert calls
+
+
 def _loss_and_grads(model, ids, flex):
     for layer in model.model.layers:
         layer.self_attn.flex = flex
@@ -100,11 +122,14 @@ def _rel_err(got, ref):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["flex", "kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_softcap_on_cuda_equals_the_math_path(dtype):
-    """Compiled flex_attention (what a CUDA call of FLEX_MIN_LEN+ queries takes) against the eager math path in fp32:
-    loss and every gradient. fp32 flex to 1e-4 relative; bf16 flex no further from the fp32 reference than twice the
-    bf16 math path's own error (HF eager's op order, which rounds its probabilities to bf16), or 2⁻⁸."""
+def test_softcap_paths_on_cuda_equal_the_math_path(dtype, path, tune):
+    """Compiled flex_attention (what a CUDA call of FLEX_MIN_LEN+ queries takes unless the kernel is preferred) and
+    this project's soft-capped attention kernel against the eager math path in fp32: loss and every gradient. fp32
+    to 1e-4 relative; bf16 no further from the fp32 reference than twice the bf16 math path's own error (HF eager's
+    op order, which rounds its probabilities to bf16), or 2⁻⁸."""
+    tune(softcap_attention, preferred=path == "kernel")
     config = Gemma2Config.tiny(sliding_window=64, attn_logit_softcapping=3.0)
     reference = LigerGemma2ForCausalLM.from_config(config, device="cuda", dtype=torch.float32)
     with torch.no_grad():
