@@ -38,6 +38,7 @@ STABLE = [
         "rms_norm", "add_rms_norm", "RMSNorm", "layer_norm", "LayerNorm", "rope", "rope_packed", "qk_norm_rope",
         "swiglu", "swiglu_packed", "geglu", "geglu_packed", "gated_mlp", "gated_mlp_packed", "cross_entropy",
         "CrossEntropyLoss", "fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "decode_attention",
+        "softcap_attention",
         "adamw_step_")),
     "liger_models.train.optim:FusedAdamW", "liger_models.train.cuda_graph:GraphedStep",
     "liger_models.convert.native:native_to_hf", "liger_models.convert.medusa:save_vllm",

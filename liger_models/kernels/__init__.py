@@ -24,12 +24,13 @@ from .ops.layer_norm import LayerNorm, layer_norm
 from .ops.qk_norm_rope import qk_norm_rope
 from .ops.rms_norm import RMSNorm, add_rms_norm, rms_norm
 from .ops.rope import rope, rope_packed
+from .ops.softcap_attention import softcap_attention
 from .ops.swiglu import swiglu, swiglu_packed
 
 __all__ = ["CrossEntropyLoss", "FusedLinearCrossEntropyLoss", "LayerNorm", "LossOutput", "RMSNorm", "adamw_step_",
            "add_rms_norm", "cross_entropy", "decode_attention", "fused_linear_cross_entropy", "gated_mlp",
            "gated_mlp_packed", "geglu", "geglu_packed", "layer_norm", "qk_norm_rope", "rms_norm", "rope", "rope_packed",
-           "swiglu", "swiglu_packed"]
+           "softcap_attention", "swiglu", "swiglu_packed"]
 
 # The op modules were liger_models.kernels.<op> in 0.1.0; most of those names are now the functional ops
 # themselves. An import by the old module path still works for one minor version, through a stand-in module that
