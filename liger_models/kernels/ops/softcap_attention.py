@@ -256,7 +256,9 @@ def _meta(q: torch.Tensor, k: torch.Tensor, window: int | None, documents: torch
     return dict(GROUP=q.shape[1] // k.shape[1], D=head_dim, BLOCK_D=max(16, pow2(head_dim)), BLOCK_M=block_m,
                 BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_DOCS=documents is not None,
                 IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.element_size() < 4,
-                num_warps=t.num_warps_wide if wide else t.num_warps, num_stages=t.num_stages)
+                num_warps=t.num_warps_wide if wide else t.num_warps,
+                # fp32 tiles of 256 columns, double-buffered, would pass an SM's shared memory
+                num_stages=1 if wide and q.element_size() == 4 else t.num_stages)
 
 
 def _strides(x: torch.Tensor) -> list[int]:
