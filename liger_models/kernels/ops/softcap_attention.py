@@ -247,18 +247,18 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, sq_b, sq_h, sq_t, sk_b, sk_
 
 def _meta(q: torch.Tensor, k: torch.Tensor, window: int | None, documents: torch.Tensor | None,
           backward_dkdv: bool) -> dict:
-    head_dim, t = q.shape[-1], TUNING
+    head_dim = q.shape[-1]
     wide = head_dim > 128
     if backward_dkdv:
-        block_m, block_n = t.bwd_block_m, t.bwd_block_n_wide if wide else t.bwd_block_n
+        block_m, block_n = TUNING.bwd_block_m, TUNING.bwd_block_n_wide if wide else TUNING.bwd_block_n
     else:
-        block_m, block_n = t.fwd_block_m, t.fwd_block_n_wide if wide else t.fwd_block_n
+        block_m, block_n = TUNING.fwd_block_m, TUNING.fwd_block_n_wide if wide else TUNING.fwd_block_n
     return dict(GROUP=q.shape[1] // k.shape[1], D=head_dim, BLOCK_D=max(16, pow2(head_dim)), BLOCK_M=block_m,
                 BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_DOCS=documents is not None,
                 IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.element_size() < 4,
-                num_warps=t.num_warps_wide if wide else t.num_warps,
+                num_warps=TUNING.num_warps_wide if wide else TUNING.num_warps,
                 # fp32 tiles of 256 columns, double-buffered, would pass an SM's shared memory
-                num_stages=1 if wide and q.element_size() == 4 else t.num_stages)
+                num_stages=1 if wide and q.element_size() == 4 else TUNING.num_stages)
 
 
 def _strides(x: torch.Tensor) -> list[int]:
