@@ -91,7 +91,11 @@ def _float64_eager_attention(module, query, key, value, attention_mask, dropout=
 
 
 def supports_sdpa(hf) -> bool:
-    """Whether HF lets this model run SDPA (5.25's Gemma 2 refuses it: SDPA would drop the score soft-cap)."""
+    """Whether HF's SDPA path computes this model's attention. Not where HF refuses it (5.25's Gemma 2), and not where
+    the scores are soft-capped: 5.17 (the GPU machine's) still lets Gemma 2 run SDPA, which drops the cap without a
+    word, and a float64 "truth" built on it differed from ours by 1e-2 in the q/k gradients."""
+    if getattr(hf.config, "attn_logit_softcapping", None) is not None:
+        return False
     return getattr(type(hf), "_supports_sdpa", True) is not False
 
 
