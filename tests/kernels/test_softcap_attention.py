@@ -46,9 +46,19 @@ def test_forward_backward_against_float64(config, dtype, poisoned):
     _check(config, dtype)
 
 
-def test_small_blocks(tune, poisoned):
-    """Blocks of 16 and 32: many key blocks per query block, windows starting mid-block, the dk/dv loop's first
-    query block past the diagonal's."""
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("window", [None, 1, 16, 17, 40, 200])
+@pytest.mark.parametrize("blocks", [(32, 16, 16, 32), (16, 16, 16, 16)])
+def test_small_blocks(blocks, window, split, tune, poisoned):
+    """Blocks of 16 and 32: many key blocks per query block; windows of one key, on a block boundary, just past one,
+    over several blocks and past the sequence, so that every one of the masked / unmasked block ranges is empty in
+    some case and not in another; the loops split by mask and not."""
+    fwd_m, fwd_n, bwd_m, bwd_n = blocks
+    tune(sca, fwd_block_m=fwd_m, fwd_block_n=fwd_n, bwd_block_m=bwd_m, bwd_block_n=bwd_n, split_masked=split)
+    _check((2, 83, 4, 2, 16, window, False), torch.float32)
+
+
+def test_small_blocks_with_documents(tune, poisoned):
     tune(sca, fwd_block_m=32, fwd_block_n=16, bwd_block_m=16, bwd_block_n=32)
     _check((2, 83, 4, 2, 16, 21, True), torch.float32)
 

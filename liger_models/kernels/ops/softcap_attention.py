@@ -52,6 +52,9 @@ class SoftcapAttentionTuning:
     bwd_block_n_wide: int = 32
     num_warps_wide: int = 8
     num_stages: int = 2
+    # Loops over the blocks that need no mask (below the diagonal, inside the window; not with documents) apart from
+    # those that do, which alone compute the mask
+    split_masked: bool = True
     # Whether the models' attention takes this kernel for soft-capped training calls instead of flex_attention
     # (modules/attention.py attend); off until the H200 comparison (benchmarks/bench_softcap_attention.py) says so.
     preferred: bool = False
@@ -87,17 +90,20 @@ def _allowed(t: int, window: int | None, documents: torch.Tensor | None, device:
 
 
 @triton.jit
-def _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
-            IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """(capped scores with −inf where not allowed, d capped / d raw score (1 − tanh² or 1)) of a query × key tile."""
+def _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            HAS_DOCS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """(capped scores, −inf where not allowed, and d capped / d raw score = 1 − tanh²) of a query × key tile.
+    MASKED off: a tile every pair of which is allowed (below the diagonal, inside the window, no documents)."""
     s = _dot(q, tl.trans(k), IEEE, UPCAST) * scale
     s, dcap = _softcap(s, softcap)
-    ok = (kj[None, :] <= qi[:, None]) & (qi < T)[:, None]  # kj ≤ qi < T: kj < T too
-    if HAS_WINDOW:
-        ok = ok & (qi[:, None] - kj[None, :] < window)
-    if HAS_DOCS:
-        ok = ok & (doc_q[:, None] == doc_k[None, :])
-    return tl.where(ok, s, float("-inf")), dcap
+    if MASKED:
+        ok = (kj[None, :] <= qi[:, None]) & (qi < T)[:, None]  # kj ≤ qi < T: kj < T too
+        if HAS_WINDOW:
+            ok = ok & (qi[:, None] - kj[None, :] < window)
+        if HAS_DOCS:
+            ok = ok & (doc_q[:, None] == doc_k[None, :])
+        s = tl.where(ok, s, float("-inf"))
+    return s, dcap
 
 
 @triton.jit
@@ -107,19 +113,59 @@ def _load_tile(X, rows, cols, stride_t, T, D: tl.constexpr):
 
 
 @triton.jit
-def _key_range(start_m, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """[lo, hi) of the keys a block of queries starting at start_m may see, lo on a key-block boundary."""
+def _key_ranges(start_m, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """lo ≤ a ≤ start_m ≤ hi: the key blocks a block of queries starting at start_m may see are [lo, hi); those in
+    [a, start_m) need no mask (below the diagonal and wholly inside every query's window). BLOCK_N divides BLOCK_M."""
     lo = 0
+    a = 0
     if HAS_WINDOW:
         lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
-    return lo, tl.minimum(start_m + BLOCK_M, T)
+        a = tl.minimum(tl.maximum(start_m + BLOCK_M - window + BLOCK_N - 1, lo) // BLOCK_N * BLOCK_N, start_m)
+    return lo, a, tl.minimum(start_m + BLOCK_M, T)
+
+
+@triton.jit
+def _query_ranges(start_n, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """lo ≤ b ≤ e ≤ hi: the query blocks that see a key of the block starting at start_n are [lo, hi); those in
+    [b, e) need no mask (past the block's last key, and its first key inside all their windows). BLOCK_M divides
+    BLOCK_N."""
+    lo = start_n
+    b = tl.minimum(start_n + BLOCK_N, T)
+    hi = T
+    e = T
+    if HAS_WINDOW:  # the last query that sees a key of this block is start_n + BLOCK_N − 1 + W − 1
+        hi = tl.minimum(T, start_n + BLOCK_N - 1 + window)
+        last = start_n + window - BLOCK_M - b  # query blocks starting at ≤ b + last see the block's first key
+        e = tl.minimum(hi, b + tl.where(last >= 0, last // BLOCK_M + 1, 0) * BLOCK_M)
+    return lo, b, tl.maximum(e, b), hi
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale, softcap, window,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_DOCS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One key block of the forward's online softmax."""
+    kj = start_n + tl.arange(0, BLOCK_N)
+    k = _load_tile(K, kj, d, sk_t, T, D)
+    v = _load_tile(V, kj, d, sv_t, T, D)
+    doc_k = 0
+    if HAS_DOCS:
+        doc_k = tl.load(DOC_B + kj, mask=kj < T, other=-2)
+    s, _ = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, MASKED, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: exp(−inf) = 0
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
+    return acc, m_new, l_i
 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, DOC, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                 sdoc_b, T, scale, softcap, window, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                HAS_DOCS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // HQ, bh % HQ
@@ -127,30 +173,30 @@ def _fwd_kernel(Q, K, V, O, LSE, DOC, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, 
     qi = start_m + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     q = _load_tile(Q + b * sq_b + h * sq_h, qi, d, sq_t, T, D)
+    DOC_B = DOC + b * sdoc_b
     doc_q = 0
     if HAS_DOCS:
-        doc_q = tl.load(DOC + b * sdoc_b + qi, mask=qi < T, other=-1)
+        doc_q = tl.load(DOC_B + qi, mask=qi < T, other=-1)
     K += b * sk_b + hk * sk_h
     V += b * sv_b + hk * sv_h
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = _key_range(start_m, T, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
-    for start_n in range(lo, hi, BLOCK_N):
-        kj = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, kj, d, sk_t, T, D)
-        v = _load_tile(V, kj, d, sv_t, T, D)
-        doc_k = 0
-        if HAS_DOCS:
-            doc_k = tl.load(DOC + b * sdoc_b + kj, mask=kj < T, other=-2)
-        s, _ = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: exp(−inf) = 0
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
-        m_i = m_new
+    lo, a, hi = _key_ranges(start_m, T, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    if SPLIT:  # masks only where the window's edge or the diagonal crosses a block
+        for start_n in range(lo, a, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale,
+                                      softcap, window, D, BLOCK_N, True, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+        for start_n in range(a, start_m, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale,
+                                      softcap, window, D, BLOCK_N, False, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+        for start_n in range(start_m, hi, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale,
+                                      softcap, window, D, BLOCK_N, True, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale,
+                                      softcap, window, D, BLOCK_N, True, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows past T only: every real query sees itself
     o = acc / l_safe[:, None]
     O += b * so_b + h * so_h
@@ -160,11 +206,33 @@ def _fwd_kernel(Q, K, V, O, LSE, DOC, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, 
 
 
 @triton.jit
+def _dkdv_step(dk, dv, k, v, kj, doc_k, Qh, DOh, LSE_H, DELTA_H, DOC_B, start_m, d, sq_t, sdo_t, T, scale, softcap,
+               window, D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_DOCS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One query block's share of a key block's dk and dv (rows past T load zeros: p·do = 0 and dp = δ = 0)."""
+    qi = start_m + tl.arange(0, BLOCK_M)
+    q = _load_tile(Qh, qi, d, sq_t, T, D)
+    do = _load_tile(DOh, qi, d, sdo_t, T, D)
+    lse = tl.load(LSE_H + qi, mask=qi < T, other=0.0)
+    delta = tl.load(DELTA_H + qi, mask=qi < T, other=0.0)
+    doc_q = 0
+    if HAS_DOCS:
+        doc_q = tl.load(DOC_B + qi, mask=qi < T, other=-1)
+    s, dcap = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, MASKED, HAS_WINDOW, HAS_DOCS, IEEE,
+                      UPCAST)
+    p = tl.exp(s - lse[:, None])
+    dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+    ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None]) * dcap * scale
+    dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DOC, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                      sdo_b, sdo_h, sdo_t, sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, sdoc_b, T, scale, softcap, window,
                      HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     HAS_DOCS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                     HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
     b, hk = bh // HKV, bh % HKV
@@ -172,46 +240,62 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DOC, sq_b, sq_h, sq_t, sk_
     d = tl.arange(0, BLOCK_D)
     k = _load_tile(K + b * sk_b + hk * sk_h, kj, d, sk_t, T, D)
     v = _load_tile(V + b * sv_b + hk * sv_h, kj, d, sv_t, T, D)
+    DOC_B = DOC + b * sdoc_b
     doc_k = 0
     if HAS_DOCS:
-        doc_k = tl.load(DOC + b * sdoc_b + kj, mask=kj < T, other=-2)
+        doc_k = tl.load(DOC_B + kj, mask=kj < T, other=-2)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo = start_n // BLOCK_M * BLOCK_M  # the first query block that reaches the diagonal
-    hi = T
-    if HAS_WINDOW:  # the last query that sees a key of this block is start_n + BLOCK_N − 1 + W − 1
-        hi = tl.minimum(T, start_n + BLOCK_N - 1 + window)
+    lo, mid, end, hi = _query_ranges(start_n, T, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
     for g in range(GROUP):
         h = hk * GROUP + g
         Qh = Q + b * sq_b + h * sq_h
         DOh = DO + b * sdo_b + h * sdo_h
-        row = (b * HQ + h) * T
-        for start_m in range(lo, hi, BLOCK_M):
-            qi = start_m + tl.arange(0, BLOCK_M)
-            q = _load_tile(Qh, qi, d, sq_t, T, D)
-            do = _load_tile(DOh, qi, d, sdo_t, T, D)
-            lse = tl.load(LSE + row + qi, mask=qi < T, other=0.0)
-            delta = tl.load(DELTA + row + qi, mask=qi < T, other=0.0)
-            doc_q = 0
-            if HAS_DOCS:
-                doc_q = tl.load(DOC + b * sdoc_b + qi, mask=qi < T, other=-1)
-            s, dcap = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, HAS_WINDOW, HAS_DOCS, IEEE,
-                              UPCAST)
-            p = tl.exp(s - lse[:, None])
-            dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
-            ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None]) * dcap * scale
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+        LSE_H = LSE + (b * HQ + h) * T
+        DELTA_H = DELTA + (b * HQ + h) * T
+        if SPLIT:
+            for start_m in range(lo, mid, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, kj, doc_k, Qh, DOh, LSE_H, DELTA_H, DOC_B, start_m, d, sq_t, sdo_t,
+                                    T, scale, softcap, window, D, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+            for start_m in range(mid, end, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, kj, doc_k, Qh, DOh, LSE_H, DELTA_H, DOC_B, start_m, d, sq_t, sdo_t,
+                                    T, scale, softcap, window, D, BLOCK_M, False, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+            for start_m in range(end, hi, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, kj, doc_k, Qh, DOh, LSE_H, DELTA_H, DOC_B, start_m, d, sq_t, sdo_t,
+                                    T, scale, softcap, window, D, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+        else:
+            for start_m in range(lo, hi, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, kj, doc_k, Qh, DOh, LSE_H, DELTA_H, DOC_B, start_m, d, sq_t, sdo_t,
+                                    T, scale, softcap, window, D, BLOCK_M, True, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
     mask = (kj < T)[:, None] & (d < D)[None, :]
     tl.store(DK + b * sdk_b + hk * sdk_h + kj[:, None] * sdk_t + d[None, :], dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(DV + b * sdv_b + hk * sdv_h + kj[:, None] * sdv_t + d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
+def _dq_step(dq, q, do, lse, delta, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale, softcap, window,
+             D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             HAS_DOCS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One key block's share of a query block's dq."""
+    kj = start_n + tl.arange(0, BLOCK_N)
+    k = _load_tile(K, kj, d, sk_t, T, D)
+    v = _load_tile(V, kj, d, sv_t, T, D)
+    doc_k = 0
+    if HAS_DOCS:
+        doc_k = tl.load(DOC_B + kj, mask=kj < T, other=-2)
+    s, dcap = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, MASKED, HAS_WINDOW, HAS_DOCS, IEEE,
+                      UPCAST)
+    p = tl.exp(s - lse[:, None])
+    ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None]) * dcap * scale
+    return dq + _dot(ds.to(k.dtype), k, IEEE, UPCAST)
+
+
+@triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                    sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t, sdoc_b, T, scale, softcap, window, HQ: tl.constexpr,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, IEEE: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr,
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // HQ, bh % HQ
@@ -222,25 +306,28 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, sq_b, sq_h, sq_t, sk_b, sk_
     do = _load_tile(DO + b * sdo_b + h * sdo_h, qi, d, sdo_t, T, D)
     lse = tl.load(LSE + bh * T + qi, mask=qi < T, other=0.0)
     delta = tl.load(DELTA + bh * T + qi, mask=qi < T, other=0.0)
+    DOC_B = DOC + b * sdoc_b
     doc_q = 0
     if HAS_DOCS:
-        doc_q = tl.load(DOC + b * sdoc_b + qi, mask=qi < T, other=-1)
+        doc_q = tl.load(DOC_B + qi, mask=qi < T, other=-1)
     K += b * sk_b + hk * sk_h
     V += b * sv_b + hk * sv_h
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = _key_range(start_m, T, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
-    for start_n in range(lo, hi, BLOCK_N):
-        kj = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, kj, d, sk_t, T, D)
-        v = _load_tile(V, kj, d, sv_t, T, D)
-        doc_k = 0
-        if HAS_DOCS:
-            doc_k = tl.load(DOC + b * sdoc_b + kj, mask=kj < T, other=-2)
-        s, dcap = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, HAS_WINDOW, HAS_DOCS, IEEE,
-                          UPCAST)
-        p = tl.exp(s - lse[:, None])
-        ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None]) * dcap * scale
-        dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
+    lo, a, hi = _key_ranges(start_m, T, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    if SPLIT:
+        for start_n in range(lo, a, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse, delta, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale, softcap,
+                          window, D, BLOCK_N, True, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+        for start_n in range(a, start_m, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse, delta, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale, softcap,
+                          window, D, BLOCK_N, False, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+        for start_n in range(start_m, hi, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse, delta, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale, softcap,
+                          window, D, BLOCK_N, True, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse, delta, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale, softcap,
+                          window, D, BLOCK_N, True, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
     tl.store(DQ + b * sdq_b + h * sdq_h + qi[:, None] * sdq_t + d[None, :], dq.to(DQ.dtype.element_ty),
              mask=(qi < T)[:, None] & (d < D)[None, :])
 
@@ -253,8 +340,12 @@ def _meta(q: torch.Tensor, k: torch.Tensor, window: int | None, documents: torch
         block_m, block_n = TUNING.bwd_block_m, TUNING.bwd_block_n_wide if wide else TUNING.bwd_block_n
     else:
         block_m, block_n = TUNING.fwd_block_m, TUNING.fwd_block_n_wide if wide else TUNING.fwd_block_n
+    if max(block_m, block_n) % min(block_m, block_n):
+        raise ValueError(f"softcap_attention: block sizes {block_m} and {block_n} must divide one another")
     return dict(GROUP=q.shape[1] // k.shape[1], D=head_dim, BLOCK_D=max(16, pow2(head_dim)), BLOCK_M=block_m,
                 BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_DOCS=documents is not None,
+                SPLIT=TUNING.split_masked and documents is None and (block_m % block_n == 0 if not backward_dkdv
+                                                                      else block_n % block_m == 0),
                 IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.element_size() < 4,
                 num_warps=TUNING.num_warps_wide if wide else TUNING.num_warps,
                 # fp32 tiles of 256 columns, double-buffered, would pass an SM's shared memory
