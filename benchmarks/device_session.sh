@@ -103,7 +103,7 @@ run_part() {
     softcap-sweep)  # the soft-capped attention kernel's block / warp / stage settings at the same shapes
       (cd benchmarks && for tune in "" softcap_attention.fwd_block_n_wide=64 softcap_attention.fwd_block_m=128 \
           softcap_attention.num_stages=1 softcap_attention.num_stages=3 softcap_attention.bwd_block_m=64 \
-          softcap_attention.num_warps_wide=4 softcap_attention.bwd_block_n_wide=64; do
+          softcap_attention.num_warps_wide=4 softcap_attention.bwd_block_n_wide=64 softcap_attention.split_masked=False; do
          echo "## LIGER_TUNE=$tune"
          LIGER_TUNE=$tune python3 bench_softcap_attention.py --providers kernel --out "$OUT/softcap_sweep" \
            || echo "failed: $tune"; done) ;;
