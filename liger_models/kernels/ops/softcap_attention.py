@@ -141,16 +141,40 @@ def _query_ranges(start_n, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _query_block(Q, DOC, sq_b, sq_h, sq_t, sdoc_b, T, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """This program's block of queries (grid: query blocks × B·Hq): its first index, b·Hq + h, b, h, the query
+    indices, the feature indices, the q tile, the batch row's document ids and the queries' ones."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // HQ, bh % HQ
+    qi = start_m + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + b * sq_b + h * sq_h, qi, d, sq_t, T, D)
+    DOC_B = DOC + b * sdoc_b
+    doc_q = 0
+    if HAS_DOCS:
+        doc_q = tl.load(DOC_B + qi, mask=qi < T, other=-1)
+    return start_m, bh, b, h, qi, d, q, DOC_B, doc_q
+
+
+@triton.jit
+def _key_block(K, V, DOC_B, start_n, d, sk_t, sv_t, T, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_DOCS: tl.constexpr):
+    """The key indices, k and v tiles and document ids of the key block starting at start_n."""
+    kj = start_n + tl.arange(0, BLOCK_N)
+    doc_k = 0
+    if HAS_DOCS:
+        doc_k = tl.load(DOC_B + kj, mask=kj < T, other=-2)
+    return kj, _load_tile(K, kj, d, sk_t, T, D), _load_tile(V, kj, d, sv_t, T, D), doc_k
+
+
+@triton.jit
 def _fwd_step(acc, m_i, l_i, q, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, T, scale, softcap, window,
               D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_DOCS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One key block of the forward's online softmax."""
-    kj = start_n + tl.arange(0, BLOCK_N)
-    k = _load_tile(K, kj, d, sk_t, T, D)
-    v = _load_tile(V, kj, d, sv_t, T, D)
-    doc_k = 0
-    if HAS_DOCS:
-        doc_k = tl.load(DOC_B + kj, mask=kj < T, other=-2)
+    kj, k, v, doc_k = _key_block(K, V, DOC_B, start_n, d, sk_t, sv_t, T, D, BLOCK_N, HAS_DOCS)
     s, _ = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, MASKED, HAS_WINDOW, HAS_DOCS, IEEE, UPCAST)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: exp(−inf) = 0
@@ -166,19 +190,10 @@ def _fwd_kernel(Q, K, V, O, LSE, DOC, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, 
                 sdoc_b, T, scale, softcap, window, HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // HQ, bh % HQ
-    hk = h // GROUP
-    qi = start_m + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    q = _load_tile(Q + b * sq_b + h * sq_h, qi, d, sq_t, T, D)
-    DOC_B = DOC + b * sdoc_b
-    doc_q = 0
-    if HAS_DOCS:
-        doc_q = tl.load(DOC_B + qi, mask=qi < T, other=-1)
-    K += b * sk_b + hk * sk_h
-    V += b * sv_b + hk * sv_h
+    start_m, bh, b, h, qi, d, q, DOC_B, doc_q = _query_block(Q, DOC, sq_b, sq_h, sq_t, sdoc_b, T, HQ, D, BLOCK_D,
+                                                              BLOCK_M, HAS_DOCS)
+    K += b * sk_b + (h // GROUP) * sk_h
+    V += b * sv_b + (h // GROUP) * sv_h
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -277,12 +292,7 @@ def _dq_step(dq, q, do, lse, delta, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv
              D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
              HAS_DOCS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One key block's share of a query block's dq."""
-    kj = start_n + tl.arange(0, BLOCK_N)
-    k = _load_tile(K, kj, d, sk_t, T, D)
-    v = _load_tile(V, kj, d, sv_t, T, D)
-    doc_k = 0
-    if HAS_DOCS:
-        doc_k = tl.load(DOC_B + kj, mask=kj < T, other=-2)
+    kj, k, v, doc_k = _key_block(K, V, DOC_B, start_n, d, sk_t, sv_t, T, D, BLOCK_N, HAS_DOCS)
     s, dcap = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, MASKED, HAS_WINDOW, HAS_DOCS, IEEE,
                       UPCAST)
     p = tl.exp(s - lse[:, None])
@@ -296,22 +306,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, sq_b, sq_h, sq_t, sk_b, sk_
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr,
                    IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // HQ, bh % HQ
-    hk = h // GROUP
-    qi = start_m + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    q = _load_tile(Q + b * sq_b + h * sq_h, qi, d, sq_t, T, D)
+    start_m, bh, b, h, qi, d, q, DOC_B, doc_q = _query_block(Q, DOC, sq_b, sq_h, sq_t, sdoc_b, T, HQ, D, BLOCK_D,
+                                                              BLOCK_M, HAS_DOCS)
     do = _load_tile(DO + b * sdo_b + h * sdo_h, qi, d, sdo_t, T, D)
     lse = tl.load(LSE + bh * T + qi, mask=qi < T, other=0.0)
     delta = tl.load(DELTA + bh * T + qi, mask=qi < T, other=0.0)
-    DOC_B = DOC + b * sdoc_b
-    doc_q = 0
-    if HAS_DOCS:
-        doc_q = tl.load(DOC_B + qi, mask=qi < T, other=-1)
-    K += b * sk_b + hk * sk_h
-    V += b * sv_b + hk * sv_h
+    K += b * sk_b + (h // GROUP) * sk_h
+    V += b * sv_b + (h // GROUP) * sv_h
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, a, hi = _key_ranges(start_m, T, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
     if SPLIT:
