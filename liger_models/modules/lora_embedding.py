@@ -4,9 +4,9 @@
 still reads the same table). The adapter is ``lora_embedding_A`` [r, vocab] and ``lora_embedding_B`` [hidden, r],
 PEFT's shapes and key names; PEFT starts A at zero and B normal (the reverse of a linear's adapter), applies no
 dropout to an embedding's adapter, and scales the delta by the table's embedding scale as the table's own output is
-scaled (Gemma's √H multiplies both; modules/embedding.py), as PEFT does with transformers' scaled embeddings. The delta is computed in the adapter's dtype and the sum rounded once to the table's dtype, as
-PEFT's sum of a bf16 lookup and an fp32 delta is. The lookup of A skips the padding row's gradient as the base
-table's does.
+scaled (Gemma's √H multiplies both; modules/embedding.py), as PEFT does with transformers' scaled embeddings. The
+delta is computed in the adapter's dtype and the sum rounded once to the table's dtype, as PEFT's sum of a bf16
+lookup and an fp32 delta is. The lookup of A skips the padding row's gradient as the base table's does.
 """
 
 from __future__ import annotations

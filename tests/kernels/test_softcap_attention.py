@@ -23,8 +23,11 @@ CONFIGS = [
 def _packed(b, t, hq, hkv, d, dtype):
     """q, k, v as the model hands them over: (B, H, T, D) views of one (B, T, (Hq + 2 Hkv)·D) tensor."""
     qkv = torch.randn(b, t, (hq + 2 * hkv) * d, device=DEVICE).to(dtype).requires_grad_()
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
-    return qkv, [x.unflatten(-1, (-1, d)).transpose(1, 2) for x in (q, k, v)]
+    return qkv, _heads(qkv, hq, hkv, d)
+
+
+def _heads(qkv, hq, hkv, d):
+    return [x.unflatten(-1, (-1, d)).transpose(1, 2) for x in qkv.split([hq * d, hkv * d, hkv * d], -1)]
 
 
 def _documents(b, t):
@@ -80,10 +83,9 @@ def _check(config, dtype):
     qkv, (q, k, v) = _packed(b, t, hq, hkv, d, dtype)
     out = sca.softcap_attention(q, k, v, scale, cap, window, docs)
     qkv64 = qkv.detach().double().requires_grad_()
-    q64, k64, v64 = (x.unflatten(-1, (-1, d)).transpose(1, 2) for x in qkv64.split([hq * d, hkv * d, hkv * d], -1))
-    ref = sca.softcap_attention_reference(q64, k64, v64, scale, cap, window, docs)
+    ref = sca.softcap_attention_reference(*_heads(qkv64, hq, hkv, d), scale, cap, window, docs)
     qkve = qkv.detach().requires_grad_()
-    qe, ke, ve = (x.unflatten(-1, (-1, d)).transpose(1, 2) for x in qkve.split([hq * d, hkv * d, hkv * d], -1))
+    qe, ke, ve = _heads(qkve, hq, hkv, d)
     eager = attend_softcapped_math(qe, ke, ve, sca._allowed(t, window, docs, qe.device), scale, cap)
     assert_matches(out, ref, eager=eager, name="out")
     dout = torch.randn(b, t, hq, d, device=DEVICE).to(dtype).transpose(1, 2)

@@ -15,7 +15,8 @@ Kernels (FlashAttention-2's schedule): the forward runs one program per block of
 key blocks that block may see (from the window's first key to the diagonal) with an online softmax, and writes o and
 the fp32 lse. The backward runs two kernels so that nothing accumulates through atomics: one program per key block
 and kv head walks the query blocks of every query head of its group (dk, dv); one per query block and query head
-walks the key blocks (dq). Saved for backward: q, k, v, o and lse (B, Hq, T); never a T×T tensor.
+walks the key blocks (dq), and first takes its queries' δ, which the dk / dv kernel, launched after it, reads.
+Saved for backward: q, k, v, o and lse (B, Hq, T); never a T×T tensor.
 
 Layout: q, k, v are (B, H, T, D) with a unit last stride, any other strides (the transposed (B, T, H, D) views of
 the packed projection output are read in place). o and the gradients are written (B, T, H, D) and returned as
@@ -301,8 +302,9 @@ def _dq_step(dq, q, do, lse, delta, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                   sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t, sdoc_b, T, scale, softcap, window, HQ: tl.constexpr,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, DOC, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                   so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t, sdoc_b, T, scale, softcap, window,
+                   HQ: tl.constexpr,
                    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, SPLIT: tl.constexpr,
                    IEEE: tl.constexpr, UPCAST: tl.constexpr):
@@ -310,7 +312,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, sq_b, sq_h, sq_t, sk_b, sk_
                                                               BLOCK_M, HAS_DOCS)
     do = _load_tile(DO + b * sdo_b + h * sdo_h, qi, d, sdo_t, T, D)
     lse = tl.load(LSE + bh * T + qi, mask=qi < T, other=0.0)
-    delta = tl.load(DELTA + bh * T + qi, mask=qi < T, other=0.0)
+    # δ = Σ o·do of these queries, kept for the dk/dv kernel, which runs after this one
+    o = _load_tile(O + b * so_b + h * so_h, qi, d, so_t, T, D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh * T + qi, delta, mask=qi < T)
     K += b * sk_b + (h // GROUP) * sk_h
     V += b * sv_b + (h // GROUP) * sv_h
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -395,19 +400,20 @@ def _backward(do, q, k, v, o, lse, scale: float, softcap: float, window: int | N
     hkv = k.shape[1]
     if do.stride(-1) != 1:
         do = do.contiguous()
-    delta = (o.float() * do.float()).sum(-1)  # (B, Hq, T), contiguous
+    delta = torch.empty_like(lse)  # (B, Hq, T): written by the dq kernel, read by the dk/dv kernel
     dq, dk, dv = _heads_last(q, hq), _heads_last(k, hkv), _heads_last(v, hkv)
     if dq.numel():
         docs, sdoc = _documents_arg(documents, q)
-        common = [*_strides(q), *_strides(k), *_strides(v), *_strides(do)]
+        qkv_strides = [*_strides(q), *_strides(k), *_strides(v)]
         tail = [sdoc, t, float(scale), float(softcap), _window_arg(window)]
-        meta = _meta(q, k, window, documents, True)
-        launch(_bwd_dkdv_kernel, (cdiv(t, meta["BLOCK_N"]), b * hkv),
-               [q, k, v, do, lse, delta, dk, dv, docs, *common, *_strides(dk), *_strides(dv), *tail],
-               dict(meta, HQ=hq, HKV=hkv))
         meta = _meta(q, k, window, documents, False)
         launch(_bwd_dq_kernel, (cdiv(t, meta["BLOCK_M"]), b * hq),
-               [q, k, v, do, lse, delta, dq, docs, *common, *_strides(dq), *tail], dict(meta, HQ=hq))
+               [q, k, v, o, do, lse, delta, dq, docs, *qkv_strides, *_strides(o), *_strides(do), *_strides(dq),
+                *tail], dict(meta, HQ=hq))
+        meta = _meta(q, k, window, documents, True)
+        launch(_bwd_dkdv_kernel, (cdiv(t, meta["BLOCK_N"]), b * hkv),
+               [q, k, v, do, lse, delta, dk, dv, docs, *qkv_strides, *_strides(do), *_strides(dk), *_strides(dv),
+                *tail], dict(meta, HQ=hq, HKV=hkv))
     return dq, dk, dv
 
 
