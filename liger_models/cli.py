@@ -116,6 +116,8 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
                    help="AdamW weight decay on matrices (default 0)")
     p.add_argument("--beta1", type=_beta, default=0.9)
     p.add_argument("--beta2", type=_beta, default=0.95)
+    p.add_argument("--adam-eps", type=_positive_float, default=1e-8,
+                   help="AdamW's ε, added to √v (default 1e-8; HF Trainer's adam_epsilon)")
     p.add_argument("--max-grad-norm", type=_non_negative_float, default=1.0,
                    help="gradient clipping; 0 disables (default 1.0)")
     p.add_argument("--optimizer-in-backward", action="store_true",

@@ -79,6 +79,7 @@ class FinetuneConfig(_FromArgs):
     weight_decay: float = 0.0  # ≥ 0, AdamW's, on matrices only
     beta1: float = 0.9  # in [0, 1)
     beta2: float = 0.95  # in [0, 1)
+    adam_eps: float = 1e-8  # > 0, AdamW's ε (added to √v)
     max_grad_norm: float = 1.0  # ≥ 0 gradient clipping; 0 disables
     optimizer_in_backward: bool = False  # step each parameter inside backward (needs max_grad_norm 0, grad_accum 1)
     cuda_graph: bool = False  # replay each whole step from one CUDA graph after 3 eager steps
@@ -136,7 +137,7 @@ class FinetuneConfig(_FromArgs):
             "seq-len": self.seq_len, "chat-template": self.chat_template, "batch-size": self.batch_size * world_size,
             "grad-accum": self.grad_accum, "lr": lr, "warmup-steps": self.warmup_steps,
             "min-lr-ratio": self.min_lr_ratio, "weight-decay": self.weight_decay, "beta1": self.beta1,
-            "beta2": self.beta2, "max-grad-norm": self.max_grad_norm, "dtype": dtype, "seed": self.seed,
+            "beta2": self.beta2, "adam-eps": self.adam_eps, "max-grad-norm": self.max_grad_norm, "dtype": dtype, "seed": self.seed,
             "loss-grad-filter-eps": self.loss_grad_filter_eps, "optimizer": self.optimizer,
             "lora": None if self.lora_r is None else {
                 "r": self.lora_r, "alpha": self.lora_alpha, "targets": self.lora_targets,

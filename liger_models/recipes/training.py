@@ -280,7 +280,7 @@ def finish(config: FinetuneConfig, info, model, task, data, groups, export, resu
     how they differ from the resumed checkpoint's (allowed ones: :func:`settings`)."""
     stream, eval_data = data
     current, changes = settings_and_changes
-    optimizer = build_optimizer(config.optimizer, groups, betas=(config.beta1, config.beta2),
+    optimizer = build_optimizer(config.optimizer, groups, betas=(config.beta1, config.beta2), eps=config.adam_eps,
                                 capturable=config.cuda_graph, kernel=config.adamw == "liger",
                                 embeddings=trained_embeddings(model))
     warmup = config.warmup_steps if config.warmup_steps is not None else config.max_steps // 20

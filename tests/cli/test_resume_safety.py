@@ -109,6 +109,7 @@ CHANGES = {  # name: (how the resume's argv changes, what the refusal says)
     "grad-accum": (lambda m, d, tmp: ["--grad-accum", "2"], r"grad-accum 1 → 2"),
     "dtype": (lambda m, d, tmp: ["--dtype", "bf16"], r"dtype fp32 → bf16"),
     "seed": (lambda m, d, tmp: ["--seed", "7"], r"seed 0 → 7"),
+    "adam-eps": (lambda m, d, tmp: ["--adam-eps", "1e-6"], r"adam-eps 1e-08 → 1e-06"),
 }
 
 
@@ -174,6 +175,22 @@ def test_a_checkpoint_without_recorded_settings_resumes_with_a_note(copy, capsys
     assert code == 0, err
     assert f"note: {last} has no {ckpt.MANIFEST_FILE}" in err
     assert f"note: {last} records no run settings (written by an earlier version)" in err
+
+
+def test_a_checkpoint_from_before_adam_eps_was_recorded_ran_at_the_default(copy, capsys):
+    """Checkpoints record --adam-eps since it exists; one that does not ran at AdamW's 1e-8, so another ε is a
+    change to name, and the default is none."""
+    model, data, out = copy
+    last = _step(out, STEPS)
+    state = torch.load(last / ckpt.STATE_FILE, weights_only=True)
+    assert state["settings"].pop("adam-eps") == 1e-8
+    torch.save(state, last / ckpt.STATE_FILE)
+    (last / ckpt.MANIFEST_FILE).unlink()  # as an earlier version wrote it
+    code, err = _code_and_error(_medusa(model, data, out, "--max-steps", str(STEPS + 1), "--resume", "auto",
+                                        "--adam-eps", "1e-6"), capsys)
+    assert code == 2 and "was trained with other settings: adam-eps 1e-08 → 1e-06." in err, err
+    code, err = _code_and_error(_medusa(model, data, out, "--max-steps", str(STEPS + 1), "--resume", "auto"), capsys)
+    assert code == 0, err
 
 
 # --------------------------------------------------------------------------------------------- damaged checkpoints

@@ -221,6 +221,7 @@ def test_adamw_choice():
     (["--weight-decay", "-0.1"], "--weight-decay"),
     (["--beta1", "1"], "--beta1"),
     (["--beta2", "-0.1"], "--beta2"),
+    (["--adam-eps", "0"], "--adam-eps"),
     (["--max-grad-norm", "-1"], "--max-grad-norm"),
     (["--seq-len", "1"], "--seq-len"),  # nothing to predict in a 1-token window
     (["--head-lr-multiplier", "0"], "--head-lr-multiplier"),
@@ -288,20 +289,20 @@ def test_lr_schedule_starts_above_zero_and_ends_at_the_floor(warmup, factors, ti
 
 def test_resume_takes_this_runs_optimizer_settings(tiny_model_dir, text_file, tmp_path):
     """A resumed run allowed to change them (--allow-changed-settings) trains at its own --lr, --weight-decay,
-    --beta1/--beta2, as it follows its own --max-steps: the optimizer's and the scheduler's state dicts carry the
+    --beta1/--beta2, --adam-eps, as it follows its own --max-steps: the optimizer's and the scheduler's state dicts carry the
     checkpoint's, which silently replaced them."""
     from liger_models.train.optim import warmup_cosine_factor
 
     common = ("--save-every", "0", "--warmup-steps", "1")
     assert _train(tiny_model_dir, text_file, tmp_path, *common, "--max-steps", "3", "--lr", "3e-3") == 0
     assert _train(tiny_model_dir, text_file, tmp_path, *common, "--max-steps", "5", "--lr", "1e-3",
-                  "--weight-decay", "0.25", "--beta2", "0.99", "--resume", "auto",
-                  "--allow-changed-settings", "lr,weight-decay,beta2") == 0
+                  "--weight-decay", "0.25", "--beta2", "0.99", "--adam-eps", "1e-6", "--resume", "auto",
+                  "--allow-changed-settings", "lr,weight-decay,beta2,adam-eps") == 0
     assert _logged_lrs(tmp_path)[3:] == pytest.approx([1e-3 * warmup_cosine_factor(s, 1, 5) for s in (3, 4)])
     state = torch.load(tmp_path / "checkpoints" / "step_000005" / "trainer_state.pt", weights_only=True)
     groups = {g["name"]: g for g in state["optimizer"]["param_groups"]}
     assert groups["decay"]["weight_decay"] == 0.25 and groups["no_decay"]["weight_decay"] == 0.0
-    assert all(tuple(g["betas"]) == (0.9, 0.99) for g in groups.values())
+    assert all(tuple(g["betas"]) == (0.9, 0.99) and g["eps"] == 1e-6 for g in groups.values())
     assert state["scheduler"]["base_lrs"] == [1e-3, 1e-3]
 
 
