@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers
 
@@ -49,12 +51,24 @@ def with_adapters(model, family: str, target_set: str = "all-linear", **kw):
     return model
 
 
+# On an ill-conditioned random tiny model (a saturated attention softmax, a logit or gradient that is a cancellation)
+# fp32 cannot reach the fixed bounds below, HF + PEFT's fp32 no more than ours: one CI seed had HF + PEFT's q/k DoRA
+# gradients 1.07e-4 off float64 (ours 1.41e-4). Past a bound, ours is judged against HF + PEFT in fp32 on the same
+# inputs: no more than FP32_PEER_FACTOR times its error. Over 25 seeds the worst-gradient ratio ours / HF + PEFT was
+# median 1.1, largest 2.7 (2.6 for LoRA without DoRA), and the same with every op's PyTorch reference
+# (LIGER_MODELS_REFERENCE=1): the spread of two fp32 summation orders, not a kernel; a real error is orders larger.
+FP32_PEER_FACTOR = 4
+
+
 def peft_float64(hf, ours, tmp_path):
-    """HF in float64 (parity.float64_reference) with ours' adapters loaded through PEFT's own loader."""
+    """HF in float64 (parity.float64_reference) with ours' adapters loaded through PEFT's own loader. Its
+    ``fp32_peer()`` builds HF + PEFT in fp32 with the same adapters (on a copy of ``hf`` as it is now)."""
     import peft
 
     save_adapter(ours, tmp_path / "adapter")
     truth = peft.PeftModel.from_pretrained(float64_reference(hf), tmp_path / "adapter", is_trainable=True)
+    base = copy.deepcopy(hf)
+    truth.fp32_peer = lambda: peft.PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True)
     return truth.double()
 
 
@@ -79,37 +93,55 @@ def peft_name(ours_name: str) -> str:
 def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """One training step's numbers of ours (fp32) against ``truth`` (``peft_float64``: HF + PEFT in float64 with the
     same adapters), both in train mode: logits within 1e-4 of the largest, loss within 1e-5 relative, every trained
-    gradient within 1e-4 of its max, no gradient on a frozen parameter. ``names``: our parameter name → truth's,
-    where ``peft_name``'s rule does not give it. Returns ours' trained gradients by name."""
+    gradient within 1e-4 of its max (each, where fp32 cannot do that on this model, within FP32_PEER_FACTOR times HF
+    + PEFT's own fp32 error), no gradient on a frozen parameter. ``names``: our parameter name → truth's, where
+    ``peft_name``'s rule does not give it. Returns ours' trained gradients by name."""
     ours.train()
     truth.train()
     ids, labels = batch()
     logits = ours(ids).logits
     exact = truth(input_ids=ids, use_cache=False).logits
-    assert (logits.double() - exact).abs().max().item() <= 1e-4 * max(1.0, exact.abs().max().item())
     loss = ours(ids, labels=labels).loss
     ref = causal_lm_loss(exact, labels)
-    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
     loss.backward()
     ref.backward()
     truth_params = dict(truth.named_parameters())
     grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    for name, grad in grads.items():
-        assert grad is not None, f"{name}: no gradient"
-        if names is not None and name in names:
-            ref_name = names[name]
-        else:
-            ref_name = peft_name(name) if "lora_" in name else "base_model.model." + name
-        assert max_rel(grad, truth_params[ref_name].grad) < 1e-4, name
+    assert all(g is not None for g in grads.values()), [n for n, g in grads.items() if g is None]
+    ref_names = {n: names[n] if names is not None and n in names else
+                 peft_name(n) if "lora_" in n else "base_model.model." + n for n in grads}
+
+    def errors(logits, loss, grad_of) -> dict[str, float]:
+        """Each checked number's error against float64, relative as its bound is."""
+        out = {"logits": (logits.double() - exact).abs().max().item() / max(1.0, exact.abs().max().item()),
+               "loss": abs(loss.item() - ref.item()) / abs(ref.item())}
+        out.update({n: max_rel(grad_of(n), truth_params[ref_names[n]].grad) for n in grads})
+        return out
+
+    bounds = {"logits": 1e-4, "loss": 1e-5}
+    ours_errors = errors(logits, loss, lambda n: grads[n])
+    over = {k: e for k, e in ours_errors.items() if e >= bounds.get(k, 1e-4)}
+    if over:
+        peer = truth.fp32_peer().train()
+        peer_logits = peer(input_ids=ids, use_cache=False).logits
+        peer_loss = causal_lm_loss(peer_logits, labels)
+        peer_loss.backward()
+        peer_params = dict(peer.named_parameters())
+        peer_errors = errors(peer_logits, peer_loss, lambda n: peer_params[ref_names[n]].grad)
+        for key, err in over.items():
+            assert err <= FP32_PEER_FACTOR * peer_errors[key], f"{key}: {err:.3g} off float64 (HF + PEFT in fp32: " \
+                                                              f"{peer_errors[key]:.3g})"
     frozen = [n for n, p in ours.named_parameters() if not p.requires_grad and p.grad is not None]
     assert not frozen, f"frozen parameters got gradients: {frozen[:3]}"
     return grads
 
 
 def assert_as_close_as_fp32_allows(ours: torch.Tensor, peer: torch.Tensor, exact: torch.Tensor) -> None:
-    """``ours`` (fp32 logits) no further from ``exact`` (float64, the same weights) than twice what ``peer`` (another
-    fp32 implementation of it) is, or 1e-5 of the largest logit. On some random tiny models a logit is a
-    cancellation that fp32 gets to only ~3e-5 (HF + PEFT too), so two fp32 paths are not compared to each other."""
+    """``ours`` (fp32 logits) within 1e-5 of the largest logit of ``exact`` (float64, the same weights), or no further
+    from it than FP32_PEER_FACTOR times what ``peer`` (another fp32 implementation of it) is. On some random tiny
+    models a logit is a cancellation that fp32 gets to only ~3e-5 (HF + PEFT too: one CI seed had ours 2.45e-5 and
+    HF + PEFT 1.07e-5 off at the same logit), so two fp32 paths are not compared to each other. Over 30 seeds per
+    family the ratio of the two errors had medians 0.9-1.3 and reached 4.4, each time with ours under 1e-5."""
     ours_err = max_rel(ours.double(), exact)
     peer_err = max_rel(peer.double(), exact)
-    assert ours_err <= max(2 * peer_err, 1e-5), (ours_err, peer_err)
+    assert ours_err <= max(FP32_PEER_FACTOR * peer_err, 1e-5), (ours_err, peer_err)

@@ -1,5 +1,5 @@
-"""Adapters move between ours and HF + PEFT with the same logits (fp32: ours no further from HF + PEFT in float64
-than twice HF + PEFT's own fp32 error, or 1e-5), merge / unmerge, merged export."""
+"""Adapters move between ours and HF + PEFT with the same logits (fp32: ours within 1e-5 of HF + PEFT in float64, or
+within common.FP32_PEER_FACTOR times HF + PEFT's own fp32 error), merge / unmerge, merged export."""
 
 from __future__ import annotations
 
