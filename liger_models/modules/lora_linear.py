@@ -198,7 +198,8 @@ class LoraLinear(nn.Module):
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """W := W / (m / n) − s·B·A (DoRA) or W − s·B·A: exact up to one rounding of W in its dtype."""
+        """W := W / (m / n) − s·B·A (DoRA) or W − s·B·A: back up to the round trip's roundings, each of a value the
+        size of W + s·B·A (a unit or two in its last place, more than W's own where the adapter outweighs W)."""
         if self.merged:
             w = self.weight.float()
             if self.use_dora:
