@@ -35,6 +35,14 @@ def _references(gate, up, activation, dout):
     return (ref, *ref_grads), (eager.detach(), *eager_grads)
 
 
+def _dgate_scale(dout: torch.Tensor, up: torch.Tensor) -> float:
+    """The scale d gate = dout·u·a'(x) is computed at. a'(x) crosses zero (SiLU's near x = −1.28, the GELUs' near
+    −0.75) as a sum of O(1) terms (Φ(x) + x·φ(x)), so near the crossing any fp32 evaluation, eager PyTorch's too, is
+    off by ~1e-7 of |dout·u|: a tensor whose every element sits there is only that accurate relative to itself
+    (test_packed's single element, one CI seed: gate −0.7524, d gate −2.006e-5 off by 2.7e-9, |dout·u| 0.073)."""
+    return (dout.double() * up.double()).abs().max().item()
+
+
 def check_packed(fn, activation: str, lead: tuple, width: int, dtype: torch.dtype, leaf: bool) -> None:
     gate_up = activation_input((*lead, 2 * width), dtype, leaf=leaf)
     before = gate_up.detach().clone()
@@ -45,7 +53,7 @@ def check_packed(fn, activation: str, lead: tuple, width: int, dtype: torch.dtyp
     assert_matches(out, ref, eager=eag, name="out")
     (dgu,) = torch.autograd.grad(out, gate_up, dout)
     assert dgu.shape == gate_up.shape
-    assert_matches(dgu[..., :width], dg_ref, eager=dg_eag, name="d gate")
+    assert_matches(dgu[..., :width], dg_ref, eager=dg_eag, name="d gate", scale_floor=_dgate_scale(dout, up))
     assert_matches(dgu[..., width:], du_ref, eager=du_eag, name="d up")
     if leaf:
         assert torch.equal(gate_up.detach(), before), "a leaf's data must never be overwritten"
@@ -75,6 +83,7 @@ def check_unpacked(fn, activation: str, layout: str, dtype: torch.dtype) -> None
         gate, up, params = big[::2, 5:5 + width], big[::2, 2 * width:], (big,)
     dout = torch.randn(gate.shape, device=DEVICE, dtype=dtype)
     (ref, dg_ref, du_ref), (eag, dg_eag, du_eag) = _references(gate, up, activation, dout)
+    dgate_scale = _dgate_scale(dout, up)  # now: the backward may write d up over up's memory
     out = fn(gate, up)
     assert_matches(out, ref, eager=eag, name="out")
     grads = torch.autograd.grad(out, params, dout)
@@ -95,7 +104,7 @@ def check_unpacked(fn, activation: str, layout: str, dtype: torch.dtype) -> None
         untouched[::2, 5:5 + width] = False
         untouched[::2, 2 * width:] = False
         assert (grads[0][untouched] == 0).all(), "gradient leaked outside gate/up"
-    assert_matches(dgate, dg_ref, eager=dg_eag, name="d gate")
+    assert_matches(dgate, dg_ref, eager=dg_eag, name="d gate", scale_floor=dgate_scale)
     assert_matches(dup, du_ref, eager=du_eag, name="d up")
 
 
@@ -124,7 +133,7 @@ def check_launchers_poisoned(activation: str, rows: int, width: int, dtype: torc
     assert_matches(out, ref, eager=eag, name="out")
     dgate, dup = poison_(torch.empty_like(gate)), poison_(torch.empty_like(up))
     gm.gated_backward(dout, gate, up, dgate, dup, activation)
-    assert_matches(dgate, dg_ref, eager=dg_eag, name="d gate")
+    assert_matches(dgate, dg_ref, eager=dg_eag, name="d gate", scale_floor=_dgate_scale(dout, up))
     assert_matches(dup, du_ref, eager=du_eag, name="d up")
     # The fused-layer form: gradients in place over gate/up and the product over dout, in one pass; the product
     # is bit-identical to the forward's.
@@ -133,7 +142,8 @@ def check_launchers_poisoned(activation: str, rows: int, width: int, dtype: torc
     gm.gated_backward(dprod, gate_up[:, :width], gate_up[:, width:], gate_up[:, :width], gate_up[:, width:],
                       activation, product2d=dprod)
     assert torch.equal(dprod, out), "the product written by the backward differs from the forward's"
-    assert_matches(gate_up[:, :width], dg_ref, eager=dg_eag, name="d gate (in place)")
+    assert_matches(gate_up[:, :width], dg_ref, eager=dg_eag, name="d gate (in place)",
+                   scale_floor=_dgate_scale(dout, up))
     assert_matches(gate_up[:, width:], du_ref, eager=du_eag, name="d up (in place)")
 
 
