@@ -46,7 +46,9 @@ def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tenso
     values' scale).  bf16/fp16: relative L2 error ≤ 1e-2 and, when the eager PyTorch result in the same low
     precision is given, no more than 2× its error, with a floor of ``roundings`` worst-case roundings to the dtype
     (half an ulp, 2⁻⁸ relative in bf16): an output whose definition rounds an intermediate as well (the Llama-cast
-    norms round x̂ to the input dtype before the weight, as HF does) may carry two.
+    norms round x̂ to the input dtype before the weight, as HF does) may carry two. Where eager itself misses 1e-2
+    (an ill-conditioned sum on these random inputs: one CI seed's linear-CE dh, eager and ours alike at 1.04e-2), the
+    2× bound stands alone, never past 5e-2.
     """
     assert out.shape == ref64.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
     assert not torch.isnan(out).any(), f"{name}: NaN in output (unwritten element or overflow)"
@@ -56,9 +58,10 @@ def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tenso
         assert err <= 1e-5 * scale, f"{name}: fp32 max abs err {err:.3e} > {1e-5 * scale:.3e}"
         return
     err = rel_l2(out, ref64)
-    assert err <= 1e-2, f"{name}: {out.dtype} rel L2 err {err:.3e} > 1e-2"
+    eager_err = None if eager is None else rel_l2(eager, ref64)
+    cap = 1e-2 if eager_err is None else min(max(1e-2, 2 * eager_err), 5e-2)
+    assert err <= cap, f"{name}: {out.dtype} rel L2 err {err:.3e} > {cap:.3e}"
     if eager is not None:
-        eager_err = rel_l2(eager, ref64)
         # 2x eager's error, with a rounding floor so exact-ish eager results do not demand the impossible.
         bound = max(2 * eager_err, roundings * (4e-3 if out.dtype == torch.bfloat16 else 5e-4))
         assert err <= bound, f"{name}: {out.dtype} rel L2 err {err:.3e} > 2x eager's {eager_err:.3e}"
