@@ -137,7 +137,8 @@ class FinetuneConfig(_FromArgs):
             "seq-len": self.seq_len, "chat-template": self.chat_template, "batch-size": self.batch_size * world_size,
             "grad-accum": self.grad_accum, "lr": lr, "warmup-steps": self.warmup_steps,
             "min-lr-ratio": self.min_lr_ratio, "weight-decay": self.weight_decay, "beta1": self.beta1,
-            "beta2": self.beta2, "adam-eps": self.adam_eps, "max-grad-norm": self.max_grad_norm, "dtype": dtype, "seed": self.seed,
+            "beta2": self.beta2, "adam-eps": self.adam_eps, "max-grad-norm": self.max_grad_norm, "dtype": dtype,
+            "seed": self.seed,
             "loss-grad-filter-eps": self.loss_grad_filter_eps, "optimizer": self.optimizer,
             "lora": None if self.lora_r is None else {
                 "r": self.lora_r, "alpha": self.lora_alpha, "targets": self.lora_targets,

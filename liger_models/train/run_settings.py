@@ -32,8 +32,8 @@ SAMPLE = 4096  # bytes of a tensor hashed at each of its start, middle and end
 # Every name a resume checks, in the order differences are listed; each is the option's name (model-weights and
 # tokenizer: --model's weights and tokenizer files; batch-size: --batch-size × processes, the global batch).
 COMMON = ("model", "model-weights", "tokenizer", "data", "seq-len", "chat-template", "batch-size", "grad-accum",
-          "lr", "warmup-steps", "min-lr-ratio", "weight-decay", "beta1", "beta2", "adam-eps", "max-grad-norm", "dtype", "seed",
-          "loss-grad-filter-eps", "optimizer", "lora")
+          "lr", "warmup-steps", "min-lr-ratio", "weight-decay", "beta1", "beta2", "adam-eps", "max-grad-norm", "dtype",
+          "seed", "loss-grad-filter-eps", "optimizer", "lora")
 MEDUSA = ("init-heads", "head-lr-multiplier", "schedule", "lambda0", "decay", "base-loss-weight")
 ALWAYS_ALLOWED = ("max-steps",)
 # Settings checkpoints record since a later version, and the value a checkpoint that does not record one ran with.

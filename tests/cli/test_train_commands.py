@@ -289,8 +289,8 @@ def test_lr_schedule_starts_above_zero_and_ends_at_the_floor(warmup, factors, ti
 
 def test_resume_takes_this_runs_optimizer_settings(tiny_model_dir, text_file, tmp_path):
     """A resumed run allowed to change them (--allow-changed-settings) trains at its own --lr, --weight-decay,
-    --beta1/--beta2, --adam-eps, as it follows its own --max-steps: the optimizer's and the scheduler's state dicts carry the
-    checkpoint's, which silently replaced them."""
+    --beta1/--beta2, --adam-eps, as it follows its own --max-steps: the optimizer's and the scheduler's state dicts
+    carry the checkpoint's, which silently replaced them."""
     from liger_models.train.optim import warmup_cosine_factor
 
     common = ("--save-every", "0", "--warmup-steps", "1")

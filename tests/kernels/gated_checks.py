@@ -131,9 +131,10 @@ def check_launchers_poisoned(activation: str, rows: int, width: int, dtype: torc
     out = poison_(torch.empty_like(gate))
     gm.gated_forward(gate, up, out, activation)
     assert_matches(out, ref, eager=eag, name="out")
+    dgate_scale = _dgate_scale(dout, up)
     dgate, dup = poison_(torch.empty_like(gate)), poison_(torch.empty_like(up))
     gm.gated_backward(dout, gate, up, dgate, dup, activation)
-    assert_matches(dgate, dg_ref, eager=dg_eag, name="d gate", scale_floor=_dgate_scale(dout, up))
+    assert_matches(dgate, dg_ref, eager=dg_eag, name="d gate", scale_floor=dgate_scale)
     assert_matches(dup, du_ref, eager=du_eag, name="d up")
     # The fused-layer form: gradients in place over gate/up and the product over dout, in one pass; the product
     # is bit-identical to the forward's.
@@ -142,8 +143,7 @@ def check_launchers_poisoned(activation: str, rows: int, width: int, dtype: torc
     gm.gated_backward(dprod, gate_up[:, :width], gate_up[:, width:], gate_up[:, :width], gate_up[:, width:],
                       activation, product2d=dprod)
     assert torch.equal(dprod, out), "the product written by the backward differs from the forward's"
-    assert_matches(gate_up[:, :width], dg_ref, eager=dg_eag, name="d gate (in place)",
-                   scale_floor=_dgate_scale(dout, up))
+    assert_matches(gate_up[:, :width], dg_ref, eager=dg_eag, name="d gate (in place)", scale_floor=dgate_scale)
     assert_matches(gate_up[:, width:], du_ref, eager=du_eag, name="d up (in place)")
 
 
