@@ -62,13 +62,23 @@ FP32_PEER_FACTOR = 4
 
 def peft_float64(hf, ours, tmp_path):
     """HF in float64 (parity.float64_reference) with ours' adapters loaded through PEFT's own loader. Its
-    ``fp32_peer()`` builds HF + PEFT in fp32 with the same adapters (on a copy of ``hf`` as it is now)."""
+    ``fp32_peer()`` builds HF + PEFT in fp32 with the same adapters (on a copy of ``hf`` as it is now), training the
+    same parameters."""
     import peft
 
     save_adapter(ours, tmp_path / "adapter")
     truth = peft.PeftModel.from_pretrained(float64_reference(hf), tmp_path / "adapter", is_trainable=True)
     base = copy.deepcopy(hf)
-    truth.fp32_peer = lambda: peft.PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True)
+
+    def fp32_peer():
+        """Trains what ``truth`` trains by then (a test may unfreeze the embedding table after this call)."""
+        peer = peft.PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True)
+        trained = {n: p.requires_grad for n, p in truth.named_parameters()}
+        for name, param in peer.named_parameters():
+            param.requires_grad_(trained[name])
+        return peer
+
+    truth.fp32_peer = fp32_peer
     return truth.double()
 
 
