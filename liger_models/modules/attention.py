@@ -202,11 +202,20 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Te
 
 
 @functools.cache
-def _softcap_score_mod(softcap: float):
-    """flex_attention score_mod c·tanh(s / c); flex hands it the already scaled score and masks after it. One
-    function object per cap: a fresh closure per call would fail the compiled flex's guards and recompile."""
+def _softcap_score_mod(softcap: float, device: torch.device | None):
+    """flex_attention score_mod c·tanh(s / c); flex hands it the already scaled (fp32) score and masks after it.
+    One function object per cap and device: a fresh closure per call would fail the compiled flex's guards.
+
+    Called eagerly (device given), the cap is a captured fp32 tensor: with a Python float, a second cap value in one
+    process (two models, a test suite) makes torch.compile recompile flex with the float unspecialised, and
+    inductor's flex lowering fails on the scalar it becomes (``LoweringException: unbacked_bindings``, torch 2.11
+    and 2.13); a captured tensor is a kernel input, so another cap neither recompiles nor breaks. Traced inside an
+    outer torch.compile (device None) the cap stays a float: a tensor made there is a graph intermediate, which
+    inductor's CPU flex template has no lowering for."""
+    cap = softcap if device is None else torch.full((), softcap, dtype=torch.float32, device=device)
+
     def score_mod(score, b, h, q_idx, kv_idx):
-        return softcap * torch.tanh(score / softcap)
+        return cap * torch.tanh(score / cap)
     return score_mod
 
 
@@ -252,7 +261,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
         use_flex = mask.supports_flex and mask.tree is None and (
             flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN))
         if use_flex:
-            return _flex_attention(q.is_cuda)(q, k, v, score_mod=_softcap_score_mod(softcap),
+            cap_device = None if torch.compiler.is_compiling() else q.device
+            return _flex_attention(q.is_cuda)(q, k, v, score_mod=_softcap_score_mod(softcap, cap_device),
                                               block_mask=mask.block(window), scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
         return attend_softcapped_math(q, k, v, mask.boolean(window), scale, softcap)

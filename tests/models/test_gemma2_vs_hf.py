@@ -8,10 +8,12 @@ import copy
 import pytest
 import torch
 import transformers
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from liger_models import AutoLigerForCausalLM, Gemma2Config, LigerGemma2ForCausalLM
 
 from liger_models.kernels.ops import softcap_attention
+from liger_models.modules import attention
 from tests.helpers import INTERPRETER_ONLY
 
 from .parity import (build_hf, check_bf16_parity, check_cached_generate, check_packed_documents, check_parity,
@@ -87,6 +89,22 @@ def test_flex_score_mod_path_matches_hf(tmp_path):
     for layer in ours.model.layers:
         layer.self_attn.flex = "always"
     check_parity(hf, tmp_path / "hf", seq_len=15, ours=ours, grads=False)
+
+
+def test_compiled_flex_takes_a_second_cap_in_one_process():
+    """The compiled flex_attention (what long CUDA calls run) through the soft-cap score_mod, forward on the CPU,
+    with two caps in one process (two models, or a test suite): both equal the eager math. A cap closed over as a
+    Python float makes the second compile unspecialise it and inductor's flex lowering fail
+    (``LoweringException: unbacked_bindings``)."""
+    compiled = torch.compile(flex_attention)
+    for cap, T in ((3.0, 40), (5.0, 40), (3.0, 56)):
+        q, k, v = torch.randn(2, 4, T, 16) * 4, torch.randn(2, 2, T, 16) * 4, torch.randn(2, 2, T, 16)
+        mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, T, T, device="cpu")
+        out = compiled(q, k, v, score_mod=attention._softcap_score_mod(cap, q.device), block_mask=mask, scale=0.25,
+                       enable_gqa=True)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        expected = attention.attend_softcapped_math(q, k, v, causal, 0.25, cap)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @INTERPRETER_ONLY  # the kernel itself on CPU tensors; compiled on CUDA: test_softcap_paths_on_cuda_equal_the_math_path
