@@ -13,8 +13,8 @@ Paths, chosen per call: SDPA ``is_causal`` when only causality matters (the fast
 long sequences that need windows or documents, ``flex_attention`` with a block mask (memory O(T), never a T×T
 tensor); a speculative tree's verification call (inference), liger_models/kernels/ops/decode_attention.py (the keys split over
 programs); otherwise SDPA with an explicit boolean mask (CPU, short sequences, chunked prefill). Soft-capped scores
-(no SDPA hook): this project's Triton kernel where its TUNING prefers it (training calls), flex_attention with a
-score_mod on CUDA from FLEX_MIN_LEN queries, else HF eager's math.
+(no SDPA hook): this project's Triton kernel for CUDA training calls (its TUNING.preferred), flex_attention with a
+score_mod on CUDA from FLEX_MIN_LEN queries for the calls it does not take, else HF eager's math.
 """
 
 from __future__ import annotations
@@ -249,13 +249,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     flex: "auto" (CUDA and T ≥ FLEX_MIN_LEN when a mask is needed), "always" or "never" (tests pick the path);
     "kernel": soft-capped calls the kernel takes run it whatever its TUNING prefers (the rest as "auto").
     softcap: scores ← c·tanh(scores / c) between the scaling and the mask (Gemma 2). SDPA has no hook for it, so
-    such a call runs this project's soft-capped attention kernel ("auto", where its TUNING prefers it and the call
-    is a training one it masks: liger_models/kernels/ops/softcap_attention.py), flex_attention with a score_mod
+    such a call runs this project's soft-capped attention kernel ("auto": on CUDA, where its TUNING prefers it and
+    the call is a training-shaped one it masks: liger_models/kernels/ops/softcap_attention.py), flex_attention with a score_mod
     ("auto": on CUDA from FLEX_MIN_LEN queries, causal or not; "always" runs it uncompiled on the CPU for tests) or
     else the eager math (``attend_softcapped_math``).
     """
     if softcap is not None:
-        if ((flex == "kernel" or (flex == "auto" and softcap_attention_kernels.TUNING.preferred))
+        if ((flex == "kernel" or (flex == "auto" and q.is_cuda and softcap_attention_kernels.TUNING.preferred))
                 and _kernel_takes(q, k, mask)):
             return softcap_attention_kernels.softcap_attention(q, k, v, scale, softcap, window, mask.documents)
         use_flex = mask.supports_flex and mask.tree is None and (

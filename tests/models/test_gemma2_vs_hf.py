@@ -126,6 +126,24 @@ def test_softcap_attention_kernel_matches_hf(tmp_path):
         assert calls
 
 
+def test_cpu_auto_calls_keep_the_math_path():
+    """The kernel is preferred for CUDA training calls only: on the CPU (where Triton's interpreter would run it) an
+    "auto" call keeps HF's math, so the CPU parity tests check that path; "kernel" still forces the kernel."""
+    assert softcap_attention.TUNING.preferred
+    model = LigerGemma2ForCausalLM.from_config(Gemma2Config.tiny(attn_logit_softcapping=3.0))
+    ids = torch.randint(3, model.config.vocab_size, (2, 9))
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        kernel = softcap_attention._SoftcapAttention.apply
+        mp.setattr(softcap_attention._SoftcapAttention, "apply", lambda *a: calls.append(1) or kernel(*a))
+        model(ids, labels=ids).loss.backward()
+        assert calls == []
+        for layer in model.model.layers:
+            layer.self_attn.flex = "kernel"
+        model(ids, labels=ids).loss.backward()
+        assert len(calls) == len(model.model.layers)
+
+
 def _loss_and_grads(model, ids, flex):
     for layer in model.model.layers:
         layer.self_attn.flex = flex
