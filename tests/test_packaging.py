@@ -133,3 +133,16 @@ def test_the_version_is_written_once():
     assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
     assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "liger_models.__version__"}
     assert importlib.metadata.version("liger-models") == liger_models.__version__
+
+
+def test_importing_the_package_and_its_cli_leaves_torch_dynamo_unloaded():
+    """torch._dynamo takes about 1 s to import, which the CLI's start and every rank of a launch would pay for
+    nothing when they never compile (liger_models.kernels._dispatch.opaque_to_compile). Checked in a fresh process,
+    against what importing torch alone loads."""
+    code = ("import sys, torch; before = 'torch._dynamo' in sys.modules; import liger_models.cli; "
+            "print(before, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    torch_loads_it, loaded = out.stdout.split()
+    if torch_loads_it == "True":
+        pytest.skip("this torch imports torch._dynamo itself")
+    assert loaded == "False"

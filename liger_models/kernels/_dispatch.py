@@ -34,6 +34,21 @@ def reference_mode():
         _REFERENCE_MODE[0] -= 1
 
 
+def opaque_to_compile(fn):
+    """``torch.compiler.disable(fn)``, applied at the first call instead of at import: applying it imports
+    torch._dynamo, about 1 s and most of this package's import time, which a process that never compiles (the CLI's
+    start, each rank of a launch) need not pay. Inside a compiled region the call is one graph break, as with the
+    decorator."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+    return call
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -392,3 +392,26 @@ def test_compiled_softcap_attention_equals_eager():
         return softcap_attention(q, k, v, 0.25, 2.0, 4, docs)
 
     _compiled_equals_eager(fn, qkv, ulps=True)
+
+
+def test_layer_norm_is_one_graph_break_compiled_first_or_after_an_eager_call():
+    """layer_norm is no custom op: compiled, it is one graph break (opaque_to_compile, which applies
+    torch.compiler.disable at its first call), whether that first call is inside the compiled region or eager."""
+    from liger_models.kernels.ops import layer_norm as ln
+
+    x = torch.randn(5, 48, requires_grad=True)
+    w, b = torch.randn(48, requires_grad=True), torch.randn(48, requires_grad=True)
+    for first in ("compiled", "eager"):
+        fn = ln.opaque_to_compile(ln.layer_norm.__wrapped__)
+
+        def step(x, w, b, fn=fn):
+            return fn(x * 2, w, b).sin()
+
+        torch._dynamo.reset()
+        runs = [torch.compile(step, backend="aot_eager"), step]
+        outs = [run(x, w, b) for run in (runs if first == "compiled" else runs[::-1])]
+        assert torch.equal(outs[0], outs[1]), first
+        grads = torch.autograd.grad(outs[0].sum(), (x, w, b))
+        assert all(g.isfinite().all() and g.abs().sum() > 0 for g in grads)
+        torch._dynamo.reset()
+        assert torch._dynamo.explain(step)(x, w, b).graph_break_count == 1, first

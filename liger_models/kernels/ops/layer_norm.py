@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._dispatch import once_differentiable, use_triton
+from .._dispatch import once_differentiable, opaque_to_compile, use_triton
 from .rms_norm import _rows, norm_backward, norm_forward, unit_stride
 
 
@@ -50,7 +50,7 @@ class _LayerNormFunction(torch.autograd.Function):
         return dx if dy.dim() == 2 else dx.view(dy.shape), dw, db, None
 
 
-@torch.compiler.disable  # opaque to torch.compile: one clean graph break (dynamo cannot trace Triton launches)
+@opaque_to_compile  # one clean graph break (dynamo cannot trace Triton launches)
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5
 ) -> torch.Tensor:
