@@ -108,7 +108,9 @@ def _memoise_interpreter_lang_patching() -> None:
     about 1 ms a launch, a quarter of the time of an interpreted training-step test (cProfile, Triton 3.9). The
     members are fixed and each wrapper depends on its member alone, so the wrappers are made once per module, by
     the interpreter's own _patch_attr, and set at each launch into the launch's scope exactly as it would set them
-    (restored at the launch's end as before). A Triton whose interpreter lacks these functions is left alone."""
+    (restored at the launch's end as before); a device function's call inside a launch, where every builtin is
+    wrapped already and the interpreter wraps none, sets nothing. A Triton whose interpreter lacks these functions
+    is left alone."""
     from triton.runtime import interpreter
 
     make_wrapper = getattr(interpreter, "_patch_attr", None)
@@ -135,7 +137,11 @@ def _memoise_interpreter_lang_patching() -> None:
                 if tl.core.is_builtin(member):
                     make_wrapper(pkg, name, member, builder, recorder)
             wrappers[key] = (pkg, recorder.changes)  # pkg kept alive: its id stays its own
-        for name, wrapper in wrappers[key][1]:
+        changes = wrappers[key][1]
+        if changes and getattr(pkg, changes[0][0]) is changes[0][1]:
+            return  # a device function called inside a launch: patched already, where the interpreter finds no
+            # builtin left to wrap either
+        for name, wrapper in changes:
             scope.set_attr(pkg, name, wrapper)
 
     interpreter._patch_builtin = patch_builtin
