@@ -250,9 +250,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     "kernel": soft-capped calls the kernel takes run it whatever its TUNING prefers (the rest as "auto").
     softcap: scores ← c·tanh(scores / c) between the scaling and the mask (Gemma 2). SDPA has no hook for it, so
     such a call runs this project's soft-capped attention kernel ("auto": on CUDA, where its TUNING prefers it and
-    the call is a training-shaped one it masks: liger_models/kernels/ops/softcap_attention.py), flex_attention with a score_mod
-    ("auto": on CUDA from FLEX_MIN_LEN queries, causal or not; "always" runs it uncompiled on the CPU for tests) or
-    else the eager math (``attend_softcapped_math``).
+    the call is a training-shaped one it masks: liger_models/kernels/ops/softcap_attention.py), flex_attention with
+    a score_mod ("auto": on CUDA from FLEX_MIN_LEN queries, causal or not; "always" runs it uncompiled on the CPU for
+    tests) or else the eager math (``attend_softcapped_math``).
     """
     if softcap is not None:
         if ((flex == "kernel" or (flex == "auto" and q.is_cuda and softcap_attention_kernels.TUNING.preferred))

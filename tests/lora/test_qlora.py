@@ -148,7 +148,8 @@ def test_qlora_merged_export_is_the_dequantised_base_plus_delta(tmp_path):
     unrounded = {}
     eps = torch.finfo(torch.float32).eps
     for name, m in lora_modules(ours).items():
-        exact = m.base_weight(torch.float32).double() + m.scaling * (m.lora_B.weight.double() @ m.lora_A.weight.double())
+        delta = m.scaling * (m.lora_B.weight.double() @ m.lora_A.weight.double())
+        exact = m.base_weight(torch.float32).double() + delta
         err = (loaded[f"{name}.weight"].double() - exact).abs().max().item()
         assert err <= 2 * eps * exact.abs().max().item(), (name, err)
         unrounded[f"{name}.weight"] = exact
