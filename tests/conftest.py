@@ -117,27 +117,20 @@ def _memoise_interpreter_lang_patching() -> None:
     if make_wrapper is None or not hasattr(interpreter, "_patch_builtin"):
         return
     import inspect
+    import types
 
     import triton.language as tl
 
-    class _Recorder:
-        def __init__(self):
-            self.changes = []
-
-        def set_attr(self, obj, name, value):
-            self.changes.append((name, value))
-
-    wrappers = {}
+    wrappers = {}  # (module or class, builder) → [(name, wrapper)]
 
     def patch_builtin(pkg, builder, scope):
-        key = (id(pkg), id(builder))
-        if key not in wrappers:
-            recorder = _Recorder()
+        changes = wrappers.get((pkg, builder))
+        if changes is None:
+            changes = wrappers[pkg, builder] = []
+            recorder = types.SimpleNamespace(set_attr=lambda obj, name, value: changes.append((name, value)))
             for name, member in inspect.getmembers(pkg):
                 if tl.core.is_builtin(member):
                     make_wrapper(pkg, name, member, builder, recorder)
-            wrappers[key] = (pkg, recorder.changes)  # pkg kept alive: its id stays its own
-        changes = wrappers[key][1]
         if changes and getattr(pkg, changes[0][0]) is changes[0][1]:
             return  # a device function called inside a launch: patched already, where the interpreter finds no
             # builtin left to wrap either

@@ -159,8 +159,8 @@ def test_qlora_merged_export_is_the_dequantised_base_plus_delta(tmp_path):
     assert others and all(torch.equal(loaded[key], own[key]) for key in others)
     ids, _ = batch()
     with torch.no_grad():
-        from_file = float64_reference(hf)(input_ids=ids).logits
         reference = float64_reference(hf)
+        from_file = reference(input_ids=ids).logits
         reference.load_state_dict(unrounded, strict=False)
         assert max_rel(from_file, reference(input_ids=ids).logits) <= 1e-5
 

@@ -3,6 +3,7 @@ attention and final soft-caps that bind, alternating windowed / full layers with
 head_dim ≠ hidden / heads; packed documents, cached decoding and the config round trip (the CLI:
 tests/cli/test_gemma_cli.py)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -107,6 +108,16 @@ def test_compiled_flex_takes_a_second_cap_in_one_process():
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@contextlib.contextmanager
+def _kernel_calls():
+    """The list that each call of the soft-capped attention kernel appends to, while the block runs."""
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        kernel = softcap_attention._SoftcapAttention.apply
+        mp.setattr(softcap_attention._SoftcapAttention, "apply", lambda *a: calls.append(1) or kernel(*a))
+        yield calls
+
+
 @INTERPRETER_ONLY  # the kernel itself on CPU tensors; compiled on CUDA: test_softcap_paths_on_cuda_equal_the_math_path
 def test_softcap_attention_kernel_matches_hf(tmp_path):
     """This project's soft-capped attention kernel in every layer (windowed and full), through Triton's interpreter:
@@ -115,10 +126,7 @@ def test_softcap_attention_kernel_matches_hf(tmp_path):
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / "hf"), dtype=torch.float32)
     for layer in ours.model.layers:
         layer.self_attn.flex = "kernel"
-    calls = []
-    with pytest.MonkeyPatch.context() as mp:
-        kernel = softcap_attention._SoftcapAttention.apply
-        mp.setattr(softcap_attention._SoftcapAttention, "apply", lambda *a: calls.append(1) or kernel(*a))
+    with _kernel_calls() as calls:
         check_parity(hf, tmp_path / "hf", seq_len=17, batch=2, ours=ours)
         assert len(calls) >= len(ours.model.layers)
         calls.clear()
@@ -132,10 +140,7 @@ def test_cpu_auto_calls_keep_the_math_path():
     assert softcap_attention.TUNING.preferred
     model = LigerGemma2ForCausalLM.from_config(Gemma2Config.tiny(attn_logit_softcapping=3.0))
     ids = torch.randint(3, model.config.vocab_size, (2, 9))
-    calls = []
-    with pytest.MonkeyPatch.context() as mp:
-        kernel = softcap_attention._SoftcapAttention.apply
-        mp.setattr(softcap_attention._SoftcapAttention, "apply", lambda *a: calls.append(1) or kernel(*a))
+    with _kernel_calls() as calls:
         model(ids, labels=ids).loss.backward()
         assert calls == []
         for layer in model.model.layers:
