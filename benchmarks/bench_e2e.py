@@ -12,6 +12,7 @@ never leaks into another measurement.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import subprocess
@@ -271,25 +272,40 @@ def main() -> None:
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "PROVIDER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
+        # Where a run that will be killed spends its time: every thread's stack into the worker's log shortly before
+        # the parent's timeout, or every LIGER_BENCH_STACKS_EVERY seconds when set (one timer: faulthandler keeps
+        # one). A compile that never finishes shows its frame there.
+        every = float(os.environ.get("LIGER_BENCH_STACKS_EVERY", "0"))
+        at = float(os.environ.get("LIGER_BENCH_STACKS_AT", "0"))
+        if every > 0 or at > 0:
+            faulthandler.dump_traceback_later(every or at, repeat=every > 0, exit=False)
         print("RESULT " + json.dumps(_worker(*args.worker)), flush=True)
         return
     rows = []
+    logs = os.path.join(args.out, "logs")
+    os.makedirs(logs, exist_ok=True)
     for name in args.configs.split(","):
         for provider in args.providers.split(","):
             t0 = time.time()
-            try:
-                proc = subprocess.run([sys.executable, __file__, "--worker", name, provider], capture_output=True,
-                                      text=True, timeout=args.timeout)
-                line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-                if line:
-                    row = json.loads(line[7:])
-                else:
-                    err = proc.stderr.strip().splitlines()
-                    oom = any("OutOfMemory" in l for l in err)
-                    row = dict(config=name, provider=provider, error="OOM" if oom else (err[-1] if err else "no output"),
-                               stderr_tail=err[-6:])  # enough of a traceback to see where it broke
-            except subprocess.TimeoutExpired:
-                row = dict(config=name, provider=provider, error="timeout")
+            log = os.path.join(logs, f"{name}-{provider}.stderr")  # the worker's stderr, kept even when it is killed
+            env = dict(os.environ, LIGER_BENCH_STACKS_AT=str(max(args.timeout - 15, 1)))
+            with open(log, "w") as err_file:
+                try:
+                    proc = subprocess.run([sys.executable, __file__, "--worker", name, provider], stdout=subprocess.PIPE,
+                                          stderr=err_file, text=True, timeout=args.timeout, env=env)
+                    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+                except subprocess.TimeoutExpired:
+                    proc, line = None, None
+            err = open(log).read().strip().splitlines()
+            if line:
+                row = json.loads(line[7:])
+            elif proc is None:
+                row = dict(config=name, provider=provider, error="timeout", stderr_log=log,
+                           stderr_tail=err[-12:])  # the stacks dumped before the kill end the log
+            else:
+                oom = any("OutOfMemory" in l for l in err)
+                row = dict(config=name, provider=provider, error="OOM" if oom else (err[-1] if err else "no output"),
+                           stderr_tail=err[-6:])  # enough of a traceback to see where it broke
             row["wall_s"] = round(time.time() - t0, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)

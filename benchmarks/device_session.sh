@@ -96,9 +96,12 @@ run_part() {
     e2e-families)  # the newer families against HF and HF + liger-kernel (its MoE runs have not finished in 70 s)
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_families" --timeout 120 --providers "${FAMILY_PROVIDERS:-ours,hf_liger,hf}" \
         --configs "${FAMILY_CONFIGS:-qwen3-8b-w8l,gemma2-9b-w8l,gemma3-4b-w8l,qwen3-30b-a3b-w4l,mixtral-8x7b-w2l}" ;;
-    e2e-compile)  # a compiled training step next to eager ours (each compiles once: the first steps are warm-up)
-      python3 benchmarks/bench_e2e.py --out "$OUT/e2e_compile" --timeout 400 --providers ours_compile,ours \
-        --configs "${COMPILE_CONFIGS:-llama-3-8b-w8l}" ;;
+    e2e-compile)  # a compiled training step next to eager ours (each compiles once: the first steps are warm-up).
+                  # On an H100 (2026-12-05) neither llama-3-8b-w8l (400 s) nor llama-3.2-1b (210 s) finished: every
+                  # worker's stacks go to $OUT/e2e_compile/logs every 60 s, to show where the time goes
+      LIGER_BENCH_STACKS_EVERY=${STACKS_EVERY:-60} TORCH_LOGS=${COMPILE_LOGS:-recompiles,graph_breaks} \
+        python3 benchmarks/bench_e2e.py --out "$OUT/e2e_compile" --timeout "${COMPILE_TIMEOUT:-400}" \
+        --providers ours_compile,ours --configs "${COMPILE_CONFIGS:-llama-3-8b-w8l}" ;;
     moe)  # one MoE layer: ours vs transformers' grouped_mm and eager experts
       (cd benchmarks && python3 bench_moe.py --out "$OUT") ;;
     softcap)  # Gemma 2's soft-capped attention: our kernel vs flex + score_mod vs uncapped SDPA vs HF's math
