@@ -316,14 +316,23 @@ def _contract_targets(labels: torch.Tensor, shift: int, pos: torch.Tensor | None
 
 
 def _random_batch(B: int, T: int, *, packed: bool, ignore_frac: float = 0.25):
-    ids = torch.randint(0, V, (B, T))
-    labels = torch.where(torch.rand(B, T) < ignore_frac, IGNORE, ids)
-    pos = torch.arange(T).repeat(B, 1)
-    if packed and T > 1:
-        for b in range(B):
-            for start in sorted(torch.randperm(T - 1)[:2].add(1).tolist()):  # 1-2 documents start mid-row
-                pos[b, start:] = torch.arange(T - start)
-    return ids, labels, (pos if packed else None)
+    """Random ids, labels (a quarter ignored) and position ids (1-2 documents starting mid-row when packed), drawn
+    again until some base-CE target sits past a document's first token. Otherwise every token with a target sees only
+    itself, attention's softmax has one key per such row, and the base's q/k gradients are zero by cancellation (float64
+    leaves 1e-16): an fp32 bound relative to that checks nothing and fails on fp32's 1e-8 (seed 1848400554). Packed
+    rows of 3 tokens are three one-token documents by construction, their q/k gradients exactly zero."""
+    attends = T > 3 if packed else T > 1  # whether a row can hold a token that sees another
+    for _ in range(100):
+        ids = torch.randint(0, V, (B, T))
+        labels = torch.where(torch.rand(B, T) < ignore_frac, IGNORE, ids)
+        pos = torch.arange(T).repeat(B, 1)
+        if packed and T > 1:
+            for b in range(B):
+                for start in sorted(torch.randperm(T - 1)[:2].add(1).tolist()):
+                    pos[b, start:] = torch.arange(T - start)
+        if not attends or ((_contract_targets(labels, 1, pos) != IGNORE) & (pos > 0)).any():
+            return ids, labels, (pos if packed else None)
+    raise AssertionError(f"no batch of {B}×{T} with a target past a document start in 100 draws")
 
 
 def _materialised_reference(model, ids, labels, pos, sched: float):
