@@ -11,6 +11,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     || echo "wheel install failed" >&2
 fi
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# Inductor's and Triton's caches inside the (git-ignored) tree: a machine kept warm keeps ignored files between calls,
+# so a compile that one call could not finish is found cached by the next call on the same machine.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.devcache/inductor}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.devcache/triton}
 python3 - <<'PY'
 import torch, triton
 import liger_models.kernels, liger_models.convert  # noqa: F401 - fails loudly if the tree is not importable
