@@ -300,7 +300,8 @@ def main() -> None:
                     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
                 except subprocess.TimeoutExpired:
                     proc, line = None, None
-            err = open(log).read().strip().splitlines()
+            with open(log) as err_file:
+                err = err_file.read().strip().splitlines()
             if line:
                 row = json.loads(line[7:])
             elif proc is None:
