@@ -4,8 +4,8 @@ For each depth a fresh subprocess builds bench_e2e's model at one config's width
 ``torch.compile(fullgraph=True)`` and times the first step (trace, compile, run) and the second (run only), then prints
 dynamo's per-phase compile times (``torch._dynamo.utils.compile_times``). How the first step grows with depth tells a
 per-layer cost (lowering, kernel compiles) from a fixed one; the phases tell tracing from inductor from Triton's
-compiles (``async_compile.wait``). A depth that does not finish within ``--timeout`` has every thread's stack dumped
-into its log shortly before it is killed.
+compiles (``async_compile.wait``). Each depth compiles cold (empty caches of its own). A depth that does not finish
+within ``--timeout`` has every thread's stack dumped into its log shortly before it is killed.
 
     python benchmarks/tools/compile_probe.py --out DIR [--config llama-3.2-1b] [--layers 1,2,4] [--timeout 240]
 """
@@ -16,8 +16,10 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_e2e
@@ -84,16 +86,22 @@ def main() -> None:
     rows = []
     for layers in (int(n) for n in args.layers.split(",")):
         log = os.path.join(args.out, f"compile_probe_{args.config}_{layers}l.log")
+        # Each depth compiles cold, in empty inductor and Triton caches of its own: a deeper model would otherwise
+        # find the shallower one's kernels cached (its layers are the same) and hide a per-kernel cost.
+        cache = tempfile.mkdtemp(prefix=f"compile_probe_{layers}l_")
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(cache, "triton"))
         with open(log, "w") as err:
             try:
                 proc = subprocess.run([sys.executable, __file__, "--timeout", str(args.timeout), "--device",
                                        args.device, "--seq", str(args.seq), "--worker",
                                        args.config, str(layers)], stdout=subprocess.PIPE, stderr=err, text=True,
-                                      timeout=args.timeout)
+                                      timeout=args.timeout, env=env)
                 line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
                 row = json.loads(line[7:]) if line else dict(layers=layers, error=f"exit {proc.returncode}")
             except subprocess.TimeoutExpired:
                 row = dict(layers=layers, error="timeout")
+        shutil.rmtree(cache, ignore_errors=True)
         row["log"] = log
         print(json.dumps(row), flush=True)
         rows.append(row)
