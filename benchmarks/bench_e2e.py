@@ -12,10 +12,8 @@ never leaks into another measurement.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -276,15 +274,14 @@ def main() -> None:
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "PROVIDER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        # Where a run that will be killed spends its time: every thread's stack into the worker's log shortly before
-        # the parent's timeout, or every LIGER_BENCH_STACKS_EVERY seconds when set (one timer: faulthandler keeps
-        # one). A compile that never finishes shows its frame there.
-        every = float(os.environ.get("LIGER_BENCH_STACKS_EVERY", "0"))
-        at = float(os.environ.get("LIGER_BENCH_STACKS_AT", "0"))
-        if every > 0 or at > 0:
-            faulthandler.dump_traceback_later(every or at, repeat=every > 0, exit=False)
+        from harness import arm_stack_dumps
+
+        arm_stack_dumps()
         print("RESULT " + json.dumps(_worker(*args.worker)), flush=True)
         return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import environment, run_worker
+
     rows = []
     logs = os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
@@ -292,32 +289,17 @@ def main() -> None:
         for provider in args.providers.split(","):
             t0 = time.time()
             log = os.path.join(logs, f"{name}-{provider}.stderr")  # the worker's stderr, kept even when it is killed
-            env = dict(os.environ, LIGER_BENCH_STACKS_AT=str(max(args.timeout - 15, 1)))
-            with open(log, "w") as err_file:
-                try:
-                    proc = subprocess.run([sys.executable, __file__, "--worker", name, provider], stdout=subprocess.PIPE,
-                                          stderr=err_file, text=True, timeout=args.timeout, env=env)
-                    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-                except subprocess.TimeoutExpired:
-                    proc, line = None, None
-            with open(log) as err_file:
-                err = err_file.read().strip().splitlines()
-            if line:
-                row = json.loads(line[7:])
-            elif proc is None:
+            row, timed_out, err = run_worker([__file__, "--worker", name, provider], log, args.timeout)
+            if timed_out:
                 row = dict(config=name, provider=provider, error="timeout", stderr_log=log,
                            stderr_tail=err[-12:])  # the stacks dumped before the kill end the log
-            else:
+            elif row is None:
                 oom = any("OutOfMemory" in l for l in err)
                 row = dict(config=name, provider=provider, error="OOM" if oom else (err[-1] if err else "no output"),
                            stderr_tail=err[-6:])  # enough of a traceback to see where it broke
             row["wall_s"] = round(time.time() - t0, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    os.makedirs(args.out, exist_ok=True)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from harness import environment
-
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
         json.dump({"env": environment(), "results": rows}, f, indent=1)
     providers = args.providers.split(",")

@@ -10,8 +10,11 @@ import argparse
 import gc
 import json
 import os
+import faulthandler
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -32,6 +35,35 @@ SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU time: longer than the host takes to enq
 # run cut short by a device call's time limit (the JSON and table come only at the end) still leaves its numbers.
 PARTIAL = os.environ.get("LIGER_BENCH_PARTIAL")
 
+
+
+def arm_stack_dumps() -> None:
+    """In a worker run by ``run_worker``: every thread's stack into its stderr log shortly before the parent's
+    timeout (LIGER_BENCH_STACKS_AT), or every LIGER_BENCH_STACKS_EVERY seconds when set (faulthandler keeps one
+    timer). A compile that never finishes shows its frame there."""
+    every = float(os.environ.get("LIGER_BENCH_STACKS_EVERY", "0"))
+    at = float(os.environ.get("LIGER_BENCH_STACKS_AT", "0"))
+    if every > 0 or at > 0:
+        faulthandler.dump_traceback_later(every or at, repeat=every > 0, exit=False)
+
+
+def run_worker(args: list[str], log: str, timeout: float,
+               env: dict | None = None) -> tuple[dict | None, bool, list[str]]:
+    """``python args`` with its stderr in ``log`` (kept when it is killed) and stack dumps armed 15 s before
+    ``timeout``: (the dict its ``RESULT <json>`` stdout line carries or None, whether it timed out, its stderr
+    lines)."""
+    env = dict(env or os.environ, LIGER_BENCH_STACKS_AT=str(max(timeout - 15, 1)))
+    line, timed_out = None, False
+    with open(log, "w") as err_file:
+        try:
+            proc = subprocess.run([sys.executable, *args], stdout=subprocess.PIPE, stderr=err_file, text=True,
+                                  timeout=timeout, env=env)
+            line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    with open(log) as err_file:
+        err = err_file.read().strip().splitlines()
+    return (json.loads(line[7:]) if line else None), timed_out, err
 
 @dataclass
 class Result:
@@ -363,8 +395,6 @@ def summary_table(path: str) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     if len(sys.argv) > 2 and sys.argv[1] == "plot":
         plot_saved(sys.argv[2:])
     elif len(sys.argv) > 2 and sys.argv[1] == "table":

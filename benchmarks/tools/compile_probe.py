@@ -13,17 +13,16 @@ within ``--timeout`` has every thread's stack dumped into its log shortly before
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: bench_e2e
 from bench_e2e import CONFIGS  # noqa: E402
+from harness import arm_stack_dumps, run_worker  # noqa: E402
 
 
 # Dynamo's phases worth a column: tracing, forward and backward compiles, lowering, code generation, and the wait for
@@ -76,7 +75,7 @@ def main() -> None:
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        faulthandler.dump_traceback_later(max(args.timeout - 10, 1), exit=False)
+        arm_stack_dumps()
         if args.seq:
             cfg, batch, _ = CONFIGS[args.worker[0]]
             CONFIGS[args.worker[0]] = (cfg, 1, args.seq)
@@ -91,16 +90,10 @@ def main() -> None:
         cache = tempfile.mkdtemp(prefix=f"compile_probe_{layers}l_")
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-        with open(log, "w") as err:
-            try:
-                proc = subprocess.run([sys.executable, __file__, "--timeout", str(args.timeout), "--device",
-                                       args.device, "--seq", str(args.seq), "--worker",
-                                       args.config, str(layers)], stdout=subprocess.PIPE, stderr=err, text=True,
-                                      timeout=args.timeout, env=env)
-                line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-                row = json.loads(line[7:]) if line else dict(layers=layers, error=f"exit {proc.returncode}")
-            except subprocess.TimeoutExpired:
-                row = dict(layers=layers, error="timeout")
+        row, timed_out, _ = run_worker([__file__, "--timeout", str(args.timeout), "--device", args.device, "--seq",
+                                        str(args.seq), "--worker", args.config, str(layers)], log, args.timeout, env)
+        if row is None:
+            row = dict(layers=layers, error="timeout" if timed_out else "failed")
         shutil.rmtree(cache, ignore_errors=True)
         row["log"] = log
         print(json.dumps(row), flush=True)
