@@ -210,10 +210,17 @@ def test_processors_give_hf_tokens(tmp_path, case, source):
 def test_minimum_length_blocks_every_eos_id_like_hf(tmp_path, setting, source):
     """Several EOS ids, each row's greedy next token among them: every row would stop at once; min_new_tokens (or
     min_length, which counts the prompt) blocks all of them until then, as HF's processors do."""
+    # The EOS ids are the rows' own greedy first tokens, read off the same model built once before (same seed):
+    # the repeated last token is the usual first token, not every seed's (LIGER_TEST_SEED=1410648606).
+    weights_seed = int(torch.randint(2**31, ()))
     ids = torch.randint(3, 128, (3, PROMPT))
-    eos = sorted(set(ids[:, -1].tolist()))
+    torch.manual_seed(weights_seed)
+    _, probe = _pair(tmp_path / "probe")
+    with torch.no_grad():
+        eos = sorted(set(probe(ids).logits[:, -1].argmax(-1).tolist()))
     settings = {"eos_token_id": eos, setting: 4 if setting == "min_new_tokens" else PROMPT + 4}
-    hf, ours = _pair(tmp_path, **(settings if source == "file" else {}))
+    torch.manual_seed(weights_seed)
+    hf, ours = _pair(tmp_path / "pair", **(settings if source == "file" else {}))
     given = settings if source == "argument" else {}
     theirs, mine = _both(hf, ours, ids, do_sample=False, max_new_tokens=NEW, pad_token_id=0, **given)
     assert torch.equal(mine, theirs) and theirs.shape[1] >= PROMPT + 5
