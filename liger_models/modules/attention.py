@@ -48,10 +48,27 @@ FLASH_BACKWARD_ELEMENTS = 2**31
 _SDPA_LIMITED = ("cuda",)  # device types whose SDPA kernels have those limits
 
 
+# Dynamo compiles flex_attention once per distinct call (dtype, head shape, GQA, mask and score functions, a shape
+# turning dynamic), and every torch.compile of it in a process shares one count. Past ``recompile_limit`` (8 by
+# default) dynamo would run it uncompiled: unfused, a T×T score tensor per call, and a CPU constant that CUDA graph
+# capture refuses. A process that trains or evaluates several models reaches 8 (the GPU test suite did), so the
+# compiled calls lift the limit to this, and fullgraph=True turns a fallback past it into an error, never a silent
+# O(T²) path.
+FLEX_RECOMPILE_LIMIT = 64
+
+
 @functools.cache
-def _flex_attention(compiled: bool):
-    """flex_attention, compiled for CUDA (uncompiled it materialises the scores; fine only for CPU tests)."""
-    return torch.compile(flex_attention) if compiled else flex_attention
+def _compiled_flex():
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """flex_attention, compiled on CUDA (uncompiled it materialises the scores: fine only for the CPU tests); inside
+    a compiled model dynamo traces it into the model's graph."""
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return flex_attention(q, k, v, **kwargs)
+    with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)):
+        return _compiled_flex()(q, k, v, **kwargs)
 
 
 _STATIC_DOCUMENT_MASK = [False]
@@ -262,9 +279,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
             flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN))
         if use_flex:
             cap_device = None if torch.compiler.is_compiling() else q.device
-            return _flex_attention(q.is_cuda)(q, k, v, score_mod=_softcap_score_mod(softcap, cap_device),
-                                              block_mask=mask.block(window), scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+            return _flex_attention(q, k, v, score_mod=_softcap_score_mod(softcap, cap_device),
+                                   block_mask=mask.block(window), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return attend_softcapped_math(q, k, v, mask.boolean(window), scale, softcap)
     gqa = q.shape[1] != k.shape[1]
     if (mask.tree is not None and mask.q_len >= decode_attention_kernels.TUNING.min_queries
@@ -279,7 +295,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
         if mask.q_len == 1:  # one new token sees the whole cache
             return _sdpa(q, k, v, scale=scale, enable_gqa=gqa)
     elif mask.supports_flex and (flex == "always" or (flex == "auto" and q.is_cuda and mask.q_len >= FLEX_MIN_LEN)):
-        return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask.block(window), scale=scale, enable_gqa=gqa)
+        return _flex_attention(q, k, v, block_mask=mask.block(window), scale=scale, enable_gqa=gqa)
     return _sdpa(q, k, v, attn_mask=mask.boolean(window), scale=scale, enable_gqa=gqa)
 
 
