@@ -22,9 +22,13 @@ run_part() {
   case $1 in
     tests)  # the whole GPU suite: 4 workers on an H200 (the tests that hold tens of GiB share one:
             # tests/helpers.BIG_MEMORY); one on an 80 GiB card, where four run out of memory (H100, 2026-12-05:
-            # 41 of 275 failed so, all out of memory; serially ~240 s against ~200 s)
+            # 41 of 275 failed so, all out of memory). Serially on an H100 the suite took 444 s with warm Triton and
+            # inductor caches and did not finish in 560 s cold (a fresh machine): there, GPU_TESTS runs it in two
+            # calls, e.g. GPU_TESTS="tests/models" and then GPU_TESTS="tests --ignore=tests/models"
       workers=$(python3 -c "import torch; print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")
-      python3 -m pytest -m gpu -q -n "$workers" --dist loadgroup -p no:cacheprovider ;;
+      # shellcheck disable=SC2086  # GPU_TESTS is a list of pytest arguments
+      python3 -m pytest -m gpu -q -n "$workers" --dist loadgroup -p no:cacheprovider -rfE --durations=15 \
+        ${GPU_TESTS:-tests} ;;
     tests-loss)  # the loss kernels' GPU tests alone
       python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_cross_entropy.py \
         tests/kernels/test_fused_linear_cross_entropy.py ;;
@@ -111,6 +115,8 @@ run_part() {
       (cd benchmarks && python3 bench_moe.py --out "$OUT") ;;
     softcap)  # Gemma 2's soft-capped attention: our kernel vs flex + score_mod vs uncapped SDPA vs HF's math
       (cd benchmarks && python3 bench_softcap_attention.py --out "$OUT") ;;
+    softcap-errors)  # the soft-capped attention kernel's bf16 errors next to eager's, per seed and launch setting
+      python3 benchmarks/tools/softcap_grad_errors.py ;;
     softcap-sweep)  # the soft-capped attention kernel's block / warp / stage settings at the same shapes
       (cd benchmarks && for tune in "" softcap_attention.fwd_block_n_wide=64 softcap_attention.fwd_block_m=128 \
           softcap_attention.num_stages=1 softcap_attention.num_stages=3 softcap_attention.bwd_block_m=64 \
