@@ -102,8 +102,9 @@ run_part() {
       python3 benchmarks/bench_e2e.py --out "$OUT/e2e_families" --timeout 120 --providers "${FAMILY_PROVIDERS:-ours,hf_liger,hf}" \
         --configs "${FAMILY_CONFIGS:-qwen3-8b-w8l,gemma2-9b-w8l,gemma3-4b-w8l,qwen3-30b-a3b-w4l,mixtral-8x7b-w2l}" ;;
     e2e-compile)  # a compiled training step next to eager ours (each compiles once: the first steps are warm-up).
-                  # On an H100 (2026-12-05) neither llama-3-8b-w8l (400 s) nor llama-3.2-1b (210 s) finished: every
-                  # worker's stacks go to $OUT/e2e_compile/logs every 60 s, to show where the time goes
+                  # On an H100 (2026-12-05, torch 2.11) none finished, Inductor formatting our ops' IR into a log
+                  # message (fixed since: kernels/_custom_ops.py); every worker's stacks go to
+                  # $OUT/e2e_compile/logs every 60 s, to show where the time goes
       LIGER_BENCH_STACKS_EVERY=${STACKS_EVERY:-60} TORCH_LOGS=${COMPILE_LOGS:-recompiles,graph_breaks} \
         python3 benchmarks/bench_e2e.py --out "$OUT/e2e_compile" --timeout "${COMPILE_TIMEOUT:-400}" \
         --providers ours_compile,ours --configs "${COMPILE_CONFIGS:-llama-3-8b-w8l}" ;;

@@ -5,7 +5,7 @@ CPU, the compiled kernels on a GPU).
 
 Compiled here with the "aot_eager" backend: dynamo and AOTAutograd trace the ops (forward and backward graphs), and
 the graphs run without code generation. Eager calls still go through the autograd.Functions (the op's dispatch
-costs host time; docs/kernels.md#torchcompile).
+costs host time; docs/ecosystem.md#torchcompile).
 """
 
 from __future__ import annotations

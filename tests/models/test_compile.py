@@ -5,7 +5,7 @@ backward) without a graph break, and the compiled step runs the same kernels as 
 On the CPU the real Triton kernels run in the interpreter. Backend "aot_eager" (dynamo and AOTAutograd, no code
 generation) gives the eager loss and gradients bit for bit; "inductor" generates C++ for the PyTorch ops between the
 custom ops and fuses them, so its gradients agree to fp32 rounding. ``pytest -m gpu`` compiles a bf16 step with
-inductor on CUDA (docs/kernels.md#torchcompile).
+inductor on CUDA (docs/ecosystem.md#torchcompile).
 """
 
 from __future__ import annotations
@@ -101,6 +101,34 @@ def test_inductor_training_step_on_cpu_matches_eager():
     assert max_rel(c_loss, loss) <= 1e-6
     for name in grads:
         assert max_rel(c_grads[name], grads[name]) <= 1e-5, name
+
+
+def test_inductor_finds_the_custom_ops_registered_before_it_lowers_them(monkeypatch):
+    """Inductor's implicit fallback for an op it has no lowering for formats the op's input IR into a log line,
+    eagerly in torch 2.11 whatever the log level; our ops' IR is a chain of extern kernels printed as a tree, which
+    grows ~10x per layer before the final norm and the loss (a 16-layer compile never ended). So the ops are
+    registered as fallbacks first (_custom_ops._register_inductor_fallbacks): none is missing when lowering starts."""
+    from torch._inductor import graph, lowering
+
+    from liger_models.kernels import _custom_ops
+
+    ops = [getattr(torch.ops.liger_models, name).default for name in _custom_ops._OP_NAMES]
+    for op in ops:  # as in a fresh process: an earlier test's compile registered them
+        monkeypatch.delitem(lowering.lowerings, op, raising=False)
+    monkeypatch.setattr(_custom_ops, "_FALLBACKS_REGISTERED", [0])
+    missing, run = [], graph.GraphLowering.run
+
+    def run_checked(self, *args):
+        missing.append([str(op) for op in ops if op not in lowering.lowerings])
+        return run(self, *args)
+
+    monkeypatch.setattr(graph.GraphLowering, "run", run_checked)
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # lowered, not found in a cache
+    torch._dynamo.reset()
+    model = _tiny_llama(layers=1)
+    ids = torch.randint(3, 128, (2, 12))
+    _training_step(torch.compile(model, fullgraph=True, backend="inductor"), model, ids)
+    assert missing == [[], []]  # the forward and the backward graph
 
 
 @pytest.mark.gpu
