@@ -151,7 +151,11 @@ def test_flex_attention_stays_compiled_past_dynamos_recompile_limit(monkeypatch)
     it would run flex_attention uncompiled, materialising the T×T scores. With the limit at 1, four distinct calls
     (head_dim, dtype, window, documents) each stay fused: peak memory far below one score tensor, the output that of
     SDPA with the boolean mask. Below our own limit a fallback is an error, never a silent unfused call."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    with torch._dynamo.config.patch(recompile_limit=1):  # not monkeypatch: its undo deletes a config module's entry
+        _flex_calls_past_the_limit(monkeypatch)
+
+
+def _flex_calls_past_the_limit(monkeypatch):
     B, H, T = 1, 8, 4096
     scores_bytes = B * H * T * T * 4
     docs = (torch.arange(T, device="cuda") >= 1000).long() + (torch.arange(T, device="cuda") >= 3000).long()

@@ -123,11 +123,12 @@ def test_inductor_finds_the_custom_ops_registered_before_it_lowers_them(monkeypa
         return run(self, *args)
 
     monkeypatch.setattr(graph.GraphLowering, "run", run_checked)
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # lowered, not found in a cache
     torch._dynamo.reset()
     model = _tiny_llama(layers=1)
     ids = torch.randint(3, 128, (2, 12))
-    _training_step(torch.compile(model, fullgraph=True, backend="inductor"), model, ids)
+    # Lowered, not found in a cache. The config's own patch: monkeypatch's undo deletes a config module's entry.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _training_step(torch.compile(model, fullgraph=True, backend="inductor"), model, ids)
     assert missing == [[], []]  # the forward and the backward graph
 
 
