@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import faulthandler
 import json
 import os
-import faulthandler
 import platform
 import statistics
 import subprocess
@@ -34,7 +34,6 @@ SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU time: longer than the host takes to enq
 # LIGER_BENCH_PARTIAL=FILE: run_case also appends each result to FILE as a JSON line the moment it is measured, so a
 # run cut short by a device call's time limit (the JSON and table come only at the end) still leaves its numbers.
 PARTIAL = os.environ.get("LIGER_BENCH_PARTIAL")
-
 
 
 def arm_stack_dumps() -> None:
@@ -64,6 +63,7 @@ def run_worker(args: list[str], log: str, timeout: float,
     with open(log) as err_file:
         err = err_file.read().strip().splitlines()
     return (json.loads(line[7:]) if line else None), timed_out, err
+
 
 @dataclass
 class Result:

@@ -90,8 +90,8 @@ def main() -> None:
         cache = tempfile.mkdtemp(prefix=f"compile_probe_{layers}l_")
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-        row, timed_out, _ = run_worker([__file__, "--timeout", str(args.timeout), "--device", args.device, "--seq",
-                                        str(args.seq), "--worker", args.config, str(layers)], log, args.timeout, env)
+        row, timed_out, _ = run_worker([__file__, "--device", args.device, "--seq", str(args.seq), "--worker",
+                                        args.config, str(layers)], log, args.timeout, env)
         if row is None:
             row = dict(layers=layers, error="timeout" if timed_out else "failed")
         shutil.rmtree(cache, ignore_errors=True)

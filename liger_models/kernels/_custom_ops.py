@@ -31,7 +31,6 @@ import torch
 
 NAMESPACE = "liger_models"
 _OP_NAMES: list[str] = []  # every op custom_op defined, by name in NAMESPACE
-_FALLBACKS_REGISTERED = [0]  # how many of _OP_NAMES Inductor has as fallback lowerings (registered here)
 
 
 def custom_op(name: str):
@@ -50,8 +49,7 @@ def custom_op(name: str):
         def register_fake_registering_fallbacks(fake):
             @functools.wraps(fake)
             def fake_impl(*args, **kwargs):
-                if _FALLBACKS_REGISTERED[0] < len(_OP_NAMES):
-                    _register_inductor_fallbacks()
+                _register_inductor_fallbacks()
                 return fake(*args, **kwargs)
 
             return register_fake(fake_impl)
@@ -63,24 +61,24 @@ def custom_op(name: str):
 
 
 def _register_inductor_fallbacks() -> None:
-    """Register this package's ops as Inductor fallback kernels, with the layout constraint Inductor's implicit
-    fallback would give them (the op's tag, else Inductor's default), so a compiled graph runs what it ran before;
-    only the log line that formats the op's inputs is skipped. Does nothing until Inductor is loaded; should its
-    internals differ, leaves the ops to the implicit fallback."""
+    """Register this package's ops Inductor has no lowering for as its fallback kernels, with the layout constraint
+    Inductor's implicit fallback would give them (the op's tag, else Inductor's default), so a compiled graph runs
+    what it ran before; only the log line that formats the op's inputs is skipped. Does nothing until Inductor is
+    loaded; should its internals differ, leaves the ops to the implicit fallback. Runs only while a graph is traced
+    (a fake implementation's call): a dict lookup per op."""
     lowering = sys.modules.get("torch._inductor.lowering")
     if lowering is None:
         return
     try:
         from torch._library.utils import get_layout_constraint_tag
 
-        for name in _OP_NAMES[_FALLBACKS_REGISTERED[0]:]:
+        for name in _OP_NAMES:
             op = getattr(getattr(torch.ops, NAMESPACE), name).default
             if op not in lowering.lowerings:
                 tag = get_layout_constraint_tag(op, with_default=True)
                 lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
     except (AttributeError, ImportError, TypeError):
         pass
-    _FALLBACKS_REGISTERED[0] = len(_OP_NAMES)
 
 
 def absent(like: torch.Tensor) -> torch.Tensor:

@@ -151,34 +151,32 @@ def test_flex_attention_stays_compiled_past_dynamos_recompile_limit(monkeypatch)
     it would run flex_attention uncompiled, materialising the T×T scores. With the limit at 1, four distinct calls
     (head_dim, dtype, window, documents) each stay fused: peak memory far below one score tensor, the output that of
     SDPA with the boolean mask. Below our own limit a fallback is an error, never a silent unfused call."""
-    with torch._dynamo.config.patch(recompile_limit=1):  # not monkeypatch: its undo deletes a config module's entry
-        _flex_calls_past_the_limit(monkeypatch)
+    # not monkeypatch: its undo deletes a config module's entry
+    with torch._dynamo.config.patch(recompile_limit=1):
+        B, H, T = 1, 8, 4096
+        scores_bytes = B * H * T * T * 4
+        positions = torch.arange(T, device="cuda")
+        docs = (positions >= 1000).long() + (positions >= 3000).long()
+        cases = [(64, torch.bfloat16, 256, None), (128, torch.bfloat16, 256, None),
+                 (64, torch.float16, None, docs[None]), (64, torch.bfloat16, 512, docs[None])]
+        for d, dtype, window, documents in cases:
+            q, k, v = (torch.randn(B, H, T, d, device="cuda", dtype=dtype) for _ in range(3))
+            mask = AttentionMask(T, 0, documents, q.device)
+            mask.block(window)  # built before the measurement: the BlockMask's construction is not the attention
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            with torch.no_grad():
+                out = attend(q, k, v, mask, window, d**-0.5)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - before
+            assert extra < scores_bytes / 8, (d, dtype, window, extra)
+            with torch.no_grad():
+                ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.boolean(window), scale=d**-0.5)
+            torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
-
-def _flex_calls_past_the_limit(monkeypatch):
-    B, H, T = 1, 8, 4096
-    scores_bytes = B * H * T * T * 4
-    docs = (torch.arange(T, device="cuda") >= 1000).long() + (torch.arange(T, device="cuda") >= 3000).long()
-    cases = [(64, torch.bfloat16, 256, None), (128, torch.bfloat16, 256, None), (64, torch.float16, None, docs[None]),
-             (64, torch.bfloat16, 512, docs[None])]
-    for d, dtype, window, documents in cases:
-        q, k, v = (torch.randn(B, H, T, d, device="cuda", dtype=dtype) for _ in range(3))
-        mask = AttentionMask(T, 0, documents, q.device)
-        mask.block(window)  # built before the measurement: the BlockMask's construction is not the attention
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        with torch.no_grad():
-            out = attend(q, k, v, mask, window, d**-0.5)
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - before
-        assert extra < scores_bytes / 8, (d, dtype, window, extra)
-        with torch.no_grad():
-            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.boolean(window), scale=d**-0.5)
-        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
-
-    monkeypatch.setattr(attention, "FLEX_RECOMPILE_LIMIT", 1)
-    q, k, v = (torch.randn(B, H, T, 32, device="cuda") for _ in range(3))  # fp32: a dtype no call above compiled
-    with pytest.raises(Exception) as failure, torch.no_grad():
-        attend(q, k, v, AttentionMask(T, 0, None, q.device), 128, 32**-0.5)
-    assert "RecompileLimit" in type(failure.value).__name__, failure.value
+        monkeypatch.setattr(attention, "FLEX_RECOMPILE_LIMIT", 1)
+        q, k, v = (torch.randn(B, H, T, 32, device="cuda") for _ in range(3))  # fp32: a dtype no call above compiled
+        with pytest.raises(Exception) as failure, torch.no_grad():
+            attend(q, k, v, AttentionMask(T, 0, None, q.device), 128, 32**-0.5)
+        assert "RecompileLimit" in type(failure.value).__name__, failure.value

@@ -115,7 +115,6 @@ def test_inductor_finds_the_custom_ops_registered_before_it_lowers_them(monkeypa
     ops = [getattr(torch.ops.liger_models, name).default for name in _custom_ops._OP_NAMES]
     for op in ops:  # as in a fresh process: an earlier test's compile registered them
         monkeypatch.delitem(lowering.lowerings, op, raising=False)
-    monkeypatch.setattr(_custom_ops, "_FALLBACKS_REGISTERED", [0])
     missing, run = [], graph.GraphLowering.run
 
     def run_checked(self, *args):
