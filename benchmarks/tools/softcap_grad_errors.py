@@ -9,6 +9,12 @@ carry dk's error (document length, position in its document, position in the key
 other launch settings (stages, blocks, warps), to tell a numerical weakness from a wrong result on the compiled path.
 
     python benchmarks/tools/softcap_grad_errors.py [--seeds 8] [--test-seed 1915272562] [--config 1,777,8,4,128,0,1]
+
+With --settings, it instead runs every GPU test shape (and the model shapes of the repeatability test) under each
+given launch setting ("" for the defaults), three times on the same inputs, and prints whether the runs agree bit
+for bit and the bf16 dk error next to eager's:
+
+    python benchmarks/tools/softcap_grad_errors.py --settings "" dkdv_num_stages=1 bwd_block_m=64
 """
 
 from __future__ import annotations
@@ -89,12 +95,50 @@ def measure(seed: int, config: tuple, dtype=torch.bfloat16, settings: dict | Non
                   f"|dk| {want.reshape(b, t, hkv, d)[0, j].norm():.3e}, error {per_key[j].sqrt():.3e}")
 
 
+def _parse_settings(text: str) -> dict:
+    settings = {}
+    for item in filter(None, text.split(",")):
+        name, value = item.split("=")
+        settings[name] = int(value) if value.lstrip("-").isdigit() else value == "True"
+    return settings
+
+
+def repeatability(settings_list: list[str]) -> None:
+    shapes = cases.GPU_CONFIGS + [(1, 2048, 32, 16, 128, None, False), (1, 2048, 16, 8, 256, None, True)]
+    for text in settings_list:
+        for config in shapes:
+            for dtype in (torch.bfloat16, torch.float32):
+                qkv, docs, dout = _inputs(1234, config, dtype)
+                b, t, hq, hkv, d, window, _ = config
+                scale, cap = d**-0.5 * 1.7, 1.5
+
+                def kernel(q, k, v, docs=docs, window=window, scale=scale, cap=cap):
+                    return sca.softcap_attention(q, k, v, scale, cap, window, docs)
+
+                with tuned(sca, **_parse_settings(text)):
+                    runs = [_run(kernel, qkv, dout, (hq, hkv, d)) for _ in range(3)]
+                same = all(torch.equal(o, runs[0][0]) and torch.equal(g, runs[0][1]) for o, g in runs[1:])
+                dk = slice(hq * d, (hq + hkv) * d)
+                ref = _run(lambda q, k, v: sca.softcap_attention_reference(q, k, v, scale, cap, window, docs),
+                           qkv.double(), dout, (hq, hkv, d))
+                eager = _run(lambda q, k, v: attend_softcapped_math(
+                    q, k, v, sca._allowed(t, window, docs, q.device), scale, cap), qkv, dout, (hq, hkv, d))
+                print(f"settings [{text or 'default'}] config {config} {dtype}: bitwise-repeatable={same} "
+                      f"dk {rel_l2(runs[0][1][..., dk], ref[1][..., dk]):.2e} "
+                      f"(eager {rel_l2(eager[1][..., dk], ref[1][..., dk]):.2e})", flush=True)
+                del runs, ref, eager
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=8, help="further random seeds after the test's")
     parser.add_argument("--test-seed", type=int, default=1915272562, help="LIGER_TEST_SEED of the failing run")
     parser.add_argument("--config", default="1,777,8,4,128,0,1", help="B,T,Hq,Hkv,D,window (0: none),documents")
+    parser.add_argument("--settings", nargs="*", help="launch settings to check for repeatability on every shape")
     args = parser.parse_args()
+    if args.settings is not None:
+        repeatability(args.settings)
+        return
     b, t, hq, hkv, d, window, docs = (int(x) for x in args.config.split(","))
     config = (b, t, hq, hkv, d, window or None, bool(docs))
     if DEVICE == "cpu":

@@ -66,14 +66,41 @@ def test_small_blocks_with_documents(tune, poisoned):
     _check((2, 83, 4, 2, 16, 21, True), torch.float32)
 
 
+GPU_CONFIGS = [(2, 1000, 16, 8, 256, 256, False),  # Gemma-2-9B heads, window 256 of 1000
+               (1, 777, 8, 4, 128, None, True),  # Gemma-2-27B's head_dim, documents
+               (3, 300, 6, 2, 24, 37, True)]  # head_dim off the blocks, window + documents
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [(2, 1000, 16, 8, 256, 256, False),  # Gemma-2-9B heads, window 256 of 1000
-                                    (1, 777, 8, 4, 128, None, True),  # Gemma-2-27B's head_dim, documents
-                                    (3, 300, 6, 2, 24, 37, True)])  # head_dim off the blocks, window + documents
+@pytest.mark.parametrize("config", GPU_CONFIGS)
 def test_forward_backward_against_float64_on_gpu(config, dtype, poisoned):
     """The compiled kernels at real head shapes, sequences of several blocks with a ragged end."""
     _check(config, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", GPU_CONFIGS + [(1, 2048, 32, 16, 128, None, False),  # Gemma-2-27B heads
+                                                  (1, 2048, 16, 8, 256, None, True)])  # 9B heads, documents
+def test_the_compiled_kernels_give_the_same_bits_every_run(config, dtype):
+    """No kernel of the op sums in a run-dependent order (no atomics, one program per output tile), so two runs on
+    the same inputs agree bit for bit; a difference is a race, which no error bound is sure to catch."""
+    b, t, hq, hkv, d, window, with_docs = config
+    docs = _documents(b, t) if with_docs else None
+    qkv, _ = _packed(b, t, hq, hkv, d, dtype)
+    dout = torch.randn(b, t, hq, d, device=DEVICE).to(dtype).transpose(1, 2)
+    runs = []
+    for _ in range(3):
+        x = qkv.detach().clone().requires_grad_()
+        out = sca.softcap_attention(*_heads(x, hq, hkv, d), d**-0.5 * 1.7, 1.5, window, docs)
+        out.backward(dout)
+        runs.append((out.detach(), x.grad))
+    for out, grad in runs[1:]:
+        assert torch.equal(out, runs[0][0]), "the forward differs between runs"
+        for name, lo, hi in (("dq", 0, hq * d), ("dk", hq * d, (hq + hkv) * d), ("dv", (hq + hkv) * d, None)):
+            differ = (grad[..., lo:hi] != runs[0][1][..., lo:hi]).sum().item()
+            assert differ == 0, f"{name}: {differ} elements differ between runs"
 
 
 def _check(config, dtype):

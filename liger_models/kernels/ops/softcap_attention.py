@@ -53,6 +53,9 @@ class SoftcapAttentionTuning:
     bwd_block_n_wide: int = 32
     num_warps_wide: int = 8
     num_stages: int = 2
+    # The dk/dv kernel's software pipelining on its own (it prefetches the next query block's lse, δ and document
+    # ids; the q and do tiles are plain loads either way)
+    dkdv_num_stages: int = 1
     # Loops over the blocks that need no mask (below the diagonal, inside the window; not with documents) apart from
     # those that do, which alone compute the mask
     split_masked: bool = True
@@ -357,7 +360,8 @@ def _meta(q: torch.Tensor, k: torch.Tensor, window: int | None, documents: torch
                 IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.element_size() < 4,
                 num_warps=TUNING.num_warps_wide if wide else TUNING.num_warps,
                 # fp32 tiles of 256 columns, double-buffered, would pass an SM's shared memory
-                num_stages=1 if wide and q.element_size() == 4 else TUNING.num_stages)
+                num_stages=1 if wide and q.element_size() == 4 else
+                TUNING.dkdv_num_stages if backward_dkdv else TUNING.num_stages)
 
 
 def _strides(x: torch.Tensor) -> list[int]:
