@@ -7,6 +7,12 @@ bf16 casts) gives the kernel about half eager's error. This tool prints, per see
 the kernel's and eager's; whether two kernel runs on the same inputs agree bit for bit; for the first seed which keys
 carry dk's error (document length, position in its document, position in the key block); and the same inputs under
 other launch settings (stages, blocks, warps), to tell a numerical weakness from a wrong result on the compiled path.
+Its answer on that H100 (torch 2.11.0+cu130, triton 3.6.0; raw benchmarks/results/2026-12-05-h100/softcap_grad_errors.log):
+a wrong result. With the dk/dv kernel software-pipelined (num_stages 2, blocks 32 queries × 64 keys, 4 warps) two
+runs on the same inputs differed in every one of 9 seeds, dk's error 1.1e-2 to 3.2e-2 (eager 6.1e-3); with any one
+of its settings changed (1 stage, 64-query blocks, 16 × 32 blocks, 8 warps) the runs agreed bit for bit and dk's error
+was 2.9e-3, the interpreter's figure. The error sat on the keys of short documents, whose dk comes from a few
+queries of one block, as a lost or wrong block contribution would.
 
     python benchmarks/tools/softcap_grad_errors.py [--seeds 8] [--test-seed 1915272562] [--config 1,777,8,4,128,0,1]
 
