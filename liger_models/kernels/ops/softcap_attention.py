@@ -53,8 +53,10 @@ class SoftcapAttentionTuning:
     bwd_block_n_wide: int = 32
     num_warps_wide: int = 8
     num_stages: int = 2
-    # The dk/dv kernel's software pipelining on its own (it prefetches the next query block's lse, δ and document
-    # ids; the q and do tiles are plain loads either way)
+    # The dk/dv kernel's own. Pipelined (2 stages: Triton 3.6 prefetches the next query block's lse, δ and document
+    # ids) at 32 × 64 blocks and 4 warps it gave a different dk on every run of the same inputs on an H100
+    # (2026-12-05, benchmarks/tools/softcap_grad_errors.py), up to 5x eager's bf16 error; with one stage the runs
+    # agree bit for bit (tests/kernels/test_softcap_attention.py) and dk's error is half eager's.
     dkdv_num_stages: int = 1
     # Loops over the blocks that need no mask (below the diagonal, inside the window; not with documents) apart from
     # those that do, which alone compute the mask
