@@ -7,7 +7,6 @@
 #   bash benchmarks/device_session.sh tests medusa-trees   # pytest -m gpu, then fitted Medusa trees on the demo's heads
 #   bash benchmarks/device_session.sh moe softcap lora  # the MoE layer, soft-capped attention, LoRA / QLoRA steps
 #   bash benchmarks/device_session.sh softcap-sweep     # the soft-capped attention kernel's settings
-#   bash benchmarks/device_session.sh compile-probe     # a compiled step's first call by depth, with its compile phases
 #   bash benchmarks/device_session.sh lora-moe          # LoRA on experts + routers, ours vs HF + PEFT (MoE widths)
 #   bash benchmarks/device_session.sh nf4               # NF4 dequantisation: Triton vs reference vs bitsandbytes
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
@@ -112,16 +111,10 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1
       LIGER_BENCH_STACKS_EVERY=${STACKS_EVERY:-60} TORCH_LOGS=${COMPILE_LOGS:-recompiles,graph_breaks} \
         python3 benchmarks/bench_e2e.py --out "$OUT/e2e_compile" --timeout "${COMPILE_TIMEOUT:-400}" \
         --providers ours_compile,ours --configs "${COMPILE_CONFIGS:-llama-3-8b-w8l}" ;;
-    compile-probe)  # a compiled step's first call by depth (1, 2, 4 layers at llama-3.2-1b's widths), with dynamo's
-                    # phases: whether the compile that did not finish grows per layer, and where (lowering, Triton)
-      python3 benchmarks/tools/compile_probe.py --out "$OUT/compile_probe" --config "${PROBE_CONFIG:-llama-3.2-1b}" \
-        --layers "${PROBE_LAYERS:-1,2,4}" --timeout "${PROBE_TIMEOUT:-150}" ;;
     moe)  # one MoE layer: ours vs transformers' grouped_mm and eager experts
       (cd benchmarks && python3 bench_moe.py --out "$OUT") ;;
     softcap)  # Gemma 2's soft-capped attention: our kernel vs flex + score_mod vs uncapped SDPA vs HF's math
       (cd benchmarks && python3 bench_softcap_attention.py --out "$OUT") ;;
-    softcap-errors)  # the soft-capped attention kernel's bf16 errors next to eager's, per seed and launch setting
-      python3 benchmarks/tools/softcap_grad_errors.py ;;
     softcap-sweep)  # the soft-capped attention kernel's block / warp / stage settings at the same shapes
       (cd benchmarks && for tune in "" softcap_attention.fwd_block_n_wide=64 softcap_attention.fwd_block_m=128 \
           softcap_attention.num_stages=1 softcap_attention.num_stages=3 softcap_attention.bwd_block_m=64 \

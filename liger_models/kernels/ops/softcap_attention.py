@@ -55,7 +55,7 @@ class SoftcapAttentionTuning:
     num_stages: int = 2
     # The dk/dv kernel's own. Pipelined (2 stages: Triton 3.6 prefetches the next query block's lse, δ and document
     # ids) at 32 × 64 blocks and 4 warps it gave a different dk on every run of the same inputs on an H100
-    # (2026-12-05, benchmarks/tools/softcap_grad_errors.py), up to 5x eager's bf16 error; with one stage the runs
+    # (2026-12-05, BENCHMARKS.md "Soft-capped attention"), up to 5x eager's bf16 error; with one stage the runs
     # agree bit for bit (tests/kernels/test_softcap_attention.py) and dk's error is half eager's.
     dkdv_num_stages: int = 1
     # Loops over the blocks that need no mask (below the diagonal, inside the window; not with documents) apart from
