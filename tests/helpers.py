@@ -77,6 +77,27 @@ def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tenso
         assert err <= bound, f"{name}: {out.dtype} rel L2 err {err:.3e} > 2x eager's {eager_err:.3e}"
 
 
+
+def assert_same_bits_every_run(run, inputs: dict, names: list[str], repeats: int = 3) -> None:
+    """``run(**inputs)`` returns tensors (outputs, gradients, updated state), one per name in ``names``: run on fresh
+    copies of the same inputs (in-place updates and ``.grad`` start over), it must give the same bits every time.
+    No kernel of the package sums in a run-dependent order, so a difference is a race (docs/kernels.md); two NaNs in
+    the same place agree."""
+
+    def fresh() -> dict:
+        return {k: x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                for k, x in inputs.items()}
+
+    first = [t.detach().clone() for t in run(**fresh())]
+    assert len(first) == len(names)
+    for _ in range(repeats - 1):
+        for name, a, b in zip(names, first, run(**fresh()), strict=True):
+            differ = (a != b).sum().item()
+            if a.is_floating_point():
+                differ -= (torch.isnan(a) & torch.isnan(b)).sum().item()
+            assert differ == 0, f"{name}: {differ} of {a.numel()} elements differ between runs"
+
+
 EOS = "<|endoftext|>"
 
 

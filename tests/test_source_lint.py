@@ -3,6 +3,7 @@ rarely taken branch, or an import left behind by a move, fails here rather than 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,6 @@ def test_no_test_monkeypatches_a_torch_config_module():
     """torch's config modules (torch._dynamo.config, torch._inductor.config, ...) answer attribute reads through
     __getattr__, so monkeypatch's undo deletes the entry instead of restoring it, and every later compile in that
     process fails ("... does not exist"). Tests patch them with the module's own ``config.patch(...)``."""
-    import re
-
     pattern = re.compile(r"monkeypatch\.setattr\(\s*torch\.[\w.]*config\b")
     found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "tests").rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]

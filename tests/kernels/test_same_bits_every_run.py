@@ -10,13 +10,15 @@ soft-capped attention's dk / dv kernel once passed most seeds of its float64 tes
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from liger_models.kernels import (adamw_step_, add_rms_norm, cross_entropy, decode_attention,
                                   fused_linear_cross_entropy, geglu_packed, layer_norm, qk_norm_rope, rms_norm,
                                   rope_packed, swiglu_packed)
-from tests.helpers import BIG_MEMORY, DEVICE
+from tests.helpers import BIG_MEMORY, DEVICE, INTERPRETER_ONLY, assert_same_bits_every_run
 from tests.kernels.test_rope import cos_sin
 
 ON_GPU = DEVICE == "cuda"
@@ -84,14 +86,8 @@ def _gated():
     return dict(gate_up=_leaf(rows, 2 * inter))
 
 
-def _run_swiglu(gate_up):
-    y = swiglu_packed(gate_up)
-    _backward([y])
-    return [y, gate_up.grad]
-
-
-def _run_geglu(gate_up):
-    y = geglu_packed(gate_up)
+def _run_gated(gate_up, op):
+    y = op(gate_up)
     _backward([y])
     return [y, gate_up.grad]
 
@@ -147,40 +143,30 @@ def _run_adamw(p, g, m, v, step):
     return [p, m, v]
 
 
-CASES = {
-    "rms_norm, add_rms_norm, layer_norm": (_norms, _run_norms),
-    "rope_packed": (_attention_inputs, _run_rope),
-    "qk_norm_rope": (_attention_inputs, _run_qk_norm_rope),
-    "swiglu_packed": (_gated, _run_swiglu),
-    "geglu_packed": (_gated, _run_geglu),
-    "cross_entropy (smoothing, z-loss, softcap, accuracy)": (_logits, _run_cross_entropy),
-    "fused_linear_cross_entropy (ranks, accuracy)": (_hidden, _run_linear_ce),
-    "fused_linear_cross_entropy (gradient filter, softcap)": (_hidden, _run_linear_ce_filtered),
-    "decode_attention": (_decode, _run_decode),
-    "adamw_step_": (_adamw, _run_adamw),
+LINEAR_CE = ["loss", "token_accuracy", "target_rank", "dhidden", "dweight"]
+CASES = {  # name: (inputs, run, what run returns)
+    "rms_norm, add_rms_norm, layer_norm": (_norms, _run_norms, ["rms_norm", "add_rms_norm", "residual sum",
+                                                                "layer_norm", "dx", "dw", "dresidual", "dw (layer_norm)",
+                                                                "db (layer_norm)"]),
+    "rope_packed": (_attention_inputs, _run_rope, ["q", "k", "v", "dqkv"]),
+    "qk_norm_rope": (_attention_inputs, _run_qk_norm_rope, ["q", "k", "v", "dqkv", "dq_weight", "dk_weight"]),
+    "swiglu_packed": (_gated, functools.partial(_run_gated, op=swiglu_packed), ["out", "dgate_up"]),
+    "geglu_packed": (_gated, functools.partial(_run_gated, op=geglu_packed), ["out", "dgate_up"]),
+    "cross_entropy (smoothing, z-loss, softcap, accuracy)": (_logits, _run_cross_entropy,
+                                                             ["loss", "token_accuracy", "dlogits"]),
+    "fused_linear_cross_entropy (ranks, accuracy)": (_hidden, _run_linear_ce, LINEAR_CE),
+    "fused_linear_cross_entropy (gradient filter, softcap)": (_hidden, _run_linear_ce_filtered, LINEAR_CE),
+    "decode_attention": (_decode, _run_decode, ["out"]),
+    "adamw_step_": (_adamw, _run_adamw, ["p", "m", "v"]),
 }
 
 
-def _fresh(inputs: dict) -> dict:
-    """The same inputs as new tensors: a run that writes in place or accumulates .grad starts from the same state."""
-    return {name: x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-            for name, x in inputs.items()}
-
-
 def _check_same_bits(case: str) -> None:
-    make, run = CASES[case]
-    inputs = make()
-    first = [t.detach().clone() for t in run(**_fresh(inputs))]
-    for _ in range(2):
-        again = run(**_fresh(inputs))
-        assert len(again) == len(first)
-        for i, (a, b) in enumerate(zip(first, again)):
-            differ = (a != b).sum().item()
-            if a.is_floating_point():  # a NaN compares unequal to itself: two NaNs in the same place agree
-                differ -= (torch.isnan(a) & torch.isnan(b)).sum().item()
-            assert differ == 0, f"{case}: output {i} differs between runs in {differ} of {a.numel()} elements"
+    make, run, names = CASES[case]
+    assert_same_bits_every_run(run, make(), names)
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_bits_every_run(case):
     """CPU (Triton's interpreter): the harness at a few blocks per dimension."""
@@ -195,14 +181,13 @@ def test_same_bits_every_run_on_gpu(case):
     _check_same_bits(case)
 
 
-def test_the_check_sees_a_difference(monkeypatch):
-    """A case whose output changes between runs fails the check."""
+def test_the_check_sees_a_difference():
+    """A run whose output changes between runs fails the check."""
     calls = []
 
     def drifting():
         calls.append(1)
         return [torch.full((3,), float(len(calls)), device=DEVICE)]
 
-    monkeypatch.setitem(CASES, "drifting", (dict, drifting))
-    with pytest.raises(AssertionError, match="differs between runs in 3 of 3"):
-        _check_same_bits("drifting")
+    with pytest.raises(AssertionError, match="out: 3 of 3 elements differ between runs"):
+        assert_same_bits_every_run(drifting, {}, ["out"])
