@@ -19,12 +19,21 @@ Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a m
 
     python benchmarks/bench_lora.py --out DIR [--configs qwen2.5-7b,llama-3.1-8b] [--providers ...]
         [--batch 4 --seq 4096] [--checkpointing both|on|off]
-    python benchmarks/bench_lora.py --out DIR --longest [--providers ...]   # longest batch-1 sequence, QLoRA 8B
+    python benchmarks/bench_lora.py --out DIR --longest [--providers ...] [--longest-budget 240]
+
+--longest: the longest batch-1 sequence (a multiple of 1024) one full training step of Llama-3.1-8B fits in, for the
+QLoRA providers. One subprocess per provider builds the model once (checkpointing on) and searches in-process: the
+length doubles from 4096 up to the first OutOfMemoryError (at most 1 << 20), then bisects between the last success
+and that failure down to 1024. The number is a lower bound: after an OOM the caching allocator is emptied but the
+next probe may still meet a more fragmented heap than a fresh process would. The search stops once --longest-budget
+seconds (per provider, build included) are spent or the next probe would end past them (a step's time grows at most
+quadratically with its length), and then reports what it found with budget_hit true.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -148,8 +157,8 @@ def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool,
                 warmup_s=round(warmup_s, 1))
 
 
-def _run(args: list[str], timeout: int = 1800) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True,
+def _run(args: list[str], timeout: int = 1800, flag: str = "--worker") -> dict:
+    proc = subprocess.run([sys.executable, __file__, flag, *args], capture_output=True, text=True,
                           timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
@@ -159,22 +168,108 @@ def _run(args: list[str], timeout: int = 1800) -> dict:
     return json.loads(lines[-1])
 
 
-def longest(name: str, provider: str, lo: int = 4096, hi: int = 1 << 20) -> int:
-    """The longest batch-1 sequence (multiple of 1024) one training step fits in, by bisection."""
-    best = 0
-    while lo <= hi:
-        mid = (lo + hi) // 2 // 1024 * 1024
-        row = _run([name, provider, "1", str(mid), "1", "1"])
-        if "error" in row:
-            hi = mid - 1024
-        else:
-            best, lo = mid, mid + 1024
-    return best
+def _step(model, opt, vocab: int, seq: int, torch) -> float:
+    """One training step on random tokens of shape (1, seq). Its tensors live in this frame only, so once an OOM's
+    traceback is gone nothing of the step is left."""
+    ids = torch.randint(0, vocab, (1, seq), device="cuda")
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+def _probe(model, opt, vocab: int, seq: int, torch) -> dict:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    error = None
+    try:
+        _step(model, opt, vocab, seq, torch)
+        result = "ok"
+    except torch.cuda.OutOfMemoryError:  # not bound: leaving this block drops the exception and its frames
+        result = "oom"
+    except Exception as exc:  # anything else ends the search; the row keeps what was found
+        result, error = "error", f"{type(exc).__name__}: {exc}"[-2000:]
+        del exc
+    seconds = time.perf_counter() - t0
+    if result != "ok":
+        # Gradients the failed backward accumulated, then the cycles among the unwound frames, then the cache.
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    row = dict(seq=seq, result=result, s=round(seconds, 2))
+    if result == "ok":
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if error:
+        row["error"] = error
+    return row
+
+
+def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, hi: int = 1 << 20) -> dict:
+    """The longest batch-1 sequence one training step fits in, on one model built once (see the module's docstring)."""
+    t_start = time.perf_counter()
+    import torch
+
+    torch.manual_seed(0)
+    cfg = CONFIGS[name]
+    t0 = time.perf_counter()
+    model = _build(provider, cfg, checkpointing=True)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    probes, best, bad, first_oom, budget_hit, error = [], None, None, None, False, None
+
+    def attempt(seq: int) -> bool | None:
+        """True / False: the step fit / ran out of memory; None: the search stops (budget or another error)."""
+        nonlocal budget_hit, error
+        elapsed = time.perf_counter() - t_start
+        predicted = best["s"] * (seq / best["seq"]) ** 2 if best else 0.0
+        if elapsed + predicted > budget:
+            budget_hit = True
+            return None
+        probes.append(_probe(model, opt, cfg["vocab_size"], seq, torch))
+        print(json.dumps(probes[-1]), file=sys.stderr, flush=True)
+        if probes[-1]["result"] == "error":
+            error = probes[-1]["error"]
+            return None
+        return probes[-1]["result"] == "ok"
+
+    seq = lo
+    while True:  # doubling up to the first OOM
+        ok = attempt(seq)
+        if not ok:
+            break
+        best = probes[-1]
+        if seq >= hi:
+            break
+        seq = min(2 * seq, hi)
+    if ok is False:
+        bad = first_oom = seq
+        while bad - (best["seq"] if best else 0) > 1024:  # bisection between the last success and the failure
+            mid = ((best["seq"] if best else 0) + bad) // 2 // 1024 * 1024
+            ok = attempt(mid)
+            if ok is None:
+                break
+            if ok:
+                best = probes[-1]
+            else:
+                bad = mid
+    return dict(config=name, provider=provider, longest_seq=best["seq"] if best else 0, first_oom_seq=first_oom,
+                min_oom_seq=bad, peak_gib=best["peak_gib"] if best else None, step_s=best["s"] if best else None,
+                build_s=round(build_s, 1), total_s=round(time.perf_counter() - t_start, 1), budget_s=budget,
+                budget_hit=budget_hit, error=error,
+                probes=[{k: v for k, v in p.items() if k != "error"} for p in probes],
+                device=torch.cuda.get_device_name(0),
+                gpu_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", nargs=6, metavar=("CONFIG", "PROVIDER", "BATCH", "SEQ", "CKPT", "STEPS"))
+    p.add_argument("--longest-worker", nargs=3, metavar=("CONFIG", "PROVIDER", "BUDGET"))
     p.add_argument("--out")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--providers", default=",".join(PROVIDERS))
@@ -182,10 +277,16 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
     p.add_argument("--longest", action="store_true", help="longest batch-1 QLoRA sequence of llama-3.1-8b instead")
+    p.add_argument("--longest-budget", type=float, default=240.0,
+                   help="seconds per provider for --longest, build included (default 240)")
     args = p.parse_args()
     if args.worker:
         name, provider, batch, seq, ckpt, steps = args.worker
         print(json.dumps(_worker(name, provider, int(batch), int(seq), ckpt == "1", int(steps))))
+        return
+    if args.longest_worker:
+        name, provider, budget = args.longest_worker
+        print(json.dumps(_longest_worker(name, provider, float(budget))))
         return
     if not args.out:
         p.error("--out DIR is required")
@@ -194,8 +295,15 @@ def main() -> None:
     providers = args.providers.split(",")
     if args.longest:
         for provider in [p for p in providers if "bnb" in p or "qlora" in p]:
-            rows.append(dict(config="llama-3.1-8b", provider=provider, longest_seq=longest("llama-3.1-8b", provider)))
+            try:  # the budget is checked between probes: one probe (minutes at most) may run past it
+                row = _run(["llama-3.1-8b", provider, str(args.longest_budget)], timeout=int(args.longest_budget) + 900,
+                           flag="--longest-worker")
+            except subprocess.TimeoutExpired:
+                row = dict(error="timeout")
+            row.update(config="llama-3.1-8b", provider=provider)
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
+            _save(args.out, rows)
     else:
         ckpts = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
         for name in args.configs.split(","):
