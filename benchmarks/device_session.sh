@@ -125,6 +125,16 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1
     lora)  # LoRA / QLoRA at Llama-3.1-8B, checkpointing on (HF providers build in ~2 min each; LORA_PROVIDERS to pick)
       python3 benchmarks/bench_lora.py --out "$OUT/lora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" --checkpointing on \
         --providers "${LORA_PROVIDERS:-ours,ours_qlora,ours_offload,hf_peft_bnb}" ;;
+    lora-grid)  # issue 35's grid for one config at a time (LORA_CONFIGS): checkpointing on at 4 x 4096, off at 2 x 4096
+                # (HF + PEFT without checkpointing needs ~100 GiB at 2 x 4096 on an H200), every provider
+      python3 benchmarks/bench_lora.py --out "$OUT/lora_ckpt" --configs "${LORA_CONFIGS:-qwen2.5-7b}" --checkpointing on \
+        --providers "${LORA_PROVIDERS:-ours,ours_qlora,ours_offload,hf_peft,hf_peft_liger,hf_peft_bnb,hf_peft_bnb_liger}"
+      python3 benchmarks/bench_lora.py --out "$OUT/lora_nockpt" --configs "${LORA_CONFIGS:-qwen2.5-7b}" \
+        --checkpointing off --batch 2 \
+        --providers "${LORA_PROVIDERS_OFF:-ours,ours_qlora,hf_peft,hf_peft_liger,hf_peft_bnb,hf_peft_bnb_liger}" ;;
+    lora-longest)  # the longest batch-1 QLoRA Llama-3.1-8B sequence per provider (LONGEST_BUDGET seconds each)
+      python3 benchmarks/bench_lora.py --out "$OUT/lora_longest" --longest --longest-budget "${LONGEST_BUDGET:-240}" \
+        --providers "${LORA_PROVIDERS:-ours_qlora,hf_peft_bnb_liger}" ;;
     lora-dora)  # DoRA at Llama-3.1-8B, checkpointing on: ours against HF + PEFT's use_dora
       python3 benchmarks/bench_lora.py --out "$OUT/lora_dora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" \
         --checkpointing on --providers ours,ours_dora,hf_peft_dora ;;
