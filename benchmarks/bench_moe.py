@@ -5,7 +5,8 @@ Shapes are the MLP slots of Qwen3-30B-A3B (D 2048, 128 experts of 768, top-8, re
 Providers: "liger-models" is liger_models.modules.moe.SparseMoeBlock (sorted rows, torch grouped_mm, the fused gated
 kernel, a backward that saves only the gate|up output); "hf-grouped_mm" and "hf-eager" are transformers'
 Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock with experts_implementation "grouped_mm" (its default) and "eager"
-(a Python loop over experts). All run on the same weights. Peak memory is what a forward + backward allocates above
+(a Python loop over experts). "gemms-only" is the floor of a grouped_mm layer: its six grouped GEMMs alone, at the
+same routing. All run on the same weights. Peak memory is what a forward + backward allocates above
 its inputs; time is one forward + backward.
 
     python benchmarks/bench_moe.py [--quick] [--out DIR] [--providers liger-models,hf-grouped_mm,hf-eager]
@@ -70,7 +71,44 @@ def providers(case: dict) -> dict:
             out.backward(dy)
         return run
 
-    return {"liger-models": step(ours), "hf-grouped_mm": step(blocks["grouped_mm"]), "hf-eager": step(blocks["eager"])}
+    return {"liger-models": step(ours), "hf-grouped_mm": step(blocks["grouped_mm"]), "hf-eager": step(blocks["eager"]),
+            "gemms-only": _gemms_only(ours, x, dy, case["top_k"])}
+
+
+def _gemms_only(block, x: torch.Tensor, dy: torch.Tensor, top_k: int):
+    """The layer's six grouped GEMMs alone (gate|up and down forward, both input gradients, both weight gradients) at
+    the routing ``block``'s router gives ``x``: what any layer built on torch's grouped GEMM spends at the least, so
+    the time a fused path could still save is the layer's time less this."""
+    from liger_models.modules.moe import grouped_linear, grouped_weight_grad, route
+
+    with torch.no_grad():
+        rows_in = x.detach().reshape(-1, x.shape[-1])
+        _, experts = route(block.gate(rows_in), top_k, True, False)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        expert_of_row = flat[order]
+        counts = torch.bincount(flat, minlength=block.num_experts)
+        rows = rows_in[order // top_k].contiguous()
+        g = dy.detach().reshape(-1, x.shape[-1])[order // top_k].contiguous()
+    gate_up, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+    n, inter = rows_in.shape[0], down.shape[-1]
+
+    def run():
+        def linear(a, w):
+            return grouped_linear(a, w, counts, expert_of_row, "grouped_mm", n)
+
+        def weight_grad(a, b):
+            return grouped_weight_grad(a, b, counts, expert_of_row, "grouped_mm", n)
+
+        hidden = linear(rows, gate_up)
+        act = hidden[:, :inter].contiguous()
+        linear(act, down)
+        d_act = linear(g, down.transpose(-2, -1))
+        weight_grad(g, act)
+        weight_grad(hidden, rows)
+        linear(hidden, gate_up.transpose(-2, -1))
+        del d_act
+    return run
 
 
 def main() -> None:
