@@ -24,12 +24,19 @@ run_part() {
             # 41 of 275 failed so, all out of memory). Serially on an H100 the suite took 444 s with warm Triton and
             # inductor caches and did not finish in 560 s cold (a fresh machine): there, GPU_TESTS runs it in two
             # calls, e.g. GPU_TESTS="tests/models" and then GPU_TESTS="tests --ignore=tests/models"
-      # GPU_WORKERS overrides (e.g. 2 on an H100, untried: half the card each, the big-memory tests on one worker)
+      # GPU_WORKERS overrides (e.g. 2 on an H100, untried: half the card each, the big-memory tests on one worker;
+      # `tests tests-rerun` then reruns what failed, serially)
       workers=${GPU_WORKERS:-$(python3 -c "import torch
 print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")}
       # shellcheck disable=SC2086  # GPU_TESTS is a list of pytest arguments
       python3 -m pytest -m gpu -q -n "$workers" --dist loadgroup -p no:cacheprovider -rfE --durations=15 \
         ${GPU_TESTS:-tests} ;;
+    tests-rerun)  # the tests that failed in this call's `tests` part, again, serially in one fresh process: with
+                  # workers sharing a card a failure can be another worker's memory (reported as such, not as a pass)
+      failed=$(sed -n 's/^\(FAILED\|ERROR\) \([^ ]*\).*/\2/p' "$OUT/tests.log" | sort -u)
+      if [ -z "$failed" ]; then echo "no failed test to rerun"; else
+        # shellcheck disable=SC2086  # one node id per word
+        python3 -m pytest -m gpu -q -p no:cacheprovider -rfE $failed; fi ;;
     tests-loss)  # the loss kernels' GPU tests alone
       python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_cross_entropy.py \
         tests/kernels/test_fused_linear_cross_entropy.py ;;
