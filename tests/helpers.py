@@ -53,7 +53,8 @@ def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tenso
 
     float32: max abs error ≤ 1e-5 × the reference's scale, max|ref| (at least ``scale_floor``: an output that is a
     cancellation of larger fp32 values, such as a loss near 0 from logits near 30, is only as accurate as those
-    values' scale).  bf16/fp16: relative L2 error ≤ 1e-2 and, when the eager PyTorch result in the same low
+    values' scale), or, when the eager fp32 result is given, no more than 2× its max error (a gradient through a
+    whole model's attention backward, which fp32 arithmetic itself computes to only ~1e-5 of its scale).  bf16/fp16: relative L2 error ≤ 1e-2 and, when the eager PyTorch result in the same low
     precision is given, no more than 2× its error, with a floor of ``roundings`` worst-case roundings to the dtype
     (half an ulp, 2⁻⁸ relative in bf16): an output whose definition rounds an intermediate as well (the Llama-cast
     norms round x̂ to the input dtype before the weight, as HF does) may carry two. Where eager itself misses 1e-2
@@ -65,7 +66,10 @@ def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tenso
     if out.dtype == torch.float32 or out.dtype == torch.float64:
         scale = max(scale_floor, ref64.abs().max().item() if ref64.numel() else 0.0)
         err = (out.double() - ref64.double()).abs().max().item() if out.numel() else 0.0
-        assert err <= 1e-5 * scale, f"{name}: fp32 max abs err {err:.3e} > {1e-5 * scale:.3e}"
+        bound = 1e-5 * scale
+        if eager is not None:  # an output fp32 arithmetic itself cannot give to 1e-5: within 2x eager fp32's error
+            bound = max(bound, 2 * (eager.double() - ref64.double()).abs().max().item())
+        assert err <= bound, f"{name}: fp32 max abs err {err:.3e} > {bound:.3e}"
         return
     err = rel_l2(out, ref64)
     eager_err = None if eager is None else rel_l2(eager, ref64)
