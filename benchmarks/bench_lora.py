@@ -124,18 +124,27 @@ def _build(provider: str, cfg: dict, checkpointing: bool):
                                                       use_dora=provider == "hf_peft_dora"))
 
 
-def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool, steps: int = STEPS) -> dict:
+def _built(provider: str, cfg: dict, checkpointing: bool):
+    """(model in train mode, fused AdamW over its trainable parameters, seconds the build took)."""
     import torch
 
     torch.manual_seed(0)
-    cfg = CONFIGS[name]
     t0 = time.perf_counter()
     model = _build(provider, cfg, checkpointing)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    return model, opt, build_s
+
+
+def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool, steps: int = STEPS) -> dict:
+    import torch
+
+    cfg = CONFIGS[name]
+    t0 = time.perf_counter()
+    model, opt, build_s = _built(provider, cfg, checkpointing)
+    params = [p for group in opt.param_groups for p in group["params"]]
     tokens = torch.randint(0, cfg["vocab_size"], (WARMUP + steps, batch, seq), device="cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -168,7 +177,7 @@ def _run(args: list[str], timeout: int = 1800, flag: str = "--worker") -> dict:
     return json.loads(lines[-1])
 
 
-def _step(model, opt, vocab: int, seq: int, torch) -> float:
+def _step(model, opt, vocab: int, seq: int, torch) -> None:
     """One training step on random tokens of shape (1, seq). Its tensors live in this frame only, so once an OOM's
     traceback is gone nothing of the step is left."""
     ids = torch.randint(0, vocab, (1, seq), device="cuda")
@@ -176,7 +185,6 @@ def _step(model, opt, vocab: int, seq: int, torch) -> float:
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss)
 
 
 def _probe(model, opt, vocab: int, seq: int, torch) -> dict:
@@ -212,15 +220,10 @@ def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, hi:
     t_start = time.perf_counter()
     import torch
 
-    torch.manual_seed(0)
     cfg = CONFIGS[name]
-    t0 = time.perf_counter()
-    model = _build(provider, cfg, checkpointing=True)
-    torch.cuda.synchronize()
-    build_s = time.perf_counter() - t0
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    model, opt, build_s = _built(provider, cfg, checkpointing=True)
     probes, best, bad, first_oom, budget_hit, error = [], None, None, None, False, None
+    fits = 0  # the longest length that fit so far (best's)
 
     def attempt(seq: int) -> bool | None:
         """True / False: the step fit / ran out of memory; None: the search stops (budget or another error)."""
@@ -242,22 +245,22 @@ def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, hi:
         ok = attempt(seq)
         if not ok:
             break
-        best = probes[-1]
+        best, fits = probes[-1], seq
         if seq >= hi:
             break
         seq = min(2 * seq, hi)
     if ok is False:
         bad = first_oom = seq
-        while bad - (best["seq"] if best else 0) > 1024:  # bisection between the last success and the failure
-            mid = ((best["seq"] if best else 0) + bad) // 2 // 1024 * 1024
+        while bad - fits > 1024:  # bisection between the last success and the failure
+            mid = (fits + bad) // 2 // 1024 * 1024
             ok = attempt(mid)
             if ok is None:
                 break
             if ok:
-                best = probes[-1]
+                best, fits = probes[-1], mid
             else:
                 bad = mid
-    return dict(config=name, provider=provider, longest_seq=best["seq"] if best else 0, first_oom_seq=first_oom,
+    return dict(config=name, provider=provider, longest_seq=fits, first_oom_seq=first_oom,
                 min_oom_seq=bad, peak_gib=best["peak_gib"] if best else None, step_s=best["s"] if best else None,
                 build_s=round(build_s, 1), total_s=round(time.perf_counter() - t_start, 1), budget_s=budget,
                 budget_hit=budget_hit, error=error,

@@ -54,9 +54,10 @@ def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tenso
     float32: max abs error ≤ 1e-5 × the reference's scale, max|ref| (at least ``scale_floor``: an output that is a
     cancellation of larger fp32 values, such as a loss near 0 from logits near 30, is only as accurate as those
     values' scale), or, when the eager fp32 result is given, no more than 2× its max error (a gradient through a
-    whole model's attention backward, which fp32 arithmetic itself computes to only ~1e-5 of its scale).  bf16/fp16: relative L2 error ≤ 1e-2 and, when the eager PyTorch result in the same low
-    precision is given, no more than 2× its error, with a floor of ``roundings`` worst-case roundings to the dtype
-    (half an ulp, 2⁻⁸ relative in bf16): an output whose definition rounds an intermediate as well (the Llama-cast
+    whole model's attention backward, which fp32 arithmetic itself computes to only ~1e-5 of its scale).
+    bf16/fp16: relative L2 error ≤ 1e-2 and, when the eager PyTorch result in the same low precision is given, no
+    more than 2× its error, with a floor of ``roundings`` worst-case roundings to the dtype (half an ulp, 2⁻⁸
+    relative in bf16): an output whose definition rounds an intermediate as well (the Llama-cast
     norms round x̂ to the input dtype before the weight, as HF does) may carry two. Where eager itself misses 1e-2
     (an ill-conditioned sum on these random inputs: one CI seed's linear-CE dh, eager and ours alike at 1.04e-2), the
     2× bound stands alone, never past 5e-2.
@@ -79,7 +80,6 @@ def assert_matches(out: torch.Tensor, ref64: torch.Tensor, *, eager: torch.Tenso
         # 2x eager's error, with a rounding floor so exact-ish eager results do not demand the impossible.
         bound = max(2 * eager_err, roundings * (4e-3 if out.dtype == torch.bfloat16 else 5e-4))
         assert err <= bound, f"{name}: {out.dtype} rel L2 err {err:.3e} > 2x eager's {eager_err:.3e}"
-
 
 
 def assert_same_bits_every_run(run, inputs: dict, names: list[str], repeats: int = 3) -> None:

@@ -44,9 +44,11 @@ def _check(model, ids, labels, pos, *, step=0, max_steps=1, w0=None):
     """Run the model and the reference; compare loss, metrics and every trainable parameter's gradient."""
     cfg = model.config
     base64, sd64 = float64_copies(model.base, model.heads)
-    # The same reference in fp32: the base's attention gradients (k_proj's above all) are a softmax-backward
-    # cancellation that fp32 arithmetic itself gets to only ~1e-5 of their scale (8.2e-6 at one CI seed).
-    base32, sd32 = copy.deepcopy(model.base).float(), {k: v.detach().clone() for k, v in sd64.items()}
+    if model.stage == 2:  # copied before the model's backward fills its .grad
+        # The same reference in fp32: the base's attention gradients (k_proj's above all) are a softmax-backward
+        # cancellation that fp32 arithmetic itself gets to only ~1e-5 of their scale (8.2e-6 at one CI seed).
+        base32 = copy.deepcopy(model.base).float()
+        sd32 = {k: v.detach().float().requires_grad_() for k, v in sd64.items()}
     out = model(ids, labels=labels, position_ids=pos, step=step, max_steps=max_steps)
     out.loss.backward()
     scales = model.head_scales(step, max_steps)
@@ -55,7 +57,6 @@ def _check(model, ids, labels, pos, *, step=0, max_steps=1, w0=None):
     ref_loss, ref_base, ref_ces, ref_top1, ref_top5, ref_count = ref
     ref_loss.backward()
     if model.stage == 2:
-        sd32 = {k: v.float().requires_grad_() for k, v in sd32.items()}
         reference_loss(base32, sd32, cfg, ids, labels, pos, w0=w0, scales=scales, stage=2)[0].backward()
     assert_matches(out.loss.detach(), ref_loss.detach(), name="loss")
     assert_matches(out.head_losses, ref_ces, name="head_losses")
@@ -67,11 +68,12 @@ def _check(model, ids, labels, pos, *, step=0, max_steps=1, w0=None):
     assert torch.equal(out.head_count, ref_count)
     for name, p in model.heads.named_parameters():
         assert_matches(p.grad, sd64[name].grad, name=f"grad heads.{name}")
-    for (name, p), (_, p64), (_, p32) in zip(model.base.named_parameters(), base64.named_parameters(),
-                                             base32.named_parameters()):
-        if model.stage == 1:
+    if model.stage == 1:
+        for name, p in model.base.named_parameters():
             assert p.grad is None, name
-        else:
+    else:
+        for (name, p), (_, p64), (_, p32) in zip(model.base.named_parameters(), base64.named_parameters(),
+                                                 base32.named_parameters()):
             assert_matches(p.grad, p64.grad, eager=p32.grad, name=f"grad base.{name}")
     return out
 
