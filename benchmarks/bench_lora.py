@@ -64,7 +64,7 @@ R, ALPHA = 16, 32
 WARMUP, STEPS = 3, 6
 
 
-def _bnb_linears(model, torch):
+def _bnb_linears(model, torch, device: str):
     """Every decoder nn.Linear → bitsandbytes Linear4bit (NF4, double quant, bf16 compute), quantised on the GPU one
     at a time from the bf16 weight already there (what from_pretrained(quantization_config=...) does, without a
     checkpoint on disk; Params4bit quantises on its first move to a device, the one it is on included)."""
@@ -76,14 +76,15 @@ def _bnb_linears(model, torch):
         q = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                               compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
         q.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, compress_statistics=True,
-                                     quant_type="nf4").cuda()
+                                     quant_type="nf4").to(device)
         if module.bias is not None:
             q.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, q)
 
 
-def _build(provider: str, cfg: dict, checkpointing: bool):
+def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
+    """The provider's model, adapters added; the HF peers also on the CPU (tests/benchmarks check how they are built)."""
     import torch
 
     if provider.startswith("ours"):
@@ -108,16 +109,24 @@ def _build(provider: str, cfg: dict, checkpointing: bool):
         getattr(lk, f"apply_liger_kernel_to_{cfg['model_type']}")()
     config = transformers.AutoConfig.for_model(**cfg)
     bnb = "bnb" in provider
-    with torch.device("cuda"):  # random init on the CPU took minutes at 8B
+    with torch.device(device):  # random init on the CPU took minutes at 8B
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                               attn_implementation="sdpa")
     if bnb:
-        _bnb_linears(model, torch)
-        model.cuda()
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+        _bnb_linears(model, torch, device)
+        model.to(device)
+        # the mark from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True)) leaves: without it
+        # prepare_model_for_kbit_training casts to fp32 but silently skips the activation checkpointing it was asked for
+        model.is_loaded_in_4bit = True
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                                     gradient_checkpointing_kwargs={"use_reentrant": False})
     elif checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    layers_checkpointed = {bool(getattr(m, "gradient_checkpointing", False)) for m in model.model.layers}
+    if layers_checkpointed != {checkpointing}:
+        raise RuntimeError(f"{provider}: activation checkpointing of the decoder layers is {layers_checkpointed}, "
+                           f"asked for {checkpointing}")
     targets = "all-linear" if "num_experts_per_tok" in cfg else TARGETS  # MoE: PEFT maps it to its parameters
     return peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=targets,
                                                       lora_dropout=0.0, task_type="CAUSAL_LM",

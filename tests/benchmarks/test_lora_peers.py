@@ -1,0 +1,76 @@
+"""The peers bench_lora.py measures ours against are built as their users build them: HF + PEFT and HF + PEFT +
+bitsandbytes (QLoRA) on a tiny Llama on the CPU, each checked for what the benchmark claims of it.
+
+A peer built wrong is a silently wrong number: bitsandbytes linears put in place by hand (not through
+from_pretrained's quantization_config) lack the mark that makes PEFT's prepare_model_for_kbit_training turn on the
+activation checkpointing it is asked for, and the QLoRA peer then ran out of memory at lengths where checkpointing
+would have fitted. So the check here is on behaviour, the bytes a training step keeps for backward, not on a flag."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.lora.bnb import import_bnb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_lora  # noqa: E402
+
+bnb = import_bnb()
+TINY = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=97, tie_word_embeddings=False, rms_norm_eps=1e-5,
+            max_position_embeddings=1024)
+T = 256
+
+
+def _saved_bytes_of_a_step(model) -> int:
+    """Bytes autograd keeps for backward in one training step (what activation checkpointing removes), then the
+    backward itself, so that a peer that cannot train fails here."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    ids = torch.randint(0, TINY["vocab_size"], (1, T))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    return sum(saved)
+
+
+@pytest.mark.parametrize("provider", ["hf_peft", pytest.param("hf_peft_bnb", marks=pytest.mark.skipif(
+    bnb is None, reason="bitsandbytes does not import here"))])
+def test_a_checkpointed_peer_keeps_a_fraction_of_the_activations(provider):
+    torch.manual_seed(0)
+    kept = {}
+    for checkpointing in (False, True):
+        model = bench_lora._build(provider, TINY, checkpointing, device="cpu")
+        model.train()
+        kept[checkpointing] = _saved_bytes_of_a_step(model)
+    # without checkpointing each layer keeps ~20 tensors of T × hidden or more; with it only its input stays
+    assert kept[True] < kept[False] / 4, kept
+
+
+@pytest.mark.skipif(bnb is None, reason="bitsandbytes does not import here")
+def test_the_qlora_peer_is_peft_s_recipe_on_nf4_linears():
+    model = bench_lora._build("hf_peft_bnb", TINY, True, device="cpu")
+    base = model.base_model.model.model
+    adapted = [m.base_layer for m in base.layers.modules() if hasattr(m, "base_layer")]
+    assert len(adapted) == 7 * TINY["num_hidden_layers"]
+    assert all(isinstance(m, bnb.nn.Linear4bit) and m.weight.quant_type == "nf4" and m.weight.bnb_quantized
+               for m in adapted)
+    # prepare_model_for_kbit_training's fp32 copy of what is not 4-bit (norms, embeddings, lm_head), as users get it
+    assert base.norm.weight.dtype == torch.float32 and base.embed_tokens.weight.dtype == torch.float32
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_a_peer_whose_checkpointing_did_not_take_is_refused(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", lambda self, **kw: None)
+    with pytest.raises(RuntimeError, match="activation checkpointing of the decoder layers"):
+        bench_lora._build("hf_peft", TINY, True, device="cpu")
