@@ -19,15 +19,12 @@ mkdir -p "$OUT"
 E2E_PROVIDERS=${E2E_PROVIDERS:-ours,ours_graph,ours_inbwd}
 run_part() {
   case $1 in
-    tests)  # the whole GPU suite: 4 workers on an H200 (the tests that hold tens of GiB share one:
-            # tests/helpers.BIG_MEMORY); one on an 80 GiB card, where four run out of memory (H100, 2026-12-05:
-            # 41 of 275 failed so, all out of memory). Serially on an H100 the suite took 444 s with warm Triton and
-            # inductor caches and did not finish in 560 s cold (a fresh machine): there, GPU_TESTS runs it in two
-            # calls, e.g. GPU_TESTS="tests/models" and then GPU_TESTS="tests --ignore=tests/models"
-      # GPU_WORKERS overrides (e.g. 2 on an H100, untried: half the card each, the big-memory tests on one worker;
-      # `tests tests-rerun` then reruns what failed, serially)
+    tests)  # the whole GPU suite: 4 workers on an H200, 2 on an 80 GiB card (the tests that hold tens of GiB share
+            # one worker: tests/helpers.BIG_MEMORY). On an H100, fresh machine, 2 workers took 277 s (2026-12-06); four
+            # ran out of memory (41 of 275, 2026-12-05) and one did not finish in 560 s cold. GPU_WORKERS overrides;
+            # `tests tests-rerun` reruns what failed, serially, so another worker's memory shows as such
       workers=${GPU_WORKERS:-$(python3 -c "import torch
-print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 1)")}
+print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2)")}
       # shellcheck disable=SC2086  # GPU_TESTS is a list of pytest arguments
       python3 -m pytest -m gpu -q -n "$workers" --dist loadgroup -p no:cacheprovider -rfE --durations=15 \
         ${GPU_TESTS:-tests} ;;
