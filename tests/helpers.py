@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import importlib.resources
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from liger_models import LigerLlamaForCausalLM, LlamaConfig
 from liger_models.text.bpe import save_tokenizer, train_bpe_tokenizer
@@ -117,3 +120,33 @@ def make_tiny_model_dir(path: Path, *, tie: bool = False, vocab: int = 320) -> P
     LigerLlamaForCausalLM.from_config(config).save_pretrained(path)
     save_tokenizer(tokenizer, path, eos_token=EOS)
     return path
+
+
+class LiveBytes(TorchDispatchMode):
+    """Within it, the bytes of the tensor storages that ops create and that are still alive, and the largest such
+    total (``peak``): the memory a computation needs beyond what existed before, exact on the CPU (no caching
+    allocator, no rounding). A storage counts from the op that made it (one that none of the op's arguments has:
+    not a view, not an in-place result) until its last tensor is gone."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive: dict[int, int] = {}
+        self.total = self.peak = 0
+
+    def _freed(self, key: int):
+        self.total -= self.alive.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if storage.nbytes() and key not in given and key not in self.alive:
+                self.alive[key] = storage.nbytes()
+                self.total += storage.nbytes()
+                self.peak = max(self.peak, self.total)
+                weakref.finalize(storage, self._freed, key)
+        return out
