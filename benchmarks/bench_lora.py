@@ -42,6 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_e2e import CONFIGS as E2E_CONFIGS  # noqa: E402
+from bench_e2e import liger_modules  # noqa: E402
 
 CONFIGS = {
     "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -108,10 +109,13 @@ def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
 
         getattr(lk, f"apply_liger_kernel_to_{cfg['model_type']}")()
     config = transformers.AutoConfig.for_model(**cfg)
+    config.use_cache = False  # training: no KV cache (HF drops it itself only under checkpointing)
     bnb = "bnb" in provider
     with torch.device(device):  # random init on the CPU took minutes at 8B
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                               attn_implementation="sdpa")
+    if "liger" in provider and not liger_modules(model):
+        raise RuntimeError(f"{provider}: liger-kernel's patch is not active: no liger_kernel module in the model")
     if bnb:
         _bnb_linears(model, torch, device)
         model.to(device)
