@@ -95,18 +95,24 @@ def test_medusa_graphed_sampling_equals_eager(eager_graphs, kind):
     # Typical acceptance in the graphed step: the same acceptance code and the same draws in the same order (the
     # root is drawn when the state is set, in both), so a seeded generator gives the eager tokens and step sizes,
     # across longrope's re-prefill and the root-only steps at a rotary table change too.
-    base = _mistral(4) if kind is None else _rotary_switch_base(kind, seed=3)
-    model = MedusaModel.from_base(base, num_heads=3)
-    for k in range(3):
-        model.heads[k][0].linear.bias.data.zero_()
-    prompt = torch.randint(3, 50, (1, 6))
-    # A lower threshold than the default 0.09 / 0.3: with the defaults an occasional random base accepted no tree.
+    # A lower threshold than the default 0.09 / 0.3, and a fresh random base (up to three) until one accepts a tree
+    # past its root: an occasional random base accepts none (LIGER_TEST_SEED=588346767 at 0.03; none in 60 other
+    # seeds), and then the graphed acceptance would go unchecked.
     kw = dict(max_new_tokens=16, eos_token_id=[], temperature=0.8, return_stats=True, posterior_threshold=0.03,
               posterior_alpha=0.1, medusa_choices=dense_medusa_choices([2, 2, 1]))
-    eager, steps = model.generate(prompt, generator=torch.Generator().manual_seed(7), **kw)
-    graphed, graphed_steps = model.generate(prompt, generator=torch.Generator().manual_seed(7), cuda_graph=True, **kw)
-    assert torch.equal(graphed, eager) and graphed_steps == steps
-    assert max(steps) > 1  # some tree was accepted past its root
+    for attempt in range(3):
+        base = _mistral(4) if kind is None else _rotary_switch_base(kind, seed=3 + attempt)
+        model = MedusaModel.from_base(base, num_heads=3)
+        for k in range(3):
+            model.heads[k][0].linear.bias.data.zero_()
+        prompt = torch.randint(3, 50, (1, 6))
+        eager, steps = model.generate(prompt, generator=torch.Generator().manual_seed(7), **kw)
+        graphed, graphed_steps = model.generate(prompt, generator=torch.Generator().manual_seed(7), cuda_graph=True,
+                                                **kw)
+        assert torch.equal(graphed, eager) and graphed_steps == steps
+        if max(steps) > 1:
+            break
+    assert max(steps) > 1, "no tree was accepted past its root by three random bases"
     greedy = model.generate(prompt, max_new_tokens=16, eos_token_id=[])
     assert not torch.equal(eager, greedy)  # the draws were really random
 
