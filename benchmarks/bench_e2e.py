@@ -114,6 +114,12 @@ def liger_modules(model) -> list[str]:
     return sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("liger_kernel")})
 
 
+def require_liger_patch(model, provider: str) -> None:
+    """Refuses to measure a liger-kernel provider whose patch did not take (no liger_kernel module in the model)."""
+    if not liger_modules(model):
+        raise RuntimeError(f"{provider}: liger-kernel's patch is not active: no liger_kernel module in the model")
+
+
 def _build(provider: str, cfg: dict):
     import torch
 
@@ -135,8 +141,8 @@ def _build(provider: str, cfg: dict):
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16,
                                                               attn_implementation=hf_cfg._attn_implementation)
-    if provider == "hf_liger" and not liger_modules(model):
-        raise RuntimeError("liger-kernel's patch is not active: no liger_kernel module in the model")
+    if provider == "hf_liger":
+        require_liger_patch(model, provider)
     if provider == "hf_compile":
         model = torch.compile(model)
     return model

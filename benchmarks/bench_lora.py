@@ -42,7 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_e2e import CONFIGS as E2E_CONFIGS  # noqa: E402
-from bench_e2e import liger_modules  # noqa: E402
+from bench_e2e import require_liger_patch  # noqa: E402
 
 CONFIGS = {
     "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -114,8 +114,8 @@ def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
     with torch.device(device):  # random init on the CPU took minutes at 8B
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                               attn_implementation="sdpa")
-    if "liger" in provider and not liger_modules(model):
-        raise RuntimeError(f"{provider}: liger-kernel's patch is not active: no liger_kernel module in the model")
+    if "liger" in provider:
+        require_liger_patch(model, provider)
     if bnb:
         _bnb_linears(model, torch, device)
         model.to(device)
@@ -235,14 +235,14 @@ def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, hi:
 
     cfg = CONFIGS[name]
     model, opt, build_s = _built(provider, cfg, checkpointing=True)
-    probes, best, bad, first_oom, budget_hit, error = [], None, None, None, False, None
-    fits = 0  # the longest length that fit so far (best's)
+    probes, bad, first_oom, budget_hit, error = [], None, None, False, None
+    best = dict(seq=0, s=None, peak_gib=None)  # the longest probe that fit so far (none yet: length 0)
 
     def attempt(seq: int) -> bool | None:
         """True / False: the step fit / ran out of memory; None: the search stops (budget or another error)."""
         nonlocal budget_hit, error
         elapsed = time.perf_counter() - t_start
-        predicted = best["s"] * (seq / best["seq"]) ** 2 if best else 0.0
+        predicted = best["s"] * (seq / best["seq"]) ** 2 if best["seq"] else 0.0
         if elapsed + predicted > budget:
             budget_hit = True
             return None
@@ -258,23 +258,23 @@ def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, hi:
         ok = attempt(seq)
         if not ok:
             break
-        best, fits = probes[-1], seq
+        best = probes[-1]
         if seq >= hi:
             break
         seq = min(2 * seq, hi)
     if ok is False:
         bad = first_oom = seq
-        while bad - fits > 1024:  # bisection between the last success and the failure
-            mid = (fits + bad) // 2 // 1024 * 1024
+        while bad - best["seq"] > 1024:  # bisection between the last success and the failure
+            mid = (best["seq"] + bad) // 2 // 1024 * 1024
             ok = attempt(mid)
             if ok is None:
                 break
             if ok:
-                best, fits = probes[-1], mid
+                best = probes[-1]
             else:
                 bad = mid
-    return dict(config=name, provider=provider, longest_seq=fits, first_oom_seq=first_oom,
-                min_oom_seq=bad, peak_gib=best["peak_gib"] if best else None, step_s=best["s"] if best else None,
+    return dict(config=name, provider=provider, longest_seq=best["seq"], first_oom_seq=first_oom,
+                min_oom_seq=bad, peak_gib=best["peak_gib"], step_s=best["s"],
                 build_s=round(build_s, 1), total_s=round(time.perf_counter() - t_start, 1), budget_s=budget,
                 budget_hit=budget_hit, error=error,
                 probes=[{k: v for k, v in p.items() if k != "error"} for p in probes],

@@ -122,6 +122,29 @@ def make_tiny_model_dir(path: Path, *, tie: bool = False, vocab: int = 320) -> P
     return path
 
 
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Within it, the distinct storages autograd saves for backward, by data pointer, those of ``exclude`` (the
+    parameters, typically) left out; ``total``: their bytes."""
+
+    def __init__(self, exclude=()):
+        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self.storages: dict[int, int] = {}
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in self.excluded:
+            self.storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        super().__enter__()
+        return self
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
 class LiveBytes(TorchDispatchMode):
     """Within it, the bytes of the tensor storages that ops create and that are still alive, and the largest such
     total (``peak``): the memory a computation needs beyond what existed before, exact on the CPU (no caching

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import SavedBytes
 from tests.lora.bnb import import_bnb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -27,19 +28,13 @@ T = 256
 def _saved_bytes_of_a_step(model) -> int:
     """Bytes autograd keeps for backward in one training step (what activation checkpointing removes), then the
     backward itself, so that a peer that cannot train fails here."""
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel() * t.element_size())
-        return t
-
     ids = torch.randint(0, TINY["vocab_size"], (1, T))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(exclude=model.parameters()) as saved:
         out = model(input_ids=ids, labels=ids)
     assert out.past_key_values is None  # a training step builds no KV cache (ours does not either)
     out.loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    return sum(saved)
+    return saved.total
 
 
 @pytest.mark.parametrize("provider", ["hf_peft", pytest.param("hf_peft_bnb", marks=pytest.mark.skipif(

@@ -16,7 +16,7 @@ from liger_models.modules.attention import AttentionMask
 from liger_models.modules.decoder import DecoderLayer
 from liger_models.modules.fused import gated_down, norm_linear
 from liger_models.modules.rope import RotaryEmbedding
-from tests.helpers import INTERPRETER_ONLY, assert_matches
+from tests.helpers import INTERPRETER_ONLY, SavedBytes, assert_matches
 
 
 def _grads64(fn, tensors):
@@ -94,20 +94,11 @@ def test_decoder_layer_saves_only_the_minimum():
     B, T, H, I, D = 2, 16, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     x, res = torch.randn(B, T, H, requires_grad=True), torch.randn(B, T, H, requires_grad=True)
     cos, sin = rotary(torch.arange(T)[None])
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in params:
-            saved[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(exclude=layer.parameters()) as saved:
         out, stream = layer(x, res, cos, sin, AttentionMask(T, 0, None, x.device))
     per_row = 4 * (2 + cfg.num_attention_heads)  # two rstd + the attention logsumexp per head, fp32
     bound = B * T * (4 * (2 * H + (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D
                           + cfg.num_attention_heads * D + 2 * I) + per_row) + cos.nbytes + sin.nbytes
-    assert sum(saved.values()) <= bound, f"saved {sum(saved.values())} bytes, minimum {bound}"
+    assert saved.total <= bound, f"saved {saved.total} bytes, minimum {bound}"
     (out + stream).sum().backward()  # the saved set is enough for a correct backward (values: tests above)
     assert x.grad is not None and res.grad is not None

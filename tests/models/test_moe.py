@@ -10,7 +10,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 import liger_models.modules.moe as moe
 from liger_models.modules.moe import experts_forward, load_balancing_loss, route
 
-from ..helpers import LiveBytes
+from ..helpers import LiveBytes, SavedBytes
 
 PATHS = ["padded", "grouped_mm"]
 
@@ -144,20 +144,12 @@ def test_backward_saves_only_the_gate_up_output_per_routed_row():
     n_tokens, hidden, inter, num_experts, top_k = 32, 64, 48, 4, 2
     x, gate_up, down = _case(n_tokens, num_experts, top_k, hidden, inter)
     logits = torch.randn(n_tokens, num_experts, requires_grad=True)
-    params = {t.untyped_storage().data_ptr() for t in (gate_up, down)}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     weights, experts = route(logits, top_k, renormalize=True, weights_in_logits_dtype=False)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(exclude=(gate_up, down)) as saved:
         experts_forward(x, weights, experts, gate_up, down, "silu", "padded")
     rows = n_tokens * top_k
     allowed = n_tokens * hidden * 4 + rows * 2 * inter * 4 + rows * (3 * 8 + 4) + num_experts * 8
-    assert sum(saved.values()) <= allowed, (sum(saved.values()), allowed)
+    assert saved.total <= allowed, (saved.total, allowed)
 
 
 @pytest.mark.parametrize("path", PATHS)
