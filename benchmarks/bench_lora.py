@@ -15,6 +15,7 @@ Providers:
     ours_offload       ours with the layer checkpoints in host memory (activation_checkpointing_enable(offload=True);
                        with --checkpointing on only)
     ours_dora          ours with use_dora (DoRA's magnitudes in the fused paths)
+The HF peers' forward runs under bf16 autocast, as HF Trainer(bf16=True) and TRL run it (step_context).
 Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a monkey-patch never leaks).
 
     python benchmarks/bench_lora.py --out DIR [--configs qwen2.5-7b,llama-3.1-8b] [--providers ...]
@@ -137,6 +138,18 @@ def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
                                                       use_dora=provider == "hf_peft_dora"))
 
 
+def step_context(provider: str, torch):
+    """What the forward of a step runs under: the HF peers under bf16 autocast, as HF Trainer(bf16=True) and TRL run
+    them. prepare_model_for_kbit_training keeps the norms, embeddings and lm_head in fp32 and PEFT keeps the adapters
+    in fp32, so without autocast the QLoRA peer's residual stream, attention and logits all run in fp32 (a third of
+    the speed its users get); ours is bf16 throughout by construction and computes its norms in fp32 itself."""
+    import contextlib
+
+    if provider.startswith("ours"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+
+
 def _built(provider: str, cfg: dict, checkpointing: bool):
     """(model in train mode, fused AdamW over its trainable parameters, seconds the build took)."""
     import torch
@@ -167,7 +180,8 @@ def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool,
             torch.cuda.synchronize()
             start = time.perf_counter()
             warmup_s = start - t0 - build_s
-        loss = model(input_ids=ids, labels=ids).loss
+        with step_context(provider, torch):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -190,23 +204,24 @@ def _run(args: list[str], timeout: int = 1800, flag: str = "--worker") -> dict:
     return json.loads(lines[-1])
 
 
-def _step(model, opt, vocab: int, seq: int, torch) -> None:
+def _step(model, opt, vocab: int, seq: int, torch, provider: str) -> None:
     """One training step on random tokens of shape (1, seq). Its tensors live in this frame only, so once an OOM's
     traceback is gone nothing of the step is left."""
     ids = torch.randint(0, vocab, (1, seq), device="cuda")
-    loss = model(input_ids=ids, labels=ids).loss
+    with step_context(provider, torch):
+        loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def _probe(model, opt, vocab: int, seq: int, torch) -> dict:
+def _probe(model, opt, vocab: int, seq: int, torch, provider: str) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     error = None
     try:
-        _step(model, opt, vocab, seq, torch)
+        _step(model, opt, vocab, seq, torch, provider)
         result = "ok"
     except torch.cuda.OutOfMemoryError:  # not bound: leaving this block drops the exception and its frames
         result = "oom"
@@ -246,7 +261,7 @@ def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, hi:
         if elapsed + predicted > budget:
             budget_hit = True
             return None
-        probes.append(_probe(model, opt, cfg["vocab_size"], seq, torch))
+        probes.append(_probe(model, opt, cfg["vocab_size"], seq, torch, provider))
         print(json.dumps(probes[-1]), file=sys.stderr, flush=True)
         if probes[-1]["result"] == "error":
             error = probes[-1]["error"]

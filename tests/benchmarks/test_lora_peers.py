@@ -70,3 +70,42 @@ def test_a_peer_whose_checkpointing_did_not_take_is_refused(monkeypatch):
     monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", lambda self, **kw: None)
     with pytest.raises(RuntimeError, match="activation checkpointing of the decoder layers"):
         bench_lora._build("hf_peft", TINY, True, device="cpu")
+
+
+class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The dtypes of every matrix product (and attention) dispatched while active, forward and backward."""
+
+    OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.startswith(self.OPS):
+            self.seen.add((name, args[0].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("provider", ["hf_peft", pytest.param("hf_peft_bnb", marks=pytest.mark.skipif(
+    bnb is None, reason="bitsandbytes does not import here"))])
+def test_a_peer_s_step_multiplies_in_bf16_as_trainer_bf16_runs_it(provider):
+    """prepare_model_for_kbit_training leaves the QLoRA peer's norms, embeddings and lm_head in fp32 (and PEFT its
+    adapters): run bare, its residual stream, attention and logits are fp32 GEMMs, a third of the speed its users get
+    under Trainer(bf16=True)'s autocast. bench_lora's step context is that autocast: every product in bf16."""
+    model = bench_lora._build(provider, TINY, True, device="cpu")
+    model.train()
+    ids = torch.randint(0, TINY["vocab_size"], (1, 64))
+    with _MatmulDtypes() as bare:
+        model(input_ids=ids, labels=ids).loss.backward()
+    if provider == "hf_peft_bnb":
+        assert any(dtype == torch.float32 for _, dtype in bare.seen), bare.seen  # what the context is there for
+    model.zero_grad(set_to_none=True)
+    with _MatmulDtypes() as ran:
+        with bench_lora.step_context(provider, torch):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert out.logits.dtype == torch.bfloat16
+    assert ran.seen and {dtype for _, dtype in ran.seen} == {torch.bfloat16}, ran.seen
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
