@@ -7,6 +7,7 @@
 #   bash benchmarks/device_session.sh tests medusa-trees   # pytest -m gpu, then fitted Medusa trees on the demo's heads
 #   bash benchmarks/device_session.sh moe softcap lora  # the MoE layer, soft-capped attention, LoRA / QLoRA steps
 #   bash benchmarks/device_session.sh softcap-sweep     # the soft-capped attention kernel's settings
+#   bash benchmarks/device_session.sh softcap-spread    # bf16 soft-capped paths' gradient errors over many seeds
 #   bash benchmarks/device_session.sh lora-moe          # LoRA on experts + routers, ours vs HF + PEFT (MoE widths)
 #   bash benchmarks/device_session.sh nf4               # NF4 dequantisation: Triton vs reference vs bitsandbytes
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
@@ -119,6 +120,9 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
       (cd benchmarks && python3 bench_moe.py --out "$OUT") ;;
     softcap)  # Gemma 2's soft-capped attention: our kernel vs flex + score_mod vs uncapped SDPA vs HF's math
       (cd benchmarks && python3 bench_softcap_attention.py --out "$OUT") ;;
+    softcap-spread)  # the bf16 soft-capped paths' gradient errors next to the math path's over SPREAD_SEEDS random
+                     # models: the distribution test_softcap_paths_on_cuda_equal_the_math_path's bound must hold
+      python3 benchmarks/tools/softcap_error_spread.py --out "$OUT/softcap_spread" --seeds "${SPREAD_SEEDS:-40}" ;;
     softcap-sweep)  # the soft-capped attention kernel's block / warp / stage settings at the same shapes
       (cd benchmarks && for tune in "" softcap_attention.fwd_block_n_wide=64 softcap_attention.fwd_block_m=128 \
           softcap_attention.num_stages=1 softcap_attention.num_stages=3 softcap_attention.bwd_block_m=64 \
