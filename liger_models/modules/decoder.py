@@ -68,6 +68,9 @@ class DecoderLayer(nn.Module):
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = make_norm(config)
             self.post_feedforward_layernorm = make_norm(config)
+        # Set by a wrapper that runs this layer's forward under a checkpoint (train.distributed.
+        # apply_activation_checkpointing): DecoderModel.run then hands it one stream tensor, not the (x, residual) pair.
+        self.checkpointed = False
         self.sparse = config.layer_is_sparse(layer_idx)
         if self.sparse and config.sandwich_norms:
             raise ValueError("a sparse (mixture-of-experts) layer with sandwich norms is not supported")
@@ -195,7 +198,13 @@ class DecoderModel(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.layer_rope_table[i]]
-            if self.gradient_checkpointing and self.training and i % self.checkpoint_every == 0:
+            checkpointed = self.gradient_checkpointing and self.training and i % self.checkpoint_every == 0
+            if residual is not None and (checkpointed or (layer.checkpointed and torch.is_grad_enabled())):
+                # A checkpoint keeps its inputs until backward: one stream tensor instead of the (x, residual) pair
+                # halves what every checkpointed layer holds. The sum is the one the layer's add-norm forms first,
+                # rounded the same way, so the layer computes the same numbers.
+                x, residual = x + residual, None
+            if checkpointed:
                 x, residual = self.checkpoint_fn(layer, x, residual, cos, sin, mask, cache)
             else:
                 x, residual = layer(x, residual, cos, sin, mask, cache)

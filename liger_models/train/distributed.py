@@ -146,11 +146,12 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
     """Recompute each layer's activations in backward instead of keeping them (non-reentrant checkpointing).
 
     The layer's ``forward`` is wrapped on the instance, so parameter names and ``state_dict`` keys do not change
-    (a wrapper module would add a prefix). Returns how many layers were wrapped.
+    (a wrapper module would add a prefix), and marked ``checkpointed`` (a decoder layer then gets one stream tensor
+    to keep, not the (x, residual) pair: modules/decoder.py). Returns how many layers were wrapped.
     """
     count = 0
     for layer in layers:
-        if getattr(layer, "_liger_checkpointed", False):
+        if getattr(layer, "checkpointed", False):
             continue
         inner = layer.forward
 
@@ -160,7 +161,7 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module]) -> int:
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         layer.forward = forward
-        layer._liger_checkpointed = True
+        layer.checkpointed = True
         count += 1
     return count
 
