@@ -21,22 +21,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from liger_models import Gemma2Config, LigerGemma2ForCausalLM  # noqa: E402
 from liger_models.kernels._tuning import tuned  # noqa: E402
 from liger_models.kernels.ops import softcap_attention  # noqa: E402
-
-
-def _loss_and_grads(model, ids, flex: str):
-    for layer in model.model.layers:
-        layer.self_attn.flex = flex
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}
-
-
-def _max_rel(got, ref):
-    return (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+from tests.models.test_gemma2_vs_hf import _loss_and_grads, softcap_case  # noqa: E402 - the test's own case and step
+from tests.models.test_gemma2_vs_hf import _rel_err as _max_rel  # noqa: E402
 
 
 def _l2_rel(got, ref):
@@ -46,13 +34,7 @@ def _l2_rel(got, ref):
 def one_seed(seed: int, path: str) -> dict:
     """The test's model and inputs at this seed: per-parameter errors of the path and of the math path (bf16)."""
     torch.manual_seed(seed)
-    config = Gemma2Config.tiny(sliding_window=64, attn_logit_softcapping=3.0)
-    reference = LigerGemma2ForCausalLM.from_config(config, device="cuda", dtype=torch.float32)
-    with torch.no_grad():
-        for layer in reference.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
-    ids = torch.randint(3, config.vocab_size, (2, 640), device="cuda")
+    reference, ids = softcap_case()
     _, ref = _loss_and_grads(reference, ids, "never")
     model = copy.deepcopy(reference).to(torch.bfloat16)
     with tuned(softcap_attention, preferred=path == "kernel"):

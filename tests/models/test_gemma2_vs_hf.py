@@ -149,6 +149,18 @@ def test_cpu_auto_calls_keep_the_math_path():
         assert len(calls) == len(model.model.layers)
 
 
+def softcap_case():
+    """The CUDA soft-cap test's fp32 model (q/k weights × 8: scores that reach the cap) and its 2 × 640 tokens
+    (benchmarks/tools/softcap_error_spread.py draws many of them)."""
+    config = Gemma2Config.tiny(sliding_window=64, attn_logit_softcapping=3.0)
+    reference = LigerGemma2ForCausalLM.from_config(config, device="cuda", dtype=torch.float32)
+    with torch.no_grad():
+        for layer in reference.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return reference, torch.randint(3, config.vocab_size, (2, 640), device="cuda")
+
+
 def _loss_and_grads(model, ids, flex):
     for layer in model.model.layers:
         layer.self_attn.flex = flex
@@ -171,13 +183,7 @@ def test_softcap_paths_on_cuda_equal_the_math_path(dtype, path, tune):
     to 1e-4 relative; bf16 no further from the fp32 reference than twice the bf16 math path's own error (HF eager's
     op order, which rounds its probabilities to bf16), or 2⁻⁸."""
     tune(softcap_attention, preferred=path == "kernel")
-    config = Gemma2Config.tiny(sliding_window=64, attn_logit_softcapping=3.0)
-    reference = LigerGemma2ForCausalLM.from_config(config, device="cuda", dtype=torch.float32)
-    with torch.no_grad():
-        for layer in reference.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8)
-            layer.self_attn.k_proj.weight.mul_(8)
-    ids = torch.randint(3, config.vocab_size, (2, 640), device="cuda")
+    reference, ids = softcap_case()
     ref_loss, ref_grads = _loss_and_grads(reference, ids, "never")
     if dtype == torch.float32:
         flex_loss, flex_grads = _loss_and_grads(reference, ids, "auto")
