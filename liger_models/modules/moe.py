@@ -311,7 +311,7 @@ def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, co
         grads[1] = d_weights.view(weights.shape).to(weights.dtype)
     del g_a
     if needs[3] or (down_lora and needs[7]):
-        d_out = (g * w_sorted[:, None]).to(hidden.dtype)
+        d_out = torch.mul(g, w_sorted[:, None], out=torch.empty_like(g))  # rounded once on store, as d_act
         if needs[3]:
             grads[3] = weight_grad(d_out, act).to(down.dtype)
         if down_lora and needs[7]:  # d B_e = s·Σ d_outᵀ·u2
