@@ -269,7 +269,7 @@ def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str,
         u2 = linear(act, lora.a2)
         out.add_(linear(u2, lora.b2), alpha=lora.s2)
     del act
-    y = _combine(out, weights.reshape(-1)[order], order, n_tokens, top_k).to(x.dtype)
+    y = _combine(out, weights, order).to(x.dtype)
     return y, hidden, order, expert_of_row, counts, u1, u2
 
 
@@ -467,14 +467,13 @@ def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _combine(out: torch.Tensor, w_sorted: torch.Tensor, order: torch.Tensor, n_tokens: int,
-             top_k: int) -> torch.Tensor:
-    """Σ over each token's k slots of w · out, from sorted rows: weighted in sorted order (Mixtral's fp32 weights
-    promote the product), back to (token, slot) order, summed over the slots, as HF's grouped path does."""
-    weighted = out * w_sorted[:, None]
+def _combine(out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Σ over each token's k slots of w · out, for sorted rows ``out`` and weights (N, k) in token order: the rows
+    back to (token, slot) order, weighted (Mixtral's fp32 weights promote the product), summed over the slots, as
+    HF's grouped path does. Gathering the rows before weighting moves them in their own dtype, not the product's."""
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return weighted[inverse].view(n_tokens, top_k, -1).sum(dim=1)
+    return (out[inverse].view(*weights.shape, -1) * weights[..., None]).sum(dim=1)
 
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
