@@ -14,6 +14,7 @@ Providers:
     ours_qlora         ours on an NF4 base (liger_models.lora.quantize_base_)
     ours_offload       ours with the layer checkpoints in host memory (activation_checkpointing_enable(offload=True);
                        with --checkpointing on only)
+    ours_qlora_offload ours_qlora with the checkpoints in host memory (the same; --longest's third provider)
     ours_dora          ours with use_dora (DoRA's magnitudes in the fused paths)
 The HF peers' forward runs under bf16 autocast, as HF Trainer(bf16=True) and TRL run it (step_context).
 Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a monkey-patch never leaks).
@@ -60,7 +61,7 @@ CONFIGS = {
 MOE_CONFIGS = ("qwen3-30b-a3b-w4l", "mixtral-8x7b-w2l")
 CONFIGS.update({name: E2E_CONFIGS[name][0] for name in MOE_CONFIGS})
 PROVIDERS = ("hf_peft", "hf_peft_liger", "hf_peft_bnb", "hf_peft_bnb_liger", "hf_peft_dora", "ours", "ours_qlora",
-             "ours_offload", "ours_dora")
+             "ours_offload", "ours_qlora_offload", "ours_dora")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 R, ALPHA = 16, 32
 WARMUP, STEPS = 3, 6
@@ -95,12 +96,12 @@ def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
 
         cls = model_class(cfg["model_type"])
         model = cls.from_config(cls.config_class.from_hf(dict(cfg)), dtype=torch.bfloat16, device="cuda")
-        if provider == "ours_qlora":
+        if provider.startswith("ours_qlora"):
             quantize_base_(model)
             torch.cuda.empty_cache()
         add_lora(model, LoraSettings(r=R, alpha=ALPHA, targets="all-linear", use_dora=provider == "ours_dora"))
         if checkpointing:
-            model.activation_checkpointing_enable(offload=provider == "ours_offload")
+            model.activation_checkpointing_enable(offload=provider.endswith("_offload"))
         return model
     import peft
     import transformers
@@ -340,7 +341,7 @@ def main() -> None:
         for name in args.configs.split(","):
             for ckpt in ckpts:
                 for provider in providers:
-                    if provider == "ours_offload" and not ckpt:  # offloads what the checkpoints save: none here
+                    if provider.endswith("_offload") and not ckpt:  # offloads what the checkpoints save: none here
                         continue
                     row = _run([name, provider, str(args.batch), str(args.seq), "1" if ckpt else "0", str(STEPS)])
                     row.update(config=name, provider=provider, checkpointing=ckpt)
