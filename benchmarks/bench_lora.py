@@ -14,7 +14,9 @@ Providers:
     ours_qlora         ours on an NF4 base (liger_models.lora.quantize_base_)
     ours_offload       ours with the layer checkpoints in host memory (activation_checkpointing_enable(offload=True);
                        with --checkpointing on only)
-    ours_qlora_offload ours_qlora with the checkpoints in host memory (the same; --longest's third provider)
+    ours_qlora_offload ours_qlora with the checkpoints in host memory (the same; for --longest)
+    ours_qlora_chunks  ours_qlora with each MLP run in checkpointed chunks of 8192 rows (mlp_chunking_enable; for
+                       --longest: one more MLP forward a step, for a fraction of a layer's per-token memory)
     ours_dora          ours with use_dora (DoRA's magnitudes in the fused paths)
 The HF peers' forward runs under bf16 autocast, as HF Trainer(bf16=True) and TRL run it (step_context).
 Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a monkey-patch never leaks).
@@ -61,7 +63,7 @@ CONFIGS = {
 MOE_CONFIGS = ("qwen3-30b-a3b-w4l", "mixtral-8x7b-w2l")
 CONFIGS.update({name: E2E_CONFIGS[name][0] for name in MOE_CONFIGS})
 PROVIDERS = ("hf_peft", "hf_peft_liger", "hf_peft_bnb", "hf_peft_bnb_liger", "hf_peft_dora", "ours", "ours_qlora",
-             "ours_offload", "ours_qlora_offload", "ours_dora")
+             "ours_offload", "ours_qlora_offload", "ours_qlora_chunks", "ours_dora")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 R, ALPHA = 16, 32
 WARMUP, STEPS = 3, 6
@@ -102,6 +104,8 @@ def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
         add_lora(model, LoraSettings(r=R, alpha=ALPHA, targets="all-linear", use_dora=provider == "ours_dora"))
         if checkpointing:
             model.activation_checkpointing_enable(offload=provider.endswith("_offload"))
+        if provider.endswith("_chunks"):
+            model.mlp_chunking_enable(8192)
         return model
     import peft
     import transformers

@@ -141,7 +141,8 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
         --checkpointing off --batch 2 \
         --providers "${LORA_PROVIDERS_OFF:-ours,ours_qlora,hf_peft,hf_peft_liger,hf_peft_bnb,hf_peft_bnb_liger}" ;;
     lora-longest)  # the longest batch-1 QLoRA Llama-3.1-8B sequence per provider (LONGEST_BUDGET seconds each;
-                   # LORA_PROVIDERS=ours_qlora_offload in a call of its own: checkpoints in pinned host memory)
+                   # LORA_PROVIDERS=ours_qlora_chunks,ours_qlora_offload in a call of their own: MLP chunks; checkpoints
+                   # in pinned host memory)
       python3 benchmarks/bench_lora.py --out "$OUT/lora_longest" --longest --longest-budget "${LONGEST_BUDGET:-240}" \
         --providers "${LORA_PROVIDERS:-ours_qlora,hf_peft_bnb_liger}" ;;
     lora-dora)  # DoRA at Llama-3.1-8B, checkpointing on: ours against HF + PEFT's use_dora

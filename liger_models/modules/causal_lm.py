@@ -503,6 +503,24 @@ class LigerForCausalLM(nn.Module):
         self.model.gradient_checkpointing = True
         self.enable_input_require_grads()
 
+    def mlp_chunking_enable(self, tokens: int = 8192) -> None:
+        """Run each dense decoder layer's MLP (its input norm, gate|up, activation and down) over chunks of at most
+        ``tokens`` rows in differentiable calls, each recomputed in backward: the layer then holds the MLP's
+        intermediates for one chunk at a time instead of every token's. For long sequences with activation
+        checkpointing, where those intermediates are most of the per-token memory left; it costs one more MLP
+        forward a step. A mixture-of-experts layer is refused (its routing is not chunked)."""
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
+        sparse = [i for i, layer in enumerate(self.model.layers) if layer.sparse]
+        if sparse:
+            raise ValueError(f"MLP chunking covers dense layers only; layers {sparse} are mixture-of-experts")
+        for layer in self.model.layers:
+            layer.mlp_chunk_tokens = tokens
+
+    def mlp_chunking_disable(self) -> None:
+        for layer in self.model.layers:
+            layer.mlp_chunk_tokens = None
+
     def activation_checkpointing_disable(self) -> None:
         """Keep every layer's activations again (the embeddings' require-grad hook stays, as HF leaves it)."""
         self.model.gradient_checkpointing = False

@@ -71,6 +71,8 @@ class DecoderLayer(nn.Module):
         # Set by a wrapper that runs this layer's forward under a checkpoint (train.distributed.
         # apply_activation_checkpointing): DecoderModel.run then hands it one stream tensor, not the (x, residual) pair.
         self.checkpointed = False
+        # Rows per MLP chunk in a differentiable call (LigerForCausalLM.mlp_chunking_enable), or None: the whole MLP.
+        self.mlp_chunk_tokens: int | None = None
         self.sparse = config.layer_is_sparse(layer_idx)
         if self.sparse and config.sandwich_norms:
             raise ValueError("a sparse (mixture-of-experts) layer with sandwich norms is not supported")
@@ -90,12 +92,37 @@ class DecoderLayer(nn.Module):
         if self.sparse:  # the router and the experts both read the normalised input
             h, residual = add_norm(self.post_attention_layernorm, a, residual)
             return self.mlp(h), residual
+        chunk = self.mlp_chunk_tokens
+        if chunk is not None and torch.is_grad_enabled() and a.shape[:-1].numel() > chunk:
+            return self._chunked_mlp(a, residual, chunk)
         if not hasattr(self, "pre_feedforward_layernorm"):
             gate_up, residual = norm_linear(self.post_attention_layernorm, a, residual, self.mlp.projections())
             return self.mlp.from_gate_up(gate_up), residual
         a = self.post_attention_layernorm(a)
         gate_up, residual = norm_linear(self.pre_feedforward_layernorm, a, residual, self.mlp.projections())
         return self.post_feedforward_layernorm(self.mlp.from_gate_up(gate_up)), residual
+
+    def _chunked_mlp(self, a: torch.Tensor, residual: torch.Tensor | None, chunk: int):
+        """The MLP half over row chunks of the stream, each checkpointed: backward recomputes one chunk's gate|up,
+        activation and norm at a time, so the layer never holds them for every token at once (they dominate a long
+        sequence's per-token memory once the layers are checkpointed). The stream is the same sum the fused add-norm
+        forms; each row's numbers are the unchunked MLP's."""
+        sandwich = hasattr(self, "pre_feedforward_layernorm")
+        if sandwich:
+            a = self.post_attention_layernorm(a)
+        stream = a if residual is None else a + residual
+        rows = stream.reshape(-1, stream.shape[-1])
+        out = [checkpoint(self._mlp_rows, rows[i:i + chunk], use_reentrant=False)
+               for i in range(0, rows.shape[0], chunk)]
+        return torch.cat(out).view(stream.shape), stream
+
+    def _mlp_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """MLP(norm(rows)) for rows (n, H) of the stream (the sandwich's post-feed-forward norm included)."""
+        sandwich = hasattr(self, "pre_feedforward_layernorm")
+        norm = self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm
+        gate_up, _ = norm_linear(norm, rows[None], None, self.mlp.projections())
+        out = self.mlp.from_gate_up(gate_up)
+        return (self.post_feedforward_layernorm(out) if sandwich else out)[0]
 
 
 def _experts_to_disk_names(layer: DecoderLayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:

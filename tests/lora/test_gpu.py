@@ -26,7 +26,7 @@ def _settings(family: str, kind: str) -> LoraSettings:
 
 def _adapted(family: str, kind: str, tmp_path):
     hf, ours, _ = pair(family, tmp_path, tie_word_embeddings=False)
-    if kind == "qlora":
+    if kind.startswith("qlora"):
         quantize_base_(ours)
         with torch.no_grad():  # the truth runs on the dequantised base
             for name, m in ours.named_modules():
@@ -56,6 +56,9 @@ def check_fp32(family: str, kind: str, tmp_path, device: str) -> None:
     """Ours in fp32 on ``device`` against float64 HF + PEFT on the CPU (CPU tests' bounds)."""
     _, ours, truth = _adapted(family, kind, tmp_path)
     ours = ours.to(device).train()
+    if kind.endswith("chunks"):  # checkpointed layers whose MLPs run in checkpointed chunks of 5 of the 22 rows
+        ours.activation_checkpointing_enable()
+        ours.mlp_chunking_enable(5)
     ids, labels = batch()
     logits, loss, grads = _loss_and_grads(ours, ids.to(device), labels.to(device), peft_model=False)
     exact, ref, ref_grads = _loss_and_grads(truth, ids, labels, peft_model=True)
@@ -102,6 +105,13 @@ def test_native_lora_fp32_on_the_gpu(family, kind, tmp_path):
         pytest.skip("one tables case per embedding kind is enough: llama, qwen2 (plain), gemma3 (scaled)")
     torch.backends.cuda.matmul.allow_tf32 = False
     check_fp32(family, kind, tmp_path, "cuda")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_qlora_in_checkpointed_mlp_chunks_fp32_on_the_gpu(family, tmp_path):
+    """The fused kernels on (1, rows, H) chunks inside nested checkpoints (plain and sandwich layers)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_fp32(family, "qlora-chunks", tmp_path, "cuda")
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])

@@ -66,12 +66,16 @@ def test_sibling_adapters_draw_their_own_masks(tmp_path):
     assert not torch.equal(q, k) and not torch.equal(k, v)
 
 
-@pytest.mark.parametrize("mode", ["non-reentrant", "offloaded", "reentrant", "qlora"])
+@pytest.mark.parametrize("mode", ["non-reentrant", "offloaded", "reentrant", "qlora", "qlora-mlp-chunks"])
 def test_checkpointing_gives_identical_adapter_gradients(mode, tmp_path):
+    """With dropout on the adapters' input: the recompute replays the same masks, also with MLP chunks (5 of the
+    22 rows each, in both runs: each chunk draws its own masks), checkpointed inside the checkpointed layer."""
     _, ours, _ = pair("llama", tmp_path)
-    if mode == "qlora":
+    if mode.startswith("qlora"):
         quantize_base_(ours)
     with_adapters(ours, "llama", "all-linear", dropout=0.1)
+    if mode == "qlora-mlp-chunks":
+        ours.mlp_chunking_enable(5)
     ids, labels = batch()
     results = []
     for checkpointed in (False, True):
@@ -119,3 +123,26 @@ def test_loss_curve_tracks_hf_peft(tmp_path):
     assert ours_curve[-1] < 0.9 * ours_curve[0]
     for step, (a, b) in enumerate(zip(ours_curve, ref_curve)):
         assert abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+
+
+def test_mlp_chunks_give_the_unchunked_adapter_gradients(tmp_path):
+    """Adapters on gate, up and down inside MLP chunks of 5 rows (checkpointed layers, no dropout): the loss and every
+    adapter gradient as without chunks."""
+    _, ours, _ = pair("llama", tmp_path)
+    with_adapters(ours, "llama", "all-linear")
+    ours.activation_checkpointing_enable()
+    ours.train()
+    ids, labels = batch()
+    results = []
+    for chunks in (None, 5):
+        if chunks:
+            ours.mlp_chunking_enable(chunks)
+        ours.zero_grad(set_to_none=True)
+        loss = ours(ids, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in ours.named_parameters() if p.requires_grad}))
+    (loss0, grads0), (loss1, grads1) = results
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    assert any("mlp" in n for n in grads0)
+    for name, grad in grads0.items():
+        torch.testing.assert_close(grads1[name], grad, rtol=1e-5, atol=1e-7, msg=name)
