@@ -151,6 +151,10 @@ def _add_common(p: argparse.ArgumentParser, *, lr_default: float | None, lr_help
     p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: CUDA when available")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each decoder layer's activations in backward (less memory, ~30%% more compute)")
+    p.add_argument("--mlp-chunk-tokens", type=_positive, default=None, metavar="N",
+                   help="run each decoder layer's MLP over checkpointed chunks of N rows: a layer holds the MLP's "
+                        "intermediates for one chunk at a time (long sequences; one more MLP forward a step; not "
+                        "for mixture-of-experts models)")
     p.add_argument("--output-dir", default=out_default, help=f"metrics.jsonl and checkpoints/ (default {out_default})")
     p.add_argument("--save-every", type=_non_negative, default=500,
                    help="checkpoint every N steps (always at the end; 0: only at the end)")

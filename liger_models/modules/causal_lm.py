@@ -30,7 +30,7 @@ from liger_models.kernels.ops.fused_linear_cross_entropy import fused_linear_cro
 
 from .cache import KVCache
 from .config import GenerationConfig, LigerConfig
-from .decoder import DecoderModel
+from .decoder import DecoderModel, chunk_mlps
 from .generate import generate
 from .inputs import check_labels
 from .linear import is_plain_linear, pack_linears_, runs_forward_hooks
@@ -509,17 +509,10 @@ class LigerForCausalLM(nn.Module):
         intermediates for one chunk at a time instead of every token's. For long sequences with activation
         checkpointing, where those intermediates are most of the per-token memory left; it costs one more MLP
         forward a step. A mixture-of-experts layer is refused (its routing is not chunked)."""
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-            raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
-        sparse = [i for i, layer in enumerate(self.model.layers) if layer.sparse]
-        if sparse:
-            raise ValueError(f"MLP chunking covers dense layers only; layers {sparse} are mixture-of-experts")
-        for layer in self.model.layers:
-            layer.mlp_chunk_tokens = tokens
+        chunk_mlps(self.model.layers, tokens)
 
     def mlp_chunking_disable(self) -> None:
-        for layer in self.model.layers:
-            layer.mlp_chunk_tokens = None
+        chunk_mlps(self.model.layers, None)
 
     def activation_checkpointing_disable(self) -> None:
         """Keep every layer's activations again (the embeddings' require-grad hook stays, as HF leaves it)."""

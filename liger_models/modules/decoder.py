@@ -125,6 +125,19 @@ class DecoderLayer(nn.Module):
         return (self.post_feedforward_layernorm(out) if sandwich else out)[0]
 
 
+def chunk_mlps(layers, tokens: int | None) -> None:
+    """Each layer's MLP over checkpointed chunks of at most ``tokens`` rows in differentiable calls (None: whole
+    again; ``LigerForCausalLM.mlp_chunking_enable``). Dense layers only: a mixture-of-experts layer is refused."""
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+        raise ValueError(f"MLP chunk tokens must be a positive integer, got {tokens!r}")
+    layers = list(layers)
+    sparse = [i for i, layer in enumerate(layers) if layer.sparse]
+    if tokens is not None and sparse:
+        raise ValueError(f"MLP chunking covers dense layers only; layers {sparse} are mixture-of-experts")
+    for layer in layers:
+        layer.mlp_chunk_tokens = tokens
+
+
 def _experts_to_disk_names(layer: DecoderLayer, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     per_expert_state_dict(layer.mlp, state_dict, prefix + "mlp.", f"{prefix}{layer._disk_block}.",
                           layer._expert_names)

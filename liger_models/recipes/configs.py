@@ -90,6 +90,7 @@ class FinetuneConfig(_FromArgs):
     dtype: str = "auto"  # auto | bf16 | fp32 (auto: bf16 on CUDA, fp32 on CPU)
     device: str | None = None  # cuda | cpu (None: CUDA when available)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
+    mlp_chunk_tokens: int | None = None  # ≥ 1: each decoder layer's MLP in checkpointed chunks of this many rows
     output_dir: str | os.PathLike = "runs/train"  # metrics.jsonl and checkpoints/
     save_every: int = 500  # ≥ 0: checkpoint every N steps (and at the end; 0: only at the end)
     keep_last: int = 2  # ≥ 1 checkpoints kept
@@ -196,7 +197,8 @@ class FinetuneConfig(_FromArgs):
         if self.cuda_graph:
             self._check_cuda_graph_schedule()
             cpu = self.device == "cpu" or (self.device is None and not torch.cuda.is_available())
-            refuse_cuda_graph_conflicts(cpu, distributed, self.optimizer_in_backward, self.activation_checkpointing)
+            refuse_cuda_graph_conflicts(cpu, distributed, self.optimizer_in_backward, self.activation_checkpointing,
+                                        mlp_chunks=self.mlp_chunk_tokens is not None)
 
     def _check_medusa_options(self) -> None:
         """The Medusa recipe's own option checks (MedusaTrainingConfig)."""

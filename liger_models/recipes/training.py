@@ -35,6 +35,7 @@ from liger_models.kernels._tuning import tuned
 from liger_models.lora import add_lora, lora_modules, lora_state_dict
 from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
+from liger_models.modules.decoder import chunk_mlps
 from liger_models.recipes.configs import FinetuneConfig, MedusaTrainingConfig
 from liger_models.tokenizer import read_special_tokens
 from liger_models.text.chat import chat_template_note
@@ -341,9 +342,12 @@ def loss_options(scratch_mib: int | None, grad_filter_eps: float | None = None):
 
 
 def prepare(model: nn.Module, layers, config: FinetuneConfig, info, more_units=()) -> None:
-    """Activation checkpointing on ``layers``; under torchrun, FSDP2 units = ``layers`` + ``more_units``."""
+    """Activation checkpointing and MLP chunks on ``layers``; under torchrun, FSDP2 units = ``layers`` +
+    ``more_units``."""
     if config.activation_checkpointing:
         D.apply_activation_checkpointing(layers)
+    if config.mlp_chunk_tokens is not None:
+        chunk_mlps(layers, config.mlp_chunk_tokens)
     if info.distributed:
         D.apply_fsdp(model, [*layers, *more_units], info.device)
 

@@ -169,7 +169,8 @@ def refuse_in_backward_conflicts(grad_accum: int, max_grad_norm: float, distribu
 
 
 def refuse_cuda_graph_conflicts(cpu: bool, distributed: bool, in_backward: bool,
-                                activation_checkpointing: bool = False, schedule: str = "constant") -> None:
+                                activation_checkpointing: bool = False, schedule: str = "constant", *,
+                                mlp_chunks: bool = False) -> None:
     """What --cuda-graph cannot go with (the Trainer checks it; run.py before loading anything)."""
     _refuse("--cuda-graph replays one process's whole step on one GPU",
             (cpu, "a CPU device"),
@@ -177,6 +178,7 @@ def refuse_cuda_graph_conflicts(cpu: bool, distributed: bool, in_backward: bool,
             (in_backward, "--optimizer-in-backward"),
             (activation_checkpointing, "--activation-checkpointing (its recomputation saves and restores the RNG "
                                        "state on the host inside the step)"),
+            (mlp_chunks, "--mlp-chunk-tokens (each chunk is a checkpoint, recomputed the same way)"),
             (schedule != "constant", f"the heads' loss-weight schedule {schedule!r} (it changes every step, and a "
                                      "graph replays the weights it captured: use --schedule constant)"))
 

@@ -238,6 +238,7 @@ def test_bad_numbers_are_rejected_by_the_parser(bad, message, capsys):
     (["--optimizer-in-backward"], "clipping"),
     (["--cuda-graph", "--device", "cpu"], "a CPU device"),
     (["--cuda-graph", "--activation-checkpointing"], "--activation-checkpointing"),
+    (["--cuda-graph", "--mlp-chunk-tokens", "16"], "--mlp-chunk-tokens"),
     (["--eval-every", "5"], "--eval-every needs --eval-data"),  # would silently never evaluate
     (["--eval-batches", "5"], "--eval-batches needs --eval-data"),  # the same
     (["--max-steps", "10", "--warmup-steps", "20"], "--warmup-steps 20"),  # the LR would never reach --lr
@@ -285,6 +286,27 @@ def test_lr_schedule_starts_above_zero_and_ends_at_the_floor(warmup, factors, ti
     assert _train(tiny_model_dir, text_file, tmp_path, "--max-steps", "6", "--save-every", "0", "--lr", "1e-3",
                   "--warmup-steps", warmup, "--min-lr-ratio", "0.1") == 0
     assert _logged_lrs(tmp_path) == pytest.approx([1e-3 * f for f in factors], rel=1e-9, abs=0)
+
+
+def _logged_losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_mlp_chunks_train_as_the_whole_mlp(tiny_model_dir, text_file, tmp_path, monkeypatch):
+    """--mlp-chunk-tokens with --activation-checkpointing: chunks of 24 of a batch's 64 rows (the last one short),
+    the same losses step after step as the whole MLP."""
+    from liger_models.modules.decoder import DecoderLayer
+
+    common = ("--max-steps", "3", "--save-every", "0", "--log-every", "1", "--activation-checkpointing")
+    assert _train(tiny_model_dir, text_file, tmp_path / "whole", *common) == 0
+    chunk_rows = []
+    mlp_rows = DecoderLayer._mlp_rows
+    monkeypatch.setattr(DecoderLayer, "_mlp_rows", lambda self, rows: (chunk_rows.append(len(rows)),
+                                                                        mlp_rows(self, rows))[1])
+    assert _train(tiny_model_dir, text_file, tmp_path / "chunks", *common, "--mlp-chunk-tokens", "24") == 0
+    assert set(chunk_rows) == {24, 16}
+    whole, chunks = _logged_losses(tmp_path / "whole"), _logged_losses(tmp_path / "chunks")
+    assert len(whole) == 3 and chunks == pytest.approx(whole, rel=1e-5, abs=0)
 
 
 def test_resume_takes_this_runs_optimizer_settings(tiny_model_dir, text_file, tmp_path):
