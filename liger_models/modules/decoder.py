@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
         gate_up, residual = norm_linear(self.pre_feedforward_layernorm, a, residual, self.mlp.projections())
         return self.post_feedforward_layernorm(self.mlp.from_gate_up(gate_up)), residual
 
-    def _chunked_mlp(self, a: torch.Tensor, residual: torch.Tensor | None, chunk: int):
+    def _chunked_mlp(self, a: torch.Tensor, residual: torch.Tensor, chunk: int):
         """The MLP half over row chunks of the stream, each checkpointed: backward recomputes one chunk's gate|up,
         activation and norm at a time, so the layer never holds them for every token at once (they dominate a long
         sequence's per-token memory once the layers are checkpointed). The stream is the same sum the fused add-norm
@@ -110,7 +110,7 @@ class DecoderLayer(nn.Module):
         sandwich = hasattr(self, "pre_feedforward_layernorm")
         if sandwich:
             a = self.post_attention_layernorm(a)
-        stream = a if residual is None else a + residual
+        stream = a + residual
         rows = stream.reshape(-1, stream.shape[-1])
         out = [checkpoint(self._mlp_rows, rows[i:i + chunk], use_reentrant=False)
                for i in range(0, rows.shape[0], chunk)]
