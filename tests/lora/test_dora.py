@@ -148,9 +148,13 @@ def test_merge_unmerge_and_merged_export(tmp_path):
     ids, _ = batch()
     ours.eval()
     with torch.no_grad():
-        exact = peft_float64(hf, ours, tmp_path / "float64").eval()(input_ids=ids).logits
+        truth = peft_float64(hf, ours, tmp_path / "float64").eval()
+        exact = truth(input_ids=ids).logits
         adapted = ours(ids).logits
-        bound = max(2 * max_rel(adapted.double(), exact), 1e-5)
+        # A merged fp32 weight is one more rounding of W + s·B·A scaled by m / ‖·‖: no closer than HF + PEFT's own
+        # fp32 merge of the same adapters gets (one CI seed: 1.06e-5 theirs, 1.05e-5 ours, against 3.8e-6 unmerged).
+        peer_merged = truth.fp32_peer().eval().merge_and_unload()(input_ids=ids).logits
+        bound = max(2 * max_rel(adapted.double(), exact), 2 * max_rel(peer_merged.double(), exact), 1e-5)
         q = lora_modules(ours)["model.layers.0.self_attn.q_proj"]
         base_q = q.weight.clone()
         merge_lora(ours)
