@@ -89,7 +89,7 @@ def _bnb_linears(model, torch, device: str):
 
 
 def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
-    """The provider's model, adapters added; the HF peers also on the CPU (tests/benchmarks check how they are built)."""
+    """The provider's model, adapters added; also on the CPU (tests/benchmarks check how each is built)."""
     import torch
 
     if provider.startswith("ours"):
@@ -97,10 +97,11 @@ def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
         from liger_models.lora import LoraSettings, add_lora, quantize_base_
 
         cls = model_class(cfg["model_type"])
-        model = cls.from_config(cls.config_class.from_hf(dict(cfg)), dtype=torch.bfloat16, device="cuda")
+        model = cls.from_config(cls.config_class.from_hf(dict(cfg)), dtype=torch.bfloat16, device=device)
         if provider.startswith("ours_qlora"):
             quantize_base_(model)
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         add_lora(model, LoraSettings(r=R, alpha=ALPHA, targets="all-linear", use_dora=provider == "ours_dora"))
         if checkpointing:
             model.activation_checkpointing_enable(offload=provider.endswith("_offload"))

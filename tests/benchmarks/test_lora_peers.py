@@ -109,3 +109,29 @@ def test_a_peer_s_step_multiplies_in_bf16_as_trainer_bf16_runs_it(provider):
     assert out.logits.dtype == torch.bfloat16
     assert ran.seen and {dtype for _, dtype in ran.seen} == {torch.bfloat16}, ran.seen
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("provider", ["ours", "ours_qlora", "ours_offload", "ours_qlora_offload", "ours_qlora_chunks",
+                                      "ours_dora"])
+def test_our_providers_are_built_as_named(provider):
+    """Each of our rows measures what its name says: an NF4 base exactly where it says qlora, checkpoints in host
+    memory where it says offload, MLP chunks where it says chunks, DoRA where it says dora, LoRA on every decoder
+    linear and nothing else trainable; and a training step runs."""
+    from liger_models.lora import lora_modules
+    from liger_models.modules.causal_lm import offloaded_checkpoint
+
+    model = bench_lora._build(provider, TINY, True, device="cpu")
+    adapted = lora_modules(model)
+    assert len(adapted) == 7 * TINY["num_hidden_layers"]
+    nf4 = [n for n, m in model.named_modules() if getattr(m, "quant", None) is not None]
+    assert (len(nf4) == len(adapted)) if "qlora" in provider else not nf4
+    assert all(m.use_dora == (provider == "ours_dora") for m in adapted.values())
+    assert model.is_activation_checkpointing
+    assert (model.model.checkpoint_fn.func is offloaded_checkpoint) == provider.endswith("_offload")
+    assert {layer.mlp_chunk_tokens for layer in model.model.layers} == ({8192} if "chunks" in provider else {None})
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    model.train()
+    ids = torch.randint(0, TINY["vocab_size"], (1, 32))
+    model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
