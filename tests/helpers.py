@@ -145,6 +145,7 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     def total(self) -> int:
         return sum(self.storages.values())
 
+
 class LiveBytes(TorchDispatchMode):
     """Within it, the bytes of the tensor storages that ops create and that are still alive, and the largest such
     total (``peak``): the memory a computation needs beyond what existed before, exact on the CPU (no caching

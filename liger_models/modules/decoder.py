@@ -65,7 +65,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(config)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = make_norm(config)
-        if config.sandwich_norms:
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(config)
             self.post_feedforward_layernorm = make_norm(config)
         # Set by a wrapper that runs this layer's forward under a checkpoint (train.distributed.
@@ -74,7 +75,7 @@ class DecoderLayer(nn.Module):
         # Rows per MLP chunk in a differentiable call (LigerForCausalLM.mlp_chunking_enable), or None: the whole MLP.
         self.mlp_chunk_tokens: int | None = None
         self.sparse = config.layer_is_sparse(layer_idx)
-        if self.sparse and config.sandwich_norms:
+        if self.sparse and self.sandwich:
             raise ValueError("a sparse (mixture-of-experts) layer with sandwich norms is not supported")
         self.mlp = SparseMoeBlock(config) if self.sparse else GatedMLP(config)
         if self.sparse:
@@ -95,7 +96,7 @@ class DecoderLayer(nn.Module):
         chunk = self.mlp_chunk_tokens
         if chunk is not None and torch.is_grad_enabled() and a.shape[:-1].numel() > chunk:
             return self._chunked_mlp(a, residual, chunk)
-        if not hasattr(self, "pre_feedforward_layernorm"):
+        if not self.sandwich:
             gate_up, residual = norm_linear(self.post_attention_layernorm, a, residual, self.mlp.projections())
             return self.mlp.from_gate_up(gate_up), residual
         a = self.post_attention_layernorm(a)
@@ -107,8 +108,7 @@ class DecoderLayer(nn.Module):
         activation and norm at a time, so the layer never holds them for every token at once (they dominate a long
         sequence's per-token memory once the layers are checkpointed). The stream is the same sum the fused add-norm
         forms; each row's numbers are the unchunked MLP's."""
-        sandwich = hasattr(self, "pre_feedforward_layernorm")
-        if sandwich:
+        if self.sandwich:
             a = self.post_attention_layernorm(a)
         stream = a + residual
         rows = stream.reshape(-1, stream.shape[-1])
@@ -118,11 +118,10 @@ class DecoderLayer(nn.Module):
 
     def _mlp_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """MLP(norm(rows)) for rows (n, H) of the stream (the sandwich's post-feed-forward norm included)."""
-        sandwich = hasattr(self, "pre_feedforward_layernorm")
-        norm = self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm
+        norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
         gate_up, _ = norm_linear(norm, rows[None], None, self.mlp.projections())
         out = self.mlp.from_gate_up(gate_up)
-        return (self.post_feedforward_layernorm(out) if sandwich else out)[0]
+        return (self.post_feedforward_layernorm(out) if self.sandwich else out)[0]
 
 
 def chunk_mlps(layers, tokens: int | None) -> None:

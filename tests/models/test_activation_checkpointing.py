@@ -15,21 +15,30 @@ from liger_models.train import distributed as D
 from tests.helpers import SavedBytes
 
 
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _saved_bytes_of_a_step(model, ids) -> int:
+    """Bytes autograd keeps for backward in one training step (parameters left out), then the backward."""
+    with SavedBytes(exclude=model.parameters()) as saved:
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    return saved.total
+
+
 @pytest.mark.parametrize("config_cls", [LlamaConfig, GemmaConfig], ids=["llama", "gemma"])
 def test_recomputed_layers_give_the_same_gradients(config_cls):
     config = config_cls.tiny(num_hidden_layers=2)
     model = AutoLigerForCausalLM.from_config(config)
     ids = torch.randint(0, config.vocab_size, (2, 24))
-    results = []
-    for checkpointed in (False, True):
-        if checkpointed:
-            assert D.apply_activation_checkpointing(model.model.layers) == 2
-        model.train()
-        model.zero_grad(set_to_none=True)
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (loss0, grads0), (loss1, grads1) = results
+    model.train()
+    loss0, grads0 = _loss_and_grads(model, ids)
+    assert D.apply_activation_checkpointing(model.model.layers) == 2
+    loss1, grads1 = _loss_and_grads(model, ids)
     assert torch.equal(loss0, loss1)
     for name, grad in grads0.items():
         assert torch.equal(grads1[name], grad), name
@@ -51,19 +60,8 @@ def test_a_checkpointed_layer_keeps_one_stream_tensor(config_cls, how):
         else:
             D.apply_activation_checkpointing(model.model.layers)
         model.train()
-        ids = torch.randint(0, config.vocab_size, (B, T))
-        with SavedBytes(exclude=model.parameters()) as kept:
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        saved[layers] = kept.total
+        saved[layers] = _saved_bytes_of_a_step(model, torch.randint(0, config.vocab_size, (B, T)))
     assert saved[4] - saved[2] == 2 * B * T * config.hidden_size * 4, saved
-
-
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
@@ -105,11 +103,7 @@ def test_mlp_chunks_keep_no_gate_up_output_for_backward():
         model.train()
         if chunked:
             model.mlp_chunking_enable(8)
-        ids = torch.randint(0, config.vocab_size, (B, T))
-        with SavedBytes(exclude=model.parameters()) as saved:
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        kept[chunked] = saved.total
+        kept[chunked] = _saved_bytes_of_a_step(model, torch.randint(0, config.vocab_size, (B, T)))
     gate_up = B * T * 2 * config.intermediate_size * 4
     assert kept[False] - kept[True] >= config.num_hidden_layers * gate_up, kept
 
