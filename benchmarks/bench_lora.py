@@ -24,11 +24,14 @@ Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a m
     python benchmarks/bench_lora.py --out DIR [--configs qwen2.5-7b,llama-3.1-8b] [--providers ...]
         [--batch 4 --seq 4096] [--checkpointing both|on|off]
     python benchmarks/bench_lora.py --out DIR --longest [--providers ...] [--longest-budget 240]
+        [--longest-from 4096 --longest-growth 2]
 
 --longest: the longest batch-1 sequence (a multiple of 1024) one full training step of Llama-3.1-8B fits in, for the
 QLoRA providers. One subprocess per provider builds the model once (checkpointing on) and searches in-process: the
-length doubles from 4096 up to the first OutOfMemoryError (at most 1 << 20), then bisects between the last success
-and that failure down to 1024. The number is a lower bound: after an OOM the caching allocator is emptied but the
+length grows from --longest-from (4096) by --longest-growth (2) up to the first OutOfMemoryError (at most 1 << 20),
+then bisects between the last success and that failure down to 1024. Past ~130k tokens a Llama-3.1-8B step takes
+close to a minute and grows as T² (attention), so a provider known to fit that far is searched from there in smaller
+steps (e.g. --longest-from 163840 --longest-growth 1.25) instead of re-running the short probes. The number is a lower bound: after an OOM the caching allocator is emptied but the
 next probe may still meet a more fragmented heap than a fresh process would. The search stops once --longest-budget
 seconds (per provider, build included) are spent or the next probe would end past them (a step's time grows at most
 quadratically with its length), and then reports what it found with budget_hit true.
@@ -248,7 +251,8 @@ def _probe(model, opt, vocab: int, seq: int, torch, provider: str) -> dict:
     return row
 
 
-def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, hi: int = 1 << 20) -> dict:
+def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, growth: float = 2.0,
+                    hi: int = 1 << 20) -> dict:
     """The longest batch-1 sequence one training step fits in, on one model built once (see the module's docstring)."""
     t_start = time.perf_counter()
     import torch
@@ -281,7 +285,7 @@ def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, hi:
         best = probes[-1]
         if seq >= hi:
             break
-        seq = min(2 * seq, hi)
+        seq = min(max(int(seq * growth) // 1024 * 1024, seq + 1024), hi)
     if ok is False:
         bad = first_oom = seq
         while bad - best["seq"] > 1024:  # bisection between the last success and the failure
@@ -305,7 +309,7 @@ def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, hi:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", nargs=6, metavar=("CONFIG", "PROVIDER", "BATCH", "SEQ", "CKPT", "STEPS"))
-    p.add_argument("--longest-worker", nargs=3, metavar=("CONFIG", "PROVIDER", "BUDGET"))
+    p.add_argument("--longest-worker", nargs=5, metavar=("CONFIG", "PROVIDER", "BUDGET", "FROM", "GROWTH"))
     p.add_argument("--out")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--providers", default=",".join(PROVIDERS))
@@ -315,14 +319,19 @@ def main() -> None:
     p.add_argument("--longest", action="store_true", help="longest batch-1 QLoRA sequence of llama-3.1-8b instead")
     p.add_argument("--longest-budget", type=float, default=240.0,
                    help="seconds per provider for --longest, build included (default 240)")
+    p.add_argument("--longest-from", type=int, default=4096, help="--longest's first length (a multiple of 1024)")
+    p.add_argument("--longest-growth", type=float, default=2.0,
+                   help="--longest's factor from one fitting length to the next (> 1; default 2)")
     args = p.parse_args()
+    if args.longest_growth <= 1 or args.longest_from <= 0 or args.longest_from % 1024:
+        p.error("--longest-from must be a positive multiple of 1024 and --longest-growth above 1")
     if args.worker:
         name, provider, batch, seq, ckpt, steps = args.worker
         print(json.dumps(_worker(name, provider, int(batch), int(seq), ckpt == "1", int(steps))))
         return
     if args.longest_worker:
-        name, provider, budget = args.longest_worker
-        print(json.dumps(_longest_worker(name, provider, float(budget))))
+        name, provider, budget, lo, growth = args.longest_worker
+        print(json.dumps(_longest_worker(name, provider, float(budget), int(lo), float(growth))))
         return
     if not args.out:
         p.error("--out DIR is required")
@@ -332,7 +341,8 @@ def main() -> None:
     if args.longest:
         for provider in [p for p in providers if "bnb" in p or "qlora" in p]:
             try:  # the budget is checked between probes: one probe (minutes at most) may run past it
-                row = _run(["llama-3.1-8b", provider, str(args.longest_budget)], timeout=int(args.longest_budget) + 900,
+                row = _run(["llama-3.1-8b", provider, str(args.longest_budget), str(args.longest_from),
+                            str(args.longest_growth)], timeout=int(args.longest_budget) + 900,
                            flag="--longest-worker")
             except subprocess.TimeoutExpired:
                 row = dict(error="timeout")

@@ -142,8 +142,10 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
         --providers "${LORA_PROVIDERS_OFF:-ours,ours_qlora,hf_peft,hf_peft_liger,hf_peft_bnb,hf_peft_bnb_liger}" ;;
     lora-longest)  # the longest batch-1 QLoRA Llama-3.1-8B sequence per provider (LONGEST_BUDGET seconds each;
                    # LORA_PROVIDERS=ours_qlora_chunks,ours_qlora_offload in a call of their own: MLP chunks; checkpoints
-                   # in pinned host memory)
+                   # in pinned host memory). Past 131072 tokens a step takes ~51 s on an H100 (2026-12-06) and grows as
+                   # T²: LONGEST_FROM=163840 LONGEST_GROWTH=1.25 searches from there, one provider per call
       python3 benchmarks/bench_lora.py --out "$OUT/lora_longest" --longest --longest-budget "${LONGEST_BUDGET:-240}" \
+        --longest-from "${LONGEST_FROM:-4096}" --longest-growth "${LONGEST_GROWTH:-2}" \
         --providers "${LORA_PROVIDERS:-ours_qlora,hf_peft_bnb_liger}" ;;
     lora-dora)  # DoRA at Llama-3.1-8B, checkpointing on: ours against HF + PEFT's use_dora
       python3 benchmarks/bench_lora.py --out "$OUT/lora_dora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" \
