@@ -9,6 +9,7 @@
 #   bash benchmarks/device_session.sh softcap-sweep     # the soft-capped attention kernel's settings
 #   bash benchmarks/device_session.sh softcap-spread    # bf16 soft-capped paths' gradient errors over many seeds
 #   bash benchmarks/device_session.sh lora-moe          # LoRA on experts + routers, ours vs HF + PEFT (MoE widths)
+#   bash benchmarks/device_session.sh lora-grid-ckpt    # issue 35's LoRA grid, checkpointed half (lora-grid-nockpt: the other)
 #   bash benchmarks/device_session.sh nf4               # NF4 dequantisation: Triton vs reference vs bitsandbytes
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
@@ -133,13 +134,17 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
     lora)  # LoRA / QLoRA at Llama-3.1-8B, checkpointing on (HF providers build in ~2 min each; LORA_PROVIDERS to pick)
       python3 benchmarks/bench_lora.py --out "$OUT/lora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" --checkpointing on \
         --providers "${LORA_PROVIDERS:-ours,ours_qlora,ours_offload,hf_peft_bnb}" ;;
-    lora-grid)  # issue 35's grid for one config at a time (LORA_CONFIGS): checkpointing on at 4 x 4096, off at 2 x 4096
-                # (HF + PEFT without checkpointing needs ~100 GiB at 2 x 4096 on an H200), every provider
+    lora-grid-ckpt)  # issue 35's grid for one config at a time (LORA_CONFIGS), checkpointing on at 4 x 4096, every
+                     # provider (~6 min on an H100: HF builds take 15-60 s each, 2026-12-06); one device call
       python3 benchmarks/bench_lora.py --out "$OUT/lora_ckpt" --configs "${LORA_CONFIGS:-qwen2.5-7b}" --checkpointing on \
-        --providers "${LORA_PROVIDERS:-ours,ours_qlora,ours_offload,hf_peft,hf_peft_liger,hf_peft_bnb,hf_peft_bnb_liger}"
+        --providers "${LORA_PROVIDERS:-ours,ours_qlora,ours_offload,hf_peft,hf_peft_liger,hf_peft_bnb,hf_peft_bnb_liger}" ;;
+    lora-grid-nockpt)  # the same grid without checkpointing at 2 x 4096 (HF + PEFT needs ~100 GiB there on an H200);
+                       # a device call of its own
       python3 benchmarks/bench_lora.py --out "$OUT/lora_nockpt" --configs "${LORA_CONFIGS:-qwen2.5-7b}" \
         --checkpointing off --batch 2 \
         --providers "${LORA_PROVIDERS_OFF:-ours,ours_qlora,hf_peft,hf_peft_liger,hf_peft_bnb,hf_peft_bnb_liger}" ;;
+    lora-grid)  # both halves (over 10 minutes: past one device call)
+      run_part lora-grid-ckpt; run_part lora-grid-nockpt ;;
     lora-longest)  # the longest batch-1 QLoRA Llama-3.1-8B sequence per provider (LONGEST_BUDGET seconds each;
                    # LORA_PROVIDERS=ours_qlora_chunks,ours_qlora_offload in a call of their own: MLP chunks; checkpoints
                    # in pinned host memory). Past 131072 tokens a step takes ~51 s on an H100 (2026-12-06) and grows as
