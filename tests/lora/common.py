@@ -10,7 +10,8 @@ import transformers
 from liger_models import AutoLigerForCausalLM
 from liger_models.lora import LoraSettings, add_lora, save_adapter
 
-from ..models.parity import build_hf, causal_lm_loss, float64_reference, max_rel, save_hf, supports_sdpa
+from ..models.parity import (OURS_MOVED, build_hf, causal_lm_loss, float64_reference, max_rel, moved_one_ulp, save_hf,
+                             supports_sdpa)
 
 CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "gemma": transformers.GemmaConfig, "phi3": transformers.Phi3Config,
@@ -61,7 +62,9 @@ def with_adapters(model, family: str, target_set: str = "all-linear", **kw):
 # the eager peer with our SDPA call swapped for eager math, and HF + PEFT with SDPA within 1.9x of ours. Over 25 seeds
 # the worst-gradient ratio ours / HF + PEFT was median 1.1, largest 2.7 (2.6 for LoRA without DoRA), and the same with
 # every op's PyTorch reference (LIGER_MODELS_REFERENCE=1): the spread of two fp32 summation orders, not a kernel; a
-# real error is orders larger.
+# real error is orders larger. Ours is one draw from that spread too, so past the peer's bound its error is the
+# median of its run and two copies of ours moved by one ulp (as tests/models/parity.py judges ours), which a wrong
+# computation fails in all three (test_lora_vs_reference's harness test).
 FP32_PEER_FACTOR = 4
 
 
@@ -111,19 +114,24 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
     """One training step's numbers of ours (fp32) against ``truth`` (``peft_float64``: HF + PEFT in float64 with the
     same adapters), both in train mode: logits within 1e-4 of the largest, loss within 1e-5 relative, every trained
     gradient within 1e-4 of its max (each, where fp32 cannot do that on this model, within FP32_PEER_FACTOR times HF
-    + PEFT's own fp32 error), no gradient on a frozen parameter. ``names``: our parameter name → truth's, where
+    + PEFT's own fp32 error, ours' error then the median over it and two ulp-moved copies), no gradient on a frozen
+    parameter. ``names``: our parameter name → truth's, where
     ``peft_name``'s rule does not give it. Returns ours' trained gradients by name."""
     ours.train()
     truth.train()
     ids, labels = batch()
-    logits = ours(ids).logits
+
+    def our_step(model):
+        logits = model(ids).logits
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        return logits, loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    logits, loss, grads = our_step(ours)
     exact = truth(input_ids=ids, use_cache=False).logits
-    loss = ours(ids, labels=labels).loss
     ref = causal_lm_loss(exact, labels)
-    loss.backward()
     ref.backward()
     truth_params = dict(truth.named_parameters())
-    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
     assert all(g is not None for g in grads.values()), [n for n, g in grads.items() if g is None]
     ref_names = {n: names[n] if names is not None and n in names else
                  peft_name(n) if "lora_" in n else "base_model.model." + n for n in grads}
@@ -147,9 +155,25 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
         peer_loss.backward()
         peer_params = dict(peer.named_parameters())
         peer_errors = errors(peer_logits, peer_loss, lambda n: peer_params[ref_names[n]].grad)
+        moved_errors = []  # ours is one draw from fp32's spread: past the peer's bound, the median with moved copies
+
+        def moved_errors_of(key: str) -> list[float]:
+            if not moved_errors:
+                generator = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+                for _ in range(OURS_MOVED):
+                    moved = moved_one_ulp(ours, generator)
+                    moved.zero_grad(set_to_none=True)  # the copy carries ours' gradients
+                    moved_logits, moved_loss, moved_grads = our_step(moved)
+                    moved_errors.append(errors(moved_logits, moved_loss, lambda n: moved_grads[n]))
+            return [e[key] for e in moved_errors]
+
         for key, err in over.items():
-            assert err <= FP32_PEER_FACTOR * peer_errors[key], f"{key}: {err:.3g} off float64 (HF + PEFT in fp32: " \
-                                                              f"{peer_errors[key]:.3g})"
+            limit, others = FP32_PEER_FACTOR * peer_errors[key], []
+            if err > limit:
+                others = moved_errors_of(key)
+                err = sorted([err, *others])[len(others) // 2]
+            assert err <= limit, f"{key}: {err:.3g} off float64 (HF + PEFT in fp32: {peer_errors[key]:.3g}" + \
+                (f"; ours moved by one ulp: {' / '.join(f'{e:.3g}' for e in others)})" if others else ")")
     frozen = [n for n, p in ours.named_parameters() if not p.requires_grad and p.grad is not None]
     assert not frozen, f"frozen parameters got gradients: {frozen[:3]}"
     return grads

@@ -36,6 +36,20 @@ def test_lora_on_newer_families_matches_float64_reference(family, tmp_path):
     _check(family, "all-linear", tmp_path)
 
 
+@pytest.mark.parametrize("relative", [1e-3, 3e-4])
+def test_the_float64_check_fails_a_slightly_wrong_adapter(tmp_path, relative):
+    """The harness itself: past its fixed bounds it weighs ours against HF + PEFT in fp32 and ulp-moved copies of
+    ours (common.assert_matches_float64_peft); an adapter of ours off by ``relative`` from the one the float64
+    reference loaded must fail it all the same (Gemma 3: the family whose fp32 errors spread widest)."""
+    hf, ours, _ = pair("gemma3", tmp_path)
+    with_adapters(ours, "gemma3", "all-linear")
+    truth = peft_float64(hf, ours, tmp_path)
+    with torch.no_grad():
+        ours.get_parameter(next(n for n, _ in ours.named_parameters() if "lora_B" in n)).mul_(1 + relative)
+    with pytest.raises(AssertionError, match="off float64"):
+        assert_matches_float64_peft(ours, truth)
+
+
 def test_some_siblings_adapted_rsLoRA_and_rank_pattern(tmp_path):
     """q and v adapted, k plain inside the packed q|k|v GEMM; a per-module rank; rsLoRA scaling."""
     _check("llama", "all-linear", tmp_path, targets=["q_proj", "v_proj", "up_proj"], use_rslora=True,

@@ -141,7 +141,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 OURS_MOVED = 2  # ulp-moved copies of ours whose errors join its own where that is past a bound (check_parity)
 
 
-def _moved_one_ulp(model, generator: torch.Generator):
+def moved_one_ulp(model, generator: torch.Generator):
     """A copy of the float32 model with every weight moved one ulp up or down at random."""
     moved = copy.deepcopy(model)
     with torch.no_grad():
@@ -181,7 +181,7 @@ def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_
         peers["hf sdpa"] = copy.deepcopy(hf)
         peers["hf sdpa"].set_attn_implementation("sdpa")
     generator = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
-    peers.update({f"{tag} ±1ulp": _moved_one_ulp(peer, generator) for tag, peer in list(peers.items())})
+    peers.update({f"{tag} ±1ulp": moved_one_ulp(peer, generator) for tag, peer in list(peers.items())})
     vocab = hf.config.vocab_size
     ids = torch.randint(3, vocab, (batch, seq_len))
     labels = ids.clone()
@@ -199,7 +199,7 @@ def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_
 
     def moved_copies(train: bool) -> list:
         if not moved:
-            moved.extend(_moved_one_ulp(ours, generator) for _ in range(OURS_MOVED))
+            moved.extend(moved_one_ulp(ours, generator) for _ in range(OURS_MOVED))
         if train and not moved_losses:
             for copy_ in moved:
                 copy_.zero_grad(set_to_none=True)  # a copy made after ours' step carries ours' gradients
