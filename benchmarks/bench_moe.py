@@ -7,7 +7,7 @@ kernel, a backward that saves only the gate|up output); "hf-grouped_mm" and "hf-
 Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock with experts_implementation "grouped_mm" (its default) and "eager"
 (a Python loop over experts). "gemms-only" is the floor of a grouped_mm layer: its six grouped GEMMs alone, at the
 same routing. All run on the same weights. Peak memory is what a forward + backward allocates above
-its inputs; time is one forward + backward.
+its inputs; time is one forward + backward forming fresh gradients (``step``).
 
     python benchmarks/bench_moe.py [--quick] [--out DIR] [--providers liger-models,hf-grouped_mm,hf-eager]
 """
@@ -64,15 +64,20 @@ def providers(case: dict) -> dict:
             blocks[impl] = block
     x = torch.randn(1, case["tokens"], case["hidden"], device="cuda", dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn_like(x)
+    return {"liger-models": step(ours, x, dy), "hf-grouped_mm": step(blocks["grouped_mm"], x, dy),
+            "hf-eager": step(blocks["eager"], x, dy), "gemms-only": _gemms_only(ours, x, dy, case["top_k"])}
 
-    def step(module):
-        def run():
-            out = module(x)
-            out.backward(dy)
-        return run
 
-    return {"liger-models": step(ours), "hf-grouped_mm": step(blocks["grouped_mm"]), "hf-eager": step(blocks["eager"]),
-            "gemms-only": _gemms_only(ours, x, dy, case["top_k"])}
+def step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    """One forward + backward of ``module`` that returns fresh gradients of x and every parameter, as a training
+    step after zero_grad(set_to_none=True) forms them. Not ``.backward()``: run after run that adds each gradient into
+    the last one's .grad, a read-add-write of the expert stacks' size (2.8 GB at Mixtral's width) that no training step
+    without gradient accumulation does and the GEMMs-only floor never did."""
+    inputs = [x, *module.parameters()]
+
+    def run():
+        return torch.autograd.grad(module(x), inputs, dy)
+    return run
 
 
 def _gemms_only(block, x: torch.Tensor, dy: torch.Tensor, top_k: int):

@@ -1,0 +1,31 @@
+"""bench_moe.py times what a training step does: each run forms fresh gradients, never adding into .grad."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_moe  # noqa: E402
+
+from liger_models import MixtralConfig  # noqa: E402
+from liger_models.modules.moe import SparseMoeBlock  # noqa: E402
+
+
+def test_each_run_returns_the_gradients_of_one_step_and_accumulates_nothing():
+    block = SparseMoeBlock(MixtralConfig.tiny())
+    with torch.no_grad():  # built empty, as bench_moe fills it
+        for p in block.parameters():
+            p.normal_(0.0, 0.02)
+    x = torch.randn(1, 9, block.gate.in_features, requires_grad=True)
+    dy = torch.randn_like(x)
+    run = bench_moe.step(block, x, dy)
+    first, second = run(), run()
+    assert x.grad is None and all(p.grad is None for p in block.parameters())
+    out = block(x)
+    out.backward(dy)  # one plain step: what every run must equal
+    expected = [x.grad, *(p.grad for p in block.parameters())]
+    assert len(first) == len(expected) == 2 + len(list(block.experts.parameters()))
+    for got_first, got_second, want in zip(first, second, expected):
+        torch.testing.assert_close(got_first, want, rtol=0, atol=0)
+        torch.testing.assert_close(got_second, want, rtol=0, atol=0)
