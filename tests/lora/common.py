@@ -115,8 +115,8 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
     same adapters), both in train mode: logits within 1e-4 of the largest, loss within 1e-5 relative, every trained
     gradient within 1e-4 of its max (each, where fp32 cannot do that on this model, within FP32_PEER_FACTOR times HF
     + PEFT's own fp32 error, ours' error then the median over it and two ulp-moved copies), no gradient on a frozen
-    parameter. ``names``: our parameter name → truth's, where
-    ``peft_name``'s rule does not give it. Returns ours' trained gradients by name."""
+    parameter. ``names``: our parameter name → truth's, where ``peft_name``'s rule does not give it. Returns ours'
+    trained gradients by name."""
     ours.train()
     truth.train()
     ids, labels = batch()
