@@ -9,7 +9,7 @@
 #   bash benchmarks/device_session.sh softcap-sweep     # the soft-capped attention kernel's settings
 #   bash benchmarks/device_session.sh softcap-spread    # bf16 soft-capped paths' gradient errors over many seeds
 #   bash benchmarks/device_session.sh lora-moe          # LoRA on experts + routers, ours vs HF + PEFT (MoE widths)
-#   bash benchmarks/device_session.sh lora-grid-ckpt    # issue 35's LoRA grid, checkpointed half (lora-grid-nockpt: the other)
+#   bash benchmarks/device_session.sh lora-grid-ckpt    # LoRA grid, checkpointed half (lora-grid-nockpt: the other)
 #   bash benchmarks/device_session.sh nf4               # NF4 dequantisation: Triton vs reference vs bitsandbytes
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
