@@ -9,6 +9,8 @@ import torch
 from liger_models.lora import LoraSettings, add_lora, lora_modules, quantize_base_
 from liger_models.modules.lora_linear import LoraLinear
 
+from ..models.parity import max_rel
+from ..helpers import CHUNKED_GRAD_REL
 from .common import batch, pair, with_adapters
 
 peft = pytest.importorskip("peft")
@@ -144,5 +146,5 @@ def test_mlp_chunks_give_the_unchunked_adapter_gradients(tmp_path):
     (loss0, grads0), (loss1, grads1) = results
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
     assert any("mlp" in n for n in grads0)
-    for name, grad in grads0.items():
-        torch.testing.assert_close(grads1[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name, grad in grads0.items():  # up to the order of fp32 sums (CHUNKED_GRAD_REL's note)
+        assert max_rel(grads1[name], grad) <= CHUNKED_GRAD_REL, (name, max_rel(grads1[name], grad))

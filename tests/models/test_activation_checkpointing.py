@@ -12,7 +12,9 @@ from liger_models.gemma import GemmaConfig
 from liger_models.gemma2 import Gemma2Config
 from liger_models.llama import LlamaConfig
 from liger_models.train import distributed as D
-from tests.helpers import SavedBytes
+from tests.helpers import CHUNKED_GRAD_REL, SavedBytes
+
+from .parity import max_rel
 
 
 def _loss_and_grads(model, ids):
@@ -68,7 +70,8 @@ def test_a_checkpointed_layer_keeps_one_stream_tensor(config_cls, how):
 @pytest.mark.parametrize("config_cls", [LlamaConfig, Gemma2Config], ids=["llama", "gemma2-sandwich"])
 def test_mlp_chunks_give_the_unchunked_loss_and_gradients(config_cls, checkpointing):
     """Chunks of 7 rows over 2 × 24 tokens (the last one short), each recomputed in backward: the loss and every
-    gradient as without chunks (fp32, each row's numbers are the same ops on the same values)."""
+    gradient as without chunks (fp32, each row's numbers are the same ops on the same values; a weight's gradient
+    sums its rows chunk by chunk)."""
     config = config_cls.tiny(num_hidden_layers=2)
     model = AutoLigerForCausalLM.from_config(config)
     model.train()
@@ -86,8 +89,8 @@ def test_mlp_chunks_give_the_unchunked_loss_and_gradients(config_cls, checkpoint
     runs = {7: recomputed.count(7), 6: recomputed.count(6)}
     assert (runs[7] >= 2 * 6 * 2 and runs[6] >= 2 * 2) if checkpointing else runs == {7: 2 * 6 * 2, 6: 2 * 2}, runs
     torch.testing.assert_close(chunked_loss, loss, rtol=1e-6, atol=0)
-    for name, grad in grads.items():
-        torch.testing.assert_close(chunked[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name, grad in grads.items():  # CHUNKED_GRAD_REL's note: the same up to the order of fp32 sums
+        assert max_rel(chunked[name], grad) <= CHUNKED_GRAD_REL, (name, max_rel(chunked[name], grad))
     model.mlp_chunking_disable()
     assert all(layer.mlp_chunk_tokens is None for layer in model.model.layers)
 
