@@ -252,6 +252,35 @@ def _probe(model, opt, vocab: int, seq: int, torch, provider: str) -> dict:
     return row
 
 
+def search_longest(fits, lo: int, growth: float, hi: int) -> tuple[int, int | None, int | None]:
+    """(the longest length ``fits`` says True for, or 0; the shortest length found not to fit; the first one found
+    not to fit): lengths grow from ``lo`` by ``growth`` (multiples of 1024, at least 1024 more each time, at most
+    ``hi``) up to the first that does not fit, then bisect between the last that did and it, down to 1024 apart.
+    ``fits(seq)``: True / False, or None to stop the search where it stands (what was found is kept)."""
+    best, bad, first_bad = 0, None, None
+    seq = lo
+    while True:
+        ok = fits(seq)
+        if not ok:
+            break
+        best = seq
+        if seq >= hi:
+            break
+        seq = min(max(int(seq * growth) // 1024 * 1024, seq + 1024), hi)
+    if ok is False:
+        bad = first_bad = seq
+        while bad - best > 1024:
+            mid = (best + bad) // 2 // 1024 * 1024
+            ok = fits(mid)
+            if ok is None:
+                break
+            if ok:
+                best = mid
+            else:
+                bad = mid
+    return best, bad, first_bad
+
+
 def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, growth: float = 2.0,
                     hi: int = 1 << 20) -> dict:
     """The longest batch-1 sequence one training step fits in, on one model built once (see the module's docstring)."""
@@ -260,12 +289,12 @@ def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, gro
 
     cfg = CONFIGS[name]
     model, opt, build_s = _built(provider, cfg, checkpointing=True)
-    probes, bad, first_oom, budget_hit, error = [], None, None, False, None
+    probes, budget_hit, error = [], False, None
     best = dict(seq=0, s=None, peak_gib=None)  # the longest probe that fit so far (none yet: length 0)
 
     def attempt(seq: int) -> bool | None:
         """True / False: the step fit / ran out of memory; None: the search stops (budget or another error)."""
-        nonlocal budget_hit, error
+        nonlocal budget_hit, error, best
         elapsed = time.perf_counter() - t_start
         predicted = best["s"] * (seq / best["seq"]) ** 2 if best["seq"] else 0.0
         if elapsed + predicted > budget:
@@ -276,28 +305,12 @@ def _longest_worker(name: str, provider: str, budget: float, lo: int = 4096, gro
         if probes[-1]["result"] == "error":
             error = probes[-1]["error"]
             return None
-        return probes[-1]["result"] == "ok"
+        if probes[-1]["result"] == "ok":
+            best = probes[-1]  # the search only probes past the longest fit so far
+            return True
+        return False
 
-    seq = lo
-    while True:  # doubling up to the first OOM
-        ok = attempt(seq)
-        if not ok:
-            break
-        best = probes[-1]
-        if seq >= hi:
-            break
-        seq = min(max(int(seq * growth) // 1024 * 1024, seq + 1024), hi)
-    if ok is False:
-        bad = first_oom = seq
-        while bad - best["seq"] > 1024:  # bisection between the last success and the failure
-            mid = (best["seq"] + bad) // 2 // 1024 * 1024
-            ok = attempt(mid)
-            if ok is None:
-                break
-            if ok:
-                best = probes[-1]
-            else:
-                bad = mid
+    _, bad, first_oom = search_longest(attempt, lo, growth, hi)
     return dict(config=name, provider=provider, longest_seq=best["seq"], first_oom_seq=first_oom,
                 min_oom_seq=bad, peak_gib=best["peak_gib"], step_s=best["s"],
                 build_s=round(build_s, 1), total_s=round(time.perf_counter() - t_start, 1), budget_s=budget,
