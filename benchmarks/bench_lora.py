@@ -33,9 +33,9 @@ then bisects between the last success and that failure down to 1024. Past ~130k 
 close to a minute and grows as T² (attention), so a provider known to fit that far is searched from there in smaller
 steps (e.g. --longest-from 163840 --longest-growth 1.25) instead of re-running the short probes. The number is a
 lower bound: after an OOM the caching allocator is emptied but the next probe may still meet a more fragmented heap
-than a fresh process would. The search stops once --longest-budget
-seconds (per provider, build included) are spent or the next probe would end past them (a step's time grows at most
-quadratically with its length), and then reports what it found with budget_hit true.
+than a fresh process would. The search stops once --longest-budget seconds (per provider, build included) are spent
+or the next probe would end past them (a step's time grows at most quadratically with its length), and then reports
+what it found with budget_hit true.
 """
 
 from __future__ import annotations

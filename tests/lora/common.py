@@ -10,8 +10,8 @@ import transformers
 from liger_models import AutoLigerForCausalLM
 from liger_models.lora import LoraSettings, add_lora, save_adapter
 
-from ..models.parity import (OURS_MOVED, build_hf, causal_lm_loss, float64_reference, max_rel, moved_one_ulp, save_hf,
-                             supports_sdpa)
+from ..models.parity import (OURS_MOVED, build_hf, causal_lm_loss, float64_reference, max_rel, median_of_draws,
+                             moved_one_ulp, save_hf, supports_sdpa)
 
 CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "gemma": transformers.GemmaConfig, "phi3": transformers.Phi3Config,
@@ -161,9 +161,7 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
             if not moved_errors:
                 generator = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
                 for _ in range(OURS_MOVED):
-                    moved = moved_one_ulp(ours, generator)
-                    moved.zero_grad(set_to_none=True)  # the copy carries ours' gradients
-                    moved_logits, moved_loss, moved_grads = our_step(moved)
+                    moved_logits, moved_loss, moved_grads = our_step(moved_one_ulp(ours, generator))
                     moved_errors.append(errors(moved_logits, moved_loss, lambda n: moved_grads[n]))
             return [e[key] for e in moved_errors]
 
@@ -171,7 +169,7 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
             limit, others = FP32_PEER_FACTOR * peer_errors[key], []
             if err > limit:
                 others = moved_errors_of(key)
-                err = sorted([err, *others])[len(others) // 2]
+                err = median_of_draws(err, others)
             assert err <= limit, f"{key}: {err:.3g} off float64 (HF + PEFT in fp32: {peer_errors[key]:.3g}" + \
                 (f"; ours moved by one ulp: {' / '.join(f'{e:.3g}' for e in others)})" if others else ")")
     frozen = [n for n, p in ours.named_parameters() if not p.requires_grad and p.grad is not None]

@@ -142,13 +142,20 @@ OURS_MOVED = 2  # ulp-moved copies of ours whose errors join its own where that 
 
 
 def moved_one_ulp(model, generator: torch.Generator):
-    """A copy of the float32 model with every weight moved one ulp up or down at random."""
+    """A copy of the float32 model with every weight moved one ulp up or down at random, and no gradients (a copy of
+    a model that has stepped would carry its gradients into the copy's own step)."""
     moved = copy.deepcopy(model)
+    moved.zero_grad(set_to_none=True)
     with torch.no_grad():
         for p in moved.parameters():
             sign = torch.randint(0, 2, p.shape, generator=generator).to(p.dtype) * 2 - 1
             p.mul_(1 + sign * torch.finfo(p.dtype).eps)
     return moved
+
+
+def median_of_draws(own: float, moved: list[float]) -> float:
+    """Ours' error as one draw among its ulp-moved copies' (OURS_MOVED of them): the median of all."""
+    return sorted([own, *moved])[len(moved) // 2]
 
 
 def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_ids: torch.Tensor | None = None,
@@ -202,7 +209,6 @@ def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_
             moved.extend(moved_one_ulp(ours, generator) for _ in range(OURS_MOVED))
         if train and not moved_losses:
             for copy_ in moved:
-                copy_.zero_grad(set_to_none=True)  # a copy made after ours' step carries ours' gradients
                 loss = copy_(ids, labels=labels, **kwargs).loss
                 loss.backward()
                 moved_losses.append(loss.item())
@@ -214,7 +220,7 @@ def check_parity(hf, directory: Path, seq_len: int, *, batch: int = 1, position_
         if own <= limit:
             return own, []
         others = [moved_error(i) for i in range(len(moved_copies(train)))]
-        return sorted([own, *others])[len(others) // 2], others
+        return median_of_draws(own, others), others
 
     def moved_note(others: list[float]) -> str:
         return f"; ours moved by one ulp: {' / '.join(f'{e:.3e}' for e in others)}" if others else ""
