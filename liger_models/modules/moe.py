@@ -31,7 +31,6 @@ batch, so data-parallel ranks do not get the whole batch's loss by adding up the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple, Optional
 
@@ -41,7 +40,7 @@ from torch import nn
 
 from liger_models.kernels._custom_ops import absent, custom_op, refuse_double_backward
 from liger_models.kernels._dispatch import once_differentiable
-from liger_models.kernels.ops.gated_mlp import gated_backward, gated_forward
+from liger_models.kernels.ops.gated_mlp import gated_backward_scaled, gated_forward
 
 from .config import LigerConfig
 
@@ -56,18 +55,6 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 # The stacked expert Parameters, in Experts' order (PEFT nests its target_parameters wrappers in it).
 STACKS = ("gate_up_proj", "down_proj")
 EXPERT_PATHS = ("auto", "grouped_mm", "padded")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeTuning:
-    """The layer's memory / launch trade-offs (kernels/_tuning.py: ``tuned(moe, ...)`` changes them for a block)."""
-
-    # fp32 elements of one chunk of the routing weights' gradient (_row_dots): 64 MiB, at Mixtral's width 14 chunks
-    # of 1170 rows for 4 × 2048 tokens, where the whole was 0.94 GB a tensor
-    row_dot_elements: int = 1 << 24
-
-
-TUNING = MoeTuning()
 
 
 @contextlib.contextmanager
@@ -294,22 +281,19 @@ def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, co
     if down_lora:  # + s·(g·B_e)·A_e: g_a is then g times the adapted down_e, as d w and d act need
         g_b2 = linear(g, lora.b2.transpose(-2, -1))  # (S, r)
         g_a.add_(linear(g_b2, lora.a2.transpose(-2, -1)), alpha=lora.s2)
-    # computed in the promoted dtype (fp32 with Mixtral's weights) and rounded once on store, with no (S, I) fp32
-    # tensor in between
-    d_act = torch.mul(g_a, w_sorted[:, None], out=torch.empty_like(g_a, dtype=hidden.dtype))
-    # d gate|up over the saved output's memory; the recomputed activation over d_act's.
-    if d_act.numel():
-        gated_backward(d_act, hidden[:, :inter], hidden[:, inter:], hidden[:, :inter], hidden[:, inter:],
-                       activation, product2d=d_act)
-    act, d_hidden = d_act, hidden
-    del d_act  # `act` is its only name now, so that `del act` below frees it
+    # One pass over the rows: d act = w · g_a (in the promoted dtype, fp32 with Mixtral's weights, rounded once),
+    # d gate|up over the saved output's memory, the recomputed activation over g_a's, and d w = ⟨g_a, act⟩.
+    d_sorted = g_a.new_zeros(g_a.shape[0], dtype=torch.float32) if needs[1] else None
+    if g_a.numel():
+        gated_backward_scaled(g_a, w_sorted, hidden[:, :inter], hidden[:, inter:], hidden[:, :inter],
+                              hidden[:, inter:], activation, dots=d_sorted)
+    act, d_hidden = g_a, hidden
+    del g_a  # `act` is its only name now, so that `del act` below frees it
     grads = [None] * 8  # x, weights, gate_up, down, a1, b1, a2, b2
     if needs[1]:
-        d_sorted = _row_dots(g_a, act)
         d_weights = torch.empty_like(d_sorted)
         d_weights[order] = d_sorted
         grads[1] = d_weights.view(weights.shape).to(weights.dtype)
-    del g_a
     if needs[3] or (down_lora and needs[7]):
         d_out = torch.mul(g, w_sorted[:, None], out=torch.empty_like(g))  # rounded once on store, as d_act
         if needs[3]:
@@ -454,17 +438,6 @@ def _experts_grads(ctx, dy, *_):
 
 
 _experts_op.register_autograd(_experts_grads, setup_context=_experts_setup)
-
-
-def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """⟨a[r], b[r]⟩ per row in fp32 from exact fp32 products of the (bf16) inputs, over row chunks of at most
-    TUNING.row_dot_elements: formed in one piece, the fp32 (S, I) copies and product would be the layer backward's peak
-    (at Mixtral's width three of 0.94 GB at 4 × 2048 tokens, more than the expert weights' gradients after them)."""
-    out = a.new_empty(a.shape[0], dtype=torch.float32)
-    step = max(1, TUNING.row_dot_elements // max(1, a.shape[1]))
-    for start in range(0, a.shape[0], step):
-        out[start:start + step] = a[start:start + step].float().mul_(b[start:start + step]).sum(dim=-1)
-    return out
 
 
 def _combine(out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

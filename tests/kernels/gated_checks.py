@@ -221,3 +221,38 @@ def check_gpu_above_int32(fn_packed, activation: str) -> None:
         assert_matches(out[start:start + chunk], ref, name=f"out rows {start}+")
         (dref,) = torch.autograd.grad(ref, xs, dout[start:start + chunk].float())
         assert_matches(dgu[start:start + chunk], dref, name=f"d(gate_up) rows {start}+")
+
+
+def check_backward_scaled(activation: str, rows: int, width: int, dtype: torch.dtype, scale_dtype: torch.dtype,
+                          packed: bool) -> None:
+    """gated_backward_scaled against its unfused form (the scaled copy rounded by torch.mul, gated_backward with
+    the product, a float64 row dot): d gate, d up and the product bit-identical, the row dots within fp32
+    summation error, into NaN-poisoned outputs; ``packed``: gate and up are the halves of one (rows, 2·width)
+    tensor written in place and the gradient a column slice of a wider one (row strides past the width)."""
+    gate = (2 * torch.randn(rows, width, device=DEVICE)).to(dtype)
+    up = torch.randn(rows, width, device=DEVICE).to(dtype)
+    wide = torch.randn(rows, width + 3, device=DEVICE).to(dtype)
+    grad = wide[:, 1:width + 1] if packed else wide[:, :width].clone()
+    scale = torch.rand(rows, device=DEVICE).to(scale_dtype)
+    scale[::3] = 0.0  # a row whose weight is zero still gets its product and row dot
+    dout = torch.mul(grad, scale[:, None], out=torch.empty_like(grad))
+    dgate_ref, dup_ref, prod_ref = (torch.empty_like(gate) for _ in range(3))
+    gm.gated_backward(dout, gate, up, dgate_ref, dup_ref, activation, product2d=prod_ref)
+    dots_ref = (grad.double() * prod_ref.double()).sum(dim=1)
+    terms = (grad.double() * prod_ref.double()).abs().sum(dim=1)
+    before = wide.clone()
+    dots = poison_(torch.empty(rows, device=DEVICE))
+    if packed:
+        gate_up = torch.cat([gate, up], dim=1)
+        dgate, dup = gate_up[:, :width], gate_up[:, width:]
+        gm.gated_backward_scaled(grad, scale, dgate, dup, dgate, dup, activation, dots=dots)
+        assert torch.equal(wide[:, 0], before[:, 0]) and torch.equal(wide[:, width + 1:], before[:, width + 1:]), \
+            "columns beside the gradient's slice were written"
+    else:
+        dgate, dup = poison_(torch.empty_like(gate)), poison_(torch.empty_like(up))
+        gm.gated_backward_scaled(grad, scale, gate, up, dgate, dup, activation, dots=dots)
+    assert torch.equal(dgate, dgate_ref), "d gate differs from the unfused backward's"
+    assert torch.equal(dup, dup_ref), "d up differs from the unfused backward's"
+    assert torch.equal(grad, prod_ref), "the product written over the gradient differs from the forward's"
+    err = (dots.double() - dots_ref).abs()
+    assert bool((err <= 2e-6 * terms + 1e-30).all()), (err / terms.clamp_min(1e-30)).max().item()

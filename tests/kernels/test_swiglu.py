@@ -1,8 +1,11 @@
 """SwiGLU (silu(gate) * up): forward and backward against the float64 reference, packed and strided inputs."""
 
+import contextlib
+
 import pytest
 import torch
 
+from liger_models.kernels._dispatch import reference_mode
 from liger_models.kernels.ops import gated_mlp as gm
 from liger_models.kernels.ops.swiglu import swiglu, swiglu_packed
 from tests.helpers import BIG_MEMORY, DEVICE
@@ -103,3 +106,29 @@ def test_gpu_inputs_on_another_device_than_the_current(fused_layer):
         (dref,) = torch.autograd.grad(gm.gated_mlp_reference(xr[:, :300], xr[:, 300:], "silu"), xr, dout)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dgu, dref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("dtype, scale_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.float32)])
+@pytest.mark.parametrize("rows, width", [(1, 1), (3, 127), (2, 4097), (300, 5)])
+def test_backward_scaled_equals_the_unfused_backward(rows, width, dtype, scale_dtype, packed):
+    checks.check_backward_scaled("silu", rows, width, dtype, scale_dtype, packed)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("form", ["reference", "unfused"])
+def test_backward_scaled_other_forms_match(form, packed, tune):
+    # The PyTorch path, and the unfused kernels (bench_moe's side-by-side) with row dots over chunks of 5 rows.
+    tune(gm, fuse_scaled_backward=form != "unfused", row_dot_elements=5 * 130)
+    with reference_mode() if form == "reference" else contextlib.nullcontext():
+        checks.check_backward_scaled("silu", 37, 130, torch.bfloat16, torch.float32, packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, scale_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("rows, width", [(2, 4097), (300, 5), (1031, 768), (67, 14336)])
+def test_gpu_backward_scaled_equals_the_unfused_backward(rows, width, dtype, scale_dtype):
+    # Compiled, at odd shapes and the experts' widths of Qwen3-30B-A3B (768) and Mixtral-8x7B (14336).
+    for packed in (False, True):
+        checks.check_backward_scaled("silu", rows, width, dtype, scale_dtype, packed)

@@ -51,6 +51,11 @@ class GatedTuning:
     # Streaming tile: elements per program and per thread (→ num_warps); benchmarks/tools/tune_streaming.py sweeps them.
     tile: int = 2048
     elems_per_thread: int = 16
+    # gated_backward_scaled in one kernel; False: its unfused form (scaled copy, gated backward, row dots in fp32
+    # chunks), for benchmarks/bench_moe.py's side-by-side
+    fuse_scaled_backward: bool = True
+    # fp32 elements of one chunk of the unfused form's row dots: 64 MiB
+    row_dot_elements: int = 1 << 24
 
 
 TUNING = GatedTuning()
@@ -182,6 +187,34 @@ def _gated_bwd_kernel(
         tl.store(PROD + rows[:, None] * stride_prod_row + cols[None, :], (a * u).to(PROD.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gated_bwd_scaled_kernel(
+    GRAD, SCALE, GATE, UP, DGATE, DUP, DOTS, n_rows, n_cols,
+    stride_grad_row, stride_gate_row, stride_up_row, stride_dgate_row, stride_dup_row,
+    ACT: tl.constexpr, WITH_DOTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # The product is written over GRAD and DGATE/DUP may be GATE/UP: every element is read before the same program
+    # overwrites it. DOTS: one fp32 partial row dot per row and column block, (n_rows, column blocks).
+    rows, cols = _tile(n_cols, BLOCK_R, BLOCK_C)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols[None, :] < n_cols)
+    g = tl.load(GRAD + rows[:, None] * stride_grad_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(SCALE + rows, mask=row_ok, other=0.0).to(tl.float32)
+    x = tl.load(GATE + rows[:, None] * stride_gate_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + rows[:, None] * stride_up_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dtype = DGATE.dtype.element_ty
+    dy = (g * s[:, None]).to(dtype).to(tl.float32)  # rounded once, as torch.mul into a tensor of that dtype
+    a, da = _act_and_grad(x, ACT)
+    tl.store(DGATE + rows[:, None] * stride_dgate_row + cols[None, :], (dy * u * da).to(dtype), mask=mask)
+    tl.store(DUP + rows[:, None] * stride_dup_row + cols[None, :], (dy * a).to(dtype), mask=mask)
+    product = (a * u).to(GRAD.dtype.element_ty)
+    tl.store(GRAD + rows[:, None] * stride_grad_row + cols[None, :], product, mask=mask)
+    if WITH_DOTS:  # exact fp32 products of the two stored (rounded) operands, summed in fp32
+        col_blocks = tl.cdiv(n_cols, BLOCK_C)
+        col_block = tl.program_id(0).to(tl.int64) % col_blocks
+        tl.store(DOTS + rows * col_blocks + col_block, tl.sum(g * product.to(tl.float32), axis=1), mask=row_ok)
+
+
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
     """A streaming layout: TUNING.tile elements per program (a row slice, or several short rows)."""
     block_c = min(pow2(n_cols), TUNING.tile)
@@ -224,6 +257,43 @@ def gated_backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str, produc
             up2d.stride(0), dgate2d.stride(0), dup2d.stride(0), prod.stride(0)],
            dict(ACT=ACTIVATIONS[activation], STORE_PRODUCT=product2d is not None, BLOCK_R=block_r, BLOCK_C=block_c,
                 num_warps=warps))
+
+
+@on_input_device
+def gated_backward_scaled(grad2d, scale, gate2d, up2d, dgate2d, dup2d, activation: str, dots=None) -> None:
+    """A routed expert's activation backward (modules/moe.py) in one pass over its rows: with dout = grad2d·scale
+    (scale (rows,) per row, the product rounded once to dgate2d's dtype, as ``torch.mul`` into a tensor of it would),
+    writes dgate2d and dup2d as ``gated_backward`` does, the forward's act(gate2d)·up2d over grad2d, and, given
+    ``dots`` (fp32 (rows,)), ⟨grad2d[r], that product[r]⟩ per row from exact fp32 products of the two (the routing
+    weight's gradient). dgate2d/dup2d may alias gate2d/up2d. Unfused this is a scaled copy of grad2d, the gated
+    backward and a row dot through fp32 copies: at Mixtral's width about 24 bytes moved per element beyond the
+    gated backward's own."""
+    n_rows, n_cols = gate2d.shape
+    if not (use_triton(grad2d, scale, gate2d, up2d) and TUNING.fuse_scaled_backward):
+        dout = torch.mul(grad2d, scale[:, None], out=torch.empty_like(grad2d, dtype=dgate2d.dtype))
+        gated_backward(dout, gate2d, up2d, dgate2d, dup2d, activation, product2d=dout)
+        if dots is not None:
+            _row_dots(grad2d, dout, dots)
+        grad2d.copy_(dout)
+        return
+    grid, block_r, block_c, warps = _grid(n_rows, n_cols)
+    partial = None if dots is None else torch.empty(n_rows, cdiv(n_cols, block_c), dtype=torch.float32,
+                                                    device=grad2d.device)
+    launch(_gated_bwd_scaled_kernel, grid,
+           [grad2d, scale, gate2d, up2d, dgate2d, dup2d, grad2d if partial is None else partial, n_rows, n_cols,
+            grad2d.stride(0), gate2d.stride(0), up2d.stride(0), dgate2d.stride(0), dup2d.stride(0)],
+           dict(ACT=ACTIVATIONS[activation], WITH_DOTS=partial is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=warps))
+    if partial is not None:
+        torch.sum(partial, dim=1, out=dots)
+
+
+def _row_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out[r] = ⟨a[r], b[r]⟩ in fp32 from exact fp32 products, over row chunks of at most TUNING.row_dot_elements:
+    formed in one piece, the fp32 copies and product of two (rows, I) tensors would outweigh both."""
+    step = max(1, TUNING.row_dot_elements // max(1, a.shape[1]))
+    for start in range(0, a.shape[0], step):
+        out[start:start + step] = a[start:start + step].float().mul_(b[start:start + step]).sum(dim=-1)
 
 
 def owns_memory(x: torch.Tensor, x2d: torch.Tensor, width: int) -> bool:
