@@ -41,6 +41,7 @@ from torch import nn
 from liger_models.kernels._custom_ops import absent, custom_op, refuse_double_backward
 from liger_models.kernels._dispatch import once_differentiable
 from liger_models.kernels.ops.gated_mlp import gated_backward_scaled, gated_forward
+from liger_models.kernels.ops.slot_sum import slot_sum
 
 from .config import LigerConfig
 
@@ -256,7 +257,7 @@ def _experts_fwd(x, weights, gate_up, down, experts, activation: str, path: str,
         u2 = linear(act, lora.a2)
         out.add_(linear(u2, lora.b2), alpha=lora.s2)
     del act
-    y = _combine(out, weights, order).to(x.dtype)
+    y = slot_sum(out, _token_slots(order, weights.shape), weights, x.dtype)
     return y, hidden, order, expert_of_row, counts, u1, u2
 
 
@@ -317,9 +318,7 @@ def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, co
         d_rows = linear(d_hidden, gate_up.transpose(-2, -1))
         if d_b1 is not None:
             d_rows.add_(linear(d_b1, lora.a1.transpose(-2, -1)), alpha=lora.s1)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        grads[0] = d_rows[inverse].view(n_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+        grads[0] = slot_sum(d_rows, _token_slots(order, (n_tokens, top_k)), out_dtype=x.dtype)
     return tuple(grads)
 
 
@@ -440,13 +439,13 @@ def _experts_grads(ctx, dy, *_):
 _experts_op.register_autograd(_experts_grads, setup_context=_experts_setup)
 
 
-def _combine(out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Σ over each token's k slots of w · out, for sorted rows ``out`` and weights (N, k) in token order: the rows
-    back to (token, slot) order, weighted (Mixtral's fp32 weights promote the product), summed over the slots, as
-    HF's grouped path does. Gathering the rows before weighting moves them in their own dtype, not the product's."""
+def _token_slots(order: torch.Tensor, shape) -> torch.Tensor:
+    """(N, k): the sorted row of each (token, slot) pair, for the rows ``order`` sorted (the inverse permutation).
+    Summing a token's k rows (``slot_sum``, weighted in forward as HF's grouped path weights them, plain in
+    backward) then reads each sorted row once, in its own dtype."""
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return (out[inverse].view(*weights.shape, -1) * weights[..., None]).sum(dim=1)
+    return inverse.view(shape)
 
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
