@@ -8,7 +8,7 @@ import torch
 from liger_models.kernels._dispatch import reference_mode
 from liger_models.kernels.ops import gated_mlp as gm
 from liger_models.kernels.ops.swiglu import swiglu, swiglu_packed
-from tests.helpers import BIG_MEMORY, DEVICE
+from tests.helpers import BIG_MEMORY, DEVICE, poison_
 from tests.kernels import gated_checks as checks
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -132,3 +132,12 @@ def test_gpu_backward_scaled_equals_the_unfused_backward(rows, width, dtype, sca
     # Compiled, at odd shapes and the experts' widths of Qwen3-30B-A3B (768) and Mixtral-8x7B (14336).
     for packed in (False, True):
         checks.check_backward_scaled("silu", rows, width, dtype, scale_dtype, packed)
+
+
+@pytest.mark.parametrize("rows, width", [(0, 5), (4, 0)])
+def test_backward_scaled_empty(rows, width):
+    # Nothing to launch; the row dots of empty rows are 0 (poisoned before).
+    grad, gate, up = (torch.randn(rows, width, device=DEVICE) for _ in range(3))
+    dots = poison_(torch.empty(rows, device=DEVICE))
+    gm.gated_backward_scaled(grad, torch.rand(rows, device=DEVICE), gate, up, gate, up, "silu", dots=dots)
+    assert torch.equal(dots, torch.zeros_like(dots))

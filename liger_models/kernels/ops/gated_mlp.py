@@ -269,6 +269,10 @@ def gated_backward_scaled(grad2d, scale, gate2d, up2d, dgate2d, dup2d, activatio
     backward and a row dot through fp32 copies: at Mixtral's width about 24 bytes moved per element beyond the
     gated backward's own."""
     n_rows, n_cols = gate2d.shape
+    if gate2d.numel() == 0:  # no program to launch; an empty row's dot is 0
+        if dots is not None:
+            dots.zero_()
+        return
     if not (use_triton(grad2d, scale, gate2d, up2d) and TUNING.fuse_scaled_backward):
         dout = torch.mul(grad2d, scale[:, None], out=torch.empty_like(grad2d, dtype=dgate2d.dtype))
         gated_backward(dout, gate2d, up2d, dgate2d, dup2d, activation, product2d=dout)
