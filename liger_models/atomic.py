@@ -22,6 +22,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
+from collections.abc import Callable
 from typing import NamedTuple
 
 KINDS = ("tmp", "old", "pruned")
@@ -155,3 +156,25 @@ def _put_back(staged: Staged) -> None:
     except OSError:  # every rank of a run may sweep at startup: another one may have put it back first
         if not os.path.lexists(staged.target):
             raise
+
+
+def write_file(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it over ``path``: a reader finds
+    the old file or the whole new one, never a part."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    sweep(directory, target=os.path.basename(path))  # what writes of this file killed midway left
+    tmp = str(temp_path(os.path.join(directory, os.path.basename(path))))
+    try:
+        # The file ends with the mode a plain write gives it (the umask's): mkstemp, and safetensors' own save, make
+        # it owner-only (0600), which the rename keeps, and the checkpoint was unreadable to any other account (a
+        # TGI / vLLM server's user, a teammate).
+        with open(tmp, "x"):
+            mode = os.stat(tmp).st_mode & 0o777
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from liger_models import atomic
 from liger_models.hub import save_state_dict
 from liger_models.modules.lora_embedding import LoraEmbedding
 from liger_models.modules.lora_experts import LoraExperts
@@ -51,14 +52,17 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {PREFIX + k: v.detach().to("cpu", copy=True).contiguous() for k, v in lora_state_dict(model).items()}
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    # Each file is written whole under a temporary name and renamed into place: a save killed midway leaves the
+    # previous adapter's file, never a truncated one.
+    atomic.write_file(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     routers = set(modules) & _routers(model)
     experts = [m for m in modules.values() if isinstance(m, LoraExperts)]
     leaves = sorted({name.rsplit(".", 1)[-1] for name, m in modules.items()
                      if name not in routers and not isinstance(m, LoraExperts)})
     parameters = sorted({stack for m in experts for stack in m.lora} | ({ROUTER_WEIGHT} if routers else set()))
     config = settings.to_peft(leaves, base_model, parameters)
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    atomic.write_file(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return directory
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from liger_models import atomic
 from liger_models.auto import model_class
 from liger_models.hub import checkpoint_files, config_model_type, read_config, resolve_dir
 from liger_models.kernels.ops.nf4 import QUANT_STATE_KEY, bnb_tensors, bnb_tensors_of, from_bnb_tensors
@@ -111,11 +112,14 @@ def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> No
             views = per_expert_tensors(experts.dense_stack("gate_up_proj", dtype), experts.dense_stack(
                 "down_proj", dtype), f"model.layers.{i}.{layer._disk_block}.", layer._expert_names)
             state.update({k: v.clone().contiguous() for k, v in views.items()})
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    # Each file whole under a temporary name, then renamed into place (liger_models.atomic): a save killed midway
+    # leaves the previous file.
+    atomic.write_file(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = model.config.to_hf()
     config["quantization_config"] = {
         "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
         "bnb_4bit_use_double_quant": double_quant, "bnb_4bit_compute_dtype": str(model.dtype).removeprefix("torch."),
         "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0,
         "llm_int8_has_fp16_weight": False, "llm_int8_enable_fp32_cpu_offload": False}
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    atomic.write_file(directory / "config.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

@@ -35,27 +35,6 @@ LEGACY_HEADS_NAME = "medusa_lm_head.pt"
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 
 
-def atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Call `write(tmp_path)` on a temporary file next to `path`, then rename it over `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    atomic.sweep(directory, target=os.path.basename(path))  # what writes of this file killed midway left
-    tmp = str(atomic.temp_path(os.path.join(directory, os.path.basename(path))))
-    try:
-        # The file ends with the mode a plain write gives it (the umask's): mkstemp, and safetensors' own save, make
-        # it owner-only (0600), which the rename keeps, and the checkpoint was unreadable to any other account (a
-        # TGI / vLLM server's user, a teammate).
-        with open(tmp, "x"):
-            mode = os.stat(tmp).st_mode & 0o777
-        write(tmp)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_json(path: str, obj: dict[str, Any]) -> None:
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
@@ -64,7 +43,7 @@ def save_json(path: str, obj: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    atomic_write(path, write)
+    atomic.write_file(path, write)
 
 
 def save_tensors(path: str, tensors: dict[str, torch.Tensor], before_rename: Callable[[], None] | None = None) -> None:
@@ -80,7 +59,7 @@ def save_tensors(path: str, tensors: dict[str, torch.Tensor], before_rename: Cal
         if before_rename is not None:
             before_rename()
 
-    atomic_write(path, write)
+    atomic.write_file(path, write)
 
 
 def holds_base_model(config: dict[str, Any]) -> bool:

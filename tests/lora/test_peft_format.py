@@ -129,3 +129,32 @@ def test_save_pretrained_refuses_adapters_and_nf4_naming_the_writer_that_keeps_t
     with pytest.raises(ValueError, match=r"are NF4.*save_bnb_4bit\(model, dir\)"):
         quantised.save_pretrained(tmp_path / "nf4")
     assert not (tmp_path / "adapted").exists() and not (tmp_path / "nf4").exists()
+
+
+def test_a_save_killed_midway_keeps_the_previous_adapter(tmp_path, monkeypatch):
+    # An adapter saved over an earlier one, with the process dying while the weights file is half written: the
+    # directory still holds the earlier adapter, whole, and no temporary is left under a name a reader would take.
+    import liger_models.lora.peft_format as peft_format
+    from liger_models.lora.peft_format import read_adapter
+
+    _, ours, _ = pair("llama", tmp_path)
+    with_adapters(ours, "llama", "attention")
+    save_adapter(ours, tmp_path / "adapter")
+    _, before = read_adapter(tmp_path / "adapter")
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+
+    def dies_halfway(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 100)
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(peft_format, "save_file", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        save_adapter(ours, tmp_path / "adapter")
+    _, after = read_adapter(tmp_path / "adapter")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                        "adapter_model.safetensors"]
