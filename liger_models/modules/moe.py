@@ -282,13 +282,14 @@ def _experts_bwd(dy, x, weights, gate_up, down, hidden, order, expert_of_row, co
     if down_lora:  # + s·(g·B_e)·A_e: g_a is then g times the adapted down_e, as d w and d act need
         g_b2 = linear(g, lora.b2.transpose(-2, -1))  # (S, r)
         g_a.add_(linear(g_b2, lora.a2.transpose(-2, -1)), alpha=lora.s2)
-    # One pass over the rows: d act = w · g_a (in the promoted dtype, fp32 with Mixtral's weights, rounded once),
-    # d gate|up over the saved output's memory, the recomputed activation over g_a's, and d w = ⟨g_a, act⟩.
+    # d act = w · g_a (in the promoted dtype, fp32 with Mixtral's weights, rounded once), d gate|up over the saved
+    # output's memory, the recomputed activation, and d w = ⟨g_a, act⟩ (gated_backward_scaled: one kernel pass that
+    # writes the activation over g_a, or the unfused passes).
     d_sorted = g_a.new_empty(g_a.shape[0], dtype=torch.float32) if needs[1] else None
-    gated_backward_scaled(g_a, w_sorted, hidden[:, :inter], hidden[:, inter:], hidden[:, :inter], hidden[:, inter:],
-                          activation, dots=d_sorted)
-    act, d_hidden = g_a, hidden
-    del g_a  # `act` is its only name now, so that `del act` below frees it
+    act = gated_backward_scaled(g_a, w_sorted, hidden[:, :inter], hidden[:, inter:], hidden[:, :inter],
+                                hidden[:, inter:], activation, dots=d_sorted)
+    d_hidden = hidden
+    del g_a  # `act` is the activation's only name now (it may be g_a's memory), so that `del act` below frees it
     grads = [None] * 8  # x, weights, gate_up, down, a1, b1, a2, b2
     if needs[1]:
         d_weights = torch.empty_like(d_sorted)

@@ -29,3 +29,35 @@ def test_each_run_returns_the_gradients_of_one_step_and_accumulates_nothing():
     for got_first, got_second, want in zip(first, second, expected):
         torch.testing.assert_close(got_first, want, rtol=0, atol=0)
         torch.testing.assert_close(got_second, want, rtol=0, atol=0)
+
+
+def test_the_fused_providers_run_the_one_pass_kernels_and_leave_the_defaults():
+    # bench_moe's liger-models-fused switches both one-pass kernels on for its runs only; its gradients are the
+    # default layer's (the sums and row dots in another order: fp32 rounding apart).
+    from liger_models.kernels.ops import gated_mlp, slot_sum
+
+    block = SparseMoeBlock(MixtralConfig.tiny())
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.02)
+    x = torch.randn(1, 9, block.gate.in_features, requires_grad=True)
+    dy = torch.randn_like(x)
+    seen = []
+    original = gated_mlp.gated_backward_scaled
+
+    def spy(*args, **kwargs):
+        seen.append((gated_mlp.TUNING.fuse_scaled_backward, slot_sum.TUNING.fused))
+        return original(*args, **kwargs)
+
+    defaults = (gated_mlp.TUNING, slot_sum.TUNING)
+    import liger_models.modules.moe as moe
+    moe.gated_backward_scaled = spy
+    try:
+        plain = bench_moe.step(block, x, dy)()
+        fused = bench_moe._fused(bench_moe.step(block, x, dy))()
+    finally:
+        moe.gated_backward_scaled = original
+    assert seen == [(False, False), (True, True)]
+    assert (gated_mlp.TUNING, slot_sum.TUNING) == defaults
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -225,9 +225,9 @@ def check_gpu_above_int32(fn_packed, activation: str) -> None:
 
 def check_backward_scaled(activation: str, rows: int, width: int, dtype: torch.dtype, scale_dtype: torch.dtype,
                           packed: bool) -> None:
-    """gated_backward_scaled against its unfused form (the scaled copy rounded by torch.mul, gated_backward with
-    the product, a float64 row dot): d gate, d up and the product bit-identical, the row dots within fp32
-    summation error, into NaN-poisoned outputs; ``packed``: gate and up are the halves of one (rows, 2·width)
+    """gated_backward_scaled, in whichever form gated_mlp.TUNING and the dispatch select, against the unfused
+    passes (the scaled copy rounded by torch.mul, gated_backward with the product, a float64 row dot): d gate, d up
+    and the product bit-identical, the row dots within fp32 summation error, into NaN-poisoned outputs; ``packed``: gate and up are the halves of one (rows, 2·width)
     tensor written in place and the gradient a column slice of a wider one (row strides past the width)."""
     gate = (2 * torch.randn(rows, width, device=DEVICE)).to(dtype)
     up = torch.randn(rows, width, device=DEVICE).to(dtype)
@@ -245,14 +245,16 @@ def check_backward_scaled(activation: str, rows: int, width: int, dtype: torch.d
     if packed:
         gate_up = torch.cat([gate, up], dim=1)
         dgate, dup = gate_up[:, :width], gate_up[:, width:]
-        gm.gated_backward_scaled(grad, scale, dgate, dup, dgate, dup, activation, dots=dots)
+        product = gm.gated_backward_scaled(grad, scale, dgate, dup, dgate, dup, activation, dots=dots)
         assert torch.equal(wide[:, 0], before[:, 0]) and torch.equal(wide[:, width + 1:], before[:, width + 1:]), \
             "columns beside the gradient's slice were written"
     else:
         dgate, dup = poison_(torch.empty_like(gate)), poison_(torch.empty_like(up))
-        gm.gated_backward_scaled(grad, scale, gate, up, dgate, dup, activation, dots=dots)
+        product = gm.gated_backward_scaled(grad, scale, gate, up, dgate, dup, activation, dots=dots)
     assert torch.equal(dgate, dgate_ref), "d gate differs from the unfused backward's"
     assert torch.equal(dup, dup_ref), "d up differs from the unfused backward's"
-    assert torch.equal(grad, prod_ref), "the product written over the gradient differs from the forward's"
+    assert torch.equal(product, prod_ref), "the product differs from the forward's"
+    if gm.TUNING.fuse_scaled_backward and gm.use_triton(product):
+        assert product.data_ptr() == grad.data_ptr(), "the fused pass writes the product over the gradient"
     err = (dots.double() - dots_ref).abs()
     assert bool((err <= 2e-6 * terms + 1e-30).all()), (err / terms.clamp_min(1e-30)).max().item()

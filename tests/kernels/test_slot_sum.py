@@ -28,6 +28,12 @@ def _expected(rows, positions, weights, out_dtype):
     return (terms.sum(dim=1).to(product_dtype).to(out_dtype).double(), terms.abs().sum(dim=1), product_dtype)
 
 
+@pytest.fixture(autouse=True)
+def fused(tune):
+    """The kernel (off by default until it has run on a GPU); tests of the PyTorch passes switch it off."""
+    tune(ss, fused=True)
+
+
 def _check(n_tokens, top_k, width, rows_dtype, w_dtype, out_dtype, strided=False, repeated=False):
     n_rows = n_tokens * top_k
     wide = torch.randn(n_rows, width + (5 if strided else 0), device=DEVICE).to(rows_dtype)

@@ -112,14 +112,16 @@ def test_gpu_inputs_on_another_device_than_the_current(fused_layer):
 @pytest.mark.parametrize("dtype, scale_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.float32)])
 @pytest.mark.parametrize("rows, width", [(1, 1), (3, 127), (2, 4097), (300, 5)])
-def test_backward_scaled_equals_the_unfused_backward(rows, width, dtype, scale_dtype, packed):
+def test_backward_scaled_equals_the_unfused_backward(rows, width, dtype, scale_dtype, packed, tune):
+    tune(gm, fuse_scaled_backward=True)  # the one-pass kernel (off by default until it has run on a GPU)
     checks.check_backward_scaled("silu", rows, width, dtype, scale_dtype, packed)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
 @pytest.mark.parametrize("form", ["reference", "unfused"])
 def test_backward_scaled_other_forms_match(form, packed, tune):
-    # The PyTorch path, and the unfused kernels (bench_moe's side-by-side) with row dots over chunks of 5 rows.
+    # The PyTorch path (the fused kernel switched on but reference mode forcing PyTorch), and the unfused kernels
+    # (the default), with row dots over chunks of 5 rows.
     tune(gm, fuse_scaled_backward=form != "unfused", row_dot_elements=5 * 130)
     with reference_mode() if form == "reference" else contextlib.nullcontext():
         checks.check_backward_scaled("silu", 37, 130, torch.bfloat16, torch.float32, packed)
@@ -128,7 +130,8 @@ def test_backward_scaled_other_forms_match(form, packed, tune):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, scale_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("rows, width", [(2, 4097), (300, 5), (1031, 768), (67, 14336)])
-def test_gpu_backward_scaled_equals_the_unfused_backward(rows, width, dtype, scale_dtype):
+def test_gpu_backward_scaled_equals_the_unfused_backward(rows, width, dtype, scale_dtype, tune):
+    tune(gm, fuse_scaled_backward=True)
     # Compiled, at odd shapes and the experts' widths of Qwen3-30B-A3B (768) and Mixtral-8x7B (14336).
     for packed in (False, True):
         checks.check_backward_scaled("silu", rows, width, dtype, scale_dtype, packed)

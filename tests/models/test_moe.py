@@ -156,11 +156,12 @@ def test_backward_saves_only_the_gate_up_output_per_routed_row():
     assert saved.total <= allowed, (saved.total, allowed)
 
 
-@pytest.mark.parametrize("kernels", ["fused", "reference"])
+@pytest.mark.parametrize("kernels", ["fused", "unfused", "reference"])
 @pytest.mark.parametrize("path", PATHS)
 def test_routing_weights_gradient_equals_the_loop(path, kernels, tune):
-    # The routing weights' gradient comes from the fused activation backward's row dots, or on the PyTorch path
-    # (reference mode) a few rows at a time: chunks of 3 rows over 26 sorted rows, the last one short.
+    # The routing weights' gradient comes from the fused activation backward's row dots, or from the unfused passes
+    # (the default; the PyTorch path in reference mode) a few rows at a time: chunks of 3 rows over 26 sorted rows,
+    # the last one short.
     x, gate_up, down = _case(13)
     logits = torch.randn(13, 4, requires_grad=True)
     weights, experts = route(logits, 2, renormalize=False, weights_in_logits_dtype=False)
@@ -169,7 +170,7 @@ def test_routing_weights_gradient_equals_the_loop(path, kernels, tune):
     ref = loop_reference(x.detach(), ref_weights, experts, gate_up.detach(), down.detach())
     grad = torch.randn_like(ref)
     ref.backward(grad)
-    tune(gm, row_dot_elements=3 * 8 + 5)
+    tune(gm, row_dot_elements=3 * 8 + 5, fuse_scaled_backward=kernels == "fused")
     with reference_mode() if kernels == "reference" else contextlib.nullcontext():
         experts_forward(x, weights, experts, gate_up, down, "silu", path).backward(grad.float())
     scale = max(1.0, ref_weights.grad.abs().max().item())
@@ -177,12 +178,14 @@ def test_routing_weights_gradient_equals_the_loop(path, kernels, tune):
 
 
 @pytest.mark.skipif(moe._GROUPED_MM is None, reason="this torch has no grouped GEMM")
-def test_the_bf16_backward_holds_no_fp32_copy_of_the_activation(tune):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_the_bf16_backward_holds_no_fp32_copy_of_the_activation(fused, tune):
     # bf16 with Mixtral's fp32 routing weights, where a product with them promotes to fp32. Beyond what forward
-    # saved (the gate|up output (S, 2I), whose gradient backward writes over it) the backward holds at its peak one
-    # (S, I) bf16 tensor (g · down_e, over which the fused activation backward writes the recomputed activation),
-    # the expert weights' gradients and (S, D)-sized rows. One more (S, I) tensor (the weighted activation gradient
-    # apart from g · down_e, or any fp32 copy for the routing weights' gradient) would exceed what is left.
+    # saved (the gate|up output (S, 2I), whose gradient backward writes over it) the backward holds at its peak
+    # (S, I) bf16 tensors, g · down_e and the recomputed activation (one: the fused activation backward writes the
+    # activation over g · down_e; two: the unfused passes form it apart, with fp32 row chunks of 128 rows for the
+    # routing weights' gradient), the expert weights' gradients and (S, D)-sized rows. One more (S, I) tensor (or
+    # any (S, I) fp32 copy for the routing weights' gradient) would exceed what is left.
     n_tokens, hidden, inter, num_experts, top_k = 512, 32, 512, 4, 2
     rows = n_tokens * top_k
     x, gate_up, down = (t.detach().bfloat16().requires_grad_() for t in _case(n_tokens, num_experts, top_k, hidden,
@@ -191,10 +194,12 @@ def test_the_bf16_backward_holds_no_fp32_copy_of_the_activation(tune):
     weights, experts = route(logits, top_k, renormalize=True, weights_in_logits_dtype=False)
     dy = torch.randn(n_tokens, hidden, dtype=torch.bfloat16)
     out = experts_forward(x, weights, experts, gate_up, down, "silu", "grouped_mm")
+    tune(gm, fuse_scaled_backward=fused, row_dot_elements=128 * inter)
     with LiveBytes() as live:
         out.backward(dy)
     bf16, fp32 = 2, 4
-    bound = rows * inter * bf16 + (gate_up.numel() + down.numel()) * bf16 + 4 * rows * hidden * fp32
+    bound = (gate_up.numel() + down.numel()) * bf16 + 4 * rows * hidden * fp32
+    bound += rows * inter * bf16 if fused else 2 * rows * inter * bf16 + 128 * inter * fp32
     assert live.peak <= bound < live.peak + rows * inter * bf16, (live.peak, bound)
 
 

@@ -52,8 +52,9 @@ class GatedTuning:
     tile: int = 2048
     elems_per_thread: int = 16
     # gated_backward_scaled in one kernel; False: its unfused form (scaled copy, gated backward, row dots in fp32
-    # chunks), for benchmarks/bench_moe.py's side-by-side
-    fuse_scaled_backward: bool = True
+    # chunks). Off until the kernel has run on a GPU (pytest -m gpu, bench_moe's liger-models-fused beside the
+    # default): it is tested under Triton's CPU interpreter only
+    fuse_scaled_backward: bool = False
     # fp32 elements of one chunk of the unfused form's row dots: 64 MiB
     row_dot_elements: int = 1 << 24
 
@@ -260,26 +261,28 @@ def gated_backward(dout2d, gate2d, up2d, dgate2d, dup2d, activation: str, produc
 
 
 @on_input_device
-def gated_backward_scaled(grad2d, scale, gate2d, up2d, dgate2d, dup2d, activation: str, dots=None) -> None:
-    """A routed expert's activation backward (modules/moe.py) in one pass over its rows: with dout = grad2d·scale
-    (scale (rows,) per row, the product rounded once to dgate2d's dtype, as ``torch.mul`` into a tensor of it would),
-    writes dgate2d and dup2d as ``gated_backward`` does, the forward's act(gate2d)·up2d over grad2d, and, given
-    ``dots`` (fp32 (rows,)), ⟨grad2d[r], that product[r]⟩ per row from exact fp32 products of the two (the routing
-    weight's gradient). dgate2d/dup2d may alias gate2d/up2d. Unfused this is a scaled copy of grad2d, the gated
-    backward and a row dot through fp32 copies: at Mixtral's width about 24 bytes moved per element beyond the
-    gated backward's own."""
+def gated_backward_scaled(grad2d, scale, gate2d, up2d, dgate2d, dup2d, activation: str,
+                          dots=None) -> torch.Tensor:
+    """A routed expert's activation backward (modules/moe.py): with dout = grad2d·scale (scale (rows,) per row, the
+    product rounded once to dgate2d's dtype, as ``torch.mul`` into a tensor of it would), writes dgate2d and dup2d as
+    ``gated_backward`` does and, given ``dots`` (fp32 (rows,)), ⟨grad2d[r], product[r]⟩ per row from exact fp32
+    products of the two (the routing weight's gradient), where product = act(gate2d)·up2d is the forward's output;
+    returns the product. dgate2d/dup2d may alias gate2d/up2d.
+
+    With TUNING.fuse_scaled_backward, one kernel pass over the rows that writes the product over grad2d; else the
+    unfused form: the scaled copy, ``gated_backward`` writing the product over it, and the row dots through fp32 row
+    chunks (at Mixtral's width about 24 bytes moved per element beyond the gated backward's own)."""
     n_rows, n_cols = gate2d.shape
     if gate2d.numel() == 0:  # no program to launch; an empty row's dot is 0
         if dots is not None:
             dots.zero_()
-        return
+        return grad2d
     if not (use_triton(grad2d, scale, gate2d, up2d) and TUNING.fuse_scaled_backward):
         dout = torch.mul(grad2d, scale[:, None], out=torch.empty_like(grad2d, dtype=dgate2d.dtype))
         gated_backward(dout, gate2d, up2d, dgate2d, dup2d, activation, product2d=dout)
         if dots is not None:
             _row_dots(grad2d, dout, dots)
-        grad2d.copy_(dout)
-        return
+        return dout
     grid, block_r, block_c, warps = _grid(n_rows, n_cols)
     partial = None if dots is None else torch.empty(n_rows, cdiv(n_cols, block_c), dtype=torch.float32,
                                                     device=grad2d.device)
@@ -290,6 +293,7 @@ def gated_backward_scaled(grad2d, scale, gate2d, up2d, dgate2d, dup2d, activatio
                 num_warps=warps))
     if partial is not None:
         torch.sum(partial, dim=1, out=dots)
+    return grad2d
 
 
 def _row_dots(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
