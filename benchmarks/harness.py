@@ -253,27 +253,14 @@ def matmul_tflops(n: int = 8192) -> float:
 
 
 def apply_tunables() -> dict:
-    """Set kernel settings from LIGER_TUNE="module.field=value,..." (a module of liger_models.kernels.ops, or _launch;
-    a field of its TUNING; a Python literal), so one benchmark run can compare schedules without editing code, e.g.
-    LIGER_TUNE=fused_linear_cross_entropy.overlap_ce=True,_ce_core.block_v=8192. Returns what it set (recorded with
-    the results)."""
-    import ast
-    import importlib
+    """Set kernel settings from LIGER_TUNE="module.field=value,..." (liger_models.kernels._tuning.set_tuning_from), so
+    one benchmark run can compare schedules without editing code. Returns what it set (recorded with the results)."""
+    from liger_models.kernels._tuning import set_tuning_from
 
-    from liger_models.kernels._tuning import set_tuning
-
-    applied = {}
-    for item in filter(None, os.environ.get("LIGER_TUNE", "").split(",")):
-        target, _, literal = item.partition("=")
-        module, _, name = target.strip().rpartition(".")
-        package = "liger_models.kernels" if module == "_launch" else "liger_models.kernels.ops"  # _launch: shared
-        mod = importlib.import_module(f"{package}.{module}")
-        try:
-            set_tuning(mod, **{name: ast.literal_eval(literal.strip())})
-        except TypeError as exc:
-            raise SystemExit(f"LIGER_TUNE: {exc}") from exc
-        applied[target.strip()] = getattr(mod.TUNING, name)
-    return applied
+    try:
+        return set_tuning_from(os.environ.get("LIGER_TUNE", ""))
+    except TypeError as exc:
+        raise SystemExit(f"LIGER_TUNE: {exc}") from exc
 
 
 def environment() -> dict:

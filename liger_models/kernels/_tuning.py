@@ -3,7 +3,7 @@
 The defaults are what the H200 benchmarks chose; each field's comment gives the measurement behind it
 (docs/kernels.md lists them per op). The launchers read ``TUNING.<field>`` at every call and never keep a copy, so
 there is one way to change a setting, for a block of code, used by the tests that force a path and by the
-benchmark sweeps (benchmarks/harness.py's ``LIGER_TUNE=module.field=value``)::
+benchmark sweeps and GPU test runs (``LIGER_TUNE=module.field=value``, ``set_tuning_from``)::
 
     from liger_models.kernels.ops import fused_linear_cross_entropy as flce
     with tuned(flce, logits_budget_bytes=4096):   # chunks of a few rows
@@ -45,3 +45,21 @@ def tuned(module: types.ModuleType, **changes) -> Iterator:
 def set_tuning(module: types.ModuleType, **changes) -> None:
     """``module.TUNING`` with ``changes`` from now on (a benchmark process's settings)."""
     module.TUNING = _replaced(module, changes)
+
+
+def set_tuning_from(spec: str) -> dict:
+    """Settings from "module.field=value,..." (a module of liger_models.kernels.ops, or _launch; a field of its
+    TUNING; a Python literal) from now on, e.g. "fused_linear_cross_entropy.overlap_ce=True,_ce_core.block_v=8192":
+    the LIGER_TUNE variable of the benchmarks and of the test suite. Returns what it set."""
+    import ast
+    import importlib
+
+    applied = {}
+    for item in filter(None, spec.split(",")):
+        target, _, literal = item.partition("=")
+        module, _, name = target.strip().rpartition(".")
+        package = "liger_models.kernels" if module == "_launch" else "liger_models.kernels.ops"  # _launch: shared
+        mod = importlib.import_module(f"{package}.{module}")
+        set_tuning(mod, **{name: ast.literal_eval(literal.strip())})
+        applied[target.strip()] = getattr(mod.TUNING, name)
+    return applied

@@ -18,7 +18,7 @@ from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_state_
 from liger_models.modules.moe import ExpertsLora, experts_forward
 
 from ..models.parity import build_hf, float64_reference, max_rel, save_hf
-from .common import assert_matches_float64_peft, batch
+from .common import assert_as_close_as_fp32_allows, assert_matches_float64_peft, batch
 
 FAMILIES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=16, moe_intermediate_size=32, num_experts=4,
@@ -367,6 +367,11 @@ def test_merged_export_of_a_qlora_moe_model(targets, tmp_path):
     save_merged(ours, tmp_path / "merged", dtype=torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids, _ = batch()
+    # Judged by transformers in float64 on the merged file (per-expert loop: float64 has no grouped_mm CPU kernel):
+    # ours and transformers in fp32 are two roundings of the same sums, 1.6e-5 of the largest logit apart on one
+    # seed in 60 (27), each within fp32's reach of the float64 logits.
+    exact_model = copy.deepcopy(hf).double()
+    exact_model.set_experts_implementation("eager")
     with torch.no_grad():
-        assert max_rel(hf(ids).logits, ours.eval()(ids).logits) < 1e-5
+        assert_as_close_as_fp32_allows(ours.eval()(ids).logits, hf(ids).logits, exact_model(ids).logits)
     assert ours.model.layers[0].mlp.experts.gate_up_proj is None  # the export left the NF4 stacks as they were
