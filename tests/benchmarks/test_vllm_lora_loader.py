@@ -8,7 +8,6 @@ import re
 import sys
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))
