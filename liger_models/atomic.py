@@ -178,3 +178,8 @@ def write_file(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """``write_file`` for a UTF-8 text file."""
+    write_file(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

@@ -61,8 +61,7 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None
                      if name not in routers and not isinstance(m, LoraExperts)})
     parameters = sorted({stack for m in experts for stack in m.lora} | ({ROUTER_WEIGHT} if routers else set()))
     config = settings.to_peft(leaves, base_model, parameters)
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    atomic.write_file(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    atomic.write_text(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
 
 

@@ -121,5 +121,4 @@ def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> No
         "bnb_4bit_use_double_quant": double_quant, "bnb_4bit_compute_dtype": str(model.dtype).removeprefix("torch."),
         "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0,
         "llm_int8_has_fp16_weight": False, "llm_int8_enable_fp32_cpu_offload": False}
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    atomic.write_file(directory / "config.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    atomic.write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -78,11 +78,11 @@ def slot_sum(rows: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor 
     out_dtype = out_dtype or product
     if not (use_triton(rows, positions, weights) and TUNING.fused) or rows.stride(-1) != 1:
         return slot_sum_reference(rows, positions, weights, out_dtype)
-    out = torch.empty(n_tokens, rows.shape[1], dtype=out_dtype, device=rows.device)
-    if out.numel() == 0 or top_k == 0:
-        return out.zero_()
     # The sum is rounded once, to the product's dtype, then cast: for an output dtype finer than it, round first.
-    target = out if torch.finfo(out_dtype).bits <= torch.finfo(product).bits else torch.empty_like(out, dtype=product)
+    finer = torch.finfo(out_dtype).bits > torch.finfo(product).bits
+    target = torch.empty(n_tokens, rows.shape[1], dtype=product if finer else out_dtype, device=rows.device)
+    if target.numel() == 0 or top_k == 0:
+        return target.zero_().to(out_dtype)
     block = min(TUNING.block, pow2(rows.shape[1]))
     positions = positions.contiguous()
     launch(_slot_sum_kernel, (n_tokens, cdiv(rows.shape[1], block)),
@@ -90,6 +90,4 @@ def slot_sum(rows: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor 
             rows.stride(0), target.stride(0)],
            dict(HAS_W=weights is not None, ROUND_PRODUCT=weights is not None and product == rows.dtype
                 and rows.dtype != torch.float32, BLOCK=block, num_warps=max(1, min(8, block // 256))))
-    if target is not out:
-        out.copy_(target)
-    return out
+    return target.to(out_dtype)
