@@ -3,10 +3,11 @@
 Shapes are the MLP slots of Qwen3-30B-A3B (D 2048, 128 experts of 768, top-8, renormalised) and Mixtral-8x7B
 (D 4096, 8 experts of 14336, top-2) at 4 × 2048 tokens; router logits random (each layer's routing is what it is).
 Providers: "liger-models" is liger_models.modules.moe.SparseMoeBlock as it ships (sorted rows, torch grouped_mm, the
-fused gated kernel, a backward that saves only the gate|up output); "liger-models-fused-combine" the same with each
-token's k rows summed in one pass (kernels/ops/slot_sum.py) instead of PyTorch's gather, product and sum, and
-"liger-models-fused" with, as well, the experts' activation backward in one pass that also forms the routing
-weights' gradient (gated_mlp.gated_backward_scaled; both kernels are off by default until measured here);
+fused gated kernel, a backward that saves only the gate|up output, each token's k rows summed in one pass by
+kernels/ops/slot_sum.py, and the experts' activation backward in one pass that also forms the routing weights'
+gradient, gated_mlp.gated_backward_scaled); "liger-models-unfused-backward" the same with that activation backward as
+its PyTorch passes (scaled copy, gated backward, row dots), and "liger-models-unfused" with the sums as PyTorch's
+gather, product and sum as well: what each one-pass kernel is worth;
 "hf-grouped_mm" and "hf-eager" are transformers'
 Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock with experts_implementation "grouped_mm" (its default) and "eager"
 (a Python loop over experts). "gemms-only" is the floor of a grouped_mm layer: its six grouped GEMMs alone, at the
@@ -69,8 +70,8 @@ def providers(case: dict) -> dict:
     x = torch.randn(1, case["tokens"], case["hidden"], device="cuda", dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn_like(x)
     return {"liger-models": step(ours, x, dy),
-            "liger-models-fused-combine": _fused(step(ours, x, dy), activation_backward=False),
-            "liger-models-fused": _fused(step(ours, x, dy)),
+            "liger-models-unfused-backward": _unfused(step(ours, x, dy), sums=False),
+            "liger-models-unfused": _unfused(step(ours, x, dy)),
             "hf-grouped_mm": step(blocks["grouped_mm"], x, dy),
             "hf-eager": step(blocks["eager"], x, dy), "gemms-only": _gemms_only(ours, x, dy, case["top_k"])}
 
@@ -87,17 +88,17 @@ def step(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return run
 
 
-def _fused(run, activation_backward: bool = True):
-    """``run`` with the layer's one-pass kernels switched on (both off by default until measured here): the
-    token-order sums (slot_sum.TUNING.fused) and, with ``activation_backward``, the experts' activation backward that
-    forms the routing weights' gradient in the same pass (gated_mlp.TUNING.fuse_scaled_backward)."""
+def _unfused(run, sums: bool = True):
+    """``run`` with the experts' activation backward as its PyTorch passes (gated_mlp.TUNING.fuse_scaled_backward
+    off) and, with ``sums``, each token's k rows summed by PyTorch's gather, product and sum (slot_sum.TUNING.fused
+    off): the layer without the one-pass kernels it ships with."""
     from liger_models.kernels._tuning import tuned
     from liger_models.kernels.ops import gated_mlp, slot_sum
 
-    def fused():
-        with tuned(slot_sum, fused=True), tuned(gated_mlp, fuse_scaled_backward=activation_backward):
+    def unfused():
+        with tuned(slot_sum, fused=not sums), tuned(gated_mlp, fuse_scaled_backward=False):
             return run()
-    return fused
+    return unfused
 
 
 def _gemms_only(block, x: torch.Tensor, dy: torch.Tensor, top_k: int):

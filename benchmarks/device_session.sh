@@ -119,9 +119,9 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
         --providers ours_compile,ours --configs "${COMPILE_CONFIGS:-llama-3-8b-w8l}" ;;
     moe)  # one MoE layer: ours vs transformers' grouped_mm and eager experts
       (cd benchmarks && python3 bench_moe.py --out "$OUT") ;;
-    moe-kernels)  # the MoE layer's one-pass kernels (gated_backward_scaled, slot_sum; off by default until this
-                  # passes): their GPU tests and the layer's GPU tests with both switched on, then `moe` after this
-      LIGER_TUNE=gated_mlp.fuse_scaled_backward=True,slot_sum.fused=True python3 -m pytest -m gpu -q \
+    moe-unfused)  # the MoE layer's GPU tests with its one-pass kernels (gated_backward_scaled, slot_sum) switched
+                  # off: the PyTorch passes kept as the bisection path still train the same
+      LIGER_TUNE=gated_mlp.fuse_scaled_backward=False,slot_sum.fused=False python3 -m pytest -m gpu -q \
         -p no:cacheprovider -rfE tests/kernels/test_swiglu.py tests/kernels/test_slot_sum.py \
         tests/models/test_moe_and_qwen3_gpu.py tests/lora/test_gpu.py ;;
     softcap)  # Gemma 2's soft-capped attention: our kernel vs flex + score_mod vs uncapped SDPA vs HF's math

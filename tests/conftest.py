@@ -29,8 +29,8 @@ from tests.lora.bnb import import_bnb  # noqa: E402
 import_bnb()
 
 # LIGER_TUNE="module.field=value,...": the whole run with those kernel settings, as the benchmarks take them (a GPU
-# run of kernels that are off by default: benchmarks/device_session.sh moe-kernels). Tests that force a path with
-# the `tune` fixture still do; it restores these settings after them.
+# run of the paths a setting switches off by default: benchmarks/device_session.sh moe-unfused). Tests that force a
+# path with the `tune` fixture still do; it restores these settings after them.
 if os.environ.get("LIGER_TUNE"):
     from liger_models.kernels._tuning import set_tuning_from
 

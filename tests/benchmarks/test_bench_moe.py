@@ -31,9 +31,9 @@ def test_each_run_returns_the_gradients_of_one_step_and_accumulates_nothing():
         torch.testing.assert_close(got_second, want, rtol=0, atol=0)
 
 
-def test_the_fused_providers_run_the_one_pass_kernels_and_leave_the_defaults():
-    # bench_moe's liger-models-fused switches both one-pass kernels on for its runs only; its gradients are the
-    # default layer's (the sums and row dots in another order: fp32 rounding apart).
+def test_the_unfused_providers_switch_the_one_pass_kernels_off_and_leave_the_defaults():
+    # bench_moe's liger-models-unfused(-backward) switch the shipped one-pass kernels off for their runs only; their
+    # gradients are the default layer's (the sums and row dots in another order: fp32 rounding apart).
     from liger_models.kernels.ops import gated_mlp, slot_sum
 
     block = SparseMoeBlock(MixtralConfig.tiny())
@@ -53,11 +53,13 @@ def test_the_fused_providers_run_the_one_pass_kernels_and_leave_the_defaults():
     import liger_models.modules.moe as moe
     moe.gated_backward_scaled = spy
     try:
-        plain = bench_moe.step(block, x, dy)()
-        fused = bench_moe._fused(bench_moe.step(block, x, dy))()
+        shipped = bench_moe.step(block, x, dy)()
+        unfused_backward = bench_moe._unfused(bench_moe.step(block, x, dy), sums=False)()
+        unfused = bench_moe._unfused(bench_moe.step(block, x, dy))()
     finally:
         moe.gated_backward_scaled = original
-    assert seen == [(False, False), (True, True)]
+    assert seen == [(True, True), (False, True), (False, False)]
     assert (gated_mlp.TUNING, slot_sum.TUNING) == defaults
-    for a, b in zip(fused, plain):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for other in (unfused_backward, unfused):
+        for a, b in zip(other, shipped):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -30,7 +30,8 @@ def _expected(rows, positions, weights, out_dtype):
 
 @pytest.fixture(autouse=True)
 def fused(tune):
-    """The kernel (off by default until it has run on a GPU); tests of the PyTorch passes switch it off."""
+    """The kernel (the default, set here so a LIGER_TUNE run does not move it); tests of the PyTorch passes switch it
+    off."""
     tune(ss, fused=True)
 
 

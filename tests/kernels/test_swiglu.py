@@ -113,7 +113,7 @@ def test_gpu_inputs_on_another_device_than_the_current(fused_layer):
                                                 (torch.float32, torch.float32)])
 @pytest.mark.parametrize("rows, width", [(1, 1), (3, 127), (2, 4097), (300, 5)])
 def test_backward_scaled_equals_the_unfused_backward(rows, width, dtype, scale_dtype, packed, tune):
-    tune(gm, fuse_scaled_backward=True)  # the one-pass kernel (off by default until it has run on a GPU)
+    tune(gm, fuse_scaled_backward=True)  # the one-pass kernel (the default; set so a LIGER_TUNE run does not move it)
     checks.check_backward_scaled("silu", rows, width, dtype, scale_dtype, packed)
 
 
@@ -121,7 +121,7 @@ def test_backward_scaled_equals_the_unfused_backward(rows, width, dtype, scale_d
 @pytest.mark.parametrize("form", ["reference", "unfused"])
 def test_backward_scaled_other_forms_match(form, packed, tune):
     # The PyTorch path (the fused kernel switched on but reference mode forcing PyTorch), and the unfused kernels
-    # (the default), with row dots over chunks of 5 rows.
+    # (the bisection path), with row dots over chunks of 5 rows.
     tune(gm, fuse_scaled_backward=form != "unfused", row_dot_elements=5 * 130)
     with reference_mode() if form == "reference" else contextlib.nullcontext():
         checks.check_backward_scaled("silu", 37, 130, torch.bfloat16, torch.float32, packed)

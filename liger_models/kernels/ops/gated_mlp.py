@@ -52,9 +52,10 @@ class GatedTuning:
     tile: int = 2048
     elems_per_thread: int = 16
     # gated_backward_scaled in one kernel; False: its unfused form (scaled copy, gated backward, row dots in fp32
-    # chunks). Off until the kernel has run on a GPU (pytest -m gpu, bench_moe's liger-models-fused beside the
-    # default): it is tested under Triton's CPU interpreter only
-    fuse_scaled_backward: bool = False
+    # chunks), kept as the bisection path. The one pass over the rows takes 8% of the MoE layer's time at
+    # Qwen3-30B-A3B width and 7% at Mixtral's off its forward + backward (bench_moe, 2026-12-06, H100:
+    # BENCHMARKS.md "Mixture-of-experts layer")
+    fuse_scaled_backward: bool = True
     # fp32 elements of one chunk of the unfused form's row dots: 64 MiB
     row_dot_elements: int = 1 << 24
 
