@@ -18,8 +18,8 @@ q|k|v and gate|up listed by their parts, as its model manager expands them; the 
 block's ``experts`` and router ``gate``), and checks, per module vLLM loaded, that scaling · B · A (vLLM's delta: y
 += scaling · (x Aᵀ) Bᵀ; the embedding's (scaling · B · A)ᵀ) equals this project's delta. The experts' stacked
 adapters are checked to load unchanged (their delta is applied by vLLM's fused-MoE layer, which needs a GPU). The
-DoRA and ``modules_to_save`` adapters must be refused by vLLM, with its message recorded. What this does not show:
-vLLM's logits, which need its GPU model runner.
+DoRA and ``modules_to_save`` adapters must be refused by vLLM, with its message recorded. vLLM's log-probabilities
+with such adapters: vllm_lora_logits.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ VLLM_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
                 "gate_up_proj", "embed_tokens", "lm_head", "experts", "gate"}
 
 
-def _model(family: str):
+def model_of(family: str, **sizes):
+    """A random model of ``family`` at its config's tiny() sizes (``sizes`` override them), heads untied where the
+    family allows it."""
     import torch
 
     import liger_models as lm
@@ -50,7 +52,7 @@ def _model(family: str):
     overrides = {}
     if family in ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"):
         overrides["tie_word_embeddings"] = False
-    model = cls(cls.config_class.tiny(**overrides))
+    model = cls(cls.config_class.tiny(**overrides, **sizes))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.05)
@@ -88,7 +90,7 @@ def save(root: Path) -> None:
     for family in FAMILIES:
         for name, fields in _cases(family):
             torch.manual_seed(len(index))
-            model = _model(family)
+            model = model_of(family)
             add_lora(model, LoraSettings(**fields))
             with torch.no_grad():  # B starts at zero (and the embedding's A): random, so every delta is nonzero
                 for pname, p in model.named_parameters():

@@ -27,7 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
+from vllm_lora_loader import FAMILIES, model_of
+
 # Sizes every family's config takes; head_dim 64 is one vLLM's CPU attention kernels are built for.
 SIZES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
              vocab_size=256)
@@ -47,25 +48,15 @@ def save(root: Path, families: list[str] = FAMILIES) -> None:
     import torch
     from safetensors.torch import save_file
 
-    import liger_models as lm
     from liger_models.lora import LoraSettings, add_lora, save_adapter
 
-    classes = {"llama": lm.LigerLlamaForCausalLM, "mistral": lm.LigerMistralForCausalLM,
-               "qwen2": lm.LigerQwen2ForCausalLM, "qwen3": lm.LigerQwen3ForCausalLM,
-               "gemma": lm.LigerGemmaForCausalLM, "gemma2": lm.LigerGemma2ForCausalLM,
-               "gemma3": lm.LigerGemma3ForCausalLM, "phi3": lm.LigerPhi3ForCausalLM,
-               "mixtral": lm.LigerMixtralForCausalLM, "qwen3_moe": lm.LigerQwen3MoeForCausalLM}
     root.mkdir(parents=True, exist_ok=True)
     for family in families:
         torch.manual_seed(FAMILIES.index(family))
-        cls = classes[family]
         sizes = dict(SIZES)
         if family in ("mixtral", "qwen3_moe"):
             sizes.update(intermediate_size=128, **({"moe_intermediate_size": 128} if family == "qwen3_moe" else {}))
-        model = cls(cls.config_class.tiny(**sizes))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.05)
+        model = model_of(family, **sizes)
         model.save_pretrained(root / family / "base")
         ids = torch.randint(3, SIZES["vocab_size"], (1, PROMPT_TOKENS))
         with torch.no_grad():
@@ -109,14 +100,18 @@ def check_one(directory: Path) -> dict:
 
     expected = load_file(str(directory / "expected.safetensors"))
     vocab = expected["adapted"].shape[-1]
+    config = json.loads((directory / "adapter" / "adapter_config.json").read_text())
+    # PEFT's stacked gate|up adapter is two of rank r side by side (rank_pattern 2r): vLLM must admit that rank
+    rank = max([config["r"], *config["rank_pattern"].values()])
+    # the experts' stacked adapters are PEFT's 3-D target_parameters layout, which vLLM must be told of, at the engine
+    # and at the request
+    stacked = bool(config.get("target_parameters"))
     # gpu_memory_utilization is the share of host memory vLLM's CPU backend reserves for its KV cache
-    llm = LLM(model=str(directory / "base"), dtype="float32", enable_lora=True, max_lora_rank=RANK, max_loras=1,
+    llm = LLM(model=str(directory / "base"), dtype="float32", enable_lora=True, max_lora_rank=rank, max_loras=1,
               skip_tokenizer_init=True, max_logprobs=vocab, max_model_len=64, enforce_eager=True, seed=0,
-              gpu_memory_utilization=0.12)
+              gpu_memory_utilization=0.12, **({"enable_mixed_moe_lora_format": True} if stacked else {}))
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab, logprobs=vocab, detokenize=False)
     prompt = TokensPrompt(prompt_token_ids=expected["ids"][0].tolist())
-    # the experts' stacked adapters are PEFT's 3-D target_parameters layout, which vLLM must be told of
-    stacked = bool(json.loads((directory / "adapter" / "adapter_config.json").read_text()).get("target_parameters"))
     request = LoRARequest("adapter", 1, str(directory / "adapter"), is_3d_lora_weight=stacked)
     adapted = _logprobs(llm.generate(prompt, params, lora_request=request)[0], vocab)
     base = _logprobs(llm.generate(prompt, params)[0], vocab)
