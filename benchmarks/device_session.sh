@@ -144,7 +144,8 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
       python3 benchmarks/bench_lora.py --out "$OUT/lora_ckpt" --configs "${LORA_CONFIGS:-qwen2.5-7b}" --checkpointing on \
         --providers "${LORA_PROVIDERS:-ours,ours_qlora,ours_offload,hf_peft,hf_peft_liger,hf_peft_bnb,hf_peft_bnb_liger}" ;;
     lora-grid-nockpt)  # the same grid without checkpointing at 2 x 4096 (HF + PEFT needs ~100 GiB there on an H200);
-                       # a device call of its own
+                       # a device call of its own, asked for with needs_h200: on an H100 HF + PEFT and HF + PEFT +
+                       # bitsandbytes ran out of memory (2026-12-06), and a call naming nvidia-h200 may get an H100
       python3 benchmarks/bench_lora.py --out "$OUT/lora_nockpt" --configs "${LORA_CONFIGS:-qwen2.5-7b}" \
         --checkpointing off --batch 2 \
         --providers "${LORA_PROVIDERS_OFF:-ours,ours_qlora,hf_peft,hf_peft_liger,hf_peft_bnb,hf_peft_bnb_liger}" ;;
