@@ -21,8 +21,8 @@ import re
 import shutil
 import socket
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 KINDS = ("tmp", "old", "pruned")

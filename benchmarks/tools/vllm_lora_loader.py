@@ -103,7 +103,7 @@ def save(root: Path) -> None:
             deltas = {k: (after[k].double() - before[k].double()).contiguous() for k in before
                       if k in after and after[k].shape == before[k].shape and not torch.equal(after[k], before[k])}
             save_file(deltas, str(directory / "expected.safetensors"))
-            index[name] = dict(family=family, settings={k: v for k, v in fields.items()}, deltas=sorted(deltas))
+            index[name] = dict(family=family, settings=dict(fields), deltas=sorted(deltas))
     (root / "index.json").write_text(json.dumps(index, indent=1, default=str) + "\n")
     print(f"{len(index)} adapters in {root}")
 

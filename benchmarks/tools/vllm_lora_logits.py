@@ -147,9 +147,9 @@ def check(root: Path, out: Path | None, families: list[str] = FAMILIES) -> int:
         if not lines:  # the engine's root cause when its worker failed (vLLM logs it to either stream), else the
             # last error line
             log = (proc.stdout + proc.stderr).splitlines()
-            errors = [line for line in log if "Worker failed with error" in line] or [line for line in log
-                                                                                     if "Error" in line][-1:]
-            report["families"][family] = dict(ok=False, error=(errors[0] if errors else proc.stderr)[-400:])
+            cause = next((line for line in log if "Worker failed with error" in line),
+                         next((line for line in reversed(log) if "Error" in line), proc.stderr))
+            report["families"][family] = dict(ok=False, error=cause[-400:])
         else:  # the comparison stands once printed; vLLM's engine shutdown may still end the process badly
             report["families"][family] = dict(json.loads(lines[-1]), exit_code=proc.returncode)
         print(family, json.dumps(report["families"][family]), flush=True)

@@ -31,7 +31,7 @@ def test_each_run_returns_the_gradients_of_one_step_and_accumulates_nothing():
         torch.testing.assert_close(got_second, want, rtol=0, atol=0)
 
 
-def test_the_unfused_providers_switch_the_one_pass_kernels_off_and_leave_the_defaults():
+def test_the_unfused_providers_switch_the_one_pass_kernels_off_and_leave_the_defaults(monkeypatch):
     # bench_moe's liger-models-unfused(-backward) switch the shipped one-pass kernels off for their runs only; their
     # gradients are the default layer's (the sums and row dots in another order: fp32 rounding apart).
     from liger_models.kernels.ops import gated_mlp, slot_sum
@@ -50,14 +50,10 @@ def test_the_unfused_providers_switch_the_one_pass_kernels_off_and_leave_the_def
         return original(*args, **kwargs)
 
     defaults = (gated_mlp.TUNING, slot_sum.TUNING)
-    import liger_models.modules.moe as moe
-    moe.gated_backward_scaled = spy
-    try:
-        shipped = bench_moe.step(block, x, dy)()
-        unfused_backward = bench_moe._unfused(bench_moe.step(block, x, dy), sums=False)()
-        unfused = bench_moe._unfused(bench_moe.step(block, x, dy))()
-    finally:
-        moe.gated_backward_scaled = original
+    monkeypatch.setattr("liger_models.modules.moe.gated_backward_scaled", spy)
+    shipped = bench_moe.step(block, x, dy)()
+    unfused_backward = bench_moe._unfused(bench_moe.step(block, x, dy), sums=False)()
+    unfused = bench_moe._unfused(bench_moe.step(block, x, dy))()
     assert seen == [(True, True), (False, True), (False, False)]
     assert (gated_mlp.TUNING, slot_sum.TUNING) == defaults
     for other in (unfused_backward, unfused):

@@ -227,8 +227,9 @@ def check_backward_scaled(activation: str, rows: int, width: int, dtype: torch.d
                           packed: bool) -> None:
     """gated_backward_scaled, in whichever form gated_mlp.TUNING and the dispatch select, against the unfused
     passes (the scaled copy rounded by torch.mul, gated_backward with the product, a float64 row dot): d gate, d up
-    and the product bit-identical, the row dots within fp32 summation error, into NaN-poisoned outputs; ``packed``: gate and up are the halves of one (rows, 2·width)
-    tensor written in place and the gradient a column slice of a wider one (row strides past the width)."""
+    and the product bit-identical, the row dots within fp32 summation error, into NaN-poisoned outputs; ``packed``:
+    gate and up are the halves of one (rows, 2·width) tensor written in place and the gradient a column slice of a
+    wider one (row strides past the width)."""
     gate = (2 * torch.randn(rows, width, device=DEVICE)).to(dtype)
     up = torch.randn(rows, width, device=DEVICE).to(dtype)
     wide = torch.randn(rows, width + 3, device=DEVICE).to(dtype)

@@ -159,9 +159,9 @@ def test_backward_saves_only_the_gate_up_output_per_routed_row():
 @pytest.mark.parametrize("kernels", ["fused", "unfused", "reference"])
 @pytest.mark.parametrize("path", PATHS)
 def test_routing_weights_gradient_equals_the_loop(path, kernels, tune):
-    # The routing weights' gradient comes from the fused activation backward's row dots, or from the unfused passes
-    # (the default; the PyTorch path in reference mode) a few rows at a time: chunks of 3 rows over 26 sorted rows,
-    # the last one short.
+    # The routing weights' gradient comes from the fused activation backward's row dots (the default), or from the
+    # unfused passes (and the PyTorch path in reference mode) a few rows at a time: chunks of 3 rows over 26 sorted
+    # rows, the last one short.
     x, gate_up, down = _case(13)
     logits = torch.randn(13, 4, requires_grad=True)
     weights, experts = route(logits, 2, renormalize=False, weights_in_logits_dtype=False)
