@@ -26,16 +26,19 @@ MODEL_CLASSES: dict[str, type[LigerForCausalLM]] = {
                 LigerPhi3ForCausalLM, LigerQwen3ForCausalLM, LigerGemma2ForCausalLM, LigerGemma3ForCausalLM,
                 LigerMixtralForCausalLM, LigerQwen3MoeForCausalLM)
 }
+# Multimodal checkpoints whose text decoder is one of these families (loaded as it, saved back whole).
+WRAPPED: dict[str, type[LigerForCausalLM]] = {
+    wrapper: cls for cls in MODEL_CLASSES.values() for wrapper in cls.config_class.wrapped_in}
 
 
 def model_class(model_type: str | None) -> type[LigerForCausalLM]:
-    """The Liger class for a config.json ``model_type``, or a clear error listing the supported ones."""
-    if model_type == "gemma3":
-        raise ValueError("unsupported model_type 'gemma3': the multimodal Gemma 3 (Gemma3ForConditionalGeneration, "
-                         "4B-27B); the text-only 'gemma3_text' (Gemma3ForCausalLM: gemma-3-1b, gemma-3-270m) is "
-                         "supported")
+    """The Liger class for a config.json ``model_type`` (a multimodal one: its text decoder's family), or a clear
+    error listing the supported ones."""
+    if model_type in WRAPPED:
+        return WRAPPED[model_type]
     if model_type not in MODEL_CLASSES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}")
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))} "
+                         f"(and the text decoders of {', '.join(sorted(WRAPPED))})")
     return MODEL_CLASSES[model_type]
 
 

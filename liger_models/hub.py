@@ -37,6 +37,7 @@ from tokenizers import Tokenizer
 
 from liger_models import atomic
 from liger_models.input_files import read_json_object
+from liger_models.wrapped_checkpoint import WrappedCheckpoint
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -140,6 +141,7 @@ class _Header(NamedTuple):
     file: Path
     shape: tuple[int, ...]
     dtype: str  # safetensors' name: "BF16", "F32", ...
+    stored: str = ""  # the name in the file where it differs from the key (a multimodal checkpoint's decoder)
 
 
 def _read_headers(files: list[Path]) -> dict[str, _Header]:
@@ -171,7 +173,22 @@ def _unreadable_weights(file: Path, error: Exception) -> str:
 
 def _read_tensor(headers: dict[str, _Header], name: str) -> torch.Tensor:
     with safe_open(str(headers[name].file), framework="pt", device="cpu") as f:
-        return f.get_tensor(name)
+        return f.get_tensor(headers[name].stored or name)
+
+
+def _unwrap(wrapper: WrappedCheckpoint, headers: dict[str, _Header]) -> dict[str, _Header]:
+    """The decoder's headers under its own names (each remembering its stored one); every other tensor of the
+    checkpoint is read into ``wrapper.carried`` as stored."""
+    decoder, carried = {}, {}
+    for stored, header in headers.items():
+        name = wrapper.internal_name(stored)
+        if name is None:
+            carried[stored] = header
+        else:
+            decoder[name] = header._replace(stored=stored)
+    for stored in carried:
+        wrapper.carried[stored] = _read_tensor(carried, stored)
+    return decoder
 
 
 def _tied_head_routes(config, headers: dict[str, _Header]) -> dict[str, str | None]:
@@ -254,16 +271,22 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
     path = resolve_dir(path)
     raw = read_config(path)
     model_type, expected_type = config_model_type(raw, path), cls.config_class.model_type
-    if model_type != expected_type:
+    if model_type != expected_type and model_type not in cls.config_class.wrapped_in:
         raise ValueError(f"{cls.__name__} loads model_type {expected_type!r}, but {str(path)!r} has "
                          f"{model_type!r} (use AutoLigerForCausalLM)")
+    files = checkpoint_files(path)
+    headers = _read_headers(files)
+    wrapper = None
+    if model_type != expected_type:  # a multimodal checkpoint: its text_config is this family's decoder
+        wrapper = WrappedCheckpoint.of(raw, headers, path)
+        raw = wrapper.text_config()
     try:
         config = cls.config_class.from_hf(raw)
     except (ValueError, TypeError) as e:  # a value of the wrong type or range: say which file holds it
         raise ValueError(f"{str(path / 'config.json')!r}: {e}") from e
     config.extra["_name_or_path"] = str(path)  # not written back (to_hf leaves out "_" keys)
-    files = checkpoint_files(path)
-    headers = _read_headers(files)
+    if wrapper is not None:
+        headers = _unwrap(wrapper, headers)
     dtype = resolve_dtype(dtype, config, headers)
     device = torch.device("cpu" if device is None else device)  # not `device or`: device 0 is cuda:0
     routes = _tied_head_routes(config, headers)  # may untie config: before the model is built
@@ -290,11 +313,12 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for stored in f.keys():
-                    name = routes.get(stored, stored)
-                    if name in expected:
-                        expected[name].copy_(f.get_tensor(stored))
+                for key, header in headers.items():
+                    name = routes.get(key, key)
+                    if header.file == file and name in expected:
+                        expected[name].copy_(f.get_tensor(header.stored or key))
     model.generation_config = read_generation_config(path)
+    model.checkpoint_wrapper = wrapper
     return model.eval()
 
 
@@ -392,14 +416,24 @@ def save_pretrained(model, directory: str | Path, *, max_shard_size: int | str =
     """HF-format safetensors + config.json into ``directory``, atomically (see the module docstring)."""
     state = {k: v.detach() for k, v in _expected_tensors(model).items()}
     save_state_dict(state, model.config, directory, max_shard_size=max_shard_size,
-                    generation_config=getattr(model, "generation_config", None))
+                    generation_config=getattr(model, "generation_config", None),
+                    wrapper=getattr(model, "checkpoint_wrapper", None))
 
 
 def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Path, *,
-                    max_shard_size: int | str = "5GB", generation_config: dict | None = None) -> None:
+                    max_shard_size: int | str = "5GB", generation_config: dict | None = None,
+                    wrapper: WrappedCheckpoint | None = None) -> None:
     """``save_pretrained`` for tensors that are already HF-named (a tied ``lm_head.weight`` left out) and a config
     with ``to_hf()``: checkpoint converters write through here without building a model. A non-empty
-    ``generation_config`` is written as generation_config.json (replacing one already in the directory)."""
+    ``generation_config`` is written as generation_config.json (replacing one already in the directory). With
+    ``wrapper`` (a decoder loaded from a multimodal checkpoint) the whole multimodal checkpoint is written."""
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    if wrapper is None:
+        config = config.to_hf()
+        config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
+    else:
+        config = wrapper.config_json(config.to_hf(), dtype)
+        state = wrapper.stored_state(state)
     # resolve(), not absolute(): a symlinked output directory is saved into its target (the swap below would
     # otherwise replace the link with a new directory beside it, on the link's filesystem).
     directory = Path(directory).expanduser().resolve()
@@ -427,9 +461,6 @@ def save_state_dict(state: dict[str, torch.Tensor], config, directory: str | Pat
             total = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        config = config.to_hf()
-        dtype_key = "torch_dtype" if "torch_dtype" in config else "dtype"
-        config[dtype_key] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         if generation_config:
             (tmp / GENERATION_CONFIG).write_text(json.dumps(generation_config, indent=2) + "\n", encoding="utf-8")

@@ -15,7 +15,8 @@ BOTTOM, KERNELS, MODULES, FAMILIES, AUTO, MEDUSA, TRAIN, RECIPES, CLI, ROOT = ra
 # The floor of each top-level module or package of liger_models; a package not listed is a model family when it
 # holds config.py and modeling.py, as every family does.
 FLOORS = {
-    "atomic": BOTTOM, "input_files": BOTTOM, "hub": BOTTOM, "tokenizer": BOTTOM, "deprecation": BOTTOM,
+    "atomic": BOTTOM, "input_files": BOTTOM, "hub": BOTTOM, "wrapped_checkpoint": BOTTOM, "tokenizer": BOTTOM,
+    "deprecation": BOTTOM,
     "text": BOTTOM, "data": BOTTOM,
     "kernels": KERNELS,
     "modules": MODULES,

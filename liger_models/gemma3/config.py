@@ -31,6 +31,7 @@ class Gemma3TextConfig(Gemma2Config):
 
     model_type = "gemma3_text"
     architecture = "Gemma3ForCausalLM"
+    wrapped_in = ("gemma3",)  # the 4B-27B repos: Gemma3ForConditionalGeneration (decoder + vision tower)
     qk_norm = True
     default_sliding_pattern = 6
 

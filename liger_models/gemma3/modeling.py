@@ -11,7 +11,8 @@
 - Scores scaled by query_pre_attn_scalar^-0.5 (256 on 1B = head_dim; 168 on 27B, head_dim 128).
 - Embeddings × √hidden rounded to the activation dtype (bf16: √1152 → 34.0, √640 → 25.25); not fp16-safe
   (activations overflow; use bf16 or fp32). Sandwich norms, GeGLU with tanh GELU, tied head, as Gemma 2.
-- The multimodal ``gemma3`` (4B-27B Gemma3ForConditionalGeneration) is refused by its model_type.
+- The multimodal ``gemma3`` checkpoints (4B-27B Gemma3ForConditionalGeneration) load as this decoder, their vision
+  tower and projector kept aside and written back by save_pretrained (liger_models/wrapped_checkpoint.py).
 """
 
 from __future__ import annotations

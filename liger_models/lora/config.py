@@ -35,7 +35,7 @@ ROUTER_WEIGHT = "gate.weight"
 FUSED_GATE_UP_PATTERN, FUSED_GATE_UP_FACTOR = rf".*\.{EXPERT_STACKS[0]}", 2
 # PEFT fields whose non-default value changes the math or the saved keys in a way not implemented here.
 _UNSUPPORTED = {"layers_to_transform": None, "layers_pattern": None,
-                "fan_in_fan_out": False, "lora_bias": False, "use_qalora": False, "exclude_modules": None,
+                "fan_in_fan_out": False, "lora_bias": False, "use_qalora": False,
                 "trainable_token_indices": None}
 
 
@@ -53,6 +53,9 @@ class LoraSettings:
     modules_to_save: list[str] = field(default_factory=list)  # of SAVABLE: trained whole, saved in the adapter
     # PEFT's target_parameters: mixture-of-experts parameters by the end of their full name (module docstring)
     target_parameters: list[str] = field(default_factory=list)
+    # PEFT's exclude_modules, as read from an adapter_config.json: load_adapter refuses one that excludes a module
+    # the adapter adapts (only exclusions outside the decoder, such as a multimodal model's vision tower, are met).
+    exclude_modules: list[str] | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
@@ -124,7 +127,8 @@ class LoraSettings:
                    rank_pattern=dict(cfg.get("rank_pattern") or {}),
                    alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
                    modules_to_save=list(cfg.get("modules_to_save") or []),
-                   target_parameters=list(cfg.get("target_parameters") or []))
+                   target_parameters=list(cfg.get("target_parameters") or []),
+                   exclude_modules=cfg.get("exclude_modules") or None)
 
 
 def pattern_value(patterns: dict, name: str, default):

@@ -9,12 +9,18 @@ embedding layers' own tables where an adapter targets them (``….embed_tokens.b
 resized before training); reading takes them into the base, as PEFT does. Writing leaves them out: the base here is
 the one the adapter names. Adapters are written in their
 own dtype (fp32 unless chosen otherwise).
+
+A decoder loaded from a multimodal checkpoint (Gemma 3 4B-27B, liger_models/wrapped_checkpoint.py) saves its adapter
+for transformers' multimodal model: keys under that model's module names (``model.language_model.layers.…``) and
+``exclude_modules`` keeping PEFT off the vision tower, whose attention linears share the decoder's leaf names.
+Reading takes keys of either multimodal layout onto the decoder; adapters on the vision tower are refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +33,7 @@ from liger_models.modules.lora_embedding import LoraEmbedding
 from liger_models.modules.lora_experts import LoraExperts
 from liger_models.modules.lora_linear import LoraLinear
 from liger_models.modules.moe import STACKS, Experts
+from liger_models.wrapped_checkpoint import NOT_DECODER, decoder_name, module_name
 
 from .attach import add_lora, lora_modules, lora_state_dict
 from .config import ROUTER_WEIGHT, LoraSettings, moe_blocks, modules_to_save
@@ -51,7 +58,9 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None
         raise ValueError("the adapters are merged into the base weights: unmerge before saving them")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {PREFIX + k: v.detach().to("cpu", copy=True).contiguous() for k, v in lora_state_dict(model).items()}
+    wrapped = getattr(model, "checkpoint_wrapper", None) is not None
+    tensors = {PREFIX + (module_name(k) if wrapped else k): v.detach().to("cpu", copy=True).contiguous()
+               for k, v in lora_state_dict(model).items()}
     # Each file is written whole under a temporary name and renamed into place: a save killed midway leaves the
     # previous adapter's file, never a truncated one.
     atomic.write_file(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
@@ -61,6 +70,8 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None
                      if name not in routers and not isinstance(m, LoraExperts)})
     parameters = sorted({stack for m in experts for stack in m.lora} | ({ROUTER_WEIGHT} if routers else set()))
     config = settings.to_peft(leaves, base_model, parameters)
+    if wrapped:
+        config["exclude_modules"] = NOT_DECODER
     atomic.write_text(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
 
@@ -82,7 +93,10 @@ def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.T
     for key, value in load_file(str(weights_path)).items():
         if not key.startswith(PREFIX):
             raise ValueError(f"{str(weights_path)!r}: key {key!r} does not start with {PREFIX!r}")
-        name = key[len(PREFIX):]
+        try:  # an adapter for a multimodal model's decoder: its keys onto the decoder's own names
+            name = decoder_name(key[len(PREFIX):])
+        except ValueError as e:
+            raise ValueError(f"{str(weights_path)!r}: {e}") from e
         whole = name.endswith(".weight") and name[:-len(".weight")].rsplit(".", 1)[-1] in settings.modules_to_save
         magnitude = name.endswith(_MAGNITUDE)
         if magnitude and not settings.use_dora:
@@ -114,6 +128,10 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
                                          modules_to_save=settings.modules_to_save,
                                          target_parameters=settings.target_parameters))
     modules = lora_modules(model)
+    excluded = [n for n in names if _excluded(settings.exclude_modules, n)]
+    if excluded:
+        raise ValueError(f"{directory}: exclude_modules {settings.exclude_modules!r} excludes {excluded[0]!r}, which "
+                         "target_modules selects (excluding decoder modules is not supported)")
     missing = [n for n in names if not any(f"{n}{suffix}" in tensors for suffix in _ADAPTER_SUFFIXES)]
     tables = [k[:-len(_BASE_TABLE)] for k in tensors if k.endswith(_BASE_TABLE)]
     unknown = [n for n in wanted + tables if n not in modules]
@@ -218,6 +236,17 @@ def _routers(model: nn.Module) -> set[str]:
     return {f"{block}.gate" for block in moe_blocks(model)}
 
 
+def _excluded(exclude: str | list[str] | None, name: str) -> bool:
+    """Whether PEFT's ``exclude_modules`` excludes decoder module ``name`` (as a plain decoder's module or as a
+    multimodal model's): a string is a regex matched in full, a list names modules or the ends of their names."""
+    if not exclude:
+        return False
+    names = (name, module_name(name))
+    if isinstance(exclude, str):
+        return any(re.fullmatch(exclude, n) for n in names)
+    return any(n == e or n.endswith("." + e) for n in names for e in exclude)
+
+
 def _module_of(key: str) -> str:
     """The module name of an adapter tensor's key."""
     for suffix in _ADAPTER_SUFFIXES:
@@ -229,4 +258,5 @@ def _module_of(key: str) -> str:
 def save_merged(model: nn.Module, directory: str | Path, dtype: torch.dtype | None = None) -> None:
     """A plain HF checkpoint (config.json + safetensors) with the adapters merged, that transformers loads."""
     save_state_dict(merged_state_dict(model, dtype), model.config, directory,
-                    generation_config=getattr(model, "generation_config", None))
+                    generation_config=getattr(model, "generation_config", None),
+                    wrapper=getattr(model, "checkpoint_wrapper", None))

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from liger_models import atomic
-from liger_models.auto import model_class
+from liger_models.auto import WRAPPED, model_class
 from liger_models.hub import checkpoint_files, config_model_type, read_config, resolve_dir
 from liger_models.kernels.ops.nf4 import QUANT_STATE_KEY, bnb_tensors, bnb_tensors_of, from_bnb_tensors
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
@@ -45,7 +45,13 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
     if quant.get("bnb_4bit_quant_type", "fp4") != "nf4":
         raise ValueError(f"{str(path)!r}: bnb_4bit_quant_type {quant.get('bnb_4bit_quant_type', 'fp4')!r} is not "
                          "supported (only nf4)")
-    cls = model_class(config_model_type(raw, path))
+    model_type = config_model_type(raw, path)
+    if model_type in WRAPPED:
+        raise ValueError(f"{str(path)!r}: a bitsandbytes 4-bit multimodal checkpoint (model_type {model_type!r}) is "
+                         "not supported: load the unquantized multimodal checkpoint with from_pretrained and "
+                         "quantise its decoder with quantize_base_ (QLoRA); save_merged writes the trained model back "
+                         "whole")
+    cls = model_class(model_type)
     config = cls.config_class.from_hf({k: v for k, v in raw.items() if k != "quantization_config"})
     tensors = _read_tensors(path)
     states = {k[: -len(".weight." + QUANT_STATE_KEY)] for k in tensors if k.endswith(".weight." + QUANT_STATE_KEY)}
@@ -87,6 +93,10 @@ def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> No
     already in NF4 (``quantize_base_``) is written as it is: each linear's own codes and fp32 block scales
     (``double_quant`` does not apply to them: quantising the scales again would re-round them), and NF4 expert stacks
     dequantised to the compute dtype, the weights the adapters trained against."""
+    if getattr(model, "checkpoint_wrapper", None) is not None:
+        raise ValueError("save_bnb_4bit writes a causal LM's checkpoint, and this decoder came from a multimodal one "
+                         "(its vision tower would be lost): write it whole with save_merged (dense weights, adapters "
+                         "merged) or save_pretrained")
     if lora_modules(model):
         raise ValueError("save_bnb_4bit writes the base: the model carries LoRA adapters (save them with "
                          "save_adapter, or merge them first)")

@@ -247,6 +247,9 @@ class LigerForCausalLM(nn.Module):
         # The checkpoint's generation_config.json ({} if none; from_pretrained fills it, save_pretrained writes it
         # back): generate takes its eos / pad ids from here before config.json's, as HF does.
         self.generation_config = {}
+        # Set by from_pretrained on a multimodal checkpoint (Gemma 3 4B-27B): the rest of that checkpoint, which
+        # save_pretrained writes back around the decoder (liger_models/wrapped_checkpoint.py).
+        self.checkpoint_wrapper = None
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # A labelled forward computes its loss without forming logits. With this set it also returns them, detached

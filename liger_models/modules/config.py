@@ -155,6 +155,9 @@ class LigerConfig:
     # Gemma 2/3's sandwich: post_attention_layernorm normalises the attention *output* before its residual add, and
     # pre_feedforward_layernorm / post_feedforward_layernorm wrap the MLP the same way (HF names).
     sandwich_norms: ClassVar[bool] = False
+    # config.json model_types of multimodal checkpoints whose text_config is this family's decoder (loaded and saved
+    # back whole: liger_models/wrapped_checkpoint.py).
+    wrapped_in: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:

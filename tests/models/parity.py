@@ -35,6 +35,28 @@ def build_hf(config_cls, **overrides) -> transformers.PreTrainedModel:
     return model
 
 
+def build_gemma3_multimodal(tied: bool = True, vocab: int = 300, **text) -> transformers.PreTrainedModel:
+    """A tiny random Gemma3ForConditionalGeneration in fp32 (a SigLIP tower of one layer), norms perturbed, the last
+    three token ids the image ones; ``tied``: config.json's top-level tie_word_embeddings, which transformers applies
+    to the whole model."""
+    text_config = transformers.Gemma3TextConfig(**{
+        "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 5,
+        "query_pre_attn_scalar": 24, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "tie_word_embeddings": tied, **text})
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text_config.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, boi_token_index=vocab - 3,
+                                       eoi_token_index=vocab - 2, image_token_index=vocab - 1, tie_word_embeddings=tied)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
 def save_hf(model, directory: Path, max_shard_size: str | None = None, v4_style: bool = False) -> Path:
     """HF save_pretrained; v4_style rewrites config.json the way transformers 4.x wrote it (rope_scaling + type)."""
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -135,8 +135,7 @@ def test_config_defaults_and_errors():
         Gemma3TextConfig.from_hf({"model_type": "gemma3_text", "use_bidirectional_attention": True})
     from liger_models import model_class
 
-    with pytest.raises(ValueError, match="multimodal"):
-        model_class("gemma3")
+    assert model_class("gemma3") is LigerGemma3ForCausalLM  # the multimodal checkpoints' decoder
     model = LigerGemma3ForCausalLM.from_config(Gemma3TextConfig.tiny())
     assert model.model.layers[0].self_attn.q_norm.weight.shape == (32,)
     assert not model.model.layers[0].self_attn.q_norm.weight.detach().any()  # (1 + w): zeros at init

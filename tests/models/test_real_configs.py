@@ -331,9 +331,6 @@ UNSUPPORTED = {
     "phi-3-small": {"architectures": ["Phi3SmallForCausalLM"], "model_type": "phi3small", "hidden_size": 4096,
                     "num_attention_heads": 32, "num_key_value_heads": 8, "gegelu_limit": 20.0,
                     "blocksparse_block_size": 64, "mup_attn_multiplier": 1.0, "vocab_size": 100352},
-    # google/gemma-3-4b-it: the multimodal Gemma 3 (vision tower; text under text_config)
-    "gemma-3-4b": {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-                   "text_config": {**GEMMA3_1B, "hidden_size": 2560}},
     # Qwen/Qwen2-57B-A14B: mixture of experts
     "qwen2-moe": {**QWEN2_7B, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
     # microsoft/Phi-3.5-MoE-instruct
