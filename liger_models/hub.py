@@ -179,15 +179,8 @@ def _read_tensor(headers: dict[str, _Header], name: str) -> torch.Tensor:
 def _unwrap(wrapper: WrappedCheckpoint, headers: dict[str, _Header]) -> dict[str, _Header]:
     """The decoder's headers under its own names (each remembering its stored one); every other tensor of the
     checkpoint is read into ``wrapper.carried`` as stored."""
-    decoder, carried = {}, {}
-    for stored, header in headers.items():
-        name = wrapper.internal_name(stored)
-        if name is None:
-            carried[stored] = header
-        else:
-            decoder[name] = header._replace(stored=stored)
-    for stored in carried:
-        wrapper.carried[stored] = _read_tensor(carried, stored)
+    decoder, carried = wrapper.split({stored: header._replace(stored=stored) for stored, header in headers.items()})
+    wrapper.carried.update({stored: _read_tensor(carried, stored) for stored in carried})
     return decoder
 
 

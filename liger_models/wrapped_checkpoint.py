@@ -30,7 +30,8 @@ LAYOUTS = {
 # live modules, so adapters for that model use these names), and a PEFT exclude_modules pattern that keeps adapters
 # off the vision tower and projector, whose linears share the decoder's leaf names (q_proj, k_proj, v_proj).
 MODULE_PREFIX = "model.language_model."
-NOT_DECODER = r".*(vision_tower|multi_modal_projector).*"
+OTHER_PARTS = ("vision_tower", "multi_modal_projector")
+NOT_DECODER = rf".*({'|'.join(OTHER_PARTS)}).*"
 # config.json keys a text_config may leave to the top level (transformers reads them there for the whole model).
 _INHERITED = ("tie_word_embeddings", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -74,6 +75,18 @@ class WrappedCheckpoint:
             return "model." + stored[len(prefix):]
         return "lm_head.weight" if stored == head else None
 
+    def split(self, stored: dict) -> tuple[dict, dict]:
+        """(the decoder's entries under its own names, every other entry under its stored name) of a mapping from
+        stored tensor names (to tensors, headers, ...)."""
+        decoder, others = {}, {}
+        for key, value in stored.items():
+            name = self.internal_name(key)
+            if name is None:
+                others[key] = value
+            else:
+                decoder[name] = value
+        return decoder, others
+
     def stored_name(self, name: str) -> str:
         prefix, head = LAYOUTS[self.layout]
         if name == "lm_head.weight":
@@ -90,10 +103,14 @@ class WrappedCheckpoint:
             raise ValueError(f"decoder tensors would overwrite carried ones: {clash[:5]}")
         return out | self.carried
 
-    def config_json(self, text: dict, dtype: str) -> dict:
+    def config_json(self, text: dict, dtype: str, quantization: dict | None = None) -> dict:
         """config.json to write: the one read, with text_config = ``text`` (the decoder's ``to_hf()``, without the
-        keys the original text_config left to the top level) and the dtype keys set to ``dtype``."""
+        keys the original text_config left to the top level), the dtype keys set to ``dtype``, and
+        ``quantization_config`` = ``quantization`` (None: none, for dense weights)."""
         out = copy.deepcopy(self.config)
+        out.pop("quantization_config", None)
+        if quantization is not None:
+            out["quantization_config"] = quantization
         original = self.config["text_config"]
         text = {k: v for k, v in text.items() if k in original or k not in _INHERITED + ("architectures",)}
         out["text_config"] = text
@@ -114,7 +131,7 @@ def module_name(name: str) -> str:
 def decoder_name(name: str) -> str:
     """The decoder's own name of a multimodal model's module or tensor name in either layout (the names of a plain
     decoder pass through); a name in the vision tower or projector is refused: training here is text-only."""
-    if "vision_tower" in name.split(".") or "multi_modal_projector" in name.split("."):
+    if set(name.split(".")) & set(OTHER_PARTS):
         raise ValueError(f"{name!r} is in the vision tower or projector of a multimodal model: only its text "
                          "decoder is loaded and trained here")
     for prefix, head in LAYOUTS.values():

@@ -6,6 +6,11 @@ quantised linear ``<name>.weight`` (uint8 codes [n/2, 1]), ``.weight.absmax``, `
 quantisation ``.weight.nested_absmax`` / ``.weight.nested_quant_map``, and ``.weight.quant_state.bitsandbytes__nf4``
 (JSON bytes: quant_type, blocksize, dtype, shape, nested_*); everything else (embeddings, norms, lm_head, modules in
 ``llm_int8_skip_modules``) stays 16-bit under its HF name. Each tensor's JSON state is trusted over the config.
+
+A multimodal checkpoint (Gemma 3 4B-27B, liger_models/wrapped_checkpoint.py) loads as its text decoder the same way;
+the tensors that are not the decoder's are kept beside it, those of 4-bit linears (a quantised vision tower)
+dequantised to the compute dtype at load, so that every later save (dense or 4-bit) writes them as plain weights
+(``save_bnb_4bit`` names the vision tower and projector in ``llm_int8_skip_modules``).
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from safetensors.torch import load_file, save_file
 from liger_models import atomic
 from liger_models.auto import WRAPPED, model_class
 from liger_models.hub import checkpoint_files, config_model_type, read_config, resolve_dir
-from liger_models.kernels.ops.nf4 import QUANT_STATE_KEY, bnb_tensors, bnb_tensors_of, from_bnb_tensors
+from liger_models.kernels.ops.nf4 import (QUANT_STATE_KEY, bnb_tensors, bnb_tensors_of, dequantize_nf4_reference,
+                                          from_bnb_tensors)
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 from liger_models.modules.moe import per_expert_tensors
+from liger_models.wrapped_checkpoint import OTHER_PARTS, WrappedCheckpoint
 
 from .attach import _replace, lora_modules
 from .config import decoder_linears
@@ -46,14 +53,15 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
         raise ValueError(f"{str(path)!r}: bnb_4bit_quant_type {quant.get('bnb_4bit_quant_type', 'fp4')!r} is not "
                          "supported (only nf4)")
     model_type = config_model_type(raw, path)
-    if model_type in WRAPPED:
-        raise ValueError(f"{str(path)!r}: a bitsandbytes 4-bit multimodal checkpoint (model_type {model_type!r}) is "
-                         "not supported: load the unquantized multimodal checkpoint with from_pretrained and "
-                         "quantise its decoder with quantize_base_ (QLoRA); save_merged writes the trained model back "
-                         "whole")
     cls = model_class(model_type)
-    config = cls.config_class.from_hf({k: v for k, v in raw.items() if k != "quantization_config"})
     tensors = _read_tensors(path)
+    wrapper = None
+    if model_type in WRAPPED:  # a multimodal checkpoint: its text decoder, the rest kept (module docstring)
+        wrapper = WrappedCheckpoint.of(raw, tensors, path)
+        tensors, others = wrapper.split(tensors)
+        wrapper.carried.update(_dense(others))
+        raw = wrapper.text_config()
+    config = cls.config_class.from_hf({k: v for k, v in raw.items() if k != "quantization_config"})
     states = {k[: -len(".weight." + QUANT_STATE_KEY)] for k in tensors if k.endswith(".weight." + QUANT_STATE_KEY)}
     if dtype is None:
         dtypes = {json.loads(bytes(tensors[f"{n}.weight.{QUANT_STATE_KEY}"].tolist()))["dtype"] for n in states}
@@ -83,7 +91,22 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
         for key, p in expected.items():
             p.copy_(tensors[key])
     model.pack_()
+    model.checkpoint_wrapper = wrapper
     return model.eval()
+
+
+def _dense(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each 4-bit linear's set (codes, scales, quant state) replaced by its dequantised weight in the
+    quant state's dtype."""
+    suffix = ".weight." + QUANT_STATE_KEY
+    out = dict(tensors)
+    for name in [k[: -len(suffix)] for k in tensors if k.endswith(suffix)]:
+        codes, absmax, state = from_bnb_tensors(tensors, name)
+        for key in [k for k in out if k.startswith(f"{name}.weight.") or k == f"{name}.weight"]:
+            del out[key]
+        out[f"{name}.weight"] = dequantize_nf4_reference(codes, absmax, tuple(state["shape"]),
+                                                         getattr(torch, state["dtype"]))
+    return out
 
 
 @torch.no_grad()
@@ -93,10 +116,6 @@ def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> No
     already in NF4 (``quantize_base_``) is written as it is: each linear's own codes and fp32 block scales
     (``double_quant`` does not apply to them: quantising the scales again would re-round them), and NF4 expert stacks
     dequantised to the compute dtype, the weights the adapters trained against."""
-    if getattr(model, "checkpoint_wrapper", None) is not None:
-        raise ValueError("save_bnb_4bit writes a causal LM's checkpoint, and this decoder came from a multimodal one "
-                         "(its vision tower would be lost): write it whole with save_merged (dense weights, adapters "
-                         "merged) or save_pretrained")
     if lora_modules(model):
         raise ValueError("save_bnb_4bit writes the base: the model carries LoRA adapters (save them with "
                          "save_adapter, or merge them first)")
@@ -122,13 +141,21 @@ def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> No
             views = per_expert_tensors(experts.dense_stack("gate_up_proj", dtype), experts.dense_stack(
                 "down_proj", dtype), f"model.layers.{i}.{layer._disk_block}.", layer._expert_names)
             state.update({k: v.clone().contiguous() for k, v in views.items()})
+    wrapper = getattr(model, "checkpoint_wrapper", None)
+    if wrapper is not None:  # the whole multimodal checkpoint: the rest of it as plain weights beside the decoder
+        state = wrapper.stored_state(state)
     # Each file whole under a temporary name, then renamed into place (liger_models.atomic): a save killed midway
     # leaves the previous file.
     atomic.write_file(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    config = model.config.to_hf()
-    config["quantization_config"] = {
+    quantization = {
         "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
         "bnb_4bit_use_double_quant": double_quant, "bnb_4bit_compute_dtype": str(model.dtype).removeprefix("torch."),
         "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0,
         "llm_int8_has_fp16_weight": False, "llm_int8_enable_fp32_cpu_offload": False}
+    if wrapper is None:
+        config = model.config.to_hf() | {"quantization_config": quantization}
+    else:  # transformers would quantise the vision tower's linears on load unless named here
+        parts = {part for key in wrapper.carried for part in key.split(".") if part in OTHER_PARTS}
+        quantization["llm_int8_skip_modules"] = sorted(parts) + ["lm_head"]
+        config = wrapper.config_json(model.config.to_hf(), str(model.dtype).removeprefix("torch."), quantization)
     atomic.write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")

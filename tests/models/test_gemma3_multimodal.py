@@ -14,7 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from liger_models import AutoLigerForCausalLM, LigerGemma3ForCausalLM
 from liger_models.auto import model_class
-from liger_models.lora import LoraSettings, add_lora, load_adapter, save_adapter, save_merged
+from liger_models.kernels.ops.nf4 import bnb_tensors, dequantize_nf4_reference, from_bnb_tensors
+from liger_models.lora import (LoraSettings, add_lora, load_adapter, load_bnb_4bit, quantize_base_, save_adapter,
+                               save_bnb_4bit, save_merged)
 
 from ..lora.common import assert_as_close_as_fp32_allows
 from .parity import build_gemma3_multimodal as build_multimodal
@@ -247,3 +249,73 @@ def test_real_multimodal_configs_load_with_transformers_logits(name, tmp_path):
     ids = torch.randint(0, 512, (2, 13))
     with torch.no_grad():
         assert max_rel(ours(ids).logits, hf_logits(hf, ids)) < 1e-5
+
+
+def test_bnb_4bit_multimodal_checkpoint_round_trips_as_quantise_on_load(checkpoint, tmp_path):
+    """save_bnb_4bit writes the whole multimodal checkpoint (the decoder's linears in NF4, the vision tower and
+    projector as they were, named in llm_int8_skip_modules); load_bnb_4bit reads it back as the NF4 decoder that
+    quantising on load gives, bit for bit."""
+    _, source = checkpoint
+    ours = AutoLigerForCausalLM.from_pretrained(source, dtype=torch.float32)
+    reference = copy.deepcopy(ours)
+    quantize_base_(reference)
+    save_bnb_4bit(ours, tmp_path / "bnb")
+    config = json.loads((tmp_path / "bnb/config.json").read_text())
+    assert config["model_type"] == "gemma3" and config["text_config"]["hidden_size"] == 64
+    assert config["quantization_config"]["llm_int8_skip_modules"] == ["multi_modal_projector", "vision_tower",
+                                                                      "lm_head"]
+    before, saved = load_file(str(source / "model.safetensors")), load_file(str(tmp_path / "bnb/model.safetensors"))
+    assert all(torch.equal(before[k], saved[k]) for k in before if not k.startswith("language_model."))
+    assert "language_model.model.layers.0.self_attn.q_proj.weight.absmax" in saved  # the decoder in NF4
+    loaded = load_bnb_4bit(tmp_path / "bnb", dtype=torch.float32)
+    ids = text_batch()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference.eval()(ids).logits)
+
+
+def test_bnb_4bit_vision_tower_is_kept_dequantised_and_exported_dense(checkpoint, tmp_path):
+    """A checkpoint whose vision tower is in 4-bit too (as some published ones are): its linears are kept
+    dequantised beside the decoder, and the merged export is a dense multimodal checkpoint transformers loads."""
+    _, source = checkpoint
+    save_bnb_4bit(AutoLigerForCausalLM.from_pretrained(source, dtype=torch.float32), tmp_path / "bnb")
+    path = tmp_path / "bnb/model.safetensors"
+    tensors = load_file(str(path))
+    vision = "vision_tower.encoder.layers.0.self_attn.q_proj"  # as transformers 5 saves SigLIP
+    tensors.update({f"{vision}.{suffix}": t for suffix, t in bnb_tensors(tensors.pop(f"{vision}.weight")).items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    loaded = load_bnb_4bit(tmp_path / "bnb", dtype=torch.float32)
+    carried = loaded.checkpoint_wrapper.carried
+    codes, absmax, state = from_bnb_tensors(tensors, vision)
+    assert torch.equal(carried[f"{vision}.weight"], dequantize_nf4_reference(codes, absmax, tuple(state["shape"]),
+                                                                             torch.float32))
+    assert not [k for k in carried if k.startswith(f"{vision}.weight.")]
+    save_merged(loaded, tmp_path / "merged")
+    assert "quantization_config" not in json.loads((tmp_path / "merged/config.json").read_text())
+    merged = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    [exported] = [p for n, p in merged.named_parameters() if n.endswith(f"{vision}.weight")]
+    assert torch.equal(exported, carried[f"{vision}.weight"])
+    ids = text_batch()
+    with torch.no_grad():
+        assert max_rel(hf_logits(merged.eval(), ids), loaded(ids).logits) < 1e-5
+
+
+def test_medusa_stage_2_directory_is_the_whole_multimodal_checkpoint_with_heads(checkpoint, tmp_path):
+    """Medusa-2 on a multimodal base: the stage-2 directory is the multimodal checkpoint (vision tower unchanged,
+    medusa_* keys beside text_config) plus the heads, which MedusaModel and transformers both load."""
+    from liger_models.medusa import MedusaModel
+
+    hf, source = checkpoint
+    base = AutoLigerForCausalLM.from_pretrained(source, dtype=torch.float32)
+    medusa = MedusaModel.from_base(base, stage=2, num_heads=2)
+    medusa.save_pretrained(str(tmp_path / "stage2"))
+    config = json.loads((tmp_path / "stage2/config.json").read_text())
+    assert config["model_type"] == "gemma3" and config["medusa_num_heads"] == 2 and "text_config" in config
+    saved = load_file(str(tmp_path / "stage2/model.safetensors"))
+    assert set(saved) == set(load_file(str(source / "model.safetensors")))
+    again = MedusaModel.from_pretrained(str(tmp_path / "stage2"), dtype=torch.float32)
+    assert again.base.checkpoint_wrapper is not None and again.stage == 2
+    assert all(torch.equal(a, b) for a, b in zip(again.heads.state_dict().values(), medusa.heads.state_dict().values()))
+    reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "stage2", dtype=torch.float32)
+    ids = text_batch()
+    with torch.no_grad():
+        assert max_rel(hf_logits(reloaded.eval(), ids), hf_logits(hf, ids)) == 0
