@@ -9,7 +9,9 @@ vLLM is no test dependency (module docstring of vllm_lora_loader.py), so this ru
 ``save_pretrained`` (HF's format), puts LoRA r=8 on every linear of the decoder (and, for the mixture-of-experts
 families, on the expert stacks as PEFT's ``target_parameters``) with random A and B, writes the adapter with
 ``save_adapter``, and records this project's fp32 logits for one 24-token prompt with the adapter (unmerged, as
-training computes them) and without it.
+training computes them) and without it. ``gemma3_multimodal`` is Gemma 3 as its 4B-27B checkpoints are: a
+Gemma3ForConditionalGeneration (built by transformers, a one-layer SigLIP tower) loaded here as its text decoder,
+saved back whole, and served by vLLM as the multimodal model with text-only prompts.
 
 ``check`` starts vLLM's engine on each base checkpoint (fp32, eager) with LoRA enabled, asks for the prompt's
 log-probabilities over the whole vocabulary with the adapter (vLLM's own loader and LoRA layers) and without it, and
@@ -27,12 +29,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_lora_loader import FAMILIES, model_of
+from vllm_lora_loader import FAMILIES as LOADER_FAMILIES
+from vllm_lora_loader import model_of
+
+MULTIMODAL = "gemma3_multimodal"
+FAMILIES = [*LOADER_FAMILIES, MULTIMODAL]
 
 # Sizes every family's config takes; head_dim 64 is one vLLM's CPU attention kernels are built for.
 SIZES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
              vocab_size=256)
 PROMPT_TOKENS = 24
+IMAGE_TOKENS = 3  # the multimodal base's begin-of-image, end-of-image and image ids: the last ids, never prompted
 RANK = 8
 # Both fp32 forwards are judged against this project's float64 forward of the same weights: vLLM's error must be no
 # larger than FP32_FACTOR times this project's own fp32 error (two fp32 computations in other summation orders; the
@@ -56,9 +63,9 @@ def save(root: Path, families: list[str] = FAMILIES) -> None:
         sizes = dict(SIZES)
         if family in ("mixtral", "qwen3_moe"):
             sizes.update(intermediate_size=128, **({"moe_intermediate_size": 128} if family == "qwen3_moe" else {}))
-        model = model_of(family, **sizes)
+        model = _multimodal(root / family / "hf") if family == MULTIMODAL else model_of(family, **sizes)
         model.save_pretrained(root / family / "base")
-        ids = torch.randint(3, SIZES["vocab_size"], (1, PROMPT_TOKENS))
+        ids = torch.randint(3, SIZES["vocab_size"] - IMAGE_TOKENS, (1, PROMPT_TOKENS))
         with torch.no_grad():
             base = model(ids).logits.float()
             base_exact = copy.deepcopy(model).double()(ids).logits
@@ -77,6 +84,30 @@ def save(root: Path, families: list[str] = FAMILIES) -> None:
                        adapted_exact=adapted_exact.contiguous(), base_exact=base_exact.contiguous()),
                   str(root / family / "expected.safetensors"))
     print(f"{len(families)} families in {root}")
+
+
+def _multimodal(directory: Path):
+    """This project's model of a random Gemma3ForConditionalGeneration checkpoint at SIZES (two text layers, one
+    sliding and one full; a one-layer SigLIP tower), as transformers writes it into ``directory``."""
+    import torch
+    import transformers
+
+    from liger_models import AutoLigerForCausalLM
+
+    text = transformers.Gemma3TextConfig(**{k: v for k, v in SIZES.items()}, num_hidden_layers=2, sliding_window=8,
+                                         query_pre_attn_scalar=64, layer_types=["sliding_attention", "full_attention"])
+    vision = transformers.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    vocab = SIZES["vocab_size"]
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                       boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1)
+    hf = transformers.Gemma3ForConditionalGeneration(config).float()
+    with torch.no_grad():  # norms start at 0 in (1 + w): perturbed, so that their weights count
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(directory)
+    return AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
 
 
 def _logprobs(output, vocab: int):
@@ -106,10 +137,13 @@ def check_one(directory: Path) -> dict:
     # the experts' stacked adapters are PEFT's 3-D target_parameters layout, which vLLM must be told of, at the engine
     # and at the request
     stacked = bool(config.get("target_parameters"))
+    # a multimodal base is served text-only: no image per prompt, so vLLM profiles no image input
+    multimodal = json.loads((directory / "base" / "config.json").read_text()).get("model_type") == "gemma3"
     # gpu_memory_utilization is the share of host memory vLLM's CPU backend reserves for its KV cache
     llm = LLM(model=str(directory / "base"), dtype="float32", enable_lora=True, max_lora_rank=rank, max_loras=1,
               skip_tokenizer_init=True, max_logprobs=vocab, max_model_len=64, enforce_eager=True, seed=0,
-              gpu_memory_utilization=0.12, **({"enable_mixed_moe_lora_format": True} if stacked else {}))
+              gpu_memory_utilization=0.12, **({"enable_mixed_moe_lora_format": True} if stacked else {}),
+              **({"limit_mm_per_prompt": {"image": 0}} if multimodal else {}))
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab, logprobs=vocab, detokenize=False)
     prompt = TokensPrompt(prompt_token_ids=expected["ids"][0].tolist())
     request = LoRARequest("adapter", 1, str(directory / "adapter"), is_3d_lora_weight=stacked)

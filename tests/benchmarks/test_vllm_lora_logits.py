@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "too
 import vllm_lora_logits  # noqa: E402
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "gemma3_multimodal"])
 def test_recorded_logits_are_transformers_and_peft_s(family, tmp_path):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
