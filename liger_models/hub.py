@@ -205,11 +205,12 @@ def _tied_head_routes(config, headers: dict[str, _Header]) -> dict[str, str | No
 
 def _check_headers(headers: dict[str, _Header], expected: dict[str, torch.Tensor],
                    routes: dict[str, str | None]) -> None:
-    """Raise naming every missing, mis-shaped or unexpected tensor before any data is read."""
+    """Raise naming every missing, mis-shaped or unexpected tensor before any data is read (a checkpoint's tensors
+    by the names its files give them)."""
     seen, unexpected, misshaped = set(), [], []
-    for stored, header in headers.items():
-        name = routes.get(stored, stored)
-        if _SKIPPED.match(stored) or name is None:
+    for key, header in headers.items():
+        name, stored = routes.get(key, key), header.stored or key
+        if _SKIPPED.match(key) or name is None:
             continue
         if name not in expected:
             unexpected.append(stored)

@@ -319,3 +319,12 @@ def test_medusa_stage_2_directory_is_the_whole_multimodal_checkpoint_with_heads(
     ids = text_batch()
     with torch.no_grad():
         assert max_rel(hf_logits(reloaded.eval(), ids), hf_logits(hf, ids)) == 0
+
+
+def test_a_mismatched_decoder_tensor_is_named_as_the_file_names_it(checkpoint, tmp_path):
+    _, source = checkpoint
+    config = json.loads((source / "config.json").read_text())
+    config["text_config"]["intermediate_size"] = 128  # the file's MLP weights are 96 wide
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"language_model\.model\.layers\.0\.mlp\.down_proj\.weight: checkpoint"):
+        AutoLigerForCausalLM.from_pretrained(source)
