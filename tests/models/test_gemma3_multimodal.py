@@ -328,3 +328,28 @@ def test_a_mismatched_decoder_tensor_is_named_as_the_file_names_it(checkpoint, t
     (source / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"language_model\.model\.layers\.0\.mlp\.down_proj\.weight: checkpoint"):
         AutoLigerForCausalLM.from_pretrained(source)
+
+
+@pytest.mark.gpu
+def test_on_cuda_loads_trains_and_saves_back_whole(checkpoint, tmp_path):
+    """On the GPU (the Triton kernels in fp32): logits and loss as transformers' multimodal model's on CUDA, one
+    training step, and a save from the CUDA model that keeps the vision tower byte-equal."""
+    hf, source = checkpoint
+    hf = hf.cuda()
+    ours = AutoLigerForCausalLM.from_pretrained(source, dtype=torch.float32, device="cuda")
+    assert all(t.device.type == "cpu" for t in ours.checkpoint_wrapper.carried.values())  # host memory only
+    ids = text_batch().cuda()
+    with torch.no_grad():
+        assert max_rel(ours(ids).logits, hf_logits(hf, ids)) < 1e-4
+        loss, hf_loss = ours(ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss
+    assert abs(loss.item() - hf_loss.item()) <= 1e-4 * abs(hf_loss.item())
+    ours.train()
+    ours(ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.sub_(1e-2 * p.grad)
+    ours.save_pretrained(tmp_path / "out")
+    before, after = load_file(str(source / "model.safetensors")), load_file(str(tmp_path / "out/model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith("language_model."))
+    assert not torch.equal(before["language_model.model.layers.0.self_attn.q_proj.weight"],
+                           after["language_model.model.layers.0.self_attn.q_proj.weight"])
