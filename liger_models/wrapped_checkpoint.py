@@ -1,8 +1,9 @@
 """The text decoder inside a multimodal checkpoint, loaded as a causal LM and saved back whole.
 
 Gemma 3's 4B, 12B and 27B repos (config.json ``model_type: gemma3``, Gemma3ForConditionalGeneration) hold a Gemma 3
-text decoder (``text_config``) beside a SigLIP vision tower and a projector. Loading one gives the family's own text
-model (``gemma3_text``); every tensor that is not the decoder's is kept, unchanged, in host memory, and
+text decoder (``text_config``) beside a SigLIP vision tower and a projector; Mistral Small 3.1 / 3.2's (``mistral3``,
+Mistral3ForConditionalGeneration) a Mistral decoder beside a Pixtral tower. Loading one gives the family's own text
+model (``gemma3_text``, ``mistral``); every tensor that is not the decoder's is kept, unchanged, in host memory, and
 ``save_pretrained`` / a merged LoRA export write the whole multimodal checkpoint back: the decoder under the names
 it was read from, the other tensors as read, config.json as read with its ``text_config`` (and dtype) updated. So
 transformers, vLLM and TGI load the result as the model the user started from, with the trained decoder. Training
@@ -33,7 +34,11 @@ MODULE_PREFIX = "model.language_model."
 OTHER_PARTS = ("vision_tower", "multi_modal_projector")
 NOT_DECODER = rf".*({'|'.join(OTHER_PARTS)}).*"
 # config.json keys a text_config may leave to the top level (transformers reads them there for the whole model).
-_INHERITED = ("tie_word_embeddings", "dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id")
+_INHERITED = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id")
+# Whether the head is tied is the top level's say in transformers 5, whatever text_config holds, and both multimodal
+# configs here (Gemma3Config, Mistral3Config) default it to true. A checkpoint that stores a different head is
+# loaded untied all the same (hub.py), as transformers does.
+_TIE, _TIED_BY_DEFAULT = "tie_word_embeddings", True
 
 
 @dataclass
@@ -60,12 +65,13 @@ class WrappedCheckpoint:
         return cls(copy.deepcopy(raw), found[0])
 
     def text_config(self) -> dict:
-        """text_config, with the keys it leaves to the top level (tie_word_embeddings, dtype, token ids) filled
-        from there, as transformers applies them to the decoder."""
+        """text_config, with the keys it leaves to the top level (dtype, token ids) filled from there and the
+        top level's tie_word_embeddings, as transformers applies them to the decoder."""
         text = dict(self.config["text_config"])
         for key in _INHERITED:
             if key not in text and key in self.config:
                 text[key] = self.config[key]
+        text[_TIE] = self.config.get(_TIE, _TIED_BY_DEFAULT)
         return text
 
     def internal_name(self, stored: str) -> str | None:
@@ -112,7 +118,9 @@ class WrappedCheckpoint:
         if quantization is not None:
             out["quantization_config"] = quantization
         original = self.config["text_config"]
-        text = {k: v for k, v in text.items() if k in original or k not in _INHERITED + ("architectures",)}
+        text = {k: v for k, v in text.items() if k in original or k not in _INHERITED + (_TIE, "architectures")}
+        if _TIE in original:  # the top level's decides (text_config): text_config's own stays as it was
+            text[_TIE] = original[_TIE]
         out["text_config"] = text
         for d in (out, text):
             for key in ("dtype", "torch_dtype"):

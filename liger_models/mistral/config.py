@@ -19,6 +19,8 @@ class MistralConfig(LigerConfig):
     model_type = "mistral"
     sliding_window_applies = True
     architecture = "MistralForCausalLM"
+    # Mistral Small 3.1 / 3.2 (24B): Mistral3ForConditionalGeneration, this decoder beside a Pixtral vision tower
+    wrapped_in = ("mistral3",)
 
     def __post_init__(self) -> None:
         self.attention_bias = self.mlp_bias = False

@@ -57,6 +57,25 @@ def build_gemma3_multimodal(tied: bool = True, vocab: int = 300, **text) -> tran
     return model
 
 
+def build_mistral3_multimodal(tied: bool = False, vocab: int = 300) -> transformers.PreTrainedModel:
+    """A tiny random Mistral3ForConditionalGeneration (Mistral Small 3.1's layout: a Mistral decoder whose
+    text_config says untied, beside a one-layer Pixtral tower) in fp32, norms perturbed; the last token id is the
+    image one. ``tied``: the top level's tie_word_embeddings, which is what transformers 5 applies."""
+    text = transformers.MistralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=None,
+                                      tie_word_embeddings=False)
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                              num_attention_heads=2, image_size=28, patch_size=14, head_dim=16)
+    config = transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                         image_token_index=vocab - 1, spatial_merge_size=2, tie_word_embeddings=tied)
+    model = transformers.Mistral3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
 def save_hf(model, directory: Path, max_shard_size: str | None = None, v4_style: bool = False) -> Path:
     """HF save_pretrained; v4_style rewrites config.json the way transformers 4.x wrote it (rope_scaling + type)."""
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
