@@ -28,7 +28,13 @@ def build_hf(config_cls, **overrides) -> transformers.PreTrainedModel:
     config = config_cls(**{**TINY, **overrides})
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():  # norms start at 1 (or 0 for Gemma); perturb them so norm weights are really tested
+    return perturb_norms(model)
+
+
+def perturb_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Every norm weight moved by N(0, 0.1²): they start at 1 (0 in Gemma's 1 + w), where a norm applied without its
+    weight, or with another layer's, would pass unnoticed."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
@@ -50,11 +56,7 @@ def build_gemma3_multimodal(tied: bool = True, vocab: int = 300, **text) -> tran
                                        mm_tokens_per_image=4, boi_token_index=vocab - 3,
                                        eoi_token_index=vocab - 2, image_token_index=vocab - 1, tie_word_embeddings=tied)
     model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return perturb_norms(model)
 
 
 def build_mistral3_multimodal(tied: bool = False, vocab: int = 300) -> transformers.PreTrainedModel:
@@ -69,11 +71,7 @@ def build_mistral3_multimodal(tied: bool = False, vocab: int = 300) -> transform
     config = transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
                                          image_token_index=vocab - 1, spatial_merge_size=2, tie_word_embeddings=tied)
     model = transformers.Mistral3ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return perturb_norms(model)
 
 
 def save_hf(model, directory: Path, max_shard_size: str | None = None, v4_style: bool = False) -> Path:

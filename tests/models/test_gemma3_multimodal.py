@@ -20,7 +20,7 @@ from liger_models.lora import (LoraSettings, add_lora, load_adapter, load_bnb_4b
 
 from ..lora.common import assert_as_close_as_fp32_allows
 from .parity import build_gemma3_multimodal as build_multimodal
-from .parity import float64_reference, max_rel
+from .parity import float64_reference, max_rel, perturb_norms
 
 peft = pytest.importorskip("peft")
 VOCAB = 300  # parity.build_gemma3_multimodal's; 297-299 are image tokens, never in the text batches below
@@ -235,10 +235,7 @@ def test_real_multimodal_configs_load_with_transformers_logits(name, tmp_path):
     (directory / "config.json").write_text(json.dumps(raw))
     config = transformers.AutoConfig.from_pretrained(directory)
     hf = transformers.Gemma3ForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param_name, p in hf.named_parameters():
-            if "norm" in param_name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(hf)
     hf.save_pretrained(directory)
     (directory / "config.json").write_text(json.dumps(raw))  # the file as the Hub serves it
     ours = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)

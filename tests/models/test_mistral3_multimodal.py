@@ -15,7 +15,7 @@ from liger_models import AutoLigerForCausalLM, LigerMistralForCausalLM
 from liger_models.lora import LoraSettings, add_lora, save_adapter
 
 from ..lora.common import assert_as_close_as_fp32_allows
-from .parity import build_mistral3_multimodal, float64_reference, max_rel
+from .parity import build_mistral3_multimodal, float64_reference, max_rel, perturb_norms
 from .test_gemma3_multimodal import to_module_layout
 
 peft = pytest.importorskip("peft")
@@ -94,10 +94,7 @@ def test_mistral_small_31_config_loads_with_transformers_logits(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     hf = transformers.Mistral3ForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(hf)
     hf.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     ours = AutoLigerForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)

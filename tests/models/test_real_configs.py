@@ -23,7 +23,7 @@ import transformers
 from liger_models import (AutoLigerForCausalLM, GemmaConfig, LigerGemmaForCausalLM, LigerLlamaForCausalLM,
                           LigerPhi3ForCausalLM, LlamaConfig, Phi3Config)
 
-from .parity import check_parity
+from .parity import check_parity, perturb_norms
 
 
 def _factors(start: float, stop: float, n: int = 48) -> list[float]:
@@ -252,10 +252,7 @@ def hf_checkpoint(cfg: dict, directory) -> transformers.PreTrainedModel:
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager",
                                                        dtype=torch.float32).eval()
     assert hf.dtype == torch.float32
-    with torch.no_grad():  # norms start at 1 (Gemma: 0); perturb them so their weights are really tested
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(hf)
     hf.save_pretrained(directory)
     (directory / "config.json").write_text(json.dumps(cfg))  # the file as the Hub serves it
     return hf
