@@ -99,6 +99,8 @@ def shadow_base(base: nn.Module, state: dict[str, torch.Tensor], prefix: str = "
     sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     shadow.load_state_dict(sub, strict=False, assign=True)
     shadow.tie_weights()
+    # A decoder of a multimodal checkpoint: its save (or adapter) is the whole checkpoint's, as on one process
+    shadow.checkpoint_wrapper = getattr(base, "checkpoint_wrapper", None)
     return shadow
 
 

@@ -403,3 +403,38 @@ def test_fsdp2_moe_lora_matches_one_process(family, qlora, tiny_model_dir, text_
     for key in ("experts.base_layer.lora_A.weight", "experts.lora_B.weight", "gate.lora_B.weight"):
         assert adapter[f"{layer}.{key}"].abs().max() > 0, key
     _assert_same_tensors(load_file(single.checkpoint / "adapter_model.safetensors"), adapter)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp2_on_a_multimodal_checkpoint_saves_what_one_process_saves(lora, text_file, tmp_path):
+    """A Gemma 3 4B-27B-style checkpoint (Gemma3ForConditionalGeneration): two ranks' checkpoint is the one process
+    writes, the whole multimodal checkpoint (vision tower byte-equal) or the adapter under the multimodal model's
+    names; rank 0 writes it from the gathered state, which must keep what the decoder was loaded from."""
+    from liger_models.text.bpe import save_tokenizer, train_bpe_tokenizer
+    from tests.helpers import EOS, shakespeare
+    from tests.models.parity import build_gemma3_multimodal
+
+    tokenizer = train_bpe_tokenizer(shakespeare(30_000).splitlines(), vocab_size=300, eos_token=EOS)
+    base = tmp_path / "gemma-3-mm"
+    build_gemma3_multimodal(vocab=tokenizer.get_vocab_size() + 3, eos_token_id=tokenizer.token_to_id(EOS),
+                            bos_token_id=None, pad_token_id=None).save_pretrained(base)
+    save_tokenizer(tokenizer, base, eos_token=EOS)
+
+    def args(out, batch_size):
+        return ["train", "--model", str(base), "--data", str(text_file), "--output-dir", str(out), "--seq-len", "16",
+                "--batch-size", str(batch_size), "--grad-accum", "2", "--max-steps", "2", "--lr", "1e-2",
+                "--warmup-steps", "1", "--adam-eps", ADAM_EPS, "--dtype", "fp32", "--device", "cpu", "--quiet",
+                *(["--lora-r", "4", "--lora-alpha", "8"] if lora else [])]
+
+    _torchrun(args(tmp_path / "fsdp", 2))
+    single = _one_process(args(tmp_path / "one", 4))
+    _assert_same_steps(single.history, _logged(tmp_path / "fsdp"))
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    saved = load_file(tmp_path / "fsdp" / "checkpoints" / "step_000002" / name)
+    _assert_same_tensors(load_file(single.checkpoint / name), saved)
+    if lora:
+        assert all(k.startswith("base_model.model.model.language_model.layers.") for k in saved)
+    else:
+        source = load_file(base / "model.safetensors")
+        assert saved.keys() == source.keys()
+        assert all(torch.equal(saved[k], source[k]) for k in source if not k.startswith("language_model."))
