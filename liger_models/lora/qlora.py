@@ -66,7 +66,10 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
     if dtype is None:
         dtypes = {json.loads(bytes(tensors[f"{n}.weight.{QUANT_STATE_KEY}"].tolist()))["dtype"] for n in states}
         dtype = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else torch.bfloat16
-    with torch.device(device):
+    # Every weight is overwritten below: the random init must not move the caller's random stream, from which a
+    # training run draws its adapters next (the same draws whichever way the base was loaded).
+    target = torch.device(device)
+    with torch.random.fork_rng(devices=[target.index or 0] if target.type == "cuda" else []), target:
         model = cls(config).to(dtype)
     with torch.no_grad():
         for name, lin in decoder_linears(model).items():

@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import resolve_model
 from liger_models.lora import save_adapter
 from liger_models.recipes import training as T
 from liger_models.recipes.configs import FinetuneConfig
-from liger_models.recipes.lora import attach, lora_settings
+from liger_models.recipes.lora import attach, load_base, lora_settings
 from liger_models.train.optim import decay_param_groups
 from liger_models.train.trainer import CausalLMTask
 
@@ -34,8 +33,7 @@ def train_causal_lm(config: FinetuneConfig | argparse.Namespace) -> T.RunResult:
         lora = lora_settings(config)
         # A LoRA checkpoint holds the adapters only: the base always comes from --model.
         source = model_dir if lora is not None else (resume or model_dir)
-        model = AutoLigerForCausalLM.from_pretrained(source, dtype=T.dtype_of(config, info.device),
-                                                     device=info.device)
+        model = load_base(source, T.dtype_of(config, info.device), info.device, lora)
         if lora is not None:
             attach(model, lora, config.qlora, resume)
         stream, eval_data = T.data(config, model_dir, model.config.vocab_size, info)

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from liger_models.auto import AutoLigerForCausalLM
-from liger_models.hub import resolve_model
-from liger_models.lora import add_lora, load_adapter, LoraSettings, quantize_base_, read_adapter, save_merged
+from liger_models.hub import read_config, resolve_model
+from liger_models.lora import (add_lora, load_adapter, load_bnb_4bit, LoraSettings, quantize_base_, read_adapter,
+                               save_merged)
 from liger_models.lora.attach import lora_state_dict
 from liger_models.recipes import training as T
 
@@ -25,6 +26,18 @@ def lora_settings(config):
     return LoraSettings(r=config.lora_r, alpha=alpha, dropout=config.lora_dropout, targets=targets,
                         use_rslora=config.lora_rslora, use_dora=config.lora_dora,
                         modules_to_save=_names(config.lora_modules_to_save or ""))
+
+
+def load_base(path: Path, dtype: torch.dtype | None, device, lora: LoraSettings | None):
+    """``--model``'s model. A bitsandbytes 4-bit checkpoint (what QLoRA users download) loads as it is, an NF4 base,
+    which trains through adapters only; any other checkpoint as stored."""
+    quant = read_config(path).get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "bitsandbytes" and quant.get("load_in_4bit"):
+        if lora is None:
+            raise ValueError(f"--model {path} is a bitsandbytes 4-bit checkpoint, whose NF4 weights train through "
+                             "adapters only: give --lora-r (or train the unquantized checkpoint in full)")
+        return load_bnb_4bit(path, dtype=dtype, device=device if device is not None else "cpu")
+    return AutoLigerForCausalLM.from_pretrained(path, dtype=dtype, device=device)
 
 
 def _names(text: str) -> list[str]:
@@ -62,7 +75,7 @@ def merge_lora_command(args: argparse.Namespace) -> Path:
             raise ValueError(f"--adapter {adapter}: adapter_config.json names no base model: give --model")
     model_dir = resolve_model(base)
     dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    model = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = load_base(model_dir, dtype, None, read_adapter(adapter)[0])
     if args.qlora_base:
         quantize_base_(model)
     load_adapter(model, adapter)

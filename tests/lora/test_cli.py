@@ -151,3 +151,30 @@ def test_moe_lora_trains_the_experts_resumes_and_merges(base_and_data, tmp_path,
     refused = ["train", "--model", str(moe), "--data", str(data), "--output-dir", str(tmp_path / "dropout"), *RUN]
     assert main(refused) == 2
     assert "neither dropout nor DoRA" in capsys.readouterr().err
+
+
+def test_train_on_a_bitsandbytes_4bit_checkpoint_as_it_is(base_and_data, tmp_path, capsys):
+    """What QLoRA users download: `train --model <bnb 4-bit checkpoint> --lora-r` trains adapters on its NF4 base
+    (loaded as stored: the same codes and scales), equal to `--qlora` on the checkpoint it was quantised from, and
+    `merge-lora` merges them into it; without --lora-r it is refused by name."""
+    from liger_models.lora import save_bnb_4bit
+    from liger_models.hub import copy_tokenizer_files
+
+    base, data = base_and_data
+    bnb = tmp_path / "bnb"
+    save_bnb_4bit(AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32), bnb)
+    copy_tokenizer_files(base, bnb)
+    run = [*RUN[:RUN.index("--max-steps")], "--max-steps", "2", *RUN[RUN.index("--max-steps") + 2:]]
+    assert main(["train", "--model", str(bnb), "--data", str(data), "--output-dir", str(tmp_path / "a"), *run]) == 0
+    assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(tmp_path / "b"), *run,
+                 "--qlora"]) == 0
+    step = ckpt.step_dir_name(2)
+    a = (tmp_path / "a" / "checkpoints" / step / "adapter_model.safetensors").read_bytes()
+    assert a == (tmp_path / "b" / "checkpoints" / step / "adapter_model.safetensors").read_bytes()
+    assert main(["merge-lora", "--adapter", str(tmp_path / "a" / "checkpoints" / step), "--model", str(bnb),
+                 "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "merged").to_dict().get("quantization_config") is None
+    capsys.readouterr()
+    assert main(["train", "--model", str(bnb), "--data", str(data), "--output-dir", str(tmp_path / "c"),
+                 "--max-steps", "1", "--device", "cpu", "--quiet"]) != 0
+    assert "bitsandbytes 4-bit checkpoint" in capsys.readouterr().err
