@@ -105,6 +105,12 @@ def config_model_type(raw: dict, path: str | Path) -> str:
     return raw["model_type"]
 
 
+def is_bnb_4bit(raw: dict) -> bool:
+    """Whether config.json ``raw`` says bitsandbytes 4-bit weights (``quantization_config``)."""
+    quant = raw.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "bitsandbytes" and bool(quant.get("load_in_4bit"))
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the single file, else the union of the index's shards (HF's order
     when a directory holds both)."""
@@ -176,11 +182,20 @@ def _read_tensor(headers: dict[str, _Header], name: str) -> torch.Tensor:
         return f.get_tensor(headers[name].stored or name)
 
 
+def _read_all(headers: dict[str, _Header]) -> dict[str, torch.Tensor]:
+    """Every tensor ``headers`` names, by key, each file opened once."""
+    tensors = {}
+    for file in dict.fromkeys(h.file for h in headers.values()):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            tensors.update({key: f.get_tensor(h.stored or key) for key, h in headers.items() if h.file == file})
+    return tensors
+
+
 def _unwrap(wrapper: WrappedCheckpoint, headers: dict[str, _Header]) -> dict[str, _Header]:
     """The decoder's headers under its own names (each remembering its stored one); every other tensor of the
     checkpoint is read into ``wrapper.carried`` as stored."""
     decoder, carried = wrapper.split({stored: header._replace(stored=stored) for stored, header in headers.items()})
-    wrapper.carried.update({stored: _read_tensor(carried, stored) for stored in carried})
+    wrapper.carried.update(_read_all(carried))
     return decoder
 
 
@@ -297,7 +312,7 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
         quant = raw.get("quantization_config")
         if quant:
             method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else quant
-            if method == "bitsandbytes" and quant.get("load_in_4bit"):
+            if is_bnb_4bit(raw):
                 raise ValueError(f"{str(path)!r} holds a quantized checkpoint (quantization_config: bitsandbytes "
                                  f"4-bit): load it with liger_models.lora.load_bnb_4bit(path) (an NF4 base for "
                                  f"QLoRA), or load the unquantized weights ({e})") from e

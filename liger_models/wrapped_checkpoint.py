@@ -11,8 +11,8 @@ here is text-only: images take no part, so the vision tower and projector are ne
 
 Two layouts of the decoder's names, both read by transformers v5:
 - what transformers' own ``save_pretrained`` writes and the Hub's repos hold: ``language_model.model.<name>`` and,
-  untied, ``language_model.lm_head.weight``;
-- v5's module names: ``model.language_model.<name>`` and ``lm_head.weight``.
+  untied, ``language_model.lm_head.<name>``;
+- v5's module names: ``model.language_model.<name>`` and ``lm_head.<name>``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-# (decoder prefix, head name) per layout; the decoder's own names are "model.<name>" and "lm_head.weight".
+# (the decoder's prefix, the head module) per layout; the decoder's own names are "model.<name>" and "lm_head[.<name>]".
 LAYOUTS = {
-    "saved": ("language_model.model.", "language_model.lm_head.weight"),
-    "modules": ("model.language_model.", "lm_head.weight"),
+    "saved": ("language_model.model.", "language_model.lm_head"),
+    "modules": ("model.language_model.", "lm_head"),
 }
 # What the decoder's modules are called inside transformers' multimodal model (PEFT names adapter tensors after the
 # live modules, so adapters for that model use these names), and a PEFT exclude_modules pattern that keeps adapters
@@ -76,10 +76,7 @@ class WrappedCheckpoint:
 
     def internal_name(self, stored: str) -> str | None:
         """The decoder's name ("model.…", "lm_head.weight") of a stored tensor; None for the others (carried)."""
-        prefix, head = LAYOUTS[self.layout]
-        if stored.startswith(prefix):
-            return "model." + stored[len(prefix):]
-        return "lm_head.weight" if stored == head else None
+        return _from_layout(stored, self.layout)
 
     def split(self, stored: dict) -> tuple[dict, dict]:
         """(the decoder's entries under its own names, every other entry under its stored name) of a mapping from
@@ -95,10 +92,10 @@ class WrappedCheckpoint:
 
     def stored_name(self, name: str) -> str:
         prefix, head = LAYOUTS[self.layout]
-        if name == "lm_head.weight":
-            return head
+        if name.startswith("lm_head."):
+            return head + name[len("lm_head"):]
         if not name.startswith("model."):
-            raise ValueError(f"{name!r} is not a decoder tensor name (model.* or lm_head.weight)")
+            raise ValueError(f"{name!r} is not a decoder tensor name (model.* or lm_head.*)")
         return prefix + name[len("model."):]
 
     def stored_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -142,9 +139,14 @@ def decoder_name(name: str) -> str:
     if set(name.split(".")) & set(OTHER_PARTS):
         raise ValueError(f"{name!r} is in the vision tower or projector of a multimodal model: only its text "
                          "decoder is loaded and trained here")
-    for prefix, head in LAYOUTS.values():
-        if name.startswith(prefix):
-            return "model." + name[len(prefix):]
-        if name.startswith(head.removesuffix(".weight")):
-            return "lm_head" + name[len(head.removesuffix(".weight")):]
-    return name
+    return next((found for layout in LAYOUTS if (found := _from_layout(name, layout)) is not None), name)
+
+
+def _from_layout(name: str, layout: str) -> str | None:
+    """The decoder's own name of a module or tensor ``name`` in ``layout``; None for a name outside the decoder."""
+    prefix, head = LAYOUTS[layout]
+    if name.startswith(prefix):
+        return "model." + name[len(prefix):]
+    if name == head or name.startswith(head + "."):
+        return "lm_head" + name[len(head):]
+    return None

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from liger_models import atomic
 from liger_models.auto import WRAPPED, model_class
-from liger_models.hub import checkpoint_files, config_model_type, read_config, resolve_dir
+from liger_models.hub import checkpoint_files, config_model_type, is_bnb_4bit, read_config, resolve_dir
 from liger_models.kernels.ops.nf4 import (QUANT_STATE_KEY, bnb_tensors, bnb_tensors_of, dequantize_nf4_reference,
                                           from_bnb_tensors)
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
@@ -46,9 +46,9 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
     the rest loads as usual in ``dtype`` (default: the quant state's compute dtype)."""
     path = resolve_dir(path)
     raw = read_config(path)
-    quant = raw.get("quantization_config")
-    if not isinstance(quant, dict) or quant.get("quant_method") != "bitsandbytes" or not quant.get("load_in_4bit"):
+    if not is_bnb_4bit(raw):
         raise ValueError(f"{str(path)!r}: config.json has no bitsandbytes 4-bit quantization_config")
+    quant = raw["quantization_config"]
     if quant.get("bnb_4bit_quant_type", "fp4") != "nf4":
         raise ValueError(f"{str(path)!r}: bnb_4bit_quant_type {quant.get('bnb_4bit_quant_type', 'fp4')!r} is not "
                          "supported (only nf4)")
@@ -150,9 +150,10 @@ def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> No
     # Each file whole under a temporary name, then renamed into place (liger_models.atomic): a save killed midway
     # leaves the previous file.
     atomic.write_file(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    dtype_name = str(model.dtype).removeprefix("torch.")
     quantization = {
         "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": double_quant, "bnb_4bit_compute_dtype": str(model.dtype).removeprefix("torch."),
+        "bnb_4bit_use_double_quant": double_quant, "bnb_4bit_compute_dtype": dtype_name,
         "bnb_4bit_quant_storage": "uint8", "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0,
         "llm_int8_has_fp16_weight": False, "llm_int8_enable_fp32_cpu_offload": False}
     if wrapper is None:
@@ -160,5 +161,5 @@ def save_bnb_4bit(model, directory: str | Path, double_quant: bool = True) -> No
     else:  # transformers would quantise the vision tower's linears on load unless named here
         parts = {part for key in wrapper.carried for part in key.split(".") if part in OTHER_PARTS}
         quantization["llm_int8_skip_modules"] = sorted(parts) + ["lm_head"]
-        config = wrapper.config_json(model.config.to_hf(), str(model.dtype).removeprefix("torch."), quantization)
+        config = wrapper.config_json(model.config.to_hf(), dtype_name, quantization)
     atomic.write_text(directory / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")

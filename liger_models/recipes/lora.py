@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from liger_models.auto import AutoLigerForCausalLM
-from liger_models.hub import read_config, resolve_model
+from liger_models.hub import is_bnb_4bit, read_config, resolve_model
 from liger_models.lora import (add_lora, load_adapter, load_bnb_4bit, LoraSettings, quantize_base_, read_adapter,
                                save_merged)
 from liger_models.lora.attach import lora_state_dict
@@ -31,8 +31,7 @@ def lora_settings(config):
 def load_base(path: Path, dtype: torch.dtype | None, device, lora: LoraSettings | None):
     """``--model``'s model. A bitsandbytes 4-bit checkpoint (what QLoRA users download) loads as it is, an NF4 base,
     which trains through adapters only; any other checkpoint as stored."""
-    quant = read_config(path).get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "bitsandbytes" and quant.get("load_in_4bit"):
+    if is_bnb_4bit(read_config(path)):
         if lora is None:
             raise ValueError(f"--model {path} is a bitsandbytes 4-bit checkpoint, whose NF4 weights train through "
                              "adapters only: give --lora-r (or train the unquantized checkpoint in full)")

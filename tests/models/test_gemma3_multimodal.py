@@ -36,6 +36,15 @@ def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def saved_and_loaded(hf, source, layout: str):
+    """``hf`` saved into ``source`` in ``layout`` ("saved": as transformers writes it; "modules": v5's module names),
+    and this project's model of that checkpoint, in fp32."""
+    hf.save_pretrained(source)
+    if layout == "modules":
+        to_module_layout(source)
+    return AutoLigerForCausalLM.from_pretrained(source, dtype=torch.float32)
+
+
 def to_module_layout(directory) -> None:
     """Rewrite a saved checkpoint under transformers v5's module names (model.language_model.*, model.vision_tower.*,
     lm_head.weight), the other layout transformers reads."""
@@ -68,10 +77,7 @@ def test_model_class_of_the_multimodal_type_is_the_text_family():
 def test_loads_as_its_decoder_with_transformers_logits_and_saves_back_whole(tmp_path, layout, tied):
     hf = build_multimodal(tied)
     source = tmp_path / "mm"
-    hf.save_pretrained(source)
-    if layout == "modules":
-        to_module_layout(source)
-    ours = AutoLigerForCausalLM.from_pretrained(source, dtype=torch.float32)
+    ours = saved_and_loaded(hf, source, layout)
     assert type(ours) is LigerGemma3ForCausalLM and ours.checkpoint_wrapper.layout == layout
     assert ours.config.tie_word_embeddings is tied and ours.config.vocab_size == VOCAB
     ids = text_batch()

@@ -16,7 +16,7 @@ from liger_models.lora import LoraSettings, add_lora, save_adapter
 
 from ..lora.common import assert_as_close_as_fp32_allows
 from .parity import build_mistral3_multimodal, float64_reference, max_rel, perturb_norms
-from .test_gemma3_multimodal import to_module_layout
+from .test_gemma3_multimodal import saved_and_loaded
 
 peft = pytest.importorskip("peft")
 
@@ -30,10 +30,7 @@ def text_batch() -> torch.Tensor:
 def test_loads_as_its_decoder_with_transformers_logits_and_saves_back_whole(tmp_path, layout, tied):
     hf = build_mistral3_multimodal(tied)
     source = tmp_path / "mm"
-    hf.save_pretrained(source)
-    if layout == "modules":
-        to_module_layout(source)
-    ours = AutoLigerForCausalLM.from_pretrained(source, dtype=torch.float32)
+    ours = saved_and_loaded(hf, source, layout)
     assert type(ours) is LigerMistralForCausalLM and ours.checkpoint_wrapper.layout == layout
     assert (hf.lm_head.weight is hf.model.language_model.embed_tokens.weight) is tied  # the top level decides
     assert ours.config.tie_word_embeddings is tied and ours.config.sliding_window is None
