@@ -285,12 +285,12 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
                          f"{model_type!r} (use AutoLigerForCausalLM)")
     files = checkpoint_files(path)
     headers = _read_headers(files)
-    wrapper = None
+    wrapper, decoder_config = None, raw
     if model_type != expected_type:  # a multimodal checkpoint: its text_config is this family's decoder
         wrapper = WrappedCheckpoint.of(raw, headers, path)
-        raw = wrapper.text_config()
+        decoder_config = wrapper.text_config()
     try:
-        config = cls.config_class.from_hf(raw)
+        config = cls.config_class.from_hf(decoder_config)
     except (ValueError, TypeError) as e:  # a value of the wrong type or range: say which file holds it
         raise ValueError(f"{str(path / 'config.json')!r}: {e}") from e
     config.extra["_name_or_path"] = str(path)  # not written back (to_hf leaves out "_" keys)

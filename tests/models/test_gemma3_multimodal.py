@@ -356,3 +356,11 @@ def test_on_cuda_loads_trains_and_saves_back_whole(checkpoint, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith("language_model."))
     assert not torch.equal(before["language_model.model.layers.0.self_attn.q_proj.weight"],
                            after["language_model.model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_a_bnb_4bit_multimodal_checkpoint_given_to_from_pretrained_names_its_loader(checkpoint, tmp_path):
+    # quantization_config sits at the top level, beside text_config: the error still finds it
+    _, source = checkpoint
+    save_bnb_4bit(AutoLigerForCausalLM.from_pretrained(source, dtype=torch.float32), tmp_path / "bnb")
+    with pytest.raises(ValueError, match="bitsandbytes 4-bit.*load_bnb_4bit"):
+        AutoLigerForCausalLM.from_pretrained(tmp_path / "bnb")
