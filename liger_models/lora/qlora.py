@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from liger_models import atomic
-from liger_models.auto import WRAPPED, model_class
-from liger_models.hub import checkpoint_files, config_model_type, is_bnb_4bit, read_config, resolve_dir
+from liger_models.auto import WRAPPED, AutoLigerForCausalLM, model_class
+from liger_models.hub import (checkpoint_files, config_model_type, is_bnb_4bit, parse_dtype, read_config,
+                              resolve_dir)
 from liger_models.kernels.ops.nf4 import (QUANT_STATE_KEY, bnb_tensors, bnb_tensors_of, dequantize_nf4_reference,
                                           from_bnb_tensors)
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
@@ -96,6 +97,17 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
     model.pack_()
     model.checkpoint_wrapper = wrapper
     return model.eval()
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype | str | None = None,
+                   device: str | torch.device | int | None = None):
+    """The causal LM stored at ``path`` as it is stored: a bitsandbytes 4-bit checkpoint as its NF4 base
+    (``load_bnb_4bit``: it decodes, trains Medusa heads on top, and trains through adapters), any other through
+    ``AutoLigerForCausalLM.from_pretrained``. What the commands that read ``--model`` load."""
+    path = resolve_dir(path)
+    if is_bnb_4bit(read_config(path)):
+        return load_bnb_4bit(path, dtype=parse_dtype(dtype), device="cpu" if device is None else device)
+    return AutoLigerForCausalLM.from_pretrained(path, dtype=dtype, device=device)
 
 
 def _dense(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

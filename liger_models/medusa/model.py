@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from liger_models.auto import AutoLigerForCausalLM
-from liger_models.hub import parse_dtype
-from liger_models.lora import load_adapter, lora_modules, lora_state_dict, read_adapter, save_adapter
+from liger_models.hub import parse_dtype, snapshot
+from liger_models.lora import load_adapter, load_causal_lm, lora_modules, lora_state_dict, read_adapter, save_adapter
 from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa.calibrate import load_medusa_choices
 from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, load_heads, read_json, save_heads
@@ -231,7 +230,6 @@ def _check_same_adapter(base: nn.Module, directory: str) -> None:
 def _load_base(name_or_path: str, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Module:
     if not name_or_path:
         raise ValueError("the Medusa config has no base_model_name_or_path: pass base=")
-
-    if os.path.isdir(name_or_path):
-        return AutoLigerForCausalLM.from_pretrained(name_or_path, dtype=dtype, device=device)
-    return AutoLigerForCausalLM.from_hub(name_or_path, dtype=dtype, device=device)
+    # As stored: heads trained on a bitsandbytes 4-bit checkpoint decode on its NF4 base.
+    path = name_or_path if os.path.isdir(name_or_path) else snapshot(name_or_path)
+    return load_causal_lm(path, dtype=dtype, device=device)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from liger_models.auto import AutoLigerForCausalLM
+from liger_models.lora import load_causal_lm
 from liger_models.hub import load_tokenizer, resolve_model
 from liger_models.input_files import read_text
 from liger_models.medusa import MedusaModel
@@ -123,7 +123,7 @@ def locate(model: str | None, medusa: str | None) -> Sources:
 
 def load_models(sources: Sources, dtype: torch.dtype | None, device: torch.device, *, load_tree: bool = True):
     """(base model, MedusaModel or None), in eval mode; ``load_tree``: the heads' calibrated tree too."""
-    base = AutoLigerForCausalLM.from_pretrained(sources.model_dir, dtype=dtype, device=device).eval()
+    base = load_causal_lm(sources.model_dir, dtype=dtype, device=device).eval()
     if sources.medusa_dir is None:
         return base, None
     return base, MedusaModel.from_pretrained(str(sources.medusa_dir), base=base, load_tree=load_tree).eval()

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch
 
-from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import is_bnb_4bit, read_config, resolve_model
-from liger_models.lora import (add_lora, load_adapter, load_bnb_4bit, LoraSettings, quantize_base_, read_adapter,
+from liger_models.lora import (add_lora, load_adapter, load_causal_lm, LoraSettings, quantize_base_, read_adapter,
                                save_merged)
 from liger_models.lora.attach import lora_state_dict
 from liger_models.recipes import training as T
@@ -28,15 +27,15 @@ def lora_settings(config):
                         modules_to_save=_names(config.lora_modules_to_save or ""))
 
 
-def load_base(path: Path, dtype: torch.dtype | None, device, lora: LoraSettings | None):
-    """``--model``'s model. A bitsandbytes 4-bit checkpoint (what QLoRA users download) loads as it is, an NF4 base,
-    which trains through adapters only; any other checkpoint as stored."""
-    if is_bnb_4bit(read_config(path)):
-        if lora is None:
-            raise ValueError(f"--model {path} is a bitsandbytes 4-bit checkpoint, whose NF4 weights train through "
-                             "adapters only: give --lora-r (or train the unquantized checkpoint in full)")
-        return load_bnb_4bit(path, dtype=dtype, device=device if device is not None else "cpu")
-    return AutoLigerForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+def load_base(path: Path, dtype: torch.dtype | None, device, lora: LoraSettings | None, *,
+              trains_base: bool = True):
+    """``--model``'s model as stored (``load_causal_lm``). A bitsandbytes 4-bit checkpoint (what QLoRA users
+    download) is an NF4 base, which trains through adapters only: a run that trains the base (``trains_base``: not
+    Medusa's stage 1) without ``lora`` is refused by name."""
+    if trains_base and lora is None and is_bnb_4bit(read_config(path)):
+        raise ValueError(f"--model {path} is a bitsandbytes 4-bit checkpoint, whose NF4 weights train through "
+                         "adapters only: give --lora-r (or train the unquantized checkpoint in full)")
+    return load_causal_lm(path, dtype=dtype, device=device)
 
 
 def _names(text: str) -> list[str]:

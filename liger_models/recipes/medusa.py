@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from liger_models.auto import AutoLigerForCausalLM
 from liger_models.hub import resolve_model
 from liger_models.medusa import MedusaHeads, MedusaModel
 from liger_models.recipes import training as T
 from liger_models.recipes.configs import MedusaTrainingConfig
-from liger_models.recipes.lora import attach, lora_settings
+from liger_models.recipes.lora import attach, load_base, lora_settings
 from liger_models.train.trainer import MedusaTask
 
 
@@ -52,7 +51,9 @@ def _medusa_model(config: MedusaTrainingConfig, model_dir: Path, dtype, device, 
     if resume is not None and config.stage == 2 and lora is None:
         medusa = MedusaModel.from_pretrained(str(resume), dtype=dtype, device=device, stage=2, load_tree=False)
         return loaded(medusa, "--resume", resume)
-    base = AutoLigerForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
+    # Stage 1 trains heads on a frozen base, so a bitsandbytes 4-bit --model serves as it is; stage 2 trains it
+    # through adapters only.
+    base = load_base(model_dir, dtype, device, lora, trains_base=config.stage == 2)
     if lora is not None:  # adapters on --model's base, as the checkpoint being resumed saved them
         attach(base, lora, config.qlora, resume)
     heads_dir = resume or config.init_heads

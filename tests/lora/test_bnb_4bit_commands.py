@@ -1,0 +1,101 @@
+"""The decoding and Medusa commands on a bitsandbytes 4-bit checkpoint as it is (what QLoRA users download): its NF4
+base decodes as the dense model holding the same dequantised weights; Medusa heads train on it in stage 1 (frozen
+base) and, through adapters, in stage 2, equal to ``--qlora`` on the checkpoint it was quantised from; the heads
+decode on it again. `train` on such a checkpoint: tests/lora/test_cli.py."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from liger_models import AutoLigerForCausalLM
+from liger_models.cli import build_parser, main
+from liger_models.hub import copy_tokenizer_files
+from liger_models.lora import load_bnb_4bit, lora_modules, save_bnb_4bit, save_merged
+from liger_models.medusa import MedusaModel
+from liger_models.modules.lora_linear import LoraLinear
+from liger_models.recipes.decoding import run_generate
+from liger_models.train import checkpointing as ckpt
+
+RUN = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--save-every", "2", "--lr", "1e-2",
+       "--warmup-steps", "1", "--device", "cpu", "--dtype", "fp32", "--quiet", "--num-heads", "2"]
+
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
+
+@pytest.fixture(scope="module")
+def bnb(base_and_data, tmp_path_factory):
+    """The tiny base written as transformers + bitsandbytes write a 4-bit model, its tokenizer beside it."""
+    base, _ = base_and_data
+    path = tmp_path_factory.mktemp("bnb") / "bnb"
+    save_bnb_4bit(AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32), path)
+    copy_tokenizer_files(base, path)
+    return path
+
+
+def _generate(argv: list[str], device: str = "cpu"):
+    return run_generate(build_parser().parse_args(["generate", *argv, "--device", device, "--dtype", "fp32",
+                                                   "--greedy", "--max-new-tokens", "12", "--prompt", "ROMEO:"]),
+                        out=io.StringIO(), log=io.StringIO())
+
+
+def _dequantised(bnb, tmp_path):
+    """The dense checkpoint of the NF4 base's dequantised weights (merged with no adapter: W = dequant(codes))."""
+    dense = tmp_path / "dequantised"
+    save_merged(load_bnb_4bit(bnb, dtype=torch.float32), dense, dtype=torch.float32)
+    copy_tokenizer_files(bnb, dense)
+    return dense
+
+
+def test_generate_decodes_on_the_nf4_base_as_the_dequantised_dense_model(bnb, tmp_path):
+    [on_nf4] = _generate(["--model", str(bnb)])
+    [on_dense] = _generate(["--model", str(_dequantised(bnb, tmp_path))])
+    assert len(on_nf4.decoded.new_ids) == 12
+    assert on_nf4.decoded.new_ids == on_dense.decoded.new_ids
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_nf4_base_decodes_in_cuda_graphs_as_the_dequantised_dense_model(bnb, tmp_path):
+    """The NF4 dequantisation kernel inside captured decode steps: the same tokens as eager steps and as the dense
+    model."""
+    [graphed] = _generate(["--model", str(bnb)], device="cuda")
+    [eager] = _generate(["--model", str(bnb), "--no-cuda-graph"], device="cuda")
+    [on_dense] = _generate(["--model", str(_dequantised(bnb, tmp_path))], device="cuda")
+    assert len(graphed.decoded.new_ids) == 12
+    assert graphed.decoded.new_ids == eager.decoded.new_ids == on_dense.decoded.new_ids
+
+
+def test_medusa_stage1_trains_heads_on_the_nf4_base_and_decodes_with_them(base_and_data, bnb, tmp_path):
+    _, data = base_and_data
+    out = tmp_path / "stage1"
+    assert main(["train-medusa", "--model", str(bnb), "--data", str(data), "--output-dir", str(out), *RUN,
+                 "--stage", "1"]) == 0
+    heads = out / "checkpoints" / ckpt.step_dir_name(2)
+    medusa = MedusaModel.from_pretrained(str(heads), dtype=torch.float32)
+    assert medusa.stage == 1
+    quantised = [m for m in medusa.base.modules() if isinstance(m, LoraLinear) and m.quant is not None]
+    assert quantised and not lora_modules(medusa.base)  # the base named by the heads, loaded as stored: NF4
+    [result] = _generate(["--medusa", str(heads), "--compare"])
+    assert result.decoded.new_ids == result.plain.new_ids  # tree decoding on the NF4 base is greedy decoding
+
+
+def test_medusa_stage2_through_adapters_equals_qlora_on_the_unquantised_checkpoint(base_and_data, bnb, tmp_path,
+                                                                                  capsys):
+    base, data = base_and_data
+    stage2 = [*RUN, "--stage", "2", "--lora-r", "4", "--lora-alpha", "8"]
+    assert main(["train-medusa", "--model", str(bnb), "--data", str(data), "--output-dir", str(tmp_path / "a"),
+                 *stage2]) == 0
+    assert main(["train-medusa", "--model", str(base), "--data", str(data), "--output-dir", str(tmp_path / "b"),
+                 *stage2, "--qlora"]) == 0
+    step = ckpt.step_dir_name(2)
+    for name in ("adapter_model.safetensors", "medusa_lm_head.safetensors"):
+        a = (tmp_path / "a" / "checkpoints" / step / name).read_bytes()
+        assert a == (tmp_path / "b" / "checkpoints" / step / name).read_bytes(), name
+    [result] = _generate(["--medusa", str(tmp_path / "a" / "checkpoints" / step), "--compare"])
+    assert result.decoded.new_ids == result.plain.new_ids
+    capsys.readouterr()
+    assert main(["train-medusa", "--model", str(bnb), "--data", str(data), "--output-dir", str(tmp_path / "c"),
+                 *RUN, "--stage", "2"]) != 0
+    assert "bitsandbytes 4-bit checkpoint" in capsys.readouterr().err
