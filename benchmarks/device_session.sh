@@ -11,6 +11,7 @@
 #   bash benchmarks/device_session.sh lora-moe          # LoRA on experts + routers, ours vs HF + PEFT (MoE widths)
 #   bash benchmarks/device_session.sh lora-grid-ckpt    # LoRA grid, checkpointed half (lora-grid-nockpt: the other)
 #   bash benchmarks/device_session.sh nf4               # NF4 dequantisation: Triton vs reference vs bitsandbytes
+#   bash benchmarks/device_session.sh nf4-decode        # NF4 products of a few rows, and decoding on an NF4 base
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
 set -o pipefail
@@ -163,6 +164,9 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
         --checkpointing on --providers ours,ours_dora,hf_peft_dora ;;
     nf4)  # NF4 dequantisation: the Triton kernel vs the PyTorch reference and bitsandbytes (carry .whl)
       (cd benchmarks && python3 bench_nf4.py --out "$OUT") ;;
+    nf4-decode)  # decoding on an NF4 base: nf4_matmul vs dequantise + GEMM vs bf16 vs bitsandbytes (carry .whl), then
+                 # batch-1 greedy decoding of Llama-3.1-8B shapes: ours bf16 / NF4 both ways, HF + bitsandbytes 4-bit
+      python3 benchmarks/bench_nf4_decode.py --out "$OUT/nf4_decode" ;;
     lora-moe)  # LoRA on the experts and routers: Qwen3-30B-A3B (4 layers) and Mixtral-8x7B (2 layers) widths
       python3 benchmarks/bench_lora.py --out "$OUT/lora_moe" --configs qwen3-30b-a3b-w4l,mixtral-8x7b-w2l \
         --checkpointing off --batch 4 --seq 2048 --providers "${LORA_PROVIDERS:-ours,ours_qlora,hf_peft,hf_peft_bnb}" ;;

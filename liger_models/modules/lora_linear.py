@@ -4,7 +4,8 @@
 ``bias`` Parameters (so packed q|k|v and gate|up buffers stay packed); its adapter is ``lora_A`` [r, in] and
 ``lora_B`` [out, r] (PEFT's shapes and key names), y = W·x + b + s·B·A·drop(x), s = alpha/r (alpha/√r rsLoRA).
 With ``quant`` set the base is NF4 (kernels/ops/nf4.py) and ``weight`` is None; the weight is dequantised per call, in
-forward and again in backward, and never saved.
+forward and again in backward, and never saved, except in a forward of a few rows (a decoding step), where each NF4
+sibling multiplies with its codes decoded inside the K-loop (kernels/ops/nf4_matmul.py) into its rows of the output.
 
 What is fused, for a group of sibling linears (q|k|v, gate|up, or one linear):
   * the base stays one GEMM over the stacked (aliasing, when packed) weights;
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from liger_models.kernels.ops.nf4 import dequantize_nf4
+from liger_models.kernels.ops.nf4_matmul import nf4_matmul, rows_fit
 
 from .linear import _stacked, is_plain_linear, register_group_path
 
@@ -315,14 +317,38 @@ class Group:
         return _stacked([lin.bias for lin in self.linears]) if self.has_bias else None
 
 
+def few_rows_on_nf4(x2: torch.Tensor, group: Group) -> bool:
+    """The group holds NF4 bases and x2 is a decoding step's few rows, which kernels/ops/nf4_matmul.py multiplies
+    decoding the codes in its K-loop (0.5 byte read a weight, where dequantising and stacking moves 4.5-8.5)."""
+    quants = [lin.quant for lin in group.linears if isinstance(lin, LoraLinear) and lin.quant is not None]
+    return bool(quants) and all(rows_fit(x2, q.codes, q.shape) for q in quants)
+
+
+def nf4_rows_product(x2: torch.Tensor, group: Group, out2d: torch.Tensor) -> None:
+    """out2d := x2·Wᵀ + b, each sibling into its rows: NF4 ones by nf4_matmul, dense ones by one GEMM each."""
+    for lin, (lo, hi) in zip(group.linears, group.rows):
+        rows = out2d[:, lo:hi]
+        quant = lin.quant if isinstance(lin, LoraLinear) else None
+        if quant is not None:
+            nf4_matmul(x2, quant.codes, quant.absmax, quant.shape, bias=lin.bias, out=rows)
+        elif lin.bias is None:
+            rows.copy_(x2 @ lin.weight.t())
+        else:
+            rows.copy_(torch.addmm(lin.bias, x2, lin.weight.t()))
+
+
 def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out2d: torch.Tensor):
     """out2d := x2·Wᵀ + b + Σ s_i·(drop_i(x2)·A_iᵀ)·B_iᵀ into each adapter's rows, then each DoRA adapter's rows
     := b + (m / n) ⊙ (out − b); returns (xa, masks, DoRA norms n)."""
-    w, b = group.weight(x2.dtype), group.bias()
-    if b is None:
-        torch.mm(x2, w.t(), out=out2d)
+    if not group.dora and few_rows_on_nf4(x2, group):
+        w, b = None, None
+        nf4_rows_product(x2, group, out2d)
     else:
-        torch.addmm(b, x2, w.t(), out=out2d)
+        w, b = group.weight(x2.dtype), group.bias()
+        if b is None:
+            torch.mm(x2, w.t(), out=out2d)
+        else:
+            torch.addmm(b, x2, w.t(), out=out2d)
     k = len(group.adapted)
     if not k:
         return None, [], []

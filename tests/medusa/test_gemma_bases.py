@@ -17,4 +17,5 @@ def test_medusa_greedy_equals_plain_greedy(family, monkeypatch):
     medusa = MedusaModel.from_base(base, num_heads=2)
     ids = torch.randint(3, 128, (1, 7))
     plain = base.generate(ids, max_new_tokens=12, eos_token_id=[], do_sample=False)
-    assert torch.equal(medusa.generate(ids, max_new_tokens=12)[:, : plain.shape[1]], plain)
+    # Neither stops at the config's EOS: a random base emits it now and then, which would end one of them early.
+    assert torch.equal(medusa.generate(ids, max_new_tokens=12, eos_token_id=[]), plain)

@@ -169,7 +169,7 @@ def _dequantize_nf4_kernel(CODES, ABSMAX, TABLE, OUT, n_bytes, n_values, BLOCK_B
 
 
 @functools.lru_cache(maxsize=None)
-def _code_table(device: torch.device) -> torch.Tensor:
+def code_table(device: torch.device) -> torch.Tensor:
     """NF4_CODE on ``device``, made once: a new tensor per call would copy it from the host (a blocking copy) in
     every forward and backward of every NF4 linear."""
     return nf4_code(device)
@@ -186,7 +186,7 @@ def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, 
     if codes.numel() * 2 < n or absmax.numel() * BLOCK < n:
         raise ValueError(f"NF4 weight of shape {tuple(shape)} needs {(n + 1) // 2} code bytes and "
                          f"{-(-n // BLOCK)} block scales, got {codes.numel()} and {absmax.numel()}")
-    table = _code_table(codes.device) if code is None else code.to(device=codes.device, dtype=torch.float32)
+    table = code_table(codes.device) if code is None else code.to(device=codes.device, dtype=torch.float32)
     out = torch.empty(shape, dtype=dtype, device=codes.device)
     if n == 0:
         return out

@@ -1,0 +1,115 @@
+"""x · Wᵀ for a few rows of x and an NF4 weight W (kernels/ops/nf4.py's layout), W decoded inside the K-loop.
+
+Decoding steps multiply 1-16 rows by every weight of the model: memory-bound, so what counts is the bytes read. The
+dequantise-then-GEMM path reads 0.5 byte a weight of codes, writes a 2-byte weight, reads it back (and, for packed
+q|k|v or gate|up, copies it once more into the stacked weight): 4.5-8.5 bytes a weight against a bf16 model's 2. Here
+each program decodes its tile of codes in registers and multiplies at once: 0.5 byte a weight plus the fp32 block
+scales (1/16 byte). Each weight is rounded to x's dtype before the product, as the dequantised weight is, so the
+result is ``F.linear(x, dequantize_nf4(W))`` up to the order of the fp32 sums.
+
+Training steps have thousands of rows, where the GEMM's own rate dominates and the dequantised weight is read once
+per tile of rows: they keep the dequantise-then-GEMM path (``rows_fit`` says which path a call takes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import interpreting, use_triton
+from .._launch import cdiv, launch, sm_count
+from .decode_attention import _dot
+from .nf4 import BLOCK, code_table
+
+
+@dataclass(frozen=True)
+class Nf4MatmulTuning:
+    """Launch settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
+
+    max_rows: int = 16  # x's rows up to which the decode-in-the-loop kernel runs (one 16-row tile for tl.dot)
+    block_n: int = 32  # W's rows per program
+    block_k: int = 256  # W's columns per loop step: 128 bytes of codes a row
+    num_warps: int = 4
+    # Programs aimed at per SM: narrow weights (k|v at 1024 rows) split K over several programs to fill the GPU.
+    programs_per_sm: int = 4
+
+
+TUNING = Nf4MatmulTuning()
+
+
+@triton.jit
+def _nf4_matmul_kernel(X, CODES, ABSMAX, TABLE, PARTIAL, M, N, K, k_per_split, stride_xm, stride_xk,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    """PARTIAL[split, m, n] = Σ over this split's columns k of x[m, k] · w[n, k], w decoded from its byte (high nibble
+    first) and its 64-value block's fp32 scale, rounded to x's dtype, summed in fp32 (IEEE: fp32 x, no TF32; UPCAST: the interpreter's way, decode_attention._dot)."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    half_k = K // 2
+    row_bytes = rn.to(tl.int64) * half_k
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        in_w = (rn[:, None] < N) & (kb[None, :] < k_end // 2)
+        at = row_bytes[:, None] + kb[None, :]
+        byte = tl.load(CODES + at, mask=in_w, other=0).to(tl.int32)
+        scale = tl.load(ABSMAX + at // 32, mask=in_w, other=0.0)  # 32 bytes (64 values) per block: one scale a pair
+        w = tl.interleave(tl.load(TABLE + (byte >> 4)) * scale, tl.load(TABLE + (byte & 15)) * scale)
+        w = w.to(X.dtype.element_ty)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & (rk[None, :] < k_end), other=0.0)
+        acc += _dot(x, tl.trans(w), IEEE, UPCAST)
+    out = PARTIAL + split.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def rows_fit(x2: torch.Tensor, codes: torch.Tensor, shape: tuple[int, int]) -> bool:
+    """Whether ``nf4_matmul`` takes this product: a few rows, a dtype tl.dot takes, an even row length (each byte's
+    two codes in one row), on CUDA or under Triton's interpreter, outside torch.compile."""
+    return (x2.dim() == 2 and 0 < x2.shape[0] <= TUNING.max_rows and shape[1] % 2 == 0 and x2.shape[1] == shape[1]
+            and x2.dtype in (torch.bfloat16, torch.float16, torch.float32) and use_triton(x2, codes)
+            and not torch.compiler.is_compiling())
+
+
+def nf4_matmul(x2: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int],
+               bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [M, K] · Wᵀ (+ bias, added to the fp32 sums) for the NF4 weight W of ``shape`` [N, K] (codes uint8, fp32
+    scales per 64 values), rounded once to x2's dtype, written into ``out`` [M, N] (any strides: a packed output's
+    rows) when given. Needs ``rows_fit``."""
+    if not rows_fit(x2, codes, shape):
+        raise ValueError(f"nf4_matmul takes 1-{TUNING.max_rows} rows of an even length equal to the weight's "
+                         f"{shape[1]} columns in bf16/fp16/fp32 on CUDA: got x {tuple(x2.shape)} {x2.dtype} on "
+                         f"{x2.device}")
+    n, k = shape
+    if codes.numel() * 2 < n * k or absmax.numel() * BLOCK < n * k:
+        raise ValueError(f"NF4 weight of shape {tuple(shape)} needs {n * k // 2} code bytes and {-(-n * k // BLOCK)} "
+                         f"block scales, got {codes.numel()} and {absmax.numel()}")
+    m = x2.shape[0]
+    t = TUNING
+    n_blocks = cdiv(n, t.block_n)
+    k_steps = cdiv(k, t.block_k)
+    want = (sm_count(x2.device) if x2.is_cuda else 1) * t.programs_per_sm
+    splits = max(1, min(k_steps, cdiv(want, n_blocks)))
+    k_per_split = cdiv(k_steps, splits) * t.block_k
+    splits = cdiv(k, k_per_split)  # no empty split
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
+    launch(_nf4_matmul_kernel, (n_blocks, splits),
+           [x2, codes.reshape(-1), absmax.reshape(-1), code_table(codes.device), partial, m, n, k, k_per_split,
+            x2.stride(0), x2.stride(1)],
+           dict(BLOCK_M=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=x2.dtype == torch.float32,
+                UPCAST=interpreting() and x2.dtype != torch.float32, num_warps=t.num_warps))
+    result = partial[0] if splits == 1 else partial.sum(0)
+    if bias is not None:
+        result = result + bias.to(torch.float32)
+    if out is None:
+        return result.to(x2.dtype)
+    out.copy_(result)
+    return out
