@@ -13,7 +13,8 @@ rounded once to the compute dtype.
 
 ``dequantize_nf4`` runs one Triton pass (codes and scales read once, the weight written once) on CUDA and under
 Triton's interpreter, ``dequantize_nf4_reference`` the PyTorch ops elsewhere and in reference mode; both give the same
-bits. A GEMM that decodes NF4 in its K-loop is not done.
+bits. A GEMM that decodes NF4 in its K-loop is done for a few rows (nf4_matmul.py: decoding steps), not for a
+training step's thousands, which dequantise once per call and run one GEMM.
 """
 
 from __future__ import annotations
