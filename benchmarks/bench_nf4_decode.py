@@ -145,10 +145,11 @@ def main() -> None:
     import torch
 
     os.makedirs(args.out, exist_ok=True)
+    tunables = harness.apply_tunables()  # LIGER_TUNE=nf4_matmul.block_n=16,... for a variant
     parts = set(args.parts.split(","))
     if "products" in parts:
         results, meta = products(torch)
-        harness.save("bench_nf4_matmul", args.out, results, meta)
+        harness.save("bench_nf4_matmul", args.out, results, {**meta, "tuning": tunables})
         print(harness.table(results, meta["floors_ms"]), flush=True)
     if "decode" in parts:
         rows = decode(torch)

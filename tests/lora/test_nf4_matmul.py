@@ -60,7 +60,7 @@ def test_strided_input_bias_and_output_rows_of_a_wider_poisoned_tensor(dtype, tu
     x = torch.randn(3, 2 * shape[1]).to(dtype)[:, ::2]  # column stride 2
     packed = torch.full((3, 5 + shape[0] + 4), float("nan"), dtype=dtype)
     rows = packed[:, 5:5 + shape[0]]
-    tune(nm, block_k=64)  # several column splits
+    tune(nm, block_bytes=32)  # several column splits
     nm.nf4_matmul(x, codes, absmax, shape, bias=bias, out=rows)
     assert torch.isnan(packed[:, :5]).all() and torch.isnan(packed[:, 5 + shape[0]:]).all()
     _assert_close(rows, _truth(x, codes, absmax, shape, bias), dtype)
@@ -70,9 +70,9 @@ def test_splits_change_only_the_order_of_the_fp32_sums(tune):
     shape = (70, 2048)
     codes, absmax = _weight(shape)
     x = torch.randn(4, shape[1])
-    tune(nm, programs_per_sm=1, block_k=2048)
+    tune(nm, programs_per_sm=1, block_bytes=1024)
     one = nm.nf4_matmul(x, codes, absmax, shape)
-    tune(nm, programs_per_sm=64, block_k=64)
+    tune(nm, programs_per_sm=64, block_bytes=32)
     many = nm.nf4_matmul(x, codes, absmax, shape)
     truth = _truth(x, codes, absmax, shape)
     _assert_close(one, truth, torch.float32)

@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import interpreting, use_triton
-from .._launch import cdiv, launch, sm_count
-from .decode_attention import _dot
+from .._dispatch import use_triton
+from .._launch import cdiv, launch, pow2, sm_count
 from .nf4 import BLOCK, code_table
 
 
@@ -29,9 +28,11 @@ from .nf4 import BLOCK, code_table
 class Nf4MatmulTuning:
     """Launch settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
 
-    max_rows: int = 16  # x's rows up to which the decode-in-the-loop kernel runs (one 16-row tile for tl.dot)
+    max_rows: int = 16  # x's rows up to which the decode-in-the-loop kernel runs
     block_n: int = 32  # W's rows per program
-    block_k: int = 256  # W's columns per loop step: 128 bytes of codes a row
+    # Bytes of codes a row per loop step (two weights each), for one row of x; divided by the power of two ≥ x's rows,
+    # down to 16, so that the (rows × block_n × bytes) product tile stays in registers.
+    block_bytes: int = 128
     num_warps: int = 4
     # Programs aimed at per SM: narrow weights (k|v at 1024 rows) split K over several programs to fill the GPU.
     programs_per_sm: int = 4
@@ -41,32 +42,35 @@ TUNING = Nf4MatmulTuning()
 
 
 @triton.jit
-def _nf4_matmul_kernel(X, CODES, ABSMAX, TABLE, PARTIAL, M, N, K, k_per_split, stride_xm, stride_xk,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                       UPCAST: tl.constexpr):
-    """PARTIAL[split, m, n] = Σ over this split's columns k of x[m, k] · w[n, k], w decoded from its byte (high nibble
-    first) and its 64-value block's fp32 scale, rounded to x's dtype, summed in fp32 (IEEE: fp32 x, no TF32; UPCAST: the interpreter's way, decode_attention._dot)."""
+def _nf4_matmul_kernel(X, CODES, ABSMAX, TABLE, PARTIAL, M, N, K, bytes_per_split, stride_xm, stride_xk,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """PARTIAL[split, m, n] = Σ over this split's columns k of x[m, k] · w[n, k], w decoded from its byte (high nibble:
+    the even column) and its 64-value block's fp32 scale, rounded to x's dtype, multiplied and summed in fp32. The
+    even and odd columns stay apart (x's even and odd columns are loaded apart): no interleave, no tensor-core tile
+    of mostly padding rows."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    half_k = K // 2
-    row_bytes = rn.to(tl.int64) * half_k
+    rb = tl.arange(0, BLOCK_B)
+    row_bytes = rn.to(tl.int64) * (K // 2)
+    b_start = split * bytes_per_split
+    b_end = tl.minimum(b_start + bytes_per_split, K // 2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        in_w = (rn[:, None] < N) & (kb[None, :] < k_end // 2)
+    for b0 in range(b_start, b_end, BLOCK_B):
+        kb = b0 + rb
+        in_row = kb < b_end
         at = row_bytes[:, None] + kb[None, :]
+        in_w = (rn[:, None] < N) & in_row[None, :]
         byte = tl.load(CODES + at, mask=in_w, other=0).to(tl.int32)
-        scale = tl.load(ABSMAX + at // 32, mask=in_w, other=0.0)  # 32 bytes (64 values) per block: one scale a pair
-        w = tl.interleave(tl.load(TABLE + (byte >> 4)) * scale, tl.load(TABLE + (byte & 15)) * scale)
-        w = w.to(X.dtype.element_ty)
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
-                    mask=(rm[:, None] < M) & (rk[None, :] < k_end), other=0.0)
-        acc += _dot(x, tl.trans(w), IEEE, UPCAST)
+        scale = tl.load(ABSMAX + at // 32, mask=in_w, other=0.0)  # 32 bytes (64 values) per block
+        high = (tl.load(TABLE + (byte >> 4)) * scale).to(X.dtype.element_ty).to(tl.float32)
+        low = (tl.load(TABLE + (byte & 15)) * scale).to(X.dtype.element_ty).to(tl.float32)
+        in_x = (rm[:, None] < M) & in_row[None, :]
+        x_row = X + rm[:, None] * stride_xm + (2 * kb[None, :]) * stride_xk
+        x_even = tl.load(x_row, mask=in_x, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + stride_xk, mask=in_x, other=0.0).to(tl.float32)
+        acc += tl.sum(high[None, :, :] * x_even[:, None, :] + low[None, :, :] * x_odd[:, None, :], axis=2)
     out = PARTIAL + split.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -94,18 +98,19 @@ def nf4_matmul(x2: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, shap
                          f"block scales, got {codes.numel()} and {absmax.numel()}")
     m = x2.shape[0]
     t = TUNING
+    block_m = pow2(m)
+    block_b = max(16, t.block_bytes // block_m)
     n_blocks = cdiv(n, t.block_n)
-    k_steps = cdiv(k, t.block_k)
+    b_steps = cdiv(k // 2, block_b)
     want = (sm_count(x2.device) if x2.is_cuda else 1) * t.programs_per_sm
-    splits = max(1, min(k_steps, cdiv(want, n_blocks)))
-    k_per_split = cdiv(k_steps, splits) * t.block_k
-    splits = cdiv(k, k_per_split)  # no empty split
+    splits = max(1, min(b_steps, cdiv(want, n_blocks)))
+    bytes_per_split = cdiv(b_steps, splits) * block_b
+    splits = cdiv(k // 2, bytes_per_split)  # no empty split
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
     launch(_nf4_matmul_kernel, (n_blocks, splits),
-           [x2, codes.reshape(-1), absmax.reshape(-1), code_table(codes.device), partial, m, n, k, k_per_split,
+           [x2, codes.reshape(-1), absmax.reshape(-1), code_table(codes.device), partial, m, n, k, bytes_per_split,
             x2.stride(0), x2.stride(1)],
-           dict(BLOCK_M=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, IEEE=x2.dtype == torch.float32,
-                UPCAST=interpreting() and x2.dtype != torch.float32, num_warps=t.num_warps))
+           dict(BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_B=block_b, num_warps=t.num_warps))
     result = partial[0] if splits == 1 else partial.sum(0)
     if bias is not None:
         result = result + bias.to(torch.float32)
