@@ -52,7 +52,7 @@ def products(torch) -> tuple[list, dict]:
         for m in ROWS:
             x = torch.randn(m, shape[1], device="cuda", dtype=torch.bfloat16)
             providers = {
-                "liger-models": lambda: nm.nf4_matmul(x, codes, absmax, shape),
+                "liger-models": lambda: nm.nf4_matmul(x, codes, absmax, shape),  # called directly: on at any max_rows
                 "dequant+mm": lambda: x @ nf4.dequantize_nf4(codes, absmax, shape, torch.bfloat16).t(),
                 "bf16": lambda: x @ w.t(),
             }
@@ -84,7 +84,7 @@ def _ms_per_token(run) -> float:
     return (long - short) / (NEW_TOKENS - SHORT_TOKENS)
 
 
-def decode(torch) -> list[dict]:
+def decode(torch, with_hf: bool = True) -> list[dict]:
     import transformers
 
     from liger_models.auto import model_class
@@ -111,11 +111,14 @@ def decode(torch) -> list[dict]:
     quantize_base_(model)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    ours("ours NF4, nf4_matmul", model)
+    with _tuning.tuned(nm, max_rows=nm.ROWS):
+        ours("ours NF4, nf4_matmul", model)
     with _tuning.tuned(nm, max_rows=0):
         ours("ours NF4, dequantise + GEMM", model)
     del model
     torch.cuda.empty_cache()
+    if not with_hf:
+        return rows
     try:
         config = transformers.AutoConfig.for_model(**cfg)
         with torch.device("cuda"):
@@ -141,6 +144,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--parts", default="products,decode")
+    p.add_argument("--no-hf", action="store_true", help="decode: leave out HF + bitsandbytes (its build and ~45 s)")
     args = p.parse_args()
     import torch
 
@@ -152,7 +156,7 @@ def main() -> None:
         harness.save("bench_nf4_matmul", args.out, results, {**meta, "tuning": tunables})
         print(harness.table(results, meta["floors_ms"]), flush=True)
     if "decode" in parts:
-        rows = decode(torch)
+        rows = decode(torch, with_hf=not args.no_hf)
         with open(os.path.join(args.out, "nf4_decode.json"), "w") as f:
             json.dump(dict(environment=harness.environment(), rows=rows), f, indent=1)
         for r in rows:

@@ -81,8 +81,9 @@ def test_splits_change_only_the_order_of_the_fp32_sums(tune):
 
 def test_what_it_does_not_take_is_refused_by_name():
     codes, absmax = _weight((8, 64))
-    assert not nm.rows_fit(torch.randn(17, 64), codes, (8, 64))  # a training step's rows: dequantise, then GEMM
-    assert not nm.rows_fit(torch.randn(1, 63), codes, (8, 63))  # odd row length: bytes straddle rows
+    assert nm.rows_fit(torch.randn(16, 64), codes, (8, 64), max_rows=16)
+    assert not nm.rows_fit(torch.randn(17, 64), codes, (8, 64), max_rows=64)  # past its register tile
+    assert not nm.rows_fit(torch.randn(1, 63), codes, (8, 63), max_rows=16)  # odd row length: bytes straddle rows
     with pytest.raises(ValueError, match="1-16 rows of an even length"):
         nm.nf4_matmul(torch.randn(17, 64), codes, absmax, (8, 64))
     with pytest.raises(ValueError, match="needs 512 code bytes"):
@@ -90,9 +91,10 @@ def test_what_it_does_not_take_is_refused_by_name():
 
 
 def test_a_decoding_step_on_a_bitsandbytes_checkpoint_takes_it_and_matches_the_dequantised_path(tmp_path, tune):
-    """A model loaded from a bitsandbytes 4-bit checkpoint: a few positions (one decoding step of a batch of three)
-    run every NF4 projection through nf4_matmul, a prompt-sized input the dequantise-then-GEMM path; both give the
-    logits of the dense model holding the dequantised weights."""
+    """A model loaded from a bitsandbytes 4-bit checkpoint, the kernel switched on for up to 16 rows: a few positions
+    (one decoding step of a batch of three) run every NF4 projection through nf4_matmul; switched off, the
+    dequantise-then-GEMM path; both give the logits of the dense model holding the dequantised weights."""
+    tune(nm, max_rows=16)
     dense = LigerLlamaForCausalLM.from_config(LlamaConfig.tiny(), dtype=torch.float32)
     save_bnb_4bit(dense, tmp_path / "bnb")
     model = load_bnb_4bit(tmp_path / "bnb", dtype=torch.float32)

@@ -28,7 +28,10 @@ from .nf4 import BLOCK, code_table
 class Nf4MatmulTuning:
     """Launch settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
 
-    max_rows: int = 16  # x's rows up to which the decode-in-the-loop kernel runs
+    # x's rows up to which the decode-in-the-loop kernel runs; 0, off, until it is measured faster than dequantising
+    # and one GEMM (its first, tensor-core version took 0.155 ms against their 0.035 at 1-16 rows of a 4096² weight,
+    # one H100, 2026-12-06: BENCHMARKS.md, "Decoding on an NF4 base").
+    max_rows: int = 0
     block_n: int = 32  # W's rows per program
     # Bytes of codes a row per loop step (two weights each), for one row of x; divided by the power of two ≥ x's rows,
     # down to 16, so that the (rows × block_n × bytes) product tile stays in registers.
@@ -39,6 +42,7 @@ class Nf4MatmulTuning:
 
 
 TUNING = Nf4MatmulTuning()
+ROWS = 16  # the most rows nf4_matmul takes (its register tile)
 
 
 @triton.jit
@@ -75,10 +79,12 @@ def _nf4_matmul_kernel(X, CODES, ABSMAX, TABLE, PARTIAL, M, N, K, bytes_per_spli
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def rows_fit(x2: torch.Tensor, codes: torch.Tensor, shape: tuple[int, int]) -> bool:
-    """Whether ``nf4_matmul`` takes this product: a few rows, a dtype tl.dot takes, an even row length (each byte's
-    two codes in one row), on CUDA or under Triton's interpreter, outside torch.compile."""
-    return (x2.dim() == 2 and 0 < x2.shape[0] <= TUNING.max_rows and shape[1] % 2 == 0 and x2.shape[1] == shape[1]
+def rows_fit(x2: torch.Tensor, codes: torch.Tensor, shape: tuple[int, int], max_rows: int | None = None) -> bool:
+    """Whether ``nf4_matmul`` takes this product: at most ``max_rows`` rows (TUNING's when None), a 16- or 32-bit
+    float dtype, an even row length (each byte's two codes in one row), on CUDA or under Triton's interpreter,
+    outside torch.compile."""
+    limit = min(TUNING.max_rows if max_rows is None else max_rows, ROWS)
+    return (x2.dim() == 2 and 0 < x2.shape[0] <= limit and shape[1] % 2 == 0 and x2.shape[1] == shape[1]
             and x2.dtype in (torch.bfloat16, torch.float16, torch.float32) and use_triton(x2, codes)
             and not torch.compiler.is_compiling())
 
@@ -88,8 +94,8 @@ def nf4_matmul(x2: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, shap
     """x2 [M, K] · Wᵀ (+ bias, added to the fp32 sums) for the NF4 weight W of ``shape`` [N, K] (codes uint8, fp32
     scales per 64 values), rounded once to x2's dtype, written into ``out`` [M, N] (any strides: a packed output's
     rows) when given. Needs ``rows_fit``."""
-    if not rows_fit(x2, codes, shape):
-        raise ValueError(f"nf4_matmul takes 1-{TUNING.max_rows} rows of an even length equal to the weight's "
+    if not rows_fit(x2, codes, shape, max_rows=ROWS):
+        raise ValueError(f"nf4_matmul takes 1-{ROWS} rows of an even length equal to the weight's "
                          f"{shape[1]} columns in bf16/fp16/fp32 on CUDA: got x {tuple(x2.shape)} {x2.dtype} on "
                          f"{x2.device}")
     n, k = shape
