@@ -13,6 +13,7 @@ import torch
 from liger_models import AutoLigerForCausalLM
 from liger_models.cli import build_parser, main
 from liger_models.hub import copy_tokenizer_files
+from liger_models.kernels.ops import nf4_matmul
 from liger_models.lora import load_bnb_4bit, lora_modules, save_bnb_4bit, save_merged
 from liger_models.medusa import MedusaModel
 from liger_models.modules.lora_linear import LoraLinear
@@ -57,9 +58,11 @@ def test_generate_decodes_on_the_nf4_base_as_the_dequantised_dense_model(bnb, tm
 
 
 @pytest.mark.gpu
-def test_on_cuda_the_nf4_base_decodes_in_cuda_graphs_as_the_dequantised_dense_model(bnb, tmp_path):
-    """The NF4 dequantisation kernel inside captured decode steps: the same tokens as eager steps and as the dense
-    model."""
+@pytest.mark.parametrize("rows", [0, 16], ids=["dequantise", "nf4_matmul"])
+def test_on_cuda_the_nf4_base_decodes_in_cuda_graphs_as_the_dequantised_dense_model(bnb, tmp_path, rows, tune):
+    """The NF4 kernels inside captured decode steps (dequantisation, or nf4_matmul for steps of up to ``rows``
+    rows): the same tokens as eager steps and as the dense model."""
+    tune(nf4_matmul, max_rows=rows)
     [graphed] = _generate(["--model", str(bnb)], device="cuda")
     [eager] = _generate(["--model", str(bnb), "--no-cuda-graph"], device="cuda")
     [on_dense] = _generate(["--model", str(_dequantised(bnb, tmp_path))], device="cuda")
