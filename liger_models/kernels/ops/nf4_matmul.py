@@ -60,7 +60,9 @@ def _nf4_matmul_kernel(X, CODES, ABSMAX, TABLE, PARTIAL, M, N, K, bytes_per_spli
     row_bytes = rn.to(tl.int64) * (K // 2)
     b_start = split * bytes_per_split
     b_end = tl.minimum(b_start + bytes_per_split, K // 2)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Products summed elementwise across the loop and reduced over the bytes once at the end: no cross-thread
+    # reduction per step.
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B), dtype=tl.float32)
     for b0 in range(b_start, b_end, BLOCK_B):
         kb = b0 + rb
         in_row = kb < b_end
@@ -74,9 +76,9 @@ def _nf4_matmul_kernel(X, CODES, ABSMAX, TABLE, PARTIAL, M, N, K, bytes_per_spli
         x_row = X + rm[:, None] * stride_xm + (2 * kb[None, :]) * stride_xk
         x_even = tl.load(x_row, mask=in_x, other=0.0).to(tl.float32)
         x_odd = tl.load(x_row + stride_xk, mask=in_x, other=0.0).to(tl.float32)
-        acc += tl.sum(high[None, :, :] * x_even[:, None, :] + low[None, :, :] * x_odd[:, None, :], axis=2)
+        acc += high[None, :, :] * x_even[:, None, :] + low[None, :, :] * x_odd[:, None, :]
     out = PARTIAL + split.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(out, tl.sum(acc, axis=2), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def rows_fit(x2: torch.Tensor, codes: torch.Tensor, shape: tuple[int, int], max_rows: int | None = None) -> bool:
