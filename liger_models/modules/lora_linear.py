@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from liger_models.kernels.ops.nf4 import dequantize_nf4
-from liger_models.kernels.ops.nf4_matmul import nf4_matmul, rows_fit
+from liger_models.kernels.ops.nf4_matmul import nf4_matmul, rows_fit, rows_limit
 
 from .linear import _stacked, is_plain_linear, register_group_path
 
@@ -321,6 +321,8 @@ class Group:
 def few_rows_on_nf4(x2: torch.Tensor, group: Group) -> bool:
     """The group holds NF4 bases and x2 is a decoding step's few rows, which kernels/ops/nf4_matmul.py multiplies
     decoding the codes in its K-loop (0.5 byte read a weight, where dequantising and stacking moves 4.5-8.5)."""
+    if x2.shape[0] > rows_limit():  # every training step's forward: decided before looking at the siblings
+        return False
     quants = [lin.quant for lin in group.linears if isinstance(lin, LoraLinear) and lin.quant is not None]
     return bool(quants) and all(rows_fit(x2, q.codes, q.shape) for q in quants)
 

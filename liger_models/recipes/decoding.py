@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from liger_models.lora import load_causal_lm
 from liger_models.hub import load_tokenizer, resolve_model
 from liger_models.input_files import read_text
+from liger_models.lora import load_causal_lm
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
 from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, read_json

@@ -81,11 +81,16 @@ def _nf4_matmul_kernel(X, CODES, ABSMAX, TABLE, PARTIAL, M, N, K, bytes_per_spli
     tl.store(out, tl.sum(acc, axis=2), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def rows_limit() -> int:
+    """The most rows of x that the model's NF4 projections send to ``nf4_matmul`` (``TUNING.max_rows``)."""
+    return min(TUNING.max_rows, ROWS)
+
+
 def rows_fit(x2: torch.Tensor, codes: torch.Tensor, shape: tuple[int, int], max_rows: int | None = None) -> bool:
     """Whether ``nf4_matmul`` takes this product: at most ``max_rows`` rows (TUNING's when None), a 16- or 32-bit
     float dtype, an even row length (each byte's two codes in one row), on CUDA or under Triton's interpreter,
     outside torch.compile."""
-    limit = min(TUNING.max_rows if max_rows is None else max_rows, ROWS)
+    limit = rows_limit() if max_rows is None else min(max_rows, ROWS)
     return (x2.dim() == 2 and 0 < x2.shape[0] <= limit and shape[1] % 2 == 0 and x2.shape[1] == shape[1]
             and x2.dtype in (torch.bfloat16, torch.float16, torch.float32) and use_triton(x2, codes)
             and not torch.compiler.is_compiling())
