@@ -315,7 +315,8 @@ def load_pretrained(path: str | Path, cls, *, dtype: torch.dtype | str | None = 
             if is_bnb_4bit(raw):
                 raise ValueError(f"{str(path)!r} holds a quantized checkpoint (quantization_config: bitsandbytes "
                                  f"4-bit): load it with liger_models.lora.load_bnb_4bit(path) (an NF4 base for "
-                                 f"QLoRA), or load the unquantized weights ({e})") from e
+                                 f"QLoRA, which liger_models.lora.load_causal_lm(path) and every --model command "
+                                 f"pick by themselves), or load the unquantized weights ({e})") from e
             raise ValueError(f"{str(path)!r} holds a quantized checkpoint (quantization_config: {method}), which "
                              f"is not supported: load the unquantized (bf16/fp16/fp32) weights instead ({e})") from e
         raise
