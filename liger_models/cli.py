@@ -302,6 +302,9 @@ def _add_decoding(p: argparse.ArgumentParser, chat_only: bool) -> None:
                                                  "--medusa's config names, or the stage-2 directory itself)")
     p.add_argument("--medusa", default=None, metavar="DIR",
                    help="Medusa heads (a train-medusa checkpoint, Medusa/TGI or vLLM format) or a stage-2 dir")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter (a `train --lora-r` checkpoint) on the base: --model, else the one "
+                        "its adapter_config.json names (--model DIR of an adapter alone does the same)")
     when = "" if chat_only else "--chat: "
     p.add_argument("--system", default=None, help=f"{when}a system turn opening the conversation")
     p.add_argument("--chat-template", default=None if not chat_only else "auto", choices=("auto", "model", "simple"),

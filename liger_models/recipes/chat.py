@@ -29,7 +29,7 @@ def run_chat(config: ChatConfig | argparse.Namespace, stdin=None, out=None, log=
     stdin, out, log = stdin or sys.stdin, out or sys.stdout, log or sys.stderr
     config = ChatConfig.coerce(config)
     config.validate()
-    sources = locate(config.model, config.medusa)
+    sources = locate(config.model, config.medusa, config.adapter)
     tokenizer, special = tokenizer_and_specials(sources.tokenizer_dir)
     print(chat_template_note(special, config.chat_template), file=log, flush=True)  # refuses a missing model template
     opening = [{"role": "system", "content": config.system}] if config.system else []

@@ -307,6 +307,7 @@ class DecodingConfig(_Loading):
 
     model: str | None = None  # model directory or Hub id (None: the base --medusa's config names, or a stage-2 dir)
     medusa: str | os.PathLike | None = None  # Medusa heads (train-medusa, Medusa/TGI or vLLM format) or a stage-2 dir
+    adapter: str | os.PathLike | None = None  # a PEFT LoRA adapter directory, attached to the base
     system: str | None = None  # a system turn opening the conversation
     chat_template: str | None = "auto"  # auto | model | simple (None: auto)
     max_new_tokens: int | None = None  # ≥ 1 (None: generation_config.json's budget, else 32)
@@ -326,6 +327,9 @@ class DecodingConfig(_Loading):
         would do nothing: each is a mistake worth a word."""
         if self.medusa is not None:
             check_heads_dir(Path(self.medusa).expanduser(), "--medusa")
+        if self.adapter is not None and not (Path(self.adapter).expanduser() / "adapter_config.json").is_file():
+            raise ValueError(f"--adapter {self.adapter}: no adapter_config.json there (a PEFT adapter directory, as "
+                             "`train --lora-r` checkpoints are)")
         self._check_decoding_options()
 
     def _check_decoding_options(self) -> None:

@@ -6,8 +6,11 @@ took. ``liger-models calibrate-tree``: fit a Medusa tree to trained heads on pro
 
 Loading: ``--model`` is a model directory or Hub id; ``--medusa`` a heads directory (Medusa/TGI format, v0.1 or
 vLLM layout) or a stage-2 directory (base + heads). Without ``--model`` the base comes from the heads' directory
-(stage 2) or from their config's ``base_model_name_or_path``. The tokenizer is the model's ``tokenizer.json``, else
-the one train-medusa copies next to the heads.
+(stage 2) or from their config's ``base_model_name_or_path``. ``--adapter`` attaches a PEFT LoRA adapter (a
+`train --lora-r` checkpoint, or one trained with HF + PEFT) to the base, unmerged: the model training computed;
+``--model`` given an adapter directory alone does the same with the base its adapter_config.json names. The model
+may be a bitsandbytes 4-bit checkpoint (its NF4 base, ``load_causal_lm``). The tokenizer is the model's
+``tokenizer.json``, else the one training copies next to the adapter or the heads.
 
 Prompts: each ``--prompt`` / ``--prompt-file`` is decoded on its own, so each time is that prompt's alone, or with
 ``--batch-size N`` N at a time, left-padded in one call (plain or Medusa; a row's tokens are those it gets alone),
@@ -45,7 +48,8 @@ import torch
 
 from liger_models.hub import load_tokenizer, resolve_model
 from liger_models.input_files import read_text
-from liger_models.lora import load_causal_lm
+from liger_models.lora import load_adapter, load_causal_lm
+from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
 from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, read_json
@@ -78,52 +82,79 @@ class PromptResult:
     plain: Decoded | None = None  # --compare: plain decoding of the same prompt
 
 
-def _medusa_base_source(medusa_dir: Path) -> tuple[str, bool]:
-    """(where the base model lives, whether that is a local directory) for a heads directory given alone."""
-    raw = read_json(medusa_dir / CONFIG_NAME)
-    if holds_base_model(raw):  # a stage-2 directory: the full base is there
-        return str(medusa_dir), True
-    base = raw.get("base_model_name_or_path")
+def _named_base(directory: Path, config_name: str, flag: str) -> tuple[str, bool]:
+    """(where the base model lives, whether that is a local directory) for heads or an adapter given alone: the
+    ``base_model_name_or_path`` of its ``config_name``."""
+    base = read_json(directory / config_name).get("base_model_name_or_path")
     if not base:
-        raise ValueError(f"--medusa {medusa_dir}: its config.json names no base_model_name_or_path; pass --model")
-    # As written (absolute, or relative to here), else relative to the heads (a run directory moved as a whole).
-    for candidate in (Path(base).expanduser(), medusa_dir / base):
+        raise ValueError(f"{flag} {directory}: its {config_name} names no base_model_name_or_path; pass --model")
+    # As written (absolute, or relative to here), else relative to the directory (a run directory moved as a whole).
+    for candidate in (Path(base).expanduser(), directory / base):
         if candidate.is_dir():
             return str(candidate), True
     if base.startswith((".", "/", "~")) or base.count("/") > 1:  # a path, not a Hub id: never a download
-        raise FileNotFoundError(f"--medusa {medusa_dir}: its config.json names the base {base!r}, which is not a "
+        raise FileNotFoundError(f"{flag} {directory}: its {config_name} names the base {base!r}, which is not a "
                                 "directory here; pass --model")
     return base, False
 
 
+def _medusa_base_source(medusa_dir: Path) -> tuple[str, bool]:
+    """(where the base model lives, whether that is a local directory) for a heads directory given alone."""
+    if holds_base_model(read_json(medusa_dir / CONFIG_NAME)):  # a stage-2 directory: the full base is there
+        return str(medusa_dir), True
+    return _named_base(medusa_dir, CONFIG_NAME, "--medusa")
+
+
+def is_adapter_dir(directory: Path) -> bool:
+    """A PEFT adapter directory alone (a `train --lora-r` checkpoint): adapter_config.json and no model or heads
+    config.json."""
+    return (directory / ADAPTER_CONFIG_NAME).is_file() and not (directory / CONFIG_NAME).is_file()
+
+
 @dataclass
 class Sources:
-    """Where a command's model, heads and tokenizer are, found before any weights load (a Hub id is fetched)."""
+    """Where a command's model, adapter, heads and tokenizer are, found before any weights load (a Hub id is
+    fetched)."""
 
     model_dir: Path
     medusa_dir: Path | None
     tokenizer_dir: Path
+    adapter_dir: Path | None = None
 
 
-def locate(model: str | None, medusa: str | None) -> Sources:
-    if model is None and medusa is None:
-        raise ValueError("give --model, --medusa or both")
+def locate(model: str | None, medusa: str | None, adapter: str | None = None) -> Sources:
+    """The directories of ``--model`` / ``--medusa`` / ``--adapter``. ``--model`` may be an adapter directory alone
+    (what `train --lora-r` saves): its base is the one its adapter_config.json names, with it attached."""
+    if model is None and medusa is None and adapter is None:
+        raise ValueError("give --model, --medusa, --adapter, or several")
     medusa_dir = None if medusa is None else Path(medusa).expanduser()
-    if model is not None:
+    adapter_dir = None if adapter is None else Path(adapter).expanduser()
+    model_dir = None
+    if model is not None and is_adapter_dir(Path(model).expanduser()):
+        if adapter_dir is not None:
+            raise ValueError(f"--model {model} is a LoRA adapter directory and --adapter names another: give one")
+        adapter_dir = Path(model).expanduser()
+    elif model is not None:
         model_dir = resolve_model(model)
-    else:
-        source, local = _medusa_base_source(medusa_dir)
+    if model_dir is None:
+        if adapter_dir is not None:
+            source, local = _named_base(adapter_dir, ADAPTER_CONFIG_NAME, "--adapter")
+        else:
+            source, local = _medusa_base_source(medusa_dir)
         model_dir = Path(source) if local else resolve_model(source)
-    places = [model_dir] + ([medusa_dir] if medusa_dir not in (None, model_dir) else [])
+    places = [model_dir] + [d for d in (adapter_dir, medusa_dir) if d not in (None, model_dir)]
     tokenizer_dir = next((d for d in places if (d / "tokenizer.json").is_file()), None)
     if tokenizer_dir is None:
         raise FileNotFoundError(f"no tokenizer.json in {' or '.join(map(str, places))}")
-    return Sources(model_dir, medusa_dir, tokenizer_dir)
+    return Sources(model_dir, medusa_dir, tokenizer_dir, adapter_dir)
 
 
 def load_models(sources: Sources, dtype: torch.dtype | None, device: torch.device, *, load_tree: bool = True):
-    """(base model, MedusaModel or None), in eval mode; ``load_tree``: the heads' calibrated tree too."""
+    """(base model, MedusaModel or None), in eval mode, the adapter attached to the base when there is one;
+    ``load_tree``: the heads' calibrated tree too."""
     base = load_causal_lm(sources.model_dir, dtype=dtype, device=device).eval()
+    if sources.adapter_dir is not None:
+        load_adapter(base, sources.adapter_dir)
     if sources.medusa_dir is None:
         return base, None
     return base, MedusaModel.from_pretrained(str(sources.medusa_dir), base=base, load_tree=load_tree).eval()
@@ -279,7 +310,7 @@ def run_generate(config: GenerateConfig | argparse.Namespace, out=None, log=None
     config = GenerateConfig.coerce(config)
     config.validate()
     prompts = list(config.prompt or []) + [read_prompt_file(f) for f in config.prompt_file or []]
-    sources = locate(config.model, config.medusa)
+    sources = locate(config.model, config.medusa, config.adapter)
     tokenizer, special = tokenizer_and_specials(sources.tokenizer_dir)
     if config.chat:
         print(chat_template_note(special, config.chat_template or "auto"), file=log, flush=True)

@@ -395,7 +395,7 @@ def test_a_prompt_holding_the_pad_id_is_text(tiny_model_dir, heads_dir, tmp_path
 
 def test_a_gated_repo_is_one_line(capsys, monkeypatch):
     # hub.snapshot turns a gated repo (or refused credentials) into a PermissionError that says what to do.
-    def gated(model, medusa):
+    def gated(model, medusa, adapter=None):
         raise PermissionError("Hub repo 'org/model' is gated: accept its terms at https://huggingface.co/org/model")
 
     monkeypatch.setattr("liger_models.recipes.decoding.locate", gated)

@@ -102,3 +102,43 @@ def test_medusa_stage2_through_adapters_equals_qlora_on_the_unquantised_checkpoi
     assert main(["train-medusa", "--model", str(bnb), "--data", str(data), "--output-dir", str(tmp_path / "c"),
                  *RUN, "--stage", "2"]) != 0
     assert "bitsandbytes 4-bit checkpoint" in capsys.readouterr().err
+
+
+def _lora_checkpoint(model, data, out):
+    """A 2-step `train --lora-r` run's last checkpoint: a PEFT adapter directory with the tokenizer files."""
+    assert main(["train", "--model", str(model), "--data", str(data), "--output-dir", str(out), *RUN[:-2],
+                 "--lora-r", "4", "--lora-alpha", "8"]) == 0
+    return out / "checkpoints" / ckpt.step_dir_name(2)
+
+
+def test_generate_with_a_lora_adapter_decodes_the_trained_model(base_and_data, tmp_path, capsys):
+    """`generate --model BASE --adapter DIR` and `generate --model DIR` (an adapter alone, its base named in
+    adapter_config.json) decode what the merged checkpoint decodes; the adapter's own base is not the base alone."""
+    base, data = base_and_data
+    adapter = _lora_checkpoint(base, data, tmp_path / "run")
+    assert main(["merge-lora", "--adapter", str(adapter), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    [merged] = _generate(["--model", str(tmp_path / "merged")])
+    [named] = _generate(["--model", str(base), "--adapter", str(adapter)])
+    [alone] = _generate(["--model", str(adapter)])
+    assert named.decoded.new_ids == alone.decoded.new_ids == merged.decoded.new_ids
+    capsys.readouterr()
+    assert main(["generate", "--model", str(adapter), "--adapter", str(adapter), "--prompt", "x", "--device",
+                 "cpu"]) == 2
+    assert "is a LoRA adapter directory and --adapter names another" in capsys.readouterr().err
+    assert main(["generate", "--model", str(base), "--adapter", str(base), "--prompt", "x", "--device", "cpu"]) == 2
+    assert "no adapter_config.json" in capsys.readouterr().err
+
+
+def test_generate_with_an_adapter_trained_on_a_bitsandbytes_checkpoint(base_and_data, bnb, tmp_path):
+    """An adapter trained on a 4-bit checkpoint as it is names that checkpoint: `generate --model ADAPTER` decodes on
+    its NF4 base with the adapter, as the model of Python's load_bnb_4bit + load_adapter does."""
+    from liger_models.lora import load_adapter
+
+    _, data = base_and_data
+    adapter = _lora_checkpoint(bnb, data, tmp_path / "run")
+    [result] = _generate(["--model", str(adapter)])
+    model = load_bnb_4bit(bnb, dtype=torch.float32)
+    load_adapter(model, adapter)
+    ids = torch.tensor([result.prompt_ids])
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])[0, ids.shape[1]:].tolist()
+    assert result.decoded.new_ids == expected[:len(result.decoded.new_ids)] and result.decoded.new_ids
