@@ -393,6 +393,25 @@ def resolve_model(model: str) -> Path:
     return snapshot(model)
 
 
+def named_base(directory: Path, config_name: str, flag: str) -> Path:
+    """The base model directory that ``directory``'s ``config_name`` names in ``base_model_name_or_path`` (Medusa
+    heads, a LoRA adapter): as written (absolute, or relative to here), else relative to ``directory`` (a run
+    directory moved as a whole), else a Hub id's snapshot. ``flag`` names the option in errors."""
+    config = directory / config_name
+    if not config.is_file():
+        raise ValueError(f"{flag} {directory}: no {config_name}")
+    base = read_json_object(config).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{flag} {directory}: its {config_name} names no base_model_name_or_path; pass --model")
+    for candidate in (Path(base).expanduser(), directory / base):
+        if candidate.is_dir():
+            return candidate
+    if base.startswith((".", "/", "~")) or base.count("/") > 1:  # a path, not a Hub id: never a download
+        raise FileNotFoundError(f"{flag} {directory}: its {config_name} names the base {base!r}, which is not a "
+                                "directory here; pass --model")
+    return resolve_model(base)
+
+
 def parse_size(size: int | str) -> int:
     """Bytes from 5000000, "5000000", "5GB" (10^9), "500MB", "2GiB" (2^30), "200KB" …; as in HF, a decimal unit
     ending in a lowercase b counts bits ("5Gb" = 5·10^9 / 8 bytes)."""

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from liger_models.hub import load_tokenizer, resolve_model
+from liger_models.hub import load_tokenizer, named_base, resolve_model
 from liger_models.input_files import read_text
 from liger_models.lora import load_adapter, load_causal_lm
 from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
@@ -82,27 +82,11 @@ class PromptResult:
     plain: Decoded | None = None  # --compare: plain decoding of the same prompt
 
 
-def _named_base(directory: Path, config_name: str, flag: str) -> tuple[str, bool]:
-    """(where the base model lives, whether that is a local directory) for heads or an adapter given alone: the
-    ``base_model_name_or_path`` of its ``config_name``."""
-    base = read_json(directory / config_name).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{flag} {directory}: its {config_name} names no base_model_name_or_path; pass --model")
-    # As written (absolute, or relative to here), else relative to the directory (a run directory moved as a whole).
-    for candidate in (Path(base).expanduser(), directory / base):
-        if candidate.is_dir():
-            return str(candidate), True
-    if base.startswith((".", "/", "~")) or base.count("/") > 1:  # a path, not a Hub id: never a download
-        raise FileNotFoundError(f"{flag} {directory}: its {config_name} names the base {base!r}, which is not a "
-                                "directory here; pass --model")
-    return base, False
-
-
-def _medusa_base_source(medusa_dir: Path) -> tuple[str, bool]:
-    """(where the base model lives, whether that is a local directory) for a heads directory given alone."""
+def _medusa_base(medusa_dir: Path) -> Path:
+    """The base model directory for a heads directory given alone."""
     if holds_base_model(read_json(medusa_dir / CONFIG_NAME)):  # a stage-2 directory: the full base is there
-        return str(medusa_dir), True
-    return _named_base(medusa_dir, CONFIG_NAME, "--medusa")
+        return medusa_dir
+    return named_base(medusa_dir, CONFIG_NAME, "--medusa")
 
 
 def is_adapter_dir(directory: Path) -> bool:
@@ -137,11 +121,8 @@ def locate(model: str | None, medusa: str | None, adapter: str | None = None) ->
     elif model is not None:
         model_dir = resolve_model(model)
     if model_dir is None:
-        if adapter_dir is not None:
-            source, local = _named_base(adapter_dir, ADAPTER_CONFIG_NAME, "--adapter")
-        else:
-            source, local = _medusa_base_source(medusa_dir)
-        model_dir = Path(source) if local else resolve_model(source)
+        model_dir = (named_base(adapter_dir, ADAPTER_CONFIG_NAME, "--adapter") if adapter_dir is not None
+                     else _medusa_base(medusa_dir))
     places = [model_dir] + [d for d in (adapter_dir, medusa_dir) if d not in (None, model_dir)]
     tokenizer_dir = next((d for d in places if (d / "tokenizer.json").is_file()), None)
     if tokenizer_dir is None:

@@ -4,12 +4,11 @@ resuming), and ``liger-models merge-lora``."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from liger_models.hub import is_bnb_4bit, read_config, resolve_model
+from liger_models.hub import is_bnb_4bit, named_base, read_config, resolve_model
 from liger_models.lora import (add_lora, load_adapter, load_causal_lm, LoraSettings, quantize_base_, read_adapter,
                                save_merged)
 from liger_models.lora.attach import lora_state_dict
@@ -63,15 +62,8 @@ def merge_lora_command(args: argparse.Namespace) -> Path:
     """``liger-models merge-lora``: --adapter merged into its base (--model or the adapter's base_model_name_or_path),
     written with the base's tokenizer files to --out."""
     adapter = Path(args.adapter).expanduser()
-    base = args.model
-    if base is None:
-        config_path = adapter / "adapter_config.json"
-        if not config_path.is_file():
-            raise ValueError(f"--adapter {adapter}: no adapter_config.json")
-        base = json.loads(config_path.read_text(encoding="utf-8")).get("base_model_name_or_path")
-        if not base:
-            raise ValueError(f"--adapter {adapter}: adapter_config.json names no base model: give --model")
-    model_dir = resolve_model(base)
+    model_dir = (resolve_model(args.model) if args.model is not None
+                 else named_base(adapter, "adapter_config.json", "--adapter"))
     dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     model = load_base(model_dir, dtype, None, read_adapter(adapter)[0])
     if args.qlora_base:
