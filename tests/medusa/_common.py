@@ -24,10 +24,11 @@ def make_base(vocab: int = 37, hidden: int = 16, dtype=torch.float32, *, layers:
 def packed_batch(B: int, T: int, vocab: int, *, packed: bool, ignore_frac: float = 0.2):
     """Random ids / HF-aligned labels (some ignored) and position_ids restarting at random document starts.
 
-    Redrawn until some next-token target is predicted from a token past its document's first: a query that sees
-    only itself gets no gradient through the attention's softmax, so a batch whose every target sat on first tokens
-    would leave q_proj's (and k_proj's) gradient exactly zero, which no relative tolerance can check (CI seed
-    1440773675 drew one)."""
+    Redrawn until some next-token target is predicted from a query that sees two different tokens of its document:
+    the attention's softmax passes no gradient to a query whose keys and values are all alike (it sees only itself,
+    or a document such as [3, 3]), so a batch whose every target sat on such a query would leave q_proj's (and
+    k_proj's) gradient exactly zero, which no relative tolerance can check (CI seeds 1440773675 and 1835088267 drew
+    one each)."""
     while True:
         ids = torch.randint(0, vocab, (B, T))
         labels = ids.clone()
@@ -37,8 +38,16 @@ def packed_batch(B: int, T: int, vocab: int, *, packed: bool, ignore_frac: float
             for b in range(B):
                 for start in sorted(torch.randperm(T - 2)[:2].add(1).tolist()):
                     pos[b, start:] = torch.arange(T - start)
-        if ((reference_targets(labels, 1, pos) != IGNORE) & (pos > 0)).any():
+        if some_target_attends(ids, reference_targets(labels, 1, pos), pos):
             return ids, labels, pos
+
+
+def some_target_attends(ids: torch.Tensor, targets: torch.Tensor, pos: torch.Tensor) -> bool:
+    """Whether some non-ignored target is predicted from a query whose document so far holds two different tokens,
+    so that the attention's q/k gradients carry signal (see packed_batch)."""
+    B, T = ids.shape
+    return any(targets[b, t] != IGNORE and ids[b, t - pos[b, t]:t + 1].unique().numel() > 1
+               for b in range(B) for t in range(T))
 
 
 def reference_targets(labels: torch.Tensor, shift: int, pos: torch.Tensor | None) -> torch.Tensor:

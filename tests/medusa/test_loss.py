@@ -14,7 +14,8 @@ from liger_models.kernels._dispatch import use_triton
 from liger_models.medusa import (MedusaConfig, MedusaHeads, MedusaModel, medusa_head_weights, medusa_loss,
                                  medusa_target_counts, schedule_factor)
 from tests.helpers import INTERPRETER_ONLY, assert_matches, rel_l2
-from tests.medusa._common import IGNORE, float64_copies, make_base, packed_batch, reference_loss, reference_targets
+from tests.medusa._common import (IGNORE, float64_copies, make_base, packed_batch, reference_loss, reference_targets,
+                                  some_target_attends)
 
 V, H = 37, 16
 
@@ -326,10 +327,11 @@ def _contract_targets(labels: torch.Tensor, shift: int, pos: torch.Tensor | None
 
 def _random_batch(B: int, T: int, *, packed: bool, ignore_frac: float = 0.25):
     """Random ids, labels (a quarter ignored) and position ids (1-2 documents starting mid-row when packed), drawn
-    again until some base-CE target sits past a document's first token. Otherwise every token with a target sees only
-    itself, attention's softmax has one key per such row, and the base's q/k gradients are zero by cancellation (float64
-    leaves 1e-16): an fp32 bound relative to that checks nothing and fails on fp32's 1e-8 (seed 1848400554). Packed
-    rows of 3 tokens are three one-token documents by construction, their q/k gradients exactly zero."""
+    again until some base-CE target is predicted from a query that sees two different tokens. Otherwise every such
+    query's keys and values are alike (it sees only itself, or a document like [3, 3]), attention's softmax passes it
+    no gradient, and the base's q/k gradients are zero by cancellation (float64 leaves 1e-16): an fp32 bound relative
+    to that checks nothing and fails on fp32's 1e-8 (seed 1848400554). Packed rows of 3 tokens are three one-token
+    documents by construction, their q/k gradients exactly zero."""
     attends = T > 3 if packed else T > 1  # whether a row can hold a token that sees another
     for _ in range(100):
         ids = torch.randint(0, V, (B, T))
@@ -339,9 +341,9 @@ def _random_batch(B: int, T: int, *, packed: bool, ignore_frac: float = 0.25):
             for b in range(B):
                 for start in sorted(torch.randperm(T - 1)[:2].add(1).tolist()):
                     pos[b, start:] = torch.arange(T - start)
-        if not attends or ((_contract_targets(labels, 1, pos) != IGNORE) & (pos > 0)).any():
+        if not attends or some_target_attends(ids, _contract_targets(labels, 1, pos), pos):
             return ids, labels, (pos if packed else None)
-    raise AssertionError(f"no batch of {B}×{T} with a target past a document start in 100 draws")
+    raise AssertionError(f"no batch of {B}×{T} with a target whose query sees two different tokens in 100 draws")
 
 
 def _materialised_reference(model, ids, labels, pos, sched: float):
