@@ -65,16 +65,44 @@ _OWN_OUTPUT = re.compile(rf"^(config\.json|{re.escape(SAFE_WEIGHTS)}|{re.escape(
                          r"model-\d{5}-of-\d{5}\.safetensors)$")
 
 
+# A training run keeps its checkpoints as <output-dir>/checkpoints/step_NNNNNN/, and in that root a text file of this
+# name holding the newest one's directory name (train/checkpointing.py writes it).
+CHECKPOINT_POINTER = "latest"
+
+
+def _pointed_checkpoint(root: Path) -> Path | None:
+    """The checkpoint directory that ``root``'s pointer file names, when there is one."""
+    pointer = root / CHECKPOINT_POINTER
+    if not pointer.is_file():
+        return None
+    named = root / pointer.read_text(encoding="utf-8").strip()
+    return named if named.name and named.is_dir() else None
+
+
+def newest_run_checkpoint(path: Path) -> str:
+    """For an error about a path that is no checkpoint: when it is a training run's output directory, its
+    checkpoints root or the pointer file in that root, the words naming the newest checkpoint to pass instead (else
+    "")."""
+    if path.is_file():
+        named = _pointed_checkpoint(path.parent) if path.name == CHECKPOINT_POINTER else None
+        what = "is a training run's pointer to its newest checkpoint"
+    else:
+        named = _pointed_checkpoint(path) or _pointed_checkpoint(path / "checkpoints")
+        what = "holds a training run's checkpoints"
+    return "" if named is None else f"; it {what}, the newest is {str(named)!r}: pass that"
+
+
 def resolve_dir(path: str | Path) -> Path:
-    """An existing checkpoint directory with a config.json, or a clear error."""
+    """An existing checkpoint directory with a config.json, or a clear error. A training run's output directory,
+    its checkpoints root or the pointer file in it is answered with the newest checkpoint's path to pass instead."""
     path = Path(path).expanduser()
     if path.is_file():  # e.g. .../model.safetensors: "does not exist" would be wrong
-        raise NotADirectoryError(f"{str(path)!r} is a file; pass the checkpoint directory that holds it "
-                                 f"({str(path.parent)!r})")
+        raise NotADirectoryError(f"{str(path)!r} is a file" + (newest_run_checkpoint(path) or (
+            f"; pass the checkpoint directory that holds it ({str(path.parent)!r})")))
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist (for a Hub repo use from_hub)")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {str(path)!r}")
+        raise FileNotFoundError(f"no config.json in {str(path)!r}{newest_run_checkpoint(path)}")
     return path
 
 
@@ -399,7 +427,7 @@ def named_base(directory: Path, config_name: str, flag: str) -> Path:
     directory moved as a whole), else a Hub id's snapshot. ``flag`` names the option in errors."""
     config = directory / config_name
     if not config.is_file():
-        raise ValueError(f"{flag} {directory}: no {config_name}")
+        raise ValueError(f"{flag} {directory}: no {config_name}{newest_run_checkpoint(directory)}")
     base = read_json_object(config).get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{flag} {directory}: its {config_name} names no base_model_name_or_path; pass --model")

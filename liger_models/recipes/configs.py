@@ -24,6 +24,7 @@ from typing import ClassVar, Sequence, TypeVar
 
 import torch
 
+from liger_models.hub import newest_run_checkpoint
 from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
 from liger_models.medusa.config import check_scheduler
 from liger_models.medusa.vllm_format import VLLM_WEIGHTS_NAME
@@ -273,8 +274,9 @@ def check_heads_dir(path: Path, flag: str) -> None:
     if not any((path / name).is_file() for name in files):
         missing.append(" (or ".join(files) + ")" * (len(files) - 1))
     if missing:
-        raise FileNotFoundError(f"{flag} {path}: no Medusa heads there (missing {' and '.join(missing)}); "
-                                "give a directory written by train-medusa, e.g. a stage-1 checkpoint")
+        raise FileNotFoundError(f"{flag} {path}: no Medusa heads there (missing {' and '.join(missing)})"
+                                f"{newest_run_checkpoint(path)}; give a directory written by train-medusa, e.g. a "
+                                "stage-1 checkpoint")
 
 
 # ------------------------------------------------------------------------------------------------ decoding
@@ -329,7 +331,7 @@ class DecodingConfig(_Loading):
             check_heads_dir(Path(self.medusa).expanduser(), "--medusa")
         if self.adapter is not None and not (Path(self.adapter).expanduser() / "adapter_config.json").is_file():
             raise ValueError(f"--adapter {self.adapter}: no adapter_config.json there (a PEFT adapter directory, as "
-                             "`train --lora-r` checkpoints are)")
+                             f"`train --lora-r` checkpoints are){newest_run_checkpoint(Path(self.adapter).expanduser())}")
         self._check_decoding_options()
 
     def _check_decoding_options(self) -> None:

@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from liger_models import atomic
+from liger_models.hub import CHECKPOINT_POINTER
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "checkpoint_manifest.json"
@@ -147,7 +148,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    write_text_atomic(root / "latest", final.name + "\n")
+    write_text_atomic(root / CHECKPOINT_POINTER, final.name + "\n")
     if keep_last:
         up_to_here = [p for p in list_checkpoints(root) if _step_of(p) <= step]
         for old in up_to_here[:-keep_last]:
@@ -196,7 +197,7 @@ def find_latest(root: str | os.PathLike) -> Path | None:
     root = Path(root)
     if root.is_dir():
         _finish_interrupted(root)
-    pointer = root / "latest"
+    pointer = root / CHECKPOINT_POINTER
     if pointer.is_file():
         candidate = root / pointer.read_text(encoding="utf-8").strip()
         if (candidate / STATE_FILE).is_file():
@@ -346,7 +347,7 @@ def _candidates(root: Path) -> list[Path]:
     first (without a valid ``latest``: every complete one, newest first). Steps after the one ``latest`` names were
     left by a run that a later one went back on (it resumed from before them): not where this run stands."""
     complete = list_checkpoints(root)
-    pointer = root / "latest"
+    pointer = root / CHECKPOINT_POINTER
     named = root / pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
     if named is None or not _STEP_DIR.match(named.name) or not named.is_dir():
         return complete[::-1]

@@ -184,3 +184,31 @@ def test_native_params(tmp_path, capsys):
     _json_file(src / "params.json", '{"dim": 4096,\n "n_layers": }')
     line = _fails(["convert-native", str(src), str(tmp_path / "out")], capsys)
     assert f"{src / 'params.json'}" in line and "not valid JSON: Expecting value at line 2 column 14" in line
+
+
+def test_a_training_runs_directories_where_a_checkpoint_is_wanted_name_its_newest(model, tmp_path, capsys):
+    """A run's output directory, its checkpoints root or the `latest` pointer file in it, given where a checkpoint
+    is wanted (--model, --adapter, --medusa), is refused with the path of the newest checkpoint, and that path
+    works."""
+    from tests.helpers import shakespeare
+
+    data = _json_file(tmp_path / "data.txt", shakespeare(3_000))
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(model), "--data", str(data), "--output-dir", str(run), "--seq-len", "32",
+                 "--batch-size", "2", "--max-steps", "2", "--save-every", "1", "--quiet", "--no-data-cache",
+                 "--device", "cpu", "--lora-r", "4"]) == 0
+    capsys.readouterr()
+    newest = run / "checkpoints" / "step_000002"
+    named = f"the newest is '{newest}': pass that"
+    for wrong in (run, run / "checkpoints"):
+        assert _generate(wrong, tmp_path, capsys).endswith(f"no config.json in '{wrong}'; it holds a training run's "
+                                                           f"checkpoints, {named}")
+        assert named in _generate(model, tmp_path, capsys, "--adapter", str(wrong))
+        assert named in _generate(model, tmp_path, capsys, "--medusa", str(wrong))
+        assert named in _fails(["merge-lora", "--adapter", str(wrong), "--out", str(tmp_path / "merged")], capsys)
+    pointer = run / "checkpoints" / "latest"
+    assert _generate(pointer, tmp_path, capsys).endswith(
+        f"'{pointer}' is a file; it is a training run's pointer to its newest checkpoint, {named}")
+    assert named in _generate(model, tmp_path, capsys, "--adapter", str(pointer))
+    assert main(["generate", "--model", str(newest), "--prompt", "ROMEO:", "--max-new-tokens", "2", "--device",
+                 "cpu"]) == 0
