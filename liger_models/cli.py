@@ -305,6 +305,10 @@ def _add_decoding(p: argparse.ArgumentParser, chat_only: bool) -> None:
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter (a `train --lora-r` checkpoint) on the base: --model, else the one "
                         "its adapter_config.json names (--model DIR of an adapter alone does the same)")
+    p.add_argument("--qlora-base", action="store_true",
+                   help="quantise the base to NF4 as it loads (double quantisation, as `train --qlora` does): a "
+                        "--qlora adapter decodes on the base it trained against, in about a quarter of the base's "
+                        "memory")
     when = "" if chat_only else "--chat: "
     p.add_argument("--system", default=None, help=f"{when}a system turn opening the conversation")
     p.add_argument("--chat-template", default=None if not chat_only else "auto", choices=("auto", "model", "simple"),

@@ -310,6 +310,7 @@ class DecodingConfig(_Loading):
     model: str | None = None  # model directory or Hub id (None: the base --medusa's config names, or a stage-2 dir)
     medusa: str | os.PathLike | None = None  # Medusa heads (train-medusa, Medusa/TGI or vLLM format) or a stage-2 dir
     adapter: str | os.PathLike | None = None  # a PEFT LoRA adapter directory, attached to the base
+    qlora_base: bool = False  # the base quantised to NF4 as it loads (what a --qlora adapter trained against)
     system: str | None = None  # a system turn opening the conversation
     chat_template: str | None = "auto"  # auto | model | simple (None: auto)
     max_new_tokens: int | None = None  # ≥ 1 (None: generation_config.json's budget, else 32)

@@ -9,7 +9,8 @@ vLLM layout) or a stage-2 directory (base + heads). Without ``--model`` the base
 (stage 2) or from their config's ``base_model_name_or_path``. ``--adapter`` attaches a PEFT LoRA adapter (a
 `train --lora-r` checkpoint, or one trained with HF + PEFT) to the base, unmerged: the model training computed;
 ``--model`` given an adapter directory alone does the same with the base its adapter_config.json names. The model
-may be a bitsandbytes 4-bit checkpoint (its NF4 base, ``load_causal_lm``). The tokenizer is the model's
+may be a bitsandbytes 4-bit checkpoint (its NF4 base, ``load_causal_lm``); ``--qlora-base`` quantises a dense base to
+NF4 as it loads, as ``train --qlora`` does, so that a QLoRA adapter decodes on the base it trained against. The tokenizer is the model's
 ``tokenizer.json``, else the one training copies next to the adapter or the heads.
 
 Prompts: each ``--prompt`` / ``--prompt-file`` is decoded on its own, so each time is that prompt's alone, or with
@@ -46,9 +47,9 @@ from pathlib import Path
 
 import torch
 
-from liger_models.hub import load_tokenizer, named_base, resolve_model
+from liger_models.hub import is_bnb_4bit, load_tokenizer, named_base, read_config, resolve_model
 from liger_models.input_files import read_text
-from liger_models.lora import load_adapter, load_causal_lm
+from liger_models.lora import load_adapter, load_causal_lm, quantize_base_
 from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
@@ -130,10 +131,17 @@ def locate(model: str | None, medusa: str | None, adapter: str | None = None) ->
     return Sources(model_dir, medusa_dir, tokenizer_dir, adapter_dir)
 
 
-def load_models(sources: Sources, dtype: torch.dtype | None, device: torch.device, *, load_tree: bool = True):
+def load_models(sources: Sources, dtype: torch.dtype | None, device: torch.device, *, load_tree: bool = True,
+                qlora_base: bool = False):
     """(base model, MedusaModel or None), in eval mode, the adapter attached to the base when there is one;
-    ``load_tree``: the heads' calibrated tree too."""
+    ``load_tree``: the heads' calibrated tree too; ``qlora_base``: the base quantised to NF4 first, as `train
+    --qlora` quantises it (refused for a checkpoint stored in 4 bits, already NF4)."""
+    if qlora_base and is_bnb_4bit(read_config(sources.model_dir)):
+        raise ValueError(f"--qlora-base: {sources.model_dir} is a bitsandbytes 4-bit checkpoint, which loads as an NF4 "
+                         "base already")
     base = load_causal_lm(sources.model_dir, dtype=dtype, device=device).eval()
+    if qlora_base:
+        quantize_base_(base)
     if sources.adapter_dir is not None:
         load_adapter(base, sources.adapter_dir)
     if sources.medusa_dir is None:
@@ -270,7 +278,7 @@ def open_decoder(config: DecodingConfig, sources: Sources, tokenizer, log, *, ro
     per call, ``tree_tokens``: the tree's cut per call (GenerateConfig's; chat decodes one row: nothing to cut)."""
     device, dtype = config.device_and_dtype()
     sampling, plain_sampling = config.sampling_settings(config.medusa is not None)
-    base, medusa = load_models(sources, dtype, device, load_tree=not config.default_tree)
+    base, medusa = load_models(sources, dtype, device, load_tree=not config.default_tree, qlora_base=config.qlora_base)
     choices = None
     tree_tokens = TREE_TOKENS if tree_tokens is None else tree_tokens
     if medusa is not None:

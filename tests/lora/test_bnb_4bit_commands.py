@@ -108,10 +108,10 @@ def test_medusa_stage2_through_adapters_equals_qlora_on_the_unquantised_checkpoi
     assert "bitsandbytes 4-bit checkpoint" in capsys.readouterr().err
 
 
-def _lora_checkpoint(model, data, out):
+def _lora_checkpoint(model, data, out, *extra):
     """A 2-step `train --lora-r` run's last checkpoint: a PEFT adapter directory with the tokenizer files."""
     assert main(["train", "--model", str(model), "--data", str(data), "--output-dir", str(out), *RUN[:-2],
-                 "--lora-r", "4", "--lora-alpha", "8"]) == 0
+                 "--lora-r", "4", "--lora-alpha", "8", *extra]) == 0
     return out / "checkpoints" / ckpt.step_dir_name(2)
 
 
@@ -146,3 +146,29 @@ def test_generate_with_an_adapter_trained_on_a_bitsandbytes_checkpoint(base_and_
     ids = torch.tensor([result.prompt_ids])
     expected = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
     assert result.decoded.new_ids == expected and len(expected) == 12
+
+
+def test_generate_on_the_qlora_base_a_qlora_adapter_trained_against(base_and_data, bnb, tmp_path, capsys):
+    """`generate --qlora-base` quantises the dense base to NF4 as `train --qlora` did: a --qlora adapter decodes as
+    Python's quantize_base_ + load_adapter model does, and as on the bitsandbytes 4-bit save of the same base; a
+    4-bit checkpoint, NF4 already, is refused the option."""
+    from liger_models.lora import load_adapter, quantize_base_
+    from liger_models.recipes.decoding import load_models, locate
+
+    base, data = base_and_data
+    adapter = _lora_checkpoint(base, data, tmp_path / "run", "--qlora")
+    [result] = _generate(["--model", str(adapter), "--qlora-base"])
+    [on_bnb] = _generate(["--model", str(bnb), "--adapter", str(adapter)])
+    model = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
+    quantize_base_(model)
+    load_adapter(model, adapter)
+    ids = torch.tensor([result.prompt_ids])
+    expected = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert result.decoded.new_ids == on_bnb.decoded.new_ids == expected and len(expected) == 12
+    loaded, _ = load_models(locate(str(adapter), None), torch.float32, torch.device("cpu"), qlora_base=True)
+    quantised = [m for m in loaded.modules() if isinstance(m, LoraLinear) and m.quant is not None]
+    assert len(quantised) == 7 * loaded.config.num_hidden_layers and all(m.lora_A is not None for m in quantised)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(bnb), "--qlora-base", "--prompt", "x", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--qlora-base: " in err and "bitsandbytes 4-bit checkpoint, which loads as an NF4 base already" in err
