@@ -65,6 +65,7 @@ _OWN_OUTPUT = re.compile(rf"^(config\.json|{re.escape(SAFE_WEIGHTS)}|{re.escape(
                          r"model-\d{5}-of-\d{5}\.safetensors)$")
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter directory (liger_models.lora writes them)
 # A training run keeps its checkpoints as <output-dir>/checkpoints/step_NNNNNN/, and in that root a text file of this
 # name holding the newest one's directory name (train/checkpointing.py writes it).
 CHECKPOINT_POINTER = "latest"
@@ -102,6 +103,12 @@ def resolve_dir(path: str | Path) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist (for a Hub repo use from_hub)")
     if not (path / "config.json").is_file():
+        if (path / ADAPTER_CONFIG).is_file():  # a `train --lora-r` checkpoint, or HF + PEFT's save_pretrained
+            raise FileNotFoundError(
+                f"no config.json in {str(path)!r}: it holds a LoRA adapter ({ADAPTER_CONFIG}), not a model. Decode "
+                f"with it through `liger-models generate --model {path}`, or merge it into its base with "
+                f"`liger-models merge-lora --adapter {path} --out DIR` and pass DIR (from Python: load the base, then "
+                "liger_models.lora.load_adapter)")
         raise FileNotFoundError(f"no config.json in {str(path)!r}{newest_run_checkpoint(path)}")
     return path
 

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from liger_models import atomic
-from liger_models.hub import save_state_dict
+from liger_models.hub import ADAPTER_CONFIG, save_state_dict
 from liger_models.modules.lora_embedding import LoraEmbedding
 from liger_models.modules.lora_experts import LoraExperts
 from liger_models.modules.lora_linear import LoraLinear
@@ -40,7 +40,7 @@ from .config import ROUTER_WEIGHT, LoraSettings, moe_blocks, modules_to_save
 from .per_expert_adapters import convert_per_expert
 
 PREFIX = "base_model.model."
-CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
+CONFIG_NAME, WEIGHTS_NAME = ADAPTER_CONFIG, "adapter_model.safetensors"
 # What an adapter's own tensors' keys end with (LoRA A / B of a linear or of the embedding table, DoRA's magnitude).
 _ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_embedding_A", ".lora_embedding_B")
 _MAGNITUDE = ".lora_magnitude_vector"

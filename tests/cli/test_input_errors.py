@@ -189,7 +189,7 @@ def test_native_params(tmp_path, capsys):
 def test_a_training_runs_directories_where_a_checkpoint_is_wanted_name_its_newest(model, tmp_path, capsys):
     """A run's output directory, its checkpoints root or the `latest` pointer file in it, given where a checkpoint
     is wanted (--model, --adapter, --medusa), is refused with the path of the newest checkpoint, and that path
-    works."""
+    works; that LoRA checkpoint, given where a whole model is wanted, is refused with what to do instead."""
     from tests.helpers import shakespeare
 
     data = _json_file(tmp_path / "data.txt", shakespeare(3_000))
@@ -212,3 +212,9 @@ def test_a_training_runs_directories_where_a_checkpoint_is_wanted_name_its_newes
     assert named in _generate(model, tmp_path, capsys, "--adapter", str(pointer))
     assert main(["generate", "--model", str(newest), "--prompt", "ROMEO:", "--max-new-tokens", "2", "--device",
                  "cpu"]) == 0
+    # The LoRA checkpoint itself where a whole model is wanted: what to do with an adapter instead.
+    capsys.readouterr()
+    assert _train(newest, data, tmp_path, capsys).endswith(
+        f"no config.json in '{newest}': it holds a LoRA adapter (adapter_config.json), not a model. Decode with it "
+        f"through `liger-models generate --model {newest}`, or merge it into its base with `liger-models merge-lora "
+        f"--adapter {newest} --out DIR` and pass DIR (from Python: load the base, then liger_models.lora.load_adapter)")
