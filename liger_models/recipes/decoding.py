@@ -57,6 +57,7 @@ from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, read_j
 from liger_models.medusa.tree import TREE_TOKENS, default_medusa_choices, tree_for_batch
 from liger_models.modules.generate import Settings, eos_token_ids, pad_token, stop_strings_of
 from liger_models.recipes.configs import CalibrateConfig, DecodingConfig, GenerateConfig
+from liger_models.recipes.lora import dense_base_note
 from liger_models.text.chat import chat_template_note, render_generation_prompt
 from liger_models.text.documents import load_documents
 from liger_models.text.tokenize import tokenize_chunk
@@ -279,6 +280,9 @@ def open_decoder(config: DecodingConfig, sources: Sources, tokenizer, log, *, ro
     device, dtype = config.device_and_dtype()
     sampling, plain_sampling = config.sampling_settings(config.medusa is not None)
     base, medusa = load_models(sources, dtype, device, load_tree=not config.default_tree, qlora_base=config.qlora_base)
+    note = dense_base_note(sources.adapter_dir, config.qlora_base or is_bnb_4bit(read_config(sources.model_dir)))
+    if note is not None:
+        print(note, file=log, flush=True)
     choices = None
     tree_tokens = TREE_TOKENS if tree_tokens is None else tree_tokens
     if medusa is not None:

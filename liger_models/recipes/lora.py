@@ -4,6 +4,7 @@ resuming), and ``liger-models merge-lora``."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from liger_models.lora import (add_lora, load_adapter, load_causal_lm, LoraSetti
                                save_merged)
 from liger_models.lora.attach import lora_state_dict
 from liger_models.recipes import training as T
+from liger_models.train import checkpointing as ckpt
 
 
 def lora_settings(config):
@@ -58,6 +60,27 @@ def attach(model, settings, qlora: bool, resume: Path | None) -> None:
                 param.copy_(tensors[key])
 
 
+def trained_on_nf4(adapter: Path) -> bool:
+    """Whether ``adapter`` is a checkpoint of a `--qlora` run, as its trainer_state.pt records: its adapters trained
+    against dequant(NF4(base)), not the dense base. False for an adapter saved elsewhere (no trainer_state.pt)."""
+    if not (adapter / ckpt.STATE_FILE).is_file():
+        return False
+    try:
+        lora = (ckpt.load_trainer_state(adapter, mmap=True).get("settings") or {}).get("lora")
+    except ValueError:  # unreadable: the adapter files are what counts here; resuming from it says what is wrong
+        return False
+    return isinstance(lora, dict) and bool(lora.get("qlora"))
+
+
+def dense_base_note(adapter: Path | None, quantised: bool) -> str | None:
+    """The line to print when ``adapter`` trained with --qlora and goes onto a dense base (``quantised``: the base
+    is NF4, given --qlora-base or stored in 4 bits): the result is then not the model training computed."""
+    if adapter is None or quantised or not trained_on_nf4(adapter):
+        return None
+    return (f"[adapter] {adapter} trained with --qlora, against its base quantised to NF4; it goes onto the dense "
+            "base here (--qlora-base: onto the NF4 base it trained against)")
+
+
 def merge_lora_command(args: argparse.Namespace) -> Path:
     """``liger-models merge-lora``: --adapter merged into its base (--model or the adapter's base_model_name_or_path),
     written with the base's tokenizer files to --out."""
@@ -66,6 +89,9 @@ def merge_lora_command(args: argparse.Namespace) -> Path:
                  else named_base(adapter, "adapter_config.json", "--adapter"))
     dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     model = load_base(model_dir, dtype, None, read_adapter(adapter)[0])
+    note = dense_base_note(adapter, args.qlora_base or is_bnb_4bit(read_config(model_dir)))
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     if args.qlora_base:
         quantize_base_(model)
     load_adapter(model, adapter)

@@ -150,8 +150,9 @@ def test_generate_with_an_adapter_trained_on_a_bitsandbytes_checkpoint(base_and_
 
 def test_generate_on_the_qlora_base_a_qlora_adapter_trained_against(base_and_data, bnb, tmp_path, capsys):
     """`generate --qlora-base` quantises the dense base to NF4 as `train --qlora` did: a --qlora adapter decodes as
-    Python's quantize_base_ + load_adapter model does, and as on the bitsandbytes 4-bit save of the same base; a
-    4-bit checkpoint, NF4 already, is refused the option."""
+    Python's quantize_base_ + load_adapter model does, and as on the bitsandbytes 4-bit save of the same base.
+    Without the option, generate and merge-lora say that such an adapter goes onto the dense base (and say nothing
+    of a plain LoRA adapter's); a 4-bit checkpoint, NF4 already, is refused the option."""
     from liger_models.lora import load_adapter, quantize_base_
     from liger_models.recipes.decoding import load_models, locate
 
@@ -168,7 +169,19 @@ def test_generate_on_the_qlora_base_a_qlora_adapter_trained_against(base_and_dat
     loaded, _ = load_models(locate(str(adapter), None), torch.float32, torch.device("cpu"), qlora_base=True)
     quantised = [m for m in loaded.modules() if isinstance(m, LoraLinear) and m.quant is not None]
     assert len(quantised) == 7 * loaded.config.num_hidden_layers and all(m.lora_A is not None for m in quantised)
+    # Without the option the adapter goes onto the dense base, and the log says what its checkpoint records.
+    log = io.StringIO()
+    run_generate(build_parser().parse_args(["generate", "--model", str(adapter), "--prompt", "x", "--max-new-tokens",
+                                            "1", "--device", "cpu"]), out=io.StringIO(), log=log)
+    assert f"[adapter] {adapter} trained with --qlora, against its base quantised to NF4" in log.getvalue()
     capsys.readouterr()
+    assert main(["merge-lora", "--adapter", str(adapter), "--out", str(tmp_path / "merged")]) == 0
+    assert "trained with --qlora" in capsys.readouterr().err
+    assert main(["merge-lora", "--adapter", str(adapter), "--out", str(tmp_path / "merged"), "--qlora-base"]) == 0
+    assert "trained with --qlora" not in capsys.readouterr().err
+    plain = _lora_checkpoint(base, data, tmp_path / "plain")
+    assert main(["merge-lora", "--adapter", str(plain), "--out", str(tmp_path / "merged")]) == 0
+    assert "trained with --qlora" not in capsys.readouterr().err
     assert main(["generate", "--model", str(bnb), "--qlora-base", "--prompt", "x", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "--qlora-base: " in err and "bitsandbytes 4-bit checkpoint, which loads as an NF4 base already" in err
