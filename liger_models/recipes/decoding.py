@@ -280,7 +280,10 @@ def open_decoder(config: DecodingConfig, sources: Sources, tokenizer, log, *, ro
     device, dtype = config.device_and_dtype()
     sampling, plain_sampling = config.sampling_settings(config.medusa is not None)
     base, medusa = load_models(sources, dtype, device, load_tree=not config.default_tree, qlora_base=config.qlora_base)
-    note = dense_base_note(sources.adapter_dir, config.qlora_base or is_bnb_4bit(read_config(sources.model_dir)))
+    adapter = sources.adapter_dir
+    if adapter is None and sources.medusa_dir is not None and (sources.medusa_dir / ADAPTER_CONFIG_NAME).is_file():
+        adapter = sources.medusa_dir  # heads trained through an adapter of the base (stage 2), which they attach
+    note = dense_base_note(adapter, config.qlora_base or is_bnb_4bit(read_config(sources.model_dir)))
     if note is not None:
         print(note, file=log, flush=True)
     choices = None

@@ -102,6 +102,14 @@ def test_medusa_stage2_through_adapters_equals_qlora_on_the_unquantised_checkpoi
         assert a == (tmp_path / "b" / "checkpoints" / step / name).read_bytes(), name
     [result] = _generate(["--medusa", str(tmp_path / "a" / "checkpoints" / step), "--compare"])
     assert result.decoded.new_ids == result.plain.new_ids
+    # The --qlora run's heads on the base quantised as it loads: what the 4-bit checkpoint's heads decode.
+    [requantised] = _generate(["--medusa", str(tmp_path / "b" / "checkpoints" / step), "--compare", "--qlora-base"])
+    assert requantised.decoded.new_ids == requantised.plain.new_ids == result.decoded.new_ids
+    log = io.StringIO()
+    run_generate(build_parser().parse_args(["generate", "--medusa", str(tmp_path / "b" / "checkpoints" / step),
+                                            "--prompt", "x", "--max-new-tokens", "1", "--device", "cpu"]),
+                 out=io.StringIO(), log=log)
+    assert "trained with --qlora, against its base quantised to NF4; it goes onto the dense base" in log.getvalue()
     capsys.readouterr()
     assert main(["train-medusa", "--model", str(bnb), "--data", str(data), "--output-dir", str(tmp_path / "c"),
                  *RUN, "--stage", "2"]) != 0
