@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="causal-LM fine-tuning (fused linear-cross-entropy loss)",
                            description="Fine-tune a model on text or chat data with packed sequences.")
-    _add_common(train, lr_default=2e-5, lr_help="peak learning rate (default 2e-5)", out_default="runs/train")
+    _add_common(train, lr_default=None, out_default="runs/train",
+                lr_help="peak learning rate (default 2e-5; with --lora-r 2e-4, the adapters' usual rate)")
     _add_lora(train)
     train.set_defaults(func=_run_train)
 
@@ -248,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "the token k+1 ahead with loss weight lambda0·decay^k·schedule(step).")
     _add_common(medusa, lr_default=None, out_default="runs/medusa",
                 lr_help="base learning rate; heads train at lr × --head-lr-multiplier (default: 2.5e-4 in stage 1, "
-                        "i.e. heads at 1e-3; 2e-5 in stage 2)")
+                        "i.e. heads at 1e-3; 2e-5 in stage 2, 2e-4 with --lora-r)")
     medusa.add_argument("--stage", type=int, choices=(1, 2), default=1, help="1: heads only; 2: joint (default 1)")
     # None when not given: heads loaded by --init-heads or --resume must then match only the options given.
     medusa.add_argument("--num-heads", type=_positive, default=None, help="Medusa heads (default 5)")

@@ -74,7 +74,7 @@ class FinetuneConfig(_FromArgs):
     batch_size: int = 8  # ≥ 1 sequences per micro-batch per process
     grad_accum: int = 1  # ≥ 1 micro-batches per optimizer step
     max_steps: int = 1000  # ≥ 1 optimizer steps
-    lr: float | None = 2e-5  # > 0 peak learning rate
+    lr: float | None = None  # > 0 peak learning rate (None: peak_lr's default)
     warmup_steps: int | None = None  # ≥ 0 linear warmup steps, then cosine decay (None: 5% of max_steps)
     min_lr_ratio: float = 0.1  # in [0, 1]: final LR / peak LR of the cosine
     weight_decay: float = 0.0  # ≥ 0, AdamW's, on matrices only
@@ -131,6 +131,11 @@ class FinetuneConfig(_FromArgs):
             return value
 
         return {"command": self.command, **{f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}}
+
+    def peak_lr(self) -> float:
+        """--lr, else 2e-5 for the whole model, 2e-4 for LoRA adapters (their B starts at zero, and 2e-4 is the rate
+        the QLoRA recipe and most LoRA fine-tunes train them at)."""
+        return self.lr if self.lr is not None else (2e-4 if self.lora_r is not None else 2e-5)
 
     def resume_settings(self, *, dtype: str, world_size: int, lr: float) -> dict:
         """The options a resume must not change (train/run_settings.py), by their names there: ``dtype`` and ``lr``
@@ -218,7 +223,7 @@ class MedusaTrainingConfig(FinetuneConfig):
 
     command: ClassVar[str] = "train-medusa"
 
-    lr: float | None = None  # > 0 base LR; None: 2.5e-4 in stage 1 (heads at 1e-3), 2e-5 in stage 2
+    lr: float | None = None  # > 0 base LR; None: 2.5e-4 in stage 1 (heads at 1e-3), 2e-5 in stage 2 (2e-4 with lora_r)
     output_dir: str | os.PathLike = "runs/medusa"
     stage: int = 1  # 1: heads only (frozen base); 2: joint
     num_heads: int | None = None  # ≥ 1 Medusa heads (None: 5)
@@ -232,7 +237,7 @@ class MedusaTrainingConfig(FinetuneConfig):
     base_loss_weight: float | None = None  # ≥ 0 stage-2 weight of the base CE (None: 1; stage 1 has none)
 
     def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else (2.5e-4 if self.stage == 1 else 2e-5)
+        return 2.5e-4 if self.lr is None and self.stage == 1 else super().peak_lr()
 
     def resume_settings(self, *, dtype: str, world_size: int, lr: float) -> dict:
         init = self.init_heads

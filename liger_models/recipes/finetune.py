@@ -29,7 +29,7 @@ def train_causal_lm(config: FinetuneConfig | argparse.Namespace) -> T.RunResult:
     def run() -> T.RunResult:
         info, resume = T.setup(config)
         model_dir = resolve_model(config.model)
-        settings = T.settings(config, info, model_dir, resume, config.lr)
+        settings = T.settings(config, info, model_dir, resume, config.peak_lr())
         lora = lora_settings(config)
         # A LoRA checkpoint holds the adapters only: the base always comes from --model.
         source = model_dir if lora is not None else (resume or model_dir)
@@ -38,7 +38,7 @@ def train_causal_lm(config: FinetuneConfig | argparse.Namespace) -> T.RunResult:
             attach(model, lora, config.qlora, resume)
         stream, eval_data = T.data(config, model_dir, model.config.vocab_size, info)
         T.prepare(model, model.model.layers, config, info)
-        groups = decay_param_groups(model, config.lr, config.weight_decay)
+        groups = decay_param_groups(model, config.peak_lr(), config.weight_decay)
 
         def export(directory: Path, full_state: dict | None, final: Path) -> None:
             target = model if full_state is None else T.shadow_base(model, full_state)
