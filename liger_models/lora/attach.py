@@ -132,20 +132,24 @@ def nf4_weight(weight: torch.Tensor) -> NF4Weight:
 
 
 @torch.no_grad()
-def quantize_base_(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
+def quantize_base_(model: nn.Module, skip: tuple[str, ...] = (), device: torch.device | str | None = None) -> list[str]:
     """Every decoder linear (not embeddings, norms, routers or lm_head, as transformers' bitsandbytes path) and
     every mixture-of-experts stack (``experts.gate_up_proj`` / ``down_proj``, which transformers' bitsandbytes path
     leaves dense: they are most of such a model's weights) to NF4 with double quantisation, bitsandbytes' codes; the
     block scales are the double-quantised ones, expanded to fp32. Modules whose name contains an entry of ``skip``
-    stay dense. Returns the quantised names."""
+    stay dense. ``device``: where the NF4 weights are made and kept, each dense weight sent there first (the rest of
+    the model stays where it is); default, where each weight is. Returns the quantised names."""
+    def quantised(weight: torch.Tensor) -> NF4Weight:
+        return nf4_weight(weight if device is None else weight.to(device))
+
     done = []
     for name, lin in decoder_linears(model).items():
         if any(s in name for s in skip) or (isinstance(lin, LoraLinear) and lin.quant is not None):
             continue
-        quant = nf4_weight(lin.weight)
+        quant = quantised(lin.weight)
         bias = lin.bias
         if bias is not None:
-            bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+            bias = nn.Parameter(bias.detach().to(device=quant.codes.device, copy=True), requires_grad=False)
         new = LoraLinear(lin.in_features, lin.out_features, None, bias, quant=quant)
         if isinstance(lin, LoraLinear) and lin.lora_A is not None:
             new.lora_A, new.lora_B, new.lora_magnitude_vector = lin.lora_A, lin.lora_B, lin.lora_magnitude_vector
@@ -156,5 +160,5 @@ def quantize_base_(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
     for block in moe_blocks(model):
         name = f"{block}.experts"
         if not any(s in name for s in skip):
-            done += [f"{name}.{stack}" for stack in model.get_submodule(name).quantize_(nf4_weight)]
+            done += [f"{name}.{stack}" for stack in model.get_submodule(name).quantize_(quantised)]
     return done

@@ -31,7 +31,7 @@ from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 from liger_models.modules.moe import per_expert_tensors
 from liger_models.wrapped_checkpoint import OTHER_PARTS, WrappedCheckpoint
 
-from .attach import _replace, lora_modules
+from .attach import _replace, lora_modules, quantize_base_
 from .config import decoder_linears
 
 
@@ -67,10 +67,11 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
     if dtype is None:
         dtypes = {json.loads(bytes(tensors[f"{n}.weight.{QUANT_STATE_KEY}"].tolist()))["dtype"] for n in states}
         dtype = getattr(torch, dtypes.pop()) if len(dtypes) == 1 else torch.bfloat16
-    # Every weight is overwritten below: the random init must not move the caller's random stream, from which a
-    # training run draws its adapters next (the same draws whichever way the base was loaded).
+    # Built on the meta device: no dense weight of a quantised linear is ever allocated, so a 4-bit checkpoint loads
+    # into about its own size on the device, not the dense model's (an 8B base: ~6 GiB, not 16). Nothing is drawn
+    # from the caller's random stream either, from which a training run draws its adapters next.
     target = torch.device(device)
-    with torch.random.fork_rng(devices=[target.index or 0] if target.type == "cuda" else []), target:
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = cls(config).to(dtype)
     with torch.no_grad():
         for name, lin in decoder_linears(model).items():
@@ -86,6 +87,7 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
                 bias = torch.nn.Parameter(tensors[f"{name}.bias"].to(device=device, dtype=dtype), requires_grad=False)
             _replace(model, name, LoraLinear(lin.in_features, lin.out_features, None, bias,
                                              quant=NF4Weight(codes.to(device), absmax.to(device), shape, dtype)))
+        _materialise_(model, target)
         expected = model.state_dict(keep_vars=True)
         if config.tie_word_embeddings:
             expected.pop("lm_head.weight", None)
@@ -99,15 +101,36 @@ def load_bnb_4bit(path: str | Path, dtype: torch.dtype | None = None, device: st
     return model.eval()
 
 
+def _materialise_(model: torch.nn.Module, device: torch.device) -> None:
+    """Allocate on ``device``, uninitialised, every tensor of ``model`` still on the meta device (what the
+    checkpoint's tensors are copied into next), and tie the head again where the config ties it (each module's
+    tensors are allocated apart)."""
+    for module in model.modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if any(t.is_meta for t in own):
+            module.to_empty(device=device, recurse=False)
+    model.tie_weights()
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype | str | None = None,
-                   device: str | torch.device | int | None = None):
+                   device: str | torch.device | int | None = None, *, quantise: bool = False):
     """The causal LM stored at ``path`` as it is stored: a bitsandbytes 4-bit checkpoint as its NF4 base
     (``load_bnb_4bit``: it decodes, trains Medusa heads on top, and trains through adapters), any other through
-    ``AutoLigerForCausalLM.from_pretrained``. What the commands that read ``--model`` load."""
+    ``AutoLigerForCausalLM.from_pretrained``. What the commands that read ``--model`` load.
+
+    ``quantise``: a dense checkpoint's NF4 base, as ``quantize_base_`` makes it (what `--qlora` trains on), with the
+    dense weights read into host memory and sent to ``device`` one weight at a time to be quantised there: the
+    device holds the NF4 model and one dense weight at most, not the dense model (a 16 GiB 8B base fits a 12 GiB
+    card, as with bitsandbytes' load_in_4bit). A 4-bit checkpoint is NF4 already."""
     path = resolve_dir(path)
+    target = torch.device("cpu" if device is None else device)
     if is_bnb_4bit(read_config(path)):
-        return load_bnb_4bit(path, dtype=parse_dtype(dtype), device="cpu" if device is None else device)
-    return AutoLigerForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+        return load_bnb_4bit(path, dtype=parse_dtype(dtype), device=target)
+    if not quantise:
+        return AutoLigerForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+    model = AutoLigerForCausalLM.from_pretrained(path, dtype=dtype, device="cpu")
+    quantize_base_(model, device=target)
+    return model.to(target)
 
 
 def _dense(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

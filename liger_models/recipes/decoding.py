@@ -49,7 +49,7 @@ import torch
 
 from liger_models.hub import is_bnb_4bit, load_tokenizer, named_base, read_config, resolve_model
 from liger_models.input_files import read_text
-from liger_models.lora import load_adapter, load_causal_lm, quantize_base_
+from liger_models.lora import load_adapter, load_causal_lm
 from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
@@ -140,9 +140,7 @@ def load_models(sources: Sources, dtype: torch.dtype | None, device: torch.devic
     if qlora_base and is_bnb_4bit(read_config(sources.model_dir)):
         raise ValueError(f"--qlora-base: {sources.model_dir} is a bitsandbytes 4-bit checkpoint, which loads as an NF4 "
                          "base already")
-    base = load_causal_lm(sources.model_dir, dtype=dtype, device=device).eval()
-    if qlora_base:
-        quantize_base_(base)
+    base = load_causal_lm(sources.model_dir, dtype=dtype, device=device, quantise=qlora_base).eval()
     if sources.adapter_dir is not None:
         load_adapter(base, sources.adapter_dir)
     if sources.medusa_dir is None:

@@ -15,7 +15,7 @@ from liger_models.hub import resolve_model
 from liger_models.lora import save_adapter
 from liger_models.recipes import training as T
 from liger_models.recipes.configs import FinetuneConfig
-from liger_models.recipes.lora import attach, load_base, lora_settings
+from liger_models.recipes.lora import attach, load_base, lora_settings, quantises_as_it_loads
 from liger_models.train.optim import decay_param_groups
 from liger_models.train.trainer import CausalLMTask
 
@@ -33,7 +33,8 @@ def train_causal_lm(config: FinetuneConfig | argparse.Namespace) -> T.RunResult:
         lora = lora_settings(config)
         # A LoRA checkpoint holds the adapters only: the base always comes from --model.
         source = model_dir if lora is not None else (resume or model_dir)
-        model = load_base(source, T.dtype_of(config, info.device), info.device, lora)
+        model = load_base(source, T.dtype_of(config, info.device), info.device, lora,
+                          quantise=quantises_as_it_loads(config.qlora, info.world_size))
         if lora is not None:
             attach(model, lora, config.qlora, resume)
         stream, eval_data = T.data(config, model_dir, model.config.vocab_size, info)

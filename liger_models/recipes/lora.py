@@ -29,14 +29,21 @@ def lora_settings(config):
 
 
 def load_base(path: Path, dtype: torch.dtype | None, device, lora: LoraSettings | None, *,
-              trains_base: bool = True):
-    """``--model``'s model as stored (``load_causal_lm``). A bitsandbytes 4-bit checkpoint (what QLoRA users
-    download) is an NF4 base, which trains through adapters only: a run that trains the base (``trains_base``: not
-    Medusa's stage 1) without ``lora`` is refused by name."""
+              trains_base: bool = True, quantise: bool = False):
+    """``--model``'s model as stored (``load_causal_lm``; ``quantise``: its NF4 base, quantised as it loads). A
+    bitsandbytes 4-bit checkpoint (what QLoRA users download) is an NF4 base, which trains through adapters only: a
+    run that trains the base (``trains_base``: not Medusa's stage 1) without ``lora`` is refused by name."""
     if trains_base and lora is None and is_bnb_4bit(read_config(path)):
         raise ValueError(f"--model {path} is a bitsandbytes 4-bit checkpoint, whose NF4 weights train through "
                          "adapters only: give --lora-r (or train the unquantized checkpoint in full)")
-    return load_causal_lm(path, dtype=dtype, device=device)
+    return load_causal_lm(path, dtype=dtype, device=device, quantise=quantise)
+
+
+def quantises_as_it_loads(qlora: bool, world_size: int) -> bool:
+    """Whether a --qlora run loads its base already quantised (``load_causal_lm``'s ``quantise``): in one process.
+    Under torchrun every rank would hold a dense copy in host memory at once (8 × 16 GiB for an 8B base on 8 GPUs),
+    so there each quantises the base it loads onto its own GPU (``attach``)."""
+    return qlora and world_size == 1
 
 
 def _names(text: str) -> list[str]:
@@ -88,12 +95,10 @@ def merge_lora_command(args: argparse.Namespace) -> Path:
     model_dir = (resolve_model(args.model) if args.model is not None
                  else named_base(adapter, "adapter_config.json", "--adapter"))
     dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    model = load_base(model_dir, dtype, None, read_adapter(adapter)[0])
+    model = load_base(model_dir, dtype, None, read_adapter(adapter)[0], quantise=args.qlora_base)
     note = dense_base_note(adapter, args.qlora_base or is_bnb_4bit(read_config(model_dir)))
     if note is not None:
         print(note, file=sys.stderr, flush=True)
-    if args.qlora_base:
-        quantize_base_(model)
     load_adapter(model, adapter)
     out = Path(args.out).expanduser()
     save_merged(model, out, dtype=dtype)

@@ -17,12 +17,12 @@ from liger_models.hub import resolve_model
 from liger_models.medusa import MedusaHeads, MedusaModel
 from liger_models.recipes import training as T
 from liger_models.recipes.configs import MedusaTrainingConfig
-from liger_models.recipes.lora import attach, load_base, lora_settings
+from liger_models.recipes.lora import attach, load_base, lora_settings, quantises_as_it_loads
 from liger_models.train.trainer import MedusaTask
 
 
 def _medusa_model(config: MedusaTrainingConfig, model_dir: Path, dtype, device, resume: Path | None,
-                  lora) -> MedusaModel:
+                  lora, world_size: int) -> MedusaModel:
     def with_this_runs_loss(medusa):
         # The loss settings are this run's (stage 2 usually changes the schedule), not the saved heads', whether the
         # heads come from --init-heads or from the checkpoint being resumed (which saved the same settings). So is
@@ -53,7 +53,8 @@ def _medusa_model(config: MedusaTrainingConfig, model_dir: Path, dtype, device, 
         return loaded(medusa, "--resume", resume)
     # Stage 1 trains heads on a frozen base, so a bitsandbytes 4-bit --model serves as it is; stage 2 trains it
     # through adapters only.
-    base = load_base(model_dir, dtype, device, lora, trains_base=config.stage == 2)
+    base = load_base(model_dir, dtype, device, lora, trains_base=config.stage == 2,
+                     quantise=lora is not None and quantises_as_it_loads(config.qlora, world_size))
     if lora is not None:  # adapters on --model's base, as the checkpoint being resumed saved them
         attach(base, lora, config.qlora, resume)
     heads_dir = resume or config.init_heads
@@ -80,7 +81,8 @@ def train_medusa(config: MedusaTrainingConfig | argparse.Namespace) -> T.RunResu
         lr = config.peak_lr()
         settings = T.settings(config, info, model_dir, resume, lr)
         lora = lora_settings(config)
-        medusa = _medusa_model(config, model_dir, T.dtype_of(config, info.device), info.device, resume, lora)
+        medusa = _medusa_model(config, model_dir, T.dtype_of(config, info.device), info.device, resume, lora,
+                               info.world_size)
         stream, eval_data = T.data(config, model_dir, medusa.config.vocab_size, info)
         T.prepare(medusa, medusa.base.model.layers, config, info, more_units=medusa.heads)
         # --weight-decay is on matrices only, as for the causal LM: not on the heads' biases nor the base's norms.

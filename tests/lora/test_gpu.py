@@ -162,3 +162,30 @@ def test_expert_adapters_in_grouped_mm_bf16_on_the_gpu():
     names = ("x", "weights", "gate_up", "down", "a1", "b1", "a2", "b2")
     for name, mine, truth, low in zip(names, ours_grads, exact_grads, eager_grads):
         assert_matches(mine.cpu(), truth, eager=low.cpu(), name=f"d {name}")
+
+
+def test_nf4_bases_load_onto_the_gpu_without_the_dense_weights(tmp_path):
+    """A bitsandbytes 4-bit checkpoint, and a dense one quantised as it loads (what --qlora and --qlora-base do in one
+    process), reach the GPU without its ever holding the dense weights of the linears made NF4: the memory allocated
+    while loading peaks under half their bf16 bytes (the NF4 codes and scales are ~28% of them), where loading the
+    dense model first took them all."""
+    from liger_models import LigerLlamaForCausalLM, LlamaConfig
+    from liger_models.lora import load_causal_lm, save_bnb_4bit
+
+    config = LlamaConfig.tiny(vocab_size=256, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                              num_attention_heads=16, num_key_value_heads=16, head_dim=64)
+    model = LigerLlamaForCausalLM.from_config(config, dtype=torch.bfloat16)
+    dense = sum(p.numel() * 2 for n, p in model.named_parameters() if ".layers." in n and n.endswith("proj.weight"))
+    model.save_pretrained(tmp_path / "dense")
+    save_bnb_4bit(model, tmp_path / "bnb")
+    del model
+    for source, quantise in (("bnb", False), ("dense", True)):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        loaded = load_causal_lm(tmp_path / source, device="cuda", quantise=quantise)
+        peak = torch.cuda.max_memory_allocated() - start
+        assert any(getattr(m, "quant", None) is not None for m in loaded.modules())
+        assert peak < 0.5 * dense, (source, peak, dense)
+        del loaded

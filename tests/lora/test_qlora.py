@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
+from liger_models import AutoLigerForCausalLM
 from liger_models.lora import load_bnb_4bit, lora_modules, lora_state_dict, quantize_base_, save_bnb_4bit, save_merged
 from liger_models.modules.lora_linear import LoraLinear
 from liger_models.train.optim import decay_param_groups
@@ -206,3 +210,61 @@ def test_a_model_already_in_nf4_saves_as_a_bnb_checkpoint_as_it_is(family, tmp_p
     with_adapters(ours, "llama", "attention")
     with pytest.raises(ValueError, match="carries LoRA adapters"):
         save_bnb_4bit(ours, tmp_path / "again")
+
+
+# The peak resident memory of one load in a fresh process: /proc's VmHWM (the high-water mark of this address space;
+# getrusage's ru_maxrss would carry the parent's across exec) against the resident size before it.
+_PEAK_OF_A_LOAD = """
+import sys, torch
+from liger_models.lora import load_bnb_4bit
+def kib(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+before = kib("VmRSS")
+model = load_bnb_4bit(sys.argv[1], dtype=torch.float32)
+print((kib("VmHWM") - before) * 1024)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_bnb_checkpoint_loads_without_the_dense_model_in_memory(tmp_path):
+    """The loader never allocates the dense weights of the linears it fills with NF4 codes: the peak memory of a
+    load (a fresh process, host memory) stays well under the dense fp32 weights of those linears (300 MB here),
+    where building the dense model first took them all, as it would take a GPU's memory."""
+    from liger_models import LlamaConfig, LigerLlamaForCausalLM
+
+    config = LlamaConfig.tiny(vocab_size=256, hidden_size=768, intermediate_size=3072, num_hidden_layers=8,
+                              num_attention_heads=12, num_key_value_heads=12, head_dim=64)
+    model = LigerLlamaForCausalLM.from_config(config)
+    dense = sum(m.weight.numel() * 4 for n, m in model.named_modules() if n.endswith(("proj",)) and
+                hasattr(m, "weight") and m.weight is not None and "layers" in n)
+    save_bnb_4bit(model, tmp_path / "bnb")
+    del model
+    peak = subprocess.run([sys.executable, "-c", _PEAK_OF_A_LOAD, str(tmp_path / "bnb")], capture_output=True,
+                          text=True, check=True, cwd=Path(__file__).resolve().parents[2])
+    assert int(peak.stdout.split()[-1]) < 0.5 * dense, (peak.stdout, dense)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
+def test_quantised_as_it_loads_is_the_base_quantised_after(family, tmp_path):
+    """load_causal_lm(quantise=True), the dense weights sent one at a time to be quantised: the same NF4 codes and
+    scales (experts' stacks too), biases and logits as quantize_base_ on the model loaded whole."""
+    from liger_models.lora import load_causal_lm
+
+    if family == "qwen3_moe":
+        import liger_models
+        from liger_models.auto import model_class
+
+        directory = tmp_path / family
+        model_class(family).from_config(liger_models.Qwen3MoeConfig.tiny()).save_pretrained(directory)
+        ours = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    else:
+        _, ours, directory = pair(family, tmp_path)
+    loaded = load_causal_lm(directory, dtype=torch.float32, device="cpu", quantise=True)
+    quantize_base_(ours)
+    mine, theirs = dict(loaded.named_parameters()), dict(ours.named_parameters())
+    assert mine.keys() == theirs.keys() and any(".codes" in k for k in mine)
+    assert any("experts.nf4" in k for k in mine) == (family == "qwen3_moe")
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ids, _ = batch()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ours.eval()(ids).logits)
