@@ -182,3 +182,24 @@ class LiveBytes(TorchDispatchMode):
 # of tests/lora/test_training.py: -3.775e-4 against -3.774e-4, 8e-7 of that tensor's max), so the bound is on the
 # tensor's scale; a chunk computed wrongly is off by its own size.
 CHUNKED_GRAD_REL = 1e-5
+
+
+def run_two_ranks(args: list[str], env: dict[str, str], timeout: float = 300) -> None:
+    """``python -m torch.distributed.run --standalone --nproc-per-node 2 <args>`` (gloo on the CPU) to completion,
+    failing with the end of its output. It runs in a session of its own, killed whole past ``timeout``: killing
+    torchrun alone left its ranks running, one of them spinning on a core for the rest of the test run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"torchrun did not finish in {timeout} s: {out[-3000:]}{err[-3000:]}") from None
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]

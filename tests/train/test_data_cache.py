@@ -7,8 +7,6 @@ import dataclasses
 import errno
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -19,7 +17,7 @@ import liger_models.train.dataset as data_module
 from liger_models.train import data_cache
 from liger_models.train.data import build_dataset, read_special_tokens, save_tokenizer, train_bpe_tokenizer
 
-from tests.helpers import EOS, shakespeare
+from tests.helpers import EOS, run_two_ranks, shakespeare
 
 CHAT = [{"role": "user", "content": "Who goes there?"}, {"role": "assistant", "content": "A friend, good sir."}]
 
@@ -213,10 +211,7 @@ def test_torchrun_rank0_tokenizes_and_the_other_loads(setup, model_dir, tmp_path
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-           str(model_dir), str(paths[0]), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_two_ranks([str(script), str(model_dir), str(paths[0]), str(out)], env, timeout=180)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["tokenized"] for r in ranks] == [1, 0]
     assert ranks[0]["sum"] == ranks[1]["sum"] and ranks[0]["shape"] == ranks[1]["shape"]

@@ -9,8 +9,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from liger_models.medusa import MedusaModel
 from liger_models.modules.lora_linear import NF4Weight
 from liger_models.recipes import train_causal_lm, train_medusa
 from liger_models.train import checkpointing as ckpt
+from tests.helpers import run_two_ranks
 
 pytestmark = pytest.mark.usefixtures("reference_path")
 
@@ -46,10 +45,8 @@ def _medusa_args(model_dir, data, out, batch_size):
 
 def test_fsdp2_two_processes_match_one(tiny_tied_model_dir, text_file, tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "LIGER_DEBUG": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "liger_models.cli", *_medusa_args(tiny_tied_model_dir, text_file, tmp_path / "fsdp", 2)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_two_ranks(["-m", "liger_models.cli", *_medusa_args(tiny_tied_model_dir, text_file, tmp_path / "fsdp", 2)],
+                  env)
 
     single = train_medusa(build_parser().parse_args(_medusa_args(tiny_tied_model_dir, text_file, tmp_path / "one", 4)))
     fsdp = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
@@ -117,10 +114,7 @@ def test_fsdp2_stage1_trains_heads_like_one_process(tiny_tied_model_dir, text_fi
                 ADAM_EPS, "--dtype", "fp32", "--device", "cpu", "--quiet"]
 
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "liger_models.cli", *args(tmp_path / "fsdp", 2)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_two_ranks(["-m", "liger_models.cli", *args(tmp_path / "fsdp", 2)], env)
     single = train_medusa(build_parser().parse_args(args(tmp_path / "one", 4)))
     fsdp = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
     assert len(fsdp) == len(single.history) == 3
@@ -152,10 +146,7 @@ def test_more_processes_per_node_than_gpus_fails_clearly(monkeypatch):
 def _torchrun(args: list[str]) -> None:
     """``liger-models <args>`` on two CPU processes under torchrun (gloo)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "LIGER_DEBUG": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "liger_models.cli", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_two_ranks(["-m", "liger_models.cli", *args], env)
 
 
 def _one_process(args: list[str]):
@@ -313,10 +304,7 @@ def test_fsdp2_shards_the_nf4_base(dtype, tiny_model_dir, tmp_path):
     script = tmp_path / "nf4_shards.py"
     script.write_text(NF4_SHARD_SCRIPT)
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-           str(tiny_model_dir), str(tmp_path), dtype]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_two_ranks([str(script), str(tiny_model_dir), str(tmp_path), dtype], env)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     config = json.loads((tiny_model_dir / "config.json").read_text())
     linears = config["num_hidden_layers"] * 7  # q, k, v, o, gate, up, down
