@@ -71,8 +71,8 @@ ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter directory (l
 CHECKPOINT_POINTER = "latest"
 
 
-def _pointed_checkpoint(root: Path) -> Path | None:
-    """The checkpoint directory that ``root``'s pointer file names, when there is one."""
+def pointed_checkpoint(root: Path) -> Path | None:
+    """The directory that ``root``'s pointer file names, when there is one and it is a directory."""
     pointer = root / CHECKPOINT_POINTER
     if not pointer.is_file():
         return None
@@ -85,10 +85,10 @@ def newest_run_checkpoint(path: Path) -> str:
     checkpoints root or the pointer file in that root, the words naming the newest checkpoint to pass instead (else
     "")."""
     if path.is_file():
-        named = _pointed_checkpoint(path.parent) if path.name == CHECKPOINT_POINTER else None
+        named = pointed_checkpoint(path.parent) if path.name == CHECKPOINT_POINTER else None
         what = "is a training run's pointer to its newest checkpoint"
     else:
-        named = _pointed_checkpoint(path) or _pointed_checkpoint(path / "checkpoints")
+        named = pointed_checkpoint(path) or pointed_checkpoint(path / "checkpoints")
         what = "holds a training run's checkpoints"
     return "" if named is None else f"; it {what}, the newest is {str(named)!r}: pass that"
 

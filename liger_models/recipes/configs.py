@@ -24,7 +24,7 @@ from typing import ClassVar, Sequence, TypeVar
 
 import torch
 
-from liger_models.hub import newest_run_checkpoint
+from liger_models.hub import ADAPTER_CONFIG, newest_run_checkpoint
 from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
 from liger_models.medusa.config import check_scheduler
 from liger_models.medusa.vllm_format import VLLM_WEIGHTS_NAME
@@ -335,7 +335,7 @@ class DecodingConfig(_Loading):
         would do nothing: each is a mistake worth a word."""
         if self.medusa is not None:
             check_heads_dir(Path(self.medusa).expanduser(), "--medusa")
-        if self.adapter is not None and not (Path(self.adapter).expanduser() / "adapter_config.json").is_file():
+        if self.adapter is not None and not (Path(self.adapter).expanduser() / ADAPTER_CONFIG).is_file():
             raise ValueError(f"--adapter {self.adapter}: no adapter_config.json there (a PEFT adapter directory, as "
                              f"`train --lora-r` checkpoints are){newest_run_checkpoint(Path(self.adapter).expanduser())}")
         self._check_decoding_options()

@@ -9,9 +9,9 @@ vLLM layout) or a stage-2 directory (base + heads). Without ``--model`` the base
 (stage 2) or from their config's ``base_model_name_or_path``. ``--adapter`` attaches a PEFT LoRA adapter (a
 `train --lora-r` checkpoint, or one trained with HF + PEFT) to the base, unmerged: the model training computed;
 ``--model`` given an adapter directory alone does the same with the base its adapter_config.json names. The model
-may be a bitsandbytes 4-bit checkpoint (its NF4 base, ``load_causal_lm``); ``--qlora-base`` quantises a dense base to
-NF4 as it loads, as ``train --qlora`` does, so that a QLoRA adapter decodes on the base it trained against. The tokenizer is the model's
-``tokenizer.json``, else the one training copies next to the adapter or the heads.
+may be a bitsandbytes 4-bit checkpoint (its NF4 base, ``load_causal_lm``); ``--qlora-base`` quantises a dense base
+to NF4 as it loads, as ``train --qlora`` does, so that a QLoRA adapter decodes on the base it trained against. The
+tokenizer is the model's ``tokenizer.json``, else the one training copies next to the adapter or the heads.
 
 Prompts: each ``--prompt`` / ``--prompt-file`` is decoded on its own, so each time is that prompt's alone, or with
 ``--batch-size N`` N at a time, left-padded in one call (plain or Medusa; a row's tokens are those it gets alone),
@@ -47,10 +47,9 @@ from pathlib import Path
 
 import torch
 
-from liger_models.hub import is_bnb_4bit, load_tokenizer, named_base, read_config, resolve_model
+from liger_models.hub import ADAPTER_CONFIG, is_bnb_4bit, load_tokenizer, named_base, read_config, resolve_model
 from liger_models.input_files import read_text
 from liger_models.lora import load_adapter, load_causal_lm
-from liger_models.lora.peft_format import CONFIG_NAME as ADAPTER_CONFIG_NAME
 from liger_models.medusa import MedusaModel
 from liger_models.medusa.calibrate import calibrate_medusa_choices, save_medusa_choices
 from liger_models.medusa.checkpoint import CONFIG_NAME, holds_base_model, read_json
@@ -94,7 +93,7 @@ def _medusa_base(medusa_dir: Path) -> Path:
 def is_adapter_dir(directory: Path) -> bool:
     """A PEFT adapter directory alone (a `train --lora-r` checkpoint): adapter_config.json and no model or heads
     config.json."""
-    return (directory / ADAPTER_CONFIG_NAME).is_file() and not (directory / CONFIG_NAME).is_file()
+    return (directory / ADAPTER_CONFIG).is_file() and not (directory / CONFIG_NAME).is_file()
 
 
 @dataclass
@@ -123,7 +122,7 @@ def locate(model: str | None, medusa: str | None, adapter: str | None = None) ->
     elif model is not None:
         model_dir = resolve_model(model)
     if model_dir is None:
-        model_dir = (named_base(adapter_dir, ADAPTER_CONFIG_NAME, "--adapter") if adapter_dir is not None
+        model_dir = (named_base(adapter_dir, ADAPTER_CONFIG, "--adapter") if adapter_dir is not None
                      else _medusa_base(medusa_dir))
     places = [model_dir] + [d for d in (adapter_dir, medusa_dir) if d not in (None, model_dir)]
     tokenizer_dir = next((d for d in places if (d / "tokenizer.json").is_file()), None)
@@ -279,9 +278,9 @@ def open_decoder(config: DecodingConfig, sources: Sources, tokenizer, log, *, ro
     sampling, plain_sampling = config.sampling_settings(config.medusa is not None)
     base, medusa = load_models(sources, dtype, device, load_tree=not config.default_tree, qlora_base=config.qlora_base)
     adapter = sources.adapter_dir
-    if adapter is None and sources.medusa_dir is not None and (sources.medusa_dir / ADAPTER_CONFIG_NAME).is_file():
+    if adapter is None and sources.medusa_dir is not None and (sources.medusa_dir / ADAPTER_CONFIG).is_file():
         adapter = sources.medusa_dir  # heads trained through an adapter of the base (stage 2), which they attach
-    note = dense_base_note(adapter, config.qlora_base or is_bnb_4bit(read_config(sources.model_dir)))
+    note = dense_base_note(adapter, base)
     if note is not None:
         print(note, file=log, flush=True)
     choices = None

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from liger_models.hub import is_bnb_4bit, named_base, read_config, resolve_model
+from liger_models.hub import ADAPTER_CONFIG, is_bnb_4bit, named_base, read_config, resolve_model
 from liger_models.lora import (add_lora, load_adapter, load_causal_lm, LoraSettings, quantize_base_, read_adapter,
                                save_merged)
 from liger_models.lora.attach import lora_state_dict
+from liger_models.modules.lora_linear import NF4Weight
 from liger_models.recipes import training as T
 from liger_models.train import checkpointing as ckpt
 
@@ -79,10 +80,11 @@ def trained_on_nf4(adapter: Path) -> bool:
     return isinstance(lora, dict) and bool(lora.get("qlora"))
 
 
-def dense_base_note(adapter: Path | None, quantised: bool) -> str | None:
-    """The line to print when ``adapter`` trained with --qlora and goes onto a dense base (``quantised``: the base
-    is NF4, given --qlora-base or stored in 4 bits): the result is then not the model training computed."""
-    if adapter is None or quantised or not trained_on_nf4(adapter):
+def dense_base_note(adapter: Path | None, base: torch.nn.Module) -> str | None:
+    """The line to print when ``adapter`` trained with --qlora and goes onto ``base`` with dense weights (neither
+    --qlora-base nor stored in 4 bits): the result is then not the model training computed."""
+    nf4 = any(isinstance(m, NF4Weight) for m in base.modules())
+    if adapter is None or nf4 or not trained_on_nf4(adapter):
         return None
     return (f"[adapter] {adapter} trained with --qlora, against its base quantised to NF4; it goes onto the dense "
             "base here (--qlora-base: onto the NF4 base it trained against)")
@@ -93,10 +95,10 @@ def merge_lora_command(args: argparse.Namespace) -> Path:
     written with the base's tokenizer files to --out."""
     adapter = Path(args.adapter).expanduser()
     model_dir = (resolve_model(args.model) if args.model is not None
-                 else named_base(adapter, "adapter_config.json", "--adapter"))
+                 else named_base(adapter, ADAPTER_CONFIG, "--adapter"))
     dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     model = load_base(model_dir, dtype, None, read_adapter(adapter)[0], quantise=args.qlora_base)
-    note = dense_base_note(adapter, args.qlora_base or is_bnb_4bit(read_config(model_dir)))
+    note = dense_base_note(adapter, model)
     if note is not None:
         print(note, file=sys.stderr, flush=True)
     load_adapter(model, adapter)

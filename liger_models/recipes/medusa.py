@@ -54,7 +54,7 @@ def _medusa_model(config: MedusaTrainingConfig, model_dir: Path, dtype, device, 
     # Stage 1 trains heads on a frozen base, so a bitsandbytes 4-bit --model serves as it is; stage 2 trains it
     # through adapters only.
     base = load_base(model_dir, dtype, device, lora, trains_base=config.stage == 2,
-                     quantise=lora is not None and quantises_as_it_loads(config.qlora, world_size))
+                     quantise=quantises_as_it_loads(config.qlora, world_size))
     if lora is not None:  # adapters on --model's base, as the checkpoint being resumed saved them
         attach(base, lora, config.qlora, resume)
     heads_dir = resume or config.init_heads

@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from liger_models import atomic
-from liger_models.hub import CHECKPOINT_POINTER
+from liger_models.hub import CHECKPOINT_POINTER, pointed_checkpoint
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "checkpoint_manifest.json"
@@ -197,11 +197,9 @@ def find_latest(root: str | os.PathLike) -> Path | None:
     root = Path(root)
     if root.is_dir():
         _finish_interrupted(root)
-    pointer = root / CHECKPOINT_POINTER
-    if pointer.is_file():
-        candidate = root / pointer.read_text(encoding="utf-8").strip()
-        if (candidate / STATE_FILE).is_file():
-            return candidate
+    candidate = pointed_checkpoint(root)
+    if candidate is not None and (candidate / STATE_FILE).is_file():
+        return candidate
     found = list_checkpoints(root)
     return found[-1] if found else None
 
@@ -347,9 +345,8 @@ def _candidates(root: Path) -> list[Path]:
     first (without a valid ``latest``: every complete one, newest first). Steps after the one ``latest`` names were
     left by a run that a later one went back on (it resumed from before them): not where this run stands."""
     complete = list_checkpoints(root)
-    pointer = root / CHECKPOINT_POINTER
-    named = root / pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
-    if named is None or not _STEP_DIR.match(named.name) or not named.is_dir():
+    named = pointed_checkpoint(root)
+    if named is None or not _STEP_DIR.match(named.name):
         return complete[::-1]
     return [named, *[p for p in complete[::-1] if _step_of(p) < _step_of(named)]]
 
