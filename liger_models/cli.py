@@ -186,6 +186,9 @@ def _add_lora(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules-to-save", default=None, metavar="NAMES",
                    help="embed_tokens and/or lm_head (comma-separated): trained whole beside the adapters and saved "
                         "in the adapter, as PEFT's modules_to_save (untied embeddings only)")
+    p.add_argument("--lora-layers", default=None, metavar="LAYERS",
+                   help="adapters only in these decoder layers: indices and ranges, such as 0-7,12 (PEFT's "
+                        "layers_to_transform; default every layer)")
     p.add_argument("--qlora", action="store_true", help="with --lora-r: NF4 (4-bit) base weights, quantised on load")
 
 

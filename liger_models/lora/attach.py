@@ -47,7 +47,7 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
     trainable whole; every other parameter is frozen. Returns the adapted module names. Adapters are kept in
     ``dtype`` (fp32 by default, as PEFT: the optimizer updates them in full precision; they are cast to the
     activations' dtype inside the GEMMs)."""
-    names = resolve_targets(model, settings.targets)
+    names = resolve_targets(model, settings.targets, settings.layers_to_transform)
     routers, stacks = resolve_parameters(model, settings)
     if (routers or stacks) and (settings.dropout or settings.use_dora):
         raise ValueError(f"LoRA on the mixture-of-experts parameters ({(routers + stacks)[0]}, …) takes neither "

@@ -13,6 +13,12 @@ and so do we (modules/lora_experts.py, a LoraLinear on the router). ``"all-linea
 HF + PEFT's ``"all-linear"`` adapts there: the attention projections, every router, and both expert stacks, the
 gate|up stack at rank 2r and alpha 2·alpha (PEFT maps transformers v4's separate gate and up projections, r each,
 onto the fused stack that way), unless rank_pattern / alpha_pattern name it.
+
+``layers_to_transform`` (PEFT's field) keeps the adapters of the targets to the decoder layers it lists, by index.
+As in PEFT it goes with targets given as names (or ``"all-linear"`` here, which is saved as the leaf names it
+selects), not with a pattern string, which selects layers itself; a named target outside the decoder layers
+(lm_head, embed_tokens) or a mixture-of-experts parameter (PEFT's target_parameters adapt every layer) is refused
+beside it rather than left without an adapter, and so is a layer index the model does not have.
 """
 
 from __future__ import annotations
@@ -34,8 +40,7 @@ ROUTER_WEIGHT = "gate.weight"
 # all-linear's rank / alpha pattern and factor for the fused gate|up stack (module docstring), as PEFT writes it
 FUSED_GATE_UP_PATTERN, FUSED_GATE_UP_FACTOR = rf".*\.{EXPERT_STACKS[0]}", 2
 # PEFT fields whose non-default value changes the math or the saved keys in a way not implemented here.
-_UNSUPPORTED = {"layers_to_transform": None, "layers_pattern": None,
-                "fan_in_fan_out": False, "lora_bias": False, "use_qalora": False,
+_UNSUPPORTED = {"fan_in_fan_out": False, "lora_bias": False, "use_qalora": False,
                 "trainable_token_indices": None}
 
 
@@ -56,6 +61,8 @@ class LoraSettings:
     # PEFT's exclude_modules, as read from an adapter_config.json: load_adapter refuses one that excludes a module
     # the adapter adapts (only exclusions outside the decoder, such as a multimodal model's vision tower, are met).
     exclude_modules: list[str] | str | None = None
+    # PEFT's layers_to_transform: the decoder layers (indices) whose targets take adapters; None: every layer
+    layers_to_transform: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
@@ -83,9 +90,25 @@ class LoraSettings:
                 raise ValueError(f"target_parameters: {name!r} is not supported (only the mixture-of-experts "
                                  f"blocks' stacked experts, {' and '.join(EXPERT_STACKS)}, and their router "
                                  f"{ROUTER_WEIGHT!r})")
+        self._check_layers()
         for key, value in self.rank_pattern.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"rank_pattern[{key!r}] must be a positive integer, got {value!r}")
+
+    def _check_layers(self) -> None:
+        layers = self.layers_to_transform
+        if isinstance(layers, int) and not isinstance(layers, bool):  # PEFT takes one index as a bare int
+            layers = [layers]
+        if layers is None or (isinstance(layers, (list, tuple)) and not layers):
+            self.layers_to_transform = None
+            return
+        if not isinstance(layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+            raise ValueError(f"layers_to_transform must be decoder layer indices (integers ≥ 0), got {layers!r}")
+        if isinstance(self.targets, str) and self.targets != ALL_LINEAR:
+            raise ValueError(f"layers_to_transform {list(layers)} goes with targets given as names or "
+                             f"{ALL_LINEAR!r}; the pattern {self.targets!r} selects the layers itself (as in PEFT)")
+        self.layers_to_transform = sorted(set(layers))
 
     def rank_and_alpha(self, name: str) -> tuple[int, float]:
         r = pattern_value(self.rank_pattern, name, self.r)
@@ -103,7 +126,7 @@ class LoraSettings:
                 "bias": "none", "use_dora": self.use_dora, "fan_in_fan_out": False,
                 "modules_to_save": sorted(self.modules_to_save) or None,
                 "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
-                "revision": None, "layers_to_transform": None, "layers_pattern": None}
+                "revision": None, "layers_to_transform": self.layers_to_transform, "layers_pattern": None}
 
     @classmethod
     def from_peft(cls, cfg: dict, where: str = "adapter_config.json") -> "LoraSettings":
@@ -116,6 +139,9 @@ class LoraSettings:
             value = cfg.get(key, default)
             if value not in (default, [], {}, None, False):
                 raise ValueError(f"{where}: {key}={value!r} is not supported")
+        if cfg.get("layers_pattern") not in (None, "", [], "layers", ["layers"]):
+            raise ValueError(f"{where}: layers_pattern={cfg['layers_pattern']!r} is not supported (the decoder "
+                             "layers here are model.layers.<index>: 'layers' or unset)")
         if cfg.get("bias", "none") != "none":
             raise ValueError(f"{where}: bias={cfg['bias']!r} is not supported (only 'none')")
         targets = cfg.get("target_modules")
@@ -128,7 +154,20 @@ class LoraSettings:
                    alpha_pattern=dict(cfg.get("alpha_pattern") or {}),
                    modules_to_save=list(cfg.get("modules_to_save") or []),
                    target_parameters=list(cfg.get("target_parameters") or []),
-                   exclude_modules=cfg.get("exclude_modules") or None)
+                   exclude_modules=cfg.get("exclude_modules") or None,
+                   layers_to_transform=cfg.get("layers_to_transform"))
+
+
+def parse_layers(text: str) -> list[int]:
+    """Decoder layer indices from a comma-separated list of indices and inclusive ranges: "0-7,12" → 0…7, 12."""
+    layers = set()
+    for part in (p.strip() for p in text.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not match or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
+            raise ValueError(f"layers {text!r}: {part!r} is not a layer index or a range of them (such as 0-7)")
+        first = int(match.group(1))
+        layers.update(range(first, int(match.group(2) or first) + 1))
+    return sorted(layers)
 
 
 def pattern_value(patterns: dict, name: str, default):
@@ -179,15 +218,16 @@ def outer_modules(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
+def resolve_targets(model: nn.Module, targets: list[str] | str, layers: list[int] | None = None) -> list[str]:
     """The full module names that ``targets`` selects (see the module docstring); errors name what exists.
     lm_head and embed_tokens are chosen only by name or pattern, never by all-linear (as PEFT), and are refused when
-    the model ties them (one matrix: an adapter merged into it would change both)."""
+    the model ties them (one matrix: an adapter merged into it would change both). ``layers``
+    (``layers_to_transform``): only the targets inside those decoder layers."""
     linears = decoder_linears(model)
     candidates = {**linears, **outer_modules(model)}
     leaves = sorted({name.rsplit(".", 1)[-1] for name in candidates})
     if targets == ALL_LINEAR:
-        return list(linears)
+        return _in_layers(model, list(linears), layers)
     if isinstance(targets, str):
         chosen = [name for name in candidates if re.fullmatch(targets, name)]
         if not chosen:
@@ -203,7 +243,31 @@ def resolve_targets(model: nn.Module, targets: list[str] | str) -> list[str]:
     if outer and getattr(model.config, "tie_word_embeddings", False):
         raise ValueError(f"LoRA on {', '.join(outer)}: this model ties lm_head to embed_tokens (one matrix, which "
                          "an adapter merged into it would change for both); adapt the decoder's linears instead")
-    return chosen
+    return _in_layers(model, chosen, layers)
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a module name is inside (``model.layers.<index>.…``), or None outside the layers."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def _in_layers(model: nn.Module, chosen: list[str], layers: list[int] | None) -> list[str]:
+    """``chosen`` kept to the decoder layers ``layers`` lists (all of it when None); a layer the model does not have,
+    or a chosen module outside the layers, is refused rather than left without an adapter."""
+    if layers is None:
+        return chosen
+    count = model.config.num_hidden_layers
+    missing = [i for i in layers if i >= count]
+    if missing:
+        raise ValueError(f"layers_to_transform names layer {missing[0]}, but this model has {count} decoder layers "
+                         f"(0-{count - 1})")
+    outside = [name for name in chosen if layer_index(name) is None]
+    if outside:
+        raise ValueError(f"LoRA on {', '.join(outside)} with layers_to_transform {layers}: it is outside the decoder "
+                         "layers, so layers_to_transform would leave it without an adapter; adapt it in a separate "
+                         "adapter, or drop layers_to_transform")
+    return [name for name in chosen if layer_index(name) in layers]
 
 
 def moe_blocks(model: nn.Module) -> dict[str, nn.Module]:
@@ -228,4 +292,9 @@ def resolve_parameters(model: nn.Module, settings: "LoraSettings") -> tuple[list
                              f"mixture-of-experts parameters: {', '.join(EXPERT_STACKS)} and {ROUTER_WEIGHT}"
                              f"{'' if blocks else '; this model has no mixture-of-experts blocks'})")
         chosen |= hits
+    if chosen and settings.layers_to_transform is not None:
+        raise ValueError(f"layers_to_transform {settings.layers_to_transform} with LoRA on the mixture-of-experts "
+                         f"parameters ({sorted(chosen)[0]}, …): PEFT's target_parameters adapt every layer, so an "
+                         f"adapter saved so would not load as trained; name the attention projections as targets "
+                         f"instead of {ALL_LINEAR!r}, or drop layers_to_transform")
     return [routers[k] for k in routers if k in chosen], [k for k in stacks if k in chosen]

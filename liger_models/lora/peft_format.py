@@ -126,7 +126,8 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
                                          use_dora=settings.use_dora,
                                          rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern,
                                          modules_to_save=settings.modules_to_save,
-                                         target_parameters=settings.target_parameters))
+                                         target_parameters=settings.target_parameters,
+                                         layers_to_transform=settings.layers_to_transform))
     modules = lora_modules(model)
     excluded = [n for n in names if _excluded(settings.exclude_modules, n)]
     if excluded:

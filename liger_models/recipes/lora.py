@@ -13,6 +13,7 @@ from liger_models.hub import ADAPTER_CONFIG, is_bnb_4bit, named_base, read_confi
 from liger_models.lora import (add_lora, load_adapter, load_causal_lm, LoraSettings, quantize_base_, read_adapter,
                                save_merged)
 from liger_models.lora.attach import lora_state_dict
+from liger_models.lora.config import parse_layers
 from liger_models.modules.lora_linear import NF4Weight
 from liger_models.recipes import training as T
 from liger_models.train import checkpointing as ckpt
@@ -26,7 +27,8 @@ def lora_settings(config):
     alpha = config.lora_alpha if config.lora_alpha is not None else 2.0 * config.lora_r
     return LoraSettings(r=config.lora_r, alpha=alpha, dropout=config.lora_dropout, targets=targets,
                         use_rslora=config.lora_rslora, use_dora=config.lora_dora,
-                        modules_to_save=_names(config.lora_modules_to_save or ""))
+                        modules_to_save=_names(config.lora_modules_to_save or ""),
+                        layers_to_transform=None if config.lora_layers is None else parse_layers(config.lora_layers))
 
 
 def load_base(path: Path, dtype: torch.dtype | None, device, lora: LoraSettings | None, *,

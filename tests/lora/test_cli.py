@@ -27,10 +27,10 @@ RUN = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--save-every
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
-@pytest.mark.parametrize("kind", ["lora", "qlora", "modules_to_save", "dora", "tables"])
+@pytest.mark.parametrize("kind", ["lora", "qlora", "modules_to_save", "dora", "tables", "layers"])
 def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_path, kind):
     base, data = base_and_data
-    extra = {"lora": [], "qlora": ["--qlora"],
+    extra = {"lora": [], "qlora": ["--qlora"], "layers": ["--lora-layers", "1"],
              "modules_to_save": ["--lora-modules-to-save", "embed_tokens,lm_head"],
              "dora": ["--lora-dora", "--lora-targets", "q_proj,v_proj,lm_head"],  # with RUN's dropout: composed
              "tables": ["--lora-targets", "q_proj,embed_tokens,lm_head"]}[kind]
@@ -45,6 +45,10 @@ def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_pa
     if kind == "dora":
         assert json.loads((last / "adapter_config.json").read_text())["use_dora"] is True
         assert model.model.layers[0].self_attn.q_proj.use_dora and model.lm_head.use_dora
+    if kind == "layers":  # PEFT's layers_to_transform: the second layer's linears alone carry adapters
+        assert json.loads((last / "adapter_config.json").read_text())["layers_to_transform"] == [1]
+        assert model.model.layers[1].self_attn.q_proj.lora_A is not None
+        assert not hasattr(model.model.layers[0].self_attn.q_proj, "lora_A")
     if kind == "tables":  # the embedding adapter's A starts at zero: it trained
         assert torch.count_nonzero(model.model.embed_tokens.lora_embedding_A) > 0
     if kind == "modules_to_save":  # the whole modules trained and came back with the adapter
@@ -73,11 +77,23 @@ def test_resume_with_other_lora_settings_is_refused(base_and_data, tmp_path, cap
     assert "other settings: lora" in err and "--allow-changed-settings lora" in err
 
 
-def test_qlora_needs_lora_r(base_and_data, tmp_path, capsys):
+@pytest.mark.parametrize("option", [["--qlora"], ["--lora-layers", "1"]])
+def test_lora_options_need_lora_r(base_and_data, tmp_path, capsys, option):
     base, data = base_and_data
     assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(tmp_path / "r"),
-                 "--qlora", "--device", "cpu", "--quiet"]) != 0
-    assert "--lora-r" in capsys.readouterr().err
+                 *option, "--device", "cpu", "--quiet"]) != 0
+    assert "give --lora-r too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layers, message", [("1-0", "'1-0' is not a layer index or a range"),
+                                             ("0,2", "names layer 2, but this model has 2 decoder layers")])
+def test_lora_layers_the_model_cannot_take_are_refused(base_and_data, tmp_path, capsys, layers, message):
+    base, data = base_and_data
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN,
+                 "--lora-layers", layers]) != 0
+    assert message in capsys.readouterr().err
+    assert not (out / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("kind", ["lora", "qlora_base", "dora", "tables"])

@@ -105,13 +105,13 @@ def test_bad_input_is_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="different base model"):
         load_adapter(ours, tmp_path / "wide_adapter")
     fresh = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=2, target_modules=["q_proj"], layers_to_transform=[0])
-    (tmp_path / "some_layers").mkdir()
-    (tmp_path / "some_layers" / "adapter_config.json").write_text(json.dumps(cfg.to_dict(), default=list))
+    cfg = peft.LoraConfig(r=2, target_modules=["q_proj"], lora_bias=True)
+    (tmp_path / "biased").mkdir()
+    (tmp_path / "biased" / "adapter_config.json").write_text(json.dumps(cfg.to_dict(), default=list))
     from safetensors.torch import save_file
-    save_file({}, str(tmp_path / "some_layers" / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match=r"layers_to_transform=\[0\] is not supported"):
-        load_adapter(fresh, tmp_path / "some_layers")
+    save_file({}, str(tmp_path / "biased" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"lora_bias=True is not supported"):
+        load_adapter(fresh, tmp_path / "biased")
 
 
 def test_save_pretrained_refuses_adapters_and_nf4_naming_the_writer_that_keeps_them(tmp_path):
