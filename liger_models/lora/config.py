@@ -43,6 +43,11 @@ FUSED_GATE_UP_PATTERN, FUSED_GATE_UP_FACTOR = rf".*\.{EXPERT_STACKS[0]}", 2
 _UNSUPPORTED = {"fan_in_fan_out": False, "lora_bias": False, "use_qalora": False,
                 "trainable_token_indices": None}
 
+# PEFT initialisations that rewrite the base weights: the base becomes W minus the initial adapter's product (an SVD
+# or QR of W, or LoftQ's quantised residual) when the adapter is created, and again when PEFT loads it. Such an
+# adapter applies to that residual base, not to the checkpoint as it is stored.
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
 
 @dataclass
 class LoraSettings:
@@ -139,6 +144,13 @@ class LoraSettings:
             value = cfg.get(key, default)
             if value not in (default, [], {}, None, False):
                 raise ValueError(f"{where}: {key}={value!r} is not supported")
+        init = cfg.get("init_lora_weights", True)
+        if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+            raise ValueError(f"{where}: init_lora_weights={init!r} rewrites the base weights (PEFT subtracts the "
+                             "initial adapter from them, also when it loads the adapter), so this adapter does not "
+                             "apply to the checkpoint as stored: convert it to a plain LoRA adapter with PEFT "
+                             "(save_pretrained(..., path_initial_model_for_weight_conversion=...)), or merge it "
+                             "with PEFT and load the merged model")
         if cfg.get("layers_pattern") not in (None, "", [], "layers", ["layers"]):
             raise ValueError(f"{where}: layers_pattern={cfg['layers_pattern']!r} is not supported (the decoder "
                              "layers here are model.layers.<index>: 'layers' or unset)")

@@ -114,6 +114,20 @@ def test_bad_input_is_refused_clearly(tmp_path):
         load_adapter(fresh, tmp_path / "biased")
 
 
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora"])
+def test_adapters_whose_init_rewrote_the_base_are_refused(init, tmp_path):
+    """PiSSA / OLoRA adapters apply to W minus their initial product, which PEFT recomputes from the base as it
+    loads them: on the checkpoint as stored they would give other logits without a word."""
+    hf, ours, _ = pair("llama", tmp_path)
+    base = hf.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
+    assert not torch.equal(trained.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, base)
+    trained.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=rf"init_lora_weights='{init}' rewrites the base weights"):
+        load_adapter(ours, tmp_path / "adapter")
+    assert not lora_modules(ours)
+
+
 def test_save_pretrained_refuses_adapters_and_nf4_naming_the_writer_that_keeps_them(tmp_path):
     # An HF checkpoint would carry adapters under names transformers ignores, and NF4 weights not at all (they are
     # not in the state dict): transformers would load the bare base, or initialise those linears at random.
