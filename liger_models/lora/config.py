@@ -41,7 +41,11 @@ ROUTER_WEIGHT = "gate.weight"
 FUSED_GATE_UP_PATTERN, FUSED_GATE_UP_FACTOR = rf".*\.{EXPERT_STACKS[0]}", 2
 # PEFT fields whose non-default value changes the math or the saved keys in a way not implemented here.
 _UNSUPPORTED = {"fan_in_fan_out": False, "lora_bias": False, "use_qalora": False,
-                "trainable_token_indices": None}
+                "trainable_token_indices": None,
+                # activated LoRA (the adapter only past its invocation tokens), replicated layers, and PEFT's
+                # variants that add terms or route between adapters (MonteCLoRA, BD-LoRA, Arrow, KaSA)
+                "alora_invocation_tokens": None, "layer_replication": None, "monteclora_config": None,
+                "use_bdlora": None, "arrow_config": None, "kasa_config": None}
 
 # PEFT initialisations that rewrite the base weights: the base becomes W minus the initial adapter's product (an SVD
 # or QR of W, or LoftQ's quantised residual) when the adapter is created, and again when PEFT loads it. Such an

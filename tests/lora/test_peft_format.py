@@ -84,7 +84,7 @@ def test_merge_unmerge_and_merged_export_loads_in_transformers(tmp_path):
 
 
 def test_bad_input_is_refused_clearly(tmp_path):
-    _, ours, directory = pair("llama", tmp_path)
+    _, ours, _ = pair("llama", tmp_path)
     with pytest.raises(ValueError, match="unknown LoRA target 'qkv_proj'"):
         add_lora(ours, LoraSettings(targets=["qkv_proj"]))
     with pytest.raises(ValueError, match="positive integer"):
@@ -104,14 +104,24 @@ def test_bad_input_is_refused_clearly(tmp_path):
     save_adapter(other, tmp_path / "wide_adapter")
     with pytest.raises(ValueError, match="different base model"):
         load_adapter(ours, tmp_path / "wide_adapter")
-    fresh = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=2, target_modules=["q_proj"], lora_bias=True)
-    (tmp_path / "biased").mkdir()
-    (tmp_path / "biased" / "adapter_config.json").write_text(json.dumps(cfg.to_dict(), default=list))
+
+
+@pytest.mark.parametrize("field, value", [("lora_bias", True), ("fan_in_fan_out", True),
+                                          ("alora_invocation_tokens", [5, 6]), ("layer_replication", [[0, 2], [1, 2]]),
+                                          ("trainable_token_indices", [3])])
+def test_peft_options_that_change_the_math_are_refused_by_name(field, value, tmp_path):
+    """PEFT options this implementation does not honour (a bias on B, activated LoRA, replicated layers, …): the
+    adapter is refused naming the option, never loaded as if it were plain LoRA."""
     from safetensors.torch import save_file
-    save_file({}, str(tmp_path / "biased" / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match=r"lora_bias=True is not supported"):
-        load_adapter(fresh, tmp_path / "biased")
+
+    _, ours, _ = pair("llama", tmp_path)
+    cfg = {**peft.LoraConfig(r=2, target_modules=["q_proj"]).to_dict(), field: value}
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(cfg, default=list))
+    save_file({}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{field}=.* is not supported"):
+        load_adapter(ours, tmp_path / "adapter")
+    assert not lora_modules(ours)
 
 
 @pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora"])
