@@ -10,7 +10,6 @@ import pytest
 import torch
 import transformers
 
-from liger_models import AutoLigerForCausalLM
 from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_modules, merge_lora, quantize_base_,
                                save_adapter, save_merged, unmerge_lora)
 
