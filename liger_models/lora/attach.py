@@ -13,7 +13,10 @@ from liger_models.modules.lora_experts import LoraExperts
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
 
 from .config import (ALL_LINEAR, FUSED_GATE_UP_FACTOR, FUSED_GATE_UP_PATTERN, LoraSettings, decoder_linears,
-                     modules_to_save, moe_blocks, pattern_value, resolve_parameters, resolve_targets)
+                     modules_to_save, moe_blocks, outer_modules, pattern_value, resolve_parameters, resolve_targets)
+
+# PEFT's key suffix for the rows trainable_token_indices replaces: [len(ids), hidden], the rows' new values.
+TOKEN_ROWS = ".token_adapter.trainable_tokens_delta"
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -47,6 +50,10 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
     trainable whole; every other parameter is frozen. Returns the adapted module names. Adapters are kept in
     ``dtype`` (fp32 by default, as PEFT: the optimizer updates them in full precision; they are cast to the
     activations' dtype inside the GEMMs)."""
+    if settings.trainable_token_indices:
+        raise ValueError(f"trainable_token_indices {settings.trainable_token_indices}: training single rows of the "
+                         "embedding table is not implemented here (load_adapter applies an adapter's rows); train "
+                         "the table whole with modules_to_save=['embed_tokens'] instead")
     names = resolve_targets(model, settings.targets, settings.layers_to_transform)
     routers, stacks = resolve_parameters(model, settings)
     if (routers or stacks) and (settings.dropout or settings.use_dora):
@@ -109,7 +116,29 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     settings = getattr(model, "lora_settings", None)
     for name, module in modules_to_save(model, settings.modules_to_save if settings else []).items():
         out[f"{name}.weight"] = module.weight
+    for name, (module, rows) in token_rows(model, settings.trainable_token_indices if settings else None).items():
+        out[f"{name}{TOKEN_ROWS}"] = module.weight[rows]
     return out
+
+
+def token_rows(model: nn.Module, indices: dict[str, list[int]] | None) -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    """Full name → (module, row indices) for PEFT's trainable_token_indices ({leaf: ids}); ids past the table and,
+    on tied embeddings, rows named for both modules (one matrix) are refused."""
+    found = {}
+    tables = outer_modules(model)
+    if indices and len(indices) > 1 and getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError(f"trainable_token_indices names {' and '.join(indices)}, but this model ties them (one "
+                         "matrix): give the rows once")
+    for leaf, ids in (indices or {}).items():
+        name = next((n for n in tables if n.rsplit(".", 1)[-1] == leaf), None)
+        if name is None:
+            raise ValueError(f"trainable_token_indices: this model has no {leaf}")
+        module = tables[name]
+        rows = module.weight.shape[0]
+        if max(ids) >= rows:
+            raise ValueError(f"trainable_token_indices[{leaf!r}] names token {max(ids)}, but {name} has {rows} rows")
+        found[name] = (module, torch.tensor(ids, dtype=torch.long, device=module.weight.device))
+    return found
 
 
 def merge_lora(model: nn.Module) -> None:

@@ -41,7 +41,6 @@ ROUTER_WEIGHT = "gate.weight"
 FUSED_GATE_UP_PATTERN, FUSED_GATE_UP_FACTOR = rf".*\.{EXPERT_STACKS[0]}", 2
 # PEFT fields whose non-default value changes the math or the saved keys in a way not implemented here.
 _UNSUPPORTED = {"fan_in_fan_out": False, "lora_bias": False, "use_qalora": False,
-                "trainable_token_indices": None,
                 # activated LoRA (the adapter only past its invocation tokens), replicated layers, and PEFT's
                 # variants that add terms or route between adapters (MonteCLoRA, BD-LoRA, Arrow, KaSA)
                 "alora_invocation_tokens": None, "layer_replication": None, "monteclora_config": None,
@@ -72,6 +71,9 @@ class LoraSettings:
     exclude_modules: list[str] | str | None = None
     # PEFT's layers_to_transform: the decoder layers (indices) whose targets take adapters; None: every layer
     layers_to_transform: list[int] | None = None
+    # PEFT's trainable_token_indices, as {leaf of SAVABLE: row indices}: rows of the embedding table (and of lm_head)
+    # that the adapter replaces (new tokens' rows). load_adapter applies them; add_lora does not train them.
+    trainable_token_indices: dict[str, list[int]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
@@ -100,6 +102,7 @@ class LoraSettings:
                                  f"blocks' stacked experts, {' and '.join(EXPERT_STACKS)}, and their router "
                                  f"{ROUTER_WEIGHT!r})")
         self._check_layers()
+        self._check_token_rows()
         for key, value in self.rank_pattern.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"rank_pattern[{key!r}] must be a positive integer, got {value!r}")
@@ -119,6 +122,23 @@ class LoraSettings:
                              f"{ALL_LINEAR!r}; the pattern {self.targets!r} selects the layers itself (as in PEFT)")
         self.layers_to_transform = sorted(set(layers))
 
+    def _check_token_rows(self) -> None:
+        rows = self.trainable_token_indices
+        if isinstance(rows, (list, tuple)):  # PEFT's list form: rows of the input embedding
+            rows = {"embed_tokens": list(rows)}
+        if not rows:
+            self.trainable_token_indices = None
+            return
+        if not isinstance(rows, dict):
+            raise ValueError(f"trainable_token_indices must be a list of token ids or {{module: ids}}, got {rows!r}")
+        for leaf, ids in rows.items():
+            if leaf not in SAVABLE:
+                raise ValueError(f"trainable_token_indices: {leaf!r} is not supported (only {', '.join(SAVABLE)})")
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise ValueError(f"trainable_token_indices[{leaf!r}] must be token ids (integers ≥ 0), got {ids!r}")
+        self.trainable_token_indices = {leaf: list(ids) for leaf, ids in rows.items()}
+
     def rank_and_alpha(self, name: str) -> tuple[int, float]:
         r = pattern_value(self.rank_pattern, name, self.r)
         return r, float(pattern_value(self.alpha_pattern, name, self.alpha))
@@ -135,7 +155,8 @@ class LoraSettings:
                 "bias": "none", "use_dora": self.use_dora, "fan_in_fan_out": False,
                 "modules_to_save": sorted(self.modules_to_save) or None,
                 "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model,
-                "revision": None, "layers_to_transform": self.layers_to_transform, "layers_pattern": None}
+                "revision": None, "layers_to_transform": self.layers_to_transform, "layers_pattern": None,
+                "trainable_token_indices": self.trainable_token_indices}
 
     @classmethod
     def from_peft(cls, cfg: dict, where: str = "adapter_config.json") -> "LoraSettings":
@@ -171,7 +192,8 @@ class LoraSettings:
                    modules_to_save=list(cfg.get("modules_to_save") or []),
                    target_parameters=list(cfg.get("target_parameters") or []),
                    exclude_modules=cfg.get("exclude_modules") or None,
-                   layers_to_transform=cfg.get("layers_to_transform"))
+                   layers_to_transform=cfg.get("layers_to_transform"),
+                   trainable_token_indices=cfg.get("trainable_token_indices"))
 
 
 def parse_layers(text: str) -> list[int]:

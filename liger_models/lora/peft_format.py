@@ -19,6 +19,7 @@ Reading takes keys of either multimodal layout onto the decoder; adapters on the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -35,7 +36,7 @@ from liger_models.modules.lora_linear import LoraLinear
 from liger_models.modules.moe import STACKS, Experts
 from liger_models.wrapped_checkpoint import NOT_DECODER, decoder_name, module_name
 
-from .attach import add_lora, lora_modules, lora_state_dict
+from .attach import TOKEN_ROWS, add_lora, lora_modules, lora_state_dict, token_rows
 from .config import ROUTER_WEIGHT, LoraSettings, moe_blocks, modules_to_save
 from .per_expert_adapters import convert_per_expert
 
@@ -103,9 +104,11 @@ def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.T
             raise ValueError(f"{str(weights_path)!r}: {key!r} is a DoRA magnitude, but {CONFIG_NAME} does not set "
                              "use_dora")
         table = name.endswith(_BASE_TABLE) and name[:-len(_BASE_TABLE)].rsplit(".", 1)[-1] in _TABLES
-        if not (whole or magnitude or table or name.endswith(_ADAPTER_SUFFIXES)):
-            raise ValueError(f"{str(weights_path)!r}: {key!r} is neither a LoRA A/B weight, a DoRA magnitude nor "
-                             f"one of modules_to_save {settings.modules_to_save}")
+        rows = name.endswith(TOKEN_ROWS) and name[:-len(TOKEN_ROWS)].rsplit(".", 1)[-1] in (
+            settings.trainable_token_indices or {})
+        if not (whole or magnitude or table or rows or name.endswith(_ADAPTER_SUFFIXES)):
+            raise ValueError(f"{str(weights_path)!r}: {key!r} is neither a LoRA A/B weight, a DoRA magnitude, "
+                             f"rows of trainable_token_indices nor one of modules_to_save {settings.modules_to_save}")
         tensors[name] = value
     return settings, tensors
 
@@ -114,6 +117,10 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
     """Attach the PEFT adapter in ``directory`` to ``model``: same modules, ranks and scales; shapes must match the
     base (an adapter for another model is refused naming the first mismatch). Returns the adapted names."""
     settings, tensors = read_adapter(directory)
+    if settings.trainable_token_indices and trainable:
+        raise ValueError(f"{directory}: its trainable_token_indices rows go into the embedding table, whose single "
+                         "rows do not train here: load it to decode or merge, or train the table whole "
+                         "(modules_to_save)")
     blocks = moe_blocks(model)
     if blocks:  # an adapter saved against transformers v4's per-expert linears: in the stacked layout
         settings, tensors = convert_per_expert(settings, tensors, next(iter(blocks.values())).num_experts,
@@ -170,6 +177,16 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
                                  f"{'none' if src is None else tuple(src.shape)}")
             module.weight.copy_(src)
             module.weight.requires_grad_(trainable)
+        for name, (module, rows) in token_rows(model, settings.trainable_token_indices).items():
+            src = tensors.get(f"{name}{TOKEN_ROWS}")
+            want = (len(rows), module.weight.shape[1])
+            if src is None or tuple(src.shape) != want:
+                raise ValueError(f"{directory}: trainable_token_indices of {name} need rows of shape {want}, the "
+                                 f"file has {'none' if src is None else tuple(src.shape)}")
+            module.weight.index_copy_(0, rows, src.to(module.weight))
+    # Kept so that save_adapter writes the rows back beside the adapters (the embedding table holds them now).
+    model.lora_settings = dataclasses.replace(model.lora_settings,
+                                              trainable_token_indices=settings.trainable_token_indices)
     return names
 
 

@@ -107,7 +107,7 @@ def test_bad_input_is_refused_clearly(tmp_path):
 
 @pytest.mark.parametrize("field, value", [("lora_bias", True), ("fan_in_fan_out", True),
                                           ("alora_invocation_tokens", [5, 6]), ("layer_replication", [[0, 2], [1, 2]]),
-                                          ("trainable_token_indices", [3])])
+                                          ("use_qalora", True)])
 def test_peft_options_that_change_the_math_are_refused_by_name(field, value, tmp_path):
     """PEFT options this implementation does not honour (a bias on B, activated LoRA, replicated layers, …): the
     adapter is refused naming the option, never loaded as if it were plain LoRA."""
@@ -181,3 +181,49 @@ def test_a_save_killed_midway_keeps_the_previous_adapter(tmp_path, monkeypatch):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
                                                                         "adapter_model.safetensors"]
+
+
+@pytest.mark.parametrize("tie, rows", [(False, [3, 5]), (True, [3, 5]),
+                                       (False, {"embed_tokens": [3], "lm_head": [3, 4]})])
+def test_a_peft_adapter_with_trainable_token_rows_loads_here_with_the_same_logits(tie, rows, tmp_path):
+    """PEFT's trainable_token_indices (new tokens' rows of the embedding, and of a tied or named lm_head): the rows
+    go into the tables as PEFT applies them, and ours saves them back (assert_same_logits loads our save in PEFT)."""
+    hf, ours, _ = pair("llama", tmp_path, tie_word_embeddings=tie)
+    clean = copy.deepcopy(hf)
+    trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False, trainable_token_indices=rows))
+    with torch.no_grad():
+        deltas = [p for n, p in trained.named_parameters() if "trainable_tokens_delta" in n]
+        assert len(deltas) == (1 if isinstance(rows, list) else 2)
+        for p in deltas:  # they start as the rows' old values
+            p.add_(torch.randn_like(p))
+    trained.save_pretrained(tmp_path / "hf_adapter")
+    before = ours.model.embed_tokens.weight.detach().clone()
+    load_adapter(ours, tmp_path / "hf_adapter")
+    changed = (ours.model.embed_tokens.weight != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == (rows if isinstance(rows, list) else rows["embed_tokens"])
+    if tie:
+        assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+    ids = batch()[0]
+    ids[0, :4] = torch.tensor([3, 5, 4, 3])  # the new tokens in the input
+    assert_same_logits(ours, trained, clean, ids, tmp_path)
+
+
+def test_trainable_token_rows_that_cannot_be_honoured_are_refused(tmp_path):
+    hf, ours, _ = pair("llama", tmp_path)
+    peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3])) \
+        .save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"single rows do not train here"):
+        load_adapter(ours, tmp_path / "adapter", trainable=True)
+    with pytest.raises(ValueError, match=r"training single rows of the embedding table is not implemented"):
+        add_lora(ours, LoraSettings(trainable_token_indices=[3]))
+    assert not lora_modules(ours)
+    config_path = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "trainable_token_indices": [500]}))
+    with pytest.raises(ValueError, match=r"names token 500, but model.embed_tokens has 128 rows"):
+        load_adapter(ours, tmp_path / "adapter")
+    _, tied, _ = pair("llama", tmp_path / "tied", tie_word_embeddings=True)
+    config_path.write_text(json.dumps({**config, "trainable_token_indices": {"embed_tokens": [3], "lm_head": [3]}}))
+    with pytest.raises(ValueError, match=r"names embed_tokens and lm_head, but this model ties them"):
+        load_adapter(tied, tmp_path / "adapter")
