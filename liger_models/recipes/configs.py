@@ -155,7 +155,8 @@ class FinetuneConfig(_FromArgs):
                 "modules_to_save": self.lora_modules_to_save,
                 # recorded only when set, so checkpoints written before the option existed still compare equal
                 **({"dora": True} if self.lora_dora else {}),
-                **({"layers": self.lora_layers} if self.lora_layers is not None else {})},
+                # as the layers it names, so "0-3" and "0,1,2,3" resume each other
+                **({"layers": parse_layers(self.lora_layers)} if self.lora_layers is not None else {})},
         }
 
     def _check_paths(self) -> None:

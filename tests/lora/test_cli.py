@@ -70,11 +70,13 @@ def test_resume_with_other_lora_settings_is_refused(base_and_data, tmp_path, cap
     base, data = base_and_data
     out = tmp_path / "run"
     args = ["train", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN]
-    assert main([*args, "--max-steps", "2"]) == 0  # the last of a repeated option counts
+    assert main([*args, "--max-steps", "2", "--lora-layers", "0-1"]) == 0  # the last of a repeated option counts
     capsys.readouterr()
-    assert main([*args, "--lora-r", "8", "--resume", "auto"]) != 0
-    err = capsys.readouterr().err
-    assert "other settings: lora" in err and "--allow-changed-settings lora" in err
+    for changed in (["--lora-r", "8", "--lora-layers", "0-1"], ["--lora-layers", "1"], []):
+        assert main([*args, *changed, "--resume", "auto"]) != 0
+        err = capsys.readouterr().err
+        assert "other settings: lora" in err and "--allow-changed-settings lora" in err
+    assert main([*args, "--max-steps", "3", "--lora-layers", "1,0", "--resume", "auto"]) == 0  # the same layers
 
 
 @pytest.mark.parametrize("option", [["--qlora"], ["--lora-layers", "1"]])
