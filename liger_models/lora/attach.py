@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -22,6 +23,30 @@ TOKEN_ROWS = ".token_adapter.trainable_tokens_delta"
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent), leaf, module)
+
+
+@contextlib.contextmanager
+def restored_on_error(model: nn.Module):
+    """Within: an exception puts the model's module tree back as it was (every module's attributes, submodules,
+    parameters, buffers and hooks, each parameter's requires_grad), then propagates. Weights are not copied: what
+    runs inside must not write into existing tensors."""
+    saved = []
+    for m in model.modules():
+        attrs = dict(m.__dict__)
+        saved.append((m, attrs, {k: dict(v) for k, v in attrs.items() if isinstance(v, dict)}))
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield
+    except BaseException:
+        for m, attrs, contents in saved:
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            for key, items in contents.items():
+                attrs[key].clear()
+                attrs[key].update(items)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        raise
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear | LoraEmbedding | LoraExperts]:
@@ -70,6 +95,16 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
         raise ValueError(f"DoRA on the embedding table ({', '.join(tables)}) is not supported; DoRA adapts linears")
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters (merge or remove them first)")
+    with restored_on_error(model):  # a module that cannot take an adapter leaves the model as it was
+        _attach(model, settings, names, routers, stacks, whole, dtype)
+    names = names + routers + sorted({s.rpartition(".")[0] for s in stacks})
+    model.lora_settings = settings
+    return names
+
+
+def _attach(model: nn.Module, settings: LoraSettings, names: list[str], routers: list[str], stacks: list[str],
+            whole: dict[str, nn.Module], dtype: torch.dtype) -> None:
+    """add_lora's changes to the model, once its checks have passed: base frozen, adapters in place."""
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:
@@ -97,12 +132,9 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
         module.add_adapter(stack, r, alpha, settings.use_rslora, settings.init, dtype)
         module.train(model.training)
         _replace(model, experts_name, module)
-    names = names + routers + sorted({s.rpartition(".")[0] for s in stacks})
     model.pack_()  # the replaced linears keep their packed Parameters; re-register the state-dict copies
     for module in whole.values():
         module.weight.requires_grad_(True)
-    model.lora_settings = settings
-    return names
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

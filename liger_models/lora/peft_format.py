@@ -36,7 +36,7 @@ from liger_models.modules.lora_linear import LoraLinear
 from liger_models.modules.moe import STACKS, Experts
 from liger_models.wrapped_checkpoint import NOT_DECODER, decoder_name, module_name
 
-from .attach import TOKEN_ROWS, add_lora, lora_modules, lora_state_dict, token_rows
+from .attach import TOKEN_ROWS, add_lora, lora_modules, lora_state_dict, restored_on_error, token_rows
 from .config import ROUTER_WEIGHT, LoraSettings, moe_blocks, modules_to_save
 from .per_expert_adapters import convert_per_expert
 
@@ -127,14 +127,32 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
                                                str(directory))
     # PEFT nests one wrapper per adapted expert stack: "experts.base_layer.lora_A" is the experts' too.
     wanted = sorted({_module_of(k).replace(".base_layer", "") for k in tensors if k.endswith(_ADAPTER_SUFFIXES)})
-    # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).
-    names = add_lora(model, LoraSettings(r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
-                                         targets=settings.targets, use_rslora=settings.use_rslora,
-                                         use_dora=settings.use_dora,
-                                         rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern,
-                                         modules_to_save=settings.modules_to_save,
-                                         target_parameters=settings.target_parameters,
-                                         layers_to_transform=settings.layers_to_transform))
+    # A refused adapter leaves the model as it was: no fresh adapters attached, its base not frozen. Everything is
+    # checked (and the new adapter tensors filled) first; the base's own weights are written only after.
+    with restored_on_error(model):
+        # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).
+        names = add_lora(model, LoraSettings(r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
+                                             targets=settings.targets, use_rslora=settings.use_rslora,
+                                             use_dora=settings.use_dora,
+                                             rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern,
+                                             modules_to_save=settings.modules_to_save,
+                                             target_parameters=settings.target_parameters,
+                                             layers_to_transform=settings.layers_to_transform))
+        base_writes = _fill_adapters(model, names, wanted, settings, tensors, directory, trainable)
+    with torch.no_grad():
+        for write in base_writes:
+            write()
+    # Kept so that save_adapter writes the rows back beside the adapters (the embedding table holds them now).
+    model.lora_settings = dataclasses.replace(model.lora_settings,
+                                              trainable_token_indices=settings.trainable_token_indices)
+    return names
+
+
+@torch.no_grad()
+def _fill_adapters(model: nn.Module, names: list[str], wanted: list[str], settings: LoraSettings,
+                   tensors: dict[str, torch.Tensor], directory, trainable: bool) -> list:
+    """Copy the file's adapter tensors into the adapters just attached, checking every shape; returns the writes
+    into the base's own weights (a resized table, modules_to_save, token rows) as closures, none done yet."""
     modules = lora_modules(model)
     excluded = [n for n in names if _excluded(settings.exclude_modules, n)]
     if excluded:
@@ -147,47 +165,45 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
         raise ValueError(f"{directory}: adapter for {unknown[0]!r}, which this model does not have or target")
     if missing:
         raise ValueError(f"{directory}: no adapter weights for {missing[0]!r}, which target_modules selects")
-    with torch.no_grad():
-        for name, m in modules.items():
-            for suffix, dst in m.adapter_tensors().items():
-                key = f"{name}.{suffix}"
-                src = tensors.get(key)
-                if key.endswith(_MAGNITUDE) and (src is None or tuple(src.shape) != tuple(dst.shape)):
-                    raise ValueError(f"{directory}: {key} (DoRA) needs shape {tuple(dst.shape)}, the file has "
-                                     f"{'none' if src is None else tuple(src.shape)}")
-                if src is None:
-                    raise ValueError(f"{directory}: {key} is missing")
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(f"{directory}: {key} has shape {tuple(src.shape)}, but this model needs "
-                                     f"{tuple(dst.shape)} (an adapter for a different base model?)")
-                dst.copy_(src)
-                dst.requires_grad_(trainable)
-            table = tensors.get(f"{name}{_BASE_TABLE}")
-            if table is not None:
-                if tuple(table.shape) != tuple(m.weight.shape):
-                    raise ValueError(f"{directory}: {name}{_BASE_TABLE} has shape {tuple(table.shape)}, this model's "
-                                     f"{name} {tuple(m.weight.shape)} (a resized vocabulary needs the base resized "
-                                     "first)")
-                m.weight.copy_(table)
-        for name, module in modules_to_save(model, settings.modules_to_save).items():
-            src = tensors.get(f"{name}.weight")
-            if src is None or tuple(src.shape) != tuple(module.weight.shape):
-                raise ValueError(f"{directory}: modules_to_save {name!r} needs a weight of shape "
-                                 f"{tuple(module.weight.shape)}, the file has "
+    writes = []
+    for name, m in modules.items():
+        for suffix, dst in m.adapter_tensors().items():
+            key = f"{name}.{suffix}"
+            src = tensors.get(key)
+            if key.endswith(_MAGNITUDE) and (src is None or tuple(src.shape) != tuple(dst.shape)):
+                raise ValueError(f"{directory}: {key} (DoRA) needs shape {tuple(dst.shape)}, the file has "
                                  f"{'none' if src is None else tuple(src.shape)}")
-            module.weight.copy_(src)
-            module.weight.requires_grad_(trainable)
-        for name, (module, rows) in token_rows(model, settings.trainable_token_indices).items():
-            src = tensors.get(f"{name}{TOKEN_ROWS}")
-            want = (len(rows), module.weight.shape[1])
-            if src is None or tuple(src.shape) != want:
-                raise ValueError(f"{directory}: trainable_token_indices of {name} need rows of shape {want}, the "
-                                 f"file has {'none' if src is None else tuple(src.shape)}")
-            module.weight.index_copy_(0, rows, src.to(module.weight))
-    # Kept so that save_adapter writes the rows back beside the adapters (the embedding table holds them now).
-    model.lora_settings = dataclasses.replace(model.lora_settings,
-                                              trainable_token_indices=settings.trainable_token_indices)
-    return names
+            if src is None:
+                raise ValueError(f"{directory}: {key} is missing")
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"{directory}: {key} has shape {tuple(src.shape)}, but this model needs "
+                                 f"{tuple(dst.shape)} (an adapter for a different base model?)")
+            dst.copy_(src)
+            dst.requires_grad_(trainable)
+        table = tensors.get(f"{name}{_BASE_TABLE}")
+        if table is not None:
+            if tuple(table.shape) != tuple(m.weight.shape):
+                raise ValueError(f"{directory}: {name}{_BASE_TABLE} has shape {tuple(table.shape)}, this model's "
+                                 f"{name} {tuple(m.weight.shape)} (a resized vocabulary needs the base resized "
+                                 "first)")
+            writes.append(lambda m=m, table=table: m.weight.copy_(table))
+    for name, module in modules_to_save(model, settings.modules_to_save).items():
+        src = tensors.get(f"{name}.weight")
+        if src is None or tuple(src.shape) != tuple(module.weight.shape):
+            raise ValueError(f"{directory}: modules_to_save {name!r} needs a weight of shape "
+                             f"{tuple(module.weight.shape)}, the file has "
+                             f"{'none' if src is None else tuple(src.shape)}")
+        writes.append(lambda module=module, src=src: (module.weight.copy_(src),
+                                                      module.weight.requires_grad_(trainable)))
+    for name, (module, rows) in token_rows(model, settings.trainable_token_indices).items():
+        src = tensors.get(f"{name}{TOKEN_ROWS}")
+        want = (len(rows), module.weight.shape[1])
+        if src is None or tuple(src.shape) != want:
+            raise ValueError(f"{directory}: trainable_token_indices of {name} need rows of shape {want}, the "
+                             f"file has {'none' if src is None else tuple(src.shape)}")
+        writes.append(lambda module=module, rows=rows, src=src: module.weight.index_copy_(0, rows,
+                                                                                          src.to(module.weight)))
+    return writes
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from liger_models import AutoLigerForCausalLM
 from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_modules, merge_lora, quantize_base_,
                                save_adapter, save_merged, unmerge_lora)
 
@@ -227,3 +228,75 @@ def test_trainable_token_rows_that_cannot_be_honoured_are_refused(tmp_path):
     config_path.write_text(json.dumps({**config, "trainable_token_indices": {"embed_tokens": [3], "lm_head": [3]}}))
     with pytest.raises(ValueError, match=r"names embed_tokens and lm_head, but this model ties them"):
         load_adapter(tied, tmp_path / "adapter")
+
+
+def _model_state(model) -> tuple[dict, dict, dict, bool]:
+    """What a refused load must leave unchanged: every tensor's values, every parameter's requires_grad, each
+    module's class, and whether the model carries LoRA settings."""
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            {n: p.requires_grad for n, p in model.named_parameters()},
+            {n: type(m) for n, m in model.named_modules()}, hasattr(model, "lora_settings"))
+
+
+@pytest.mark.parametrize("family, nf4", [("llama", False), ("phi3", False), ("llama", True)])
+def test_a_refused_adapter_leaves_the_model_as_it_was(family, nf4, tmp_path):
+    """load_adapter checks the whole file before it writes into the base: each way a file can be refused late
+    (after the adapters are attached and partly filled) leaves no adapter attached and nothing frozen, and the
+    right adapter then loads onto the same model with the logits it gives a fresh one."""
+    from safetensors.torch import load_file, save_file
+
+    _, ours, directory = pair(family, tmp_path)
+    _, donor, _ = pair(family, tmp_path / "donor")
+    if nf4:
+        quantize_base_(ours)
+        quantize_base_(donor)
+    with_adapters(donor, family, "all-linear")
+    save_adapter(donor, tmp_path / "good")
+    tensors = load_file(str(tmp_path / "good" / "adapter_model.safetensors"))
+    config = json.loads((tmp_path / "good" / "adapter_config.json").read_text())
+    last = sorted(k for k in tensors if k.endswith("lora_B.weight"))[-1]
+    hidden = donor.config.hidden_size
+    bad = {"missing": ({k: v for k, v in tensors.items() if k != last}, config),
+           "wrong_shape": ({**tensors, last: tensors[last][:-1]}, config),
+           "modules_to_save": ({**tensors, "base_model.model.lm_head.weight": torch.zeros(3, hidden)},
+                               {**config, "modules_to_save": ["lm_head"]}),
+           "token_rows": ({**tensors, "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta":
+                           torch.zeros(2, hidden)}, {**config, "trainable_token_indices": [3]})}
+    before = _model_state(ours)
+    for kind, (files, cfg) in bad.items():
+        (tmp_path / kind).mkdir()
+        save_file(files, str(tmp_path / kind / "adapter_model.safetensors"))
+        (tmp_path / kind / "adapter_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError):
+            load_adapter(ours, tmp_path / kind)
+        after = _model_state(ours)
+        assert after[1:] == before[1:], kind
+        assert after[0].keys() == before[0].keys() and all(torch.equal(after[0][k], v) for k, v in before[0].items())
+    load_adapter(ours, tmp_path / "good")
+    fresh = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    if nf4:
+        quantize_base_(fresh)
+    load_adapter(fresh, tmp_path / "good")
+    ids = batch()[0]
+    with torch.no_grad():
+        assert torch.equal(ours.eval()(ids).logits, fresh.eval()(ids).logits)
+
+
+def test_a_module_that_cannot_take_an_adapter_leaves_the_model_as_it_was(tmp_path):
+    """add_lora refuses a target that is no plain linear (here the second layer's q_proj, after the first layer's
+    took its adapter) and puts back what it had attached and frozen."""
+    _, ours, _ = pair("llama", tmp_path)
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    q = ours.model.layers[1].self_attn.q_proj
+    wrapped = Wrapped(q.in_features, q.out_features, bias=False)
+    wrapped.weight = q.weight
+    ours.model.layers[1].self_attn.q_proj = wrapped
+    before = _model_state(ours)
+    with pytest.raises(TypeError, match="LoRA attaches to nn.Linear projections, got Wrapped"):
+        add_lora(ours, LoraSettings(targets=["q_proj", "v_proj"]))
+    after = _model_state(ours)
+    assert after[1:] == before[1:]
+    assert all(torch.equal(after[0][k], v) for k, v in before[0].items())
