@@ -188,12 +188,23 @@ def assert_unmerged_exactly(module, base: torch.Tensor) -> None:
     assert err <= 2 * eps * size, (err, eps * size)
 
 
-def assert_as_close_as_fp32_allows(ours: torch.Tensor, peer: torch.Tensor, exact: torch.Tensor) -> None:
+def assert_as_close_as_fp32_allows(ours: torch.Tensor, peer: torch.Tensor, exact: torch.Tensor, *,
+                                   more_peers: tuple[torch.Tensor, ...] = (), redraw=None) -> None:
     """``ours`` (fp32 logits) within 1e-5 of the largest logit of ``exact`` (float64, the same weights), or no further
-    from it than FP32_PEER_FACTOR times what ``peer`` (another fp32 implementation of it) is. On some random tiny
-    models a logit is a cancellation that fp32 gets to only ~3e-5 (HF + PEFT too: one CI seed had ours 2.45e-5 and
-    HF + PEFT 1.07e-5 off at the same logit), so two fp32 paths are not compared to each other. Over 30 seeds per
-    family the ratio of the two errors had medians 0.9-1.3 and reached 4.4, each time with ours under 1e-5."""
+    from it than FP32_PEER_FACTOR times what ``peer`` (another fp32 implementation of it; the largest error of it and
+    ``more_peers``, as check_parity takes HF's eager and SDPA runs) is. On some random tiny models a logit is a
+    cancellation that fp32 gets to only ~3e-5 (HF + PEFT too: one CI seed had ours 2.45e-5 and HF + PEFT 1.07e-5 off
+    at the same logit), so two fp32 paths are not compared to each other. Over 30 seeds per family the ratio of the
+    two errors had medians 0.9-1.3 and reached 4.4, each time with ours under 1e-5; in 40 seeds × 8 families one (Gemma 3,
+    LIGER_TEST_SEED=533990221) had ours 1.51e-5 off against HF + PEFT's 3.0e-6 eager and 5.2e-6 with SDPA, with our
+    ops' PyTorch references the same (1.46e-5), ours in float64 7e-7. So, as check_parity judges ours, past the bound
+    its error is the median of its own and OURS_MOVED ulp-moved copies' (``redraw(generator)``: a moved copy's
+    logits), which a wrong computation fails in all three."""
     ours_err = max_rel(ours.double(), exact)
-    peer_err = max_rel(peer.double(), exact)
-    assert ours_err <= max(FP32_PEER_FACTOR * peer_err, 1e-5), (ours_err, peer_err)
+    peer_err = max(max_rel(p.double(), exact) for p in (peer, *more_peers))
+    limit, others = max(FP32_PEER_FACTOR * peer_err, 1e-5), []
+    if ours_err > limit and redraw is not None:
+        generator = torch.Generator().manual_seed(int(torch.randint(2**31, ())))
+        others = [max_rel(redraw(generator).double(), exact) for _ in range(OURS_MOVED)]
+        ours_err = median_of_draws(ours_err, others)
+    assert ours_err <= limit, (ours_err, peer_err, others)
