@@ -114,8 +114,7 @@ class LoraSettings:
         if layers is None or (isinstance(layers, (list, tuple)) and not layers):
             self.layers_to_transform = None
             return
-        if not isinstance(layers, (list, tuple)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+        if not _indices(layers):
             raise ValueError(f"layers_to_transform must be decoder layer indices (integers ≥ 0), got {layers!r}")
         if isinstance(self.targets, str) and self.targets != ALL_LINEAR:
             raise ValueError(f"layers_to_transform {list(layers)} goes with targets given as names or "
@@ -134,8 +133,7 @@ class LoraSettings:
         for leaf, ids in rows.items():
             if leaf not in SAVABLE:
                 raise ValueError(f"trainable_token_indices: {leaf!r} is not supported (only {', '.join(SAVABLE)})")
-            if not isinstance(ids, (list, tuple)) or not ids or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            if not ids or not _indices(ids):
                 raise ValueError(f"trainable_token_indices[{leaf!r}] must be token ids (integers ≥ 0), got {ids!r}")
         self.trainable_token_indices = {leaf: list(ids) for leaf, ids in rows.items()}
 
@@ -194,6 +192,12 @@ class LoraSettings:
                    exclude_modules=cfg.get("exclude_modules") or None,
                    layers_to_transform=cfg.get("layers_to_transform"),
                    trainable_token_indices=cfg.get("trainable_token_indices"))
+
+
+def _indices(value) -> bool:
+    """Whether ``value`` is a list (or tuple) of integers ≥ 0: layer indices, token ids."""
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
 
 
 def parse_layers(text: str) -> list[int]:

@@ -131,13 +131,8 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
     # checked (and the new adapter tensors filled) first; the base's own weights are written only after.
     with restored_on_error(model):
         # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).
-        names = add_lora(model, LoraSettings(r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
-                                             targets=settings.targets, use_rslora=settings.use_rslora,
-                                             use_dora=settings.use_dora,
-                                             rank_pattern=settings.rank_pattern, alpha_pattern=settings.alpha_pattern,
-                                             modules_to_save=settings.modules_to_save,
-                                             target_parameters=settings.target_parameters,
-                                             layers_to_transform=settings.layers_to_transform))
+        # The token rows are not adapters to train: they are written into the tables below.
+        names = add_lora(model, dataclasses.replace(settings, trainable_token_indices=None))
         base_writes = _fill_adapters(model, names, wanted, settings, tensors, directory, trainable)
     with torch.no_grad():
         for write in base_writes:
@@ -193,8 +188,8 @@ def _fill_adapters(model: nn.Module, names: list[str], wanted: list[str], settin
             raise ValueError(f"{directory}: modules_to_save {name!r} needs a weight of shape "
                              f"{tuple(module.weight.shape)}, the file has "
                              f"{'none' if src is None else tuple(src.shape)}")
-        writes.append(lambda module=module, src=src: (module.weight.copy_(src),
-                                                      module.weight.requires_grad_(trainable)))
+        module.weight.requires_grad_(trainable)
+        writes.append(lambda module=module, src=src: module.weight.copy_(src))
     for name, (module, rows) in token_rows(model, settings.trainable_token_indices).items():
         src = tensors.get(f"{name}{TOKEN_ROWS}")
         want = (len(rows), module.weight.shape[1])
