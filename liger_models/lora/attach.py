@@ -50,10 +50,16 @@ def restored_on_error(model: nn.Module):
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear | LoraEmbedding | LoraExperts]:
-    """Full name → LoraLinear, LoraEmbedding or LoraExperts that carries an adapter."""
+    """Full name → LoraLinear, LoraEmbedding or LoraExperts that carries an adapter or its own trainable-token rows
+    (a tied lm_head reads the embedding's and is not listed)."""
     return {name: m for name, m in model.named_modules()
-            if (isinstance(m, (LoraLinear, LoraExperts)) and m.lora_A is not None)
-            or (isinstance(m, LoraEmbedding) and m.lora_embedding_A is not None)}
+            if isinstance(m, (LoraLinear, LoraEmbedding, LoraExperts)) and m.carries_adapter}
+
+
+def lora_adapted(modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """Those of ``lora_modules``' that carry a LoRA adapter (not only token rows)."""
+    return {name: m for name, m in modules.items()
+            if getattr(m, "lora_A", None) is not None or getattr(m, "lora_embedding_A", None) is not None}
 
 
 def _with_fused_gate_up(settings: LoraSettings, stacks: list[str]) -> LoraSettings:
@@ -75,10 +81,6 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
     trainable whole; every other parameter is frozen. Returns the adapted module names. Adapters are kept in
     ``dtype`` (fp32 by default, as PEFT: the optimizer updates them in full precision; they are cast to the
     activations' dtype inside the GEMMs)."""
-    if settings.trainable_token_indices:
-        raise ValueError(f"trainable_token_indices {settings.trainable_token_indices}: training single rows of the "
-                         "embedding table is not implemented here (load_adapter applies an adapter's rows); train "
-                         "the table whole with modules_to_save=['embed_tokens'] instead")
     names = resolve_targets(model, settings.targets, settings.layers_to_transform)
     routers, stacks = resolve_parameters(model, settings)
     if (routers or stacks) and (settings.dropout or settings.use_dora):
@@ -93,17 +95,22 @@ def add_lora(model: nn.Module, settings: LoraSettings, dtype: torch.dtype = torc
     tables = [name for name in names if isinstance(model.get_submodule(name), (nn.Embedding, LoraEmbedding))]
     if settings.use_dora and tables:
         raise ValueError(f"DoRA on the embedding table ({', '.join(tables)}) is not supported; DoRA adapts linears")
+    rows = token_rows(model, settings.trainable_token_indices)
+    adapted_too = sorted(set(rows) & set(names))
+    if adapted_too:
+        raise ValueError(f"{', '.join(adapted_too)}: both a LoRA target and in trainable_token_indices; a table "
+                         "takes one or the other (as in PEFT)")
     if lora_modules(model):
         raise ValueError("the model already has LoRA adapters (merge or remove them first)")
     with restored_on_error(model):  # a module that cannot take an adapter leaves the model as it was
-        _attach(model, settings, names, routers, stacks, whole, dtype)
+        _attach(model, settings, names, routers, stacks, whole, rows, dtype)
     names = names + routers + sorted({s.rpartition(".")[0] for s in stacks})
     model.lora_settings = settings
     return names
 
 
 def _attach(model: nn.Module, settings: LoraSettings, names: list[str], routers: list[str], stacks: list[str],
-            whole: dict[str, nn.Module], dtype: torch.dtype) -> None:
+            whole: dict[str, nn.Module], rows: dict[str, tuple[nn.Module, list[int]]], dtype: torch.dtype) -> None:
     """add_lora's changes to the model, once its checks have passed: base frozen, adapters in place."""
     for p in model.parameters():
         p.requires_grad_(False)
@@ -132,35 +139,58 @@ def _attach(model: nn.Module, settings: LoraSettings, names: list[str], routers:
         module.add_adapter(stack, r, alpha, settings.use_rslora, settings.init, dtype)
         module.train(model.training)
         _replace(model, experts_name, module)
+    _attach_token_rows(model, rows, settings.init, dtype)
     model.pack_()  # the replaced linears keep their packed Parameters; re-register the state-dict copies
     for module in whole.values():
         module.weight.requires_grad_(True)
 
 
+def _attach_token_rows(model: nn.Module, rows: dict[str, tuple[nn.Module, list[int]]], init: str | bool,
+                       dtype: torch.dtype) -> None:
+    """Trainable-token rows on the tables ``token_rows`` found; on a tied model lm_head reads the embedding's."""
+    for name, (table, ids) in rows.items():
+        if isinstance(table, (nn.Embedding, LoraEmbedding)):
+            module = LoraEmbedding.from_embedding(table)
+            module.add_token_rows(ids, dtype, init)
+        else:
+            module = LoraLinear.from_linear(table)
+            module.add_token_rows(ids, dtype, init)
+        module.train(model.training)
+        _replace(model, name, module)
+        if _tied(model) and isinstance(module, LoraEmbedding):
+            head = LoraLinear.from_linear(model.lm_head)
+            head.add_token_rows(ids, tied=module.token_adapter)
+            head.train(model.training)
+            model.lm_head = head
+
+
+def _tied(model: nn.Module) -> bool:
+    return bool(getattr(model.config, "tie_word_embeddings", False))
+
+
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Our-name → tensor of what the adapter trains, under PEFT's key names: each A and B
     (``model.layers.0.self_attn.q_proj.lora_A.weight`` …; ``model.embed_tokens.lora_embedding_A`` …), each DoRA
-    magnitude (``….q_proj.lora_magnitude_vector``) and the whole weight of each of its modules_to_save
-    (``lm_head.weight``)."""
+    magnitude (``….q_proj.lora_magnitude_vector``), trainable-token rows (``model.embed_tokens`` +
+    ``TOKEN_ROWS``) and the whole weight of each of its modules_to_save (``lm_head.weight``)."""
     out = {}
     for name, m in lora_modules(model).items():
         out.update({f"{name}.{suffix}": p for suffix, p in m.adapter_tensors().items()})
     settings = getattr(model, "lora_settings", None)
     for name, module in modules_to_save(model, settings.modules_to_save if settings else []).items():
         out[f"{name}.weight"] = module.weight
-    for name, (module, rows) in token_rows(model, settings.trainable_token_indices if settings else None).items():
-        out[f"{name}{TOKEN_ROWS}"] = module.weight[rows]
     return out
 
 
-def token_rows(model: nn.Module, indices: dict[str, list[int]] | None) -> dict[str, tuple[nn.Module, torch.Tensor]]:
-    """Full name → (module, row indices) for PEFT's trainable_token_indices ({leaf: ids}); ids past the table and,
-    on tied embeddings, rows named for both modules (one matrix) are refused."""
+def token_rows(model: nn.Module, indices: dict[str, list[int]] | None) -> dict[str, tuple[nn.Module, list[int]]]:
+    """Full name → (table module, row ids) for PEFT's trainable_token_indices ({leaf: ids}). Refused: ids past the
+    table, and on tied embeddings rows for lm_head (both modules named: one matrix; lm_head alone: PEFT gives the
+    head rows its embedding does not have, which no merged or tied checkpoint can hold)."""
     found = {}
     tables = outer_modules(model)
-    if indices and len(indices) > 1 and getattr(model.config, "tie_word_embeddings", False):
-        raise ValueError(f"trainable_token_indices names {' and '.join(indices)}, but this model ties them (one "
-                         "matrix): give the rows once")
+    if indices and "lm_head" in indices and _tied(model):
+        raise ValueError("trainable_token_indices names lm_head, but this model ties it to embed_tokens (one "
+                         "matrix): give the rows for embed_tokens (a list), which the tied lm_head shares")
     for leaf, ids in (indices or {}).items():
         name = next((n for n in tables if n.rsplit(".", 1)[-1] == leaf), None)
         if name is None:
@@ -169,7 +199,7 @@ def token_rows(model: nn.Module, indices: dict[str, list[int]] | None) -> dict[s
         rows = module.weight.shape[0]
         if max(ids) >= rows:
             raise ValueError(f"trainable_token_indices[{leaf!r}] names token {max(ids)}, but {name} has {rows} rows")
-        found[name] = (module, torch.tensor(ids, dtype=torch.long, device=module.weight.device))
+        found[name] = (module, list(ids))
     return found
 
 

@@ -72,7 +72,8 @@ class LoraSettings:
     # PEFT's layers_to_transform: the decoder layers (indices) whose targets take adapters; None: every layer
     layers_to_transform: list[int] | None = None
     # PEFT's trainable_token_indices, as {leaf of SAVABLE: row indices}: rows of the embedding table (and of lm_head)
-    # that the adapter replaces (new tokens' rows). load_adapter applies them; add_lora does not train them.
+    # that train in place of the frozen ones (new tokens' rows; modules/token_rows.py). The list form is the
+    # embedding's rows, which a tied lm_head shares.
     trainable_token_indices: dict[str, list[int]] | None = None
 
     def __post_init__(self) -> None:
@@ -133,8 +134,12 @@ class LoraSettings:
         for leaf, ids in rows.items():
             if leaf not in SAVABLE:
                 raise ValueError(f"trainable_token_indices: {leaf!r} is not supported (only {', '.join(SAVABLE)})")
-            if not ids or not _indices(ids):
-                raise ValueError(f"trainable_token_indices[{leaf!r}] must be token ids (integers ≥ 0), got {ids!r}")
+            if leaf in self.modules_to_save:  # PEFT refuses both as well
+                raise ValueError(f"{leaf!r} is both in modules_to_save (trained whole) and in "
+                                 "trainable_token_indices (some rows trained); choose one")
+            if not ids or not _indices(ids) or len(set(ids)) != len(ids):
+                raise ValueError(f"trainable_token_indices[{leaf!r}] must be distinct token ids (integers ≥ 0), got "
+                                 f"{ids!r}")
         self.trainable_token_indices = {leaf: list(ids) for leaf, ids in rows.items()}
 
     def rank_and_alpha(self, name: str) -> tuple[int, float]:

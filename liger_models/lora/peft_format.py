@@ -19,7 +19,6 @@ Reading takes keys of either multimodal layout onto the decoder; adapters on the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -36,7 +35,7 @@ from liger_models.modules.lora_linear import LoraLinear
 from liger_models.modules.moe import STACKS, Experts
 from liger_models.wrapped_checkpoint import NOT_DECODER, decoder_name, module_name
 
-from .attach import TOKEN_ROWS, add_lora, lora_modules, lora_state_dict, restored_on_error, token_rows
+from .attach import TOKEN_ROWS, add_lora, lora_adapted, lora_modules, lora_state_dict, restored_on_error
 from .config import ROUTER_WEIGHT, LoraSettings, moe_blocks, modules_to_save
 from .per_expert_adapters import convert_per_expert
 
@@ -67,7 +66,7 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None
     atomic.write_file(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     routers = set(modules) & _routers(model)
     experts = [m for m in modules.values() if isinstance(m, LoraExperts)]
-    leaves = sorted({name.rsplit(".", 1)[-1] for name, m in modules.items()
+    leaves = sorted({name.rsplit(".", 1)[-1] for name, m in lora_adapted(modules).items()
                      if name not in routers and not isinstance(m, LoraExperts)})
     parameters = sorted({stack for m in experts for stack in m.lora} | ({ROUTER_WEIGHT} if routers else set()))
     config = settings.to_peft(leaves, base_model, parameters)
@@ -117,10 +116,6 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
     """Attach the PEFT adapter in ``directory`` to ``model``: same modules, ranks and scales; shapes must match the
     base (an adapter for another model is refused naming the first mismatch). Returns the adapted names."""
     settings, tensors = read_adapter(directory)
-    if settings.trainable_token_indices and trainable:
-        raise ValueError(f"{directory}: its trainable_token_indices rows go into the embedding table, whose single "
-                         "rows do not train here: load it to decode or merge, or train the table whole "
-                         "(modules_to_save)")
     blocks = moe_blocks(model)
     if blocks:  # an adapter saved against transformers v4's per-expert linears: in the stacked layout
         settings, tensors = convert_per_expert(settings, tensors, next(iter(blocks.values())).num_experts,
@@ -131,15 +126,11 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
     # checked (and the new adapter tensors filled) first; the base's own weights are written only after.
     with restored_on_error(model):
         # The files say which modules carry adapters (target_modules may be a pattern or a superset of them).
-        # The token rows are not adapters to train: they are written into the tables below.
-        names = add_lora(model, dataclasses.replace(settings, trainable_token_indices=None))
+        names = add_lora(model, settings)
         base_writes = _fill_adapters(model, names, wanted, settings, tensors, directory, trainable)
     with torch.no_grad():
         for write in base_writes:
             write()
-    # Kept so that save_adapter writes the rows back beside the adapters (the embedding table holds them now).
-    model.lora_settings = dataclasses.replace(model.lora_settings,
-                                              trainable_token_indices=settings.trainable_token_indices)
     return names
 
 
@@ -147,7 +138,7 @@ def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = Fals
 def _fill_adapters(model: nn.Module, names: list[str], wanted: list[str], settings: LoraSettings,
                    tensors: dict[str, torch.Tensor], directory, trainable: bool) -> list:
     """Copy the file's adapter tensors into the adapters just attached, checking every shape; returns the writes
-    into the base's own weights (a resized table, modules_to_save, token rows) as closures, none done yet."""
+    into the base's own weights (a resized table, modules_to_save) as closures, none done yet."""
     modules = lora_modules(model)
     excluded = [n for n in names if _excluded(settings.exclude_modules, n)]
     if excluded:
@@ -168,6 +159,9 @@ def _fill_adapters(model: nn.Module, names: list[str], wanted: list[str], settin
             if key.endswith(_MAGNITUDE) and (src is None or tuple(src.shape) != tuple(dst.shape)):
                 raise ValueError(f"{directory}: {key} (DoRA) needs shape {tuple(dst.shape)}, the file has "
                                  f"{'none' if src is None else tuple(src.shape)}")
+            if key.endswith(TOKEN_ROWS) and (src is None or tuple(src.shape) != tuple(dst.shape)):
+                raise ValueError(f"{directory}: trainable_token_indices of {name} need rows of shape "
+                                 f"{tuple(dst.shape)}, the file has {'none' if src is None else tuple(src.shape)}")
             if src is None:
                 raise ValueError(f"{directory}: {key} is missing")
             if tuple(src.shape) != tuple(dst.shape):
@@ -190,14 +184,6 @@ def _fill_adapters(model: nn.Module, names: list[str], wanted: list[str], settin
                              f"{'none' if src is None else tuple(src.shape)}")
         module.weight.requires_grad_(trainable)
         writes.append(lambda module=module, src=src: module.weight.copy_(src))
-    for name, (module, rows) in token_rows(model, settings.trainable_token_indices).items():
-        src = tensors.get(f"{name}{TOKEN_ROWS}")
-        want = (len(rows), module.weight.shape[1])
-        if src is None or tuple(src.shape) != want:
-            raise ValueError(f"{directory}: trainable_token_indices of {name} need rows of shape {want}, the "
-                             f"file has {'none' if src is None else tuple(src.shape)}")
-        writes.append(lambda module=module, rows=rows, src=src: module.weight.index_copy_(0, rows,
-                                                                                          src.to(module.weight)))
     return writes
 
 

@@ -111,7 +111,8 @@ class MedusaModel(nn.Module):
         if not is_plain_linear(self.base.lm_head):
             raise ValueError(f"the base lm_head is a {type(self.base.lm_head).__name__}, not a plain nn.Linear: the "
                              "Medusa loss reads its weight directly (shared by the heads), which would skip what "
-                             "the wrapper adds; leave lm_head out of the adapter's target modules")
+                             "the wrapper adds; leave lm_head out of the adapter's target modules (and, on a "
+                             "tied model, out of trainable_token_indices: the tied head takes the rows too)")
         out = medusa_loss(hidden, self.heads, labels, position_ids=position_ids,
                           base_lm_head_weight=self.base.lm_head.weight, base_loss_weight=self.base_loss_weight,
                           head_scales=self.head_scales(step, max_steps), normalizer=normalizer,

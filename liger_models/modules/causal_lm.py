@@ -374,18 +374,21 @@ class LigerForCausalLM(nn.Module):
         here). The cases where LoraLinear's own forward takes ``composed`` (autocast, torch.compile, a trainable
         base) are readable too: u comes from plain autograd ops, the loss has a custom op for compile and computes
         dW when W requires grad, and under autocast every operand is in autocast's dtype as the head's GEMMs would
-        have it. Not readable, so formed: PEFT's own wrapper of lm_head, a DoRA adapter (its per-row factor m / n
-        scales the base's logits too, no low-rank term), an NF4 base (never on lm_head here, but its weight is
-        codes), and a head with forward hooks, which a call would run."""
+        have it. Trainable-token rows on the head are a low-rank term as well (modules/token_rows.py). Not readable,
+        so formed: PEFT's own wrapper of lm_head, a DoRA adapter (its per-row factor m / n scales the base's logits
+        too, no low-rank term), an NF4 base (never on lm_head here, but its weight is codes), and a head with forward
+        hooks, which a call would run."""
         head = self.lm_head
         if is_plain_linear(head):
             return (*autocast_operands(hidden, head.weight), None, None)
         if not isinstance(head, LoraLinear) or runs_forward_hooks(head) or head.quant is not None:
             return None
-        if head.has_adapter and head.use_dora:
+        if head.has_adapter and (head.use_dora or head.replaces_columns):
             return None
         hidden, weight = autocast_operands(hidden, head.weight)
         bias = None if head.bias is None else head.bias.to(weight.dtype)
+        if head.replaces_columns:  # trainable-token rows: a low-rank term too (modules/token_rows.py)
+            return hidden, weight, bias, head.token_rows.low_rank_terms(hidden, weight)
         return hidden, weight, bias, head.low_rank_terms(hidden) if head.has_adapter else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

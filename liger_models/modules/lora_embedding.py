@@ -7,6 +7,10 @@ dropout to an embedding's adapter, and scales the delta by the table's embedding
 scaled (Gemma's √H multiplies both; modules/embedding.py), as PEFT does with transformers' scaled embeddings. The
 delta is computed in the adapter's dtype and the sum rounded once to the table's dtype, as PEFT's sum of a bf16
 lookup and an fp32 delta is. The lookup of A skips the padding row's gradient as the base table's does.
+
+Instead of an adapter, a table may carry trainable-token rows (PEFT's trainable_token_indices; modules/token_rows.py)
+as its ``token_adapter``: the chosen tokens' vectors are those rows, before the embedding scale. PEFT puts one or the
+other on a table, never both.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from .embedding import ScaledEmbedding, scaled
 from .lora_linear import check_rank
+from .token_rows import TokenRows
 
 
 class LoraEmbedding(nn.Module):
@@ -34,6 +39,7 @@ class LoraEmbedding(nn.Module):
         self.lora_embedding_A: nn.Parameter | None = None
         self.lora_embedding_B: nn.Parameter | None = None
         self.r, self.lora_alpha, self.scaling = 0, 0.0, 0.0
+        self.token_adapter: TokenRows | None = None
         self.merged = False
 
     @classmethod
@@ -53,8 +59,14 @@ class LoraEmbedding(nn.Module):
 
     @property
     def carries_adapter(self) -> bool:
-        """An adapter is attached, merged into the table or not."""
-        return self.lora_embedding_A is not None
+        """An adapter or trainable-token rows are attached, merged into the table or not."""
+        return self.lora_embedding_A is not None or self.token_adapter is not None
+
+    def add_token_rows(self, ids: list[int], dtype: torch.dtype = torch.float32, init: bool | str = True) -> None:
+        """Trainable rows for tokens ``ids``, starting at their current values (see modules/token_rows.py)."""
+        if self.lora_embedding_A is not None:
+            raise ValueError("a table takes a LoRA adapter or trainable-token rows, not both (as PEFT)")
+        self.token_adapter = TokenRows(self.weight, ids, self.padding_idx, dtype, init)
 
     use_dora = False  # PEFT's DoRA on embeddings is not offered here (refused in liger_models.lora)
 
@@ -74,6 +86,8 @@ class LoraEmbedding(nn.Module):
 
     def adapter_tensors(self) -> dict[str, nn.Parameter]:
         """Key suffix → Parameter of what the adapter trains, under PEFT's names."""
+        if self.token_adapter is not None:
+            return {"token_adapter.trainable_tokens_delta": self.token_adapter.trainable_tokens_delta}
         return {"lora_embedding_A": self.lora_embedding_A, "lora_embedding_B": self.lora_embedding_B}
 
     def delta_weight(self) -> torch.Tensor:
@@ -82,20 +96,32 @@ class LoraEmbedding(nn.Module):
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
+        """The table with the adapter in it, fp32: E + s·(B·A)ᵀ, or E with the trained token rows."""
+        if self.token_adapter is not None:
+            return self.token_adapter.applied_to(self.weight.float())
         return self.weight.float() + self.delta_weight()
 
     @torch.no_grad()
     def merge(self) -> None:
-        """E += s·(B·A)ᵀ (fp32, rounded once); the adapter then adds nothing until ``unmerge``."""
-        if self.lora_embedding_A is not None and not self.merged:
+        """E += s·(B·A)ᵀ (fp32, rounded once), or the token rows copied in; the adapter then adds nothing until
+        ``unmerge``."""
+        if self.merged:
+            return
+        if self.token_adapter is not None:
+            self.token_adapter.merge_into(self.weight)
+        elif self.lora_embedding_A is not None:
             self.weight.copy_(self.merged_weight())
-            self.merged = True
+        self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        if self.merged:
+        if not self.merged:
+            return
+        if self.token_adapter is not None:
+            self.token_adapter.unmerge_from(self.weight)
+        elif self.lora_embedding_A is not None:
             self.weight.copy_(self.weight.float() - self.delta_weight())
-            self.merged = False
+        self.merged = False
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, r={self.r}, "
@@ -106,4 +132,6 @@ class LoraEmbedding(nn.Module):
         if self.has_adapter:
             after_a = F.embedding(ids, self.lora_embedding_A.t(), self.padding_idx)
             base = (base + (after_a @ self.lora_embedding_B.t()) * self.scaling).to(base.dtype)
+        elif self.token_adapter is not None and not self.merged:
+            base = self.token_adapter.looked_up(ids, base)
         return scaled(base, self.embed_scale)

@@ -29,6 +29,10 @@ in the fused core the output rows are scaled in place; backward scales dY's rows
 LoRA backward, and dm = Σ_tokens dY ⊙ (W·x + s·B·A·x) / n recomputes W·x for the adapted rows in row blocks of
 tokens (one more GEMM over those rows, where saving the output would cost its size in memory and break the in-place
 RoPE that rotates q|k|v). With dropout active DoRA needs W·drop(x) as well, and the group takes ``composed``.
+
+lm_head may carry trainable-token rows instead of an adapter (PEFT's trainable_token_indices; modules/token_rows.py):
+its own ``token_adapter``, or on a tied model the embedding's (one parameter, as PEFT ties the two; held here
+without registering it, so it has one name). Its output's chosen columns are then the rows' products.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from liger_models.kernels.ops.nf4 import dequantize_nf4
 from liger_models.kernels.ops.nf4_matmul import nf4_matmul, rows_fit, rows_limit
 
 from .linear import _stacked, is_plain_linear, register_group_path
+from .token_rows import TokenRows
 
 
 def check_rank(r) -> None:
@@ -103,6 +108,7 @@ class LoraLinear(nn.Module):
         self.lora_B: nn.Linear | None = None
         self.lora_magnitude_vector: nn.Parameter | None = None  # DoRA's m; PEFT's key name
         self.r, self.lora_alpha, self.scaling, self.lora_dropout = 0, 0.0, 0.0, 0.0
+        self.token_adapter: TokenRows | None = None
         self.merged = False
 
     @classmethod
@@ -119,8 +125,29 @@ class LoraLinear(nn.Module):
 
     @property
     def carries_adapter(self) -> bool:
-        """An adapter is attached, merged into the weight or not."""
-        return self.lora_A is not None
+        """An adapter or its own trainable-token rows are attached, merged into the weight or not."""
+        return self.lora_A is not None or self.token_adapter is not None
+
+    @property
+    def token_rows(self) -> TokenRows | None:
+        """The trainable-token rows this output takes: its own, or the tied embedding's."""
+        return self.token_adapter if self.token_adapter is not None else self.__dict__.get("_tied_token_rows")
+
+    def add_token_rows(self, ids: list[int], dtype: torch.dtype = torch.float32, init: bool | str = True,
+                       tied: TokenRows | None = None) -> None:
+        """Trainable rows for output tokens ``ids`` (lm_head's), starting at their current values; ``tied``: the
+        tied embedding's rows instead, which this head reads and does not own."""
+        if self.lora_A is not None or self.quant is not None or self.bias is not None:
+            raise ValueError("trainable-token rows go on a bias-free dense lm_head without a LoRA adapter")
+        if tied is not None:
+            self.__dict__["_tied_token_rows"] = tied
+        else:
+            self.token_adapter = TokenRows(self.weight, ids, None, dtype, init)
+
+    @property
+    def replaces_columns(self) -> bool:
+        rows = self.token_rows
+        return rows is not None and not rows.merged
 
     def add_adapter(self, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
                     init: str | bool = True, dtype: torch.dtype = torch.float32, use_dora: bool = False) -> None:
@@ -167,6 +194,9 @@ class LoraLinear(nn.Module):
 
     def adapter_tensors(self) -> dict[str, nn.Parameter]:
         """Key suffix → Parameter of what the adapter trains, under PEFT's names."""
+        if self.lora_A is None:
+            return {} if self.token_adapter is None else {
+                "token_adapter.trainable_tokens_delta": self.token_adapter.trainable_tokens_delta}
         tensors = {"lora_A.weight": self.lora_A.weight, "lora_B.weight": self.lora_B.weight}
         if self.use_dora:
             tensors["lora_magnitude_vector"] = self.lora_magnitude_vector
@@ -179,7 +209,9 @@ class LoraLinear(nn.Module):
     @torch.no_grad()
     def merged_weight(self, factor: torch.Tensor | None = None) -> torch.Tensor:
         """The weight that computes base + adapter in one GEMM, fp32: W + s·B·A, times m / n per row under DoRA
-        (``factor``: m / n when the caller has it already)."""
+        (``factor``: m / n when the caller has it already); or W with its own trained token rows."""
+        if self.lora_A is None:
+            return self.token_adapter.applied_to(self.base_weight(torch.float32))
         w = self.base_weight(torch.float32) + self.delta_weight()
         if not self.use_dora:
             return w
@@ -192,6 +224,9 @@ class LoraLinear(nn.Module):
         if self.quant is not None:
             raise ValueError("merging into NF4 weights would re-quantise them; export a merged checkpoint instead "
                              "(liger_models.lora.save_merged)")
+        if self.token_adapter is not None:
+            self.token_adapter.merge_into(self.weight)
+            self.merged = True
         if self.lora_A is not None and not self.merged:
             factor = self.dora_factor() if self.use_dora else None
             if factor is not None:
@@ -203,6 +238,9 @@ class LoraLinear(nn.Module):
     def unmerge(self) -> None:
         """W := W / (m / n) − s·B·A (DoRA) or W − s·B·A: back up to the round trip's roundings, each of a value the
         size of W + s·B·A (a unit or two in its last place, more than W's own where the adapter outweighs W)."""
+        if self.token_adapter is not None:
+            self.token_adapter.unmerge_from(self.weight)
+            self.merged = False
         if self.merged:
             w = self.weight.float()
             if self.use_dora:
@@ -246,7 +284,8 @@ class LoraLinear(nn.Module):
         return u, self.lora_B.weight.to(u.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return lora_packed_linear(x, [self])
+        y = lora_packed_linear(x, [self])
+        return self.token_rows.with_columns(x, y) if self.replaces_columns else y
 
 
 _NORM_ROWS = 1024  # rows of W + s·B·A formed at a time for DoRA's norms (fp32: 4 × in_features bytes per row)

@@ -105,21 +105,22 @@ def peft_name(ours_name: str) -> str:
         ours_name = ours_name.replace(f".{part}.weight", f".{part}.default.weight")
     if ours_name.endswith(".lora_magnitude_vector"):  # DoRA
         ours_name += ".default.weight"
-    if ours_name.endswith((".lora_embedding_A", ".lora_embedding_B")):  # a ParameterDict entry
+    if ours_name.endswith((".lora_embedding_A", ".lora_embedding_B", ".trainable_tokens_delta")):  # ParameterDicts'
         ours_name += ".default"
     return "base_model.model." + ours_name
 
 
-def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None,
+                                inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """One training step's numbers of ours (fp32) against ``truth`` (``peft_float64``: HF + PEFT in float64 with the
     same adapters), both in train mode: logits within 1e-4 of the largest, loss within 1e-5 relative, every trained
     gradient within 1e-4 of its max (each, where fp32 cannot do that on this model, within FP32_PEER_FACTOR times HF
     + PEFT's own fp32 error, ours' error then the median over it and two ulp-moved copies), no gradient on a frozen
-    parameter. ``names``: our parameter name → truth's, where ``peft_name``'s rule does not give it. Returns ours'
-    trained gradients by name."""
+    parameter. ``names``: our parameter name → truth's, where ``peft_name``'s rule does not give it. ``inputs``:
+    (ids, labels), ``batch()``'s by default. Returns ours' trained gradients by name."""
     ours.train()
     truth.train()
-    ids, labels = batch()
+    ids, labels = batch() if inputs is None else inputs
 
     def our_step(model):
         logits = model(ids).logits
@@ -134,7 +135,7 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
     truth_params = dict(truth.named_parameters())
     assert all(g is not None for g in grads.values()), [n for n, g in grads.items() if g is None]
     ref_names = {n: names[n] if names is not None and n in names else
-                 peft_name(n) if "lora_" in n else "base_model.model." + n for n in grads}
+                 peft_name(n) if "lora_" in n or "trainable_tokens" in n else "base_model.model." + n for n in grads}
 
     def errors(logits, loss, grad_of) -> dict[str, float]:
         """Each checked number's error against float64, relative as its bound is."""

@@ -190,7 +190,8 @@ def test_a_save_killed_midway_keeps_the_previous_adapter(tmp_path, monkeypatch):
                                        (False, {"embed_tokens": [3], "lm_head": [3, 4]})])
 def test_a_peft_adapter_with_trainable_token_rows_loads_here_with_the_same_logits(tie, rows, tmp_path):
     """PEFT's trainable_token_indices (new tokens' rows of the embedding, and of a tied or named lm_head): the rows
-    go into the tables as PEFT applies them, and ours saves them back (assert_same_logits loads our save in PEFT)."""
+    load as the tables' token rows (the tables untouched until a merge), and ours saves them back
+    (assert_same_logits loads our save in PEFT)."""
     hf, ours, _ = pair("llama", tmp_path, tie_word_embeddings=tie)
     clean = copy.deepcopy(hf)
     trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
@@ -203,10 +204,13 @@ def test_a_peft_adapter_with_trainable_token_rows_loads_here_with_the_same_logit
     trained.save_pretrained(tmp_path / "hf_adapter")
     before = ours.model.embed_tokens.weight.detach().clone()
     load_adapter(ours, tmp_path / "hf_adapter")
-    changed = (ours.model.embed_tokens.weight != before).any(dim=1).nonzero().flatten().tolist()
-    assert changed == (rows if isinstance(rows, list) else rows["embed_tokens"])
+    assert torch.equal(ours.model.embed_tokens.weight, before)
+    loaded = ours.model.embed_tokens.token_adapter
+    assert loaded.ids == (rows if isinstance(rows, list) else rows["embed_tokens"])
+    assert not loaded.trainable_tokens_delta.requires_grad
     if tie:
         assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+        assert ours.lm_head.token_rows is loaded
     ids = batch()[0]
     ids[0, :4] = torch.tensor([3, 5, 4, 3])  # the new tokens in the input
     assert_same_logits(ours, trained, clean, ids, tmp_path)
@@ -216,11 +220,6 @@ def test_trainable_token_rows_that_cannot_be_honoured_are_refused(tmp_path):
     hf, ours, _ = pair("llama", tmp_path)
     peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3])) \
         .save_pretrained(tmp_path / "adapter")
-    with pytest.raises(ValueError, match=r"single rows do not train here"):
-        load_adapter(ours, tmp_path / "adapter", trainable=True)
-    with pytest.raises(ValueError, match=r"training single rows of the embedding table is not implemented"):
-        add_lora(ours, LoraSettings(trainable_token_indices=[3]))
-    assert not lora_modules(ours)
     config_path = tmp_path / "adapter" / "adapter_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "trainable_token_indices": [500]}))
@@ -228,7 +227,7 @@ def test_trainable_token_rows_that_cannot_be_honoured_are_refused(tmp_path):
         load_adapter(ours, tmp_path / "adapter")
     _, tied, _ = pair("llama", tmp_path / "tied", tie_word_embeddings=True)
     config_path.write_text(json.dumps({**config, "trainable_token_indices": {"embed_tokens": [3], "lm_head": [3]}}))
-    with pytest.raises(ValueError, match=r"names embed_tokens and lm_head, but this model ties them"):
+    with pytest.raises(ValueError, match=r"names lm_head, but this model ties it to embed_tokens"):
         load_adapter(tied, tmp_path / "adapter")
 
 
