@@ -189,6 +189,10 @@ def _add_lora(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-layers", default=None, metavar="LAYERS",
                    help="adapters only in these decoder layers: indices and ranges, such as 0-7,12 (PEFT's "
                         "layers_to_transform; default every layer)")
+    p.add_argument("--lora-token-rows", default=None, metavar="IDS",
+                   help="token ids (and ranges, such as 32000-32007) whose embedding rows train beside the adapters: "
+                        "added or untrained special tokens (PEFT's trainable_token_indices; a tied lm_head shares "
+                        "the rows)")
     p.add_argument("--qlora", action="store_true", help="with --lora-r: NF4 (4-bit) base weights, quantised on load")
 
 

@@ -205,16 +205,17 @@ def _indices(value) -> bool:
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
 
 
-def parse_layers(text: str) -> list[int]:
-    """Decoder layer indices from a comma-separated list of indices and inclusive ranges: "0-7,12" → 0…7, 12."""
-    layers = set()
+def parse_indices(text: str, kind: str = "layer") -> list[int]:
+    """Indices (decoder layers, token ids: ``kind``) from a comma-separated list of indices and inclusive ranges:
+    "0-7,12" → 0…7, 12."""
+    indices = set()
     for part in (p.strip() for p in text.split(",")):
         match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
         if not match or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
-            raise ValueError(f"layers {text!r}: {part!r} is not a layer index or a range of them (such as 0-7)")
+            raise ValueError(f"{kind}s {text!r}: {part!r} is not a {kind} index or a range of them (such as 0-7)")
         first = int(match.group(1))
-        layers.update(range(first, int(match.group(2) or first) + 1))
-    return sorted(layers)
+        indices.update(range(first, int(match.group(2) or first) + 1))
+    return sorted(indices)
 
 
 def pattern_value(patterns: dict, name: str, default):

@@ -25,7 +25,7 @@ from typing import ClassVar, Sequence, TypeVar
 import torch
 
 from liger_models.hub import ADAPTER_CONFIG, newest_run_checkpoint
-from liger_models.lora.config import parse_layers
+from liger_models.lora.config import parse_indices
 from liger_models.medusa.checkpoint import CONFIG_NAME, HEADS_NAME, LEGACY_HEADS_NAME, read_json
 from liger_models.medusa.config import check_scheduler
 from liger_models.medusa.vllm_format import VLLM_WEIGHTS_NAME
@@ -109,6 +109,7 @@ class FinetuneConfig(_FromArgs):
     lora_dora: bool = False  # DoRA: a trained magnitude per output row of each adapted linear
     lora_modules_to_save: str | None = None  # comma-separated: embed_tokens, lm_head, trained whole beside the adapters
     lora_layers: str | None = None  # decoder layers whose targets take adapters ("0-7,12"; PEFT's layers_to_transform)
+    lora_token_rows: str | None = None  # token ids whose embedding rows train ("32000-32005"; trainable_token_indices)
     qlora: bool = False  # with lora_r: NF4 base weights, quantised on load
 
     def validate(self) -> None:
@@ -156,7 +157,9 @@ class FinetuneConfig(_FromArgs):
                 # recorded only when set, so checkpoints written before the option existed still compare equal
                 **({"dora": True} if self.lora_dora else {}),
                 # as the layers it names, so "0-3" and "0,1,2,3" resume each other
-                **({"layers": parse_layers(self.lora_layers)} if self.lora_layers is not None else {})},
+                **({"layers": parse_indices(self.lora_layers)} if self.lora_layers is not None else {}),
+                **({"token_rows": parse_indices(self.lora_token_rows, "token")}
+                   if self.lora_token_rows is not None else {})},
         }
 
     def _check_paths(self) -> None:
@@ -182,14 +185,17 @@ class FinetuneConfig(_FromArgs):
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # what init_distributed will find
         # Options that would otherwise be ignored without a word.
         if self.lora_r is None and (self.qlora or self.lora_alpha is not None or self.lora_modules_to_save
-                                    or self.lora_dora or self.lora_layers is not None):
-            raise ValueError("--qlora / --lora-alpha / --lora-dora / --lora-modules-to-save / --lora-layers train LoRA "
-                             "adapters: give --lora-r too")
-        if self.lora_layers is not None:
-            try:
-                parse_layers(self.lora_layers)
-            except ValueError as e:
-                raise ValueError(f"--lora-layers: {e}") from None
+                                    or self.lora_dora or self.lora_layers is not None
+                                    or self.lora_token_rows is not None):
+            raise ValueError("--qlora / --lora-alpha / --lora-dora / --lora-modules-to-save / --lora-layers / "
+                             "--lora-token-rows train LoRA adapters: give --lora-r too")
+        for flag, text, kind in (("--lora-layers", self.lora_layers, "layer"),
+                                 ("--lora-token-rows", self.lora_token_rows, "token")):
+            if text is not None:
+                try:
+                    parse_indices(text, kind)
+                except ValueError as e:
+                    raise ValueError(f"{flag}: {e}") from None
         if self.lora_r is not None and self.command not in ("train", "train-medusa"):
             raise ValueError(f"--lora-r is not supported by {self.command}")
         if self.data_cache and self.no_data_cache:

@@ -13,7 +13,7 @@ from liger_models.hub import ADAPTER_CONFIG, is_bnb_4bit, named_base, read_confi
 from liger_models.lora import (add_lora, load_adapter, load_causal_lm, LoraSettings, quantize_base_, read_adapter,
                                save_merged)
 from liger_models.lora.attach import lora_state_dict
-from liger_models.lora.config import parse_layers
+from liger_models.lora.config import parse_indices
 from liger_models.modules.lora_linear import NF4Weight
 from liger_models.recipes import training as T
 from liger_models.train import checkpointing as ckpt
@@ -28,7 +28,9 @@ def lora_settings(config):
     return LoraSettings(r=config.lora_r, alpha=alpha, dropout=config.lora_dropout, targets=targets,
                         use_rslora=config.lora_rslora, use_dora=config.lora_dora,
                         modules_to_save=_names(config.lora_modules_to_save or ""),
-                        layers_to_transform=None if config.lora_layers is None else parse_layers(config.lora_layers))
+                        layers_to_transform=None if config.lora_layers is None else parse_indices(config.lora_layers),
+                        trainable_token_indices=(None if config.lora_token_rows is None
+                                                 else parse_indices(config.lora_token_rows, "token")))
 
 
 def load_base(path: Path, dtype: torch.dtype | None, device, lora: LoraSettings | None, *,

@@ -27,10 +27,11 @@ RUN = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--save-every
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
-@pytest.mark.parametrize("kind", ["lora", "qlora", "modules_to_save", "dora", "tables", "layers"])
+@pytest.mark.parametrize("kind", ["lora", "qlora", "modules_to_save", "dora", "tables", "layers", "token_rows"])
 def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_path, kind):
     base, data = base_and_data
     extra = {"lora": [], "qlora": ["--qlora"], "layers": ["--lora-layers", "1"],
+             "token_rows": ["--lora-token-rows", "40-47,60"],
              "modules_to_save": ["--lora-modules-to-save", "embed_tokens,lm_head"],
              "dora": ["--lora-dora", "--lora-targets", "q_proj,v_proj,lm_head"],  # with RUN's dropout: composed
              "tables": ["--lora-targets", "q_proj,embed_tokens,lm_head"]}[kind]
@@ -49,6 +50,13 @@ def test_train_saves_adapters_only_and_resumes_bit_for_bit(base_and_data, tmp_pa
         assert json.loads((last / "adapter_config.json").read_text())["layers_to_transform"] == [1]
         assert model.model.layers[1].self_attn.q_proj.lora_A is not None
         assert not hasattr(model.model.layers[0].self_attn.q_proj, "lora_A")
+    if kind == "token_rows":  # PEFT's trainable_token_indices: those rows trained, the table itself did not
+        assert json.loads((last / "adapter_config.json").read_text())["trainable_token_indices"] == {
+            "embed_tokens": [*range(40, 48), 60]}
+        plain = AutoLigerForCausalLM.from_pretrained(base, dtype=torch.float32)
+        assert torch.equal(model.model.embed_tokens.weight, plain.model.embed_tokens.weight)
+        rows = model.model.embed_tokens.token_adapter.trainable_tokens_delta
+        assert not torch.equal(rows, plain.model.embed_tokens.weight[[*range(40, 48), 60]])
     if kind == "tables":  # the embedding adapter's A starts at zero: it trained
         assert torch.count_nonzero(model.model.embed_tokens.lora_embedding_A) > 0
     if kind == "modules_to_save":  # the whole modules trained and came back with the adapter
@@ -72,14 +80,15 @@ def test_resume_with_other_lora_settings_is_refused(base_and_data, tmp_path, cap
     args = ["train", "--model", str(base), "--data", str(data), "--output-dir", str(out), *RUN]
     assert main([*args, "--max-steps", "2", "--lora-layers", "0-1"]) == 0  # the last of a repeated option counts
     capsys.readouterr()
-    for changed in (["--lora-r", "8", "--lora-layers", "0-1"], ["--lora-layers", "1"], []):
+    for changed in (["--lora-r", "8", "--lora-layers", "0-1"], ["--lora-layers", "1"], [],
+                    ["--lora-layers", "0-1", "--lora-token-rows", "5"]):
         assert main([*args, *changed, "--resume", "auto"]) != 0
         err = capsys.readouterr().err
         assert "other settings: lora" in err and "--allow-changed-settings lora" in err
     assert main([*args, "--max-steps", "3", "--lora-layers", "1,0", "--resume", "auto"]) == 0  # the same layers
 
 
-@pytest.mark.parametrize("option", [["--qlora"], ["--lora-layers", "1"]])
+@pytest.mark.parametrize("option", [["--qlora"], ["--lora-layers", "1"], ["--lora-token-rows", "5"]])
 def test_lora_options_need_lora_r(base_and_data, tmp_path, capsys, option):
     base, data = base_and_data
     assert main(["train", "--model", str(base), "--data", str(data), "--output-dir", str(tmp_path / "r"),

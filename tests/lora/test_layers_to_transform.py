@@ -10,7 +10,7 @@ import json
 import pytest
 
 from liger_models.lora import LoraSettings, add_lora, load_adapter, lora_modules, save_adapter
-from liger_models.lora.config import layer_index, parse_layers
+from liger_models.lora.config import layer_index, parse_indices
 
 from .common import batch, pair
 from .test_peft_format import assert_same_logits
@@ -89,9 +89,9 @@ def test_moe_parameters_beside_layers_to_transform_are_refused(tmp_path):
     assert names and {layer_index(n) for n in names} == {0}
 
 
-def test_layer_lists_parse_indices_and_ranges():
-    assert parse_layers("0-3, 7,5") == [0, 1, 2, 3, 5, 7]
-    assert parse_layers("4") == [4]
+def test_layer_lists_parse_as_indices_and_ranges():
+    assert parse_indices("0-3, 7,5") == [0, 1, 2, 3, 5, 7]
+    assert parse_indices("4") == [4]
     for bad in ("a", "3-1", "1,,2", "-1", ""):
         with pytest.raises(ValueError, match="is not a layer index or a range"):
-            parse_layers(bad)
+            parse_indices(bad)
