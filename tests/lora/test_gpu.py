@@ -19,9 +19,24 @@ peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.gpu
 
 
+# kind "token_rows": trainable-token rows on both untied tables (lm_head's as the CE kernel's low-rank term)
+TOKEN_ROWS = {"embed_tokens": [3, 5, 9], "lm_head": [4, 5]}
+
+
 def _settings(family: str, kind: str) -> LoraSettings:
-    chosen = ["q_proj", "v_proj", "embed_tokens", "lm_head"] if kind == "tables" else targets(family, "all-linear")
-    return LoraSettings(r=4, alpha=8, targets=chosen, init=False, use_dora=kind == "dora")
+    chosen = (["q_proj", "v_proj", "embed_tokens", "lm_head"] if kind == "tables" else
+              ["q_proj", "v_proj"] if kind == "token_rows" else targets(family, "all-linear"))
+    return LoraSettings(r=4, alpha=8, targets=chosen, init=False, use_dora=kind == "dora",
+                        trainable_token_indices=TOKEN_ROWS if kind == "token_rows" else None)
+
+
+def _batch(kind: str):
+    """batch(), with the trained tokens in the input and among the targets for kind "token_rows"."""
+    ids, labels = batch()
+    if kind == "token_rows":
+        for i, token in enumerate(sorted({t for rows in TOKEN_ROWS.values() for t in rows})):
+            ids[i % 2, 3 + 2 * i] = labels[i % 2, 3 + 2 * i] = token
+    return ids, labels
 
 
 def _adapted(family: str, kind: str, tmp_path):
@@ -37,6 +52,8 @@ def _adapted(family: str, kind: str, tmp_path):
         for m in lora_modules(ours).values():
             if getattr(m, "use_dora", False):
                 m.lora_magnitude_vector.mul_(torch.empty_like(m.lora_magnitude_vector).uniform_(0.5, 1.5))
+            if getattr(m, "token_adapter", None) is not None:  # off their start, the frozen rows
+                m.token_adapter.trainable_tokens_delta.add_(torch.randn_like(m.token_adapter.trainable_tokens_delta))
     return hf, ours, peft_float64(hf, ours, tmp_path / "float64").train()
 
 
@@ -59,7 +76,7 @@ def check_fp32(family: str, kind: str, tmp_path, device: str) -> None:
     if kind.endswith("chunks"):  # checkpointed layers whose MLPs run in checkpointed chunks of 5 of the 22 rows
         ours.activation_checkpointing_enable()
         ours.mlp_chunking_enable(5)
-    ids, labels = batch()
+    ids, labels = _batch(kind)
     logits, loss, grads = _loss_and_grads(ours, ids.to(device), labels.to(device), peft_model=False)
     exact, ref, ref_grads = _loss_and_grads(truth, ids, labels, peft_model=True)
     assert (logits - exact).abs().max().item() <= 1e-4 * max(1.0, exact.abs().max().item())
@@ -87,7 +104,7 @@ def check_bf16(family: str, kind: str, tmp_path, device: str, draws: int = 7) ->
         peer = peft.PeftModel.from_pretrained(hf, tmp_path / str(draw) / "float64" / "adapter", is_trainable=True)
         ours = ours.to(device=device, dtype=torch.bfloat16).train()
         peer = peer.to(device=device, dtype=torch.bfloat16).train()
-        ids, labels = batch()
+        ids, labels = _batch(kind)
         _, ref, ref_grads = _loss_and_grads(truth, ids, labels, peft_model=True)
         _, loss, grads = _loss_and_grads(ours, ids.to(device), labels.to(device), peft_model=False)
         _, peer_loss, peer_grads = _loss_and_grads(peer, ids.to(device), labels.to(device), peft_model=True)
@@ -98,11 +115,13 @@ def check_bf16(family: str, kind: str, tmp_path, device: str, draws: int = 7) ->
     assert sorted(ratios)[draws // 2] <= 2, ratios
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora", "tables", "qlora"])
+@pytest.mark.parametrize("kind", ["lora", "dora", "tables", "qlora", "token_rows"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gemma3"])
 def test_native_lora_fp32_on_the_gpu(family, kind, tmp_path):
     if kind == "tables" and family == "phi3":
         pytest.skip("one tables case per embedding kind is enough: llama, qwen2 (plain), gemma3 (scaled)")
+    if kind == "token_rows" and family in ("qwen2", "phi3"):
+        pytest.skip("one token-rows case per embedding kind is enough: llama (plain), gemma3 (scaled)")
     torch.backends.cuda.matmul.allow_tf32 = False
     check_fp32(family, kind, tmp_path, "cuda")
 
@@ -114,7 +133,7 @@ def test_qlora_in_checkpointed_mlp_chunks_fp32_on_the_gpu(family, tmp_path):
     check_fp32(family, "qlora-chunks", tmp_path, "cuda")
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora"])
+@pytest.mark.parametrize("kind", ["lora", "dora", "token_rows"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_native_lora_bf16_on_the_gpu(family, kind, tmp_path):
     check_bf16(family, kind, tmp_path, "cuda")
