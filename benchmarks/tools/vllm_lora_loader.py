@@ -9,8 +9,9 @@ time, and past what a device call may carry), so this check runs by hand, in two
 ``save`` builds a tiny random model of every family with LoRA on every linear of the decoder (nonzero B), on the
 embeddings and lm_head where the family leaves them untied, rsLoRA and a rank_pattern on some, and writes each
 adapter with ``save_adapter``, beside ``expected.safetensors``: per adapted module the weight delta that this project
-applies, W_merged − W (``merge_lora``; the embedding table's as [vocab, hidden]). A DoRA adapter and one with
-``modules_to_save`` are written too.
+applies, W_merged − W (``merge_lora``; the embedding table's as [vocab, hidden]). Also written: a DoRA adapter, one
+with ``modules_to_save``, one on decoder layer 1 only (PEFT's ``layers_to_transform``), and two with trainable-token
+rows (PEFT's ``trainable_token_indices``: on both untied tables, and on a tied one).
 
 ``load`` reads every adapter with vLLM's own ``PEFTHelper.from_local_dir`` and ``LoRAModel.from_local_checkpoint``
 (device cpu, fp32), with the module names vLLM's model classes accept for these families (their linears, packed
@@ -18,8 +19,8 @@ q|k|v and gate|up listed by their parts, as its model manager expands them; the 
 block's ``experts`` and router ``gate``), and checks, per module vLLM loaded, that scaling · B · A (vLLM's delta: y
 += scaling · (x Aᵀ) Bᵀ; the embedding's (scaling · B · A)ᵀ) equals this project's delta. The experts' stacked
 adapters are checked to load unchanged (their delta is applied by vLLM's fused-MoE layer, which needs a GPU). The
-DoRA and ``modules_to_save`` adapters must be refused by vLLM, with its message recorded. vLLM's log-probabilities
-with such adapters: vllm_lora_logits.py.
+DoRA, ``modules_to_save`` and token-row adapters must be refused by vLLM (it can apply none of them), with its
+message recorded. vLLM's log-probabilities with such adapters: vllm_lora_logits.py.
 """
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ def _cases(family: str) -> list[tuple[str, dict]]:
         cases.append(("llama-dora", dict(r=4, alpha=8.0, targets="all-linear", use_dora=True)))
         cases.append(("llama-modules-to-save", dict(r=4, alpha=8.0, targets="all-linear",
                                                     modules_to_save=["lm_head"])))
+        # PEFT's layers_to_transform: adapters in decoder layer 1 only
+        cases.append(("llama-layers-to-transform", dict(r=4, alpha=8.0, targets="all-linear",
+                                                        layers_to_transform=[1])))
+        # PEFT's trainable_token_indices: rows of both untied tables beside the adapters
+        cases.append(("llama-token-rows", dict(r=4, alpha=8.0, targets="all-linear",
+                                               trainable_token_indices={"embed_tokens": [3, 5],
+                                                                        "lm_head": [5, 7]})))
+    if family == "gemma":  # the tied table's rows, which the head shares
+        cases.append(("gemma-token-rows", dict(r=4, alpha=8.0, targets="all-linear",
+                                               trainable_token_indices=[3, 5])))
     return cases
 
 
@@ -96,6 +107,8 @@ def save(root: Path) -> None:
                 for pname, p in model.named_parameters():
                     if p.requires_grad and ("lora_" in pname or "lora" in pname.split(".")[-1]):
                         p.normal_(0.0, 0.1)
+                    if pname.endswith("trainable_tokens_delta"):  # token rows start as the table's: moved off
+                        p.add_(torch.randn_like(p))
             directory = save_adapter(model, root / name)
             before = {k: v.detach().clone() for k, v in model.state_dict().items()}
             merge_lora(model)
@@ -157,7 +170,7 @@ def load(root: Path, out: Path | None) -> int:
                                                      weights_mapper=_renames(info["family"]))
         except Exception as exc:  # noqa: BLE001 - a refusal is the expected outcome for some adapters
             row["refused"] = f"{type(exc).__name__}: {exc}"[:400]
-            expected_refusal = name.endswith(("-dora", "-modules-to-save"))
+            expected_refusal = name.endswith(("-dora", "-modules-to-save", "-token-rows"))
             row["ok"] = expected_refusal
             failures += not expected_refusal
             continue
