@@ -149,15 +149,12 @@ def _attach_token_rows(model: nn.Module, rows: dict[str, tuple[nn.Module, list[i
                        dtype: torch.dtype) -> None:
     """Trainable-token rows on the tables ``token_rows`` found; on a tied model lm_head reads the embedding's."""
     for name, (table, ids) in rows.items():
-        if isinstance(table, (nn.Embedding, LoraEmbedding)):
-            module = LoraEmbedding.from_embedding(table)
-            module.add_token_rows(ids, dtype, init)
-        else:
-            module = LoraLinear.from_linear(table)
-            module.add_token_rows(ids, dtype, init)
+        embedding = isinstance(table, (nn.Embedding, LoraEmbedding))
+        module = LoraEmbedding.from_embedding(table) if embedding else LoraLinear.from_linear(table)
+        module.add_token_rows(ids, dtype, init)
         module.train(model.training)
         _replace(model, name, module)
-        if _tied(model) and isinstance(module, LoraEmbedding):
+        if embedding and _tied(model):
             head = LoraLinear.from_linear(model.lm_head)
             head.add_token_rows(ids, tied=module.token_adapter)
             head.train(model.training)

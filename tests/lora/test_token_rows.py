@@ -58,6 +58,7 @@ def with_rows(family: str, tmp_path, rows, tie: bool | None = None):
     ("llama", False, {"lm_head": [7, 9]}),
     ("llama", False, [0, 5]),  # the padding token's row: no gradient, as F.embedding gives the padding row
     ("gemma", None, [4, 6]),  # tied, √H-scaled embedding: the rows go in before the scale
+    ("gemma2", None, [4, 6]),  # tied, the final logit soft-cap applied to the logits with the rows' term
     ("phi3", False, [3, 5]),
     ("qwen3", False, {"embed_tokens": [6], "lm_head": [6, 8]}),
 ])
