@@ -97,17 +97,21 @@ def test_checkpointing_gives_identical_adapter_gradients(mode, tmp_path):
         assert grads1[name] is not None and torch.equal(grads1[name], grad), name
 
 
-def test_loss_curve_tracks_hf_peft(tmp_path):
-    """10 AdamW steps from the same adapters (B = 0): ours (fused, Triton interpreter, fp32) against HF + PEFT
-    (fp32, eager); the loss falls and the two curves agree step by step. (Parameters are not compared: Adam's
-    normalised step turns fp32-level gradient differences of near-zero entries into O(lr) ones.)"""
+@pytest.mark.parametrize("rows", [None, {"embed_tokens": [5, 9], "lm_head": [5, 9, 11]}], ids=["lora", "token_rows"])
+def test_loss_curve_tracks_hf_peft(tmp_path, rows):
+    """10 AdamW steps from the same adapters (B = 0), with trainable-token rows of both tables too: ours (fused,
+    Triton interpreter, fp32) against HF + PEFT (fp32, eager); the loss falls and the two curves agree step by step.
+    (Parameters are not compared: Adam's normalised step turns fp32-level gradient differences of near-zero entries
+    into O(lr) ones.)"""
     from liger_models.lora import save_adapter
 
-    hf, ours, _ = pair("llama", tmp_path)
-    add_lora(ours, LoraSettings(r=8, alpha=16, targets="all-linear"))
+    hf, ours, _ = pair("llama", tmp_path, tie_word_embeddings=False)
+    add_lora(ours, LoraSettings(r=8, alpha=16, targets="all-linear", trainable_token_indices=rows))
     save_adapter(ours, tmp_path / "adapter")
     ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True)
     ids, labels = batch(rows=4, length=16)
+    if rows:  # the rows' tokens in every row's input and targets
+        ids[:, 2::5] = labels[:, 2::5] = torch.tensor([5, 9, 11, 5])[:, None]
     curves = []
     for model in (ours, ref):
         model.train()
