@@ -106,7 +106,9 @@ def test_loss_curve_tracks_hf_peft(tmp_path, rows):
     from liger_models.lora import save_adapter
 
     hf, ours, _ = pair("llama", tmp_path, tie_word_embeddings=False)
-    add_lora(ours, LoraSettings(r=8, alpha=16, targets="all-linear", trainable_token_indices=rows))
+    # with the rows, q and v only: the adapters' fused paths are the all-linear run's
+    add_lora(ours, LoraSettings(r=8, alpha=16, targets=["q_proj", "v_proj"] if rows else "all-linear",
+                                trainable_token_indices=rows))
     save_adapter(ours, tmp_path / "adapter")
     ref = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True)
     ids, labels = batch(rows=4, length=16)
