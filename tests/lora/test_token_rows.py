@@ -172,3 +172,24 @@ def test_token_rows_that_cannot_be_honoured_are_refused(tmp_path):
     assert isinstance(ours.model.embed_tokens, LoraEmbedding)
     with pytest.raises(ValueError, match=r"save_pretrained: the model carries LoRA adapters"):
         ours.save_pretrained(tmp_path / "dense")
+
+
+def test_rows_of_tokens_a_resize_added_train_like_hf_peft(tmp_path):
+    """The chat fine-tune this is for: the vocabulary grown by four tokens (resize_token_embeddings), their rows in
+    both untied tables trained beside q/v adapters, against float64 HF + PEFT on the same resized tables."""
+    hf, ours, _ = pair("llama", tmp_path, tie_word_embeddings=False)
+    ours.resize_token_embeddings(132)
+    new = [128, 129, 130, 131]
+    add_lora(ours, LoraSettings(r=4, alpha=8, targets=["q_proj", "v_proj"], init=False,
+                                trainable_token_indices={"embed_tokens": new, "lm_head": new}))
+    hf.resize_token_embeddings(132)
+    with torch.no_grad():  # the same new rows on both sides
+        hf.get_input_embeddings().weight.copy_(ours.model.embed_tokens.weight)
+        hf.get_output_embeddings().weight.copy_(ours.lm_head.weight)
+        for name, p in ours.named_parameters():
+            if name.endswith(ROWS):
+                p.add_(torch.randn_like(p))
+    truth = peft_float64(copy.deepcopy(hf), ours, tmp_path / "float64")
+    grads = assert_matches_float64_peft(ours, truth, inputs=inputs_with(new, vocab=132))
+    for name in (f"model.embed_tokens.{ROWS}", f"lm_head.{ROWS}"):
+        assert (grads[name].abs().amax(dim=1) > 0).all(), name
