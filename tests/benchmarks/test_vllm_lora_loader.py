@@ -1,6 +1,7 @@
 """benchmarks/tools/vllm_lora_loader.py's save half (its load half needs vLLM, no test dependency): every adapter it
 writes, read back as a PEFT reader reads it (the scale from r / lora_alpha / use_rslora and the patterns), gives
-scale · B · A equal to the delta it records from merge_lora, module by module."""
+scale · B · A equal to the delta it records from merge_lora, module by module; an adapter on one layer changes that
+layer's weights alone, and token-row adapters exactly their rows of the tables."""
 
 import json
 import math
@@ -25,7 +26,7 @@ def _scale(cfg: dict, module: str) -> float:
 def test_every_saved_adapter_reads_back_as_the_delta_merge_lora_adds(tmp_path):
     vllm_lora_loader.save(tmp_path)
     index = json.loads((tmp_path / "index.json").read_text())
-    assert len(index) == 27 and {info["family"] for info in index.values()} == set(vllm_lora_loader.FAMILIES)
+    assert len(index) == 30 and {info["family"] for info in index.values()} == set(vllm_lora_loader.FAMILIES)
     checked = 0
     for name, info in index.items():
         directory = tmp_path / name
@@ -34,6 +35,11 @@ def test_every_saved_adapter_reads_back_as_the_delta_merge_lora_adds(tmp_path):
             str(directory / "expected.safetensors"))
         if cfg["use_dora"] or cfg["modules_to_save"]:
             continue  # their merge is not s·B·A alone (vLLM refuses both)
+        if cfg.get("layers_to_transform"):  # only the named layers' weights change
+            assert all(key.startswith(f"model.layers.{cfg['layers_to_transform'][0]}.") for key in expected), name
+        for leaf, ids in (cfg.get("trainable_token_indices") or {}).items():  # exactly those rows change
+            table = expected["model.embed_tokens.weight" if leaf == "embed_tokens" else "lm_head.weight"]
+            assert table.abs().amax(dim=1).nonzero().flatten().tolist() == sorted(ids), (name, leaf)
         for key, a in files.items():
             if not key.endswith((".lora_A.weight", ".lora_embedding_A")) or ".experts" in key:
                 continue  # the stacked experts' deltas sit under per-expert names (the tool checks them load as-is)
