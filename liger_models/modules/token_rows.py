@@ -15,8 +15,8 @@ PEFT's forward is the table with those rows copied in (index_copy), then F.embed
     training the rows forms neither the logits nor a vocab × hidden weight, and only dR = duᵀ·h reaches the rows.
     Outside the loss the chosen columns of the logits are h·Rᵀ, PEFT's own product.
 The rows are kept in the adapters' dtype (fp32 by default, so the optimizer updates them in full precision, where PEFT
-keeps the table's dtype) and cast to the activations' dtype where they are used. ``merge`` copies them into the table
-and ``unmerge`` puts the original rows back (kept, as PEFT keeps them).
+keeps the table's dtype) and cast to the activations' dtype where they are used. ``merge_into`` copies them into the
+table and ``unmerge_from`` puts the original rows back (kept, as PEFT keeps them).
 """
 
 from __future__ import annotations
