@@ -180,14 +180,18 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def token_rows(model: nn.Module, indices: dict[str, list[int]] | None) -> dict[str, tuple[nn.Module, list[int]]]:
-    """Full name → (table module, row ids) for PEFT's trainable_token_indices ({leaf: ids}). Refused: ids past the
-    table, and on tied embeddings rows for lm_head (both modules named: one matrix; lm_head alone: PEFT gives the
-    head rows its embedding does not have, which no merged or tied checkpoint can hold)."""
+    """Full name → (table module, row ids) for PEFT's trainable_token_indices ({leaf: ids}). On a tied model, lm_head
+    named with the embedding's very ids is the embedding's rows, which the head shares (PEFT ties the two and saves
+    the embedding's alone). Refused: ids past the table, and on a tied model other rows for lm_head (PEFT then gives
+    the head rows its embedding does not have, which no merged or tied checkpoint can hold)."""
     found = {}
     tables = outer_modules(model)
     if indices and "lm_head" in indices and _tied(model):
-        raise ValueError("trainable_token_indices names lm_head, but this model ties it to embed_tokens (one "
-                         "matrix): give the rows for embed_tokens (a list), which the tied lm_head shares")
+        if indices["lm_head"] != indices.get("embed_tokens"):
+            raise ValueError(f"trainable_token_indices names lm_head {indices['lm_head']}, but this model ties it to "
+                             f"embed_tokens (one matrix) with rows {indices.get('embed_tokens', [])}: give the rows "
+                             "for embed_tokens (a list), which the tied lm_head shares")
+        indices = {leaf: ids for leaf, ids in indices.items() if leaf != "lm_head"}
     for leaf, ids in (indices or {}).items():
         name = next((n for n in tables if n.rsplit(".", 1)[-1] == leaf), None)
         if name is None:

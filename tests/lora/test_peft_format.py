@@ -187,18 +187,20 @@ def test_a_save_killed_midway_keeps_the_previous_adapter(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("tie, rows", [(False, [3, 5]), (True, [3, 5]),
-                                       (False, {"embed_tokens": [3], "lm_head": [3, 4]})])
+                                       (False, {"embed_tokens": [3], "lm_head": [3, 4]}),
+                                       (True, {"embed_tokens": [3, 5], "lm_head": [3, 5]})])
 def test_a_peft_adapter_with_trainable_token_rows_loads_here_with_the_same_logits(tie, rows, tmp_path):
-    """PEFT's trainable_token_indices (new tokens' rows of the embedding, and of a tied or named lm_head): the rows
-    load as the tables' token rows (the tables untouched until a merge), and ours saves them back
-    (assert_same_logits loads our save in PEFT)."""
+    """PEFT's trainable_token_indices (new tokens' rows of the embedding, and of a tied or named lm_head; on a tied
+    model both tables named with the same ids, which PEFT ties and saves once): the rows load as the tables' token
+    rows (the tables untouched until a merge), and ours saves them back (assert_same_logits loads our save in
+    PEFT)."""
     hf, ours, _ = pair("llama", tmp_path, tie_word_embeddings=tie)
     clean = copy.deepcopy(hf)
     trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                       init_lora_weights=False, trainable_token_indices=rows))
     with torch.no_grad():
         deltas = [p for n, p in trained.named_parameters() if "trainable_tokens_delta" in n]
-        assert len(deltas) == (1 if isinstance(rows, list) else 2)
+        assert len(deltas) == (1 if isinstance(rows, list) or tie else 2)
         for p in deltas:  # they start as the rows' old values
             p.add_(torch.randn_like(p))
     trained.save_pretrained(tmp_path / "hf_adapter")
@@ -226,8 +228,9 @@ def test_trainable_token_rows_that_cannot_be_honoured_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"names token 500, but model.embed_tokens has 128 rows"):
         load_adapter(ours, tmp_path / "adapter")
     _, tied, _ = pair("llama", tmp_path / "tied", tie_word_embeddings=True)
-    config_path.write_text(json.dumps({**config, "trainable_token_indices": {"embed_tokens": [3], "lm_head": [3]}}))
-    with pytest.raises(ValueError, match=r"names lm_head, but this model ties it to embed_tokens"):
+    config_path.write_text(json.dumps({**config, "trainable_token_indices": {"embed_tokens": [3], "lm_head": [4]}}))
+    with pytest.raises(ValueError, match=r"names lm_head \[4\], but this model ties it to embed_tokens \(one "
+                                         r"matrix\) with rows \[3\]"):
         load_adapter(tied, tmp_path / "adapter")
 
 
