@@ -12,12 +12,13 @@ from liger_models.kernels.ops.nf4 import dequantize_absmax, double_quantize, qua
 from liger_models.modules.lora_embedding import LoraEmbedding
 from liger_models.modules.lora_experts import LoraExperts
 from liger_models.modules.lora_linear import LoraLinear, NF4Weight
+from liger_models.modules.token_rows import ADAPTER_KEY
 
 from .config import (ALL_LINEAR, FUSED_GATE_UP_FACTOR, FUSED_GATE_UP_PATTERN, LoraSettings, decoder_linears,
                      modules_to_save, moe_blocks, outer_modules, pattern_value, resolve_parameters, resolve_targets)
 
 # PEFT's key suffix for the rows trainable_token_indices replaces: [len(ids), hidden], the rows' new values.
-TOKEN_ROWS = ".token_adapter.trainable_tokens_delta"
+TOKEN_ROWS = f".{ADAPTER_KEY}"
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

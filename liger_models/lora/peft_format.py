@@ -156,12 +156,11 @@ def _fill_adapters(model: nn.Module, names: list[str], wanted: list[str], settin
         for suffix, dst in m.adapter_tensors().items():
             key = f"{name}.{suffix}"
             src = tensors.get(key)
-            if key.endswith(_MAGNITUDE) and (src is None or tuple(src.shape) != tuple(dst.shape)):
-                raise ValueError(f"{directory}: {key} (DoRA) needs shape {tuple(dst.shape)}, the file has "
+            what = (f"{key} (DoRA)" if key.endswith(_MAGNITUDE) else
+                    f"trainable_token_indices of {name}" if key.endswith(TOKEN_ROWS) else None)
+            if what is not None and (src is None or tuple(src.shape) != tuple(dst.shape)):
+                raise ValueError(f"{directory}: {what} needs shape {tuple(dst.shape)}, the file has "
                                  f"{'none' if src is None else tuple(src.shape)}")
-            if key.endswith(TOKEN_ROWS) and (src is None or tuple(src.shape) != tuple(dst.shape)):
-                raise ValueError(f"{directory}: trainable_token_indices of {name} need rows of shape "
-                                 f"{tuple(dst.shape)}, the file has {'none' if src is None else tuple(src.shape)}")
             if src is None:
                 raise ValueError(f"{directory}: {key} is missing")
             if tuple(src.shape) != tuple(dst.shape):

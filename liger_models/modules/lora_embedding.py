@@ -87,7 +87,7 @@ class LoraEmbedding(nn.Module):
     def adapter_tensors(self) -> dict[str, nn.Parameter]:
         """Key suffix → Parameter of what the adapter trains, under PEFT's names."""
         if self.token_adapter is not None:
-            return {"token_adapter.trainable_tokens_delta": self.token_adapter.trainable_tokens_delta}
+            return self.token_adapter.adapter_tensors()
         return {"lora_embedding_A": self.lora_embedding_A, "lora_embedding_B": self.lora_embedding_B}
 
     def delta_weight(self) -> torch.Tensor:

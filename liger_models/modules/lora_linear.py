@@ -195,8 +195,7 @@ class LoraLinear(nn.Module):
     def adapter_tensors(self) -> dict[str, nn.Parameter]:
         """Key suffix → Parameter of what the adapter trains, under PEFT's names."""
         if self.lora_A is None:
-            return {} if self.token_adapter is None else {
-                "token_adapter.trainable_tokens_delta": self.token_adapter.trainable_tokens_delta}
+            return {} if self.token_adapter is None else self.token_adapter.adapter_tensors()
         tensors = {"lora_A.weight": self.lora_A.weight, "lora_B.weight": self.lora_B.weight}
         if self.use_dora:
             tensors["lora_magnitude_vector"] = self.lora_magnitude_vector
@@ -224,10 +223,10 @@ class LoraLinear(nn.Module):
         if self.quant is not None:
             raise ValueError("merging into NF4 weights would re-quantise them; export a merged checkpoint instead "
                              "(liger_models.lora.save_merged)")
-        if self.token_adapter is not None:
+        if self.token_adapter is not None:  # rows or an adapter, never both (add_token_rows)
             self.token_adapter.merge_into(self.weight)
             self.merged = True
-        if self.lora_A is not None and not self.merged:
+        elif self.lora_A is not None and not self.merged:
             factor = self.dora_factor() if self.use_dora else None
             if factor is not None:
                 self._merged_factor = factor
@@ -241,7 +240,7 @@ class LoraLinear(nn.Module):
         if self.token_adapter is not None:
             self.token_adapter.unmerge_from(self.weight)
             self.merged = False
-        if self.merged:
+        elif self.merged:
             w = self.weight.float()
             if self.use_dora:
                 w = w / self._merged_factor[:, None]

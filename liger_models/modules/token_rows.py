@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The rows' key under their table's name, PEFT's (``model.embed_tokens.`` + this).
+ADAPTER_KEY = "token_adapter.trainable_tokens_delta"
+
 
 class TokenRows(nn.Module):
     """Trained values for rows ``ids`` of a [vocab, hidden] table (see the module docstring)."""
@@ -49,6 +52,10 @@ class TokenRows(nn.Module):
         # F.embedding's padding_idx on the rows: the padding token's row, when chosen, takes no gradient.
         self.padding_slot = ids.index(padding_idx) if padding_idx in ids else None
         self.merged = False
+
+    def adapter_tensors(self) -> dict[str, nn.Parameter]:
+        """Key suffix (under the table's name) → the rows' Parameter, as the tables' adapter_tensors give theirs."""
+        return {ADAPTER_KEY: self.trainable_tokens_delta}
 
     @property
     def ids(self) -> list[int]:
