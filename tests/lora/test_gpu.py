@@ -52,8 +52,12 @@ def _adapted(family: str, kind: str, tmp_path):
         for m in lora_modules(ours).values():
             if getattr(m, "use_dora", False):
                 m.lora_magnitude_vector.mul_(torch.empty_like(m.lora_magnitude_vector).uniform_(0.5, 1.5))
-            if getattr(m, "token_adapter", None) is not None:  # off their start, the frozen rows
-                m.token_adapter.trainable_tokens_delta.add_(torch.randn_like(m.token_adapter.trainable_tokens_delta))
+            if getattr(m, "token_adapter", None) is not None:
+                # Off the frozen rows by twice the table's own scale. init=False's rows (randn, ~50x the table's)
+                # made lm_head's two logits ~80x the others', and bf16's 2^-9 on those alone moved the loss by
+                # 0.3% in ours and HF + PEFT alike: which of the two came closer was a coin toss per draw.
+                original = m.token_adapter.trainable_tokens_original
+                m.token_adapter.trainable_tokens_delta.copy_(original + 2 * original.std() * torch.randn_like(original))
     return hf, ours, peft_float64(hf, ours, tmp_path / "float64").train()
 
 
