@@ -29,8 +29,8 @@ class Nf4MatmulTuning:
     """Launch settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
 
     # x's rows up to which the decode-in-the-loop kernel runs; 0, off, until it is measured faster than dequantising
-    # and one GEMM (its first, tensor-core version took 0.155 ms against their 0.035 at 1-16 rows of a 4096² weight,
-    # one H100, 2026-12-06: BENCHMARKS.md, "Decoding on an NF4 base").
+    # and one GEMM: this version took 0.068-0.120 ms against their 0.034-0.035 at 1-16 rows of a 4096² weight (one
+    # H100, 2026-12-07: BENCHMARKS.md, "Decoding on an NF4 base"), bound by its gathered loads, not by memory.
     max_rows: int = 0
     block_n: int = 32  # W's rows per program
     # Bytes of codes a row per loop step (two weights each), for one row of x; divided by the power of two ≥ x's rows,
