@@ -149,7 +149,7 @@ def main() -> None:
     import torch
 
     os.makedirs(args.out, exist_ok=True)
-    tunables = harness.apply_tunables()  # LIGER_TUNE=nf4_matmul.block_n=16,... for a variant
+    tunables = harness.apply_tunables()  # LIGER_TUNE=nf4_matmul.tile=8192,... for a variant
     parts = set(args.parts.split(","))
     if "products" in parts:
         results, meta = products(torch)

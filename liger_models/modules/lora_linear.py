@@ -5,7 +5,7 @@
 ``lora_B`` [out, r] (PEFT's shapes and key names), y = W·x + b + s·B·A·drop(x), s = alpha/r (alpha/√r rsLoRA).
 With ``quant`` set the base is NF4 (kernels/ops/nf4.py) and ``weight`` is None; the weight is dequantised per call, in
 forward and again in backward, and never saved. A forward of at most ``nf4_matmul.TUNING.max_rows`` rows (a decoding
-step; 0 by default, until that kernel is measured faster) instead multiplies each NF4 sibling with its codes decoded
+step; 1 by default, where that kernel was measured faster) instead multiplies each NF4 sibling with its codes decoded
 inside the K-loop (kernels/ops/nf4_matmul.py), into its rows of the output.
 
 What is fused, for a group of sibling linears (q|k|v, gate|up, or one linear):

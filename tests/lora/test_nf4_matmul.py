@@ -60,23 +60,25 @@ def test_strided_input_bias_and_output_rows_of_a_wider_poisoned_tensor(dtype, tu
     x = torch.randn(3, 2 * shape[1]).to(dtype)[:, ::2]  # column stride 2
     packed = torch.full((3, 5 + shape[0] + 4), float("nan"), dtype=dtype)
     rows = packed[:, 5:5 + shape[0]]
-    tune(nm, block_bytes=32)  # several column splits
+    tune(nm, programs_per_sm=64)  # several column splits
     nm.nf4_matmul(x, codes, absmax, shape, bias=bias, out=rows)
     assert torch.isnan(packed[:, :5]).all() and torch.isnan(packed[:, 5 + shape[0]:]).all()
     _assert_close(rows, _truth(x, codes, absmax, shape, bias), dtype)
 
 
-def test_splits_change_only_the_order_of_the_fp32_sums(tune):
-    shape = (70, 2048)
+@pytest.mark.parametrize("shape", [(70, 2048), (37, 1000)])
+def test_splits_and_tiles_change_only_the_order_of_the_fp32_sums(shape, tune):
+    """One split (the rounded result stored by the kernel) or many (fp32 partial sums), narrow or wide tiles: the
+    same product."""
     codes, absmax = _weight(shape)
-    x = torch.randn(4, shape[1])
-    tune(nm, programs_per_sm=1, block_bytes=1024)
-    one = nm.nf4_matmul(x, codes, absmax, shape)
-    tune(nm, programs_per_sm=64, block_bytes=32)
-    many = nm.nf4_matmul(x, codes, absmax, shape)
+    x = torch.randn(4, shape[1]).to(torch.bfloat16)
     truth = _truth(x, codes, absmax, shape)
-    _assert_close(one, truth, torch.float32)
-    _assert_close(many, truth, torch.float32)
+    for settings, one_split in ((dict(programs_per_sm=1, tile=1 << 16), True),
+                                (dict(programs_per_sm=64, tile=512, min_block_n=4), False)):
+        tune(nm, **settings)
+        splits = nm.launch_plan(4, *shape, x.device)[2]
+        assert splits == 1 if one_split else splits >= 4
+        _assert_close(nm.nf4_matmul(x, codes, absmax, shape), truth, torch.bfloat16)
 
 
 def test_what_it_does_not_take_is_refused_by_name():
