@@ -22,7 +22,7 @@ The HF peers' forward runs under bf16 autocast, as HF Trainer(bf16=True) and TRL
 Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a monkey-patch never leaks).
 
     python benchmarks/bench_lora.py --out DIR [--configs qwen2.5-7b,llama-3.1-8b] [--providers ...]
-        [--batch 4 --seq 4096] [--checkpointing both|on|off]
+        [--batch 4 --seq 4096] [--checkpointing both|on|off] [--dropout 0.1]
     python benchmarks/bench_lora.py --out DIR --longest [--providers ...] [--longest-budget 240]
         [--longest-from 4096 --longest-growth 2]
 
@@ -105,7 +105,8 @@ def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
         if provider.startswith("ours_qlora"):
             quantize_base_(model)
             torch.cuda.empty_cache()  # a no-op where CUDA was never initialised (the CPU builds of tests/benchmarks)
-        add_lora(model, LoraSettings(r=R, alpha=ALPHA, targets="all-linear", use_dora=provider == "ours_dora"))
+        add_lora(model, LoraSettings(r=R, alpha=ALPHA, targets="all-linear", dropout=_dropout(),
+                                     use_dora=provider == "ours_dora"))
         if checkpointing:
             model.activation_checkpointing_enable(offload=provider.endswith("_offload"))
         if provider.endswith("_chunks"):
@@ -143,8 +144,13 @@ def _build(provider: str, cfg: dict, checkpointing: bool, device: str = "cuda"):
                            f"asked for {checkpointing}")
     targets = "all-linear" if "num_experts_per_tok" in cfg else TARGETS  # MoE: PEFT maps it to its parameters
     return peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=targets,
-                                                      lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                      lora_dropout=_dropout(), task_type="CAUSAL_LM",
                                                       use_dora=provider == "hf_peft_dora"))
+
+
+def _dropout() -> float:
+    """Every provider's lora_dropout (--dropout, handed to the worker processes through the environment)."""
+    return float(os.environ.get("LIGER_BENCH_LORA_DROPOUT", "0"))
 
 
 def step_context(provider: str, torch):
@@ -330,6 +336,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--checkpointing", choices=("both", "on", "off"), default="both")
+    p.add_argument("--dropout", type=float, default=0.0, help="every provider's lora_dropout (default 0)")
     p.add_argument("--longest", action="store_true", help="longest batch-1 QLoRA sequence of llama-3.1-8b instead")
     p.add_argument("--longest-budget", type=float, default=240.0,
                    help="seconds per provider for --longest, build included (default 240)")
@@ -350,6 +357,7 @@ def main() -> None:
     if not args.out:
         p.error("--out DIR is required")
     os.makedirs(args.out, exist_ok=True)
+    os.environ["LIGER_BENCH_LORA_DROPOUT"] = str(args.dropout)
     rows = []
     providers = args.providers.split(",")
     if args.longest:
@@ -372,7 +380,7 @@ def main() -> None:
                     if provider.endswith("_offload") and not ckpt:  # offloads what the checkpoints save: none here
                         continue
                     row = _run([name, provider, str(args.batch), str(args.seq), "1" if ckpt else "0", str(STEPS)])
-                    row.update(config=name, provider=provider, checkpointing=ckpt)
+                    row.update(config=name, provider=provider, checkpointing=ckpt, dropout=args.dropout)
                     rows.append(row)
                     print(json.dumps(rows[-1]), flush=True)
                     _save(args.out, rows)  # after every row: a run stopped by a time limit keeps what it measured

@@ -162,6 +162,12 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
     lora-dora)  # DoRA at Llama-3.1-8B, checkpointing on: ours against HF + PEFT's use_dora
       python3 benchmarks/bench_lora.py --out "$OUT/lora_dora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" \
         --checkpointing on --providers ours,ours_dora,hf_peft_dora ;;
+    lora-dropout)  # LoRA with dropout on the adapters' input (mask drawn from a seed in forward and backward) next
+                   # to none, Llama-3.1-8B without checkpointing at 2 x 4096 (LORA_PROVIDERS to add peers)
+      python3 benchmarks/bench_lora.py --out "$OUT/lora_nodropout" --configs llama-3.1-8b --checkpointing off \
+        --batch 2 --providers "${LORA_PROVIDERS:-ours}"
+      python3 benchmarks/bench_lora.py --out "$OUT/lora_dropout" --configs llama-3.1-8b --checkpointing off \
+        --batch 2 --dropout "${LORA_DROPOUT:-0.1}" --providers "${LORA_PROVIDERS:-ours}" ;;
     nf4)  # NF4 dequantisation: the Triton kernel vs the PyTorch reference and bitsandbytes (carry .whl)
       (cd benchmarks && python3 bench_nf4.py --out "$OUT") ;;
     nf4-decode)  # decoding on an NF4 base: nf4_matmul vs dequantise + GEMM vs bf16 vs bitsandbytes (carry .whl), then

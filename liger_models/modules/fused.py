@@ -66,17 +66,17 @@ class _NormLinear(torch.autograd.Function):
 
 class _LoraNormLinear(torch.autograd.Function):
     """_NormLinear for a LoRA group (modules/lora_linear.py): the normalised input is not saved but recomputed in
-    backward, where the adapters' dA needs it too; saved are the norm's input, rstd, x·A and any dropout masks."""
+    backward, where the adapters' dA needs it too; saved are the norm's input, rstd, x·A and any dropout seeds."""
 
     @staticmethod
     def forward(ctx, x, residual, norm_weight, eps, offset, gemma, group, *params):
         x2, res2 = row_view(x), None if residual is None else row_view(residual)
         y, r, _, rstd = norm_forward(x2, res2, norm_weight, None, eps, offset, center=False, gemma=gemma)
         out = y.new_empty((*x.shape[:-1], group.rows[-1][1]))
-        xa, masks, norms = core_forward(y, group, list(params), out.view(-1, out.shape[-1]))
+        xa, draws, norms = core_forward(y, group, list(params), out.view(-1, out.shape[-1]))
         del y
         ctx.save_for_backward(x2 if r is None else r, rstd, norm_weight, xa, *params)
-        ctx.group, ctx.masks, ctx.norms, ctx.eps, ctx.offset, ctx.gemma = group, masks, norms, eps, offset, gemma
+        ctx.group, ctx.draws, ctx.norms, ctx.eps, ctx.offset, ctx.gemma = group, draws, norms, eps, offset, gemma
         ctx.x_shape, ctx.residual_dtype = x.shape, None if residual is None else residual.dtype
         return out if r is None else (out, r.view(x.shape))
 
@@ -86,11 +86,11 @@ class _LoraNormLinear(torch.autograd.Function):
         dout2 = dout.reshape(-1, dout.shape[-1])
         g = dora_scaled_grad(dout2, ctx.group, params, ctx.norms)
         w = backward_weight(ctx.group, g.dtype)
-        dy, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True, w)
+        dy, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.draws, True, w)
         dAs, dMs = [], []
         if dxs:
             y = norm_forward(xs, None, norm_weight, None, ctx.eps, ctx.offset, center=False, gemma=ctx.gemma)[0]
-            dAs = core_backward_A(dxs, y, ctx.group, params, ctx.masks)
+            dAs = core_backward_A(dxs, y, ctx.group, params, ctx.draws)
             dMs = core_backward_magnitude(dout2, y, ctx.group, params, xa, ctx.norms, w)
             del y
         dx, dnw, _ = norm_backward(dy, xs, norm_weight, None, rstd, None if dres is None else row_view(dres),
@@ -103,7 +103,7 @@ class _LoraNormLinear(torch.autograd.Function):
 
 class _LoraGatedDown(torch.autograd.Function):
     """_GatedDown with down_proj a LoraLinear: the adapters' dX joins dact before the activation's backward, whose
-    recomputed product (written over dact) then gives dA; gate_up, x·A and any dropout mask are saved."""
+    recomputed product (written over dact) then gives dA; gate_up, x·A and any dropout seed are saved."""
 
     @staticmethod
     def forward(ctx, gate_up, activation, group, *params):
@@ -113,11 +113,11 @@ class _LoraGatedDown(torch.autograd.Function):
         if act.numel():
             gated_forward(gu2d[:, :half], gu2d[:, half:], act, activation)
         out = torch.empty((*gate_up.shape[:-1], group.rows[-1][1]), dtype=act.dtype, device=act.device)
-        xa, masks, norms = core_forward(act, group, list(params), out.view(-1, out.shape[-1]))
+        xa, draws, norms = core_forward(act, group, list(params), out.view(-1, out.shape[-1]))
         del act
         ctx.inplace = owns_memory(gate_up, gu2d, 2 * half)
         ctx.save_for_backward(gu2d, xa, *params)
-        ctx.activation, ctx.group, ctx.masks, ctx.norms, ctx.shape = activation, group, masks, norms, gate_up.shape
+        ctx.activation, ctx.group, ctx.draws, ctx.norms, ctx.shape = activation, group, draws, norms, gate_up.shape
         return out
 
     @staticmethod
@@ -127,14 +127,14 @@ class _LoraGatedDown(torch.autograd.Function):
         dout2 = dout.reshape(-1, dout.shape[-1])
         g = dora_scaled_grad(dout2, ctx.group, params, ctx.norms)
         w = backward_weight(ctx.group, g.dtype)
-        dact, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, True, w)
+        dact, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.draws, True, w)
         dgu = gu2d if ctx.inplace else torch.empty_like(gu2d)
         if dact.numel():  # d gate_up, and the product written over dact for dA
             gated_backward(dact, gu2d[:, :half], gu2d[:, half:], dgu[:, :half], dgu[:, half:], ctx.activation,
                            product2d=dact if dxs else None)
         if ctx.inplace:
             increment_version(gu2d)
-        dAs = core_backward_A(dxs, dact, ctx.group, params, ctx.masks)
+        dAs = core_backward_A(dxs, dact, ctx.group, params, ctx.draws)
         dMs = core_backward_magnitude(dout2, dact, ctx.group, params, xa, ctx.norms, w)
         return (dgu.view(ctx.shape), None, None, *dAs, *dBs, *dMs)
 

@@ -18,8 +18,9 @@ What is fused, for a group of sibling linears (q|k|v, gate|up, or one linear):
   * in ``fused.py`` the same core runs behind RMSNorm (the normalised input is recomputed in backward, as for the
     base) and behind the gated activation (down_proj's adapter uses the product the activation's backward
     recomputes anyway).
-Saved per group: the input (or what norm_linear already saves), x·A (N × Σr), and with dropout each adapter's mask
-(N × in bytes; regenerating them from a seed is GPU work not done).
+Saved per group: the input (or what norm_linear already saves), x·A (N × Σr), and with dropout each adapter's seed:
+its mask is drawn again from it where backward needs it (kernels/ops/dropout.py), where a stored one would take
+N × in bytes per adapter (the PyTorch reference path stores it).
 
 DoRA (``use_dora``, PEFT's definition): an adapter also has a magnitude m (``lora_magnitude_vector``, one per output
 row, initialised to the row norms of W + s·B·A), and its rows are y = b + (m / n) ⊙ (W·x + s·B·A·x) with
@@ -43,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from liger_models.kernels._dispatch import use_triton
+from liger_models.kernels.ops.dropout import DropoutDraw, new_seeds
 from liger_models.kernels.ops.nf4 import dequantize_nf4
 from liger_models.kernels.ops.nf4_matmul import nf4_matmul, rows_fit, rows_limit
 
@@ -380,7 +383,7 @@ def nf4_rows_product(x2: torch.Tensor, group: Group, out2d: torch.Tensor) -> Non
 
 def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out2d: torch.Tensor):
     """out2d := x2·Wᵀ + b + Σ s_i·(drop_i(x2)·A_iᵀ)·B_iᵀ into each adapter's rows, then each DoRA adapter's rows
-    := b + (m / n) ⊙ (out − b); returns (xa, masks, DoRA norms n)."""
+    := b + (m / n) ⊙ (out − b); returns (xa, dropout draws (None where an adapter has none), DoRA norms n)."""
     if not group.dora and few_rows_on_nf4(x2, group):
         w, b = None, None
         nf4_rows_product(x2, group, out2d)
@@ -395,20 +398,16 @@ def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out
         return None, [], []
     As = [a.to(x2.dtype) for a in params[:k]]
     Bs = [bm.to(x2.dtype) for bm in params[k:2 * k]]
-    masks: list[torch.Tensor | None] = []
+    draws: list[DropoutDraw | None] = []
     if not group.any_dropout:
         xa = x2 @ torch.cat(As).t()  # one thin GEMM for every adapter
         parts = xa.split(group.ranks, dim=1)
     else:
         parts = []
-        for a, p in zip(As, group.dropouts):
-            if p > 0:
-                mask = torch.empty_like(x2, dtype=torch.bool).bernoulli_(1 - p)
-                masks.append(mask)
-                parts.append((x2 * mask) @ a.t() * (1 / (1 - p)))
-            else:
-                masks.append(None)
-                parts.append(x2 @ a.t())
+        seeds = new_seeds(len(As), x2.device) if use_triton(x2) else [None] * len(As)  # one draw for the group
+        for a, p, seed in zip(As, group.dropouts, seeds):
+            draws.append(DropoutDraw(x2, p, seed[None] if seed is not None else None) if p > 0 else None)
+            parts.append((x2 if draws[-1] is None else draws[-1].apply(x2)) @ a.t())
         xa = torch.cat(parts, dim=1)
     for i, part, bm, s in zip(group.adapted, parts, Bs, group.scales):
         lo, hi = group.rows[i]
@@ -423,7 +422,7 @@ def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out
             rows.mul_(factor)
         else:  # b + factor·(out − b)
             rows.mul_(factor).add_(b[lo:hi].float() * (1 - factor))
-    return xa, masks, norms
+    return xa, draws, norms
 
 
 def dora_scaled_grad(g: torch.Tensor, group: Group, params: list[torch.Tensor], norms: list) -> torch.Tensor:
@@ -445,7 +444,7 @@ def backward_weight(group: Group, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def core_backward_input(g: torch.Tensor, group: Group, params: list[torch.Tensor], xa: torch.Tensor | None,
-                        masks: list, need_dx: bool, weight: torch.Tensor | None = None):
+                        draws: list, need_dx: bool, weight: torch.Tensor | None = None):
     """(dx or None, s·dY_i·B_i per adapter, dB per adapter). dx includes the adapters' path; under DoRA ``g`` is
     already scaled (``dora_scaled_grad``). ``weight``: the group's base weight when the caller has it already."""
     k = len(group.adapted)
@@ -466,14 +465,16 @@ def core_backward_input(g: torch.Tensor, group: Group, params: list[torch.Tensor
         if not group.any_dropout:
             dx.addmm_(torch.cat(dxs, dim=1), torch.cat(As))
         else:
-            for d, a, mask, p in zip(dxs, As, masks, group.dropouts):
-                term = d @ a
-                dx.add_(term if mask is None else term * mask * (1 / (1 - p)))
+            for d, a, draw in zip(dxs, As, draws):
+                if draw is None:
+                    dx.addmm_(d, a)
+                else:
+                    draw.apply(d @ a, out=dx, accumulate=True)
     return dx, dxs, dBs
 
 
 def core_backward_A(dxs: list[torch.Tensor], x2: torch.Tensor, group: Group, params: list[torch.Tensor],
-                    masks: list) -> list[torch.Tensor]:
+                    draws: list) -> list[torch.Tensor]:
     """dA per adapter: (s·dY_i·B_i)ᵀ·drop_i(x), one GEMM for all without dropout."""
     k = len(group.adapted)
     if not k:
@@ -482,8 +483,8 @@ def core_backward_A(dxs: list[torch.Tensor], x2: torch.Tensor, group: Group, par
         dA = torch.cat(dxs, dim=1).t() @ x2
         return [d.to(a.dtype) for d, a in zip(dA.split(group.ranks), params[:k])]
     out = []
-    for d, mask, p, a in zip(dxs, masks, group.dropouts, params[:k]):
-        xi = x2 if mask is None else x2 * mask * (1 / (1 - p))
+    for d, draw, a in zip(dxs, draws, params[:k]):
+        xi = x2 if draw is None else draw.apply(x2)
         out.append((d.t() @ xi).to(a.dtype))
     return out
 
@@ -515,8 +516,8 @@ class _LoraPacked(torch.autograd.Function):
     def forward(ctx, x, group, *params):
         x2 = x.reshape(-1, x.shape[-1])
         out = x.new_empty((*x.shape[:-1], group.rows[-1][1]))
-        xa, masks, norms = core_forward(x2, group, list(params), out.view(-1, out.shape[-1]))
-        ctx.group, ctx.masks, ctx.norms, ctx.x_shape = group, masks, norms, x.shape
+        xa, draws, norms = core_forward(x2, group, list(params), out.view(-1, out.shape[-1]))
+        ctx.group, ctx.draws, ctx.norms, ctx.x_shape = group, draws, norms, x.shape
         ctx.save_for_backward(x2, xa, *params)
         return out
 
@@ -526,8 +527,8 @@ class _LoraPacked(torch.autograd.Function):
         dout = grad_out.reshape(-1, grad_out.shape[-1])
         g = dora_scaled_grad(dout, ctx.group, params, ctx.norms)
         w = backward_weight(ctx.group, g.dtype)
-        dx, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.masks, ctx.needs_input_grad[0], w)
-        dAs = core_backward_A(dxs, x2, ctx.group, params, ctx.masks)
+        dx, dxs, dBs = core_backward_input(g, ctx.group, params, xa, ctx.draws, ctx.needs_input_grad[0], w)
+        dAs = core_backward_A(dxs, x2, ctx.group, params, ctx.draws)
         dMs = core_backward_magnitude(dout, x2, ctx.group, params, xa, ctx.norms, w)
         return (None if dx is None else dx.view(ctx.x_shape), None, *dAs, *dBs, *dMs)
 

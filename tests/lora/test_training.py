@@ -16,18 +16,35 @@ from .common import batch, pair, with_adapters
 peft = pytest.importorskip("peft")
 
 
-def test_dropout_masks_the_adapter_input_only():
-    """One adapted linear with dropout: output and gradients equal the float64 formula with the masks it drew."""
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_dropout_masks_the_adapter_input_only(path, request):
+    """One adapted linear with dropout: output and gradients equal the float64 formula with the mask it drew. The
+    kernel path keeps only a seed and draws the mask again in backward (kernels/ops/dropout.py); the PyTorch
+    reference path stores the mask."""
+    if path == "reference":
+        request.getfixturevalue("reference_kernels")
+    _check_dropout_layer("cpu", path)
+
+
+@pytest.mark.gpu
+def test_dropout_masks_the_adapter_input_only_on_the_gpu():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_dropout_layer("cuda", "kernel")
+
+
+def _check_dropout_layer(device: str, path: str) -> None:
     lin = torch.nn.Linear(48, 40)
     lin.weight.requires_grad_(False)
     lin.bias.requires_grad_(False)
     layer = LoraLinear.from_linear(lin)
     layer.add_adapter(4, 8.0, dropout=0.3, init=False)
-    layer.train()
-    x = torch.randn(3, 5, 48, requires_grad=True)
+    layer.to(device).train()
+    x = torch.randn(3, 5, 48, device=device, requires_grad=True)
     out = layer(x)
-    (mask,) = out.grad_fn.masks
-    assert 0.5 < mask.float().mean() < 0.9  # p = 0.3 of 720 draws
+    (draw,) = out.grad_fn.draws
+    assert (draw.stored is None) == (path == "kernel")
+    mask = draw.mask()
+    assert mask.shape == (15, 48) and 0.5 < mask.float().mean() < 0.9  # p = 0.3 of 720 draws
     g = torch.randn_like(out)
     out.backward(g)
     x64 = x.detach().double().requires_grad_(True)
@@ -56,7 +73,7 @@ def test_sibling_adapters_draw_their_own_masks(tmp_path):
 
     def spy(*args):
         out = original(*args)
-        seen.append((out[0] if isinstance(out, tuple) else out).grad_fn.masks)
+        seen.append((out[0] if isinstance(out, tuple) else out).grad_fn.draws)
         return out
 
     fused._LoraNormLinear.apply = spy
@@ -64,21 +81,34 @@ def test_sibling_adapters_draw_their_own_masks(tmp_path):
         ours(batch()[0])
     finally:
         fused._LoraNormLinear.apply = original
-    q, k, v = seen[0]
+    q, k, v = (draw.mask() for draw in seen[0])
     assert not torch.equal(q, k) and not torch.equal(k, v)
 
 
 @pytest.mark.parametrize("mode", ["non-reentrant", "offloaded", "reentrant", "qlora", "qlora-mlp-chunks"])
 def test_checkpointing_gives_identical_adapter_gradients(mode, tmp_path):
-    """With dropout on the adapters' input: the recompute replays the same masks, also with MLP chunks (5 of the
-    22 rows each, in both runs: each chunk draws its own masks), checkpointed inside the checkpointed layer."""
+    """With dropout on the adapters' input: the recompute draws the same masks (from the same seeds: checkpointing
+    restores the RNG state), also with MLP chunks (5 of the 22 rows each, in both runs: each chunk draws its own
+    masks), checkpointed inside the checkpointed layer."""
+    _check_checkpointing(mode, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["non-reentrant", "offloaded", "qlora-mlp-chunks"])
+def test_checkpointing_gives_identical_adapter_gradients_on_the_gpu(mode, tmp_path):
+    """The same on CUDA, the seeds drawn from the GPU's generator."""
+    _check_checkpointing(mode, tmp_path, "cuda")
+
+
+def _check_checkpointing(mode: str, tmp_path, device: str) -> None:
     _, ours, _ = pair("llama", tmp_path)
+    ours.to(device)
     if mode.startswith("qlora"):
         quantize_base_(ours)
     with_adapters(ours, "llama", "all-linear", dropout=0.1)
     if mode == "qlora-mlp-chunks":
         ours.mlp_chunking_enable(5)
-    ids, labels = batch()
+    ids, labels = (t.to(device) for t in batch())
     results = []
     for checkpointed in (False, True):
         if checkpointed:
