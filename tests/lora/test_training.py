@@ -96,11 +96,14 @@ def test_checkpointing_gives_identical_adapter_gradients(mode, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["non-reentrant", "offloaded", "qlora-mlp-chunks"])
 def test_checkpointing_gives_identical_adapter_gradients_on_the_gpu(mode, tmp_path):
-    """The same on CUDA, the seeds drawn from the GPU's generator."""
-    _check_checkpointing(mode, tmp_path, "cuda")
+    """The same on CUDA, the seeds drawn from the GPU's generator. The loss is bit for bit the same (the forward drew
+    the same masks); the gradients were not bit for bit on CUDA (2026-12-07, one H100, all three modes: last-digit
+    differences such as -3.4301e-04 against -3.4302e-04, the backward's sums there not in a fixed order), so they are
+    held to 1e-5 of each tensor's largest value, where a mask drawn again differently moves them by tens of percent."""
+    _check_checkpointing(mode, tmp_path, "cuda", bound=1e-5)
 
 
-def _check_checkpointing(mode: str, tmp_path, device: str) -> None:
+def _check_checkpointing(mode: str, tmp_path, device: str, bound: float = 0.0) -> None:
     _, ours, _ = pair("llama", tmp_path)
     ours.to(device)
     if mode.startswith("qlora"):
@@ -124,7 +127,8 @@ def _check_checkpointing(mode: str, tmp_path, device: str) -> None:
     assert torch.equal(loss0, loss1)
     assert len(grads0) == 2 * len(lora_modules(ours))
     for name, grad in grads0.items():
-        assert grads1[name] is not None and torch.equal(grads1[name], grad), name
+        assert grads1[name] is not None, name
+        assert (grads1[name] - grad).abs().max() <= bound * grad.abs().max(), name
 
 
 @pytest.mark.parametrize("rows", [None, {"embed_tokens": [5, 9], "lm_head": [5, 9, 11]}], ids=["lora", "token_rows"])
