@@ -135,3 +135,23 @@ def test_our_providers_are_built_as_named(provider):
     ids = torch.randint(0, TINY["vocab_size"], (1, 32))
     model(ids, labels=ids).loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("provider", ["ours", "hf_peft"])
+def test_dropout_reaches_every_adapter_of_both_sides(provider, monkeypatch):
+    """--dropout (through the environment to the worker processes) is every adapter's lora_dropout, ours and PEFT's
+    alike; without it, none."""
+    for value in ("0.1", None):
+        if value is None:
+            monkeypatch.delenv("LIGER_BENCH_LORA_DROPOUT", raising=False)
+        else:
+            monkeypatch.setenv("LIGER_BENCH_LORA_DROPOUT", value)
+        model = bench_lora._build(provider, TINY, False, device="cpu")
+        if provider == "ours":
+            from liger_models.lora import lora_modules
+
+            rates = {m.lora_dropout for m in lora_modules(model).values()}
+        else:
+            rates = {m.lora_dropout["default"].p if hasattr(m.lora_dropout["default"], "p") else 0.0
+                     for m in model.modules() if hasattr(m, "lora_dropout") and "default" in m.lora_dropout}
+        assert rates == {float(value or 0)}, rates
