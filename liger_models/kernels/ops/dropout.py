@@ -30,6 +30,8 @@ from .._launch import cdiv, launch
 class DropoutTuning:
     """Launch settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
 
+    # Not swept yet: an elementwise pass of one read and one write (two with accumulate) per element, whose
+    # step-level cost is measured in BENCHMARKS.md ("LoRA / QLoRA training step", dropout).
     block: int = 2048  # columns per program
     num_warps: int = 4
 
