@@ -141,8 +141,9 @@ def nf4_matmul(x2: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, shap
         out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     # One split stores the rounded result straight into ``out``; several store fp32 partial sums, added here.
     target = out.unsqueeze(0) if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
+    bias_or_unused = bias if bias is not None else target  # HAS_BIAS=False never reads it
     launch(_nf4_matmul_kernel, (n_blocks, splits),
-           [x2, codes.reshape(-1), absmax.reshape(-1), code_table(codes.device), target, bias if bias is not None else target, m, n, k,
+           [x2, codes.reshape(-1), absmax.reshape(-1), code_table(codes.device), target, bias_or_unused, m, n, k,
             steps_per_split, x2.stride(0), x2.stride(1), target.stride(0), target.stride(1), target.stride(2)],
            dict(BLOCK_M=block_m, BLOCK_N=block_n, ALIGNED=k % (2 * STEP_BYTES) == 0, HAS_BIAS=bias is not None,
                 num_warps=t.num_warps))
