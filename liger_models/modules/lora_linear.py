@@ -44,8 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_models.kernels._dispatch import use_triton
-from liger_models.kernels.ops.dropout import DropoutDraw, new_seeds
+from liger_models.kernels.ops.dropout import DropoutDraw, draws_for
 from liger_models.kernels.ops.nf4 import dequantize_nf4
 from liger_models.kernels.ops.nf4_matmul import nf4_matmul, rows_fit, rows_limit
 
@@ -403,11 +402,8 @@ def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out
         xa = x2 @ torch.cat(As).t()  # one thin GEMM for every adapter
         parts = xa.split(group.ranks, dim=1)
     else:
-        parts = []
-        seeds = new_seeds(len(As), x2.device) if use_triton(x2) else [None] * len(As)  # one draw for the group
-        for a, p, seed in zip(As, group.dropouts, seeds):
-            draws.append(DropoutDraw(x2, p, seed[None] if seed is not None else None) if p > 0 else None)
-            parts.append((x2 if draws[-1] is None else draws[-1].apply(x2)) @ a.t())
+        draws = draws_for(x2, group.dropouts)
+        parts = [(x2 if draw is None else draw.apply(x2)) @ a.t() for a, draw in zip(As, draws)]
         xa = torch.cat(parts, dim=1)
     for i, part, bm, s in zip(group.adapted, parts, Bs, group.scales):
         lo, hi = group.rows[i]

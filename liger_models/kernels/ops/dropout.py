@@ -97,7 +97,7 @@ class DropoutDraw:
         """``seed``: an int64 [1] view on like's device (one of several drawn together), else one is drawn here."""
         self.p = p
         self.shape = tuple(like.shape)
-        if use_triton(like) and like.stride(-1) == 1:
+        if _seeded(like):
             self.seed = seed if seed is not None else new_seeds(1, like.device)
             self.stored = None
         else:
@@ -120,6 +120,17 @@ class DropoutDraw:
             return self.stored
         ones = torch.ones(self.shape, dtype=torch.float32, device=self.seed.device)
         return seeded_dropout(ones, self.seed, self.p) != 0
+
+
+def draws_for(like: torch.Tensor, rates: list[float]) -> list[DropoutDraw | None]:
+    """One draw over ``like`` per rate (None where the rate is 0), the kernel path's seeds drawn together."""
+    seeds = iter(new_seeds(sum(p > 0 for p in rates), like.device)) if _seeded(like) else None
+    return [None if p == 0 else DropoutDraw(like, p, None if seeds is None else next(seeds)[None]) for p in rates]
+
+
+def _seeded(like: torch.Tensor) -> bool:
+    """Whether a draw over ``like`` keeps a seed for the kernel (else the reference path's stored mask)."""
+    return use_triton(like) and like.stride(-1) == 1
 
 
 def new_seeds(n: int, device: torch.device) -> torch.Tensor:
