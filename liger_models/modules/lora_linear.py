@@ -10,7 +10,8 @@ inside the K-loop (kernels/ops/nf4_matmul.py), into its rows of the output.
 
 What is fused, for a group of sibling linears (q|k|v, gate|up, or one linear):
   * the base stays one GEMM over the stacked (aliasing, when packed) weights;
-  * without dropout, x·[A_1 | … | A_k]ᵀ is one thin GEMM for every adapted sibling (x is read once);
+  * x·[A_1 | … | A_k]ᵀ is one thin product for every adapted sibling (x is read once): a GEMM, or with dropout a
+    kernel that draws each adapter's mask on the tiles of x it holds;
   * each adapter's B product is accumulated into its rows of the packed output by the GEMM itself (addmm with
     beta = 1): no materialised W + BA, no separate pass for the add;
   * backward: dX = dY·W + (s·dY·B)·A_cat (one GEMM plus one thin GEMM), dA_cat = (s·dY·B)ᵀ·x in one GEMM, dB per
@@ -19,8 +20,9 @@ What is fused, for a group of sibling linears (q|k|v, gate|up, or one linear):
     base) and behind the gated activation (down_proj's adapter uses the product the activation's backward
     recomputes anyway).
 Saved per group: the input (or what norm_linear already saves), x·A (N × Σr), and with dropout each adapter's seed:
-its mask is drawn again from it where backward needs it (kernels/ops/dropout.py), where a stored one would take
-N × in bytes per adapter (the PyTorch reference path stores it).
+its mask is drawn from it inside the three products that use it (drop(x)·Aᵀ, dX's drop(d·A), dA's dᵀ·drop(x):
+kernels/ops/dropout_matmul.py), never formed, where a stored one would take N × in bytes per adapter (the PyTorch
+reference path stores it).
 
 DoRA (``use_dora``, PEFT's definition): an adapter also has a magnitude m (``lora_magnitude_vector``, one per output
 row, initialised to the row norms of W + s·B·A), and its rows are y = b + (m / n) ⊙ (W·x + s·B·A·x) with
@@ -44,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from liger_models.kernels.ops.dropout import DropoutDraw, draws_for
+from liger_models.kernels.ops.dropout import GroupDraws, draws_for
+from liger_models.kernels.ops.dropout_matmul import dropped_matmul, dropped_matmul_add, dropped_matmul_t
 from liger_models.kernels.ops.nf4 import dequantize_nf4
 from liger_models.kernels.ops.nf4_matmul import nf4_matmul, rows_fit, rows_limit
 
@@ -397,14 +400,13 @@ def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out
         return None, [], []
     As = [a.to(x2.dtype) for a in params[:k]]
     Bs = [bm.to(x2.dtype) for bm in params[k:2 * k]]
-    draws: list[DropoutDraw | None] = []
+    draws: GroupDraws | list = []
     if not group.any_dropout:
         xa = x2 @ torch.cat(As).t()  # one thin GEMM for every adapter
-        parts = xa.split(group.ranks, dim=1)
-    else:
+    else:  # one pass over x2 drawing every adapter's mask (kernels/ops/dropout_matmul.py)
         draws = draws_for(x2, group.dropouts)
-        parts = [(x2 if draw is None else draw.apply(x2)) @ a.t() for a, draw in zip(As, draws)]
-        xa = torch.cat(parts, dim=1)
+        xa = dropped_matmul(x2, torch.cat(As), group.ranks, draws)
+    parts = xa.split(group.ranks, dim=1)
     for i, part, bm, s in zip(group.adapted, parts, Bs, group.scales):
         lo, hi = group.rows[i]
         out2d[:, lo:hi].addmm_(part, bm.t(), alpha=s)  # the GEMM adds into the packed output
@@ -460,12 +462,8 @@ def core_backward_input(g: torch.Tensor, group: Group, params: list[torch.Tensor
     if need_dx:
         if not group.any_dropout:
             dx.addmm_(torch.cat(dxs, dim=1), torch.cat(As))
-        else:
-            for d, a, draw in zip(dxs, As, draws):
-                if draw is None:
-                    dx.addmm_(d, a)
-                else:
-                    draw.apply(d @ a, out=dx, accumulate=True)
+        else:  # each adapter's mask drawn on dx's tiles, the products summed before one rounding
+            dropped_matmul_add(dx, torch.cat(dxs, dim=1), torch.cat(As), group.ranks, draws)
     return dx, dxs, dBs
 
 
@@ -477,12 +475,9 @@ def core_backward_A(dxs: list[torch.Tensor], x2: torch.Tensor, group: Group, par
         return []
     if not group.any_dropout:
         dA = torch.cat(dxs, dim=1).t() @ x2
-        return [d.to(a.dtype) for d, a in zip(dA.split(group.ranks), params[:k])]
-    out = []
-    for d, draw, a in zip(dxs, draws, params[:k]):
-        xi = x2 if draw is None else draw.apply(x2)
-        out.append((d.t() @ xi).to(a.dtype))
-    return out
+    else:  # one pass over x2 drawing every adapter's mask, fp32 out
+        dA = dropped_matmul_t(torch.cat(dxs, dim=1), x2, group.ranks, draws)
+    return [d.to(a.dtype) for d, a in zip(dA.split(group.ranks), params[:k])]
 
 
 def core_backward_magnitude(dout: torch.Tensor, x2: torch.Tensor, group: Group, params: list[torch.Tensor],

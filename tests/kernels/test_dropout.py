@@ -5,6 +5,7 @@ adds into its output; bad calls are refused by name."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,36 @@ def _check(rows: int, cols: int, dtype: torch.dtype, p: float) -> None:
     assert abs(kept - (1 - p)) <= 5 * (p * (1 - p) / n) ** 0.5 + 1e-12, (kept, 1 - p)
 
 
+def _philox_4x32_10(seed: int, counters: np.ndarray) -> list[np.ndarray]:
+    """Philox-4x32-10 (Salmon et al., 2011) of counters (c0, c1) = (low, high words of each int64 counter), c2 = c3
+    = 0, key = the seed's two words: the four uint32 outputs, in numpy's exact uint64 arithmetic."""
+    mask32 = np.uint64(0xFFFFFFFF)
+    c = [counters.astype(np.uint64) & mask32, counters.astype(np.uint64) >> np.uint64(32),
+         np.zeros(counters.shape, np.uint64), np.zeros(counters.shape, np.uint64)]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)
+    mult_a, mult_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(10):
+        prod_b, prod_a = mult_b * c[2], mult_a * c[0]  # exact: both factors below 2³²
+        c = [(prod_b >> np.uint64(32)) ^ c[1] ^ k0, prod_b & mask32,
+             (prod_a >> np.uint64(32)) ^ c[3] ^ k1, prod_a & mask32]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask32, (k1 + np.uint64(0xBB67AE85)) & mask32
+    return c
+
+
+def test_the_mask_is_philox_of_the_documented_counters():
+    """keep(row, col) = u ≥ p with u output col % 4 of Philox(seed, row · ⌈cols / 4⌉ + col // 4), as a uniform the
+    way Triton maps an int32 to [0, 1) (x, or ~x where negative, times 2⁻³¹ rounded below 1), computed here in
+    numpy from the definition: the elementwise kernel and every product kernel draw this one mask."""
+    rows, cols, p = 6, 37, 0.35
+    seed = _seed()
+    mask = dr.seeded_dropout(torch.ones(rows, cols, device=DEVICE), seed, p) != 0
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    outputs = _philox_4x32_10(int(seed.item()), r * -(-cols // 4) + c // 4)
+    bits = np.choose(c % 4, outputs).astype(np.uint32).view(np.int32)
+    u = np.where(bits < 0, ~bits, bits).astype(np.float32) * np.float32(4.6566127342e-10)
+    assert torch.equal(mask.cpu(), torch.from_numpy(u >= np.float32(p)))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, cols, p", [(1, 1, 0.5), (3, 2049, 0.1), (37, 96, 0.3), (128, 700, 0.9)])
 def test_kept_values_are_the_input_scaled_and_the_fraction_is_one_minus_p(rows, cols, p, dtype):
@@ -59,7 +90,7 @@ def test_the_mask_follows_the_logical_index_not_the_layout(tune):
     t, seed, p = wide[:, 7:7 + 250], _seed(), 0.4
     dense = dr.seeded_dropout(t.contiguous(), seed, p)
     assert torch.equal(dr.seeded_dropout(t, seed, p), dense)
-    tune(dr, block=64)
+    tune(dr, block_rows=2, block_cols=64)
     assert torch.equal(dr.seeded_dropout(t, seed, p), dense)
     other = dr.seeded_dropout(t.contiguous(), _seed(), p)
     assert not torch.equal((other != 0), (dense != 0))

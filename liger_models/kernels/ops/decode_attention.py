@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import interpreting, use_triton
+from ._dot import dot, dot_flags
 from .._launch import cdiv, on_input_device, pow2, sm_count
 
 
@@ -74,19 +75,6 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b accumulated in fp32 (fp64 for fp64). UPCAST: multiply in fp32 instead, for Triton 3.6's interpreter,
-    whose bf16 tl.dot returns garbage; bf16 products are exact in fp32, so the values are the same."""
-    if UPCAST:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
-
-
-@triton.jit
 def _split_kernel(Q, K, V, MASK, O_PART, LSE_PART,
                   stride_q_b, stride_q_h, stride_q_t, stride_k_b, stride_k_h, stride_k_s,
                   stride_v_b, stride_v_h, stride_v_s, stride_mask_b, stride_mask_t,
@@ -121,7 +109,7 @@ def _split_kernel(Q, K, V, MASK, O_PART, LSE_PART,
             # Keys no row sees are not read: their values meet a probability of 0, and 0 · NaN would be NaN.
             kv_mask = seen_col[:, None] & d_ok[None, :]
             k = tl.load(K + cols[:, None].to(tl.int64) * stride_k_s + d[None, :], mask=kv_mask, other=0.0)
-            s = _dot(q, tl.trans(k), IEEE, UPCAST)
+            s = dot(q, tl.trans(k), IEEE, UPCAST)
             s = tl.where(allowed, s.to(ACC) * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet: no NaN
@@ -129,7 +117,7 @@ def _split_kernel(Q, K, V, MASK, O_PART, LSE_PART,
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V + cols[:, None].to(tl.int64) * stride_v_s + d[None, :], mask=kv_mask, other=0.0)
-            pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
+            pv = dot(p.to(v.dtype), v, IEEE, UPCAST)
             acc = acc * alpha[:, None] + pv.to(ACC)
             m_i = m_new
         n0 += BLOCK_N
@@ -213,8 +201,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2),
         Hkv, T, S, chunk, splits, D, scale,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=TUNING.block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
-        UPCAST=interpreting() and q.element_size() < 4,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=TUNING.block_n, BLOCK_D=block_d, **dot_flags(q.dtype),
         ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=TUNING.num_warps)
     out = torch.empty(B, Hq, T, D, dtype=q.dtype, device=q.device)
     rows = B * Hq * T

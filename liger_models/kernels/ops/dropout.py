@@ -4,10 +4,17 @@ Math: drop(t) = t · keep / (1 − p), keep = u ≥ p with u uniform in [0, 1). 
 of every adapter, independently per adapter, and the adapter's backward needs the same mask twice more: for dA
 (drop(x) itself) and for dX (the mask times the gradient). Stored, the mask is one byte per input element per adapter
 (q, k and v each draw their own: 6·H + I bytes a token a layer at Llama widths, more than the layer's checkpoint).
-Here u is a function of a seed and the element's index, u = Philox(seed, row · cols + col) (Triton's ``tl.rand``),
-so forward and backward each draw it where they need it and what is kept between them is the seed: one int64 on the
-device, drawn from torch's generator on that device (so ``torch.manual_seed`` fixes it, activation checkpointing's
-restored RNG state draws it again, and a CUDA-graph capture replays a fresh one every step).
+Here u is a function of a seed and the element's index: one call of Philox-4x32-10 (Triton's ``tl.rand4x``) with
+counter row · ⌈cols / 4⌉ + col // 4 gives the uniforms of four neighbouring columns, u(row, col) being its output
+col % 4 (PyTorch's and cuRAND's use of the generator: four numbers a call). So forward and backward each draw the
+mask where they need it, and what is kept between them is the seed: one int64 on the device, drawn from torch's
+generator on that device (so ``torch.manual_seed`` fixes it, activation checkpointing's restored RNG state draws it
+again, and a CUDA-graph capture replays a fresh one every step). One Philox call per element instead costs ~20
+integer multiplies an element, more than the element's memory traffic on a Hopper GPU: four elements a call keep
+the draw below it.
+
+The LoRA products that use the mask draw it inside their own kernels (kernels/ops/dropout_matmul.py, with
+``keep_mask`` below); ``seeded_dropout`` is the same mask as an elementwise pass.
 
 ``DropoutDraw`` holds one adapter's draw for one forward: the seed where the kernel runs (CUDA, Triton's
 interpreter), else the bool mask itself (``seeded_dropout_reference``'s PyTorch path: the same distribution, other
@@ -30,13 +37,27 @@ from .._launch import cdiv, launch
 class DropoutTuning:
     """Launch settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
 
-    # Not swept yet: an elementwise pass of one read and one write (two with accumulate) per element, whose
-    # step-level cost is measured in BENCHMARKS.md ("LoRA / QLoRA training step", dropout).
-    block: int = 2048  # columns per program
+    # The elementwise pass (one read and one write an element, two reads with accumulate); not swept. The LoRA step
+    # draws its masks inside dropout_matmul's kernels instead (BENCHMARKS.md, "LoRA / QLoRA training step").
+    block_rows: int = 4
+    block_cols: int = 512  # a multiple of 4 (the columns of one Philox call start at a multiple of 4)
     num_warps: int = 4
 
 
 TUNING = DropoutTuning()
+
+
+@triton.jit
+def keep_mask(seed, rows, col0, n_cols, p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool, whether element (rows[i], col0 + j) is kept: u ≥ p, where u(row, col) is output
+    col % 4 of Philox(seed, row · ⌈n_cols / 4⌉ + col // 4). ``rows`` int64 [BLOCK_M]; col0 a multiple of 4 and
+    BLOCK_N of 4 (a call's four columns in one tile); columns past n_cols come out arbitrary (callers mask them)."""
+    quads = (n_cols + 3) // 4
+    counters = rows[:, None] * quads + (col0 // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    u0, u1, u2, u3 = tl.rand4x(seed, counters)
+    # join(join(u0, u2), join(u1, u3))[.., q, i, j] is u_{2i+j}: flattened, column 4q + m takes u_m
+    u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_M, BLOCK_N))
+    return u >= p
 
 
 def seeded_dropout_reference(t: torch.Tensor, mask: torch.Tensor, p: float, out: torch.Tensor | None = None,
@@ -51,19 +72,26 @@ def seeded_dropout_reference(t: torch.Tensor, mask: torch.Tensor, p: float, out:
 
 
 @triton.jit
-def _seeded_dropout_kernel(T, OUT, SEED, n_cols, stride_t, stride_out, p, scale, BLOCK: tl.constexpr,
-                           ACCUMULATE: tl.constexpr):
-    """OUT[row, cols] (+)= T[row, cols] · scale where Philox(seed, row · n_cols + col) ≥ p, else (+)= 0; the product
-    (and the sum) in fp32, rounded once to OUT's dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < n_cols
-    keep = tl.rand(tl.load(SEED), row * n_cols + cols) >= p
-    t = tl.load(T + row * stride_t + cols, mask=inside, other=0.0).to(tl.float32)
+def _seeded_dropout_kernel(T, OUT, SEED, n_rows, n_cols, stride_t, stride_out, p, scale, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """OUT[rows, cols] (+)= T · scale where kept (``keep_mask``), else (+)= 0; the product (and the sum) in fp32,
+    rounded once to OUT's dtype."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
+    inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    keep = keep_mask(tl.load(SEED), rows, col0, n_cols, p, BLOCK_M, BLOCK_N)
+    t = tl.load(T + rows[:, None] * stride_t + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     y = tl.where(keep, t * scale, 0.0)
+    out_at = OUT + rows[:, None] * stride_out + cols[None, :]
     if ACCUMULATE:
-        y += tl.load(OUT + row * stride_out + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_out + cols, y.to(OUT.dtype.element_ty), mask=inside)
+        y += tl.load(out_at, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_at, y.to(OUT.dtype.element_ty), mask=inside)
+
+
+def check_rate(p: float) -> None:
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"dropout probability must be in (0, 1), got {p!r}")
 
 
 def seeded_dropout(t: torch.Tensor, seed: torch.Tensor, p: float, out: torch.Tensor | None = None,
@@ -73,8 +101,7 @@ def seeded_dropout(t: torch.Tensor, seed: torch.Tensor, p: float, out: torch.Ten
     if t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(f"seeded_dropout takes a 2-D tensor with unit column stride, got shape {tuple(t.shape)} "
                          f"strides {t.stride()}")
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"dropout probability must be in (0, 1), got {p!r}")
+    check_rate(p)
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs the tensor to add into (out)")
@@ -84,9 +111,10 @@ def seeded_dropout(t: torch.Tensor, seed: torch.Tensor, p: float, out: torch.Ten
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     rows, cols = t.shape
     if rows and cols:
-        launch(_seeded_dropout_kernel, (rows, cdiv(cols, TUNING.block)),
-               [t, out, seed, cols, t.stride(0), out.stride(0), float(p), 1.0 / (1.0 - p)],
-               dict(BLOCK=TUNING.block, ACCUMULATE=accumulate, num_warps=TUNING.num_warps))
+        launch(_seeded_dropout_kernel, (cdiv(rows, TUNING.block_rows), cdiv(cols, TUNING.block_cols)),
+               [t, out, seed, rows, cols, t.stride(0), out.stride(0), float(p), 1.0 / (1.0 - p)],
+               dict(BLOCK_M=TUNING.block_rows, BLOCK_N=TUNING.block_cols, ACCUMULATE=accumulate,
+                    num_warps=TUNING.num_warps))
     return out
 
 
@@ -122,10 +150,38 @@ class DropoutDraw:
         return seeded_dropout(ones, self.seed, self.p) != 0
 
 
-def draws_for(like: torch.Tensor, rates: list[float]) -> list[DropoutDraw | None]:
+class GroupDraws:
+    """The dropout draws of a group of adapters over one input: a ``DropoutDraw`` per adapter (None at rate 0),
+    indexable and iterable as their list. On the kernel path ``seeds`` holds every adapter's seed (int64 [k], drawn
+    in one call; a zero-rate adapter's is never read), each draw's seed a view of it: the form
+    kernels/ops/dropout_matmul.py reads."""
+
+    def __init__(self, like: torch.Tensor, rates: list[float]):
+        self.rates = [float(p) for p in rates]
+        for p in self.rates:
+            if p:
+                check_rate(p)
+        self.seeds = new_seeds(len(self.rates), like.device) if _seeded(like) else None
+        self.draws = [None if p == 0 else DropoutDraw(like, p, None if self.seeds is None else self.seeds[i:i + 1])
+                      for i, p in enumerate(self.rates)]
+
+    @property
+    def seeded(self) -> bool:
+        return self.seeds is not None
+
+    def __len__(self) -> int:
+        return len(self.draws)
+
+    def __iter__(self):
+        return iter(self.draws)
+
+    def __getitem__(self, i: int) -> DropoutDraw | None:
+        return self.draws[i]
+
+
+def draws_for(like: torch.Tensor, rates: list[float]) -> GroupDraws:
     """One draw over ``like`` per rate (None where the rate is 0), the kernel path's seeds drawn together."""
-    seeds = iter(new_seeds(sum(p > 0 for p in rates), like.device)) if _seeded(like) else None
-    return [None if p == 0 else DropoutDraw(like, p, None if seeds is None else next(seeds)[None]) for p in rates]
+    return GroupDraws(like, rates)
 
 
 def _seeded(like: torch.Tensor) -> bool:

@@ -32,10 +32,10 @@ import triton
 import triton.language as tl
 
 from .._custom_ops import custom_op, refuse_double_backward
-from .._dispatch import interpreting, once_differentiable, use_triton
+from .._dispatch import once_differentiable, use_triton
 from .._launch import cdiv, launch, on_input_device, pow2
 from ._ce_core import _softcap
-from .decode_attention import _dot
+from ._dot import dot, dot_flags
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, MASKED: tl.co
             HAS_DOCS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """(capped scores, −inf where not allowed, and d capped / d raw score = 1 − tanh²) of a query × key tile.
     MASKED off: a tile every pair of which is allowed (below the diagonal, inside the window, no documents)."""
-    s = _dot(q, tl.trans(k), IEEE, UPCAST) * scale
+    s = dot(q, tl.trans(k), IEEE, UPCAST) * scale
     s, dcap = _softcap(s, softcap)
     if MASKED:
         ok = (kj[None, :] <= qi[:, None]) & (qi < T)[:, None]  # kj ≤ qi < T: kj < T too
@@ -189,7 +189,7 @@ def _fwd_step(acc, m_i, l_i, q, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv_t, 
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, UPCAST)
     return acc, m_new, l_i
 
 
@@ -244,9 +244,9 @@ def _dkdv_step(dk, dv, k, v, kj, doc_k, Qh, DOh, LSE_H, DELTA_H, DOC_B, start_m,
     s, dcap = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, MASKED, HAS_WINDOW, HAS_DOCS, IEEE,
                       UPCAST)
     p = tl.exp(s - lse[:, None])
-    dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
-    ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None]) * dcap * scale
-    dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+    dv += dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+    ds = p * (dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None]) * dcap * scale
+    dk += dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
     return dk, dv
 
 
@@ -304,8 +304,8 @@ def _dq_step(dq, q, do, lse, delta, qi, doc_q, K, V, DOC_B, start_n, d, sk_t, sv
     s, dcap = _scores(q, k, qi, kj, doc_q, doc_k, T, scale, softcap, window, MASKED, HAS_WINDOW, HAS_DOCS, IEEE,
                       UPCAST)
     p = tl.exp(s - lse[:, None])
-    ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None]) * dcap * scale
-    return dq + _dot(ds.to(k.dtype), k, IEEE, UPCAST)
+    ds = p * (dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None]) * dcap * scale
+    return dq + dot(ds.to(k.dtype), k, IEEE, UPCAST)
 
 
 @triton.jit
@@ -359,7 +359,7 @@ def _meta(q: torch.Tensor, k: torch.Tensor, window: int | None, documents: torch
                 BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_DOCS=documents is not None,
                 SPLIT=TUNING.split_masked and documents is None and (block_m % block_n == 0 if not backward_dkdv
                                                                       else block_n % block_m == 0),
-                IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.element_size() < 4,
+                **dot_flags(q.dtype),
                 num_warps=TUNING.num_warps_wide if wide else TUNING.num_warps,
                 # fp32 tiles of 256 columns, double-buffered, would pass an SM's shared memory
                 num_stages=1 if wide and q.element_size() == 4 else
