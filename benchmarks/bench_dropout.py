@@ -13,7 +13,7 @@ Products: forward xa = drop_i(x)·A_iᵀ; dX's out += Σ_i drop_i(d_i·A_i); dA'
 from __future__ import annotations
 
 import torch
-from harness import copy_bandwidth_gbs, parse_args, run_case, save, table
+from harness import apply_tunables, copy_bandwidth_gbs, parse_args, run_case, save, table
 
 TOKENS, RANK, RATE = 8192, 16, 0.1
 GROUPS = {"qkv": (4096, 3), "gate_up": (4096, 2), "o": (4096, 1), "down": (14336, 1)}
@@ -25,6 +25,7 @@ def main() -> None:
     from liger_models.kernels.ops import dropout_matmul as dm
 
     wanted = {p for p in args.providers.split(",") if p}
+    tuned = apply_tunables()  # LIGER_TUNE=dropout_matmul.forward_block_m=16,... for a variant
     gbs = copy_bandwidth_gbs()
     results, floors = [], {}
     for group, (cols, adapters) in GROUPS.items():
@@ -59,8 +60,8 @@ def main() -> None:
         results += run_case(case, {"seeded_dropout": lambda: dr.seeded_dropout(t, seed, RATE),
                                    "torch-dropout": lambda: torch.nn.functional.dropout(t, RATE),
                                    "scaled-copy": lambda: t * (1 / (1 - RATE))},
-                            {"tokens": TOKENS, "cols": cols, "p": RATE}, set())
-    save("bench_dropout", args.out, results, {"copy_gbs": gbs})
+                            {"tokens": TOKENS, "cols": cols, "p": RATE}, wanted and {"seeded_dropout"})
+    save("bench_dropout", args.out, results, {"copy_gbs": gbs, "tuned": tuned})
     print(table(results, floors))
 
 

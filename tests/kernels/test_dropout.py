@@ -128,6 +128,14 @@ def test_reference_mode_stores_the_mask_and_draws_from_torchs_generator():
         assert torch.equal(draw.apply(x), x * expected * 2.0)
 
 
+def test_float64_stores_its_mask():
+    """The kernels compute in fp32, so a float64 input takes the reference path (a stored mask), exact in float64."""
+    x = torch.randn(16, 40, device=DEVICE, dtype=torch.float64)
+    draw = dr.DropoutDraw(x, 0.3)
+    assert draw.seed is None and draw.stored is not None
+    assert torch.equal(draw.apply(x), x * draw.stored * (1 / (1 - 0.3)))
+
+
 def test_torch_manual_seed_fixes_the_kernels_mask():
     x = torch.randn(16, 64, device=DEVICE)
     torch.manual_seed(11)

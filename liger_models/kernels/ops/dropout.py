@@ -184,9 +184,13 @@ def draws_for(like: torch.Tensor, rates: list[float]) -> GroupDraws:
     return GroupDraws(like, rates)
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _seeded(like: torch.Tensor) -> bool:
-    """Whether a draw over ``like`` keeps a seed for the kernel (else the reference path's stored mask)."""
-    return use_triton(like) and like.stride(-1) == 1
+    """Whether a draw over ``like`` keeps a seed for the kernels (else the reference path's stored mask): float64
+    takes the reference, as the kernels compute in fp32."""
+    return use_triton(like) and like.stride(-1) == 1 and like.dtype in _KERNEL_DTYPES
 
 
 def new_seeds(n: int, device: torch.device) -> torch.Tensor:
