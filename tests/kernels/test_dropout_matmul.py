@@ -63,9 +63,15 @@ def _dropped(x, mask, scale):
     return torch.where(mask.bool(), x.float() * scale, 0.0).to(x.dtype).double()
 
 
+# A launch's summed rank: the default, and a cap that splits every case's group into more launches
+LAUNCH_RANKS = [dm.MAX_LAUNCH_RANK, 20]
+
+
+@pytest.mark.parametrize("launch_rank", LAUNCH_RANKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k, ranks, rates", CASES)
-def test_forward_is_each_adapters_dropped_input_times_its_A(n, k, ranks, rates, dtype, monkeypatch):
+def test_forward_is_each_adapters_dropped_input_times_its_A(n, k, ranks, rates, dtype, launch_rank, monkeypatch):
+    monkeypatch.setattr(dm, "MAX_LAUNCH_RANK", launch_rank)
     x, a, _ = _inputs(n, k, ranks, dtype, strided=True)
     draws = dr.draws_for(x, rates)
     assert draws.seeded
@@ -81,9 +87,11 @@ def test_forward_is_each_adapters_dropped_input_times_its_A(n, k, ranks, rates, 
     assert ((got.double() - ref).abs() <= ROUND[dtype] * ref.abs() + SUMS * size).all()
 
 
+@pytest.mark.parametrize("launch_rank", LAUNCH_RANKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k, ranks, rates", CASES)
-def test_dx_adds_each_adapters_dropped_product_and_rounds_once(n, k, ranks, rates, dtype):
+def test_dx_adds_each_adapters_dropped_product_and_rounds_once(n, k, ranks, rates, dtype, launch_rank, monkeypatch):
+    monkeypatch.setattr(dm, "MAX_LAUNCH_RANK", launch_rank)
     x, a, d = _inputs(n, k, ranks, dtype)
     draws = dr.draws_for(x, rates)
     out = torch.randn(n, k, device=DEVICE).to(dtype)
@@ -93,13 +101,16 @@ def test_dx_adds_each_adapters_dropped_product_and_rounds_once(n, k, ranks, rate
         size += (d_i.double().abs() @ a_i.double().abs()) * mask * scale
     got = dm.dropped_matmul_add(out, d, a, ranks, draws)
     assert got is out
-    launches = -(-len(ranks) // dm.MAX_ADAPTERS)  # each rounds its running sum once (the six-adapter case: two)
+    launches = len(dm._launch_groups(ranks))  # each rounds its running sum once
     assert ((got.double() - ref).abs() <= ROUND[dtype] * (ref.abs() + (launches - 1) * size) + SUMS * size).all()
 
 
+@pytest.mark.parametrize("launch_rank", LAUNCH_RANKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k, ranks, rates", CASES)
-def test_dA_is_each_adapters_gradient_against_its_dropped_input_in_fp32(n, k, ranks, rates, dtype, monkeypatch, tune):
+def test_dA_is_each_adapters_gradient_against_its_dropped_input_in_fp32(n, k, ranks, rates, dtype, launch_rank,
+                                                                        monkeypatch, tune):
+    monkeypatch.setattr(dm, "MAX_LAUNCH_RANK", launch_rank)
     x, a, d = _inputs(n, k, ranks, dtype, strided=True)
     draws = dr.draws_for(x, rates)
     parts, bounds = [], []
@@ -114,6 +125,12 @@ def test_dA_is_each_adapters_gradient_against_its_dropped_input_in_fp32(n, k, ra
             got = dm.dropped_matmul_t(d, x, ranks, draws)
         assert got.dtype == torch.float32 and got.shape == ref.shape
         assert ((got.double() - ref).abs() <= 2.0**-24 * ref.abs() + SUMS * size).all(), split
+
+
+def test_launches_take_consecutive_adapters_up_to_four_and_the_rank_cap():
+    assert dm._launch_groups([16, 16, 16]) == [[0, 1, 2]]
+    assert dm._launch_groups([4] * 6) == [[0, 1, 2, 3], [4, 5]]
+    assert dm._launch_groups([200, 100, 8, 300]) == [[0], [1, 2], [3]]  # one adapter past the cap runs alone
 
 
 def test_each_adapter_uses_its_own_mask():

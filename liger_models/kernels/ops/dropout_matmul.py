@@ -13,8 +13,8 @@ Each is one kernel over x's (or out's) tiles that draws every adapter's mask for
 makes no dropped copy of x per adapter and no N × in product per adapter to add afterwards: the elementwise passes
 (one in forward, two in backward, per adapter) are gone. Inside a tile each adapter is its own product against the
 rows of A_cat (or columns of d_cat) that are its own, the others' zeroed: Σr is at most a few hundred, so the
-products are small next to the tile's memory traffic. A launch takes up to ``MAX_ADAPTERS`` adapters (a group of
-more is launched in parts).
+products are small next to the tile's memory traffic. A launch takes up to ``MAX_ADAPTERS`` adapters of at most
+``MAX_LAUNCH_RANK`` summed rank (a group past either is launched in parts).
 
 Rounding: forward rounds drop_i(x) to x's dtype before the product (as the dropped copy was), the products
 accumulate in fp32; ``dropped_matmul_add`` sums the products and ``out`` in fp32 and rounds once; ``dropped_matmul_t``
@@ -35,6 +35,7 @@ from ._dot import dot, dot_flags
 from .dropout import GroupDraws, keep_mask
 
 MAX_ADAPTERS = 4  # adapters a launch takes (q|k|v is three); a larger group is launched in parts
+MAX_LAUNCH_RANK = 256  # and their summed rank (a tile's rank dimension is padded to a power of two, held in registers)
 
 
 @dataclass(frozen=True)
@@ -161,21 +162,33 @@ def _dropped_matmul_t_kernel(D, X, PART, SEEDS, n_rows, n_cols, r_total, rows_pe
 
 # ---- launchers ------------------------------------------------------------------------------------------------------
 
+def _launch_groups(ranks: list[int]) -> list[list[int]]:
+    """The adapters of each launch: consecutive, at most MAX_ADAPTERS, and their ranks summing to at most
+    MAX_LAUNCH_RANK unless one adapter alone is larger (the tiles' rank dimension stays in registers)."""
+    groups: list[list[int]] = []
+    for i, r in enumerate(ranks):
+        last = groups[-1] if groups else None
+        if last is None or len(last) == MAX_ADAPTERS or sum(ranks[j] for j in last) + r > MAX_LAUNCH_RANK:
+            groups.append([i])
+        else:
+            last.append(i)
+    return groups
+
+
 def _parts(ranks: list[int], draws: GroupDraws):
-    """The launches of a group: (first adapter, row range in A_cat, per-adapter scalars) for up to MAX_ADAPTERS
-    adapters each."""
+    """The launches of a group: (first adapter, row range in A_cat, adapter count, DROPS bits, the kernel's scalar
+    arguments S0-S4, P0-P3, C0-C3)."""
     bounds = [0]
     for r in ranks:
         bounds.append(bounds[-1] + r)
-    for first in range(0, len(ranks), MAX_ADAPTERS):
-        idx = list(range(first, min(first + MAX_ADAPTERS, len(ranks))))
-        lo = bounds[first]
-        segments = [bounds[i] - lo for i in idx] + [bounds[idx[-1] + 1] - lo]
+    for idx in _launch_groups(ranks):
+        lo, hi = bounds[idx[0]], bounds[idx[-1] + 1]
+        segments = [bounds[i] - lo for i in idx] + [hi - lo]
         segments += [segments[-1]] * (MAX_ADAPTERS + 1 - len(segments))
         rates = [draws.rates[i] for i in idx] + [0.0] * (MAX_ADAPTERS - len(idx))
         scales = [1.0 / (1.0 - p) for p in rates]
         drops = sum(1 << j for j, p in enumerate(rates) if p > 0)
-        yield first, (lo, bounds[idx[-1] + 1]), len(idx), drops, [*segments, *rates, *scales]
+        yield idx[0], (lo, hi), len(idx), drops, [*segments, *rates, *scales]
 
 
 def _check(name: str, draws: GroupDraws, ranks: list[int], *tensors: torch.Tensor) -> None:
