@@ -9,9 +9,8 @@ counter row · ⌈cols / 4⌉ + col // 4 gives the uniforms of four neighbouring
 col % 4 (PyTorch's and cuRAND's use of the generator: four numbers a call). So forward and backward each draw the
 mask where they need it, and what is kept between them is the seed: one int64 on the device, drawn from torch's
 generator on that device (so ``torch.manual_seed`` fixes it, activation checkpointing's restored RNG state draws it
-again, and a CUDA-graph capture replays a fresh one every step). One Philox call per element instead costs ~20
-integer multiplies an element, more than the element's memory traffic on a Hopper GPU: four elements a call keep
-the draw below it.
+again, and a CUDA-graph capture replays a fresh one every step). A Philox call is 20 wide integer multiplies
+(32 × 32 → 64 bits, two in each of ten rounds): four elements a call make it five an element.
 
 The LoRA products that use the mask draw it inside their own kernels (kernels/ops/dropout_matmul.py, with
 ``keep_mask`` below); ``seeded_dropout`` is the same mask as an elementwise pass.
