@@ -11,6 +11,7 @@
 #   bash benchmarks/device_session.sh lora-moe          # LoRA on experts + routers, ours vs HF + PEFT (MoE widths)
 #   bash benchmarks/device_session.sh lora-grid-ckpt    # LoRA grid, checkpointed half (lora-grid-nockpt: the other)
 #   bash benchmarks/device_session.sh nf4               # NF4 dequantisation: Triton vs reference vs bitsandbytes
+#   bash benchmarks/device_session.sh dropout lora-dropout  # LoRA dropout's products, then the step with and without
 #   bash benchmarks/device_session.sh nf4-decode        # NF4 products of a few rows, and decoding on an NF4 base
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
@@ -168,6 +169,9 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
         --batch 2 --providers "${LORA_PROVIDERS:-ours}"
       python3 benchmarks/bench_lora.py --out "$OUT/lora_dropout" --configs llama-3.1-8b --checkpointing off \
         --batch 2 --dropout "${LORA_DROPOUT:-0.1}" --providers "${LORA_PROVIDERS:-ours}" ;;
+    dropout)  # LoRA dropout's three products with the mask drawn inside (kernels/ops/dropout_matmul.py) against the
+              # two-pass path and against no dropout, and the mask alone against torch's dropout and a copy
+      (cd benchmarks && python3 bench_dropout.py --out "$OUT") ;;
     nf4)  # NF4 dequantisation: the Triton kernel vs the PyTorch reference and bitsandbytes (carry .whl)
       (cd benchmarks && python3 bench_nf4.py --out "$OUT") ;;
     nf4-decode)  # decoding on an NF4 base: nf4_matmul vs dequantise + GEMM vs bf16 vs bitsandbytes (carry .whl), then
