@@ -144,6 +144,9 @@ def test_grouped_gemms_equal_a_per_expert_loop(path):
         assert torch.all(m[e - 1] == 0) and m[0].abs().sum() > 0
 
 
+FP32_MERGE = 3e-5  # merged or unmerged fp32 logits against the adapted ones (the spread: in the test)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_merge_unmerge_and_merged_export(family, tmp_path):
     """merge gives the adapted logits with the adapters folded in; unmerge restores the base; the merged export
@@ -160,7 +163,9 @@ def test_merge_unmerge_and_merged_export(family, tmp_path):
         merged = ours(ids).logits
         unmerge_lora(ours)
         again = ours(ids).logits
-    assert max_rel(merged, adapted) < 1e-5 and max_rel(again, adapted) < 1e-5
+    # fp32 roundings of W + s·B·A (init=False: B ~ N(0, 1/√r), an adapter as large as the base) through the tiny
+    # model's MoE layers; 17 CPU draws (2026-12-07) gave 4e-7 to 4.9e-6 for the three comparisons, a CI draw 1.01e-5
+    assert max_rel(merged, adapted) < FP32_MERGE and max_rel(again, adapted) < FP32_MERGE
     for n, p in ours.named_parameters():
         assert (p - before[n]).abs().max() <= 1e-6 * max(1.0, before[n].abs().max().item()), n
     kept = {n: p.detach().clone() for n, p in ours.named_parameters()}
@@ -168,7 +173,7 @@ def test_merge_unmerge_and_merged_export(family, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(ids).logits
-    assert max_rel(theirs, adapted) < 1e-5
+    assert max_rel(theirs, adapted) < FP32_MERGE
     for n, p in ours.named_parameters():  # the export left the model as it was
         assert torch.equal(p, kept[n]), n
 
