@@ -176,8 +176,8 @@ def _launch_groups(ranks: list[int]) -> list[list[int]]:
 
 
 def _parts(ranks: list[int], draws: GroupDraws):
-    """The launches of a group: (first adapter, row range in A_cat, adapter count, DROPS bits, the kernel's scalar
-    arguments S0-S4, P0-P3, C0-C3)."""
+    """The launches of a group: (first adapter, row range in A_cat, the kernel's scalar arguments S0-S4, P0-P3, C0-C3,
+    and the constexprs every kernel takes from the adapters: N_ADAPTERS, DROPS, R_PAD)."""
     bounds = [0]
     for r in ranks:
         bounds.append(bounds[-1] + r)
@@ -188,7 +188,8 @@ def _parts(ranks: list[int], draws: GroupDraws):
         rates = [draws.rates[i] for i in idx] + [0.0] * (MAX_ADAPTERS - len(idx))
         scales = [1.0 / (1.0 - p) for p in rates]
         drops = sum(1 << j for j, p in enumerate(rates) if p > 0)
-        yield idx[0], (lo, hi), len(idx), drops, [*segments, *rates, *scales]
+        yield idx[0], (lo, hi), [*segments, *rates, *scales], dict(N_ADAPTERS=len(idx), DROPS=drops,
+                                                                   R_PAD=max(16, pow2(hi - lo)))
 
 
 def _check(name: str, draws: GroupDraws, ranks: list[int], *tensors: torch.Tensor) -> None:
@@ -207,13 +208,12 @@ def dropped_matmul(x: torch.Tensor, a_cat: torch.Tensor, ranks: list[int], draws
     _check("dropped_matmul", draws, ranks, x, a_cat)
     n, k = x.shape
     xa = torch.empty((n, a_cat.shape[0]), dtype=x.dtype, device=x.device)
-    for first, (lo, hi), count, drops, scalars in _parts(ranks, draws):
-        if n:
-            launch(_dropped_matmul_kernel, (cdiv(n, TUNING.forward_block_m),),
-                   [x, a_cat[lo:], xa[:, lo:], draws.seeds[first:], n, k, hi - lo, x.stride(0), a_cat.stride(0),
-                    xa.stride(0), *scalars],
-                   dict(N_ADAPTERS=count, DROPS=drops, BLOCK_M=TUNING.forward_block_m, BLOCK_K=TUNING.forward_block_k,
-                        R_PAD=max(16, pow2(hi - lo)), **dot_flags(x.dtype), num_warps=TUNING.num_warps))
+    for first, (lo, hi), scalars, meta in _parts(ranks, draws) if n else ():
+        launch(_dropped_matmul_kernel, (cdiv(n, TUNING.forward_block_m),),
+               [x, a_cat[lo:], xa[:, lo:], draws.seeds[first:], n, k, hi - lo, x.stride(0), a_cat.stride(0),
+                xa.stride(0), *scalars],
+               dict(meta, BLOCK_M=TUNING.forward_block_m, BLOCK_K=TUNING.forward_block_k, **dot_flags(x.dtype),
+                    num_warps=TUNING.num_warps))
     return xa
 
 
@@ -224,13 +224,12 @@ def dropped_matmul_add(out: torch.Tensor, d_cat: torch.Tensor, a_cat: torch.Tens
         return dropped_matmul_add_reference(out, d_cat, a_cat, ranks, draws)
     _check("dropped_matmul_add", draws, ranks, out, d_cat, a_cat)
     n, k = out.shape
-    for first, (lo, hi), count, drops, scalars in _parts(ranks, draws):
-        if n and k:
-            launch(_dropped_matmul_add_kernel, (cdiv(n, TUNING.add_block_m), cdiv(k, TUNING.add_block_n)),
-                   [d_cat[:, lo:], a_cat[lo:], out, draws.seeds[first:], n, k, hi - lo, d_cat.stride(0),
-                    a_cat.stride(0), out.stride(0), *scalars],
-                   dict(N_ADAPTERS=count, DROPS=drops, BLOCK_M=TUNING.add_block_m, BLOCK_N=TUNING.add_block_n,
-                        R_PAD=max(16, pow2(hi - lo)), **dot_flags(out.dtype), num_warps=TUNING.num_warps))
+    for first, (lo, hi), scalars, meta in _parts(ranks, draws) if n and k else ():
+        launch(_dropped_matmul_add_kernel, (cdiv(n, TUNING.add_block_m), cdiv(k, TUNING.add_block_n)),
+               [d_cat[:, lo:], a_cat[lo:], out, draws.seeds[first:], n, k, hi - lo, d_cat.stride(0),
+                a_cat.stride(0), out.stride(0), *scalars],
+               dict(meta, BLOCK_M=TUNING.add_block_m, BLOCK_N=TUNING.add_block_n, **dot_flags(out.dtype),
+                    num_warps=TUNING.num_warps))
     return out
 
 
@@ -247,14 +246,14 @@ def dropped_matmul_t(d_cat: torch.Tensor, x: torch.Tensor, ranks: list[int], dra
     splits = max(1, min(cdiv(n, TUNING.t_block_m), cdiv(TUNING.t_programs_per_sm * sm_count(x.device), col_blocks)))
     rows_per_split = cdiv(cdiv(n, splits), TUNING.t_block_m) * TUNING.t_block_m
     splits = cdiv(n, rows_per_split)
-    for first, (lo, hi), count, drops, scalars in _parts(ranks, draws):
+    for first, (lo, hi), scalars, meta in _parts(ranks, draws):
         part = out[lo:hi] if splits == 1 else torch.empty((splits, hi - lo, k), dtype=torch.float32,
                                                           device=x.device)
         launch(_dropped_matmul_t_kernel, (col_blocks, splits),
                [d_cat[:, lo:], x, part, draws.seeds[first:], n, k, hi - lo, rows_per_split, d_cat.stride(0),
                 x.stride(0), *scalars],
-               dict(N_ADAPTERS=count, DROPS=drops, BLOCK_M=TUNING.t_block_m, BLOCK_N=TUNING.t_block_n,
-                    R_PAD=max(16, pow2(hi - lo)), **dot_flags(x.dtype), num_warps=TUNING.num_warps))
+               dict(meta, BLOCK_M=TUNING.t_block_m, BLOCK_N=TUNING.t_block_n, **dot_flags(x.dtype),
+                    num_warps=TUNING.num_warps))
         if splits > 1:
             torch.sum(part, dim=0, out=out[lo:hi])
     return out
