@@ -44,7 +44,8 @@ def _check(rows: int, cols: int, dtype: torch.dtype, p: float) -> None:
     assert torch.equal(dr.seeded_dropout(t, seed, p), out)  # the same seed draws the same mask
     n = rows * cols
     kept = mask.double().mean().item()
-    assert abs(kept - (1 - p)) <= 5 * (p * (1 - p) / n) ** 0.5 + 1e-12, (kept, 1 - p)
+    # the rate at 16-bit resolution: kept with chance 1 − round(p · 2¹⁶) / 2¹⁶
+    assert abs(kept - (1 - p)) <= 5 * (p * (1 - p) / n) ** 0.5 + 2.0**-17, (kept, 1 - p)
 
 
 def _philox_4x32_10(seed: int, counters: np.ndarray) -> list[np.ndarray]:
@@ -64,17 +65,17 @@ def _philox_4x32_10(seed: int, counters: np.ndarray) -> list[np.ndarray]:
 
 
 def test_the_mask_is_philox_of_the_documented_counters():
-    """keep(row, col) = u ≥ p with u output col % 4 of Philox(seed, row · ⌈cols / 4⌉ + col // 4), as a uniform the
-    way Triton maps an int32 to [0, 1) (x, or ~x where negative, times 2⁻³¹ rounded below 1), computed here in
-    numpy from the definition: the elementwise kernel and every product kernel draw this one mask."""
+    """keep(row, col) = u ≥ round(p · 2¹⁶) with u the low (col even) or high (col odd) 16 bits of output (col % 8) // 2
+    of Philox(seed, row · ⌈cols / 8⌉ + col // 8), computed here in numpy from the definition: the elementwise kernel
+    and every product kernel draw this one mask."""
     rows, cols, p = 6, 37, 0.35
     seed = _seed()
     mask = dr.seeded_dropout(torch.ones(rows, cols, device=DEVICE), seed, p) != 0
     r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-    outputs = _philox_4x32_10(int(seed.item()), r * -(-cols // 4) + c // 4)
-    bits = np.choose(c % 4, outputs).astype(np.uint32).view(np.int32)
-    u = np.where(bits < 0, ~bits, bits).astype(np.float32) * np.float32(4.6566127342e-10)
-    assert torch.equal(mask.cpu(), torch.from_numpy(u >= np.float32(p)))
+    outputs = _philox_4x32_10(int(seed.item()), r * -(-cols // 8) + c // 8)
+    u = (np.choose((c % 8) // 2, outputs) >> (16 * (c % 2)).astype(np.uint64)) & np.uint64(0xFFFF)
+    assert dr.keep_threshold(p) == 22938  # 0.35 · 65536 = 22937.6
+    assert torch.equal(mask.cpu(), torch.from_numpy(u >= 22938))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

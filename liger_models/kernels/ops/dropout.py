@@ -1,16 +1,20 @@
 """Dropout whose mask is drawn again instead of stored: LoRA's dropout on an adapter's input.
 
-Math: drop(t) = t · keep / (1 − p), keep = u ≥ p with u uniform in [0, 1). PEFT applies ``nn.Dropout`` to the input
-of every adapter, independently per adapter, and the adapter's backward needs the same mask twice more: for dA
-(drop(x) itself) and for dX (the mask times the gradient). Stored, the mask is one byte per input element per adapter
-(q, k and v each draw their own: 6·H + I bytes a token a layer at Llama widths, more than the layer's checkpoint).
-Here u is a function of a seed and the element's index: one call of Philox-4x32-10 (Triton's ``tl.rand4x``) with
-counter row · ⌈cols / 4⌉ + col // 4 gives the uniforms of four neighbouring columns, u(row, col) being its output
-col % 4 (PyTorch's and cuRAND's use of the generator: four numbers a call). So forward and backward each draw the
-mask where they need it, and what is kept between them is the seed: one int64 on the device, drawn from torch's
-generator on that device (so ``torch.manual_seed`` fixes it, activation checkpointing's restored RNG state draws it
-again, and a CUDA-graph capture replays a fresh one every step). A Philox call is 20 wide integer multiplies
-(32 × 32 → 64 bits, two in each of ten rounds): four elements a call make it five an element.
+Math: drop(t) = t · keep / (1 − p), keep = u ≥ T with u uniform on the 16-bit integers and T = round(p · 2¹⁶): the
+rate is applied at 16-bit resolution, |T / 2¹⁶ − p| ≤ 2⁻¹⁷, and the scale is nn.Dropout's 1 / (1 − p), so a kept
+value is PEFT's to the bit. PEFT applies ``nn.Dropout`` to the input of every adapter, independently per adapter,
+and the adapter's backward needs the same mask twice more: for dA (drop(x) itself) and for dX (the mask times the
+gradient). Stored, the mask is one byte per input element per adapter (q, k and v each draw their own: 6·H + I bytes
+a token a layer at Llama widths, more than the layer's checkpoint). Here u is a function of a seed and the element's
+index: one call of Philox-4x32-10 (Triton's ``tl.randint4x``: four 32-bit outputs) with counter
+row · ⌈cols / 8⌉ + col // 8 gives the draws of eight neighbouring columns, u(row, col) being the low (even col) or
+high (odd col) half of output (col % 8) // 2. So forward and backward each draw the mask where they need it, and what
+is kept between them is the seed: one int64 on the device, drawn from torch's generator on that device (so
+``torch.manual_seed`` fixes it, activation checkpointing's restored RNG state draws it again, and a CUDA-graph capture
+replays a fresh one every step). A Philox call is about 60 integer operations, 20 of them wide multiplies: the mask
+products are bound by it (an adapter's mask over 8192 × 4096 took ~0.03 ms of a product's time with four columns a
+call, H100, 2026-12-07), so a call serves eight columns, 16 bits each, where a 32-bit uniform each would serve four.
+FlashAttention's dropout takes 8 bits an element; 16 keep the rate within 2⁻¹⁷ of the one asked for.
 
 The LoRA products that use the mask draw it inside their own kernels (kernels/ops/dropout_matmul.py, with
 ``keep_mask`` below); ``seeded_dropout`` is the same mask as an elementwise pass.
@@ -39,7 +43,7 @@ class DropoutTuning:
     # The elementwise pass (one read and one write an element, two reads with accumulate); not swept. The LoRA step
     # draws its masks inside dropout_matmul's kernels instead (BENCHMARKS.md, "LoRA / QLoRA training step").
     block_rows: int = 4
-    block_cols: int = 512  # a multiple of 4 (the columns of one Philox call start at a multiple of 4)
+    block_cols: int = 512  # a multiple of 8 (the columns of one Philox call start at a multiple of 8)
     num_warps: int = 4
 
 
@@ -47,16 +51,25 @@ TUNING = DropoutTuning()
 
 
 @triton.jit
-def keep_mask(seed, rows, col0, n_cols, p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] bool, whether element (rows[i], col0 + j) is kept: u ≥ p, where u(row, col) is output
-    col % 4 of Philox(seed, row · ⌈n_cols / 4⌉ + col // 4). ``rows`` int64 [BLOCK_M]; col0 a multiple of 4 and
-    BLOCK_N of 4 (a call's four columns in one tile); columns past n_cols come out arbitrary (callers mask them)."""
-    quads = (n_cols + 3) // 4
-    counters = rows[:, None] * quads + (col0 // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
-    u0, u1, u2, u3 = tl.rand4x(seed, counters)
-    # join(join(u0, u2), join(u1, u3))[.., q, i, j] is u_{2i+j}: flattened, column 4q + m takes u_m
-    u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_M, BLOCK_N))
-    return u >= p
+def keep_mask(seed, rows, col0, n_cols, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool, whether element (rows[i], col0 + j) is kept: u ≥ threshold (``keep_threshold``),
+    where u(row, col) is the low (col even) or high (col odd) 16 bits of output (col % 8) // 2 of
+    Philox(seed, row · ⌈n_cols / 8⌉ + col // 8). ``rows`` int64 [BLOCK_M]; col0 and BLOCK_N multiples of 8 (a call's
+    eight columns in one tile); columns past n_cols come out arbitrary (callers mask them)."""
+    octets = (n_cols + 7) // 8
+    counters = rows[:, None] * octets + (col0 // 8 + tl.arange(0, BLOCK_N // 8))[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, counters)
+    # join(join(a0, a2), join(a1, a3))[.., q, c, d] is a_{2c+d}; joining the low halves' with the high halves' adds
+    # the last axis e, so flattened, column 8q + 4c + 2d + e takes half e of output 2c + d
+    lo = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
+    hi = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
+    u = tl.reshape(tl.join(lo, hi), (BLOCK_M, BLOCK_N)).to(tl.int32)
+    return u >= threshold
+
+
+def keep_threshold(p: float) -> int:
+    """T of keep = u ≥ T for the rate p: round(p · 2¹⁶) (u takes each of 0 … 2¹⁶ − 1 with chance 2⁻¹⁶)."""
+    return round(p * 65536)
 
 
 def seeded_dropout_reference(t: torch.Tensor, mask: torch.Tensor, p: float, out: torch.Tensor | None = None,
@@ -71,7 +84,7 @@ def seeded_dropout_reference(t: torch.Tensor, mask: torch.Tensor, p: float, out:
 
 
 @triton.jit
-def _seeded_dropout_kernel(T, OUT, SEED, n_rows, n_cols, stride_t, stride_out, p, scale, BLOCK_M: tl.constexpr,
+def _seeded_dropout_kernel(T, OUT, SEED, n_rows, n_cols, stride_t, stride_out, threshold, scale, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr):
     """OUT[rows, cols] (+)= T · scale where kept (``keep_mask``), else (+)= 0; the product (and the sum) in fp32,
     rounded once to OUT's dtype."""
@@ -79,7 +92,7 @@ def _seeded_dropout_kernel(T, OUT, SEED, n_rows, n_cols, stride_t, stride_out, p
     col0 = tl.program_id(1) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
     inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    keep = keep_mask(tl.load(SEED), rows, col0, n_cols, p, BLOCK_M, BLOCK_N)
+    keep = keep_mask(tl.load(SEED), rows, col0, n_cols, threshold, BLOCK_M, BLOCK_N)
     t = tl.load(T + rows[:, None] * stride_t + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     y = tl.where(keep, t * scale, 0.0)
     out_at = OUT + rows[:, None] * stride_out + cols[None, :]
@@ -111,7 +124,7 @@ def seeded_dropout(t: torch.Tensor, seed: torch.Tensor, p: float, out: torch.Ten
     rows, cols = t.shape
     if rows and cols:
         launch(_seeded_dropout_kernel, (cdiv(rows, TUNING.block_rows), cdiv(cols, TUNING.block_cols)),
-               [t, out, seed, rows, cols, t.stride(0), out.stride(0), float(p), 1.0 / (1.0 - p)],
+               [t, out, seed, rows, cols, t.stride(0), out.stride(0), keep_threshold(p), 1.0 / (1.0 - p)],
                dict(BLOCK_M=TUNING.block_rows, BLOCK_N=TUNING.block_cols, ACCUMULATE=accumulate,
                     num_warps=TUNING.num_warps))
     return out

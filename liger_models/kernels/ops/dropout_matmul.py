@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .._launch import cdiv, launch, pow2, sm_count
 from ._dot import dot, dot_flags
-from .dropout import GroupDraws, keep_mask
+from .dropout import GroupDraws, keep_mask, keep_threshold
 
 MAX_ADAPTERS = 4  # adapters a launch takes (q|k|v is three); a larger group is launched in parts
 MAX_LAUNCH_RANK = 256  # and their summed rank (a tile's rank dimension is padded to a power of two, held in registers)
@@ -42,14 +42,22 @@ MAX_LAUNCH_RANK = 256  # and their summed rank (a tile's rank dimension is padde
 class DropoutMatmulTuning:
     """Launch settings (liger_models/kernels/_tuning.py: ``tuned(module, field=value)`` overrides)."""
 
-    forward_block_m: int = 32  # tokens per program of dropped_matmul (8192 tokens: 256 programs; A_cat is L2-resident)
-    forward_block_k: int = 64  # columns of x per step (a multiple of 4: the mask's four columns a call)
-    add_block_m: int = 64  # tokens per program of dropped_matmul_add
-    add_block_n: int = 128  # columns of out per program (a multiple of 4)
-    t_block_m: int = 64  # tokens per step of dropped_matmul_t
-    t_block_n: int = 64  # columns of x per program (a multiple of 4)
-    t_programs_per_sm: int = 2  # dropped_matmul_t splits the tokens until about this many programs per SM
-    num_warps: int = 4
+    # Tokens per program of dropped_matmul, and columns of x a step (a multiple of 8: the mask's eight columns a
+    # Philox call). One H100 at 8192 tokens (2026-12-07, bench_dropout.py): 64 tokens was 5-30% slower, 16 tokens by
+    # 128 columns 0-18% slower.
+    forward_block_m: int = 32
+    forward_block_k: int = 64
+    # dropped_matmul_add's tile of out (columns a multiple of 8): 32 × 64 took 0.203 / 0.124 ms at q|k|v / gate|up
+    # against 0.232 / 0.153 for 64 × 128 (the same run), o and down unchanged
+    add_block_m: int = 32
+    add_block_n: int = 64
+    # dropped_matmul_t: tokens a step, columns a program (a multiple of 8), and the token splits aimed at per SM:
+    # 128 columns and 4 per SM took 0.231 / 0.153 / 0.069 ms at q|k|v / gate|up / o against 0.256 / 0.218 / 0.079
+    # for 64 and 2 (the same run; fp32 partials of 13 MiB at q|k|v)
+    t_block_m: int = 64
+    t_block_n: int = 128
+    t_programs_per_sm: int = 4
+    num_warps: int = 4  # 8 was 2-24% slower in every product (the same run)
 
 
 TUNING = DropoutMatmulTuning()
@@ -75,20 +83,20 @@ def _own(i: tl.constexpr, r, S0, S1, S2, S3, S4):
 
 
 @triton.jit
-def _drop(t, i: tl.constexpr, SEEDS, rows, col0, n_cols, P0, P1, P2, P3, C0, C1, C2, C3, DROPS: tl.constexpr,
+def _drop(t, i: tl.constexpr, SEEDS, rows, col0, n_cols, T0, T1, T2, T3, C0, C1, C2, C3, DROPS: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Adapter i's dropout of the tile t (``rows`` × columns col0 + [0, BLOCK_N)), in fp32: t · scale where kept,
     else 0 (t itself where the adapter has no dropout: bit i of DROPS clear)."""
     t = t.to(tl.float32)
     if (DROPS >> i) & 1:
-        keep = keep_mask(tl.load(SEEDS + i), rows, col0, n_cols, _pick(i, P0, P1, P2, P3), BLOCK_M, BLOCK_N)
+        keep = keep_mask(tl.load(SEEDS + i), rows, col0, n_cols, _pick(i, T0, T1, T2, T3), BLOCK_M, BLOCK_N)
         t = tl.where(keep, t * _pick(i, C0, C1, C2, C3), 0.0)
     return t
 
 
 @triton.jit
 def _dropped_matmul_kernel(X, A, XA, SEEDS, n_rows, n_cols, r_total, stride_x, stride_a, stride_xa,
-                           S0, S1, S2, S3, S4, P0, P1, P2, P3, C0, C1, C2, C3,
+                           S0, S1, S2, S3, S4, T0, T1, T2, T3, C0, C1, C2, C3,
                            N_ADAPTERS: tl.constexpr, DROPS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """XA[rows, S_i:S_{i+1}] = drop_i(X[rows]) · A[S_i:S_{i+1}]ᵀ for each adapter i (bit i of DROPS: it drops)."""
@@ -104,7 +112,7 @@ def _dropped_matmul_kernel(X, A, XA, SEEDS, n_rows, n_cols, r_total, stride_x, s
         a = tl.load(A + r[:, None] * stride_a + cols[None, :], mask=(r < r_total)[:, None] & in_cols[None, :],
                     other=0.0)
         for i in tl.static_range(N_ADAPTERS):
-            x_i = _drop(x, i, SEEDS, rows, k0, n_cols, P0, P1, P2, P3, C0, C1, C2, C3, DROPS, BLOCK_M, BLOCK_K)
+            x_i = _drop(x, i, SEEDS, rows, k0, n_cols, T0, T1, T2, T3, C0, C1, C2, C3, DROPS, BLOCK_M, BLOCK_K)
             a_i = tl.where(_own(i, r, S0, S1, S2, S3, S4)[:, None], a, 0.0)
             acc += dot(x_i.to(x.dtype), tl.trans(a_i), IEEE, UPCAST)
     tl.store(XA + rows[:, None] * stride_xa + r[None, :], acc.to(XA.dtype.element_ty),
@@ -113,7 +121,7 @@ def _dropped_matmul_kernel(X, A, XA, SEEDS, n_rows, n_cols, r_total, stride_x, s
 
 @triton.jit
 def _dropped_matmul_add_kernel(D, A, OUT, SEEDS, n_rows, n_cols, r_total, stride_d, stride_a, stride_out,
-                               S0, S1, S2, S3, S4, P0, P1, P2, P3, C0, C1, C2, C3,
+                               S0, S1, S2, S3, S4, T0, T1, T2, T3, C0, C1, C2, C3,
                                N_ADAPTERS: tl.constexpr, DROPS: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """OUT[rows, cols] += Σ_i drop_i(D[rows, S_i:S_{i+1}] · A[S_i:S_{i+1}, cols]), summed in fp32, rounded once."""
@@ -129,13 +137,13 @@ def _dropped_matmul_add_kernel(D, A, OUT, SEEDS, n_rows, n_cols, r_total, stride
     acc = tl.load(out_at, mask=inside, other=0.0).to(tl.float32)
     for i in tl.static_range(N_ADAPTERS):
         product = dot(tl.where(_own(i, r, S0, S1, S2, S3, S4)[None, :], d, 0.0), a, IEEE, UPCAST)
-        acc += _drop(product, i, SEEDS, rows, col0, n_cols, P0, P1, P2, P3, C0, C1, C2, C3, DROPS, BLOCK_M, BLOCK_N)
+        acc += _drop(product, i, SEEDS, rows, col0, n_cols, T0, T1, T2, T3, C0, C1, C2, C3, DROPS, BLOCK_M, BLOCK_N)
     tl.store(out_at, acc.to(OUT.dtype.element_ty), mask=inside)
 
 
 @triton.jit
 def _dropped_matmul_t_kernel(D, X, PART, SEEDS, n_rows, n_cols, r_total, rows_per_split, stride_d, stride_x,
-                             S0, S1, S2, S3, S4, P0, P1, P2, P3, C0, C1, C2, C3,
+                             S0, S1, S2, S3, S4, T0, T1, T2, T3, C0, C1, C2, C3,
                              N_ADAPTERS: tl.constexpr, DROPS: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """PART[split, S_i:S_{i+1}, cols] = D[tokens, S_i:S_{i+1}]ᵀ · drop_i(X[tokens, cols]) over this split's tokens."""
@@ -154,7 +162,7 @@ def _dropped_matmul_t_kernel(D, X, PART, SEEDS, n_rows, n_cols, r_total, rows_pe
                     other=0.0)
         d_t = tl.load(D + rows[None, :] * stride_d + r[:, None], mask=in_r[:, None] & in_rows[None, :], other=0.0)
         for i in tl.static_range(N_ADAPTERS):
-            x_i = _drop(x, i, SEEDS, rows, col0, n_cols, P0, P1, P2, P3, C0, C1, C2, C3, DROPS, BLOCK_M, BLOCK_N)
+            x_i = _drop(x, i, SEEDS, rows, col0, n_cols, T0, T1, T2, T3, C0, C1, C2, C3, DROPS, BLOCK_M, BLOCK_N)
             acc += dot(tl.where(_own(i, r, S0, S1, S2, S3, S4)[:, None], d_t, 0.0), x_i.to(x.dtype), IEEE, UPCAST)
     part = PART + split.to(tl.int64) * r_total * n_cols
     tl.store(part + r[:, None] * n_cols + cols[None, :], acc, mask=in_r[:, None] & in_cols[None, :])
@@ -176,8 +184,9 @@ def _launch_groups(ranks: list[int]) -> list[list[int]]:
 
 
 def _parts(ranks: list[int], draws: GroupDraws):
-    """The launches of a group: (first adapter, row range in A_cat, the kernel's scalar arguments S0-S4, P0-P3, C0-C3,
-    and the constexprs every kernel takes from the adapters: N_ADAPTERS, DROPS, R_PAD)."""
+    """The launches of a group: (first adapter, row range in A_cat, the kernel's scalar arguments S0-S4 (rank bounds),
+    T0-T3 (keep thresholds) and C0-C3 (scales), and the constexprs every kernel takes from the adapters: N_ADAPTERS,
+    DROPS, R_PAD)."""
     bounds = [0]
     for r in ranks:
         bounds.append(bounds[-1] + r)
@@ -186,9 +195,10 @@ def _parts(ranks: list[int], draws: GroupDraws):
         segments = [bounds[i] - lo for i in idx] + [hi - lo]
         segments += [segments[-1]] * (MAX_ADAPTERS + 1 - len(segments))
         rates = [draws.rates[i] for i in idx] + [0.0] * (MAX_ADAPTERS - len(idx))
+        thresholds = [keep_threshold(p) for p in rates]
         scales = [1.0 / (1.0 - p) for p in rates]
         drops = sum(1 << j for j, p in enumerate(rates) if p > 0)
-        yield idx[0], (lo, hi), [*segments, *rates, *scales], dict(N_ADAPTERS=len(idx), DROPS=drops,
+        yield idx[0], (lo, hi), [*segments, *thresholds, *scales], dict(N_ADAPTERS=len(idx), DROPS=drops,
                                                                    R_PAD=max(16, pow2(hi - lo)))
 
 
