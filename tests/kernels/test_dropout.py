@@ -64,18 +64,22 @@ def _philox_4x32_10(seed: int, counters: np.ndarray) -> list[np.ndarray]:
     return c
 
 
+def _draws(seed: torch.Tensor, rows: int, cols: int) -> np.ndarray:
+    """u(row, col): the low (col even) or high (col odd) 16 bits of output (col % 8) // 2 of
+    Philox(seed, row · ⌈cols / 8⌉ + col // 8), computed in numpy from the definition."""
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    outputs = _philox_4x32_10(int(seed.item()), r * -(-cols // 8) + c // 8)
+    return (np.choose((c % 8) // 2, outputs) >> (16 * (c % 2)).astype(np.uint64)) & np.uint64(0xFFFF)
+
+
 def test_the_mask_is_philox_of_the_documented_counters():
-    """keep(row, col) = u ≥ round(p · 2¹⁶) with u the low (col even) or high (col odd) 16 bits of output (col % 8) // 2
-    of Philox(seed, row · ⌈cols / 8⌉ + col // 8), computed here in numpy from the definition: the elementwise kernel
+    """keep(row, col) = u ≥ round(p · 2¹⁶) with u the documented 16-bit draw (``_draws``): the elementwise kernel
     and every product kernel draw this one mask."""
     rows, cols, p = 6, 37, 0.35
     seed = _seed()
     mask = dr.seeded_dropout(torch.ones(rows, cols, device=DEVICE), seed, p) != 0
-    r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-    outputs = _philox_4x32_10(int(seed.item()), r * -(-cols // 8) + c // 8)
-    u = (np.choose((c % 8) // 2, outputs) >> (16 * (c % 2)).astype(np.uint64)) & np.uint64(0xFFFF)
     assert dr.keep_threshold(p) == 22938  # 0.35 · 65536 = 22937.6
-    assert torch.equal(mask.cpu(), torch.from_numpy(u >= 22938))
+    assert torch.equal(mask.cpu(), torch.from_numpy(_draws(seed, rows, cols) >= 22938))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -127,6 +131,20 @@ def test_reference_mode_stores_the_mask_and_draws_from_torchs_generator():
         expected = torch.empty_like(x, dtype=torch.bool).bernoulli_(0.5)
         assert draw.seed is None and torch.equal(draw.mask(), expected)
         assert torch.equal(draw.apply(x), x * expected * 2.0)
+
+
+def test_the_rate_is_applied_at_16_bit_resolution():
+    """T = round(p · 2¹⁶): a rate under 2⁻¹⁷ keeps everything (still scaled by 1 / (1 − p)), p = 1 − 2⁻¹⁶ keeps
+    exactly the draws of 0xFFFF, one within 2⁻¹⁷ of 1 keeps nothing."""
+    assert [dr.keep_threshold(p) for p in (2.0**-18, 0.1, 0.5, 1 - 2.0**-18)] == [0, 6554, 32768, 65536]
+    rows, cols = 300, 1000
+    t = torch.randn(rows, cols, device=DEVICE)
+    seed = _seed()
+    p = 2.0**-18
+    assert torch.equal(dr.seeded_dropout(t, seed, p), _expected(t, torch.ones_like(t, dtype=torch.bool), p))
+    top = dr.seeded_dropout(torch.ones_like(t), seed, 1 - 2.0**-16) != 0
+    assert torch.equal(top.cpu(), torch.from_numpy(_draws(seed, rows, cols) == 0xFFFF))
+    assert not dr.seeded_dropout(torch.ones_like(t), seed, 1 - 2.0**-18).any()
 
 
 def test_float64_stores_its_mask():
