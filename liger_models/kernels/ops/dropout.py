@@ -11,9 +11,11 @@ row · ⌈cols / 8⌉ + col // 8 gives the draws of eight neighbouring columns, 
 high (odd col) half of output (col % 8) // 2. So forward and backward each draw the mask where they need it, and what
 is kept between them is the seed: one int64 on the device, drawn from torch's generator on that device (so
 ``torch.manual_seed`` fixes it, activation checkpointing's restored RNG state draws it again, and a CUDA-graph capture
-replays a fresh one every step). A Philox call is about 60 integer operations, 20 of them wide multiplies: the mask
-products are bound by it (an adapter's mask over 8192 × 4096 took ~0.03 ms of a product's time with four columns a
-call, H100, 2026-12-07), so a call serves eight columns, 16 bits each, where a 32-bit uniform each would serve four.
+replays a fresh one every step). A Philox call is about 60 integer operations, 20 of them wide multiplies, and that
+work is most of what a mask adds to a product, so a call serves eight columns, 16 bits each, where a 32-bit uniform
+each would serve four: with half the calls, one adapter's mask over 8192 × 4096 added 0.021 ms to o's forward
+product instead of 0.031, and q|k|v's three masks 0.143 instead of 0.216, so about two thirds of it was the calls
+(H100, 2026-12-07, BENCHMARKS.md "LoRA / QLoRA training step").
 FlashAttention's dropout takes 8 bits an element; 16 keep the rate within 2⁻¹⁷ of the one asked for.
 
 The LoRA products that use the mask draw it inside their own kernels (kernels/ops/dropout_matmul.py, with
