@@ -179,27 +179,44 @@ def _built(provider: str, cfg: dict, checkpointing: bool):
     return model, opt, build_s
 
 
-def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool, steps: int = STEPS) -> dict:
+def lora_training_step(name: str, provider: str, n_batches: int, batch: int, seq: int, checkpointing: bool):
+    """(model, optimizer, random token batches, step, forward context) for one config and provider, built as the
+    benchmark builds them: ``step(i)`` trains on batch i (forward under the provider's ``step_context``, backward,
+    fused AdamW step) and returns the loss; ``context()`` is what a forward runs under. Shared with
+    tools/profile_e2e.py --lora."""
     import torch
 
     cfg = CONFIGS[name]
+    model, opt, _ = _built(provider, cfg, checkpointing)
+    ids = torch.randint(0, cfg["vocab_size"], (n_batches, batch, seq), device="cuda")
+
+    def step(i: int):
+        with step_context(provider, torch):
+            loss = model(input_ids=ids[i], labels=ids[i]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return model, opt, ids, step, lambda: step_context(provider, torch)
+
+
+def _worker(name: str, provider: str, batch: int, seq: int, checkpointing: bool, steps: int = STEPS) -> dict:
+    import torch
+
     t0 = time.perf_counter()
-    model, opt, build_s = _built(provider, cfg, checkpointing)
-    params = [p for group in opt.param_groups for p in group["params"]]
-    tokens = torch.randint(0, cfg["vocab_size"], (WARMUP + steps, batch, seq), device="cuda")
+    _, opt, _, step, _ = lora_training_step(name, provider, WARMUP + steps, batch, seq, checkpointing)
     torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    params = [p for group in opt.param_groups for p in group["params"]]
     torch.cuda.reset_peak_memory_stats()
     start = None
-    for i, ids in enumerate(tokens):
+    for i in range(WARMUP + steps):
         if i == WARMUP:
             torch.cuda.synchronize()
             start = time.perf_counter()
             warmup_s = start - t0 - build_s
-        with step_context(provider, torch):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = step(i)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return dict(config=name, provider=provider, batch=batch, seq=seq, checkpointing=checkpointing,

@@ -12,6 +12,7 @@
 #   bash benchmarks/device_session.sh lora-grid-ckpt    # LoRA grid, checkpointed half (lora-grid-nockpt: the other)
 #   bash benchmarks/device_session.sh nf4               # NF4 dequantisation: Triton vs reference vs bitsandbytes
 #   bash benchmarks/device_session.sh dropout lora-dropout  # LoRA dropout's products, then the step with and without
+#   bash benchmarks/device_session.sh lora-profile      # where a LoRA step's time goes, ours and HF + PEFT + liger-kernel
 #   bash benchmarks/device_session.sh nf4-decode        # NF4 products of a few rows, and decoding on an NF4 base
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
@@ -160,6 +161,12 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
       python3 benchmarks/bench_lora.py --out "$OUT/lora_longest" --longest --longest-budget "${LONGEST_BUDGET:-240}" \
         --longest-from "${LONGEST_FROM:-4096}" --longest-growth "${LONGEST_GROWTH:-2}" \
         --providers "${LORA_PROVIDERS:-ours_qlora,hf_peft_bnb_liger}" ;;
+    lora-profile)  # where a LoRA step's time goes (tools/profile_e2e.py --lora): ours and HF + PEFT + liger-kernel at
+                   # Llama-3.1-8B, 2 x 4096 without checkpointing (LORA_CONFIGS, LORA_PROVIDERS, LORA_DROPOUT to change)
+      for provider in $(echo "${LORA_PROVIDERS:-ours,hf_peft_liger}" | tr , ' '); do
+        python3 benchmarks/tools/profile_e2e.py --lora --out "$OUT/profiles" --configs "${LORA_CONFIGS:-llama-3.1-8b}" \
+          --provider "$provider" --batch 2 --seq 4096 --checkpointing off --dropout "${LORA_DROPOUT:-0}"
+      done ;;
     lora-dora)  # DoRA at Llama-3.1-8B, checkpointing on: ours against HF + PEFT's use_dora
       python3 benchmarks/bench_lora.py --out "$OUT/lora_dora" --configs "${LORA_CONFIGS:-llama-3.1-8b}" \
         --checkpointing on --providers ours,ours_dora,hf_peft_dora ;;

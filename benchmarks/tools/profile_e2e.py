@@ -5,9 +5,15 @@ and groups GPU kernel time by what the kernel does (GEMMs, attention, our Triton
 elementwise, copies). "host gap" is one unprofiled step's wall time minus the profiled step's summed kernel time; it
 includes the step's start-up and clock differences, so the GPU's real idle time is "idle": the profiled step's kernel
 intervals merged over all streams, the gaps between them charged to the kernels on either side.
-Memory: peak allocated split into weights, gradients, optimizer state and the rest (activations + transients).
+Memory: peak allocated split into weights, gradients (of the trained parameters), optimizer state and the rest
+(activations + transients).
+
+With --lora the step is bench_lora.py's (its configs and providers, r 16 on all seven decoder linears, the HF
+peers under bf16 autocast): where a LoRA step's time goes, the adapters' products and the dropout kernels included.
 
     python benchmarks/tools/profile_e2e.py --out DIR [--configs llama-3.2-1b,...] [--provider ours]
+    python benchmarks/tools/profile_e2e.py --out DIR --lora --configs llama-3.1-8b --provider ours \
+        [--batch 2 --seq 4096 --checkpointing off --dropout 0.1]
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("loss (CE kernel)", ("_ce_kernel", "_scale_kernel", "cross_entropy", "log_softmax", "nll_loss")),
     ("norm", ("_norm_", "_sum_partials", "rms", "layer_norm")),
     ("rope", ("_rope",)),
+    ("dropout", ("_dropped_matmul", "dropout")),  # ours: the LoRA products that draw the mask; torch's dropout
+    ("NF4 dequantisation", ("nf4", "kdequantize")),  # ours (dequantise, nf4_matmul), bitsandbytes' kDequantize*
     ("gated act", ("_gated", "silu", "gelu", "swiglu", "geglu")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("GEMM", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "wgmma")),
@@ -47,11 +55,23 @@ def category(name: str) -> str:
     return "other"
 
 
-def _worker(name: str, provider: str, warmup: int) -> dict:
+def _training(name: str, provider: str, n_batches: int, lora: tuple | None):
+    """(model, optimizer, token batches, step, forward context): bench_e2e's step, or bench_lora's with ``lora`` =
+    (batch, seq, checkpointing)."""
+    if lora is None:
+        from contextlib import nullcontext
+
+        return (*training_step(name, provider, n_batches), nullcontext)
+    from bench_lora import lora_training_step
+
+    return lora_training_step(name, provider, n_batches, *lora)
+
+
+def _worker(name: str, provider: str, warmup: int, lora: tuple | None = None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    model, opt, ids, step = training_step(name, provider, warmup + 2)
+    model, opt, ids, step, context = _training(name, provider, warmup + 2, lora)
     for i in range(warmup):
         step(i)
     torch.cuda.synchronize()
@@ -64,7 +84,8 @@ def _worker(name: str, provider: str, warmup: int) -> dict:
     # Which phase sets the peak: forward (activations + the loss's in-forward gradients), backward, optimizer.
     phases = {}
     torch.cuda.reset_peak_memory_stats()
-    loss = model(input_ids=ids[warmup], labels=ids[warmup]).loss
+    with context():
+        loss = model(input_ids=ids[warmup], labels=ids[warmup]).loss
     torch.cuda.synchronize()
     phases["forward_peak"], phases["forward_end"] = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -94,6 +115,7 @@ def _worker(name: str, provider: str, warmup: int) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     states = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
     gib = 2**30
     return dict(config=name, provider=provider, step_ms=plain_ms, gpu_busy_ms=busy,
@@ -101,8 +123,8 @@ def _worker(name: str, provider: str, warmup: int) -> dict:
                 categories=dict(sorted(cats.items(), key=lambda kv: -kv[1])),
                 top_kernels=[dict(name=n[:120], ms=v[0], calls=v[1], category=category(n)) for n, v in top],
                 idle=idle_between_kernels(prof),
-                memory_gib=dict(peak=peak / gib, weights=weights / gib, grads=weights / gib,
-                                optimizer=states / gib, rest=(peak - 2 * weights - states) / gib,
+                memory_gib=dict(peak=peak / gib, weights=weights / gib, grads=grads / gib,
+                                optimizer=states / gib, rest=(peak - weights - grads - states) / gib,
                                 **{k: v / gib for k, v in phases.items()}))
 
 
@@ -161,26 +183,43 @@ def report(r: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs")
     ap.add_argument("--provider", default="ours")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lora", action="store_true", help="bench_lora.py's step (configs and providers) instead")
+    ap.add_argument("--batch", type=int, default=2, help="--lora: sequences a step (default 2)")
+    ap.add_argument("--seq", type=int, default=4096, help="--lora: tokens a sequence (default 4096)")
+    ap.add_argument("--checkpointing", choices=("on", "off"), default="off", help="--lora: per-layer checkpoints")
+    ap.add_argument("--dropout", type=float, default=0.0, help="--lora: every provider's lora_dropout")
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "PROVIDER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    lora = (args.batch, args.seq, args.checkpointing == "on") if args.lora else None
     if args.worker:
-        print("RESULT " + json.dumps(_worker(*args.worker, args.warmup)), flush=True)
+        print("RESULT " + json.dumps(_worker(*args.worker, args.warmup, lora)), flush=True)
         return
+    if args.lora:
+        from bench_lora import CONFIGS as LORA_CONFIGS
+
+        os.environ["LIGER_BENCH_LORA_DROPOUT"] = str(args.dropout)  # what bench_lora's builders read
+    configs = args.configs or ",".join(LORA_CONFIGS if args.lora else CONFIGS)
+    shape = ["--lora", "--batch", str(args.batch), "--seq", str(args.seq), "--checkpointing", args.checkpointing] \
+        if args.lora else []
     rows = []
-    for name in args.configs.split(","):
-        proc = subprocess.run([sys.executable, __file__, "--worker", name, args.provider, "--warmup", str(args.warmup)],
-                              capture_output=True, text=True, timeout=300)
+    for name in configs.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--worker", name, args.provider, "--warmup", str(args.warmup),
+                               *shape], capture_output=True, text=True, timeout=600 if args.lora else 300)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if not line:
             print(f"{name}: failed\n{proc.stderr[-2000:]}", flush=True)
             continue
         rows.append(json.loads(line[7:]))
+        if args.lora:
+            rows[-1].update(batch=args.batch, seq=args.seq, checkpointing=args.checkpointing == "on",
+                            dropout=args.dropout)
         print(report(rows[-1]), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"profile_e2e_{args.provider}.json"), "w") as f:
+    kind = f"lora_{args.checkpointing}_ckpt_" if args.lora else ""
+    with open(os.path.join(args.out, f"profile_e2e_{kind}{args.provider}.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
 
