@@ -1,8 +1,8 @@
 """Dropout whose mask is drawn again instead of stored: LoRA's dropout on an adapter's input.
 
 Math: drop(t) = t · keep / (1 − p), keep = u ≥ T with u uniform on the 16-bit integers and T = round(p · 2¹⁶): the
-rate is applied at 16-bit resolution, |T / 2¹⁶ − p| ≤ 2⁻¹⁷, and the scale is nn.Dropout's 1 / (1 − p), so a kept
-value is PEFT's to the bit. PEFT applies ``nn.Dropout`` to the input of every adapter, independently per adapter,
+rate is applied at 16-bit resolution, |T / 2¹⁶ − p| ≤ 2⁻¹⁷, and a kept value is scaled by nn.Dropout's 1 / (1 − p)
+(in fp32, rounded once). PEFT applies ``nn.Dropout`` to the input of every adapter, independently per adapter,
 and the adapter's backward needs the same mask twice more: for dA (drop(x) itself) and for dX (the mask times the
 gradient). Stored, the mask is one byte per input element per adapter (q, k and v each draw their own: 6·H + I bytes
 a token a layer at Llama widths, more than the layer's checkpoint). Here u is a function of a seed and the element's
