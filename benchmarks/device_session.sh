@@ -14,6 +14,7 @@
 #   bash benchmarks/device_session.sh dropout lora-dropout  # LoRA dropout's products, then the step with and without
 #   bash benchmarks/device_session.sh lora-profile      # where a LoRA step's time goes, ours and HF + PEFT + liger-kernel
 #   bash benchmarks/device_session.sh nf4-decode        # NF4 products of a few rows, and decoding on an NF4 base
+#   bash benchmarks/device_session.sh nf4-rows          # nf4_matmul at 1-8 rows, and 4 prompts decoded together on NF4
 #   bash benchmarks/device_session.sh liger-tests       # Liger's loss tests on our kernels (carry .liger_tests)
 # Each part logs to $OUT/<part>.log and prints its last lines; a failing part does not stop the next one.
 set -o pipefail
@@ -184,6 +185,9 @@ print(4 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 2
     nf4-decode)  # decoding on an NF4 base: nf4_matmul vs dequantise + GEMM vs bf16 vs bitsandbytes (carry .whl), then
                  # batch-1 greedy decoding of Llama-3.1-8B shapes: ours bf16 / NF4 both ways, HF + bitsandbytes 4-bit
       python3 benchmarks/bench_nf4_decode.py --out "$OUT/nf4_decode" ;;
+    nf4-rows)  # how many rows nf4_matmul should take (its max_rows, 1 as shipped): the products at 1-8 rows, then
+               # decoding 4 prompts together on the NF4 base with nf4_matmul on and off (NF4_BATCH to change)
+      python3 benchmarks/bench_nf4_decode.py --out "$OUT/nf4_rows" --rows 1,2,3,4,8 --batch "${NF4_BATCH:-4}" --no-hf ;;
     lora-moe)  # LoRA on the experts and routers: Qwen3-30B-A3B (4 layers) and Mixtral-8x7B (2 layers) widths
       python3 benchmarks/bench_lora.py --out "$OUT/lora_moe" --configs qwen3-30b-a3b-w4l,mixtral-8x7b-w2l \
         --checkpointing off --batch 4 --seq 2048 --providers "${LORA_PROVIDERS:-ours,ours_qlora,hf_peft,hf_peft_bnb}" ;;
