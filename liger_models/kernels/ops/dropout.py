@@ -74,6 +74,11 @@ def keep_threshold(p: float) -> int:
     return round(p * 65536)
 
 
+def rate_args(p: float) -> tuple[int, float]:
+    """What a kernel drawing ``keep_mask`` takes for the rate p: the keep threshold and the scale 1 / (1 − p)."""
+    return keep_threshold(p), 1.0 / (1.0 - p)
+
+
 def seeded_dropout_reference(t: torch.Tensor, mask: torch.Tensor, p: float, out: torch.Tensor | None = None,
                              accumulate: bool = False) -> torch.Tensor:
     """t · mask / (1 − p) in t's dtype (added into ``out`` with ``accumulate``), for a stored bool mask."""
@@ -126,7 +131,7 @@ def seeded_dropout(t: torch.Tensor, seed: torch.Tensor, p: float, out: torch.Ten
     rows, cols = t.shape
     if rows and cols:
         launch(_seeded_dropout_kernel, (cdiv(rows, TUNING.block_rows), cdiv(cols, TUNING.block_cols)),
-               [t, out, seed, rows, cols, t.stride(0), out.stride(0), keep_threshold(p), 1.0 / (1.0 - p)],
+               [t, out, seed, rows, cols, t.stride(0), out.stride(0), *rate_args(p)],
                dict(BLOCK_M=TUNING.block_rows, BLOCK_N=TUNING.block_cols, ACCUMULATE=accumulate,
                     num_warps=TUNING.num_warps))
     return out

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .._launch import cdiv, launch, pow2, sm_count
 from ._dot import dot, dot_flags
-from .dropout import GroupDraws, keep_mask, keep_threshold
+from .dropout import GroupDraws, keep_mask, rate_args
 
 MAX_ADAPTERS = 4  # adapters a launch takes (q|k|v is three); a larger group is launched in parts
 MAX_LAUNCH_RANK = 256  # and their summed rank (a tile's rank dimension is padded to a power of two, held in registers)
@@ -195,8 +195,7 @@ def _parts(ranks: list[int], draws: GroupDraws):
         segments = [bounds[i] - lo for i in idx] + [hi - lo]
         segments += [segments[-1]] * (MAX_ADAPTERS + 1 - len(segments))
         rates = [draws.rates[i] for i in idx] + [0.0] * (MAX_ADAPTERS - len(idx))
-        thresholds = [keep_threshold(p) for p in rates]
-        scales = [1.0 / (1.0 - p) for p in rates]
+        thresholds, scales = zip(*map(rate_args, rates))
         drops = sum(1 << j for j, p in enumerate(rates) if p > 0)
         yield idx[0], (lo, hi), [*segments, *thresholds, *scales], dict(N_ADAPTERS=len(idx), DROPS=drops,
                                                                    R_PAD=max(16, pow2(hi - lo)))
