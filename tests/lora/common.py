@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -9,6 +10,7 @@ import transformers
 
 from liger_models import AutoLigerForCausalLM
 from liger_models.lora import LoraSettings, add_lora, save_adapter
+from liger_models.modules import fused, lora_linear
 
 from ..models.parity import (OURS_MOVED, build_hf, causal_lm_loss, float64_reference, max_rel, median_of_draws,
                              moved_one_ulp, save_hf, supports_sdpa)
@@ -110,25 +112,81 @@ def peft_name(ours_name: str) -> str:
     return "base_model.model." + ours_name
 
 
+class FixedDropout(torch.nn.Module):
+    """PEFT's lora_dropout replaced by a given mask: x · mask / (1 − p)."""
+
+    def __init__(self, mask: torch.Tensor, p: float):
+        super().__init__()
+        self.mask, self.p = mask, p
+
+    def forward(self, x):
+        return x * self.mask.view(x.shape).to(x.dtype) / (1 - self.p)
+
+
+@contextlib.contextmanager
+def recording_draws(model, drawn: dict):
+    """Within it, every fused-path and LoRA-linear call of ``model`` records its adapters' dropout draws in
+    ``drawn`` (module name → draw; a later call of the same module replaces an earlier one's)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    original = lora_linear.core_forward
+
+    def spy(x2, group, params, out2d):
+        xa, draws, norms = original(x2, group, params, out2d)
+        for i, draw in zip(group.adapted, draws):
+            drawn[names[id(group.linears[i])]] = draw
+        return xa, draws, norms
+
+    lora_linear.core_forward = fused.core_forward = spy
+    try:
+        yield drawn
+    finally:
+        lora_linear.core_forward = fused.core_forward = original
+
+
+def apply_masks(peft_model, drawn: dict, dtype: torch.dtype) -> None:
+    """Each adapter's dropout in ``peft_model`` (HF + PEFT) applies the mask ours drew there."""
+    for name, draw in drawn.items():
+        layer = peft_model.get_submodule("base_model.model." + name)
+        layer.lora_dropout["default"] = FixedDropout(draw.mask().to(dtype), draw.p)
+
+
 def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None,
-                                inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                                inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                drawn: dict | None = None) -> dict[str, torch.Tensor]:
     """One training step's numbers of ours (fp32) against ``truth`` (``peft_float64``: HF + PEFT in float64 with the
     same adapters), both in train mode: logits within 1e-4 of the largest, loss within 1e-5 relative, every trained
     gradient within 1e-4 of its max (each, where fp32 cannot do that on this model, within FP32_PEER_FACTOR times HF
     + PEFT's own fp32 error, ours' error then the median over it and two ulp-moved copies), no gradient on a frozen
     parameter. ``names``: our parameter name → truth's, where ``peft_name``'s rule does not give it. ``inputs``:
-    (ids, labels), ``batch()``'s by default. Returns ours' trained gradients by name."""
+    (ids, labels), ``batch()``'s by default. ``drawn`` (a dict) turns dropout on the judge's side: it receives the
+    draws of ours' step (module name → draw), which truth and the fp32 peer then apply as fixed masks; each of ours'
+    forwards starts from one RNG state, so ours' logits, loss and ulp-moved copies draw those same masks (asserted).
+    Returns ours' trained gradients by name."""
     ours.train()
     truth.train()
     ids, labels = batch() if inputs is None else inputs
+    rng_state = torch.get_rng_state()
+
+    def forward(model, *args, **kwargs):
+        if drawn is None:
+            return model(*args, **kwargs)
+        torch.set_rng_state(rng_state)
+        with recording_draws(model, {}) as seen:
+            out = model(*args, **kwargs)
+        if drawn:
+            assert all(torch.equal(seen[n].mask(), d.mask()) for n, d in drawn.items()), "a forward drew other masks"
+        drawn.update(seen)
+        return out
 
     def our_step(model):
-        logits = model(ids).logits
-        loss = model(ids, labels=labels).loss
+        logits = forward(model, ids).logits
+        loss = forward(model, ids, labels=labels).loss
         loss.backward()
         return logits, loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
     logits, loss, grads = our_step(ours)
+    if drawn is not None:
+        apply_masks(truth, drawn, torch.float64)
     exact = truth(input_ids=ids, use_cache=False).logits
     ref = causal_lm_loss(exact, labels)
     ref.backward()
@@ -151,6 +209,8 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
     over = {k: e for k, e in ours_errors.items() if e >= bounds.get(k, 1e-4)}
     if over:
         peer = truth.fp32_peer().train()
+        if drawn is not None:
+            apply_masks(peer, drawn, torch.float32)
         peer_logits = peer(input_ids=ids, use_cache=False).logits
         peer_loss = causal_lm_loss(peer_logits, labels)
         peer_loss.backward()
