@@ -116,7 +116,7 @@ def peft_name(ours_name: str) -> str:
     return "base_model.model." + ours_name
 
 
-class FixedDropout(torch.nn.Module):
+class _FixedDropout(torch.nn.Module):
     """PEFT's lora_dropout replaced by a given mask: x · mask / (1 − p)."""
 
     def __init__(self, mask: torch.Tensor, p: float):
@@ -128,10 +128,11 @@ class FixedDropout(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def recording_draws(model, drawn: dict):
-    """Within it, every fused-path and LoRA-linear call of ``model`` records its adapters' dropout draws in
-    ``drawn`` (module name → draw; a later call of the same module replaces an earlier one's)."""
+def _recording_draws(model):
+    """Yields a dict that every fused-path and LoRA-linear call of ``model`` within records its adapters' dropout
+    draws in (module name → draw)."""
     names = {id(m): n for n, m in model.named_modules()}
+    drawn = {}
     original = lora_linear.core_forward
 
     def spy(x2, group, params, out2d):
@@ -147,11 +148,11 @@ def recording_draws(model, drawn: dict):
         lora_linear.core_forward = fused.core_forward = original
 
 
-def apply_masks(peft_model, drawn: dict, dtype: torch.dtype) -> None:
+def _apply_masks(peft_model, drawn: dict, dtype: torch.dtype) -> None:
     """Each adapter's dropout in ``peft_model`` (HF + PEFT) applies the mask ours drew there."""
     for name, draw in drawn.items():
         layer = peft_model.get_submodule("base_model.model." + name)
-        layer.lora_dropout["default"] = FixedDropout(draw.mask().to(dtype), draw.p)
+        layer.lora_dropout["default"] = _FixedDropout(draw.mask().to(dtype), draw.p)
 
 
 def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None,
@@ -175,7 +176,7 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
         if drawn is None:
             return model(*args, **kwargs)
         torch.set_rng_state(rng_state)
-        with recording_draws(model, {}) as seen:
+        with _recording_draws(model) as seen:
             out = model(*args, **kwargs)
         if drawn:
             assert all(torch.equal(seen[n].mask(), d.mask()) for n, d in drawn.items()), "a forward drew other masks"
@@ -190,7 +191,7 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
 
     logits, loss, grads = our_step(ours)
     if drawn is not None:
-        apply_masks(truth, drawn, torch.float64)
+        _apply_masks(truth, drawn, torch.float64)
     exact = truth(input_ids=ids, use_cache=False).logits
     ref = causal_lm_loss(exact, labels)
     ref.backward()
@@ -214,7 +215,7 @@ def assert_matches_float64_peft(ours, truth, names: dict[str, str] | None = None
     if over:
         peer = truth.fp32_peer().train()
         if drawn is not None:
-            apply_masks(peer, drawn, torch.float32)
+            _apply_masks(peer, drawn, torch.float32)
         peer_logits = peer(input_ids=ids, use_cache=False).logits
         peer_loss = causal_lm_loss(peer_logits, labels)
         peer_loss.backward()

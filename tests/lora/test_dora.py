@@ -17,7 +17,7 @@ from liger_models.lora import (LoraSettings, load_adapter, lora_modules, merge_l
                                save_adapter, save_merged, unmerge_lora)
 from liger_models.modules.lora_linear import LoraLinear, dora_row_norms
 
-from ..models.parity import max_rel, merged_export_float64
+from ..models.parity import float64_reference, max_rel
 from .common import (assert_as_close_as_fp32_allows, assert_matches_float64_peft, assert_unmerged_exactly, batch,
                      pair, peft_float64, with_adapters)
 
@@ -165,8 +165,8 @@ def test_merge_unmerge_and_merged_export(tmp_path):
         assert_unmerged_exactly(q, base_q)
     save_merged(ours, tmp_path / "merged")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    with torch.no_grad():  # the export's weights, computing in float64 (parity.merged_export_float64)
-        assert max_rel(merged_export_float64(merged)(input_ids=ids).logits, exact) <= bound
+    with torch.no_grad():  # the export's weights, computing in float64 (parity.float64_reference)
+        assert max_rel(float64_reference(merged)(input_ids=ids).logits, exact) <= bound
 
 
 def test_nf4_base_with_dora_matches_float64_reference(tmp_path):

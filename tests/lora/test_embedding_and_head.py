@@ -14,7 +14,7 @@ import transformers
 from liger_models.lora import LoraSettings, add_lora, load_adapter, lora_modules, merge_lora, save_merged, unmerge_lora
 from liger_models.modules.lora_embedding import LoraEmbedding
 
-from ..models.parity import max_rel, merged_export_float64
+from ..models.parity import float64_reference, max_rel
 from .common import assert_as_close_as_fp32_allows, assert_matches_float64_peft, batch, pair, peft_float64
 
 peft = pytest.importorskip("peft")
@@ -83,8 +83,8 @@ def test_merge_unmerge_and_merged_export(tmp_path):
         assert (ours.model.embed_tokens.weight - table).abs().max() <= ulp
     save_merged(ours, tmp_path / "merged")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    with torch.no_grad():  # the export's weights, computing in float64 (parity.merged_export_float64)
-        assert max_rel(merged_export_float64(merged)(input_ids=ids).logits, exact) <= bound
+    with torch.no_grad():  # the export's weights, computing in float64 (parity.float64_reference)
+        assert max_rel(float64_reference(merged)(input_ids=ids).logits, exact) <= bound
 
 
 def test_parameter_counts_see_the_adapted_table_as_the_embedding(tmp_path):

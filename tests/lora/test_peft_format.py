@@ -14,7 +14,7 @@ from liger_models import AutoLigerForCausalLM
 from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_modules, merge_lora, quantize_base_,
                                save_adapter, save_merged, unmerge_lora)
 
-from ..models.parity import max_rel, merged_export_float64, moved_one_ulp
+from ..models.parity import float64_reference, max_rel, moved_one_ulp
 from .common import (CONFIGS, assert_as_close_as_fp32_allows, assert_unmerged_exactly, batch, pair, peft_float64,
                      with_adapters)
 
@@ -65,7 +65,7 @@ def test_hf_peft_adapter_loads_here_with_the_same_logits(family, tmp_path):
 def test_merge_unmerge_and_merged_export_loads_in_transformers(tmp_path):
     """Merged, unmerged and exported logits each as close to float64 HF + PEFT as the adapted model's own fp32
     logits are (twice that, or 1e-5): W + s·B·A rounded once is not bit-equal to W·x + s·B·(A·x). The export is
-    judged computing in float64 (parity.merged_export_float64)."""
+    judged computing in float64 (parity.float64_reference)."""
     hf, ours, _ = pair("qwen2", tmp_path)  # q/k/v biases
     with_adapters(ours, "qwen2", "all-linear")
     ids, _ = batch()
@@ -83,7 +83,7 @@ def test_merge_unmerge_and_merged_export_loads_in_transformers(tmp_path):
     save_merged(ours, tmp_path / "merged")
     hf_merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
-        assert max_rel(merged_export_float64(hf_merged)(input_ids=ids).logits, exact) <= bound
+        assert max_rel(float64_reference(hf_merged)(input_ids=ids).logits, exact) <= bound
 
 
 def test_bad_input_is_refused_clearly(tmp_path):

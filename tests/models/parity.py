@@ -95,16 +95,6 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
 
 
-def merged_export_float64(model) -> transformers.PreTrainedModel:
-    """A merged export as transformers loaded it (fp32 weights), computing in float64 (``float64_reference``): its
-    logits then differ from float64 HF + PEFT's by W + s·B·A's one rounding to fp32 alone, not by the spread of HF's
-    fp32 forward over those weights, which on random tiny models is a draw of its own: on one CI seed the Gemma 3
-    multimodal export in fp32 was 1.05e-5 of the largest logit off, 3.9x HF + PEFT's fp32 error, and 1.1e-6 computing
-    in float64 (12 seeds: 2e-7 to 2.5e-6 in float64, 1.1e-5 on one whose adapted fp32 logits were 3.1e-5 off). A
-    wrong merge (a module left out, the scale or a transpose wrong) is off by orders more."""
-    return float64_reference(model)
-
-
 def _rms_norm_float64(self, x: torch.Tensor) -> torch.Tensor:
     eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
     x = x.double()
@@ -156,6 +146,12 @@ def float64_reference(hf) -> transformers.PreTrainedModel:
     gradients of a saturated softmax, a third of the bound below). Here the norms and angles are recomputed in
     float64 and attention runs through SDPA, whose CPU kernel keeps float64. The loss is taken outside (HF's loss
     upcasts "to float", i.e. down to float32).
+
+    It also judges a merged LoRA export as transformers loads it (fp32 weights): computing in float64, its logits
+    differ from float64 HF + PEFT's by W + s·B·A's one rounding to fp32 alone, not by the spread of HF's fp32
+    forward over those weights, a draw of its own on random tiny models (one CI seed had the Gemma 3 multimodal
+    export 1.05e-5 of the largest logit off in fp32, 3.9x HF + PEFT's fp32 error, and 1.1e-6 in float64; 12 seeds
+    gave 2e-7 to 2.5e-6 in float64). A wrong merge (a module left out) is off by orders more.
     """
     exact = copy.deepcopy(hf).double()
     if supports_sdpa(hf):

@@ -20,7 +20,7 @@ from liger_models.lora import (LoraSettings, add_lora, load_adapter, load_bnb_4b
 
 from ..lora.common import assert_as_close_as_fp32_allows
 from .parity import build_gemma3_multimodal as build_multimodal
-from .parity import float64_reference, max_rel, merged_export_float64, perturb_norms
+from .parity import float64_reference, max_rel, perturb_norms
 
 peft = pytest.importorskip("peft")
 VOCAB = 300  # parity.build_gemma3_multimodal's; 297-299 are image tokens, never in the text batches below
@@ -190,7 +190,7 @@ def test_adapters_on_the_vision_tower_or_excluding_decoder_modules_are_refused(c
 def test_merged_export_is_the_whole_multimodal_checkpoint(checkpoint, tmp_path):
     """The merged checkpoint, as transformers loads it, computing in float64: its logits as close to float64 HF +
     PEFT as the adapted model's own fp32 logits are (twice that, or 1e-5), W + s·B·A rounded once to fp32 being all
-    that may differ (parity.merged_export_float64)."""
+    that may differ (parity.float64_reference)."""
     hf, source = checkpoint
     ours = AutoLigerForCausalLM.from_pretrained(source, dtype=torch.float32)
     add_lora(ours, LoraSettings(r=4, alpha=8, targets="all-linear", init=False))
@@ -205,7 +205,7 @@ def test_merged_export_is_the_whole_multimodal_checkpoint(checkpoint, tmp_path):
     with torch.no_grad():
         truth = hf_logits(exact, ids)
         bound = max(2 * max_rel(ours.eval()(ids).logits.double(), truth), 1e-5)
-        assert max_rel(hf_logits(merged_export_float64(merged), ids), truth) <= bound
+        assert max_rel(hf_logits(float64_reference(merged), ids), truth) <= bound
 
 
 # The config.json files of google/gemma-3-4b-it and google/gemma-3-27b-it: text_config names few keys, transformers'
