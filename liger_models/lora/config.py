@@ -47,9 +47,15 @@ _UNSUPPORTED = {"fan_in_fan_out": False, "lora_bias": False, "use_qalora": False
                 "use_bdlora": None, "arrow_config": None, "kasa_config": None}
 
 # PEFT initialisations that rewrite the base weights: the base becomes W minus the initial adapter's product (an SVD
-# or QR of W, or LoftQ's quantised residual) when the adapter is created, and again when PEFT loads it. Such an
-# adapter applies to that residual base, not to the checkpoint as it is stored.
-_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+# or QR of W or of its activations' covariance, or LoftQ's quantised residual) when the adapter is created, and again
+# when PEFT loads it. Such an adapter applies to that residual base, not to the checkpoint as it is stored.
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "astra", "loftq", "lora_ga")
+# The initialisations add_lora draws itself: kaiming-uniform A (True, PEFT's default), N(0, 1/r) A ("gaussian"), or
+# random A and B (False: a non-zero adapter, for tests). PEFT's others (EVA, MiCA, NoRA, orthogonal, and the ones
+# above) shape where training starts from the base or from data: their adapters are made with PEFT and loaded here.
+INITS = (True, False, "gaussian")
+# MiCA (PEFT's init_lora_weights="mica") trains A alone: B, the base's minor singular directions, stays frozen.
+_B_FROZEN_INITS = ("mica",)
 
 
 @dataclass
@@ -102,6 +108,11 @@ class LoraSettings:
                 raise ValueError(f"target_parameters: {name!r} is not supported (only the mixture-of-experts "
                                  f"blocks' stacked experts, {' and '.join(EXPERT_STACKS)}, and their router "
                                  f"{ROUTER_WEIGHT!r})")
+        if not isinstance(self.init, (bool, str)) or self.init not in INITS:
+            raise ValueError(f"LoRA init {self.init!r} is not one of {', '.join(map(repr, INITS))}: PEFT's other "
+                             "initialisations (PiSSA, OLoRA, CorDA, Astra, LoftQ, LoRA-GA, EVA, MiCA, NoRA, "
+                             "orthogonal) are not drawn here; make such an adapter with PEFT and load it "
+                             "(load_adapter)")
         self._check_layers()
         self._check_token_rows()
         for key, value in self.rank_pattern.items():
@@ -162,8 +173,9 @@ class LoraSettings:
                 "trainable_token_indices": self.trainable_token_indices}
 
     @classmethod
-    def from_peft(cls, cfg: dict, where: str = "adapter_config.json") -> "LoraSettings":
-        """Settings from a PEFT LoRA config; a field this implementation does not honour is refused by name."""
+    def from_peft(cls, cfg: dict, where: str = "adapter_config.json", trainable: bool = False) -> "LoraSettings":
+        """Settings from a PEFT LoRA config; a field this implementation does not honour is refused by name (with
+        ``trainable``, also one that only changes how the adapter trains on)."""
         if cfg.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA")
         if cfg.get("task_type") not in (None, "CAUSAL_LM"):
@@ -179,6 +191,10 @@ class LoraSettings:
                              "apply to the checkpoint as stored: convert it to a plain LoRA adapter with PEFT "
                              "(save_pretrained(..., path_initial_model_for_weight_conversion=...)), or merge it "
                              "with PEFT and load the merged model")
+        if trainable and isinstance(init, str) and init.lower() in _B_FROZEN_INITS:
+            raise ValueError(f"{where}: init_lora_weights={init!r} trains lora_A alone (PEFT keeps lora_B frozen), "
+                             "which training here does not honour: load the adapter with trainable=False (its "
+                             "logits and merge are plain LoRA's), or train it on with PEFT")
         if cfg.get("layers_pattern") not in (None, "", [], "layers", ["layers"]):
             raise ValueError(f"{where}: layers_pattern={cfg['layers_pattern']!r} is not supported (the decoder "
                              "layers here are model.layers.<index>: 'layers' or unset)")

@@ -76,8 +76,9 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | None
     return directory
 
 
-def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.Tensor]]:
-    """(settings, our-name → tensor) of a PEFT LoRA adapter directory."""
+def read_adapter(directory: str | Path, trainable: bool = False) -> tuple[LoraSettings, dict[str, torch.Tensor]]:
+    """(settings, our-name → tensor) of a PEFT LoRA adapter directory (``trainable``: to train on, which refuses
+    what only changes how it trains, LoraSettings.from_peft)."""
     directory = Path(directory)
     cfg_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     for p in (cfg_path, weights_path):
@@ -88,7 +89,7 @@ def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.T
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{str(cfg_path)!r}: not valid JSON ({e})") from e
-    settings = LoraSettings.from_peft(cfg, str(cfg_path))
+    settings = LoraSettings.from_peft(cfg, str(cfg_path), trainable)
     tensors = {}
     for key, value in load_file(str(weights_path)).items():
         if not key.startswith(PREFIX):
@@ -115,7 +116,7 @@ def read_adapter(directory: str | Path) -> tuple[LoraSettings, dict[str, torch.T
 def load_adapter(model: nn.Module, directory: str | Path, trainable: bool = False) -> list[str]:
     """Attach the PEFT adapter in ``directory`` to ``model``: same modules, ranks and scales; shapes must match the
     base (an adapter for another model is refused naming the first mismatch). Returns the adapted names."""
-    settings, tensors = read_adapter(directory)
+    settings, tensors = read_adapter(directory, trainable)
     blocks = moe_blocks(model)
     if blocks:  # an adapter saved against transformers v4's per-expert linears: in the stacked layout
         settings, tensors = convert_per_expert(settings, tensors, next(iter(blocks.values())).num_experts,

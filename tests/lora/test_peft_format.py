@@ -127,18 +127,60 @@ def test_peft_options_that_change_the_math_are_refused_by_name(field, value, tmp
     assert not lora_modules(ours)
 
 
-@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora"])
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora", "astra"])
 def test_adapters_whose_init_rewrote_the_base_are_refused(init, tmp_path):
-    """PiSSA / OLoRA adapters apply to W minus their initial product, which PEFT recomputes from the base as it
-    loads them: on the checkpoint as stored they would give other logits without a word."""
+    """PiSSA / OLoRA / Astra adapters apply to W minus their initial product, which PEFT recomputes from the base as
+    it loads them: on the checkpoint as stored they would give other logits without a word (an Astra adapter of
+    PEFT 0.22 loaded as plain LoRA was 1.7e-2 off HF + PEFT's logits, against 1e-5)."""
     hf, ours, _ = pair("llama", tmp_path)
     base = hf.model.layers[0].self_attn.q_proj.weight.detach().clone()
-    trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
+    if init == "astra":  # the adapter starts as W's projection on its outputs' principal directions (from data)
+        astra = pytest.importorskip("peft.tuners.lora.astra", reason="Astra came with PEFT 0.22")
+        config = peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init,
+                                 astra_config=peft.tuners.lora.config.AstraConfig())
+        ids, _ = batch()
+        astra.preprocess_astra(hf, config, run_model=lambda: hf(input_ids=ids))
+    else:
+        config = peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init)
+    trained = peft.get_peft_model(hf, config)
     assert not torch.equal(trained.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, base)
     trained.save_pretrained(tmp_path / "adapter")
     with pytest.raises(ValueError, match=rf"init_lora_weights='{init}' rewrites the base weights"):
         load_adapter(ours, tmp_path / "adapter")
     assert not lora_modules(ours)
+
+
+def test_a_mica_adapter_loads_for_its_logits_and_is_refused_for_training_on(tmp_path):
+    """PEFT's MiCA computes as plain LoRA (B the base's minor singular directions, A trained from zero) but keeps B
+    frozen while it trains: loaded here it gives HF + PEFT's logits, and asked to train on it is refused, where
+    training B too would silently leave MiCA's recipe."""
+    hf, ours, _ = pair("llama", tmp_path)
+    clean = copy.deepcopy(hf)
+    trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                      init_lora_weights="mica"))
+    b = trained.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight
+    assert not b.requires_grad and b.abs().sum() > 0  # PEFT's MiCA: a fixed, non-zero B
+    with torch.no_grad():  # as if trained: A away from its zero start
+        for name, p in trained.named_parameters():
+            if "lora_A" in name:
+                p.normal_(0, 0.5)
+    trained.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"init_lora_weights='mica' trains lora_A alone .*trainable=False"):
+        load_adapter(ours, tmp_path / "adapter", trainable=True)
+    assert not lora_modules(ours)
+    load_adapter(ours, tmp_path / "adapter")
+    ids, _ = batch()
+    assert_same_logits(ours, trained, clean, ids, tmp_path)
+
+
+@pytest.mark.parametrize("init", ["pissa", "eva", "mica", 1, None])
+def test_an_init_this_library_does_not_draw_is_refused_by_name(init):
+    # PEFT names more initialisations than True / False / "gaussian"; any other, given for new adapters, would have
+    # been drawn as kaiming-uniform A without a word.
+    with pytest.raises(ValueError, match=rf"LoRA init {init!r} is not one of True, False, 'gaussian'"):
+        LoraSettings(init=init)
+    for init in (True, False, "gaussian"):
+        assert LoraSettings(init=init).init == init
 
 
 def test_save_pretrained_refuses_adapters_and_nf4_naming_the_writer_that_keeps_them(tmp_path):
