@@ -48,9 +48,6 @@ class Gemma2Config(LigerConfig):
 
     def __post_init__(self) -> None:
         self.mlp_bias = False  # HF's Gemma 2 MLP has no bias
-        if self.extra.get("use_bidirectional_attention"):
-            raise ValueError(f"{self.model_type} with use_bidirectional_attention=true (an embedding model) is not a "
-                             "causal LM: not supported")
         if self.layer_types is None:
             pattern = self.sliding_pattern()
             self.layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"

@@ -160,6 +160,11 @@ class LigerConfig:
     wrapped_in: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
+        # transformers' Gemma configs carry it (EmbeddingGemma's encoder); Gemma 1's model then attends both ways
+        # under SDPA but causally under eager attention. Every model here is a causal LM.
+        if self.extra.get("use_bidirectional_attention"):
+            raise ValueError(f"{self.model_type} with use_bidirectional_attention=true (an embedding model) is not a "
+                             "causal LM: not supported")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self._check_sizes()
