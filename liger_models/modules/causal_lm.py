@@ -14,6 +14,7 @@ this one cannot honour is refused with an error that names it, never ignored.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -258,6 +259,19 @@ class LigerForCausalLM(nn.Module):
         self.tie_weights()
         self.reset_parameters()
         self.register_state_dict_post_hook(_tied_head_as_its_own_tensor)
+
+    # config.json's dropout rates that transformers applies in training and these models do not (the fused attention
+    # and add-norm kernels have no dropout). Released checkpoints of these families set them to 0.
+    UNAPPLIED_DROPOUT: ClassVar[tuple[str, ...]] = ("attention_dropout", "resid_pdrop", "embd_pdrop")
+
+    def train(self, mode: bool = True) -> "LigerForCausalLM":
+        if mode:
+            rates = {k: v for k in self.UNAPPLIED_DROPOUT if (v := self.config.get(k)) not in (None, 0, 0.0)}
+            if rates:
+                warnings.warn(f"config.json sets {', '.join(f'{k}={v}' for k, v in rates.items())}, which "
+                              "transformers applies in training: this model trains without that dropout (set it to "
+                              "0 in the config to say so)", stacklevel=2)
+        return super().train(mode)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -367,3 +367,20 @@ def test_a_family_refuses_a_neighbours_config(tmp_path, name, family):
                    LlamaConfig: LigerLlamaForCausalLM}[family]
     with pytest.raises(ValueError, match=f"has '{raw['model_type']}'"):
         model_class.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("key", LigerPhi3ForCausalLM.UNAPPLIED_DROPOUT)
+def test_a_dropout_transformers_would_apply_in_training_is_named_when_training_starts(key):
+    # Released checkpoints set these rates to 0 (the entries above drop them for that reason); one that does not
+    # would train with dropout under transformers and without it here, so entering training says so.
+    import warnings
+
+    config = Phi3Config.from_hf({**PHI3_MINI_4K, "num_hidden_layers": 1, "vocab_size": 64, "hidden_size": 64,
+                                 "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, key: 0.1})
+    model = LigerPhi3ForCausalLM(config)
+    with pytest.warns(UserWarning, match=rf"config.json sets {key}=0.1, .* trains without that dropout"):
+        model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.eval()  # inference takes no dropout: nothing to say
+        LigerPhi3ForCausalLM(Phi3Config.from_hf({**config.to_hf(), key: 0.0})).train()
