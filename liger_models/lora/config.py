@@ -53,7 +53,7 @@ _BASE_REWRITING_INITS = ("pissa", "olora", "corda", "astra", "loftq", "lora_ga")
 # The initialisations add_lora draws itself: kaiming-uniform A (True, PEFT's default), N(0, 1/r) A ("gaussian"), or
 # random A and B (False: a non-zero adapter, for tests). PEFT's others (EVA, MiCA, NoRA, orthogonal, and the ones
 # above) shape where training starts from the base or from data: their adapters are made with PEFT and loaded here.
-INITS = (True, False, "gaussian")
+_INITS = (True, False, "gaussian")
 # MiCA (PEFT's init_lora_weights="mica") trains A alone: B, the base's minor singular directions, stays frozen.
 _B_FROZEN_INITS = ("mica",)
 
@@ -108,8 +108,8 @@ class LoraSettings:
                 raise ValueError(f"target_parameters: {name!r} is not supported (only the mixture-of-experts "
                                  f"blocks' stacked experts, {' and '.join(EXPERT_STACKS)}, and their router "
                                  f"{ROUTER_WEIGHT!r})")
-        if not isinstance(self.init, (bool, str)) or self.init not in INITS:
-            raise ValueError(f"LoRA init {self.init!r} is not one of {', '.join(map(repr, INITS))}: PEFT's other "
+        if not isinstance(self.init, (bool, str)) or self.init not in _INITS:
+            raise ValueError(f"LoRA init {self.init!r} is not one of {', '.join(map(repr, _INITS))}: PEFT's other "
                              "initialisations (PiSSA, OLoRA, CorDA, Astra, LoftQ, LoRA-GA, EVA, MiCA, NoRA, "
                              "orthogonal) are not drawn here; make such an adapter with PEFT and load it "
                              "(load_adapter)")
@@ -185,13 +185,14 @@ class LoraSettings:
             if value not in (default, [], {}, None, False):
                 raise ValueError(f"{where}: {key}={value!r} is not supported")
         init = cfg.get("init_lora_weights", True)
-        if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        init_name = init.lower() if isinstance(init, str) else ""
+        if init_name.startswith(_BASE_REWRITING_INITS):
             raise ValueError(f"{where}: init_lora_weights={init!r} rewrites the base weights (PEFT subtracts the "
                              "initial adapter from them, also when it loads the adapter), so this adapter does not "
                              "apply to the checkpoint as stored: convert it to a plain LoRA adapter with PEFT "
                              "(save_pretrained(..., path_initial_model_for_weight_conversion=...)), or merge it "
                              "with PEFT and load the merged model")
-        if trainable and isinstance(init, str) and init.lower() in _B_FROZEN_INITS:
+        if trainable and init_name in _B_FROZEN_INITS:
             raise ValueError(f"{where}: init_lora_weights={init!r} trains lora_A alone (PEFT keeps lora_B frozen), "
                              "which training here does not honour: load the adapter with trainable=False (its "
                              "logits and merge are plain LoRA's), or train it on with PEFT")

@@ -226,6 +226,9 @@ class LigerForCausalLM(nn.Module):
     # HF's causal-LM loss name: Trainer then counts num_items_in_batch over labels[:, 1:], the targets this loss
     # has after its shift (counting labels[:, 0] too would divide by one token per row too many).
     loss_type: ClassVar[str] = "ForCausalLM"
+    # config.json's dropout rates that transformers applies in training and these models do not (the fused attention
+    # and add-norm kernels have no dropout). Released checkpoints of these families set them to 0.
+    UNAPPLIED_DROPOUT: ClassVar[tuple[str, ...]] = ("attention_dropout", "resid_pdrop", "embd_pdrop")
 
     # HF's declaration (transformers v5's form) that lm_head's weight is the embedding's when the config ties them
     # (the config decides: tie_word_embeddings false means untied). PEFT reads it to give a tied lm_head the same
@@ -259,10 +262,6 @@ class LigerForCausalLM(nn.Module):
         self.tie_weights()
         self.reset_parameters()
         self.register_state_dict_post_hook(_tied_head_as_its_own_tensor)
-
-    # config.json's dropout rates that transformers applies in training and these models do not (the fused attention
-    # and add-norm kernels have no dropout). Released checkpoints of these families set them to 0.
-    UNAPPLIED_DROPOUT: ClassVar[tuple[str, ...]] = ("attention_dropout", "resid_pdrop", "embd_pdrop")
 
     def train(self, mode: bool = True) -> "LigerForCausalLM":
         if mode:

@@ -179,8 +179,8 @@ def test_an_init_this_library_does_not_draw_is_refused_by_name(init):
     # been drawn as kaiming-uniform A without a word.
     with pytest.raises(ValueError, match=rf"LoRA init {init!r} is not one of True, False, 'gaussian'"):
         LoraSettings(init=init)
-    for init in (True, False, "gaussian"):
-        assert LoraSettings(init=init).init == init
+    for drawn in (True, False, "gaussian"):
+        assert LoraSettings(init=drawn).init == drawn
 
 
 def test_save_pretrained_refuses_adapters_and_nf4_naming_the_writer_that_keeps_them(tmp_path):

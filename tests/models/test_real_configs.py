@@ -15,6 +15,7 @@ the real config.json is written back over the one it re-serialised, and our load
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -371,10 +372,8 @@ def test_a_family_refuses_a_neighbours_config(tmp_path, name, family):
 
 @pytest.mark.parametrize("key", LigerPhi3ForCausalLM.UNAPPLIED_DROPOUT)
 def test_a_dropout_transformers_would_apply_in_training_is_named_when_training_starts(key):
-    # Released checkpoints set these rates to 0 (the entries above drop them for that reason); one that does not
+    # Released checkpoints set these rates to 0 (the entries above carry 0.0 or leave them out); one that does not
     # would train with dropout under transformers and without it here, so entering training says so.
-    import warnings
-
     config = Phi3Config.from_hf({**PHI3_MINI_4K, "num_hidden_layers": 1, "vocab_size": 64, "hidden_size": 64,
                                  "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, key: 0.1})
     model = LigerPhi3ForCausalLM(config)
