@@ -254,6 +254,12 @@ def assert_unmerged_exactly(module, base: torch.Tensor) -> None:
     assert err <= 2 * eps * size, (err, eps * size)
 
 
+def ulp_moved_logits(model, ids: torch.Tensor):
+    """``redraw`` for assert_as_close_as_fp32_allows: the logits of a copy of ``model`` (floating-point weights only)
+    with every weight moved one ulp at random."""
+    return lambda generator: moved_one_ulp(model, generator).eval()(ids).logits
+
+
 def assert_as_close_as_fp32_allows(ours: torch.Tensor, peer: torch.Tensor, exact: torch.Tensor, *,
                                    more_peers: tuple[torch.Tensor, ...] = (), redraw=None) -> None:
     """``ours`` (fp32 logits) within 1e-5 of the largest logit of ``exact`` (float64, the same weights), or no further

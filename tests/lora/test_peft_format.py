@@ -14,9 +14,9 @@ from liger_models import AutoLigerForCausalLM
 from liger_models.lora import (LoraSettings, add_lora, load_adapter, lora_modules, merge_lora, quantize_base_,
                                save_adapter, save_merged, unmerge_lora)
 
-from ..models.parity import float64_reference, max_rel, moved_one_ulp
+from ..models.parity import float64_reference, max_rel
 from .common import (CONFIGS, assert_as_close_as_fp32_allows, assert_unmerged_exactly, batch, pair, peft_float64,
-                     with_adapters)
+                     ulp_moved_logits, with_adapters)
 
 peft = pytest.importorskip("peft")
 FP32 = 1e-5
@@ -31,7 +31,7 @@ def assert_same_logits(ours, hf_peft, clean_hf, ids, tmp_path):
         exact = truth.eval()(input_ids=ids.clone()).logits
         assert_as_close_as_fp32_allows(ours.eval()(ids).logits, hf_peft.eval()(input_ids=ids).logits, exact,
                                        more_peers=(truth.fp32_peer().eval()(input_ids=ids).logits,),
-                                       redraw=lambda generator: moved_one_ulp(ours, generator).eval()(ids).logits)
+                                       redraw=ulp_moved_logits(ours, ids))
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))

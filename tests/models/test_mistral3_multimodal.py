@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from liger_models import AutoLigerForCausalLM, LigerMistralForCausalLM
 from liger_models.lora import LoraSettings, add_lora, save_adapter
 
-from ..lora.common import assert_as_close_as_fp32_allows
+from ..lora.common import assert_as_close_as_fp32_allows, ulp_moved_logits
 from .parity import build_mistral3_multimodal, float64_reference, max_rel, perturb_norms
 from .test_gemma3_multimodal import saved_and_loaded
 
@@ -57,7 +57,7 @@ def test_our_adapter_loads_in_hf_peft_on_the_multimodal_model(tmp_path):
     ids = text_batch()
     with torch.no_grad():
         assert_as_close_as_fp32_allows(ours.eval()(ids).logits, loaded(input_ids=ids).logits,
-                                       exact(input_ids=ids).logits)
+                                       exact(input_ids=ids).logits, redraw=ulp_moved_logits(ours, ids))
 
 
 # mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.json (no top-level tie_word_embeddings: transformers 5 ties
