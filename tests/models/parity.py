@@ -187,12 +187,15 @@ OURS_MOVED = 2  # ulp-moved copies of ours whose errors join its own where that 
 
 
 def moved_one_ulp(model, generator: torch.Generator):
-    """A copy of the float32 model with every weight moved one ulp up or down at random, and no gradients (a copy of
-    a model that has stepped would carry its gradients into the copy's own step)."""
+    """A copy of the float32 model with every floating-point weight moved one ulp up or down at random (an NF4
+    base's codes stay as they are), and no gradients (a copy of a model that has stepped would carry its gradients
+    into the copy's own step)."""
     moved = copy.deepcopy(model)
     moved.zero_grad(set_to_none=True)
     with torch.no_grad():
         for p in moved.parameters():
+            if not p.is_floating_point():
+                continue
             sign = torch.randint(0, 2, p.shape, generator=generator).to(p.dtype) * 2 - 1
             p.mul_(1 + sign * torch.finfo(p.dtype).eps)
     return moved
