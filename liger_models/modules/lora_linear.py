@@ -10,8 +10,9 @@ inside the K-loop (kernels/ops/nf4_matmul.py), into its rows of the output.
 
 What is fused, for a group of sibling linears (q|k|v, gate|up, or one linear):
   * the base stays one GEMM over the stacked (aliasing, when packed) weights;
-  * x·[A_1 | … | A_k]ᵀ is one thin product for every adapted sibling (x is read once): a GEMM, or with dropout a
-    kernel that draws each adapter's mask on the tiles of x it holds;
+  * x·[A_1 | … | A_k]ᵀ is one thin product for every adapted sibling (x is read once): a GEMM (on the CPU one per
+    adapter, as PEFT's: core_forward says why), or with dropout a kernel that draws each adapter's mask on the tiles
+    of x it holds;
   * each adapter's B product is accumulated into its rows of the packed output by the GEMM itself (addmm with
     beta = 1): no materialised W + BA, no separate pass for the add;
   * backward: dX = dY·W + (s·dY·B)·A_cat (one GEMM plus one thin GEMM), dA_cat = (s·dY·B)ᵀ·x in one GEMM, dB per
@@ -401,7 +402,14 @@ def core_forward(x2: torch.Tensor, group: Group, params: list[torch.Tensor], out
     As = [a.to(x2.dtype) for a in params[:k]]
     Bs = [bm.to(x2.dtype) for bm in params[k:2 * k]]
     draws: GroupDraws | list = []
-    if not group.any_dropout:
+    if not group.any_dropout and x2.device.type == "cpu" and k > 1:
+        # On the CPU one GEMM per adapter, as PEFT computes lora_A(x): torch 2.13's CPU fp32 GEMM (MKL) rounds a
+        # product of up to 11 columns ~1.5x closer than one of 12 or more (mean relative error 1.2-1.4e-8 against
+        # 2.0e-8 at K = 64), so q|k|v's x·A_catᵀ at r = 4 rounded worse than PEFT's three products and a large
+        # adapter carried that into the logits (up to 6x HF + PEFT's fp32 error on a tiny Gemma 3). On a GPU the
+        # one stacked product, reading x once, stays.
+        xa = torch.cat([x2 @ a.t() for a in As], dim=1)
+    elif not group.any_dropout:
         xa = x2 @ torch.cat(As).t()  # one thin GEMM for every adapter
     else:  # one pass over x2 drawing every adapter's mask (kernels/ops/dropout_matmul.py)
         draws = draws_for(x2, group.dropouts)
