@@ -56,6 +56,25 @@ _BASE_REWRITING_INITS = ("pissa", "olora", "corda", "astra", "loftq", "lora_ga")
 _INITS = (True, False, "gaussian")
 # MiCA (PEFT's init_lora_weights="mica") trains A alone: B, the base's minor singular directions, stays frozen.
 _B_FROZEN_INITS = ("mica",)
+# PEFT fields that change only how PEFT trains the adapter, not its output: VeLoRA takes A's gradient from
+# activations compressed to a few groups (an approximation), where training here takes the exact one. Refused with
+# trainable=True, loaded otherwise.
+_TRAINING_ONLY = {"velora_config": None}
+# The fields read above (LoraSettings.from_peft) and the ones that leave a saved adapter's output as plain LoRA's:
+# metadata, settings PEFT uses only when it creates an adapter (the initialisations' own configs: those that rewrite
+# the base are refused by init_lora_weights), Megatron's parallel linears (the same product, sharded), run-time
+# offloading, qalora_group_size (used only with use_qalora, refused), and ensure_weight_tying (what it ties is checked
+# where the adapter's tensors load). Any other field with a value is refused by name: a PEFT release newer than this
+# code may add a variant that changes the math, as 0.22's Astra did, and loading it as plain LoRA would be silently
+# wrong.
+_FIELDS_READ = ("peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
+                "use_rslora", "use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "target_parameters",
+                "layers_to_transform", "layers_pattern", "trainable_token_indices", "init_lora_weights", "bias")
+_FIELDS_WITHOUT_EFFECT = ("auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+                          "loftq_config", "eva_config", "corda_config", "astra_config", "lora_ga_config",
+                          "megatron_config", "megatron_core", "runtime_config", "qalora_group_size",
+                          "ensure_weight_tying")
+_KNOWN_FIELDS = frozenset((*_FIELDS_READ, *_FIELDS_WITHOUT_EFFECT, *_UNSUPPORTED, *_TRAINING_ONLY))
 
 
 @dataclass
@@ -184,6 +203,19 @@ class LoraSettings:
             value = cfg.get(key, default)
             if value not in (default, [], {}, None, False):
                 raise ValueError(f"{where}: {key}={value!r} is not supported")
+        unknown = sorted(k for k, v in cfg.items() if k not in _KNOWN_FIELDS and v not in ([], {}, None, False, ""))
+        if unknown:
+            raise ValueError(f"{where}: PEFT field(s) {', '.join(f'{k}={cfg[k]!r}' for k in unknown)} are not known "
+                             "to this version of liger-models, which cannot tell whether they change the adapter's "
+                             "output; loading it as plain LoRA could be silently wrong. Merge the adapter with PEFT "
+                             "and load the merged model, or check for a newer liger-models")
+        if trainable:
+            for key, default in _TRAINING_ONLY.items():
+                if cfg.get(key, default) not in (default, [], {}, None, False):
+                    raise ValueError(f"{where}: {key}={cfg[key]!r} changes how PEFT trains this adapter, which "
+                                     "training here does not do (its gradients would differ from PEFT's): load the "
+                                     "adapter with trainable=False (its output is plain LoRA's), or train it on "
+                                     "with PEFT")
         init = cfg.get("init_lora_weights", True)
         init_name = init.lower() if isinstance(init, str) else ""
         if init_name.startswith(_BASE_REWRITING_INITS):

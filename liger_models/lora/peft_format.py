@@ -44,6 +44,7 @@ CONFIG_NAME, WEIGHTS_NAME = ADAPTER_CONFIG, "adapter_model.safetensors"
 # What an adapter's own tensors' keys end with (LoRA A / B of a linear or of the embedding table, DoRA's magnitude).
 _ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_embedding_A", ".lora_embedding_B")
 _MAGNITUDE = ".lora_magnitude_vector"
+_VELORA_PROJECTION = ".lora_velora_embed"  # PEFT's VeLoRA: the vector its backward projects activations on
 _BASE_TABLE = ".base_layer.weight"  # PEFT's save_embedding_layers: a targeted embedding's or lm_head's own weight
 _TABLES = ("embed_tokens", "lm_head")
 
@@ -90,6 +91,7 @@ def read_adapter(directory: str | Path, trainable: bool = False) -> tuple[LoraSe
     except json.JSONDecodeError as e:
         raise ValueError(f"{str(cfg_path)!r}: not valid JSON ({e})") from e
     settings = LoraSettings.from_peft(cfg, str(cfg_path), trainable)
+    velora = bool(cfg.get("velora_config"))  # from_peft has refused it for training on
     tensors = {}
     for key, value in load_file(str(weights_path)).items():
         if not key.startswith(PREFIX):
@@ -98,6 +100,8 @@ def read_adapter(directory: str | Path, trainable: bool = False) -> tuple[LoraSe
             name = decoder_name(key[len(PREFIX):])
         except ValueError as e:
             raise ValueError(f"{str(weights_path)!r}: {e}") from e
+        if velora and name.endswith(_VELORA_PROJECTION):
+            continue  # VeLoRA's activation projection, used only in PEFT's backward of A
         whole = name.endswith(".weight") and name[:-len(".weight")].rsplit(".", 1)[-1] in settings.modules_to_save
         magnitude = name.endswith(_MAGNITUDE)
         if magnitude and not settings.use_dora:

@@ -173,6 +173,46 @@ def test_a_mica_adapter_loads_for_its_logits_and_is_refused_for_training_on(tmp_
     assert_same_logits(ours, trained, clean, ids, tmp_path)
 
 
+def test_a_velora_adapter_loads_for_its_logits_and_is_refused_for_training_on(tmp_path):
+    """PEFT's VeLoRA computes as plain LoRA and takes A's gradient from compressed activations: loaded here it gives
+    HF + PEFT's logits, and asked to train on it is refused (training here would take the exact gradient)."""
+    velora = getattr(peft.tuners.lora.config, "VeloraConfig", None)
+    if velora is None:
+        pytest.skip("VeLoRA came with PEFT 0.22")
+    hf, ours, _ = pair("llama", tmp_path)
+    clean = copy.deepcopy(hf)
+    trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                      init_lora_weights=False, velora_config=velora(num_groups=8)))
+    trained.save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter/adapter_config.json").read_text())["velora_config"]
+    with pytest.raises(ValueError, match=r"velora_config=.* changes how PEFT trains .*trainable=False"):
+        load_adapter(ours, tmp_path / "adapter", trainable=True)
+    assert not lora_modules(ours)
+    load_adapter(ours, tmp_path / "adapter")
+    ids, _ = batch()
+    assert_same_logits(ours, trained, clean, ids, tmp_path)
+
+
+@pytest.mark.parametrize("value", [True, 3, "on", {"groups": 2}, [1]])
+def test_a_peft_field_this_code_does_not_know_is_refused_when_set(value, tmp_path):
+    """A PEFT release newer than this code may add a LoRA variant in a new adapter_config.json field, as 0.22 did with
+    Astra; loaded as plain LoRA it would be silently wrong, so a field not known here is refused by name when it
+    holds a value, and passes when it is empty (null, false, {}, [])."""
+    hf, ours, _ = pair("llama", tmp_path)
+    trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    trained.save_pretrained(tmp_path / "adapter")
+    cfg_path = tmp_path / "adapter/adapter_config.json"
+    saved = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**saved, "use_future_variant": value}))
+    with pytest.raises(ValueError, match=r"PEFT field\(s\) use_future_variant=.* are not known to this version"):
+        load_adapter(ours, tmp_path / "adapter")
+    assert not lora_modules(ours)
+    for empty in (None, False, {}, []):
+        cfg_path.write_text(json.dumps({**saved, "use_future_variant": empty}))
+        fresh = copy.deepcopy(ours)
+        assert load_adapter(fresh, tmp_path / "adapter")
+
+
 @pytest.mark.parametrize("init", ["pissa", "eva", "mica", 1, None])
 def test_an_init_this_library_does_not_draw_is_refused_by_name(init):
     # PEFT names more initialisations than True / False / "gaussian"; any other, given for new adapters, would have
