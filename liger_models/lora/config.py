@@ -59,7 +59,7 @@ _B_FROZEN_INITS = ("mica",)
 # PEFT fields that change only how PEFT trains the adapter, not its output: VeLoRA takes A's gradient from
 # activations compressed to a few groups (an approximation), where training here takes the exact one. Refused with
 # trainable=True, loaded otherwise.
-_TRAINING_ONLY = {"velora_config": None}
+_TRAINING_ONLY = ("velora_config",)
 # The fields read above (LoraSettings.from_peft) and the ones that leave a saved adapter's output as plain LoRA's:
 # metadata, settings PEFT uses only when it creates an adapter (the initialisations' own configs: those that rewrite
 # the base are refused by init_lora_weights), Megatron's parallel linears (the same product, sharded), run-time
@@ -75,6 +75,11 @@ _FIELDS_WITHOUT_EFFECT = ("auto_mapping", "peft_version", "base_model_name_or_pa
                           "megatron_config", "megatron_core", "runtime_config", "qalora_group_size",
                           "ensure_weight_tying")
 _KNOWN_FIELDS = frozenset((*_FIELDS_READ, *_FIELDS_WITHOUT_EFFECT, *_UNSUPPORTED, *_TRAINING_ONLY))
+
+
+def _holds_value(value, default=None) -> bool:
+    """Whether a PEFT config field's value asks for something: not its default and not empty."""
+    return value not in (default, [], {}, None, False)
 
 
 @dataclass
@@ -201,21 +206,19 @@ class LoraSettings:
             raise ValueError(f"{where}: task_type {cfg.get('task_type')!r} is not CAUSAL_LM")
         for key, default in _UNSUPPORTED.items():
             value = cfg.get(key, default)
-            if value not in (default, [], {}, None, False):
+            if _holds_value(value, default):
                 raise ValueError(f"{where}: {key}={value!r} is not supported")
-        unknown = sorted(k for k, v in cfg.items() if k not in _KNOWN_FIELDS and v not in ([], {}, None, False, ""))
+        unknown = sorted(k for k, v in cfg.items() if k not in _KNOWN_FIELDS and _holds_value(v, ""))
         if unknown:
             raise ValueError(f"{where}: PEFT field(s) {', '.join(f'{k}={cfg[k]!r}' for k in unknown)} are not known "
                              "to this version of liger-models, which cannot tell whether they change the adapter's "
                              "output; loading it as plain LoRA could be silently wrong. Merge the adapter with PEFT "
                              "and load the merged model, or check for a newer liger-models")
-        if trainable:
-            for key, default in _TRAINING_ONLY.items():
-                if cfg.get(key, default) not in (default, [], {}, None, False):
-                    raise ValueError(f"{where}: {key}={cfg[key]!r} changes how PEFT trains this adapter, which "
-                                     "training here does not do (its gradients would differ from PEFT's): load the "
-                                     "adapter with trainable=False (its output is plain LoRA's), or train it on "
-                                     "with PEFT")
+        for key in _TRAINING_ONLY if trainable else ():
+            if _holds_value(cfg.get(key)):
+                raise ValueError(f"{where}: {key}={cfg[key]!r} changes how PEFT trains this adapter, which training "
+                                 "here does not do (its gradients would differ from PEFT's): load the adapter with "
+                                 "trainable=False (its output is plain LoRA's), or train it on with PEFT")
         init = cfg.get("init_lora_weights", True)
         init_name = init.lower() if isinstance(init, str) else ""
         if init_name.startswith(_BASE_REWRITING_INITS):

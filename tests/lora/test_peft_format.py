@@ -150,6 +150,18 @@ def test_adapters_whose_init_rewrote_the_base_are_refused(init, tmp_path):
     assert not lora_modules(ours)
 
 
+def assert_loads_for_logits_only(ours, trained, clean_hf, tmp_path, refusal: str):
+    """``trained`` (HF + PEFT), saved, is refused by load_adapter(..., trainable=True) with ``refusal``, leaving ours
+    bare, and loads without it with HF + PEFT's logits."""
+    trained.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=refusal):
+        load_adapter(ours, tmp_path / "adapter", trainable=True)
+    assert not lora_modules(ours)
+    load_adapter(ours, tmp_path / "adapter")
+    ids, _ = batch()
+    assert_same_logits(ours, trained, clean_hf, ids, tmp_path)
+
+
 def test_a_mica_adapter_loads_for_its_logits_and_is_refused_for_training_on(tmp_path):
     """PEFT's MiCA computes as plain LoRA (B the base's minor singular directions, A trained from zero) but keeps B
     frozen while it trains: loaded here it gives HF + PEFT's logits, and asked to train on it is refused, where
@@ -164,13 +176,8 @@ def test_a_mica_adapter_loads_for_its_logits_and_is_refused_for_training_on(tmp_
         for name, p in trained.named_parameters():
             if "lora_A" in name:
                 p.normal_(0, 0.5)
-    trained.save_pretrained(tmp_path / "adapter")
-    with pytest.raises(ValueError, match=r"init_lora_weights='mica' trains lora_A alone .*trainable=False"):
-        load_adapter(ours, tmp_path / "adapter", trainable=True)
-    assert not lora_modules(ours)
-    load_adapter(ours, tmp_path / "adapter")
-    ids, _ = batch()
-    assert_same_logits(ours, trained, clean, ids, tmp_path)
+    assert_loads_for_logits_only(ours, trained, clean, tmp_path,
+                                 refusal=r"init_lora_weights='mica' trains lora_A alone .*trainable=False")
 
 
 def test_a_velora_adapter_loads_for_its_logits_and_is_refused_for_training_on(tmp_path):
@@ -183,14 +190,9 @@ def test_a_velora_adapter_loads_for_its_logits_and_is_refused_for_training_on(tm
     clean = copy.deepcopy(hf)
     trained = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
                                                       init_lora_weights=False, velora_config=velora(num_groups=8)))
-    trained.save_pretrained(tmp_path / "adapter")
+    assert_loads_for_logits_only(ours, trained, clean, tmp_path,
+                                 refusal=r"velora_config=.* changes how PEFT trains .*trainable=False")
     assert json.loads((tmp_path / "adapter/adapter_config.json").read_text())["velora_config"]
-    with pytest.raises(ValueError, match=r"velora_config=.* changes how PEFT trains .*trainable=False"):
-        load_adapter(ours, tmp_path / "adapter", trainable=True)
-    assert not lora_modules(ours)
-    load_adapter(ours, tmp_path / "adapter")
-    ids, _ = batch()
-    assert_same_logits(ours, trained, clean, ids, tmp_path)
 
 
 @pytest.mark.parametrize("value", [True, 3, "on", {"groups": 2}, [1]])
