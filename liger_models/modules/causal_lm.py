@@ -455,7 +455,9 @@ class LigerForCausalLM(nn.Module):
         self.model.embed_tokens = value
 
     def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
+        # A head handed over by the backbone call just made (``base_model``), once; otherwise lm_head itself.
+        projected = self.__dict__.pop("_projected_head", None)
+        return projected if projected is not None else self.lm_head
 
     def set_output_embeddings(self, value: nn.Module) -> None:
         self.lm_head = value
@@ -633,7 +635,12 @@ class LigerForCausalLM(nn.Module):
 class Backbone:
     """``model.base_model``: the decoder called as HF calls a causal LM's backbone, keyword arguments in and
     ``BackboneOutput(last_hidden_state=...)`` out (TRL's fused LM head projects those hidden states through
-    ``get_output_embeddings()`` itself). Other attributes are the decoder module's (``model.model``)."""
+    ``get_output_embeddings()`` itself). Other attributes are the decoder module's (``model.model``).
+
+    Such a caller reads the head's ``weight`` and ``bias`` and multiplies by them: on a head that carries an unmerged
+    adapter or trainable-token rows that product would leave them out (and they would never train), silently. So
+    a call here hands the next ``get_output_embeddings()`` a ``ProjectedHead`` whose weight is the adapted one
+    (``LoraLinear.projection_weight``), formed in this call's graph."""
 
     def __init__(self, lm: LigerForCausalLM) -> None:
         self._lm = lm
@@ -644,6 +651,9 @@ class Backbone:
                  return_dict: bool | None = None, **kwargs: Any) -> BackboneOutput | tuple:
         hidden, past_key_values = self._lm._hidden_states(input_ids, position_ids, attention_mask, inputs_embeds,
                                                           past_key_values, use_cache, kwargs, "base_model")
+        head = self._lm.lm_head
+        adapted = isinstance(head, LoraLinear) and (head.has_adapter or head.replaces_columns)
+        self._lm.__dict__["_projected_head"] = ProjectedHead(head.projection_weight(), head.bias) if adapted else None
         out = BackboneOutput(last_hidden_state=hidden, past_key_values=past_key_values)
         return out if return_dict is None or return_dict else out.to_tuple()
 
@@ -651,3 +661,12 @@ class Backbone:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._lm.model, name)
+
+
+@dataclass
+class ProjectedHead:
+    """What ``get_output_embeddings()`` returns right after a ``base_model`` call on an adapted head (``Backbone``):
+    the head's adapted weight and its bias, for a caller that computes weight·h + bias itself."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None

@@ -117,6 +117,19 @@ class LoraLinear(nn.Module):
         self.token_adapter: TokenRows | None = None
         self.merged = False
 
+    @property
+    def lora_dropout(self) -> float:
+        """The adapter input's dropout rate. An ``nn.Dropout`` child (``dropout``, absent at rate 0) holds it, so a
+        tool that switches dropout off by setting every ``nn.Dropout``'s ``p`` to 0 (TRL's ``disable_dropout``, on by
+        default in its preference trainers) switches this one off too, as it does PEFT's; a plain float here was
+        left on, silently."""
+        dropout = self._modules.get("dropout")
+        return dropout.p if dropout is not None else 0.0
+
+    @lora_dropout.setter
+    def lora_dropout(self, rate: float) -> None:
+        self._modules["dropout"] = nn.Dropout(float(rate)) if rate else None
+
     @classmethod
     def from_linear(cls, linear: nn.Module) -> "LoraLinear":
         if isinstance(linear, LoraLinear):
@@ -221,6 +234,29 @@ class LoraLinear(nn.Module):
         if not self.use_dora:
             return w
         return w * (self.dora_factor() if factor is None else factor)[:, None]
+
+    def projection_weight(self) -> torch.Tensor:
+        """The weight whose plain product F.linear(x, weight, bias) is this layer's output, formed with autograd so
+        a gradient reaches the adapter: W + s·B·A (fp32, rounded once to W's dtype, as ``merge`` rounds it), times
+        m / n per row under DoRA, or W with the trained token rows. For callers that project through the head's weight
+        themselves (TRL's fused LM head, see ``LigerForCausalLM.base_model``); costs one weight-sized tensor. An
+        active adapter-input dropout has no such weight (its mask is per token) and is refused."""
+        if self.quant is not None:
+            raise ValueError("projection_weight needs a dense base; an NF4 weight is codes")
+        if self.has_adapter and self.lora_dropout and self.training:
+            raise ValueError(f"this layer's adapter has dropout {self.lora_dropout:g} on its input, which no single "
+                             "weight computes: set its lora_dropout to 0 (TRL's disable_dropout does) or call "
+                             "the model's own forward")
+        weight = self.weight
+        if self.has_adapter:
+            merged = weight.float() + self.delta_weight()
+            if self.use_dora:
+                merged = merged * self.dora_factor()[:, None]
+            weight = merged.to(weight.dtype)
+        if self.replaces_columns:
+            rows = self.token_rows
+            weight = weight.index_copy(0, rows.token_indices, rows.trainable_tokens_delta.to(weight.dtype))
+        return weight
 
     @torch.no_grad()
     def merge(self) -> None:
