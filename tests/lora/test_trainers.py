@@ -1,4 +1,4 @@
-"""Native adapters (``liger_models.lora``) under TRL's trainers, with the real TRL.
+"""Native adapters (``liger_models.lora``) under transformers' Trainer and TRL's trainers, with the real libraries.
 
 TRL's trainers replace a model's forward with their fused LM head (``trl.trainer.utils.add_fused_lm_head``): it calls
 ``model.base_model`` and multiplies the hidden states by ``get_output_embeddings().weight`` itself. An adapter on
@@ -141,3 +141,40 @@ def test_dpo_with_native_adapters_takes_its_reference_from_the_policy_before_tra
     assert abs(logs[0]["loss"] - 0.6931471805599453) <= 1e-6
     assert any(h["rewards/chosen"] != 0 for h in logs[1:])
     assert ours.lm_head.lora_B.weight.abs().max() > 0
+
+
+@pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
+def test_trainer_checkpoints_native_adapters_and_resumes_exactly(qlora, tmp_path, reference_kernels):
+    """Trainer saves a model that is not a PreTrainedModel as its state dict: the adapters, norms and dense weights
+    (an NF4 base's codes are no state of the run: the base is rebuilt from its checkpoint). 4 steps straight equal 2
+    steps, a checkpoint and a resumed run, bit for bit, with the adapters' input dropout drawing masks throughout
+    (Trainer restores the RNG states the masks are drawn from)."""
+    import transformers
+
+    from ..models.test_ecosystem import pad_batch, token_rows
+
+    _, _, directory = pair("llama", tmp_path)
+
+    def trained(out):
+        from liger_models import AutoLigerForCausalLM
+
+        model = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        if qlora:
+            quantize_base_(model)
+        add_lora(model, LoraSettings(r=4, alpha=8, dropout=0.1, targets=["q_proj", "v_proj", "down_proj", "lm_head"]))
+        args = transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+            learning_rate=0.05, lr_scheduler_type="constant", report_to=[], use_cpu=True, seed=0,
+            remove_unused_columns=False, save_strategy="steps", save_steps=2)
+        return transformers.Trainer(model=model, args=args, train_dataset=token_rows(), data_collator=pad_batch), model
+
+    straight_trainer, straight = trained(tmp_path / "run")
+    straight_trainer.train()
+    assert (tmp_path / "run" / "checkpoint-2" / "model.safetensors").is_file()
+    resumed_trainer, resumed = trained(tmp_path / "run")
+    resumed_trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    trainable = [n for n, p in straight.named_parameters() if p.requires_grad]
+    assert any("lm_head.lora_B" in n for n in trainable)
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    assert straight.lm_head.lora_B.weight.abs().max() > 0
