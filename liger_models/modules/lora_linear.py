@@ -243,6 +243,7 @@ class LoraLinear(nn.Module):
         active adapter-input dropout has no such weight (its mask is per token) and is refused."""
         if self.quant is not None:
             raise ValueError("projection_weight needs a dense base; an NF4 weight is codes")
+        check_factors(self)
         if self.has_adapter and self.lora_dropout and self.training:
             raise ValueError(f"this layer's adapter has dropout {self.lora_dropout:g} on its input, which no single "
                              "weight computes: set its lora_dropout to 0 (TRL's disable_dropout does) or call "
@@ -320,6 +321,7 @@ class LoraLinear(nn.Module):
         puts s into the B GEMM's alpha)."""
         if not self.has_adapter or self.use_dora or self.quant is not None:
             raise ValueError("low_rank_terms needs an unmerged plain LoRA adapter on a dense base (no DoRA, no NF4)")
+        check_factors(self)
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         u = F.linear(h, (self.lora_A.weight * self.scaling).to(x.dtype))
         return u, self.lora_B.weight.to(u.dtype)
@@ -354,10 +356,26 @@ def is_lora_group(linears: list[nn.Module]) -> bool:
             and all(isinstance(lin, LoraLinear) or is_plain_linear(lin) for lin in linears))
 
 
+def check_factors(lin: "LoraLinear") -> None:
+    """Refuses an adapter whose A or B is no longer a plain ``nn.Linear``: PEFT's ``get_peft_model`` (also through
+    TRL's ``peft_config``) on a model that already carries these adapters wraps their A and B as linears of their own
+    and freezes them, and the fused paths, which read A's and B's weights, would leave PEFT's adapters out, silently."""
+    for name in ("lora_A", "lora_B"):
+        factor = getattr(lin, name)
+        if factor is not None and type(factor) is not nn.Linear:
+            raise TypeError(f"a native LoRA adapter's {name} is a {type(factor).__module__}.{type(factor).__name__}: "
+                            "another library (PEFT's get_peft_model, or TRL's peft_config) wrapped it, and the fused "
+                            "paths read its weight without running it. Use native adapters (liger_models.lora) or PEFT's on a model "
+                            "without them, not both")
+
+
 def frozen_bases(linears: list[nn.Module]) -> bool:
     """The fused LoRA core applies: no base weight or bias needs a gradient (it computes none), and no DoRA
-    adapter has its dropout active (that needs the base applied to the dropped input too; ``composed`` does it)."""
+    adapter has its dropout active (that needs the base applied to the dropped input too; ``composed`` does it).
+    Checks every adapter's factors on the way (``check_factors``): each fused path asks this first."""
     for lin in linears:
+        if isinstance(lin, LoraLinear):
+            check_factors(lin)
         for p in (getattr(lin, "weight", None), getattr(lin, "bias", None)):
             if p is not None and p.requires_grad:
                 return False
@@ -570,6 +588,9 @@ class _LoraPacked(torch.autograd.Function):
 
 def lora_packed_linear(x: torch.Tensor, linears: list[nn.Module]) -> torch.Tensor:
     """``cat([lin(x) for lin in linears], -1)`` for a LoRA group, base and adapters fused as described above."""
+    for lin in linears:
+        if isinstance(lin, LoraLinear):
+            check_factors(lin)  # on the composed path too, which would run a wrapper but train it alone
     if (torch.is_autocast_enabled(x.device.type) or torch.compiler.is_compiling() or not frozen_bases(linears)):
         return torch.cat([lin.composed(x) if isinstance(lin, LoraLinear) else lin(x) for lin in linears], dim=-1)
     group = Group(linears)

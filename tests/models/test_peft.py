@@ -326,3 +326,22 @@ def test_peft_all_linear_takes_lm_head_unless_excluded(tmp_path):
     assert adapted(AutoLigerForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32)) == theirs | {
         "lm_head"}
     assert adapted(ours, exclude_modules=["lm_head"]) == theirs
+
+
+@pytest.mark.parametrize("native", [["q_proj"], ["lm_head"]], ids=["q_proj", "lm_head"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
+def test_peft_over_native_adapters_is_refused_by_name(native, autocast, tmp_path):
+    """get_peft_model("all-linear") on a model that already carries native adapters (liger_models.lora) wraps their
+    lora_A / lora_B, plain nn.Linear, and freezes them; the fused paths read those weights without calling them, so
+    PEFT's adapters were left out of the output, silently. Every path refuses it now, naming the wrapper: the
+    packed projections, the lm_head's fused loss, and autocast's composed path."""
+    from liger_models.lora import LoraSettings, add_lora
+
+    _, ours = _pair("llama", tmp_path)
+    add_lora(ours, LoraSettings(r=4, alpha=8, targets=native, init=False))
+    wrapped = peft.get_peft_model(ours, _lora("all-linear", init_lora_weights=False))
+    assert any(name.endswith(".lora_A.lora_A.default") for name, _ in wrapped.named_modules())
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with pytest.raises(TypeError, match=r"lora_A is a peft\.tuners\.lora\.layer\.Linear: another library"):
+            wrapped(input_ids=ids, labels=ids)
