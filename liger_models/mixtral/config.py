@@ -56,6 +56,12 @@ class MixtralConfig(LigerConfig):
         return self.num_local_experts
 
     @property
+    def num_experts(self) -> int:
+        """HF's attribute_map alias, read as HF's config answers it (TRL's fused LM head reads it for the
+        load-balancing loss)."""
+        return self.num_local_experts
+
+    @property
     def expert_intermediate_size(self) -> int:
         return self.intermediate_size
 

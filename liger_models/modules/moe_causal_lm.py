@@ -8,6 +8,7 @@ the loss is the cross-entropy alone, as in HF.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from .cache import KVCache
-from .causal_lm import LigerForCausalLM
+from .causal_lm import Backbone, LigerForCausalLM
 from .moe import load_balancing_loss, recording_router_logits, stacked_checkpoint_names
 from .output import model_output
 
@@ -32,8 +33,39 @@ class MoeCausalLMOutput:
     router_logits: tuple[torch.Tensor, ...] | None = None
 
 
+@model_output
+@dataclass
+class MoeBackboneOutput:
+    """What a mixture-of-experts model's ``base_model(...)`` returns: HF's MoeModelOutputWithPast fields it has."""
+
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: KVCache | None = None
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+class MoeBackbone(Backbone):
+    """``Backbone`` that also takes ``output_router_logits`` (the argument, else config's) and returns each sparse
+    layer's raw router logits, as HF's MoE backbones do: TRL's fused LM head asks for them when the config does,
+    and adds HF's load-balancing loss itself."""
+
+    def __call__(self, *args: Any, output_router_logits: bool | None = None, return_dict: bool | None = None,
+                 **kwargs: Any) -> MoeBackboneOutput | tuple:
+        record = self._lm.config.output_router_logits if output_router_logits is None else output_router_logits
+        recording = recording_router_logits() if record else contextlib.nullcontext(None)
+        with recording as recorded:
+            out = super().__call__(*args, return_dict=True, **kwargs)
+        result = MoeBackboneOutput(last_hidden_state=out.last_hidden_state, past_key_values=out.past_key_values,
+                                   router_logits=None if recorded is None else tuple(recorded))
+        return result if return_dict is None or return_dict else result.to_tuple()
+
+
 class LigerMoeForCausalLM(LigerForCausalLM):
     """LigerForCausalLM whose config has sparse layers (``layer_is_sparse``) and MoE fields."""
+
+    @property
+    def base_model(self) -> MoeBackbone:
+        """The decoder called as HF calls a mixture-of-experts backbone (``MoeBackbone``)."""
+        return MoeBackbone(self)
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, output_router_logits: bool | None = None,
