@@ -14,6 +14,7 @@ this one cannot honour is refused with an error that names it, never ignored.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -58,6 +59,9 @@ class BackboneOutput:
     last_hidden_state: torch.Tensor | None = None
     past_key_values: KVCache | None = None
 
+
+# Where the classes of a model that runs without autocast under a no-op autocast come from (native_precision).
+_OWN_MODULES = ("liger_models.", "torch.nn.")
 
 # Flash-attention's varlen description of a packed row, which TRL's padding-free collator sends along with the
 # position_ids (restarting at 0 per document) that this model reads the packing from.
@@ -322,11 +326,27 @@ class LigerForCausalLM(nn.Module):
         (``check_hf_kwargs``). Anything else is refused by name.
         """
         normalizer = self._normalizer(normalizer, num_items_in_batch)
-        hidden, past_key_values = self._hidden_states(input_ids, position_ids, attention_mask, inputs_embeds,
-                                                      past_key_values, use_cache, kwargs, "forward")
-        out = self._loss_or_logits(hidden, labels, position_ids, normalizer, num_logits_to_keep, logits_to_keep,
-                                   past_key_values)
+        with self.native_precision():
+            hidden, past_key_values = self._hidden_states(input_ids, position_ids, attention_mask, inputs_embeds,
+                                                          past_key_values, use_cache, kwargs, "forward")
+            out = self._loss_or_logits(hidden, labels, position_ids, normalizer, num_logits_to_keep, logits_to_keep,
+                                       past_key_values)
         return out if return_dict is None or return_dict else out.to_tuple()
+
+    def native_precision(self) -> contextlib.AbstractContextManager:
+        """Autocast switched off for a call where it would only change the path, not the precision: its dtype is
+        the model's (a bf16 model under HF Trainer's or TRL's ``bf16=True``, TRL's default) and every module is this
+        library's or torch.nn's. Such a model computes in bf16 by itself (norms and losses in fp32, adapters in
+        their own dtype, as without autocast), but autocast turns each fused path (packed GEMMs, norm → linear,
+        gated → down, the LoRA core) to its unfused fallback, which only an fp32 model under autocast needs.
+        A module of another library (PEFT's wrappers, bitsandbytes' linears) keeps autocast on: what it computes
+        under autocast is its own business."""
+        weight = self.get_input_embeddings().weight
+        device = weight.device.type
+        if (not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != weight.dtype
+                or not all(type(m).__module__.startswith(_OWN_MODULES) for m in self.modules())):
+            return contextlib.nullcontext()
+        return torch.autocast(device, enabled=False)
 
     @staticmethod
     def _normalizer(normalizer, num_items_in_batch):
@@ -649,11 +669,13 @@ class Backbone:
                  position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
                  inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                  return_dict: bool | None = None, **kwargs: Any) -> BackboneOutput | tuple:
-        hidden, past_key_values = self._lm._hidden_states(input_ids, position_ids, attention_mask, inputs_embeds,
-                                                          past_key_values, use_cache, kwargs, "base_model")
-        head = self._lm.lm_head
-        adapted = isinstance(head, LoraLinear) and (head.has_adapter or head.replaces_columns)
-        self._lm.__dict__["_projected_head"] = ProjectedHead(head.projection_weight(), head.bias) if adapted else None
+        with self._lm.native_precision():
+            hidden, past_key_values = self._lm._hidden_states(input_ids, position_ids, attention_mask, inputs_embeds,
+                                                              past_key_values, use_cache, kwargs, "base_model")
+            head = self._lm.lm_head
+            adapted = isinstance(head, LoraLinear) and (head.has_adapter or head.replaces_columns)
+            projected = ProjectedHead(head.projection_weight(), head.bias) if adapted else None
+        self._lm.__dict__["_projected_head"] = projected
         out = BackboneOutput(last_hidden_state=hidden, past_key_values=past_key_values)
         return out if return_dict is None or return_dict else out.to_tuple()
 

@@ -42,3 +42,56 @@ def test_autocast_loss_and_float32_residual_stream_like_hf(tmp_path, config_cls,
     loss.backward()
     for name, p in ours.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.float32, name
+
+
+NATIVE = {"llama": (transformers.LlamaConfig, {}), "gemma2": (transformers.Gemma2Config, dict(
+    head_dim=16, sliding_window=5, attn_logit_softcapping=3.0, final_logit_softcapping=2.0)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                    output_router_logits=True))}
+
+
+@pytest.mark.parametrize("family", list(NATIVE))
+def test_a_bf16_model_under_bf16_autocast_runs_its_fused_paths_bit_for_bit(tmp_path, family, monkeypatch):
+    """HF Trainer's and TRL's bf16=True (TRL's default) run the forward under bf16 autocast. On a bf16 model that
+    changes no precision, but it turned every fused path to its unfused fallback (the LoRA core to the composed
+    plain ops): the forward now runs without it (``native_precision``), so loss and every gradient, native adapters
+    on every linear and lm_head included, equal the run without autocast bit for bit, and no adapter takes the
+    composed path. A PEFT-wrapped model keeps autocast: its adapter products then run in bf16, as on HF's."""
+    import peft
+
+    from liger_models.lora import LoraSettings, add_lora
+    from liger_models.modules.lora_linear import LoraLinear
+
+    config, overrides = NATIVE[family]
+    directory = save_hf(build_hf(config, **overrides), tmp_path / "base")
+    ours = AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    add_lora(ours, LoraSettings(r=4, alpha=8, init=False, targets=["q_proj", "v_proj", "o_proj", "lm_head"]
+                                if family == "qwen3_moe" else "all-linear"))
+    ours.train()
+    composed = []
+    original = LoraLinear.composed
+    monkeypatch.setattr(LoraLinear, "composed", lambda self, x: composed.append(1) or original(self, x))
+    ids = torch.randint(3, 128, (2, 12))
+    runs = []
+    for enabled in (False, True):
+        ours.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            loss = ours(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}))
+    assert not composed
+    (plain_loss, plain_grads), (autocast_loss, autocast_grads) = runs
+    assert torch.equal(plain_loss, autocast_loss)
+    assert plain_grads.keys() == autocast_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        assert torch.equal(grad, autocast_grads[name]), name
+
+    wrapped = peft.get_peft_model(AutoLigerForCausalLM.from_pretrained(directory, dtype=torch.bfloat16),
+                                  peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    seen = []
+    hook = wrapped.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].register_forward_hook(
+        lambda module, args, out: seen.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        wrapped(input_ids=ids, labels=ids)
+    hook.remove()
+    assert seen == [torch.bfloat16]  # fp32 adapter weights, run in autocast's dtype
