@@ -18,6 +18,8 @@ Providers:
     ours_qlora_chunks  ours_qlora with each MLP run in checkpointed chunks of 8192 rows (mlp_chunking_enable; for
                        --longest: one more MLP forward a step, for a fraction of a layer's per-token memory)
     ours_dora          ours with use_dora (DoRA's magnitudes in the fused paths)
+    ours_autocast      ours with its forward under bf16 autocast, as HF Trainer(bf16=True) and TRL (bf16 by default)
+                       run it; the model then runs without autocast (native_precision): the same step as ours
 The HF peers' forward runs under bf16 autocast, as HF Trainer(bf16=True) and TRL run it (step_context).
 Each (config, provider, checkpointing) runs in its own subprocess (an OOM or a monkey-patch never leaks).
 
@@ -67,7 +69,7 @@ CONFIGS = {
 MOE_CONFIGS = ("qwen3-30b-a3b-w4l", "mixtral-8x7b-w2l")
 CONFIGS.update({name: E2E_CONFIGS[name][0] for name in MOE_CONFIGS})
 PROVIDERS = ("hf_peft", "hf_peft_liger", "hf_peft_bnb", "hf_peft_bnb_liger", "hf_peft_dora", "ours", "ours_qlora",
-             "ours_offload", "ours_qlora_offload", "ours_qlora_chunks", "ours_dora")
+             "ours_offload", "ours_qlora_offload", "ours_qlora_chunks", "ours_dora", "ours_autocast")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 R, ALPHA = 16, 32
 WARMUP, STEPS = 3, 6
@@ -163,7 +165,7 @@ def step_context(provider: str, torch):
     the speed its users get); ours is bf16 throughout by construction and computes its norms in fp32 itself."""
     import contextlib
 
-    if provider.startswith("ours"):
+    if provider.startswith("ours") and provider != "ours_autocast":
         return contextlib.nullcontext()
     return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
 

@@ -112,7 +112,7 @@ def test_a_peer_s_step_multiplies_in_bf16_as_trainer_bf16_runs_it(provider):
 
 
 @pytest.mark.parametrize("provider", ["ours", "ours_qlora", "ours_offload", "ours_qlora_offload", "ours_qlora_chunks",
-                                      "ours_dora"])
+                                      "ours_dora", "ours_autocast"])
 def test_our_providers_are_built_as_named(provider):
     """Each of our rows measures what its name says: an NF4 base exactly where it says qlora, checkpoints in host
     memory where it says offload, MLP chunks where it says chunks, DoRA where it says dora, LoRA on every decoder
@@ -155,3 +155,21 @@ def test_dropout_reaches_every_adapter_of_both_sides(provider, monkeypatch):
             rates = {m.lora_dropout["default"].p if hasattr(m.lora_dropout["default"], "p") else 0.0
                      for m in model.modules() if hasattr(m, "lora_dropout") and "default" in m.lora_dropout}
         assert rates == {float(value or 0)}, rates
+
+
+def test_ours_under_autocast_is_our_step_under_trainer_bf16():
+    """ours_autocast runs our step under bf16 autocast (what HF Trainer's and TRL's bf16=True give), the step our
+    plain row runs: the same loss and adapter gradients bit for bit."""
+    runs = []
+    for provider in ("ours", "ours_autocast"):
+        torch.manual_seed(0)
+        model = bench_lora._build(provider, TINY, False, device="cpu")
+        model.train()
+        ids = torch.randint(0, TINY["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(1))
+        with bench_lora.step_context(provider, torch):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]))
+    assert isinstance(bench_lora.step_context("ours_autocast", torch), torch.autocast)
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
