@@ -178,3 +178,36 @@ def test_trainer_checkpoints_native_adapters_and_resumes_exactly(qlora, tmp_path
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name
     assert straight.lm_head.lora_B.weight.abs().max() > 0
+
+
+def test_dpo_on_native_adapters_trains_as_hf_peft_does(tmp_path, reference_kernels):
+    """The same adapters (ours, saved in PEFT's format and loaded trainable into HF + PEFT) under the same DPO run
+    with the reference taken before training: loss, rewards and log-probabilities equal HF + PEFT's step by step
+    (fp32, the ecosystem tests' 1e-5). Not on lm_head: TRL refuses a PEFT adapter there, for the reason the
+    projected head exists (its fused head reads lm_head.weight); ours there is held to the model's own loss above."""
+    import peft
+    import transformers
+
+    from liger_models.lora import save_adapter
+
+    from ..models.test_ecosystem import assert_same_logs, word_tokenizer
+
+    _, ours, directory = pair("llama", tmp_path)
+    add_lora(ours, LoraSettings(r=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"]))
+    save_adapter(ours, tmp_path / "adapter")
+    theirs = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
+                                                          dtype=torch.float32),
+        str(tmp_path / "adapter"), is_trainable=True)
+    logs = []
+    for model in (ours, theirs):
+        args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=3,
+                             logging_steps=1, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
+                             report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+                             precompute_ref_log_probs=True)
+        trainer = trl.DPOTrainer(model=model, args=args, train_dataset=_preferences(),
+                                 processing_class=word_tokenizer())
+        trainer.train()
+        logs.append([h for h in trainer.state.log_history if "loss" in h])
+    assert_same_logs(*logs, ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"))
+    assert any(h["rewards/chosen"] != 0 for h in logs[0])
