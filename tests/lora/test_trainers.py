@@ -4,7 +4,9 @@ TRL's trainers replace a model's forward with their fused LM head (``trl.trainer
 ``model.base_model`` and multiplies the hidden states by ``get_output_embeddings().weight`` itself. An adapter on
 lm_head (LoRA, DoRA, trainable-token rows) lives outside that weight, so the head hands that caller its adapted
 weight (``Backbone``). And TRL switches dropout off by setting every ``nn.Dropout``'s ``p`` to 0, which reaches the
-adapters' input dropout only because an ``nn.Dropout`` holds its rate. Each test below fails without its fix.
+adapters' input dropout only because an ``nn.Dropout`` holds its rate. The tests of those two fail without them;
+the others hold docs/ecosystem.md's recipes for native adapters (DPO's reference, Trainer's checkpoints) to the real
+libraries, and DPO on them to HF + PEFT.
 """
 
 from __future__ import annotations
