@@ -224,16 +224,21 @@ class LoraLinear(nn.Module):
         """s·B·A in fp32."""
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
-    @torch.no_grad()
-    def merged_weight(self, factor: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight that computes base + adapter in one GEMM, fp32: W + s·B·A, times m / n per row under DoRA
-        (``factor``: m / n when the caller has it already); or W with its own trained token rows."""
-        if self.lora_A is None:
-            return self.token_adapter.applied_to(self.base_weight(torch.float32))
+    def adapted_weight(self, factor: torch.Tensor | None = None) -> torch.Tensor:
+        """W + s·B·A in fp32, times m / n per row under DoRA (``factor``: m / n when the caller has it already);
+        differentiable in the adapter where grad is enabled."""
         w = self.base_weight(torch.float32) + self.delta_weight()
         if not self.use_dora:
             return w
         return w * (self.dora_factor() if factor is None else factor)[:, None]
+
+    @torch.no_grad()
+    def merged_weight(self, factor: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight that computes base + adapter in one GEMM, fp32: ``adapted_weight``, or W with its own trained
+        token rows."""
+        if self.lora_A is None:
+            return self.token_adapter.applied_to(self.base_weight(torch.float32))
+        return self.adapted_weight(factor)
 
     def projection_weight(self) -> torch.Tensor:
         """The weight whose plain product F.linear(x, weight, bias) is this layer's output, formed with autograd so
@@ -248,16 +253,8 @@ class LoraLinear(nn.Module):
             raise ValueError(f"this layer's adapter has dropout {self.lora_dropout:g} on its input, which no single "
                              "weight computes: set its lora_dropout to 0 (TRL's disable_dropout does) or call "
                              "the model's own forward")
-        weight = self.weight
-        if self.has_adapter:
-            merged = weight.float() + self.delta_weight()
-            if self.use_dora:
-                merged = merged * self.dora_factor()[:, None]
-            weight = merged.to(weight.dtype)
-        if self.replaces_columns:
-            rows = self.token_rows
-            weight = weight.index_copy(0, rows.token_indices, rows.trainable_tokens_delta.to(weight.dtype))
-        return weight
+        weight = self.adapted_weight().to(self.weight.dtype) if self.has_adapter else self.weight
+        return self.token_rows.applied_to(weight) if self.replaces_columns else weight
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -365,17 +362,18 @@ def check_factors(lin: "LoraLinear") -> None:
         if factor is not None and type(factor) is not nn.Linear:
             raise TypeError(f"a native LoRA adapter's {name} is a {type(factor).__module__}.{type(factor).__name__}: "
                             "another library (PEFT's get_peft_model, or TRL's peft_config) wrapped it, and the fused "
-                            "paths read its weight without running it. Use native adapters (liger_models.lora) or PEFT's on a model "
-                            "without them, not both")
+                            "paths read its weight without running it. Use native adapters (liger_models.lora) or "
+                            "PEFT's on a model without them, not both")
 
 
 def frozen_bases(linears: list[nn.Module]) -> bool:
     """The fused LoRA core applies: no base weight or bias needs a gradient (it computes none), and no DoRA
     adapter has its dropout active (that needs the base applied to the dropped input too; ``composed`` does it).
-    Checks every adapter's factors on the way (``check_factors``): each fused path asks this first."""
+    Checks every adapter's factors first (``check_factors``): every LoRA path asks this before it runs."""
     for lin in linears:
         if isinstance(lin, LoraLinear):
             check_factors(lin)
+    for lin in linears:
         for p in (getattr(lin, "weight", None), getattr(lin, "bias", None)):
             if p is not None and p.requires_grad:
                 return False
@@ -588,10 +586,8 @@ class _LoraPacked(torch.autograd.Function):
 
 def lora_packed_linear(x: torch.Tensor, linears: list[nn.Module]) -> torch.Tensor:
     """``cat([lin(x) for lin in linears], -1)`` for a LoRA group, base and adapters fused as described above."""
-    for lin in linears:
-        if isinstance(lin, LoraLinear):
-            check_factors(lin)  # on the composed path too, which would run a wrapper but train it alone
-    if (torch.is_autocast_enabled(x.device.type) or torch.compiler.is_compiling() or not frozen_bases(linears)):
+    fusable = frozen_bases(linears)  # first: it refuses wrapped factors, which the composed path would run too
+    if torch.is_autocast_enabled(x.device.type) or torch.compiler.is_compiling() or not fusable:
         return torch.cat([lin.composed(x) if isinstance(lin, LoraLinear) else lin(x) for lin in linears], dim=-1)
     group = Group(linears)
     return _LoraPacked.apply(x, group, *group.adapter_params())

@@ -82,9 +82,9 @@ class TokenRows(nn.Module):
         one_hot[index, torch.arange(len(index), device=u.device)] = 1
         return u, one_hot
 
-    @torch.no_grad()
     def applied_to(self, table: torch.Tensor) -> torch.Tensor:
-        """A copy of ``table`` with these rows in it (in the table's dtype)."""
+        """A copy of ``table`` with these rows in it (in the table's dtype), differentiable in the rows where grad is
+        enabled (the merges call it under no_grad; TRL's fused LM head trains through it)."""
         return table.index_copy(0, self.token_indices.to(table.device), self.trainable_tokens_delta.to(table))
 
     @torch.no_grad()

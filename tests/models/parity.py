@@ -21,6 +21,10 @@ from liger_models.modules import KVCache
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# The mixture-of-experts families on top of TINY: (HF config class, overrides).
+TINY_MOE = {"qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                                            num_experts_per_tok=2, norm_topk_prob=True)),
+            "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2))}
 
 
 def build_hf(config_cls, **overrides) -> transformers.PreTrainedModel:

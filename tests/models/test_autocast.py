@@ -8,7 +8,7 @@ import transformers
 
 from liger_models import AutoLigerForCausalLM
 
-from .parity import build_hf, save_hf
+from .parity import TINY_MOE, build_hf, save_hf
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -46,8 +46,7 @@ def test_autocast_loss_and_float32_residual_stream_like_hf(tmp_path, config_cls,
 
 NATIVE = {"llama": (transformers.LlamaConfig, {}), "gemma2": (transformers.Gemma2Config, dict(
     head_dim=16, sliding_window=5, attn_logit_softcapping=3.0, final_logit_softcapping=2.0)),
-    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                                    output_router_logits=True))}
+    "qwen3_moe": (TINY_MOE["qwen3_moe"][0], dict(TINY_MOE["qwen3_moe"][1], output_router_logits=True))}
 
 
 @pytest.mark.parametrize("family", list(NATIVE))

@@ -16,7 +16,7 @@ peft = pytest.importorskip("peft")
 from liger_models import AutoLigerForCausalLM  # noqa: E402
 from liger_models.medusa import MedusaModel  # noqa: E402
 
-from .parity import build_hf, max_rel, save_hf  # noqa: E402
+from .parity import TINY_MOE, build_hf, max_rel, save_hf  # noqa: E402
 
 ALL_LINEAR = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -280,18 +280,13 @@ def test_peft_dora_and_table_adapters_match_hf_peft(variant, tmp_path):
         assert max_rel(p.grad, ref_params[name].grad) < 1e-4, name
 
 
-MOE = {"qwen3_moe": (transformers.Qwen3MoeConfig, dict(head_dim=16, moe_intermediate_size=32, num_experts=4,
-                                                       num_experts_per_tok=2, norm_topk_prob=True)),
-       "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2))}
-
-
-@pytest.mark.parametrize("family", sorted(MOE))
+@pytest.mark.parametrize("family", sorted(TINY_MOE))
 def test_peft_all_linear_on_a_moe_model_matches_hf_peft(family, tmp_path):
     """PEFT's all-linear on our Mixtral / Qwen3-MoE: attention linears, the routers and its target_parameters
     wrappers around the stacked experts (which parametrise gate_up_proj / down_proj for the duration of the experts'
     call; the block calls its experts module, so the wrappers see it) give HF + PEFT's loss and every adapter's
     gradient. lm_head is excluded by name: PEFT leaves out the output embedding only on transformers' own classes."""
-    config, overrides = MOE[family]
+    config, overrides = TINY_MOE[family]
     hf = build_hf(config, **overrides)
     hf.set_experts_implementation("eager")  # the per-expert loop: the path PEFT's wrappers are written for
     ours = AutoLigerForCausalLM.from_pretrained(save_hf(hf, tmp_path / family), dtype=torch.float32)
